@@ -1,0 +1,5 @@
+//! Configuration: the model and its YAML loader. PURE.
+
+pub mod model;
+
+pub use model::*;

@@ -1,0 +1,320 @@
+//! The validated configuration model (SPEC sections 1-8). PURE.
+//!
+//! These types are what the rest of fulcrum consumes; they are produced only by
+//! [`crate::config::parse`], which checks every field, so a value of these types is
+//! always internally consistent (names resolve, ranges hold, methods fit protocols).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+/// The whole file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub lb: LbParams,
+    pub admin: Admin,
+    pub logging: Logging,
+    pub monitors: Vec<Monitor>,
+    pub services: Vec<Service>,
+    pub vservers: Vec<Vserver>,
+}
+
+/// Global load-balancing parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LbParams {
+    pub hash_algorithm: HashAlgorithm,
+    /// 1..=1024, default 256 (prac and jarh table resolution).
+    pub hash_fingers: u32,
+}
+
+impl Default for LbParams {
+    fn default() -> Self {
+        LbParams {
+            hash_algorithm: HashAlgorithm::Carp,
+            hash_fingers: 256,
+        }
+    }
+}
+
+/// Consistent-hash algorithm (SPEC section 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum HashAlgorithm {
+    Carp,
+    Prac,
+    Jarh,
+}
+
+impl HashAlgorithm {
+    pub const ALL: [(&'static str, HashAlgorithm); 3] = [
+        ("carp", HashAlgorithm::Carp),
+        ("prac", HashAlgorithm::Prac),
+        ("jarh", HashAlgorithm::Jarh),
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HashAlgorithm::Carp => "carp",
+            HashAlgorithm::Prac => "prac",
+            HashAlgorithm::Jarh => "jarh",
+        }
+    }
+}
+
+/// Admin HTTP API and /metrics.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Admin {
+    /// `None` disables the admin listener (`listen: null`).
+    pub listen: Option<SocketAddr>,
+    pub token: Option<String>,
+}
+
+impl Default for Admin {
+    fn default() -> Self {
+        Admin {
+            listen: Some(SocketAddr::from(([127, 0, 0, 1], 9090))),
+            token: None,
+        }
+    }
+}
+
+/// Log output.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Logging {
+    pub format: LogFormat,
+    /// An EnvFilter directive such as `info` or `fulcrum=debug`; `RUST_LOG` overrides it.
+    pub level: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// A health monitor (SPEC section 5).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Monitor {
+    pub name: String,
+    pub kind: MonitorKind,
+    pub interval: Duration,
+    pub timeout: Duration,
+    pub failures_to_down: u32,
+    pub successes_to_up: u32,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum MonitorKind {
+    /// SIP OPTIONS over the service's transport; any final response is alive unless
+    /// `expect_codes` is non-empty.
+    SipOptions { expect_codes: Vec<u16> },
+    TcpConnect,
+    /// Send `send`, expect a reply that contains `expect` (any reply when `None`).
+    Udp {
+        send: Vec<u8>,
+        expect: Option<Vec<u8>>,
+    },
+    /// GET `path`, expect one of `expect_codes` (200 when empty).
+    Http { path: String, expect_codes: Vec<u16> },
+}
+
+/// Transport a service speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Protocol {
+    SipUdp,
+    SipTcp,
+    Udp,
+    Tcp,
+    Http,
+}
+
+impl Protocol {
+    pub const ALL: [(&'static str, Protocol); 5] = [
+        ("sip-udp", Protocol::SipUdp),
+        ("sip-tcp", Protocol::SipTcp),
+        ("udp", Protocol::Udp),
+        ("tcp", Protocol::Tcp),
+        ("http", Protocol::Http),
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::SipUdp => "sip-udp",
+            Protocol::SipTcp => "sip-tcp",
+            Protocol::Udp => "udp",
+            Protocol::Tcp => "tcp",
+            Protocol::Http => "http",
+        }
+    }
+
+    pub fn is_sip(self) -> bool {
+        matches!(self, Protocol::SipUdp | Protocol::SipTcp)
+    }
+
+    pub fn is_datagram(self) -> bool {
+        matches!(self, Protocol::SipUdp | Protocol::Udp)
+    }
+}
+
+/// One backend endpoint (SPEC section 1).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Service {
+    pub name: String,
+    pub address: SocketAddr,
+    pub protocol: Protocol,
+    /// 1..=100, default 1.
+    pub weight: u32,
+    /// Index into [`Config::monitors`].
+    pub monitor: Option<usize>,
+    /// 0 = unlimited.
+    pub max_clients: u32,
+    /// Hashing identity; when `None`, the service hashes as its address.
+    pub hash_id: Option<String>,
+}
+
+/// Load-balancing method (SPEC section 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Method {
+    RoundRobin,
+    LeastConnection,
+    LeastResponseTime,
+    LeastBandwidth,
+    LeastPackets,
+    Lrtm,
+    CustomLoad,
+    UrlHash,
+    DomainHash,
+    DestIpHash,
+    SourceIpHash,
+    SourceDestIpHash,
+    SourceIpSourcePortHash,
+    CallIdHash,
+    Token,
+}
+
+impl Method {
+    pub const ALL: [(&'static str, Method); 15] = [
+        ("round_robin", Method::RoundRobin),
+        ("least_connection", Method::LeastConnection),
+        ("least_response_time", Method::LeastResponseTime),
+        ("least_bandwidth", Method::LeastBandwidth),
+        ("least_packets", Method::LeastPackets),
+        ("lrtm", Method::Lrtm),
+        ("custom_load", Method::CustomLoad),
+        ("url_hash", Method::UrlHash),
+        ("domain_hash", Method::DomainHash),
+        ("dest_ip_hash", Method::DestIpHash),
+        ("source_ip_hash", Method::SourceIpHash),
+        ("source_dest_ip_hash", Method::SourceDestIpHash),
+        ("source_ip_source_port_hash", Method::SourceIpSourcePortHash),
+        ("call_id_hash", Method::CallIdHash),
+        ("token", Method::Token),
+    ];
+
+    pub fn name(self) -> &'static str {
+        Method::ALL
+            .iter()
+            .find(|(_, m)| *m == self)
+            .map_or("?", |(n, _)| n)
+    }
+
+    /// Hash methods rank services by a key; the others read per-service counters.
+    pub fn is_hash(self) -> bool {
+        matches!(
+            self,
+            Method::UrlHash
+                | Method::DomainHash
+                | Method::DestIpHash
+                | Method::SourceIpHash
+                | Method::SourceDestIpHash
+                | Method::SourceIpSourcePortHash
+                | Method::CallIdHash
+                | Method::Token
+        )
+    }
+}
+
+/// Where the `token` method takes its key from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenRule {
+    /// A SIP or HTTP header (case-insensitive name).
+    Header(String),
+    /// An HTTP (or SIP Request-URI) query parameter.
+    Query(String),
+    /// `length` bytes of the TCP/UDP payload starting at `offset`.
+    Payload { offset: usize, length: usize },
+}
+
+/// Parameters of the hash methods.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HashParams {
+    /// 1..=4096, default 80 (url_hash, domain_hash).
+    pub hash_length: usize,
+    /// IPv4 mask for IP hashes, default 255.255.255.255.
+    pub netmask: Ipv4Addr,
+    /// IPv6 prefix length for IP hashes, 0..=128, default 128.
+    pub v6_netmask_len: u8,
+    pub token: Option<TokenRule>,
+    /// Bounded loads: a percentage >= 100; `None` = off.
+    pub hash_balance_factor: Option<u32>,
+}
+
+impl Default for HashParams {
+    fn default() -> Self {
+        HashParams {
+            hash_length: 80,
+            netmask: Ipv4Addr::BROADCAST,
+            v6_netmask_len: 128,
+            token: None,
+            hash_balance_factor: None,
+        }
+    }
+}
+
+/// Unit of `new_service_request_rate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RateUnit {
+    PerSecond,
+    Percent,
+}
+
+/// Slow start parameters of a vserver (SPEC section 3).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SlowStart {
+    /// 0 = no slow start.
+    pub new_service_request_rate: u32,
+    pub unit: RateUnit,
+    /// Zero = manual mode.
+    pub increment_interval: Duration,
+}
+
+/// One listener (SPEC section 1).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Vserver {
+    pub name: String,
+    pub protocol: Protocol,
+    pub bind: Vec<SocketAddr>,
+    pub method: Method,
+    pub hash: HashParams,
+    pub slow_start: Option<SlowStart>,
+    /// Indices into [`Config::services`].
+    pub services: Vec<usize>,
+    /// Host:port used in Via / Record-Route instead of the bound address (SIP).
+    pub advertise: Option<String>,
+    /// Add Record-Route to requests (SIP).
+    pub record_route: bool,
+    /// Idle timeout of sessions / connections / dialog affinity entries.
+    pub idle_timeout: Duration,
+    /// Bound of the session / connection / dialog table.
+    pub max_sessions: usize,
+    /// IP_TRANSPARENT toward services (firewall pools).
+    pub transparent: bool,
+    /// Send a PROXY protocol header toward services.
+    pub send_proxy: Option<ProxyProtocol>,
+    /// Worker sockets (SO_REUSEPORT) for datagram vservers; 0 = one per core.
+    pub workers: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyProtocol {
+    V2,
+}
