@@ -1,5 +1,172 @@
-//! Configuration: the model and its YAML loader. PURE.
+//! Configuration: the model, the YAML loader and validation. PURE (apart from [`load`],
+//! which reads the file).
+//!
+//! A file is read into a located YAML tree ([`yaml`]), then converted and validated
+//! field by field ([`parse`]); every problem is reported with its line, column and field
+//! path, and nothing is returned unless the whole file is valid, so a bad file can never
+//! half-apply.
 
 pub mod model;
+pub mod parse;
+pub mod yaml;
 
 pub use model::*;
+pub use parse::{Problem, parse_duration};
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Why a configuration could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}", Report { file, problems })]
+    Invalid {
+        file: String,
+        problems: Vec<Problem>,
+    },
+}
+
+impl ConfigError {
+    /// The individual problems (empty for I/O errors).
+    pub fn problems(&self) -> &[Problem] {
+        match self {
+            ConfigError::Io { .. } => &[],
+            ConfigError::Invalid { problems, .. } => problems,
+        }
+    }
+}
+
+/// `FILE:LINE:COL: field.path: problem`, one line per problem.
+struct Report<'a> {
+    file: &'a str,
+    problems: &'a [Problem],
+}
+
+impl fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(
+                f,
+                "{}",
+                ProblemLine {
+                    file: self.file,
+                    problem: p
+                }
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// One problem formatted as `FILE:LINE:COL: field.path: problem`.
+pub struct ProblemLine<'a> {
+    pub file: &'a str,
+    pub problem: &'a Problem,
+}
+
+impl fmt::Display for ProblemLine<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = self.problem;
+        if p.path.is_empty() {
+            write!(
+                f,
+                "{}:{}:{}: {}",
+                self.file, p.pos.line, p.pos.col, p.message
+            )
+        } else {
+            write!(
+                f,
+                "{}:{}:{}: {}: {}",
+                self.file, p.pos.line, p.pos.col, p.path, p.message
+            )
+        }
+    }
+}
+
+/// Parse and validate YAML text. `file` names the source in error lines.
+pub fn from_str(file: &str, text: &str) -> Result<Config, ConfigError> {
+    let invalid = |problems| ConfigError::Invalid {
+        file: file.to_owned(),
+        problems,
+    };
+    let root = yaml::parse(text).map_err(|e| {
+        invalid(vec![Problem {
+            pos: e.pos,
+            path: String::new(),
+            message: format!("YAML syntax: {}", e.message),
+        }])
+    })?;
+    parse::convert(&root).map_err(invalid)
+}
+
+/// Read, parse and validate a config file.
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    from_str(&path.display().to_string(), &text)
+}
+
+impl Config {
+    /// Index of the service called `name`.
+    pub fn service_index(&self, name: &str) -> Option<usize> {
+        self.services.iter().position(|s| s.name == name)
+    }
+}
+
+/// One line per vserver describing what it will do, for `fulcrum check`.
+pub fn summary(cfg: &Config) -> Vec<String> {
+    cfg.vservers
+        .iter()
+        .map(|v| {
+            let binds: Vec<String> = v.bind.iter().map(ToString::to_string).collect();
+            let services: Vec<&str> = v
+                .services
+                .iter()
+                .filter_map(|&i| cfg.services.get(i).map(|s| s.name.as_str()))
+                .collect();
+            let algo = if v.method.is_hash() {
+                format!(
+                    " ({}, {} fingers)",
+                    cfg.lb.hash_algorithm.name(),
+                    cfg.lb.hash_fingers
+                )
+            } else {
+                String::new()
+            };
+            let slow = match v.slow_start {
+                Some(s) if s.new_service_request_rate > 0 => format!(
+                    ", slow start {} {} every {:?}",
+                    s.new_service_request_rate,
+                    match s.unit {
+                        RateUnit::PerSecond => "req/s",
+                        RateUnit::Percent => "%",
+                    },
+                    s.increment_interval
+                ),
+                _ => String::new(),
+            };
+            format!(
+                "vserver {}: {} on {}, {}{}{}, {} service(s): {}",
+                v.name,
+                v.protocol.name(),
+                binds.join(" "),
+                v.method.name(),
+                algo,
+                slow,
+                services.len(),
+                services.join(", ")
+            )
+        })
+        .collect()
+}

@@ -1,0 +1,1266 @@
+//! YAML tree → validated [`Config`], collecting every problem. PURE.
+//!
+//! Each problem carries the position of the offending node and the field path
+//! (`vservers[0].method`), so `fulcrum check` can print `FILE:LINE:COL: path: problem`
+//! lines an operator can act on without reading code.
+
+use super::model::*;
+use super::yaml::{Key, Node, Pos, Value};
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+/// One thing wrong with a config file.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Problem {
+    pub pos: Pos,
+    /// Dotted field path, e.g. `vservers[0].services[2]`.
+    pub path: String,
+    pub message: String,
+}
+
+/// Convert a parsed YAML tree into a [`Config`], or every problem found (sorted by position).
+pub fn convert(root: &Node) -> Result<Config, Vec<Problem>> {
+    let mut cx = Cx::default();
+    let config = cx.config(root);
+    if cx.problems.is_empty() {
+        config.ok_or_else(|| {
+            vec![Problem {
+                pos: root.pos,
+                path: String::new(),
+                message: "configuration could not be read".into(),
+            }]
+        })
+    } else {
+        cx.problems.sort();
+        cx.problems.dedup();
+        Err(cx.problems)
+    }
+}
+
+#[derive(Default)]
+struct Cx {
+    problems: Vec<Problem>,
+}
+
+/// Fields of a mapping, checked against the allowed names.
+struct Fields<'a> {
+    entries: &'a [(Key, Node)],
+    pos: Pos,
+}
+
+impl<'a> Fields<'a> {
+    fn get(&self, name: &str) -> Option<&'a Node> {
+        self.entries
+            .iter()
+            .find(|(k, _)| k.name == name)
+            .map(|(_, v)| v)
+    }
+}
+
+fn join(path: &str, field: &str) -> String {
+    if path.is_empty() {
+        field.to_owned()
+    } else {
+        format!("{path}.{field}")
+    }
+}
+
+/// Levenshtein distance, for "did you mean" on unknown names.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1];
+        for (j, cb) in b.iter().enumerate() {
+            let cost = usize::from(ca != *cb);
+            cur.push((prev[j] + cost).min(prev[j + 1] + 1).min(cur[j] + 1));
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// The closest candidate within a small edit distance, if any.
+fn suggest<'c>(word: &str, candidates: impl IntoIterator<Item = &'c str>) -> Option<&'c str> {
+    candidates
+        .into_iter()
+        .map(|c| (edit_distance(word, c), c))
+        .filter(|(d, c)| *d <= 2.max(c.len() / 4) || c.starts_with(word) && word.len() >= 3)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c)
+}
+
+fn did_you_mean<'c>(word: &str, candidates: impl IntoIterator<Item = &'c str>) -> String {
+    match suggest(word, candidates) {
+        Some(s) => format!("; did you mean `{s}`?"),
+        None => String::new(),
+    }
+}
+
+/// `5s`, `250ms`, `1m`, `1h`, `0`; a bare integer means seconds.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit() && c != '.')?;
+    let (num, unit) = s.split_at(split);
+    let value: f64 = num.parse().ok()?;
+    let secs = match unit.trim() {
+        "ms" => value / 1000.0,
+        "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return None,
+    };
+    if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
+        return None;
+    }
+    Some(Duration::from_secs_f64(secs))
+}
+
+/// `127.0.0.1:5060`, `[::1]:5060`, `0.0.0.0:5060`, `[::]:5060`.
+fn parse_socket_addr(s: &str) -> Result<SocketAddr, String> {
+    s.trim().parse::<SocketAddr>().map_err(|_| {
+        if s.parse::<IpAddr>().is_ok() {
+            format!("`{s}` has no port; write it as IP:PORT (IPv6 as [ADDR]:PORT)")
+        } else {
+            format!("`{s}` is not an IP:PORT address (IPv6 as [ADDR]:PORT)")
+        }
+    })
+}
+
+/// True when `mask` is a run of ones followed by zeros.
+fn is_contiguous_mask(mask: Ipv4Addr) -> bool {
+    let m = u32::from(mask);
+    m.leading_ones() + m.trailing_zeros() == 32
+}
+
+fn default_idle_timeout(protocol: Protocol) -> Duration {
+    match protocol {
+        // Dialog affinity lives as long as a long call (issue 5 default: 1 h).
+        Protocol::SipUdp | Protocol::SipTcp => Duration::from_secs(3600),
+        // nginx stream / Envoy UDP proxy default idle timeouts are about a minute.
+        Protocol::Udp => Duration::from_secs(60),
+        Protocol::Tcp | Protocol::Http => Duration::from_secs(600),
+    }
+}
+
+const TOP_FIELDS: &[&str] = &["lb", "admin", "logging", "monitors", "services", "vservers"];
+const LB_FIELDS: &[&str] = &["hash_algorithm", "hash_fingers"];
+const ADMIN_FIELDS: &[&str] = &["listen", "token"];
+const LOGGING_FIELDS: &[&str] = &["format", "level"];
+const MONITOR_FIELDS: &[&str] = &[
+    "name",
+    "type",
+    "interval",
+    "timeout",
+    "failures_to_down",
+    "successes_to_up",
+    "expect_codes",
+    "send",
+    "expect",
+    "path",
+];
+const SERVICE_FIELDS: &[&str] = &[
+    "name",
+    "address",
+    "protocol",
+    "weight",
+    "monitor",
+    "max_clients",
+    "hash_id",
+];
+const VSERVER_FIELDS: &[&str] = &[
+    "name",
+    "protocol",
+    "bind",
+    "method",
+    "hash_length",
+    "netmask",
+    "v6_netmask_len",
+    "token",
+    "hash_balance_factor",
+    "slow_start",
+    "services",
+    "advertise",
+    "record_route",
+    "idle_timeout",
+    "max_sessions",
+    "transparent",
+    "send_proxy",
+    "workers",
+];
+const SLOW_START_FIELDS: &[&str] = &["new_service_request_rate", "unit", "increment_interval"];
+const TOKEN_FIELDS: &[&str] = &["header", "query", "offset", "length"];
+const MONITOR_TYPES: &[&str] = &["sip-options", "tcp-connect", "udp", "http"];
+
+/// The `name` of every item of a list, valid or not, so that a reference to an item that
+/// has its own problems is not also reported as unknown.
+fn declared_names(nodes: &[Node]) -> Vec<String> {
+    nodes
+        .iter()
+        .filter_map(|n| match &n.value {
+            Value::Map(entries) => entries.iter().find_map(|(k, v)| match &v.value {
+                Value::Str(s) if k.name == "name" => Some(s.clone()),
+                _ => None,
+            }),
+            _ => None,
+        })
+        .collect()
+}
+
+impl Cx {
+    fn problem(&mut self, pos: Pos, path: &str, message: impl Into<String>) {
+        self.problems.push(Problem {
+            pos,
+            path: path.to_owned(),
+            message: message.into(),
+        });
+    }
+
+    /// A mapping with only `allowed` keys; unknown keys are reported with a suggestion.
+    fn fields<'a>(&mut self, node: &'a Node, path: &str, allowed: &[&str]) -> Option<Fields<'a>> {
+        match &node.value {
+            Value::Map(entries) => {
+                for (k, _) in entries {
+                    if !allowed.contains(&k.name.as_str()) {
+                        let hint = did_you_mean(&k.name, allowed.iter().copied());
+                        self.problem(
+                            k.pos,
+                            &join(path, &k.name),
+                            format!("unknown field `{}`{hint}", k.name),
+                        );
+                    }
+                }
+                Some(Fields {
+                    entries,
+                    pos: node.pos,
+                })
+            }
+            Value::Null if path.is_empty() => Some(Fields {
+                entries: &[],
+                pos: node.pos,
+            }),
+            other => {
+                self.problem(
+                    node.pos,
+                    path,
+                    format!("expected a mapping, found {}", other.kind()),
+                );
+                None
+            }
+        }
+    }
+
+    fn required<'a>(&mut self, f: &Fields<'a>, path: &str, name: &str) -> Option<&'a Node> {
+        let node = f.get(name);
+        if node.is_none() {
+            self.problem(
+                f.pos,
+                &join(path, name),
+                format!("missing required field `{name}`"),
+            );
+        }
+        node
+    }
+
+    fn string(&mut self, node: &Node, path: &str) -> Option<String> {
+        match &node.value {
+            Value::Str(s) if !s.trim().is_empty() => Some(s.clone()),
+            Value::Str(_) => {
+                self.problem(node.pos, path, "must not be empty");
+                None
+            }
+            Value::Int(i) => Some(i.to_string()),
+            other => {
+                self.problem(
+                    node.pos,
+                    path,
+                    format!("expected a string, found {}", other.kind()),
+                );
+                None
+            }
+        }
+    }
+
+    fn opt_string(&mut self, f: &Fields, path: &str, name: &str) -> Option<String> {
+        match f.get(name) {
+            None => None,
+            Some(n) if n.value == Value::Null => None,
+            Some(n) => self.string(n, &join(path, name)),
+        }
+    }
+
+    fn int_in(&mut self, node: &Node, path: &str, min: i128, max: i128) -> Option<i128> {
+        match node.value {
+            Value::Int(i) if (min..=max).contains(&i) => Some(i),
+            Value::Int(i) => {
+                self.problem(node.pos, path, format!("{i} is out of range {min}..={max}"));
+                None
+            }
+            ref other => {
+                self.problem(
+                    node.pos,
+                    path,
+                    format!(
+                        "expected an integer in {min}..={max}, found {}",
+                        other.kind()
+                    ),
+                );
+                None
+            }
+        }
+    }
+
+    /// An optional integer field with a default; `None` only when the value was bad.
+    fn int_field(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        name: &str,
+        (min, max): (i128, i128),
+        default: i128,
+    ) -> Option<i128> {
+        match f.get(name) {
+            None => Some(default),
+            Some(n) => self.int_in(n, &join(path, name), min, max),
+        }
+    }
+
+    fn bool_field(&mut self, f: &Fields, path: &str, name: &str, default: bool) -> Option<bool> {
+        match f.get(name).map(|n| (n, &n.value)) {
+            None => Some(default),
+            Some((_, Value::Bool(b))) => Some(*b),
+            Some((n, other)) => {
+                self.problem(
+                    n.pos,
+                    &join(path, name),
+                    format!("expected true or false, found {}", other.kind()),
+                );
+                None
+            }
+        }
+    }
+
+    fn duration(&mut self, node: &Node, path: &str, allow_zero: bool) -> Option<Duration> {
+        let d = match &node.value {
+            Value::Str(s) => parse_duration(s),
+            Value::Int(i) if *i >= 0 => u64::try_from(*i).ok().map(Duration::from_secs),
+            _ => None,
+        };
+        match d {
+            Some(d) if d.is_zero() && !allow_zero => {
+                self.problem(node.pos, path, "must be greater than 0");
+                None
+            }
+            Some(d) => Some(d),
+            None => {
+                self.problem(
+                    node.pos,
+                    path,
+                    "expected a duration such as `5s`, `250ms`, `1m` or `1h`",
+                );
+                None
+            }
+        }
+    }
+
+    fn duration_field(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        name: &str,
+        default: Duration,
+        allow_zero: bool,
+    ) -> Option<Duration> {
+        match f.get(name) {
+            None => Some(default),
+            Some(n) => self.duration(n, &join(path, name), allow_zero),
+        }
+    }
+
+    /// One of a fixed set of words.
+    fn choice<T: Copy>(&mut self, node: &Node, path: &str, options: &[(&str, T)]) -> Option<T> {
+        let names = || options.iter().map(|(n, _)| *n);
+        match &node.value {
+            Value::Str(s) => match options.iter().find(|(n, _)| *n == s.as_str()) {
+                Some((_, v)) => Some(*v),
+                None => {
+                    let hint = did_you_mean(s, names());
+                    let all: Vec<&str> = names().collect();
+                    self.problem(
+                        node.pos,
+                        path,
+                        format!("unknown value `{s}`{hint} (one of: {})", all.join(", ")),
+                    );
+                    None
+                }
+            },
+            other => {
+                let all: Vec<&str> = names().collect();
+                self.problem(
+                    node.pos,
+                    path,
+                    format!("expected one of {}, found {}", all.join(", "), other.kind()),
+                );
+                None
+            }
+        }
+    }
+
+    fn seq<'a>(&mut self, node: &'a Node, path: &str) -> &'a [Node] {
+        match &node.value {
+            Value::Seq(items) => items,
+            Value::Null => &[],
+            other => {
+                self.problem(
+                    node.pos,
+                    path,
+                    format!("expected a list, found {}", other.kind()),
+                );
+                &[]
+            }
+        }
+    }
+
+    fn config(&mut self, root: &Node) -> Option<Config> {
+        let f = self.fields(root, "", TOP_FIELDS)?;
+        let lb = match f.get("lb") {
+            Some(n) => self.lb(n),
+            None => Some(LbParams::default()),
+        };
+        let admin = match f.get("admin") {
+            Some(n) => self.admin(n),
+            None => Some(Admin::default()),
+        };
+        let logging = match f.get("logging") {
+            Some(n) => self.logging(n),
+            None => Some(Logging::default()),
+        };
+        let monitor_nodes = f
+            .get("monitors")
+            .map_or(&[][..], |n| self.seq(n, "monitors"));
+        let monitors = self.named_list(monitor_nodes, "monitors", Cx::monitor);
+        let monitor_names: Vec<&str> = monitors.iter().map(|(m, _)| m.name.as_str()).collect();
+        let monitors_declared = declared_names(monitor_nodes);
+
+        let service_nodes = match self.required(&f, "", "services") {
+            Some(n) => self.seq(n, "services"),
+            None => &[],
+        };
+        let services = self.named_list(service_nodes, "services", |cx, n, path| {
+            cx.service(n, path, &monitor_names, &monitors_declared)
+        });
+
+        let vserver_nodes = match self.required(&f, "", "vservers") {
+            Some(n) => self.seq(n, "vservers"),
+            None => &[],
+        };
+        if vserver_nodes.is_empty() && f.get("vservers").is_some() {
+            self.problem(f.pos, "vservers", "at least one vserver is required");
+        }
+        let service_refs: Vec<(&str, &Service)> =
+            services.iter().map(|(s, _)| (s.name.as_str(), s)).collect();
+        let services_declared = declared_names(service_nodes);
+        let vservers = self.named_list(vserver_nodes, "vservers", |cx, n, path| {
+            cx.vserver(n, path, &service_refs, &services_declared)
+        });
+        self.check_binds(&vservers);
+
+        Some(Config {
+            lb: lb?,
+            admin: admin?,
+            logging: logging?,
+            monitors: monitors.into_iter().map(|(m, _)| m).collect(),
+            services: services.into_iter().map(|(s, _)| s).collect(),
+            vservers: vservers.into_iter().map(|(v, _)| v).collect(),
+        })
+    }
+
+    /// Convert each item of a list with `one`, and report duplicate names.
+    fn named_list<T>(
+        &mut self,
+        nodes: &[Node],
+        path: &str,
+        mut one: impl FnMut(&mut Cx, &Node, &str) -> Option<T>,
+    ) -> Vec<(T, Pos)> {
+        let mut out: Vec<(T, Pos)> = Vec::new();
+        let mut seen: HashMap<String, Pos> = HashMap::new();
+        for (i, node) in nodes.iter().enumerate() {
+            let item_path = format!("{path}[{i}]");
+            // Report duplicate names even when the item has other problems.
+            if let Value::Map(entries) = &node.value
+                && let Some((
+                    _,
+                    Node {
+                        value: Value::Str(name),
+                        pos,
+                    },
+                )) = entries.iter().find(|(k, _)| k.name == "name")
+            {
+                if let Some(first) = seen.get(name) {
+                    self.problem(
+                        *pos,
+                        &format!("{item_path}.name"),
+                        format!(
+                            "duplicate name `{name}` (first defined at line {})",
+                            first.line
+                        ),
+                    );
+                } else {
+                    seen.insert(name.clone(), *pos);
+                }
+            }
+            if let Some(item) = one(self, node, &item_path) {
+                out.push((item, node.pos));
+            }
+        }
+        out
+    }
+
+    fn lb(&mut self, node: &Node) -> Option<LbParams> {
+        let f = self.fields(node, "lb", LB_FIELDS)?;
+        let hash_algorithm = match f.get("hash_algorithm") {
+            None => Some(HashAlgorithm::Carp),
+            Some(n) => self.choice(n, "lb.hash_algorithm", &HashAlgorithm::ALL),
+        };
+        let hash_fingers = self.int_field(&f, "lb", "hash_fingers", (1, 1024), 256);
+        Some(LbParams {
+            hash_algorithm: hash_algorithm?,
+            hash_fingers: u32::try_from(hash_fingers?).ok()?,
+        })
+    }
+
+    fn admin(&mut self, node: &Node) -> Option<Admin> {
+        let f = self.fields(node, "admin", ADMIN_FIELDS)?;
+        let listen = match f.get("listen") {
+            None => Some(Admin::default().listen),
+            Some(Node {
+                value: Value::Null, ..
+            }) => Some(None),
+            Some(n) => {
+                let s = self.string(n, "admin.listen");
+                s.and_then(|s| match parse_socket_addr(&s) {
+                    Ok(a) => Some(Some(a)),
+                    Err(e) => {
+                        self.problem(n.pos, "admin.listen", e);
+                        None
+                    }
+                })
+            }
+        };
+        let token = self.opt_string(&f, "admin", "token");
+        Some(Admin {
+            listen: listen?,
+            token,
+        })
+    }
+
+    fn logging(&mut self, node: &Node) -> Option<Logging> {
+        let f = self.fields(node, "logging", LOGGING_FIELDS)?;
+        let format = match f.get("format") {
+            None => Some(LogFormat::Text),
+            Some(n) => self.choice(
+                n,
+                "logging.format",
+                &[("text", LogFormat::Text), ("json", LogFormat::Json)],
+            ),
+        };
+        let level = self.opt_string(&f, "logging", "level");
+        if let (Some(l), Some(n)) = (&level, f.get("level"))
+            && tracing_subscriber::EnvFilter::try_new(l).is_err()
+        {
+            self.problem(
+                n.pos,
+                "logging.level",
+                format!("`{l}` is not a log filter such as `info` or `fulcrum=debug`"),
+            );
+        }
+        Some(Logging {
+            format: format?,
+            level,
+        })
+    }
+
+    fn status_codes(&mut self, f: &Fields, path: &str) -> Option<Vec<u16>> {
+        let Some(n) = f.get("expect_codes") else {
+            return Some(Vec::new());
+        };
+        let p = join(path, "expect_codes");
+        let mut codes = Vec::new();
+        let mut ok = true;
+        for (i, c) in self.seq(n, &p).iter().enumerate() {
+            match self.int_in(c, &format!("{p}[{i}]"), 100, 699) {
+                Some(v) => codes.push(v as u16),
+                None => ok = false,
+            }
+        }
+        ok.then_some(codes)
+    }
+
+    fn monitor(&mut self, node: &Node, path: &str) -> Option<Monitor> {
+        let f = self.fields(node, path, MONITOR_FIELDS)?;
+        let name = self
+            .required(&f, path, "name")
+            .and_then(|n| self.string(n, &join(path, "name")));
+        let type_node = self.required(&f, path, "type");
+        let kind_name = type_node.and_then(|n| {
+            let opts: Vec<(&str, &str)> = MONITOR_TYPES.iter().map(|t| (*t, *t)).collect();
+            self.choice(n, &join(path, "type"), &opts)
+        });
+        let interval = self.duration_field(&f, path, "interval", Duration::from_secs(5), false);
+        let timeout = self.duration_field(&f, path, "timeout", Duration::from_secs(2), false);
+        if let (Some(i), Some(t), Some(n)) = (interval, timeout, f.get("timeout"))
+            && t > i
+        {
+            self.problem(
+                n.pos,
+                &join(path, "timeout"),
+                format!("timeout ({t:?}) must not exceed interval ({i:?})"),
+            );
+        }
+        let failures_to_down = self.int_field(&f, path, "failures_to_down", (1, 100), 3);
+        let successes_to_up = self.int_field(&f, path, "successes_to_up", (1, 100), 2);
+        let codes = self.status_codes(&f, path);
+        let kind = match kind_name? {
+            "sip-options" => MonitorKind::SipOptions {
+                expect_codes: codes?,
+            },
+            "tcp-connect" => MonitorKind::TcpConnect,
+            "udp" => {
+                let send = self.required(&f, path, "send");
+                let send = send.and_then(|n| self.string(n, &join(path, "send")));
+                let expect = self.opt_string(&f, path, "expect");
+                MonitorKind::Udp {
+                    send: send?.into_bytes(),
+                    expect: expect.map(String::into_bytes),
+                }
+            }
+            _ => {
+                let p = self
+                    .opt_string(&f, path, "path")
+                    .unwrap_or_else(|| "/".into());
+                if !p.starts_with('/') {
+                    if let Some(n) = f.get("path") {
+                        self.problem(n.pos, &join(path, "path"), "must start with `/`");
+                    }
+                    return None;
+                }
+                MonitorKind::Http {
+                    path: p,
+                    expect_codes: codes?,
+                }
+            }
+        };
+        for (field, kinds) in [
+            ("send", &["udp"][..]),
+            ("expect", &["udp"][..]),
+            ("path", &["http"][..]),
+            ("expect_codes", &["http", "sip-options"][..]),
+        ] {
+            if let (Some(n), Some(k)) = (f.get(field), kind_name)
+                && !kinds.contains(&k)
+            {
+                self.problem(
+                    n.pos,
+                    &join(path, field),
+                    format!("`{field}` does not apply to a `{k}` monitor"),
+                );
+            }
+        }
+        Some(Monitor {
+            name: name?,
+            kind,
+            interval: interval?,
+            timeout: timeout?,
+            failures_to_down: failures_to_down? as u32,
+            successes_to_up: successes_to_up? as u32,
+        })
+    }
+
+    fn service(
+        &mut self,
+        node: &Node,
+        path: &str,
+        monitors: &[&str],
+        monitors_declared: &[String],
+    ) -> Option<Service> {
+        let f = self.fields(node, path, SERVICE_FIELDS)?;
+        let name = self
+            .required(&f, path, "name")
+            .and_then(|n| self.string(n, &join(path, "name")));
+        let address = self.required(&f, path, "address").and_then(|n| {
+            let p = join(path, "address");
+            let s = self.string(n, &p)?;
+            match parse_socket_addr(&s) {
+                Ok(a) if a.port() == 0 => {
+                    self.problem(n.pos, &p, "a service port must not be 0");
+                    None
+                }
+                Ok(a) if a.ip().is_unspecified() => {
+                    self.problem(n.pos, &p, "a service address must not be a wildcard");
+                    None
+                }
+                Ok(a) => Some(a),
+                Err(e) => {
+                    self.problem(n.pos, &p, e);
+                    None
+                }
+            }
+        });
+        let protocol = self
+            .required(&f, path, "protocol")
+            .and_then(|n| self.choice(n, &join(path, "protocol"), &Protocol::ALL));
+        let weight = self.int_field(&f, path, "weight", (1, 100), 1);
+        let max_clients = self.int_field(&f, path, "max_clients", (0, u32::MAX as i128), 0);
+        let monitor = match f.get("monitor") {
+            None => Some(None),
+            Some(Node {
+                value: Value::Null, ..
+            }) => Some(None),
+            Some(n) => {
+                let p = join(path, "monitor");
+                self.string(n, &p).and_then(|m| {
+                    match monitors.iter().position(|name| *name == m) {
+                        Some(i) => Some(Some(i)),
+                        // Declared but invalid: its own problem is already reported.
+                        None if monitors_declared.contains(&m) => None,
+                        None => {
+                            let hint =
+                                did_you_mean(&m, monitors_declared.iter().map(String::as_str));
+                            self.problem(n.pos, &p, format!("unknown monitor `{m}`{hint}"));
+                            None
+                        }
+                    }
+                })
+            }
+        };
+        let hash_id = self.opt_string(&f, path, "hash_id");
+        Some(Service {
+            name: name?,
+            address: address?,
+            protocol: protocol?,
+            weight: weight? as u32,
+            monitor: monitor?,
+            max_clients: max_clients? as u32,
+            hash_id,
+        })
+    }
+
+    fn bind_list(&mut self, node: &Node, path: &str) -> Option<Vec<SocketAddr>> {
+        let items: Vec<&Node> = match &node.value {
+            Value::Seq(items) => items.iter().collect(),
+            _ => vec![node],
+        };
+        if items.is_empty() {
+            self.problem(node.pos, path, "at least one bind address is required");
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut ok = true;
+        for (i, n) in items.iter().enumerate() {
+            let p = if matches!(node.value, Value::Seq(_)) {
+                format!("{path}[{i}]")
+            } else {
+                path.to_owned()
+            };
+            match self.string(n, &p).map(|s| parse_socket_addr(&s)) {
+                Some(Ok(a)) => {
+                    if out.contains(&a) {
+                        self.problem(n.pos, &p, format!("{a} is listed twice"));
+                        ok = false;
+                    }
+                    out.push(a);
+                }
+                Some(Err(e)) => {
+                    self.problem(n.pos, &p, e);
+                    ok = false;
+                }
+                None => ok = false,
+            }
+        }
+        ok.then_some(out)
+    }
+
+    fn token_rule(&mut self, node: &Node, path: &str) -> Option<TokenRule> {
+        let f = self.fields(node, path, TOKEN_FIELDS)?;
+        let present: Vec<&str> = ["header", "query", "offset"]
+            .into_iter()
+            .filter(|k| f.get(k).is_some())
+            .collect();
+        match present.as_slice() {
+            ["header"] => self.opt_string(&f, path, "header").map(TokenRule::Header),
+            ["query"] => self.opt_string(&f, path, "query").map(TokenRule::Query),
+            ["offset"] => {
+                let offset = self.int_field(&f, path, "offset", (0, 65_535), 0);
+                let length = match self.required(&f, path, "length") {
+                    Some(n) => self.int_in(n, &join(path, "length"), 1, 4096),
+                    None => None,
+                };
+                Some(TokenRule::Payload {
+                    offset: offset? as usize,
+                    length: length? as usize,
+                })
+            }
+            _ => {
+                self.problem(
+                    node.pos,
+                    path,
+                    "give exactly one of `header`, `query` or `offset` (with `length`)",
+                );
+                None
+            }
+        }
+    }
+
+    fn slow_start(&mut self, node: &Node, path: &str) -> Option<SlowStart> {
+        let f = self.fields(node, path, SLOW_START_FIELDS)?;
+        let rate = self
+            .required(&f, path, "new_service_request_rate")
+            .and_then(|n| self.int_in(n, &join(path, "new_service_request_rate"), 0, 1_000_000));
+        let unit = match f.get("unit") {
+            None => Some(RateUnit::PerSecond),
+            Some(n) => self.choice(
+                n,
+                &join(path, "unit"),
+                &[
+                    ("per_second", RateUnit::PerSecond),
+                    ("percent", RateUnit::Percent),
+                ],
+            ),
+        };
+        let interval = self.duration_field(&f, path, "increment_interval", Duration::ZERO, true);
+        Some(SlowStart {
+            new_service_request_rate: rate? as u32,
+            unit: unit?,
+            increment_interval: interval?,
+        })
+    }
+
+    fn vserver(
+        &mut self,
+        node: &Node,
+        path: &str,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+    ) -> Option<Vserver> {
+        let f = self.fields(node, path, VSERVER_FIELDS)?;
+        let name = self
+            .required(&f, path, "name")
+            .and_then(|n| self.string(n, &join(path, "name")));
+        let protocol = self
+            .required(&f, path, "protocol")
+            .and_then(|n| self.choice(n, &join(path, "protocol"), &Protocol::ALL));
+        let bind = self
+            .required(&f, path, "bind")
+            .and_then(|n| self.bind_list(n, &join(path, "bind")));
+        let method_node = f.get("method");
+        let method = match (method_node, protocol) {
+            (Some(n), _) => self.choice(n, &join(path, "method"), &Method::ALL),
+            (None, Some(p)) if p.is_sip() => Some(Method::CallIdHash),
+            (None, _) => Some(Method::LeastConnection),
+        };
+        let hash_length = self.int_field(&f, path, "hash_length", (1, 4096), 80);
+        let netmask = match f.get("netmask") {
+            None => Some(Ipv4Addr::BROADCAST),
+            Some(n) => {
+                let p = join(path, "netmask");
+                self.string(n, &p)
+                    .and_then(|s| match s.parse::<Ipv4Addr>() {
+                        Ok(m) if is_contiguous_mask(m) => Some(m),
+                        _ => {
+                            self.problem(
+                                n.pos,
+                                &p,
+                                format!("`{s}` is not an IPv4 netmask such as 255.255.255.0"),
+                            );
+                            None
+                        }
+                    })
+            }
+        };
+        let v6_len = self.int_field(&f, path, "v6_netmask_len", (0, 128), 128);
+        let token = match f.get("token") {
+            None => Some(None),
+            Some(n) => self.token_rule(n, &join(path, "token")).map(Some),
+        };
+        let balance = match f.get("hash_balance_factor") {
+            None => Some(None),
+            Some(n) => self
+                .int_in(n, &join(path, "hash_balance_factor"), 100, 10_000)
+                .map(|v| Some(v as u32)),
+        };
+        let slow_start = match f.get("slow_start") {
+            None => Some(None),
+            Some(n) => self.slow_start(n, &join(path, "slow_start")).map(Some),
+        };
+        let advertise = self.opt_string(&f, path, "advertise");
+        if let (Some(a), Some(n)) = (&advertise, f.get("advertise"))
+            && !is_host_port(a)
+        {
+            self.problem(
+                n.pos,
+                &join(path, "advertise"),
+                format!("`{a}` is not HOST:PORT (IPv6 as [ADDR]:PORT)"),
+            );
+        }
+        let record_route = self.bool_field(&f, path, "record_route", false);
+        let transparent = self.bool_field(&f, path, "transparent", false);
+        let idle_timeout = match (f.get("idle_timeout"), protocol) {
+            (Some(n), _) => self.duration(n, &join(path, "idle_timeout"), false),
+            (None, Some(p)) => Some(default_idle_timeout(p)),
+            (None, None) => None,
+        };
+        let max_sessions = self.int_field(&f, path, "max_sessions", (1, 10_000_000), 100_000);
+        let workers = self.int_field(&f, path, "workers", (0, 256), 0);
+        let send_proxy = match f.get("send_proxy") {
+            None => Some(None),
+            Some(Node {
+                value: Value::Null, ..
+            }) => Some(None),
+            Some(n) => self
+                .choice(n, &join(path, "send_proxy"), &[("v2", ProxyProtocol::V2)])
+                .map(Some),
+        };
+
+        // Services: names must resolve, appear once, and speak the vserver's protocol.
+        let mut members = Vec::new();
+        let mut members_ok = true;
+        if let Some(list) = self.required(&f, path, "services") {
+            let sp = join(path, "services");
+            let items = self.seq(list, &sp);
+            if items.is_empty() {
+                self.problem(list.pos, &sp, "at least one service is required");
+                members_ok = false;
+            }
+            for (i, item) in items.iter().enumerate() {
+                let ip = format!("{sp}[{i}]");
+                let Some(sname) = self.string(item, &ip) else {
+                    members_ok = false;
+                    continue;
+                };
+                match services.iter().position(|(n, _)| *n == sname) {
+                    None if services_declared.contains(&sname) => members_ok = false,
+                    None => {
+                        let hint =
+                            did_you_mean(&sname, services_declared.iter().map(String::as_str));
+                        self.problem(item.pos, &ip, format!("unknown service `{sname}`{hint}"));
+                        members_ok = false;
+                    }
+                    Some(idx) if members.contains(&idx) => {
+                        self.problem(item.pos, &ip, format!("service `{sname}` is listed twice"));
+                        members_ok = false;
+                    }
+                    Some(idx) => {
+                        let svc = services[idx].1;
+                        if let Some(p) = protocol
+                            && !protocols_fit(p, svc.protocol)
+                        {
+                            self.problem(
+                                item.pos,
+                                &ip,
+                                format!(
+                                    "service `{sname}` speaks {}, which a {} vserver cannot forward to",
+                                    svc.protocol.name(),
+                                    p.name()
+                                ),
+                            );
+                            members_ok = false;
+                        }
+                        // Two members with one hashing identity would tie on every key.
+                        let ident = |s: &Service| {
+                            s.hash_id.clone().unwrap_or_else(|| s.address.to_string())
+                        };
+                        if let Some(&other) = members
+                            .iter()
+                            .find(|&&o| ident(services[o].1) == ident(svc))
+                        {
+                            self.problem(
+                                item.pos,
+                                &ip,
+                                format!(
+                                    "service `{sname}` hashes like `{}` (same address or hash_id); give one a distinct hash_id",
+                                    services[other].0
+                                ),
+                            );
+                            members_ok = false;
+                        }
+                        members.push(idx);
+                    }
+                }
+            }
+        }
+
+        // Method / parameter / protocol fit.
+        if let (Some(m), Some(p), Some(n)) = (method, protocol, method_node) {
+            let mp = join(path, "method");
+            if m == Method::CallIdHash && !p.is_sip() {
+                self.problem(
+                    n.pos,
+                    &mp,
+                    format!(
+                        "call_id_hash needs a SIP vserver (sip-udp or sip-tcp), not {}",
+                        p.name()
+                    ),
+                );
+            }
+            if matches!(m, Method::UrlHash | Method::DomainHash)
+                && !matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
+            {
+                self.problem(
+                    n.pos,
+                    &mp,
+                    format!(
+                        "{} needs a request URL: use protocol http, sip-udp or sip-tcp, not {}",
+                        m.name(),
+                        p.name()
+                    ),
+                );
+            }
+        }
+        match (
+            method,
+            token.as_ref().and_then(|t| t.as_ref()),
+            f.get("token"),
+        ) {
+            (Some(Method::Token), None, None) => {
+                self.problem(
+                    f.pos,
+                    &join(path, "token"),
+                    "method token needs a `token` rule ({ header: NAME } | { query: NAME } | { offset: N, length: N })",
+                );
+            }
+            (Some(m), Some(_), Some(n)) if m != Method::Token => {
+                self.problem(
+                    n.pos,
+                    &join(path, "token"),
+                    format!("`token` is only used by method token, not {}", m.name()),
+                );
+            }
+            (Some(Method::Token), Some(rule), Some(n)) => {
+                if let Some(p) = protocol {
+                    let fits = match rule {
+                        TokenRule::Header(_) => {
+                            matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
+                        }
+                        TokenRule::Query(_) => {
+                            matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
+                        }
+                        TokenRule::Payload { .. } => true,
+                    };
+                    if !fits {
+                        self.problem(
+                            n.pos,
+                            &join(path, "token"),
+                            format!("a header or query token needs protocol http, sip-udp or sip-tcp, not {}", p.name()),
+                        );
+                    }
+                }
+            }
+            _ => {}
+        }
+        if let (Some(m), Some(Some(_)), Some(n)) = (method, &slow_start, f.get("slow_start"))
+            && m.is_hash()
+        {
+            self.problem(
+                n.pos,
+                &join(path, "slow_start"),
+                format!(
+                    "slow start applies to non-hash methods only, not {} (SPEC section 3)",
+                    m.name()
+                ),
+            );
+        }
+        for field in [
+            "hash_length",
+            "netmask",
+            "v6_netmask_len",
+            "hash_balance_factor",
+        ] {
+            if let (Some(m), Some(n)) = (method, f.get(field))
+                && !m.is_hash()
+            {
+                self.problem(
+                    n.pos,
+                    &join(path, field),
+                    format!("`{field}` applies to hash methods only, not {}", m.name()),
+                );
+            }
+        }
+        for field in ["advertise", "record_route"] {
+            if let (Some(p), Some(n)) = (protocol, f.get(field))
+                && !p.is_sip()
+            {
+                self.problem(
+                    n.pos,
+                    &join(path, field),
+                    format!("`{field}` applies to SIP vservers only, not {}", p.name()),
+                );
+            }
+        }
+
+        Some(Vserver {
+            name: name?,
+            protocol: protocol?,
+            bind: bind?,
+            method: method?,
+            hash: HashParams {
+                hash_length: hash_length? as usize,
+                netmask: netmask?,
+                v6_netmask_len: v6_len? as u8,
+                token: token?,
+                hash_balance_factor: balance?,
+            },
+            slow_start: slow_start?,
+            services: if members_ok { members } else { return None },
+            advertise,
+            record_route: record_route?,
+            idle_timeout: idle_timeout?,
+            max_sessions: max_sessions? as usize,
+            transparent: transparent?,
+            send_proxy: send_proxy?,
+            workers: workers? as usize,
+        })
+    }
+
+    /// Two vservers may not listen on the same transport address (wildcards overlap
+    /// every address of their family). Port 0 asks the kernel for a free port, so it never clashes.
+    fn check_binds(&mut self, vservers: &[(Vserver, Pos)]) {
+        let mut seen: Vec<(bool, SocketAddr, &str)> = Vec::new();
+        for (i, (v, pos)) in vservers.iter().enumerate() {
+            let is_udp = v.protocol.is_datagram();
+            for addr in &v.bind {
+                if addr.port() == 0 {
+                    continue;
+                }
+                let clash = seen.iter().find(|(u, a, _)| {
+                    *u == is_udp
+                        && a.port() == addr.port()
+                        && a.is_ipv4() == addr.is_ipv4()
+                        && (a.ip() == addr.ip()
+                            || a.ip().is_unspecified()
+                            || addr.ip().is_unspecified())
+                });
+                if let Some((_, other, owner)) = clash {
+                    self.problem(
+                        *pos,
+                        &format!("vservers[{i}].bind"),
+                        format!(
+                            "{addr} ({}) overlaps {other} of vserver `{owner}`",
+                            if is_udp { "udp" } else { "tcp" }
+                        ),
+                    );
+                } else {
+                    seen.push((is_udp, *addr, v.name.as_str()));
+                }
+            }
+        }
+    }
+}
+
+/// A vserver forwards to services of its own protocol; tcp and http are the same bytes.
+fn protocols_fit(vserver: Protocol, service: Protocol) -> bool {
+    vserver == service
+        || matches!(
+            (vserver, service),
+            (Protocol::Tcp, Protocol::Http) | (Protocol::Http, Protocol::Tcp)
+        )
+}
+
+/// `host:port` with a DNS name, IPv4 or bracketed IPv6 host and a non-zero port.
+fn is_host_port(s: &str) -> bool {
+    if s.parse::<SocketAddr>().is_ok_and(|a| a.port() != 0) {
+        return true;
+    }
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
+    port.parse::<u16>().is_ok_and(|p| p != 0)
+        && !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::from_str;
+
+    const MINIMAL: &str = "services:\n  - { name: s1, address: 127.0.0.1:5071, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, services: [s1] }\n";
+
+    #[test]
+    fn defaults_apply() {
+        let c = from_str("t", MINIMAL).expect("valid");
+        assert_eq!(c.lb, LbParams::default());
+        assert_eq!(c.admin, Admin::default());
+        let v = &c.vservers[0];
+        assert_eq!(v.method, Method::CallIdHash);
+        assert_eq!(v.hash, HashParams::default());
+        assert_eq!(v.idle_timeout, Duration::from_secs(3600));
+        assert_eq!(v.bind, vec!["127.0.0.1:5060".parse().expect("addr")]);
+        assert_eq!(c.services[0].weight, 1);
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("5s"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1m"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_duration("1h"), Some(Duration::from_secs(3600)));
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("0s"), Some(Duration::ZERO));
+        assert_eq!(parse_duration("5"), None);
+        assert_eq!(parse_duration("s"), None);
+        assert_eq!(parse_duration("-1s"), None);
+        assert_eq!(parse_duration("5 weeks"), None);
+    }
+
+    #[test]
+    fn all_problems_are_reported_sorted() {
+        let text =
+            "lb: { hash_fingers: 0, hash_algorithm: ring }\nservices: []\nvservers: []\nextra: 1\n";
+        let e = from_str("t", text).expect_err("invalid");
+        let p = e.problems();
+        assert!(p.len() >= 4, "{p:?}");
+        assert!(p.windows(2).all(|w| w[0] <= w[1]));
+        assert!(p.iter().any(|x| x.path == "extra"));
+        assert!(p.iter().any(|x| x.path == "lb.hash_fingers"));
+    }
+
+    #[test]
+    fn masks_and_suggestions() {
+        assert!(is_contiguous_mask(Ipv4Addr::new(255, 255, 255, 0)));
+        assert!(is_contiguous_mask(Ipv4Addr::new(0, 0, 0, 0)));
+        assert!(!is_contiguous_mask(Ipv4Addr::new(255, 0, 255, 0)));
+        assert_eq!(
+            suggest("hash_fingrs", LB_FIELDS.iter().copied()),
+            Some("hash_fingers")
+        );
+        assert_eq!(suggest("zzzzzz", LB_FIELDS.iter().copied()), None);
+    }
+
+    #[test]
+    fn slow_start_and_ipv6() {
+        let text = "services:\n  - { name: a, address: \"[::1]:7001\", protocol: udp }\nvservers:\n  - name: v\n    protocol: udp\n    bind: [\"[::]:8000\"]\n    method: round_robin\n    slow_start: { new_service_request_rate: 25, unit: percent, increment_interval: 5s }\n    services: [a]\n";
+        let c = from_str("t", text).expect("valid");
+        let s = c.vservers[0].slow_start.expect("slow start");
+        assert_eq!(s.unit, RateUnit::Percent);
+        assert_eq!(s.increment_interval, Duration::from_secs(5));
+        assert!(c.services[0].address.is_ipv6());
+    }
+
+    #[test]
+    fn never_panics_on_odd_documents() {
+        for text in [
+            "[]",
+            "42",
+            "~",
+            "services: 3\nvservers: {}",
+            "a: &x [*x]",
+            "\u{0}",
+            "services:\n  - - -\n",
+        ] {
+            let _ = from_str("t", text);
+        }
+    }
+}

@@ -1,0 +1,72 @@
+//! `fulcrum check` over the shipped examples (all valid) and the invalid fixtures (each must
+//! print exactly its `.expected` lines and exit 2).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn check(path: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .arg("check")
+        .arg(path)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .expect("run fulcrum check")
+}
+
+/// `*.yaml` files of `dir`, as paths relative to the crate root (as error lines print them).
+fn yaml_files(dir: &str) -> Vec<PathBuf> {
+    let mut files: Vec<_> = std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(dir))
+        .expect("read dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .filter_map(|p| p.file_name().map(|n| Path::new(dir).join(n)))
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn every_example_config_is_valid() {
+    let files = yaml_files("config");
+    assert!(files.len() >= 4, "config/ holds the examples");
+    for f in files {
+        let out = check(&f);
+        assert!(
+            out.status.success(),
+            "{} failed: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains("vserver "), "{stdout}");
+    }
+}
+
+#[test]
+fn every_invalid_fixture_reports_its_exact_lines() {
+    let files = yaml_files("fixtures/config");
+    assert!(files.len() >= 10);
+    for f in files {
+        let expected_path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(f.with_extension("expected"));
+        let expected = std::fs::read_to_string(&expected_path)
+            .unwrap_or_else(|_| panic!("{} needs a .expected file", f.display()));
+        assert!(!expected.trim().is_empty());
+        let out = check(&f);
+        assert_eq!(out.status.code(), Some(2), "{} must exit 2", f.display());
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            expected,
+            "{}",
+            f.display()
+        );
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn check_of_a_missing_file_fails_cleanly() {
+    let out = check(Path::new("config/does-not-exist.yaml"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("does-not-exist.yaml"));
+}
