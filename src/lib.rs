@@ -4,6 +4,10 @@
 //! A pure decision core (no sockets, no clock, no randomness) inside an I/O shell.
 //!
 //! - `config`  PURE  YAML model, validation with field paths and line numbers
+//! - `dialog`  PURE  Call-ID → service affinity table with idle expiry (time passed in)
+//! - `net`     IO    SO_REUSEPORT worker sockets
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod dialog;
+pub mod net;

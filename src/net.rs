@@ -1,0 +1,90 @@
+//! Socket construction (socket2): SO_REUSEPORT worker sockets with large buffers. IO.
+
+use socket2::{Domain, Protocol, Socket, Type};
+use std::io;
+use std::net::{SocketAddr, UdpSocket};
+
+/// Receive / send buffer asked of the kernel for datagram sockets. SIP bursts (a REGISTER
+/// storm after an outage) overflow the default ~200 KiB quickly; the kernel caps the value
+/// at net.core.rmem_max, which is fine.
+pub const UDP_BUFFER_BYTES: usize = 4 << 20;
+
+fn udp_socket(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    if addr.is_ipv6() {
+        // A [::] bind must not also take the IPv4 wildcard: the config may bind both.
+        socket.set_only_v6(true)?;
+    }
+    socket.set_reuse_address(true)?;
+    if reuse_port {
+        socket.set_reuse_port(true)?;
+    }
+    // Best effort: an unprivileged process may be capped lower, which is not an error.
+    let _ = socket.set_recv_buffer_size(UDP_BUFFER_BYTES);
+    let _ = socket.set_send_buffer_size(UDP_BUFFER_BYTES);
+    socket.bind(&addr.into())?;
+    Ok(socket)
+}
+
+/// `count` UDP sockets bound to the same address with SO_REUSEPORT, so each worker owns
+/// one and the kernel keeps every flow (4-tuple) on one socket: messages of one call are
+/// never reordered between workers. Port 0 is resolved by the first bind and reused.
+pub fn bind_udp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<UdpSocket>> {
+    let count = count.max(1);
+    let first = udp_socket(addr, true)?;
+    let bound = first
+        .local_addr()?
+        .as_socket()
+        .ok_or_else(|| io::Error::other("bound socket has no IP address"))?;
+    let mut out = vec![UdpSocket::from(first)];
+    for _ in 1..count {
+        out.push(UdpSocket::from(udp_socket(bound, true)?));
+    }
+    Ok(out)
+}
+
+/// Number of worker sockets for `configured` (0 = one per core).
+pub fn worker_count(configured: usize) -> usize {
+    if configured > 0 {
+        configured
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
+
+/// The local address the kernel would use to reach `peer` (for Via when bound to a
+/// wildcard without `advertise`).
+pub fn local_ip_toward(peer: SocketAddr) -> io::Result<std::net::IpAddr> {
+    let any: SocketAddr = if peer.is_ipv4() {
+        "0.0.0.0:0".parse().map_err(io::Error::other)?
+    } else {
+        "[::]:0".parse().map_err(io::Error::other)?
+    };
+    let s = UdpSocket::bind(any)?;
+    s.connect(peer)?;
+    Ok(s.local_addr()?.ip())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workers_share_one_port() {
+        let socks = bind_udp_workers("127.0.0.1:0".parse().expect("addr"), 3).expect("bind");
+        assert_eq!(socks.len(), 3);
+        let port = socks[0].local_addr().expect("addr").port();
+        assert_ne!(port, 0);
+        assert!(
+            socks
+                .iter()
+                .all(|s| s.local_addr().expect("addr").port() == port)
+        );
+    }
+
+    #[test]
+    fn local_ip_toward_loopback() {
+        let ip = local_ip_toward("127.0.0.1:9".parse().expect("addr")).expect("route");
+        assert!(ip.is_loopback());
+    }
+}
