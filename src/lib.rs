@@ -6,8 +6,10 @@
 //! - `config`  PURE  YAML model, validation with field paths and line numbers
 //! - `dialog`  PURE  Call-ID → service affinity table with idle expiry (time passed in)
 //! - `net`     IO    SO_REUSEPORT worker sockets
+//! - `sip`     PURE  zero-copy SIP scanner, stateless-proxy rewrite, TCP stream framing
 #![forbid(unsafe_code)]
 
 pub mod config;
 pub mod dialog;
 pub mod net;
+pub mod sip;

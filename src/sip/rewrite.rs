@@ -1,0 +1,965 @@
+//! Outgoing bytes and routing decisions of a stateless SIP proxy. PURE.
+//!
+//! Every function reads a scanned [`SipMsg`] and writes into a caller-owned [`BufMut`]
+//! (a reused `Vec<u8>` or `BytesMut`), so the per-message cost is one copy of the message and
+//! no allocation once the buffer has grown. Bytes that the proxy has no reason to change are
+//! copied verbatim: a stateless proxy must not disturb what it does not understand
+//! (RFC 3261 §16.6 step 1).
+
+use std::fmt::Write as _;
+use std::net::{IpAddr, SocketAddr};
+
+use bytes::BufMut;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use super::scan::{
+    CommaValues, Indexed, SipMethod, SipMsg, Span, Via, parse_ip, parse_name_addr, parse_uri,
+    parse_via,
+};
+
+/// Branch prefix of fulcrum's Via: the RFC 3261 §8.1.1.7 magic cookie plus a marker that lets
+/// a response be recognised as ours without transaction state.
+pub const BRANCH_PREFIX: &[u8] = b"z9hG4bK-fc-";
+
+/// Via parameter carrying the client connection id on stream transports (issue 8), so a
+/// response finds its connection without a per-transaction table.
+pub const CONN_PARAM: &[u8] = b"fc-conn";
+
+/// Max-Forwards added when a request has none (RFC 3261 §16.6 step 3: "SHOULD be 70").
+pub const DEFAULT_MAX_FORWARDS: u32 = 70;
+
+/// Seed of the branch and to-tag hashes; fixed so every instance derives the same values.
+const SEED: u64 = 0x6675_6c63_7275_6d31; // "fulcrum1"
+
+/// Why a message cannot be forwarded or answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RewriteError {
+    #[error("not a request")]
+    NotARequest,
+    #[error("not a response")]
+    NotAResponse,
+    /// Max-Forwards reached 0: answer 483 (RFC 3261 §16.3 step 3), unless it is an ACK.
+    #[error("Max-Forwards exhausted")]
+    TooManyHops,
+    /// Answer 400.
+    #[error("malformed Max-Forwards")]
+    BadMaxForwards,
+    #[error("no Via header")]
+    NoVia,
+    #[error("malformed top Via")]
+    BadVia,
+    /// A response whose top Via is not fulcrum's: drop it (RFC 3261 §16.7 step 3 analogue for
+    /// a stateless proxy, §16.11).
+    #[error("top Via is not ours")]
+    ViaNotOurs,
+    /// A response with no Via left after ours: it was meant for fulcrum itself.
+    #[error("no Via after ours")]
+    NoNextVia,
+    /// ACK is never answered (RFC 3261 §17.2.1; a stateless proxy drops it).
+    #[error("ACK is never answered")]
+    AckNotAnswered,
+    #[error("no Route or Request-URI to route by")]
+    NoTarget,
+    /// The next hop is fulcrum itself.
+    #[error("request routed to ourselves")]
+    Loop,
+}
+
+/// Transport fulcrum writes into its Via and Record-Route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Transport {
+    Udp,
+    Tcp,
+    Tls,
+}
+
+impl Transport {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Udp => "UDP",
+            Transport::Tcp => "TCP",
+            Transport::Tls => "TLS",
+        }
+    }
+
+    /// Port implied when a Via or URI has none (RFC 3261 §18.1.1, §19.1.2).
+    pub fn default_port(self) -> u16 {
+        match self {
+            Transport::Tls => 5061,
+            _ => 5060,
+        }
+    }
+}
+
+/// fulcrum's own identity on one vserver: the advertised host:port written into Via and
+/// Record-Route, plus any other addresses that also mean "us" (the bound sockets).
+///
+/// Built once per vserver (the allocation happens at configuration time, not per message).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Local {
+    /// Host without brackets, lowercase.
+    host: String,
+    ip: Option<IpAddr>,
+    port: u16,
+    transport: Transport,
+    aliases: Vec<SocketAddr>,
+    /// `Via: SIP/2.0/UDP host:port;branch=` ready to copy.
+    via_prefix: Vec<u8>,
+    /// `Record-Route: <sip:host:port;lr>\r\n` ready to copy.
+    rr_line: Vec<u8>,
+}
+
+impl Local {
+    /// `host` is a name, an IPv4 address, or an IPv6 address with or without brackets.
+    pub fn new(host: &str, port: u16, transport: Transport) -> Local {
+        let bare = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host)
+            .to_ascii_lowercase();
+        let ip = parse_ip(bare.as_bytes()).map(|ip| ip.to_canonical());
+        let printable = match ip {
+            Some(IpAddr::V6(v6)) => format!("[{v6}]"),
+            Some(IpAddr::V4(v4)) => v4.to_string(),
+            None => bare.clone(),
+        };
+        let via_prefix = format!(
+            "Via: SIP/2.0/{} {printable}:{port};branch=",
+            transport.as_str()
+        )
+        .into_bytes();
+        let rr_param = match transport {
+            Transport::Udp => "",
+            Transport::Tcp => ";transport=tcp",
+            Transport::Tls => ";transport=tls",
+        };
+        let rr_line =
+            format!("Record-Route: <sip:{printable}:{port}{rr_param};lr>\r\n").into_bytes();
+        Local {
+            host: bare,
+            ip,
+            port,
+            transport,
+            aliases: Vec::new(),
+            via_prefix,
+            rr_line,
+        }
+    }
+
+    /// The advertised address of a socket address (for vservers without `advertise`).
+    pub fn from_addr(addr: SocketAddr, transport: Transport) -> Local {
+        Local::new(
+            &addr.ip().to_canonical().to_string(),
+            addr.port(),
+            transport,
+        )
+    }
+
+    /// Other addresses that are also fulcrum (the bound sockets, other listeners).
+    pub fn with_aliases(mut self, aliases: &[SocketAddr]) -> Local {
+        self.aliases = aliases.to_vec();
+        self
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    /// `true` when `host`/`port` (as written in a Via or URI; port defaulted by the transport)
+    /// name fulcrum. Names compare case-insensitively, addresses by value.
+    pub fn is_local(&self, host: &[u8], port: Option<u16>) -> bool {
+        let port = port.unwrap_or(self.transport.default_port());
+        let ip = parse_ip(host).map(|ip| ip.to_canonical());
+        if port == self.port {
+            let same = match (ip, self.ip) {
+                (Some(a), Some(b)) => a == b,
+                (None, None) => host.eq_ignore_ascii_case(self.host.as_bytes()),
+                _ => false,
+            };
+            if same {
+                return true;
+            }
+        }
+        ip.is_some_and(|ip| self.is_local_addr(SocketAddr::new(ip, port)))
+    }
+
+    /// `true` when `addr` is the advertised address or an alias.
+    pub fn is_local_addr(&self, addr: SocketAddr) -> bool {
+        let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
+        (Some(addr.ip()) == self.ip && addr.port() == self.port)
+            || self
+                .aliases
+                .iter()
+                .any(|a| a.port() == addr.port() && a.ip().to_canonical() == addr.ip())
+    }
+}
+
+/// How to forward one request.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestRewrite<'l> {
+    pub local: &'l Local,
+    /// Where the request came from (the received/rport values, RFC 3581 §4).
+    pub src: SocketAddr,
+    /// Add `Record-Route: <sip:us;lr>` (RFC 3261 §16.6 step 4).
+    pub record_route: bool,
+    /// Write `rport` even when the client did not ask for it (NAT traversal for clients that
+    /// do not implement RFC 3581; Kamailio's `force_rport()`).
+    pub force_rport: bool,
+    /// Client connection id written as `;fc-conn=<hex>` in our Via (stream transports).
+    pub conn_id: Option<u64>,
+}
+
+/// A next hop: an address, or a name the shell must resolve (RFC 3263 is out of scope here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Host<'a> {
+    Ip(IpAddr),
+    Name(&'a [u8]),
+}
+
+/// A next hop with its port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Target<'a> {
+    pub host: Host<'a>,
+    pub port: u16,
+}
+
+impl Target<'_> {
+    /// The socket address when the host is an IP address.
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        match self.host {
+            Host::Ip(ip) => Some(SocketAddr::new(ip, self.port)),
+            Host::Name(_) => None,
+        }
+    }
+
+    fn from_host(host: &[u8], port: u16) -> Target<'_> {
+        match parse_ip(host) {
+            Some(ip) => Target {
+                host: Host::Ip(ip.to_canonical()),
+                port,
+            },
+            None => Target {
+                host: Host::Name(host),
+                port,
+            },
+        }
+    }
+}
+
+/// Where a response goes after fulcrum's Via is removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResponseRoute<'a> {
+    /// From the next Via: `received`/`rport` when present, else sent-by (RFC 3261 §18.2.2,
+    /// RFC 3581 §4).
+    pub target: Target<'a>,
+    /// Transport of the next Via as written (`UDP`, `TCP`, ...).
+    pub transport: &'a [u8],
+    /// The client connection id fulcrum put in its Via, if any.
+    pub conn_id: Option<u64>,
+}
+
+/// A stateless reply (RFC 3261 §8.2.6, §16.11).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reply<'r> {
+    pub code: u16,
+    pub reason: &'r str,
+    /// `Retry-After` seconds (RFC 3261 §20.33), used with 503.
+    pub retry_after_s: Option<u32>,
+}
+
+impl Reply<'static> {
+    pub const BAD_REQUEST: Reply<'static> = Reply {
+        code: 400,
+        reason: "Bad Request",
+        retry_after_s: None,
+    };
+    pub const TOO_MANY_HOPS: Reply<'static> = Reply {
+        code: 483,
+        reason: "Too Many Hops",
+        retry_after_s: None,
+    };
+
+    /// 503 with Retry-After (RFC 3261 §21.5.4).
+    pub const fn service_unavailable(retry_after_s: u32) -> Reply<'static> {
+        Reply {
+            code: 503,
+            reason: "Service Unavailable",
+            retry_after_s: Some(retry_after_s),
+        }
+    }
+}
+
+/// One splice of the output: bytes `start..end` of the input are replaced by `ins`.
+#[derive(Debug, Clone, Copy)]
+struct Edit {
+    start: usize,
+    end: usize,
+    ins: Ins,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Ins {
+    Nothing,
+    /// `rport=<port>` (`;` prefixed when appended).
+    Rport(u16, bool),
+    /// `received=<ip>` (`;` prefixed when appended).
+    Received(IpAddr, bool),
+    Decimal(u32),
+}
+
+/// At most: rport, received, Max-Forwards, own Route.
+struct Edits {
+    list: [Edit; 4],
+    len: usize,
+}
+
+impl Edits {
+    fn new() -> Edits {
+        let e = Edit {
+            start: 0,
+            end: 0,
+            ins: Ins::Nothing,
+        };
+        Edits {
+            list: [e; 4],
+            len: 0,
+        }
+    }
+
+    fn push(&mut self, e: Edit) {
+        if self.len < self.list.len() {
+            self.list[self.len] = e;
+            self.len += 1;
+        }
+    }
+
+    fn sorted(&mut self) -> &[Edit] {
+        let s = &mut self.list[..self.len];
+        s.sort_unstable_by_key(|e| (e.start, e.end));
+        s
+    }
+}
+
+/// Forward a request statelessly: fulcrum's Via on top with a deterministic branch
+/// (RFC 3261 §16.11), `received`/`rport` on the client's Via (RFC 3261 §18.2.1, RFC 3581 §4),
+/// Max-Forwards decremented or added (§16.6 step 3), our own Route value removed (loose
+/// routing, §16.4), Record-Route added on request (§16.6 step 4). Everything else is copied.
+///
+/// Returns the number of bytes written. `TooManyHops` means "answer 483" (drop an ACK).
+pub fn forward_request<B: BufMut>(
+    msg: &SipMsg<'_>,
+    rw: &RequestRewrite<'_>,
+    out: &mut B,
+) -> Result<usize, RewriteError> {
+    if !msg.is_request() {
+        return Err(RewriteError::NotARequest);
+    }
+    let buf = msg.buf();
+    let via_idx = msg.via_index().ok_or(RewriteError::NoVia)?;
+    let top = top_via_of(buf, via_idx, b"").ok_or(RewriteError::BadVia)?;
+
+    let mut edits = Edits::new();
+    let mf = match msg.max_forwards() {
+        Some(Some(0)) => return Err(RewriteError::TooManyHops),
+        Some(Some(n)) => {
+            let idx = msg
+                .max_forwards_index()
+                .ok_or(RewriteError::BadMaxForwards)?;
+            edits.push(Edit {
+                start: idx.value.start,
+                end: idx.value.end,
+                ins: Ins::Decimal(n - 1),
+            });
+            true
+        }
+        Some(None) => return Err(RewriteError::BadMaxForwards),
+        None => false,
+    };
+
+    // RFC 3581 §4: with `rport` the proxy MUST fill in the port and MUST add `received`;
+    // RFC 3261 §18.2.1: `received` whenever sent-by differs from the source address.
+    let src_ip = rw.src.ip().to_canonical();
+    let rport_wanted = top.rport.is_some() || rw.force_rport;
+    let host_differs = top.host_ip().map(|ip| ip.to_canonical()) != Some(src_ip);
+    if rport_wanted {
+        match top.rport_param {
+            Some(p) => edits.push(Edit {
+                start: p.start,
+                end: p.end,
+                ins: Ins::Rport(rw.src.port(), false),
+            }),
+            None => edits.push(Edit {
+                start: top.span.end,
+                end: top.span.end,
+                ins: Ins::Rport(rw.src.port(), true),
+            }),
+        }
+    }
+    if rport_wanted || host_differs {
+        match top.received_param {
+            Some(p) => edits.push(Edit {
+                start: p.start,
+                end: p.end,
+                ins: Ins::Received(src_ip, false),
+            }),
+            None => edits.push(Edit {
+                start: top.span.end,
+                end: top.span.end,
+                ins: Ins::Received(src_ip, true),
+            }),
+        }
+    }
+    if let Some(remove) = own_route_removal(msg, rw.local) {
+        edits.push(Edit {
+            start: remove.start,
+            end: remove.end,
+            ins: Ins::Nothing,
+        });
+    }
+
+    let branch = branch_hash(msg, &top, rw.local);
+    let mut n = 0;
+    let mut put = |out: &mut B, s: &[u8]| {
+        out.put_slice(s);
+        n += s.len();
+    };
+    let sl_start = msg.start_offset();
+    put(out, &buf[sl_start..msg.headers_start()]);
+    put(out, &rw.local.via_prefix);
+    put(out, BRANCH_PREFIX);
+    put(out, &hex16(branch));
+    if let Some(id) = rw.conn_id {
+        put(out, b";");
+        put(out, CONN_PARAM);
+        put(out, b"=");
+        put(out, &hex16(id));
+    }
+    put(out, b"\r\n");
+    if rw.record_route {
+        put(out, &rw.local.rr_line);
+    }
+    if !mf {
+        put(out, b"Max-Forwards: ");
+        put(out, dec(u64::from(DEFAULT_MAX_FORWARDS)).as_slice());
+        put(out, b"\r\n");
+    }
+    let mut pos = msg.headers_start();
+    for e in edits.sorted() {
+        if e.start < pos {
+            continue; // overlapping edits cannot happen; skip rather than panic
+        }
+        put(out, &buf[pos..e.start]);
+        match e.ins {
+            Ins::Nothing => {}
+            Ins::Rport(p, semi) => {
+                put(out, if semi { b";rport=" } else { b"rport=" });
+                put(out, dec(u64::from(p)).as_slice());
+            }
+            Ins::Received(ip, semi) => {
+                put(out, if semi { b";received=" } else { b"received=" });
+                put(out, ip_text(ip).as_slice());
+            }
+            Ins::Decimal(v) => put(out, dec(u64::from(v)).as_slice()),
+        }
+        pos = e.end;
+    }
+    put(out, &buf[pos..msg.len()]);
+    Ok(n)
+}
+
+/// The first value of the top Via header, parsed, with its header line.
+fn top_via_of<'a>(buf: &'a [u8], idx: Indexed, extra: &[u8]) -> Option<Via<'a>> {
+    let span = CommaValues::new(buf, idx.value).next()?;
+    parse_via(buf, span, extra)
+}
+
+/// The bytes to cut so that the first value of a header disappears: the whole line when it is
+/// the only value, else the value and the separator up to the next value.
+fn first_value_removal(buf: &[u8], idx: Indexed) -> Option<Span> {
+    let mut vals = CommaValues::new(buf, idx.value);
+    let first = vals.next()?;
+    match vals.next() {
+        Some(second) => Some(Span::new(first.start, second.start)),
+        None => Some(idx.line),
+    }
+}
+
+/// The first Route value when it names fulcrum (RFC 3261 §16.4: "MUST remove that value").
+fn own_route_removal(msg: &SipMsg<'_>, local: &Local) -> Option<Span> {
+    let idx = msg.route_index()?;
+    let uri = parse_uri(msg.route_uri()?)?;
+    if !local.is_local(uri.host, uri.port) {
+        return None;
+    }
+    first_value_removal(msg.buf(), idx)
+}
+
+/// RFC 3261 §16.11: with a cookie branch, a hash of the received branch (so a retransmission,
+/// the CANCEL and the non-2xx ACK of an INVITE get the same branch); without one, a hash of
+/// top Via, To tag, From tag, Call-ID, CSeq number and Request-URI. Our own address is mixed
+/// in so that a request spiralling through fulcrum twice gets a new branch.
+fn branch_hash(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local) -> u64 {
+    let mut h = xxh3_64_with_seed(local.host.as_bytes(), SEED ^ u64::from(local.port));
+    if top.has_cookie() {
+        return xxh3_64_with_seed(top.branch.unwrap_or_default(), h);
+    }
+    h = xxh3_64_with_seed(top.raw, h);
+    h = xxh3_64_with_seed(msg.to_tag().unwrap_or_default(), h);
+    h = xxh3_64_with_seed(msg.from_tag().unwrap_or_default(), h);
+    h = xxh3_64_with_seed(msg.call_id().unwrap_or_default(), h);
+    let seq = msg.cseq().map_or(0, |c| c.seq);
+    h = xxh3_64_with_seed(&seq.to_le_bytes(), h);
+    xxh3_64_with_seed(msg.request_uri().unwrap_or_default(), h)
+}
+
+/// Check that a response's top Via is fulcrum's and find where the response goes next,
+/// without writing anything.
+pub fn route_response<'a>(
+    msg: &SipMsg<'a>,
+    local: &Local,
+) -> Result<ResponseRoute<'a>, RewriteError> {
+    if msg.is_request() {
+        return Err(RewriteError::NotAResponse);
+    }
+    let buf = msg.buf();
+    let idx = msg.via_index().ok_or(RewriteError::NoVia)?;
+    let top = top_via_of(buf, idx, CONN_PARAM).ok_or(RewriteError::BadVia)?;
+    let ours = top.branch.is_some_and(|b| b.starts_with(BRANCH_PREFIX))
+        && local.is_local(top.host, top.port);
+    if !ours {
+        return Err(RewriteError::ViaNotOurs);
+    }
+    let conn_id = top
+        .extra_param
+        .and_then(|s| parse_hex(s.of(buf)))
+        .filter(|_| top.extra_param.is_some());
+    let next = msg.vias().nth(1).ok_or(RewriteError::NoNextVia)?;
+    let default_port = if next.transport.eq_ignore_ascii_case(b"TLS") {
+        5061
+    } else {
+        5060
+    };
+    let port = match next.rport {
+        Some(Some(p)) => p,
+        _ => next.port.unwrap_or(default_port),
+    };
+    let target = match next.received.and_then(parse_ip) {
+        Some(ip) => Target {
+            host: Host::Ip(ip.to_canonical()),
+            port,
+        },
+        None => Target::from_host(next.host, port),
+    };
+    Ok(ResponseRoute {
+        target,
+        transport: next.transport,
+        conn_id,
+    })
+}
+
+/// Forward a response: check the top Via is ours, remove it (only the first value when
+/// several are comma-joined), copy the rest (RFC 3261 §16.7 step 3, §16.11).
+pub fn forward_response<'a, B: BufMut>(
+    msg: &SipMsg<'a>,
+    local: &Local,
+    out: &mut B,
+) -> Result<ResponseRoute<'a>, RewriteError> {
+    let route = route_response(msg, local)?;
+    let buf = msg.buf();
+    let idx = msg.via_index().ok_or(RewriteError::NoVia)?;
+    let cut = first_value_removal(buf, idx).ok_or(RewriteError::BadVia)?;
+    let sl_start = msg.start_offset();
+    out.put_slice(&buf[sl_start..cut.start]);
+    out.put_slice(&buf[cut.end..msg.len()]);
+    Ok(route)
+}
+
+/// Build a stateless response to a request (RFC 3261 §8.2.6): all Via values, From, To (with a
+/// deterministic tag when it has none, §8.2.6.2, so retransmissions get the same tag), Call-ID,
+/// CSeq, Retry-After when set, `Content-Length: 0`.
+pub fn build_response<B: BufMut>(
+    msg: &SipMsg<'_>,
+    reply: &Reply<'_>,
+    out: &mut B,
+) -> Result<(), RewriteError> {
+    if !msg.is_request() {
+        return Err(RewriteError::NotARequest);
+    }
+    if msg.method_kind() == SipMethod::Ack {
+        return Err(RewriteError::AckNotAnswered);
+    }
+    let buf = msg.buf();
+    let top = msg.top_via().ok_or(RewriteError::NoVia)?;
+    out.put_slice(b"SIP/2.0 ");
+    out.put_slice(dec(u64::from(reply.code.clamp(100, 699))).as_slice());
+    out.put_slice(b" ");
+    out.put_slice(reply.reason.as_bytes());
+    out.put_slice(b"\r\n");
+    for h in msg.headers() {
+        if super::scan::HeaderName::classify(h.name) == super::scan::HeaderName::Via {
+            put_header(out, b"Via", h.value);
+        }
+    }
+    if let Some(i) = msg.index_from() {
+        put_header(out, b"From", i.value.of(buf));
+    }
+    if let Some(i) = msg.index_to() {
+        let to = i.value.of(buf);
+        out.put_slice(b"To: ");
+        out.put_slice(to);
+        if msg.to_tag().is_none() {
+            let mut h = xxh3_64_with_seed(msg.call_id().unwrap_or_default(), SEED);
+            h = xxh3_64_with_seed(msg.from_tag().unwrap_or_default(), h);
+            h = xxh3_64_with_seed(top.branch.unwrap_or_default(), h);
+            out.put_slice(b";tag=fc");
+            out.put_slice(&hex16(h));
+        }
+        out.put_slice(b"\r\n");
+    }
+    if let Some(i) = msg.call_id_index() {
+        put_header(out, b"Call-ID", i.value.of(buf));
+    }
+    if let Some(i) = msg.cseq_index() {
+        put_header(out, b"CSeq", i.value.of(buf));
+    }
+    if let Some(s) = reply.retry_after_s {
+        out.put_slice(b"Retry-After: ");
+        out.put_slice(dec(u64::from(s)).as_slice());
+        out.put_slice(b"\r\n");
+    }
+    out.put_slice(b"Content-Length: 0\r\n\r\n");
+    Ok(())
+}
+
+fn put_header<B: BufMut>(out: &mut B, name: &[u8], value: &[u8]) {
+    out.put_slice(name);
+    out.put_slice(b": ");
+    out.put_slice(value);
+    out.put_slice(b"\r\n");
+}
+
+/// Where fulcrum sends its own reply to a request received from `src` over a datagram
+/// transport: the source address (RFC 3581 §4) when `rport` was requested, else the source IP
+/// (the `received` value) with the sent-by port (RFC 3261 §18.2.2).
+pub fn reply_target(msg: &SipMsg<'_>, src: SocketAddr) -> SocketAddr {
+    let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+    match msg.top_via() {
+        Some(v) if v.rport.is_none() => {
+            let default = if v.transport.eq_ignore_ascii_case(b"TLS") {
+                5061
+            } else {
+                5060
+            };
+            SocketAddr::new(src.ip(), v.port.unwrap_or(default))
+        }
+        _ => src,
+    }
+}
+
+/// Next hop of a request travelling from a service toward a client: the first Route URI that
+/// is not fulcrum (loose routing, RFC 3261 §16.4/§16.12), else the Request-URI. The port
+/// defaults to 5060 (5061 for `sips:`). `maddr` and `transport` URI parameters are ignored:
+/// the vserver's transport is used and `maddr` (deprecated by RFC 3261 §19.1.1) is not followed.
+/// A strict-routing Route (without `lr`) is treated as loose.
+pub fn request_target<'a>(msg: &SipMsg<'a>, local: &Local) -> Result<Target<'a>, RewriteError> {
+    if !msg.is_request() {
+        return Err(RewriteError::NotARequest);
+    }
+    let mut uri = None;
+    for (i, value) in msg.routes().enumerate() {
+        let Some(u) = parse_name_addr(value).and_then(|na| parse_uri(na.uri)) else {
+            return Err(RewriteError::NoTarget);
+        };
+        // Only the first value may name us (§16.4); a later one naming us is a loop.
+        if i == 0 && local.is_local(u.host, u.port) {
+            continue;
+        }
+        uri = Some(u);
+        break;
+    }
+    let uri = match uri {
+        Some(u) => u,
+        None => msg
+            .request_uri()
+            .and_then(parse_uri)
+            .ok_or(RewriteError::NoTarget)?,
+    };
+    if local.is_local(uri.host, uri.port) {
+        return Err(RewriteError::Loop);
+    }
+    let port = uri.port.unwrap_or(if uri.is_sips() { 5061 } else { 5060 });
+    Ok(Target::from_host(uri.host, port))
+}
+
+/// A few bytes formatted on the stack.
+struct Small<const N: usize> {
+    buf: [u8; N],
+    len: usize,
+}
+
+impl<const N: usize> Small<N> {
+    fn as_slice(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+impl<const N: usize> std::fmt::Write for Small<N> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        let b = s.as_bytes();
+        let end = self.len + b.len();
+        if end > N {
+            return Err(std::fmt::Error);
+        }
+        self.buf[self.len..end].copy_from_slice(b);
+        self.len = end;
+        Ok(())
+    }
+}
+
+fn dec(mut n: u64) -> Small<20> {
+    let mut tmp = [0u8; 20];
+    let mut i = tmp.len();
+    loop {
+        i -= 1;
+        tmp[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    let mut s = Small {
+        buf: [0u8; 20],
+        len: 20 - i,
+    };
+    s.buf[..s.len].copy_from_slice(&tmp[i..]);
+    s
+}
+
+fn hex16(n: u64) -> [u8; 16] {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    let mut out = [0u8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = HEX[((n >> (60 - 4 * i)) & 0xf) as usize];
+    }
+    out
+}
+
+fn parse_hex(s: &[u8]) -> Option<u64> {
+    if s.is_empty() || s.len() > 16 {
+        return None;
+    }
+    s.iter().try_fold(0u64, |a, &c| {
+        let d = (c as char).to_digit(16)?;
+        Some(a << 4 | u64::from(d))
+    })
+}
+
+/// An address as the `received` grammar writes it: IPv6 without brackets (RFC 3261 §20.42).
+fn ip_text(ip: IpAddr) -> Small<48> {
+    let mut s = Small {
+        buf: [0u8; 48],
+        len: 0,
+    };
+    // 45 bytes is the longest IPv6 text form, so this cannot fail.
+    let _ = write!(s, "{ip}");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sip::scan::scan;
+
+    fn local() -> Local {
+        Local::new("192.0.2.1", 5060, Transport::Udp)
+    }
+
+    fn src() -> SocketAddr {
+        "198.51.100.7:40000".parse().unwrap()
+    }
+
+    const REQ: &[u8] = b"INVITE sip:bob@example.com SIP/2.0\r\n\
+Via: SIP/2.0/UDP 10.0.0.5:5062;branch=z9hG4bKabc;rport\r\n\
+Max-Forwards: 70\r\n\
+From: <sip:alice@example.com>;tag=a1\r\n\
+To: <sip:bob@example.com>\r\n\
+Call-ID: cid-1\r\n\
+CSeq: 1 INVITE\r\n\
+Content-Length: 0\r\n\r\n";
+
+    fn rw(l: &Local) -> RequestRewrite<'_> {
+        RequestRewrite {
+            local: l,
+            src: src(),
+            record_route: false,
+            force_rport: false,
+            conn_id: None,
+        }
+    }
+
+    #[test]
+    fn forward_request_rewrites() {
+        let l = local();
+        let m = scan(REQ).unwrap();
+        let mut out = Vec::new();
+        let n = forward_request(&m, &rw(&l), &mut out).unwrap();
+        assert_eq!(n, out.len());
+        let text = String::from_utf8(out.clone()).unwrap();
+        assert!(text.starts_with(
+            "INVITE sip:bob@example.com SIP/2.0\r\nVia: SIP/2.0/UDP 192.0.2.1:5060;branch=z9hG4bK-fc-"
+        ));
+        assert!(text.contains(
+            "Via: SIP/2.0/UDP 10.0.0.5:5062;branch=z9hG4bKabc;rport=40000;received=198.51.100.7\r\n"
+        ));
+        assert!(text.contains("Max-Forwards: 69\r\n"));
+        let f = scan(&out).unwrap();
+        assert_eq!(f.vias().count(), 2);
+        assert_eq!(f.call_id(), Some(&b"cid-1"[..]));
+        // Retransmission: same branch.
+        let mut again = Vec::new();
+        forward_request(&m, &rw(&l), &mut again).unwrap();
+        assert_eq!(out, again);
+    }
+
+    #[test]
+    fn forward_adds_mf_rr_conn() {
+        let l = Local::new("2001:db8::1", 5080, Transport::Tcp);
+        let req = b"OPTIONS sip:x SIP/2.0\r\nv: SIP/2.0/TCP client.example;branch=z9hG4bK1\r\ni: c\r\nl: 0\r\n\r\n";
+        let m = scan(req).unwrap();
+        let mut out = Vec::new();
+        let r = RequestRewrite {
+            record_route: true,
+            conn_id: Some(0xabc),
+            ..rw(&l)
+        };
+        forward_request(&m, &r, &mut out).unwrap();
+        let text = String::from_utf8(out.clone()).unwrap();
+        assert!(text.contains("Via: SIP/2.0/TCP [2001:db8::1]:5080;branch=z9hG4bK-fc-"));
+        assert!(text.contains(";fc-conn=0000000000000abc\r\n"));
+        assert!(text.contains("Record-Route: <sip:[2001:db8::1]:5080;transport=tcp;lr>\r\n"));
+        assert!(text.contains("Max-Forwards: 70\r\n"));
+        assert!(
+            text.contains(
+                "v: SIP/2.0/TCP client.example;branch=z9hG4bK1;received=198.51.100.7\r\n"
+            )
+        );
+    }
+
+    #[test]
+    fn max_forwards_zero_and_bad() {
+        let l = local();
+        let req = String::from_utf8(REQ.to_vec())
+            .unwrap()
+            .replace("Max-Forwards: 70", "Max-Forwards: 0");
+        let m = scan(req.as_bytes()).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(
+            forward_request(&m, &rw(&l), &mut out),
+            Err(RewriteError::TooManyHops)
+        );
+        build_response(&m, &Reply::TOO_MANY_HOPS, &mut out).unwrap();
+        let r = scan(&out).unwrap();
+        assert_eq!(r.status_code(), Some(483));
+        assert!(r.to_tag().unwrap().starts_with(b"fc"));
+        assert_eq!(r.call_id(), Some(&b"cid-1"[..]));
+        assert_eq!(r.content_length(), Some(0));
+    }
+
+    #[test]
+    fn response_roundtrip() {
+        let l = local();
+        let m = scan(REQ).unwrap();
+        let mut fwd = Vec::new();
+        forward_request(&m, &rw(&l), &mut fwd).unwrap();
+        // The service answers by copying the Via headers.
+        let f = scan(&fwd).unwrap();
+        let mut resp = Vec::new();
+        build_response(&f, &Reply::service_unavailable(5), &mut resp).unwrap();
+        let r = scan(&resp).unwrap();
+        let mut back = Vec::new();
+        let route = forward_response(&r, &l, &mut back).unwrap();
+        assert_eq!(route.target.socket_addr(), Some(src()));
+        let b = scan(&back).unwrap();
+        assert_eq!(b.vias().count(), 1);
+        assert_eq!(b.top_via().unwrap().host, b"10.0.0.5");
+        assert_eq!(b.header(b"retry-after"), Some(&b"5"[..]));
+        // Not ours any more.
+        assert_eq!(route_response(&b, &l).err(), Some(RewriteError::ViaNotOurs));
+    }
+
+    #[test]
+    fn response_comma_joined_via() {
+        let l = local();
+        let resp = b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP 192.0.2.1;branch=z9hG4bK-fc-1;fc-conn=2a , SIP/2.0/UDP [2001:db8::5]:5070;branch=z9hG4bKq\r\nCall-ID: x\r\nContent-Length: 0\r\n\r\n";
+        let m = scan(resp).unwrap();
+        let mut out = Vec::new();
+        let route = forward_response(&m, &l, &mut out).unwrap();
+        assert_eq!(route.conn_id, Some(0x2a));
+        assert_eq!(
+            route.target.socket_addr(),
+            Some("[2001:db8::5]:5070".parse().unwrap())
+        );
+        assert_eq!(
+            out,
+            b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP [2001:db8::5]:5070;branch=z9hG4bKq\r\nCall-ID: x\r\nContent-Length: 0\r\n\r\n"
+        );
+    }
+
+    #[test]
+    fn ack_not_answered() {
+        let m = scan(b"ACK sip:a SIP/2.0\r\nVia: SIP/2.0/UDP h;branch=z9hG4bK1\r\n\r\n").unwrap();
+        let mut out = Vec::new();
+        assert_eq!(
+            build_response(&m, &Reply::BAD_REQUEST, &mut out),
+            Err(RewriteError::AckNotAnswered)
+        );
+    }
+
+    #[test]
+    fn request_targets() {
+        let l = local();
+        let m = scan(b"BYE sip:alice@[2001:db8::7]:5999 SIP/2.0\r\nRoute: <sip:192.0.2.1;lr>, <sip:proxy2.example;lr>\r\nVia: SIP/2.0/UDP s;branch=z9hG4bK1\r\n\r\n").unwrap();
+        assert_eq!(
+            request_target(&m, &l).unwrap(),
+            Target {
+                host: Host::Name(b"proxy2.example"),
+                port: 5060
+            }
+        );
+        // Own Route value removed when forwarding, the other kept.
+        let mut out = Vec::new();
+        forward_request(&m, &rw(&l), &mut out).unwrap();
+        let f = scan(&out).unwrap();
+        assert_eq!(
+            f.routes().collect::<Vec<_>>(),
+            vec![&b"<sip:proxy2.example;lr>"[..]]
+        );
+        let m = scan(b"BYE sip:alice@[2001:db8::7]:5999 SIP/2.0\r\nRoute: <sip:192.0.2.1:5060;lr>\r\nVia: SIP/2.0/UDP s;branch=z9hG4bK1\r\n\r\n").unwrap();
+        assert_eq!(
+            request_target(&m, &l).unwrap().socket_addr(),
+            Some("[2001:db8::7]:5999".parse().unwrap())
+        );
+        let mut out = Vec::new();
+        forward_request(&m, &rw(&l), &mut out).unwrap();
+        assert_eq!(scan(&out).unwrap().route(), None);
+        let m = scan(b"BYE sip:x@192.0.2.1 SIP/2.0\r\nVia: SIP/2.0/UDP s;branch=z9hG4bK1\r\n\r\n")
+            .unwrap();
+        assert_eq!(request_target(&m, &l), Err(RewriteError::Loop));
+    }
+
+    #[test]
+    fn reply_targets() {
+        let m = scan(REQ).unwrap();
+        assert_eq!(reply_target(&m, src()), src());
+        let m = scan(b"OPTIONS sip:a SIP/2.0\r\nVia: SIP/2.0/UDP h:5099;branch=z9hG4bK1\r\n\r\n")
+            .unwrap();
+        assert_eq!(
+            reply_target(&m, src()),
+            "198.51.100.7:5099".parse().unwrap()
+        );
+    }
+}

@@ -1,0 +1,1326 @@
+//! Zero-copy SIP message scanner. PURE.
+//!
+//! One pass over the bytes finds the start line and the offsets of the headers a stateless
+//! proxy needs; everything else is left untouched so that the rewrite can copy it verbatim.
+//! No allocation: [`SipMsg`] holds offsets into the caller's buffer, and the values that are
+//! rarely needed (every Via, any header by name) are found again on demand by iterators.
+//!
+//! The scanner is strict only where framing depends on it (start line, header syntax,
+//! Content-Length) and lenient on header contents: semantic values (CSeq, Max-Forwards, Via
+//! parameters) are parsed by accessors that return `Option`, so that a proxy can still answer
+//! 400 to a message whose framing is sound (RFC 3261 §16.3 step 1).
+
+use std::net::IpAddr;
+
+use memchr::memchr;
+
+/// Upper bound on header lines in one message; a datagram that claims more is hostile.
+pub const MAX_HEADERS: usize = 256;
+
+/// Why a buffer is not a SIP message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ScanError {
+    /// The header section or the body is not complete yet (stream transports read more;
+    /// on a datagram transport it means truncated, RFC 3261 §18.3).
+    #[error("incomplete SIP message")]
+    Incomplete,
+    #[error("bad SIP start line")]
+    BadStartLine,
+    #[error("unsupported SIP version")]
+    BadVersion,
+    #[error("malformed header line")]
+    BadHeader,
+    #[error("more than {MAX_HEADERS} header lines")]
+    TooManyHeaders,
+    #[error("bad or conflicting Content-Length")]
+    BadContentLength,
+}
+
+/// A half-open byte range `start..end` into the scanned buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Span {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Span {
+    #[inline]
+    pub(crate) fn new(start: usize, end: usize) -> Span {
+        Span { start, end }
+    }
+
+    /// The bytes of this range in `buf` (empty when out of range, never panics).
+    #[inline]
+    pub fn of<'a>(&self, buf: &'a [u8]) -> &'a [u8] {
+        buf.get(self.start..self.end).unwrap_or(&[])
+    }
+
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.end <= self.start
+    }
+}
+
+/// Request or response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartLine<'a> {
+    Request { method: &'a [u8], uri: &'a [u8] },
+    Response { code: u16, reason: &'a [u8] },
+}
+
+/// Methods a proxy treats specially; the rest are `Other` (RFC 3261 §27.4 is open-ended).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SipMethod {
+    Invite,
+    Ack,
+    Bye,
+    Cancel,
+    Options,
+    Register,
+    Other,
+}
+
+impl SipMethod {
+    /// Methods are case-sensitive (RFC 3261 §7.1), so `invite` is `Other`.
+    pub fn from_bytes(m: &[u8]) -> SipMethod {
+        match m {
+            b"INVITE" => SipMethod::Invite,
+            b"ACK" => SipMethod::Ack,
+            b"BYE" => SipMethod::Bye,
+            b"CANCEL" => SipMethod::Cancel,
+            b"OPTIONS" => SipMethod::Options,
+            b"REGISTER" => SipMethod::Register,
+            _ => SipMethod::Other,
+        }
+    }
+}
+
+/// Headers the scanner indexes (full and compact names, RFC 3261 §7.3.3 and §20).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HeaderName {
+    Via,
+    CallId,
+    From,
+    To,
+    CSeq,
+    MaxForwards,
+    ContentLength,
+    Route,
+    RecordRoute,
+    Contact,
+    Other,
+}
+
+impl HeaderName {
+    /// Case-insensitive lookup; compact forms `v i f t l m` map to their headers. `s k c e`
+    /// (Subject, Supported, Content-Type, Content-Encoding) are `Other`: nothing here needs them.
+    pub fn classify(name: &[u8]) -> HeaderName {
+        let eq = |s: &[u8]| name.eq_ignore_ascii_case(s);
+        match name.len() {
+            1 => match name[0].to_ascii_lowercase() {
+                b'v' => HeaderName::Via,
+                b'i' => HeaderName::CallId,
+                b'f' => HeaderName::From,
+                b't' => HeaderName::To,
+                b'l' => HeaderName::ContentLength,
+                b'm' => HeaderName::Contact,
+                _ => HeaderName::Other,
+            },
+            2 if eq(b"to") => HeaderName::To,
+            3 if eq(b"via") => HeaderName::Via,
+            4 if eq(b"from") => HeaderName::From,
+            4 if eq(b"cseq") => HeaderName::CSeq,
+            5 if eq(b"route") => HeaderName::Route,
+            7 if eq(b"call-id") => HeaderName::CallId,
+            7 if eq(b"contact") => HeaderName::Contact,
+            12 if eq(b"max-forwards") => HeaderName::MaxForwards,
+            12 if eq(b"record-route") => HeaderName::RecordRoute,
+            14 if eq(b"content-length") => HeaderName::ContentLength,
+            _ => HeaderName::Other,
+        }
+    }
+}
+
+/// `true` when two header names denote the same header, compact forms included.
+pub fn same_header(a: &[u8], b: &[u8]) -> bool {
+    if a.eq_ignore_ascii_case(b) {
+        return true;
+    }
+    let (ka, kb) = (HeaderName::classify(a), HeaderName::classify(b));
+    ka != HeaderName::Other && ka == kb
+}
+
+/// One header line (with its continuation lines).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header<'a> {
+    pub name: &'a [u8],
+    /// Value with leading and trailing LWS removed; folded lines keep their inner CRLF+WS.
+    pub value: &'a [u8],
+    /// The whole line in the buffer, from the name to after the final LF.
+    pub line: Span,
+    /// The value's range in the buffer.
+    pub value_span: Span,
+}
+
+/// An indexed header: the line and its trimmed value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Indexed {
+    pub(crate) line: Span,
+    pub(crate) value: Span,
+}
+
+/// A scanned SIP message borrowing the buffer it was scanned from.
+#[derive(Debug, Clone, Copy)]
+pub struct SipMsg<'a> {
+    buf: &'a [u8],
+    start: StartLine<'a>,
+    start_line: Span,
+    /// Offset of the first header line.
+    headers_start: usize,
+    /// Offset of the empty line that ends the header section.
+    headers_end: usize,
+    body: Span,
+    header_count: usize,
+    via: Option<Indexed>,
+    call_id: Option<Indexed>,
+    from: Option<Indexed>,
+    to: Option<Indexed>,
+    cseq: Option<Indexed>,
+    max_forwards: Option<Indexed>,
+    content_length: Option<(Indexed, usize)>,
+    route: Option<Indexed>,
+    record_route: Option<Indexed>,
+    contact: Option<Indexed>,
+}
+
+/// Scan one SIP message at the start of `buf` (leading CRLFs are skipped, RFC 3261 §7.5).
+///
+/// With a Content-Length the message ends after that many body bytes and anything beyond is
+/// ignored (RFC 3261 §18.3); without one the body is the rest of the buffer (datagram rule).
+pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
+    let mut pos = 0;
+    while buf.len() >= pos + 2 && &buf[pos..pos + 2] == b"\r\n" {
+        pos += 2;
+    }
+    let sl_end = match memchr(b'\n', &buf[pos..]) {
+        Some(i) => pos + i,
+        None => return Err(ScanError::Incomplete),
+    };
+    let sl_content = Span::new(pos, trim_cr(buf, pos, sl_end));
+    let start = parse_start_line(sl_content.of(buf))?;
+    let start_line = sl_content;
+    let headers_start = sl_end + 1;
+
+    let mut msg = SipMsg {
+        buf,
+        start,
+        start_line,
+        headers_start,
+        headers_end: headers_start,
+        body: Span::default(),
+        header_count: 0,
+        via: None,
+        call_id: None,
+        from: None,
+        to: None,
+        cseq: None,
+        max_forwards: None,
+        content_length: None,
+        route: None,
+        record_route: None,
+        contact: None,
+    };
+
+    let mut pos = headers_start;
+    let body_start = loop {
+        if let Some(after) = blank_line_at(buf, pos)? {
+            msg.headers_end = pos;
+            break after;
+        }
+        if msg.header_count == MAX_HEADERS {
+            return Err(ScanError::TooManyHeaders);
+        }
+        let h = header_at(buf, pos)?;
+        msg.header_count += 1;
+        let idx = Indexed {
+            line: h.line,
+            value: h.value_span,
+        };
+        match HeaderName::classify(h.name) {
+            HeaderName::Via => set_first(&mut msg.via, idx),
+            HeaderName::CallId => set_first(&mut msg.call_id, idx),
+            HeaderName::From => set_first(&mut msg.from, idx),
+            HeaderName::To => set_first(&mut msg.to, idx),
+            HeaderName::CSeq => set_first(&mut msg.cseq, idx),
+            HeaderName::MaxForwards => set_first(&mut msg.max_forwards, idx),
+            HeaderName::Route => set_first(&mut msg.route, idx),
+            HeaderName::RecordRoute => set_first(&mut msg.record_route, idx),
+            HeaderName::Contact => set_first(&mut msg.contact, idx),
+            HeaderName::ContentLength => {
+                let n = parse_decimal(h.value).ok_or(ScanError::BadContentLength)?;
+                match msg.content_length {
+                    // Two different lengths are a smuggling attempt, not a typo to guess at.
+                    Some((_, prev)) if prev != n => return Err(ScanError::BadContentLength),
+                    Some(_) => {}
+                    None => msg.content_length = Some((idx, n)),
+                }
+            }
+            HeaderName::Other => {}
+        }
+        pos = h.line.end;
+    };
+
+    let body_end = match msg.content_length {
+        Some((_, n)) => body_start
+            .checked_add(n)
+            .filter(|e| *e <= buf.len())
+            .ok_or(ScanError::Incomplete)?,
+        None => buf.len(),
+    };
+    msg.body = Span::new(body_start, body_end);
+    Ok(msg)
+}
+
+#[inline]
+fn set_first(slot: &mut Option<Indexed>, idx: Indexed) {
+    if slot.is_none() {
+        *slot = Some(idx);
+    }
+}
+
+/// Index of the `\n` that ends the line containing `from`, or the end without a `\r`.
+#[inline]
+fn trim_cr(buf: &[u8], start: usize, lf: usize) -> usize {
+    if lf > start && buf[lf - 1] == b'\r' {
+        lf - 1
+    } else {
+        lf
+    }
+}
+
+/// If a blank line (CRLF or bare LF) starts at `pos`, the offset after it.
+#[inline]
+fn blank_line_at(buf: &[u8], pos: usize) -> Result<Option<usize>, ScanError> {
+    match buf.get(pos) {
+        None => Err(ScanError::Incomplete),
+        Some(b'\n') => Ok(Some(pos + 1)),
+        Some(b'\r') => match buf.get(pos + 1) {
+            None => Err(ScanError::Incomplete),
+            Some(b'\n') => Ok(Some(pos + 2)),
+            Some(_) => Err(ScanError::BadHeader),
+        },
+        Some(_) => Ok(None),
+    }
+}
+
+/// Parse the header line (plus continuation lines, RFC 3261 §7.3.1) starting at `pos`.
+pub(crate) fn header_at(buf: &[u8], pos: usize) -> Result<Header<'_>, ScanError> {
+    let first_lf = match memchr(b'\n', &buf[pos..]) {
+        Some(i) => pos + i,
+        None => return Err(ScanError::Incomplete),
+    };
+    let mut lf = first_lf;
+    loop {
+        match buf.get(lf + 1) {
+            // Cannot tell yet whether the next line continues this one.
+            None => return Err(ScanError::Incomplete),
+            Some(b' ' | b'\t') => {
+                lf += 1 + memchr(b'\n', &buf[lf + 1..]).ok_or(ScanError::Incomplete)?;
+            }
+            Some(_) => break,
+        }
+    }
+    let colon = pos + memchr(b':', &buf[pos..first_lf]).ok_or(ScanError::BadHeader)?;
+    let name = trim_lws(&buf[pos..colon]);
+    // The name must start the line (a leading space would be a continuation) and be a token.
+    if name.is_empty() || name.len() != colon - pos - trailing_lws(&buf[pos..colon]) {
+        return Err(ScanError::BadHeader);
+    }
+    if !name.iter().all(|&c| is_token_char(c)) {
+        return Err(ScanError::BadHeader);
+    }
+    let (vs, ve) = trim_lws_span(buf, colon + 1, lf + 1);
+    Ok(Header {
+        name,
+        value: &buf[vs..ve],
+        line: Span::new(pos, lf + 1),
+        value_span: Span::new(vs, ve),
+    })
+}
+
+fn parse_start_line(line: &[u8]) -> Result<StartLine<'_>, ScanError> {
+    if line.len() >= 4 && line[..4].eq_ignore_ascii_case(b"SIP/") {
+        // Status-Line = SIP-Version SP Status-Code SP Reason-Phrase (RFC 3261 §7.2)
+        let sp = memchr(b' ', line).ok_or(ScanError::BadStartLine)?;
+        check_version(&line[..sp])?;
+        let rest = &line[sp + 1..];
+        if rest.len() < 3 || !rest[..3].iter().all(u8::is_ascii_digit) {
+            return Err(ScanError::BadStartLine);
+        }
+        let code = rest[..3]
+            .iter()
+            .fold(0u16, |a, d| a * 10 + u16::from(d - b'0'));
+        if !(100..=699).contains(&code) {
+            return Err(ScanError::BadStartLine);
+        }
+        let reason = match rest.get(3) {
+            None => &rest[3..],
+            Some(b' ') => &rest[4..],
+            Some(_) => return Err(ScanError::BadStartLine),
+        };
+        return Ok(StartLine::Response { code, reason });
+    }
+    // Request-Line = Method SP Request-URI SP SIP-Version (RFC 3261 §7.1): exactly two SPs,
+    // so LWS inside the URI (RFC 4475 §3.1.2.7) is refused.
+    let sp1 = memchr(b' ', line).ok_or(ScanError::BadStartLine)?;
+    let sp2 = memchr::memrchr(b' ', line).ok_or(ScanError::BadStartLine)?;
+    if sp2 <= sp1 + 1 {
+        return Err(ScanError::BadStartLine);
+    }
+    let method = &line[..sp1];
+    let uri = &line[sp1 + 1..sp2];
+    if method.is_empty() || !method.iter().all(|&c| is_token_char(c)) {
+        return Err(ScanError::BadStartLine);
+    }
+    if uri.iter().any(|&c| c <= b' ' || c == 0x7f) {
+        return Err(ScanError::BadStartLine);
+    }
+    check_version(&line[sp2 + 1..])?;
+    Ok(StartLine::Request { method, uri })
+}
+
+fn check_version(v: &[u8]) -> Result<(), ScanError> {
+    if v.eq_ignore_ascii_case(b"SIP/2.0") {
+        Ok(())
+    } else if v.len() > 4 && v[..4].eq_ignore_ascii_case(b"SIP/") {
+        Err(ScanError::BadVersion)
+    } else {
+        Err(ScanError::BadStartLine)
+    }
+}
+
+/// RFC 3261 §25.1 `token` characters.
+#[inline]
+pub(crate) fn is_token_char(c: u8) -> bool {
+    c.is_ascii_alphanumeric() || b"-.!%*_+`'~".contains(&c)
+}
+
+#[inline]
+pub(crate) fn is_lws(c: u8) -> bool {
+    matches!(c, b' ' | b'\t' | b'\r' | b'\n')
+}
+
+pub(crate) fn trim_lws(s: &[u8]) -> &[u8] {
+    let start = s.iter().position(|&c| !is_lws(c)).unwrap_or(s.len());
+    let end = s.iter().rposition(|&c| !is_lws(c)).map_or(start, |i| i + 1);
+    &s[start..end.max(start)]
+}
+
+fn trailing_lws(s: &[u8]) -> usize {
+    s.iter().rev().take_while(|&&c| is_lws(c)).count()
+}
+
+pub(crate) fn trim_lws_span(buf: &[u8], mut s: usize, mut e: usize) -> (usize, usize) {
+    while s < e && is_lws(buf[s]) {
+        s += 1;
+    }
+    while e > s && is_lws(buf[e - 1]) {
+        e -= 1;
+    }
+    (s, e)
+}
+
+/// A non-negative decimal that fits in `usize`, surrounding LWS allowed.
+pub(crate) fn parse_decimal(s: &[u8]) -> Option<usize> {
+    let s = trim_lws(s);
+    if s.is_empty() || s.len() > 18 || !s.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(s.iter().fold(0usize, |a, d| a * 10 + usize::from(d - b'0')))
+}
+
+/// Offset of the first byte in `s` that is `target` outside quoted strings and `<...>`.
+pub(crate) fn find_unquoted(s: &[u8], target: u8) -> Option<usize> {
+    let mut in_quote = false;
+    let mut angle = false;
+    let mut i = 0;
+    while i < s.len() {
+        let c = s[i];
+        if in_quote {
+            match c {
+                b'\\' => i += 1,
+                b'"' => in_quote = false,
+                _ => {}
+            }
+        } else if c == target && !angle {
+            return Some(i);
+        } else {
+            match c {
+                b'"' => in_quote = true,
+                b'<' => angle = true,
+                b'>' => angle = false,
+                _ => {}
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Comma-separated values of one header (RFC 3261 §7.3.1), as spans into `buf`.
+#[derive(Debug, Clone)]
+pub(crate) struct CommaValues<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    end: usize,
+}
+
+impl<'a> CommaValues<'a> {
+    pub(crate) fn new(buf: &'a [u8], span: Span) -> Self {
+        CommaValues {
+            buf,
+            pos: span.start,
+            end: span.end.min(buf.len()),
+        }
+    }
+}
+
+impl Iterator for CommaValues<'_> {
+    type Item = Span;
+    fn next(&mut self) -> Option<Span> {
+        while self.pos < self.end {
+            let rest = &self.buf[self.pos..self.end];
+            let len = find_unquoted(rest, b',').unwrap_or(rest.len());
+            let (s, e) = trim_lws_span(self.buf, self.pos, self.pos + len);
+            self.pos += len + 1;
+            if e > s {
+                return Some(Span::new(s, e));
+            }
+        }
+        None
+    }
+}
+
+/// Iterator over the header lines of a scanned message.
+#[derive(Debug, Clone)]
+pub struct Headers<'a> {
+    buf: &'a [u8],
+    pos: usize,
+    end: usize,
+}
+
+impl<'a> Iterator for Headers<'a> {
+    type Item = Header<'a>;
+    fn next(&mut self) -> Option<Header<'a>> {
+        if self.pos >= self.end {
+            return None;
+        }
+        // The range was validated by `scan`, so this only fails on a foreign buffer.
+        let h = header_at(self.buf, self.pos).ok()?;
+        self.pos = h.line.end;
+        Some(h)
+    }
+}
+
+/// The parts of one Via value (RFC 3261 §20.42, RFC 3581 for `rport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Via<'a> {
+    /// The whole via-parm, e.g. `SIP/2.0/UDP 10.0.0.1:5060;branch=z9hG4bK1`.
+    pub raw: &'a [u8],
+    /// `UDP`, `TCP`, `TLS`, ... as written.
+    pub transport: &'a [u8],
+    /// sent-by host; IPv6 references without their brackets.
+    pub host: &'a [u8],
+    pub port: Option<u16>,
+    pub branch: Option<&'a [u8]>,
+    /// `received` value (brackets removed if a peer added them).
+    pub received: Option<&'a [u8]>,
+    /// `None`: no rport; `Some(None)`: `;rport` requested; `Some(Some(p))`: filled in.
+    pub rport: Option<Option<u16>>,
+    /// Range of the whole via-parm in the message buffer.
+    pub span: Span,
+    /// Range of the `rport[=n]` parameter (without the `;`).
+    pub(crate) rport_param: Option<Span>,
+    /// Range of the `received=x` parameter (without the `;`).
+    pub(crate) received_param: Option<Span>,
+    /// Range of the `name=value` of a parameter named by the caller of `parse_via`.
+    pub(crate) extra_param: Option<Span>,
+}
+
+impl Via<'_> {
+    /// `true` when `host` is an IPv6 reference (it needs brackets when printed with a port).
+    pub fn is_ipv6(&self) -> bool {
+        self.host.contains(&b':')
+    }
+
+    /// The sent-by host as an IP address, when it is one.
+    pub fn host_ip(&self) -> Option<IpAddr> {
+        parse_ip(self.host)
+    }
+
+    /// `true` when the branch carries the RFC 3261 magic cookie (§8.1.1.7).
+    pub fn has_cookie(&self) -> bool {
+        self.branch.is_some_and(|b| b.starts_with(b"z9hG4bK"))
+    }
+}
+
+/// Parse an IP address written as text; IPv6 with or without brackets.
+pub fn parse_ip(s: &[u8]) -> Option<IpAddr> {
+    let s = s
+        .strip_prefix(b"[")
+        .and_then(|s| s.strip_suffix(b"]"))
+        .unwrap_or(s);
+    std::str::from_utf8(s).ok()?.parse().ok()
+}
+
+struct Cursor<'a> {
+    b: &'a [u8],
+    i: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn skip_lws(&mut self) {
+        while self.i < self.b.len() && is_lws(self.b[self.i]) {
+            self.i += 1;
+        }
+    }
+    fn eat(&mut self, c: u8) -> bool {
+        self.skip_lws();
+        if self.b.get(self.i) == Some(&c) {
+            self.i += 1;
+            self.skip_lws();
+            true
+        } else {
+            false
+        }
+    }
+    fn take_while(&mut self, f: impl Fn(u8) -> bool) -> (usize, usize) {
+        let s = self.i;
+        while self.i < self.b.len() && f(self.b[self.i]) {
+            self.i += 1;
+        }
+        (s, self.i)
+    }
+    fn token(&mut self) -> Option<&'a [u8]> {
+        let (s, e) = self.take_while(is_token_char);
+        (e > s).then(|| &self.b[s..e])
+    }
+}
+
+/// Parse one via-parm occupying `span` of `buf`. `extra` names one more parameter whose range
+/// the caller wants (fulcrum's connection id).
+pub(crate) fn parse_via<'a>(buf: &'a [u8], span: Span, extra: &[u8]) -> Option<Via<'a>> {
+    let raw = buf.get(span.start..span.end)?;
+    let mut c = Cursor { b: raw, i: 0 };
+    c.skip_lws();
+    // sent-protocol = protocol-name SLASH protocol-version SLASH transport; SLASH = SWS "/" SWS
+    if !c.token()?.eq_ignore_ascii_case(b"SIP") || !c.eat(b'/') {
+        return None;
+    }
+    if c.token()? != b"2.0" || !c.eat(b'/') {
+        return None;
+    }
+    let transport = c.token()?;
+    c.skip_lws();
+    let host = if c.b.get(c.i) == Some(&b'[') {
+        let (s, e) = c.take_while(|ch| ch != b']');
+        if c.b.get(c.i) != Some(&b']') {
+            return None;
+        }
+        c.i += 1;
+        &raw[s + 1..e]
+    } else {
+        let (s, e) = c.take_while(is_token_char);
+        &raw[s..e]
+    };
+    if host.is_empty() {
+        return None;
+    }
+    let mut port = None;
+    if c.eat(b':') {
+        let (s, e) = c.take_while(|ch| ch.is_ascii_digit());
+        port = Some(parse_port(&raw[s..e])?);
+    }
+    let mut via = Via {
+        raw,
+        transport,
+        host,
+        port,
+        branch: None,
+        received: None,
+        rport: None,
+        span,
+        rport_param: None,
+        received_param: None,
+        extra_param: None,
+    };
+    loop {
+        c.skip_lws();
+        if c.i >= raw.len() {
+            break;
+        }
+        if !c.eat(b';') {
+            return None;
+        }
+        let ps = c.i;
+        let name = c.token()?;
+        let mut value: Option<&[u8]> = None;
+        let mut vspan = None;
+        if c.eat(b'=') {
+            let (s, e) = if c.b.get(c.i) == Some(&b'"') {
+                let q = find_unquoted(&raw[c.i..], b';').map_or(raw.len(), |n| c.i + n);
+                let s = c.i;
+                c.i = q;
+                (s, trim_lws_span(raw, s, q).1)
+            } else {
+                // Token plus the characters of IPv6 references (`received=[::1]`, RFC 5118).
+                c.take_while(|ch| is_token_char(ch) || matches!(ch, b':' | b'[' | b']'))
+            };
+            if e == s {
+                return None;
+            }
+            value = Some(&raw[s..e]);
+            vspan = Some(Span::new(span.start + s, span.start + e));
+        }
+        let pe = c.i;
+        let pspan = Span::new(span.start + ps, span.start + trim_lws_span(raw, ps, pe).1);
+        if name.eq_ignore_ascii_case(b"branch") {
+            via.branch = value;
+        } else if name.eq_ignore_ascii_case(b"received") {
+            via.received = value.map(|v| {
+                v.strip_prefix(b"[")
+                    .and_then(|v| v.strip_suffix(b"]"))
+                    .unwrap_or(v)
+            });
+            via.received_param = Some(pspan);
+        } else if name.eq_ignore_ascii_case(b"rport") {
+            via.rport = Some(match value {
+                Some(v) => Some(parse_port(v)?),
+                None => None,
+            });
+            via.rport_param = Some(pspan);
+        } else if !extra.is_empty() && name.eq_ignore_ascii_case(extra) {
+            via.extra_param = vspan;
+        }
+    }
+    Some(via)
+}
+
+pub(crate) fn parse_port(s: &[u8]) -> Option<u16> {
+    let n = parse_decimal(s)?;
+    u16::try_from(n).ok()
+}
+
+/// Every Via value of a message, in order, across headers and comma-joined values.
+///
+/// Stops at the first value that does not parse: a proxy cannot route past it anyway.
+#[derive(Debug, Clone)]
+pub struct Vias<'a> {
+    headers: Headers<'a>,
+    values: Option<CommaValues<'a>>,
+}
+
+impl<'a> Iterator for Vias<'a> {
+    type Item = Via<'a>;
+    fn next(&mut self) -> Option<Via<'a>> {
+        loop {
+            if let Some(vals) = &mut self.values {
+                if let Some(span) = vals.next() {
+                    return parse_via(self.headers.buf, span, b"");
+                }
+                self.values = None;
+            }
+            let h = self.headers.next()?;
+            if HeaderName::classify(h.name) == HeaderName::Via {
+                self.values = Some(CommaValues::new(self.headers.buf, h.value_span));
+            }
+        }
+    }
+}
+
+/// The parts of a SIP or SIPS URI (RFC 3261 §19.1.1) that routing needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Uri<'a> {
+    pub scheme: &'a [u8],
+    pub user: Option<&'a [u8]>,
+    /// Host; IPv6 references without their brackets.
+    pub host: &'a [u8],
+    pub port: Option<u16>,
+    /// `;params` after the host (without the first `;`), before any `?headers`.
+    pub params: &'a [u8],
+    /// `?headers` part (without the `?`).
+    pub headers: &'a [u8],
+}
+
+impl<'a> Uri<'a> {
+    /// `true` for `sips:` (default port 5061, RFC 3261 §19.1.2).
+    pub fn is_sips(&self) -> bool {
+        self.scheme.eq_ignore_ascii_case(b"sips")
+    }
+
+    /// The value of a URI parameter (`lr` gives `Some(b"")`).
+    pub fn param(&self, name: &[u8]) -> Option<&'a [u8]> {
+        self.params.split(|&c| c == b';').find_map(|p| {
+            let (n, v) = match memchr(b'=', p) {
+                Some(i) => (&p[..i], &p[i + 1..]),
+                None => (p, &p[p.len()..]),
+            };
+            n.eq_ignore_ascii_case(name).then_some(v)
+        })
+    }
+
+    /// The value of a `?headers` entry.
+    pub fn header_param(&self, name: &[u8]) -> Option<&'a [u8]> {
+        self.headers.split(|&c| c == b'&').find_map(|p| {
+            let i = memchr(b'=', p)?;
+            p[..i].eq_ignore_ascii_case(name).then_some(&p[i + 1..])
+        })
+    }
+}
+
+/// Parse a `sip:`/`sips:` URI. Other schemes (`tel:`, ...) carry no host and give `None`.
+pub fn parse_uri(uri: &[u8]) -> Option<Uri<'_>> {
+    let colon = memchr(b':', uri)?;
+    let scheme = &uri[..colon];
+    if !(scheme.eq_ignore_ascii_case(b"sip") || scheme.eq_ignore_ascii_case(b"sips")) {
+        return None;
+    }
+    let rest = &uri[colon + 1..];
+    // `@` cannot occur unescaped in params or headers, but the user part may hold `;` and `?`.
+    let (user, hostpart) = match memchr::memrchr(b'@', rest) {
+        Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+        None => (None, rest),
+    };
+    let (host, after) = if hostpart.first() == Some(&b'[') {
+        let close = memchr(b']', hostpart)?;
+        (&hostpart[1..close], &hostpart[close + 1..])
+    } else {
+        let end = hostpart
+            .iter()
+            .position(|&c| matches!(c, b':' | b';' | b'?'))
+            .unwrap_or(hostpart.len());
+        (&hostpart[..end], &hostpart[end..])
+    };
+    if host.is_empty() || host.iter().any(|&c| c <= b' ') {
+        return None;
+    }
+    let (port, after) = match after.strip_prefix(b":") {
+        Some(p) => {
+            let end = p
+                .iter()
+                .position(|&c| matches!(c, b';' | b'?'))
+                .unwrap_or(p.len());
+            (Some(parse_port(&p[..end])?), &p[end..])
+        }
+        None => (None, after),
+    };
+    let (params, headers) = match memchr(b'?', after) {
+        Some(q) => (&after[..q], &after[q + 1..]),
+        None => (after, &after[after.len()..]),
+    };
+    let params = params.strip_prefix(b";").unwrap_or(params);
+    Some(Uri {
+        scheme,
+        user,
+        host,
+        port,
+        params,
+        headers,
+    })
+}
+
+/// The URI and header parameters of a name-addr / addr-spec value (From, To, Route,
+/// Record-Route, Contact; RFC 3261 §20.10).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NameAddr<'a> {
+    pub uri: &'a [u8],
+    /// `;params` after the URI (or after `>`), without the first `;`.
+    pub params: &'a [u8],
+}
+
+impl<'a> NameAddr<'a> {
+    /// A header parameter such as `tag` (name case-insensitive, RFC 3261 §7.3.1).
+    pub fn param(&self, name: &[u8]) -> Option<&'a [u8]> {
+        let mut rest = self.params;
+        loop {
+            let end = find_unquoted(rest, b';').unwrap_or(rest.len());
+            let p = &rest[..end];
+            let (n, v) = match memchr(b'=', p) {
+                Some(i) => (trim_lws(&p[..i]), trim_lws(&p[i + 1..])),
+                None => (trim_lws(p), &p[p.len()..]),
+            };
+            if n.eq_ignore_ascii_case(name) {
+                return Some(v);
+            }
+            if end >= rest.len() {
+                return None;
+            }
+            rest = &rest[end + 1..];
+        }
+    }
+}
+
+/// Split a name-addr (`"Bob" <sip:bob@x>;tag=1`) or addr-spec (`sip:bob@x;tag=1`) value.
+pub fn parse_name_addr(value: &[u8]) -> Option<NameAddr<'_>> {
+    let v = trim_lws(value);
+    if let Some(lt) = find_unquoted(v, b'<') {
+        let gt = lt + memchr(b'>', &v[lt..])?;
+        let uri = trim_lws(&v[lt + 1..gt]);
+        let after = trim_lws(&v[gt + 1..]);
+        let params = after.strip_prefix(b";").unwrap_or(&after[after.len()..]);
+        return Some(NameAddr { uri, params });
+    }
+    // addr-spec form: the URI cannot contain `;` here (RFC 3261 §20), so `;` starts params.
+    let end = memchr(b';', v).unwrap_or(v.len());
+    let uri = trim_lws(&v[..end]);
+    if uri.is_empty() {
+        return None;
+    }
+    let params = v.get(end + 1..).unwrap_or(&[]);
+    Some(NameAddr { uri, params })
+}
+
+/// CSeq number and method (RFC 3261 §20.16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CSeq<'a> {
+    pub seq: u32,
+    pub method: &'a [u8],
+}
+
+impl<'a> SipMsg<'a> {
+    /// The buffer the message was scanned from.
+    pub fn buf(&self) -> &'a [u8] {
+        self.buf
+    }
+
+    pub fn start_line(&self) -> StartLine<'a> {
+        self.start
+    }
+
+    /// The start line's bytes, without the line end.
+    pub fn start_line_bytes(&self) -> &'a [u8] {
+        self.start_line.of(self.buf)
+    }
+
+    pub fn is_request(&self) -> bool {
+        matches!(self.start, StartLine::Request { .. })
+    }
+
+    /// Request method bytes (`None` for a response).
+    pub fn method(&self) -> Option<&'a [u8]> {
+        match self.start {
+            StartLine::Request { method, .. } => Some(method),
+            StartLine::Response { .. } => None,
+        }
+    }
+
+    /// The request's method as a [`SipMethod`]; for a response, the CSeq method.
+    pub fn method_kind(&self) -> SipMethod {
+        match self.start {
+            StartLine::Request { method, .. } => SipMethod::from_bytes(method),
+            StartLine::Response { .. } => self
+                .cseq()
+                .map_or(SipMethod::Other, |c| SipMethod::from_bytes(c.method)),
+        }
+    }
+
+    pub fn request_uri(&self) -> Option<&'a [u8]> {
+        match self.start {
+            StartLine::Request { uri, .. } => Some(uri),
+            StartLine::Response { .. } => None,
+        }
+    }
+
+    pub fn status_code(&self) -> Option<u16> {
+        match self.start {
+            StartLine::Response { code, .. } => Some(code),
+            StartLine::Request { .. } => None,
+        }
+    }
+
+    /// Offset of the start line (after any leading CRLFs, RFC 3261 §7.5).
+    pub fn start_offset(&self) -> usize {
+        self.start_line.start
+    }
+
+    /// Offset of the first header line.
+    pub fn headers_start(&self) -> usize {
+        self.headers_start
+    }
+
+    /// Offset of the empty line that ends the headers.
+    pub fn headers_end(&self) -> usize {
+        self.headers_end
+    }
+
+    /// Offset of the body.
+    pub fn body_start(&self) -> usize {
+        self.body.start
+    }
+
+    pub fn body(&self) -> &'a [u8] {
+        self.body.of(self.buf)
+    }
+
+    /// Length of the message in the buffer (bytes after it are not part of it).
+    pub fn len(&self) -> usize {
+        self.body.end
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.body.end == 0
+    }
+
+    /// The message bytes, without anything after the body.
+    pub fn as_bytes(&self) -> &'a [u8] {
+        &self.buf[..self.body.end]
+    }
+
+    pub fn header_count(&self) -> usize {
+        self.header_count
+    }
+
+    /// Every header line in order.
+    pub fn headers(&self) -> Headers<'a> {
+        Headers {
+            buf: self.buf,
+            pos: self.headers_start,
+            end: self.headers_end,
+        }
+    }
+
+    /// First value of a header by name (case-insensitive; compact forms match their long
+    /// names), trimmed. Linear in the header count; the hot headers have their own accessors.
+    pub fn header(&self, name: &[u8]) -> Option<&'a [u8]> {
+        self.headers()
+            .find(|h| same_header(h.name, name))
+            .map(|h| h.value)
+    }
+
+    /// Call-ID (compact `i`), trimmed.
+    pub fn call_id(&self) -> Option<&'a [u8]> {
+        self.call_id
+            .map(|h| h.value.of(self.buf))
+            .filter(|v| !v.is_empty())
+    }
+
+    /// From header value (compact `f`).
+    pub fn from_header(&self) -> Option<&'a [u8]> {
+        self.from.map(|h| h.value.of(self.buf))
+    }
+
+    /// To header value (compact `t`).
+    pub fn to_header(&self) -> Option<&'a [u8]> {
+        self.to.map(|h| h.value.of(self.buf))
+    }
+
+    /// Host of the To URI, as written (domain_hash normalises case).
+    pub fn to_host(&self) -> Option<&'a [u8]> {
+        let na = parse_name_addr(self.to_header()?)?;
+        Some(parse_uri(na.uri)?.host)
+    }
+
+    /// `tag` parameter of From.
+    pub fn from_tag(&self) -> Option<&'a [u8]> {
+        parse_name_addr(self.from_header()?)?.param(b"tag")
+    }
+
+    /// `tag` parameter of To.
+    pub fn to_tag(&self) -> Option<&'a [u8]> {
+        parse_name_addr(self.to_header()?)?.param(b"tag")
+    }
+
+    /// Raw CSeq value.
+    pub fn cseq_raw(&self) -> Option<&'a [u8]> {
+        self.cseq.map(|h| h.value.of(self.buf))
+    }
+
+    /// CSeq number and method; `None` when absent or malformed.
+    pub fn cseq(&self) -> Option<CSeq<'a>> {
+        let v = self.cseq_raw()?;
+        let digits = v.iter().take_while(|c| c.is_ascii_digit()).count();
+        if digits == 0 || digits > 10 {
+            return None;
+        }
+        let seq = u32::try_from(parse_decimal(&v[..digits])?).ok()?;
+        let method = trim_lws(&v[digits..]);
+        if method.is_empty()
+            || method.len() == v.len() - digits
+            || !method.iter().all(|&c| is_token_char(c))
+        {
+            return None;
+        }
+        Some(CSeq { seq, method })
+    }
+
+    /// Max-Forwards value; `None` when absent, `Some(None)` when malformed.
+    pub fn max_forwards(&self) -> Option<Option<u32>> {
+        let h = self.max_forwards?;
+        Some(parse_decimal(h.value.of(self.buf)).and_then(|n| u32::try_from(n).ok()))
+    }
+
+    /// Content-Length (compact `l`), when present.
+    pub fn content_length(&self) -> Option<usize> {
+        self.content_length.map(|(_, n)| n)
+    }
+
+    /// First Via value, parsed.
+    pub fn top_via(&self) -> Option<Via<'a>> {
+        self.vias().next()
+    }
+
+    /// Raw value of the first Via header (possibly several comma-joined values).
+    pub fn via_header(&self) -> Option<&'a [u8]> {
+        self.via.map(|h| h.value.of(self.buf))
+    }
+
+    /// Every Via value in order (RFC 3261 §7.3.1: several headers and comma-joined values).
+    pub fn vias(&self) -> Vias<'a> {
+        Vias {
+            headers: Headers {
+                buf: self.buf,
+                pos: self.via.map_or(self.headers_end, |h| h.line.start),
+                end: self.headers_end,
+            },
+            values: None,
+        }
+    }
+
+    /// First Route value (`<sip:...;lr>`), raw.
+    pub fn route(&self) -> Option<&'a [u8]> {
+        let h = self.route?;
+        CommaValues::new(self.buf, h.value)
+            .next()
+            .map(|s| s.of(self.buf))
+    }
+
+    /// URI of the first Route value.
+    pub fn route_uri(&self) -> Option<&'a [u8]> {
+        Some(parse_name_addr(self.route()?)?.uri)
+    }
+
+    /// Every Route value in order, raw.
+    pub fn routes(&self) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.values_of(self.route, HeaderName::Route)
+    }
+
+    /// First Record-Route value, raw.
+    pub fn record_route(&self) -> Option<&'a [u8]> {
+        let h = self.record_route?;
+        CommaValues::new(self.buf, h.value)
+            .next()
+            .map(|s| s.of(self.buf))
+    }
+
+    /// First Contact value (compact `m`), raw.
+    pub fn contact(&self) -> Option<&'a [u8]> {
+        let h = self.contact?;
+        CommaValues::new(self.buf, h.value)
+            .next()
+            .map(|s| s.of(self.buf))
+    }
+
+    fn values_of(
+        &self,
+        first: Option<Indexed>,
+        name: HeaderName,
+    ) -> impl Iterator<Item = &'a [u8]> + 'a {
+        let buf = self.buf;
+        let headers = Headers {
+            buf,
+            pos: first.map_or(self.headers_end, |h| h.line.start),
+            end: self.headers_end,
+        };
+        headers
+            .filter(move |h| HeaderName::classify(h.name) == name)
+            .flat_map(move |h| CommaValues::new(buf, h.value_span))
+            .map(move |s| s.of(buf))
+    }
+
+    /// The mandatory headers a proxy needs to handle the message (RFC 3261 §8.1.1, §16.3):
+    /// the name of the first one missing or malformed.
+    pub fn missing_mandatory(&self) -> Option<&'static str> {
+        if self.top_via().is_none() {
+            return Some("Via");
+        }
+        if self.call_id().is_none() {
+            return Some("Call-ID");
+        }
+        if self.from.is_none() {
+            return Some("From");
+        }
+        if self.to.is_none() {
+            return Some("To");
+        }
+        if self.cseq().is_none() {
+            return Some("CSeq");
+        }
+        None
+    }
+
+    pub(crate) fn via_index(&self) -> Option<Indexed> {
+        self.via
+    }
+    pub(crate) fn max_forwards_index(&self) -> Option<Indexed> {
+        self.max_forwards
+    }
+    pub(crate) fn route_index(&self) -> Option<Indexed> {
+        self.route
+    }
+    pub(crate) fn index_from(&self) -> Option<Indexed> {
+        self.from
+    }
+    pub(crate) fn index_to(&self) -> Option<Indexed> {
+        self.to
+    }
+    pub(crate) fn call_id_index(&self) -> Option<Indexed> {
+        self.call_id
+    }
+    pub(crate) fn cseq_index(&self) -> Option<Indexed> {
+        self.cseq
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const INVITE: &[u8] = b"INVITE sip:bob@biloxi.example.com SIP/2.0\r\n\
+Via: SIP/2.0/UDP pc33.atlanta.example.com;branch=z9hG4bK776asdhds ;rport\r\n\
+Max-Forwards: 70\r\n\
+To: Bob <sip:bob@Biloxi.Example.com>\r\n\
+From: Alice <sip:alice@atlanta.example.com>;tag=1928301774\r\n\
+Call-ID: a84b4c76e66710@pc33.atlanta.example.com\r\n\
+CSeq: 314159 INVITE\r\n\
+Contact: <sip:alice@pc33.atlanta.example.com>\r\n\
+Content-Type: application/sdp\r\n\
+Content-Length: 4\r\n\
+\r\n\
+v=0\n";
+
+    #[test]
+    fn scans_invite() {
+        let m = scan(INVITE).unwrap();
+        assert_eq!(m.method(), Some(&b"INVITE"[..]));
+        assert_eq!(m.request_uri(), Some(&b"sip:bob@biloxi.example.com"[..]));
+        assert_eq!(
+            m.call_id(),
+            Some(&b"a84b4c76e66710@pc33.atlanta.example.com"[..])
+        );
+        let cs = m.cseq().unwrap();
+        assert_eq!((cs.seq, cs.method), (314159, &b"INVITE"[..]));
+        assert_eq!(m.max_forwards(), Some(Some(70)));
+        assert_eq!(m.content_length(), Some(4));
+        assert_eq!(m.body(), b"v=0\n");
+        assert_eq!(m.to_host(), Some(&b"Biloxi.Example.com"[..]));
+        assert_eq!(m.from_tag(), Some(&b"1928301774"[..]));
+        assert_eq!(m.to_tag(), None);
+        let v = m.top_via().unwrap();
+        assert_eq!(v.transport, b"UDP");
+        assert_eq!(v.host, b"pc33.atlanta.example.com");
+        assert_eq!(v.port, None);
+        assert_eq!(v.branch, Some(&b"z9hG4bK776asdhds"[..]));
+        assert_eq!(v.rport, Some(None));
+        assert_eq!(m.missing_mandatory(), None);
+        assert_eq!(m.header(b"content-type"), Some(&b"application/sdp"[..]));
+        assert_eq!(m.len(), INVITE.len());
+    }
+
+    #[test]
+    fn compact_folded_multi_via() {
+        let msg = b"OPTIONS sip:[2001:db8::10]:5070;transport=udp SIP/2.0\r\n\
+v: SIP/2.0/UDP [2001:db8::1]:5062;branch=z9hG4bKa;received=[2001:db8::9];rport=7,\r\n \
+ SIP / 2.0 / TCP  host.example:5099 ;branch=z9hG4bKb\r\n\
+VIA: SIP/2.0/UDP 10.0.0.1;branch=z9hG4bKc\r\n\
+i:   abc@def  \r\n\
+f: <sip:a@b>;tag=x\r\n\
+t: sip:c@D.example\r\n\
+CSeq: 1\r\n   OPTIONS\r\n\
+l: 0\r\n\r\n";
+        let m = scan(msg).unwrap();
+        assert_eq!(m.call_id(), Some(&b"abc@def"[..]));
+        assert_eq!(m.cseq().unwrap().method, b"OPTIONS");
+        let vias: Vec<_> = m.vias().collect();
+        assert_eq!(vias.len(), 3);
+        assert_eq!(vias[0].host, b"2001:db8::1");
+        assert_eq!(vias[0].port, Some(5062));
+        assert_eq!(vias[0].received, Some(&b"2001:db8::9"[..]));
+        assert_eq!(vias[0].rport, Some(Some(7)));
+        assert_eq!(vias[1].transport, b"TCP");
+        assert_eq!(vias[1].host, b"host.example");
+        assert_eq!(vias[1].port, Some(5099));
+        assert_eq!(vias[2].branch, Some(&b"z9hG4bKc"[..]));
+        assert_eq!(m.to_host(), Some(&b"D.example"[..]));
+        let u = parse_uri(m.request_uri().unwrap()).unwrap();
+        assert_eq!((u.host, u.port), (&b"2001:db8::10"[..], Some(5070)));
+        assert_eq!(u.param(b"transport"), Some(&b"udp"[..]));
+    }
+
+    #[test]
+    fn response_line() {
+        let m = scan(b"SIP/2.0 180 Ringing\r\nVia: SIP/2.0/UDP h;branch=z9hG4bKx\r\n\r\n").unwrap();
+        assert_eq!(m.status_code(), Some(180));
+        assert!(matches!(
+            m.start_line(),
+            StartLine::Response {
+                reason: b"Ringing",
+                ..
+            }
+        ));
+        assert!(scan(b"SIP/2.0 20 OK\r\n\r\n").is_err());
+        assert_eq!(
+            scan(b"SIP/7.0 200 OK\r\n\r\n").err(),
+            Some(ScanError::BadVersion)
+        );
+    }
+
+    #[test]
+    fn errors() {
+        assert_eq!(scan(b"").err(), Some(ScanError::Incomplete));
+        assert_eq!(
+            scan(b"INVITE sip:a SIP/2.0\r\nVia: x\r\n").err(),
+            Some(ScanError::Incomplete)
+        );
+        assert_eq!(
+            scan(b"INVITE sip:a SIP/2.0\r\nl: 10\r\n\r\nabc").err(),
+            Some(ScanError::Incomplete)
+        );
+        assert_eq!(
+            scan(b"INVITE sip:a SIP/2.0\r\nl: x\r\n\r\n").err(),
+            Some(ScanError::BadContentLength)
+        );
+        assert_eq!(
+            scan(b"INVITE sip:a SIP/2.0\r\nl: 1\r\nContent-Length: 2\r\n\r\nab").err(),
+            Some(ScanError::BadContentLength)
+        );
+        assert_eq!(
+            scan(b"INVITE sip:a b SIP/2.0\r\n\r\n").err(),
+            Some(ScanError::BadStartLine)
+        );
+        assert_eq!(
+            scan(b"INVITE sip:a SIP/2.0\r\nNoColon\r\n\r\n").err(),
+            Some(ScanError::BadHeader)
+        );
+        let mut many = b"OPTIONS sip:a SIP/2.0\r\n".to_vec();
+        for _ in 0..=MAX_HEADERS {
+            many.extend_from_slice(b"X: y\r\n");
+        }
+        many.extend_from_slice(b"\r\n");
+        assert_eq!(scan(&many).err(), Some(ScanError::TooManyHeaders));
+    }
+
+    #[test]
+    fn name_addr_and_routes() {
+        let na = parse_name_addr(b"\"A <b>, c\" <sip:x@y;lr>;tag=\"q;r\";foo").unwrap();
+        assert_eq!(na.uri, b"sip:x@y;lr");
+        assert_eq!(na.param(b"TAG"), Some(&b"\"q;r\""[..]));
+        assert_eq!(na.param(b"foo"), Some(&b""[..]));
+        let m = scan(
+            b"BYE sip:a@b SIP/2.0\r\nRoute: <sip:p1;lr>, <sip:p2;lr>\r\nRoute: <sip:p3>\r\n\r\n",
+        )
+        .unwrap();
+        let r: Vec<_> = m.routes().collect();
+        assert_eq!(r, vec![&b"<sip:p1;lr>"[..], b"<sip:p2;lr>", b"<sip:p3>"]);
+        assert_eq!(m.route_uri(), Some(&b"sip:p1;lr"[..]));
+    }
+}
