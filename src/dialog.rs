@@ -17,6 +17,19 @@ struct Entry {
     last_seen_ms: AtomicU64,
 }
 
+/// What [`DialogTable::put`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pin {
+    /// A new dialog was pinned.
+    New,
+    /// An existing dialog moved from this member (its member was not usable).
+    Moved(u32),
+    /// The dialog was already pinned to this member.
+    Refreshed,
+    /// The table is full; the dialog was not pinned.
+    Refused,
+}
+
 /// Bounded, lock-striped Call-ID affinity table with idle expiry.
 #[derive(Debug)]
 pub struct DialogTable {
@@ -52,15 +65,19 @@ impl DialogTable {
 
     /// Pin a dialog to `member`. When the table is full the dialog is simply not pinned
     /// (counted): the hash method keeps routing it consistently while the service set is stable.
-    pub fn put(&self, call_hash: u64, member: u32, now_ms: u64) {
+    pub fn put(&self, call_hash: u64, member: u32, now_ms: u64) -> Pin {
         if let Some(mut e) = self.map.get_mut(&call_hash) {
-            e.member = member;
             e.last_seen_ms.store(now_ms, Ordering::Relaxed);
-            return;
+            let old = std::mem::replace(&mut e.member, member);
+            return if old == member {
+                Pin::Refreshed
+            } else {
+                Pin::Moved(old)
+            };
         }
         if self.map.len() >= self.max_entries {
             self.refused.fetch_add(1, Ordering::Relaxed);
-            return;
+            return Pin::Refused;
         }
         self.map.insert(
             call_hash,
@@ -69,6 +86,7 @@ impl DialogTable {
                 last_seen_ms: AtomicU64::new(now_ms),
             },
         );
+        Pin::New
     }
 
     /// Forget a dialog (e.g. its service was removed by reload).
@@ -76,13 +94,20 @@ impl DialogTable {
         self.map.remove(&call_hash);
     }
 
-    /// Drop entries idle for longer than the timeout; returns how many were dropped.
-    pub fn sweep(&self, now_ms: u64) -> usize {
-        let before = self.map.len();
+    /// Drop entries idle for longer than the timeout, telling `expired` the member of each;
+    /// returns how many were dropped.
+    pub fn sweep(&self, now_ms: u64, mut expired: impl FnMut(u32)) -> usize {
+        let mut dropped = 0;
         self.map.retain(|_, e| {
-            now_ms.saturating_sub(e.last_seen_ms.load(Ordering::Relaxed)) <= self.idle_ms
+            let keep =
+                now_ms.saturating_sub(e.last_seen_ms.load(Ordering::Relaxed)) <= self.idle_ms;
+            if !keep {
+                expired(e.member);
+                dropped += 1;
+            }
+            keep
         });
-        before.saturating_sub(self.map.len())
+        dropped
     }
 
     /// Drop every entry pinned to `member` (its service left the vserver).
@@ -115,22 +140,25 @@ mod tests {
         // Refreshed at 900, so still alive at 1800.
         assert_eq!(t.get(1, 1800), Some(2));
         assert_eq!(t.get(1, 2801), None);
-        assert_eq!(t.sweep(2801), 1);
+        let mut gone = Vec::new();
+        assert_eq!(t.sweep(2801, |m| gone.push(m)), 1);
+        assert_eq!(gone, vec![2]);
         assert!(t.is_empty());
     }
 
     #[test]
     fn bounded() {
         let t = DialogTable::new(2, 1000);
-        t.put(1, 0, 0);
-        t.put(2, 0, 0);
-        t.put(3, 0, 0);
+        assert_eq!(t.put(1, 0, 0), Pin::New);
+        assert_eq!(t.put(2, 0, 0), Pin::New);
+        assert_eq!(t.put(3, 0, 0), Pin::Refused);
         assert_eq!(t.len(), 2);
         assert_eq!(t.refused(), 1);
         assert_eq!(t.get(3, 0), None);
         // Updating an existing entry is always allowed.
-        t.put(1, 1, 5);
-        assert_eq!(t.get(1, 5), Some(1));
+        assert_eq!(t.put(1, 1, 5), Pin::Moved(0));
+        assert_eq!(t.put(1, 1, 6), Pin::Refreshed);
+        assert_eq!(t.get(1, 6), Some(1));
     }
 
     #[test]
