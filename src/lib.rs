@@ -10,4 +10,6 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod http;
+pub mod key;
 pub mod sip;
