@@ -1,0 +1,3 @@
+//! The `fulcrum simulate` engines: the real selection code driven by simulated time. PURE.
+
+pub mod slow_start;
