@@ -106,7 +106,9 @@ pub struct Monitor {
 pub enum MonitorKind {
     /// SIP OPTIONS over the service's transport; any final response is alive unless
     /// `expect_codes` is non-empty.
-    SipOptions { expect_codes: Vec<u16> },
+    SipOptions {
+        expect_codes: Vec<u16>,
+    },
     TcpConnect,
     /// Send `send`, expect a reply that contains `expect` (any reply when `None`).
     Udp {
@@ -114,7 +116,10 @@ pub enum MonitorKind {
         expect: Option<Vec<u8>>,
     },
     /// GET `path`, expect one of `expect_codes` (200 when empty).
-    Http { path: String, expect_codes: Vec<u16> },
+    Http {
+        path: String,
+        expect_codes: Vec<u16>,
+    },
 }
 
 /// Transport a service speaks.
