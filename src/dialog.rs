@@ -7,7 +7,7 @@
 //! routing, because the hash method still picks an UP service.
 
 use dashmap::DashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 /// One remembered dialog.
 #[derive(Debug)]
@@ -15,7 +15,25 @@ struct Entry {
     /// Index of the service (in the vserver's member list).
     member: u32,
     last_seen_ms: AtomicU64,
+    /// The dialog ended (BYE / CANCEL seen); the entry lingers for retransmissions only,
+    /// and `last_seen_ms` then holds the time it expires.
+    ended: AtomicBool,
 }
+
+impl Entry {
+    fn is_expired(&self, now_ms: u64, idle_ms: u64) -> bool {
+        let t = self.last_seen_ms.load(Ordering::Relaxed);
+        if self.ended.load(Ordering::Relaxed) {
+            now_ms > t
+        } else {
+            now_ms.saturating_sub(t) > idle_ms
+        }
+    }
+}
+
+/// How long an ended dialog keeps its pin: 64×T1 = 32 s, the lifetime of a non-INVITE
+/// transaction (RFC 3261 §17.1.2.2), so retransmitted BYEs and their ACKs still follow it.
+pub const ENDED_LINGER_MS: u64 = 32_000;
 
 /// What [`DialogTable::put`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,11 +71,10 @@ impl DialogTable {
     /// The member a live dialog is pinned to; refreshes its idle timer.
     pub fn get(&self, call_hash: u64, now_ms: u64) -> Option<u32> {
         let e = self.map.get(&call_hash)?;
-        let last = e.last_seen_ms.load(Ordering::Relaxed);
-        if now_ms.saturating_sub(last) > self.idle_ms {
+        if e.is_expired(now_ms, self.idle_ms) {
             return None;
         }
-        if now_ms > last {
+        if !e.ended.load(Ordering::Relaxed) && now_ms > e.last_seen_ms.load(Ordering::Relaxed) {
             e.last_seen_ms.store(now_ms, Ordering::Relaxed);
         }
         Some(e.member)
@@ -67,6 +84,10 @@ impl DialogTable {
     /// (counted): the hash method keeps routing it consistently while the service set is stable.
     pub fn put(&self, call_hash: u64, member: u32, now_ms: u64) -> Pin {
         if let Some(mut e) = self.map.get_mut(&call_hash) {
+            if e.ended.load(Ordering::Relaxed) {
+                // A lingering ended dialog is not re-pinned; its member is no longer loaded.
+                return Pin::Refreshed;
+            }
             e.last_seen_ms.store(now_ms, Ordering::Relaxed);
             let old = std::mem::replace(&mut e.member, member);
             return if old == member {
@@ -84,9 +105,22 @@ impl DialogTable {
             Entry {
                 member,
                 last_seen_ms: AtomicU64::new(now_ms),
+                ended: AtomicBool::new(false),
             },
         );
         Pin::New
+    }
+
+    /// Mark a dialog ended (BYE / CANCEL): it keeps its pin for [`ENDED_LINGER_MS`], then
+    /// expires. Returns its member the first time, so the caller stops counting its load.
+    pub fn end(&self, call_hash: u64, now_ms: u64) -> Option<u32> {
+        let e = self.map.get(&call_hash)?;
+        if e.ended.swap(true, Ordering::Relaxed) {
+            return None;
+        }
+        let expire_at = now_ms.saturating_add(ENDED_LINGER_MS.min(self.idle_ms));
+        e.last_seen_ms.store(expire_at, Ordering::Relaxed);
+        Some(e.member)
     }
 
     /// Forget a dialog (e.g. its service was removed by reload).
@@ -99,10 +133,11 @@ impl DialogTable {
     pub fn sweep(&self, now_ms: u64, mut expired: impl FnMut(u32)) -> usize {
         let mut dropped = 0;
         self.map.retain(|_, e| {
-            let keep =
-                now_ms.saturating_sub(e.last_seen_ms.load(Ordering::Relaxed)) <= self.idle_ms;
-            if !keep {
+            let keep = !e.is_expired(now_ms, self.idle_ms);
+            if !keep && !e.ended.load(Ordering::Relaxed) {
                 expired(e.member);
+            }
+            if !keep {
                 dropped += 1;
             }
             keep
@@ -159,6 +194,19 @@ mod tests {
         assert_eq!(t.put(1, 1, 5), Pin::Moved(0));
         assert_eq!(t.put(1, 1, 6), Pin::Refreshed);
         assert_eq!(t.get(1, 6), Some(1));
+    }
+
+    #[test]
+    fn ended_dialogs_linger_then_expire_without_double_close() {
+        let t = DialogTable::new(10, 3_600_000);
+        t.put(7, 1, 1000);
+        assert_eq!(t.end(7, 2000), Some(1));
+        assert_eq!(t.end(7, 2001), None);
+        assert_eq!(t.get(7, 2000 + ENDED_LINGER_MS), Some(1));
+        assert_eq!(t.get(7, 2001 + ENDED_LINGER_MS), None);
+        let mut closed = 0;
+        assert_eq!(t.sweep(2001 + ENDED_LINGER_MS, |_| closed += 1), 1);
+        assert_eq!(closed, 0);
     }
 
     #[test]

@@ -3,24 +3,34 @@
 //! # Layout
 //! A pure decision core (no sockets, no clock, no randomness) inside an I/O shell.
 //!
+//! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
+//! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
 //! - `net`        IO    SO_REUSEPORT worker sockets
+//! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
+//! - `proxy`      IO    data paths (sip-udp) and the runtime that starts vservers
+//! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
 //! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
 //! - `sip`        PURE  zero-copy SIP scanner, stateless-proxy rewrite, TCP stream framing
 //! - `slow_start` PURE  slow-start state machine driven by injected time
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)
 #![forbid(unsafe_code)]
 
+pub mod balancer;
 pub mod config;
 pub mod dialog;
+pub mod hash;
 pub mod http;
 pub mod key;
 pub mod methods;
 pub mod net;
+pub mod peer;
+pub mod proxy;
+pub mod select;
 pub mod simulate;
 pub mod sip;
 pub mod slow_start;

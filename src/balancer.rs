@@ -1,0 +1,414 @@
+//! The decision of one vserver: which service takes a request. PURE: the caller passes
+//! the key (already extracted and hashed) and `now`; the balancer reads per-member
+//! counters and health, and returns the member chosen and the path that chose it.
+//!
+//! Order of decision (SPEC §2, §3):
+//! 1. Hash methods rank members by the consistent-hash selector (built for the current UP
+//!    set, swapped in atomically on health change, so lookups never lock); the first
+//!    member that is UP, below `max_clients` and, with bounded loads, not overloaded wins.
+//! 2. No key, or no usable ranked member: fall back to `least_connection`
+//!    (`round_robin` for an unparseable `url_hash` / `domain_hash` request).
+//! 3. Non-hash methods run through slow start, which withholds requests from new members
+//!    beyond their allowed rate; those requests go to the others by the same method.
+
+use crate::config::{Config, HashAlgorithm, Method, Vserver};
+use crate::hash;
+use crate::methods::{self, MethodState};
+use crate::select::{self, HashSelector};
+use crate::slow_start::SlowStart;
+use crate::stats::{Nanos, ServiceCounters};
+use arc_swap::ArcSwap;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Operational state of a member (SPEC §1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Up = 0,
+    Down = 1,
+    /// Disabled by the operator: no new flows, existing ones drain.
+    OutOfService = 2,
+}
+
+impl Health {
+    fn from_u8(v: u8) -> Health {
+        match v {
+            0 => Health::Up,
+            1 => Health::Down,
+            _ => Health::OutOfService,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Health::Up => "UP",
+            Health::Down => "DOWN",
+            Health::OutOfService => "OUT_OF_SERVICE",
+        }
+    }
+}
+
+/// What the key extraction produced, hashed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyInput {
+    /// `hash::key_hash` of the extracted key.
+    Hash(u64),
+    /// No key could be extracted: least_connection fallback.
+    NoKey,
+    /// url_hash / domain_hash on a request that could not be parsed or carries no domain:
+    /// round_robin fallback.
+    Unparseable,
+}
+
+/// Which path chose the member, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Path {
+    /// The key's first-ranked member.
+    Hash,
+    /// A lower-ranked member because the higher ones were not usable.
+    NextRanked,
+    /// A pinned dialog / session (decided by the caller, counted here for uniformity).
+    Affinity,
+    /// A non-hash method.
+    Method,
+    /// Hash method fell back to least_connection.
+    FallbackLeastConnection,
+    /// url_hash / domain_hash fell back to round_robin.
+    FallbackRoundRobin,
+}
+
+impl Path {
+    pub const ALL: [Path; 6] = [
+        Path::Hash,
+        Path::NextRanked,
+        Path::Affinity,
+        Path::Method,
+        Path::FallbackLeastConnection,
+        Path::FallbackRoundRobin,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Path::Hash => "hash",
+            Path::NextRanked => "next_ranked",
+            Path::Affinity => "affinity",
+            Path::Method => "method",
+            Path::FallbackLeastConnection => "fallback_least_connection",
+            Path::FallbackRoundRobin => "fallback_round_robin",
+        }
+    }
+}
+
+/// A decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Choice {
+    /// Index into the vserver's member list.
+    pub member: usize,
+    pub path: Path,
+}
+
+/// Static facts about one member of a vserver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemberInfo {
+    /// Index into `Config::services`.
+    pub service: usize,
+    pub name: String,
+    pub weight: u32,
+    /// 0 = unlimited.
+    pub max_clients: u32,
+    pub id_hash: u64,
+}
+
+/// The balancer of one vserver. Shared by all workers (`&self` everywhere).
+pub struct Balancer {
+    method: Method,
+    algorithm: HashAlgorithm,
+    fingers: u32,
+    balance_factor: Option<u32>,
+    members: Vec<MemberInfo>,
+    weights: Vec<u32>,
+    health: Vec<AtomicU8>,
+    counters: Vec<ServiceCounters>,
+    selector: ArcSwap<HashSelector>,
+    method_state: MethodState,
+    /// Present for non-hash methods with slow start configured.
+    slow_start: Option<Mutex<SlowStart>>,
+    /// Serialises health changes (rebuild + swap); never taken by lookups.
+    control: Mutex<()>,
+    paths: [AtomicU64; 6],
+}
+
+impl std::fmt::Debug for Balancer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Balancer")
+            .field("method", &self.method)
+            .field("members", &self.members)
+            .finish_non_exhaustive()
+    }
+}
+
+fn up_set(health: &[AtomicU8]) -> Vec<bool> {
+    health
+        .iter()
+        .map(|h| Health::from_u8(h.load(Ordering::Acquire)) == Health::Up)
+        .collect()
+}
+
+impl Balancer {
+    /// Build the balancer of `vserver`; every member starts UP.
+    pub fn new(config: &Config, vserver: &Vserver) -> Balancer {
+        let members: Vec<MemberInfo> = vserver
+            .services
+            .iter()
+            .filter_map(|&i| config.services.get(i).map(|s| (i, s)))
+            .map(|(i, s)| MemberInfo {
+                service: i,
+                name: s.name.clone(),
+                weight: s.weight.max(1),
+                max_clients: s.max_clients,
+                id_hash: hash::service_identity_hash(s.hash_id.as_deref(), &s.address),
+            })
+            .collect();
+        let weights: Vec<u32> = members.iter().map(|m| m.weight).collect();
+        let select_members: Vec<select::Member> = members
+            .iter()
+            .map(|m| select::Member {
+                id_hash: m.id_hash,
+                weight: m.weight,
+            })
+            .collect();
+        let up = vec![true; members.len()];
+        let selector = HashSelector::build(
+            config.lb.hash_algorithm,
+            config.lb.hash_fingers,
+            &select_members,
+            &up,
+        );
+        let slow_start = vserver
+            .slow_start
+            .filter(|s| !vserver.method.is_hash() && s.new_service_request_rate > 0)
+            .map(|s| {
+                // Members present when the vserver starts are its base: with every member
+                // new there would be nobody to take the withheld requests. Members added by
+                // reload or returning from DOWN are new.
+                let mut ss = SlowStart::new(Some(s));
+                for (i, m) in members.iter().enumerate() {
+                    ss.register(i, m.weight, true);
+                }
+                Mutex::new(ss)
+            });
+        Balancer {
+            method: vserver.method,
+            algorithm: config.lb.hash_algorithm,
+            fingers: config.lb.hash_fingers,
+            balance_factor: vserver.hash.hash_balance_factor,
+            health: members
+                .iter()
+                .map(|_| AtomicU8::new(Health::Up as u8))
+                .collect(),
+            counters: members.iter().map(|_| ServiceCounters::new()).collect(),
+            members,
+            weights,
+            selector: ArcSwap::from_pointee(selector),
+            method_state: MethodState::new(&[]),
+            slow_start,
+            control: Mutex::new(()),
+            paths: Default::default(),
+        }
+        .with_method_state()
+    }
+
+    fn with_method_state(mut self) -> Balancer {
+        self.method_state = MethodState::new(&self.weights);
+        self
+    }
+
+    pub fn method(&self) -> Method {
+        self.method
+    }
+
+    pub fn members(&self) -> &[MemberInfo] {
+        &self.members
+    }
+
+    pub fn counters(&self, member: usize) -> Option<&ServiceCounters> {
+        self.counters.get(member)
+    }
+
+    pub fn health(&self, member: usize) -> Option<Health> {
+        self.health
+            .get(member)
+            .map(|h| Health::from_u8(h.load(Ordering::Acquire)))
+    }
+
+    /// How many requests each path has decided.
+    pub fn path_count(&self, path: Path) -> u64 {
+        self.paths[path as usize].load(Ordering::Relaxed)
+    }
+
+    /// Change a member's state. A change of the UP set rebuilds the hash selector aside and
+    /// swaps it in; DOWN→UP makes the member new for slow start (SPEC §3).
+    pub fn set_health(&self, member: usize, health: Health, now: Nanos) {
+        let Some(slot) = self.health.get(member) else {
+            return;
+        };
+        let _guard = self.control.lock().unwrap_or_else(|e| e.into_inner());
+        let old = Health::from_u8(slot.swap(health as u8, Ordering::AcqRel));
+        if old == health {
+            return;
+        }
+        if (old == Health::Up) != (health == Health::Up) {
+            self.rebuild_selector();
+            if let Some(ss) = &self.slow_start {
+                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                ss.set_up(member, health == Health::Up, now);
+            }
+        }
+    }
+
+    fn rebuild_selector(&self) {
+        let select_members: Vec<select::Member> = self
+            .members
+            .iter()
+            .map(|m| select::Member {
+                id_hash: m.id_hash,
+                weight: m.weight,
+            })
+            .collect();
+        let up = up_set(&self.health);
+        let built = HashSelector::build(self.algorithm, self.fingers, &select_members, &up);
+        self.selector.store(Arc::new(built));
+    }
+
+    /// Operator change of the slow-start rate (manual mode, SPEC §3).
+    pub fn set_slow_start_rate(&self, rate: u32, now: Nanos) -> bool {
+        match &self.slow_start {
+            Some(ss) => {
+                ss.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .set_rate(rate, now);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Slow-start view for status pages.
+    pub fn slow_start(&self) -> Option<SlowStart> {
+        self.slow_start
+            .as_ref()
+            .map(|ss| ss.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// UP, below `max_clients`, and (with bounded loads) not above factor × average load.
+    pub fn is_usable(&self, member: usize) -> bool {
+        let Some(h) = self.health.get(member) else {
+            return false;
+        };
+        if Health::from_u8(h.load(Ordering::Acquire)) != Health::Up {
+            return false;
+        }
+        let info = &self.members[member];
+        let active = self.counters[member].active();
+        if info.max_clients > 0 && active >= u64::from(info.max_clients) {
+            return false;
+        }
+        if let Some(factor) = self.balance_factor {
+            return !self.is_overloaded(member, active, factor);
+        }
+        true
+    }
+
+    /// Consistent hashing with bounded loads: a member may take a new flow while its load
+    /// (after taking it) stays within factor% of its weighted fair share of the UP members'
+    /// total load (plus the new flow).
+    fn is_overloaded(&self, member: usize, active: u64, factor: u32) -> bool {
+        let (total, weight_sum) = (0..self.members.len())
+            .filter(|&i| self.health(i) == Some(Health::Up))
+            .fold((0u128, 0u128), |(t, w), i| {
+                (
+                    t + u128::from(self.counters[i].active()),
+                    w + u128::from(self.weights[i]),
+                )
+            });
+        if weight_sum == 0 {
+            return false;
+        }
+        let w = u128::from(self.weights[member]);
+        // (active + 1) > factor/100 × (total + 1) × w / weight_sum, in integers; the +1 on
+        // the right keeps an idle vserver from refusing its first flows.
+        let lhs = (u128::from(active) + 1) * 100 * weight_sum;
+        let rhs = u128::from(factor) * (total + 1) * w;
+        lhs > rhs.max(100 * weight_sum)
+    }
+
+    /// Choose a member for a request.
+    pub fn choose(&self, key: KeyInput, now: Nanos) -> Option<Choice> {
+        let choice = if self.method.is_hash() {
+            self.choose_hash(key, now)
+        } else {
+            self.choose_method(self.method, now).map(|member| Choice {
+                member,
+                path: Path::Method,
+            })
+        };
+        if let Some(c) = choice {
+            self.paths[c.path as usize].fetch_add(1, Ordering::Relaxed);
+        }
+        choice
+    }
+
+    /// Count a decision made outside [`Balancer::choose`] (dialog / session affinity).
+    pub fn count_affinity(&self) {
+        self.paths[Path::Affinity as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn choose_hash(&self, key: KeyInput, now: Nanos) -> Option<Choice> {
+        match key {
+            KeyInput::Hash(h) => {
+                let selector = self.selector.load();
+                if let Some((member, rank)) = selector.pick(h, |i| self.is_usable(i)) {
+                    let path = if rank == 0 {
+                        Path::Hash
+                    } else {
+                        Path::NextRanked
+                    };
+                    return Some(Choice { member, path });
+                }
+                self.fallback(Method::LeastConnection, now)
+            }
+            KeyInput::NoKey => self.fallback(Method::LeastConnection, now),
+            KeyInput::Unparseable => self.fallback(methods::fallback(self.method), now),
+        }
+    }
+
+    fn fallback(&self, method: Method, now: Nanos) -> Option<Choice> {
+        let path = if method == Method::RoundRobin {
+            Path::FallbackRoundRobin
+        } else {
+            Path::FallbackLeastConnection
+        };
+        self.choose_method(method, now)
+            .map(|member| Choice { member, path })
+    }
+
+    fn choose_method(&self, method: Method, now: Nanos) -> Option<usize> {
+        let pick = |cap: &dyn Fn(usize) -> bool| {
+            methods::pick(
+                method,
+                &self.method_state,
+                &self.counters,
+                &self.weights,
+                |i| self.is_usable(i) && cap(i),
+                now,
+            )
+        };
+        match &self.slow_start {
+            Some(ss) => ss
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .route(now, pick),
+            None => pick(&|_| true),
+        }
+    }
+}

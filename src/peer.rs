@@ -1,0 +1,294 @@
+//! Minimal SIP user agents over UDP for `fulcrum demo` and the socket tests. IO.
+//!
+//! The UAS answers like a callee: INVITE → 180 + 200 (with a to-tag), BYE / OPTIONS /
+//! CANCEL / REGISTER → 200, ACK → nothing, and records every message per Call-ID so tests
+//! can check affinity. The UAC places whole calls (INVITE, 200, ACK, BYE, 200). They use
+//! fulcrum's own scanner and reply builder, which are tested against rsip elsewhere.
+
+use crate::sip::{self, Reply, SipMethod};
+use std::collections::HashMap;
+use std::io;
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// What a UAS has seen.
+#[derive(Debug, Default)]
+pub struct UasLog {
+    /// Call-ID → methods received, in order.
+    pub calls: Mutex<HashMap<String, Vec<String>>>,
+    pub invites: AtomicU64,
+    pub messages: AtomicU64,
+}
+
+impl UasLog {
+    pub fn call_ids(&self) -> Vec<String> {
+        self.calls
+            .lock()
+            .map(|c| c.keys().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    pub fn methods_of(&self, call_id: &str) -> Vec<String> {
+        self.calls
+            .lock()
+            .ok()
+            .and_then(|c| c.get(call_id).cloned())
+            .unwrap_or_default()
+    }
+}
+
+/// A running UAS.
+pub struct Uas {
+    pub addr: SocketAddr,
+    pub log: Arc<UasLog>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Uas {
+    /// Start a UAS on `bind` (port 0 for any).
+    pub fn start(bind: SocketAddr) -> io::Result<Uas> {
+        let socket = UdpSocket::bind(bind)?;
+        socket.set_read_timeout(Some(Duration::from_millis(50)))?;
+        let addr = socket.local_addr()?;
+        let log = Arc::new(UasLog::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (log2, stop2) = (Arc::clone(&log), Arc::clone(&stop));
+        let thread = std::thread::Builder::new()
+            .name(format!("uas-{}", addr.port()))
+            .spawn(move || uas_loop(&socket, &log2, &stop2))?;
+        Ok(Uas {
+            addr,
+            log,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// Stop answering (the socket closes: later datagrams get ICMP port unreachable).
+    pub fn stop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Uas {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn uas_loop(socket: &UdpSocket, log: &UasLog, stop: &AtomicBool) {
+    let mut buf = vec![0u8; 65_536];
+    let mut out = Vec::with_capacity(2048);
+    while !stop.load(Ordering::Relaxed) {
+        let Ok((n, src)) = socket.recv_from(&mut buf) else {
+            continue;
+        };
+        let Ok(msg) = sip::scan(&buf[..n]) else {
+            continue;
+        };
+        if !msg.is_request() {
+            continue;
+        }
+        log.messages.fetch_add(1, Ordering::Relaxed);
+        let method = String::from_utf8_lossy(msg.method().unwrap_or(b"?")).into_owned();
+        if let Some(cid) = msg.call_id()
+            && let Ok(mut calls) = log.calls.lock()
+        {
+            calls
+                .entry(String::from_utf8_lossy(cid).into_owned())
+                .or_default()
+                .push(method);
+        }
+        let kind = msg.method_kind();
+        if kind == SipMethod::Ack {
+            continue;
+        }
+        if kind == SipMethod::Invite {
+            log.invites.fetch_add(1, Ordering::Relaxed);
+            out.clear();
+            let ringing = Reply {
+                code: 180,
+                reason: "Ringing",
+                retry_after_s: None,
+            };
+            if sip::build_response(&msg, &ringing, &mut out).is_ok() {
+                let _ = socket.send_to(&out, src);
+            }
+        }
+        out.clear();
+        let ok = Reply {
+            code: 200,
+            reason: "OK",
+            retry_after_s: None,
+        };
+        if sip::build_response(&msg, &ok, &mut out).is_ok() {
+            let _ = socket.send_to(&out, src);
+        }
+    }
+}
+
+/// Why a call failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallError {
+    Timeout(&'static str),
+    Status(u16),
+    Io(String),
+}
+
+/// A UAC placing calls through `proxy` from its own socket.
+pub struct Uac {
+    socket: UdpSocket,
+    local: SocketAddr,
+    proxy: SocketAddr,
+    seq: u64,
+    tag: String,
+    buf: Vec<u8>,
+}
+
+impl Uac {
+    pub fn new(bind: SocketAddr, proxy: SocketAddr, tag: &str) -> io::Result<Uac> {
+        let socket = UdpSocket::bind(bind)?;
+        let local = socket.local_addr()?;
+        Ok(Uac {
+            socket,
+            local,
+            proxy,
+            seq: 0,
+            tag: tag.to_owned(),
+            buf: vec![0u8; 65_536],
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    fn host(&self) -> String {
+        match self.local {
+            SocketAddr::V4(a) => a.to_string(),
+            SocketAddr::V6(a) => format!("[{}]:{}", a.ip(), a.port()),
+        }
+    }
+
+    /// A request from this UAC (Via with rport, CRLF line ends, Content-Length: 0).
+    pub fn request(
+        &self,
+        method: &str,
+        call_id: &str,
+        cseq: u32,
+        branch: &str,
+        to_tag: Option<&str>,
+    ) -> String {
+        let host = self.host();
+        let to_tag = to_tag.map(|t| format!(";tag={t}")).unwrap_or_default();
+        format!(
+            "{method} sip:service@fulcrum SIP/2.0\r\n\
+             Via: SIP/2.0/UDP {host};branch=z9hG4bK{branch};rport\r\n\
+             Max-Forwards: 70\r\n\
+             From: <sip:{tag}@client>;tag={tag}\r\n\
+             To: <sip:service@fulcrum>{to_tag}\r\n\
+             Call-ID: {call_id}\r\n\
+             CSeq: {cseq} {method}\r\n\
+             Contact: <sip:{tag}@{host}>\r\n\
+             Content-Length: 0\r\n\r\n",
+            tag = self.tag
+        )
+    }
+
+    pub fn send_raw(&self, bytes: &[u8]) -> io::Result<()> {
+        self.socket.send_to(bytes, self.proxy).map(|_| ())
+    }
+
+    /// Wait for the next final (>= 200) response, up to `timeout`. Returns status and the
+    /// To header value (with the callee's tag).
+    pub fn final_response(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<(u16, String, Vec<u8>), CallError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CallError::Timeout("final response"));
+            }
+            self.socket
+                .set_read_timeout(Some(left))
+                .map_err(|e| CallError::Io(e.to_string()))?;
+            let n = match self.socket.recv_from(&mut self.buf) {
+                Ok((n, _)) => n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(CallError::Timeout("final response"));
+                }
+                Err(e) => return Err(CallError::Io(e.to_string())),
+            };
+            let Ok(msg) = sip::scan(&self.buf[..n]) else {
+                continue;
+            };
+            match msg.status_code() {
+                Some(code) if code >= 200 => {
+                    let to = String::from_utf8_lossy(msg.to_header().unwrap_or(b"")).into_owned();
+                    return Ok((code, to, self.buf[..n].to_vec()));
+                }
+                _ => continue,
+            }
+        }
+    }
+
+    /// One complete call: INVITE → 200 → ACK → BYE → 200. Returns the Call-ID.
+    pub fn call(&mut self, timeout: Duration) -> Result<String, CallError> {
+        self.seq += 1;
+        let call_id = format!("{}-{}@fulcrum-demo", self.tag, self.seq);
+        let invite = self.request(
+            "INVITE",
+            &call_id,
+            1,
+            &format!("{}i{}", self.tag, self.seq),
+            None,
+        );
+        self.send_raw(invite.as_bytes())
+            .map_err(|e| CallError::Io(e.to_string()))?;
+        let (code, to, _) = self.final_response(timeout)?;
+        if code != 200 {
+            return Err(CallError::Status(code));
+        }
+        let to_tag = to
+            .split(";tag=")
+            .nth(1)
+            .map(|t| t.split(';').next().unwrap_or(t).to_owned());
+        let ack = self.request(
+            "ACK",
+            &call_id,
+            1,
+            &format!("{}a{}", self.tag, self.seq),
+            to_tag.as_deref(),
+        );
+        self.send_raw(ack.as_bytes())
+            .map_err(|e| CallError::Io(e.to_string()))?;
+        let bye = self.request(
+            "BYE",
+            &call_id,
+            2,
+            &format!("{}b{}", self.tag, self.seq),
+            to_tag.as_deref(),
+        );
+        self.send_raw(bye.as_bytes())
+            .map_err(|e| CallError::Io(e.to_string()))?;
+        let (code, _, _) = self.final_response(timeout)?;
+        if code != 200 {
+            return Err(CallError::Status(code));
+        }
+        Ok(call_id)
+    }
+}

@@ -1,0 +1,6 @@
+//! The data paths (IO shells around the pure core) and the runtime that starts them.
+
+pub mod runtime;
+pub mod sip_udp;
+
+pub use runtime::{Runtime, RuntimeError, VserverHandle};

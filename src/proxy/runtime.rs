@@ -1,0 +1,257 @@
+//! Starts the vservers of a config and holds what the operator controls at run time. IO.
+
+use crate::balancer::{Balancer, Health};
+use crate::config::{Config, Protocol, Vserver};
+use crate::net;
+use crate::proxy::sip_udp::{self, SipUdpCore, SipUdpParams};
+use crate::sip::{Local, Transport};
+use crate::stats::Nanos;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How often a blocked worker checks for shutdown.
+const POLL: Duration = Duration::from_millis(100);
+
+/// Why the runtime could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("vserver `{vserver}`: cannot bind {addr}: {source}")]
+    Bind {
+        vserver: String,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("vserver `{vserver}`: {problem}")]
+    Setup { vserver: String, problem: String },
+    #[error("vserver `{vserver}`: protocol {protocol} has no data path in this build yet")]
+    Unsupported {
+        vserver: String,
+        protocol: &'static str,
+    },
+    #[error("cannot start a thread: {0}")]
+    Thread(#[from] std::io::Error),
+}
+
+/// A running vserver.
+#[derive(Debug)]
+pub struct VserverHandle {
+    pub name: String,
+    pub protocol: Protocol,
+    /// The addresses actually bound (port 0 resolved).
+    pub bound: Vec<SocketAddr>,
+    pub core: Arc<SipUdpCore>,
+}
+
+impl VserverHandle {
+    pub fn balancer(&self) -> &Arc<Balancer> {
+        self.core.balancer()
+    }
+}
+
+/// All running vservers of one config.
+pub struct Runtime {
+    epoch: Instant,
+    stop: Arc<AtomicBool>,
+    vservers: Vec<VserverHandle>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("vservers", &self.vservers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runtime {
+    /// Bind every vserver and start its workers. Nothing is left running on error.
+    pub fn start(config: &Config) -> Result<Runtime, RuntimeError> {
+        let mut rt = Runtime {
+            epoch: Instant::now(),
+            stop: Arc::new(AtomicBool::new(false)),
+            vservers: Vec::new(),
+            threads: Vec::new(),
+        };
+        for v in &config.vservers {
+            if let Err(e) = rt.start_vserver(config, v) {
+                rt.stop_all();
+                return Err(e);
+            }
+        }
+        Ok(rt)
+    }
+
+    /// Monotonic nanoseconds since start: the `now` handed to the pure core.
+    pub fn now(&self) -> Nanos {
+        sip_udp::elapsed_nanos(self.epoch)
+    }
+
+    pub fn vservers(&self) -> &[VserverHandle] {
+        &self.vservers
+    }
+
+    pub fn vserver(&self, name: &str) -> Option<&VserverHandle> {
+        self.vservers.iter().find(|v| v.name == name)
+    }
+
+    /// Set the state of service `service` in every vserver that uses it; returns how many
+    /// vservers it belongs to.
+    pub fn set_health(&self, service: &str, health: Health) -> usize {
+        let now = self.now();
+        let mut n = 0;
+        for v in &self.vservers {
+            let b = v.balancer();
+            if let Some(m) = b.members().iter().position(|m| m.name == service) {
+                b.set_health(m, health, now);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    fn start_vserver(&mut self, config: &Config, v: &Vserver) -> Result<(), RuntimeError> {
+        match v.protocol {
+            Protocol::SipUdp => self.start_sip_udp(config, v),
+            p => Err(RuntimeError::Unsupported {
+                vserver: v.name.clone(),
+                protocol: p.name(),
+            }),
+        }
+    }
+
+    fn start_sip_udp(&mut self, config: &Config, v: &Vserver) -> Result<(), RuntimeError> {
+        let workers = net::worker_count(v.workers);
+        let mut sockets = Vec::new();
+        let mut bound = Vec::new();
+        for addr in &v.bind {
+            let socks =
+                net::bind_udp_workers(*addr, workers).map_err(|source| RuntimeError::Bind {
+                    vserver: v.name.clone(),
+                    addr: *addr,
+                    source,
+                })?;
+            let actual = socks
+                .first()
+                .and_then(|s| s.local_addr().ok())
+                .unwrap_or(*addr);
+            bound.push(actual);
+            sockets.extend(socks);
+        }
+        let member_addrs: Vec<SocketAddr> = v
+            .services
+            .iter()
+            .filter_map(|&i| config.services.get(i))
+            .map(|s| SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
+            .collect();
+        let local = local_identity(v, &bound, &member_addrs)?;
+        let balancer = Arc::new(Balancer::new(config, v));
+        let core = Arc::new(SipUdpCore::new(SipUdpParams {
+            name: v.name.clone(),
+            local,
+            record_route: v.record_route,
+            method: v.method,
+            hash_params: v.hash.clone(),
+            balancer,
+            member_addrs,
+            max_dialogs: v.max_sessions,
+            dialog_idle: v.idle_timeout,
+        }));
+        for (i, socket) in sockets.into_iter().enumerate() {
+            let core = Arc::clone(&core);
+            let stop = Arc::clone(&self.stop);
+            let epoch = self.epoch;
+            let t = std::thread::Builder::new()
+                .name(format!("{}-{i}", v.name))
+                .spawn(move || sip_udp::run_worker(socket, core, epoch, stop, POLL))?;
+            self.threads.push(t);
+        }
+        // Dialog expiry: often enough that the table reflects the idle timeout within ~10%.
+        let sweep_every =
+            (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
+        let (core2, stop, epoch) = (Arc::clone(&core), Arc::clone(&self.stop), self.epoch);
+        let t = std::thread::Builder::new()
+            .name(format!("{}-sweep", v.name))
+            .spawn(move || {
+                let mut last = Instant::now();
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(POLL);
+                    if last.elapsed() >= sweep_every {
+                        core2.sweep(sip_udp::elapsed_nanos(epoch));
+                        last = Instant::now();
+                    }
+                }
+            })?;
+        self.threads.push(t);
+        tracing::info!(
+            vserver = %v.name,
+            bind = ?bound,
+            workers,
+            method = v.method.name(),
+            "sip-udp vserver started"
+        );
+        self.vservers.push(VserverHandle {
+            name: v.name.clone(),
+            protocol: v.protocol,
+            bound,
+            core,
+        });
+        Ok(())
+    }
+
+    fn stop_all(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+
+    /// Stop every worker and wait for them.
+    pub fn shutdown(mut self) {
+        self.stop_all();
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.stop_all();
+    }
+}
+
+/// fulcrum's Via / Record-Route identity on a vserver: `advertise`, else the bound
+/// address, else (wildcard bind) the local address the kernel uses toward the services.
+fn local_identity(
+    v: &Vserver,
+    bound: &[SocketAddr],
+    members: &[SocketAddr],
+) -> Result<Local, RuntimeError> {
+    let setup = |problem: String| RuntimeError::Setup {
+        vserver: v.name.clone(),
+        problem,
+    };
+    let first = *bound
+        .first()
+        .ok_or_else(|| setup("no bind address".into()))?;
+    let local = if let Some(adv) = &v.advertise {
+        let (host, port) = adv
+            .rsplit_once(':')
+            .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h, p)))
+            .ok_or_else(|| setup(format!("advertise `{adv}` is not HOST:PORT")))?;
+        Local::new(host, port, Transport::Udp)
+    } else if first.ip().is_unspecified() {
+        let peer = members
+            .first()
+            .ok_or_else(|| setup("no services to route toward".into()))?;
+        let ip =
+            net::local_ip_toward(*peer).map_err(|e| setup(format!("no route to {peer}: {e}")))?;
+        tracing::warn!(vserver = %v.name, %ip, "bound to a wildcard without `advertise`: using the address toward the services in Via");
+        Local::from_addr(SocketAddr::new(ip, first.port()), Transport::Udp)
+    } else {
+        Local::from_addr(first, Transport::Udp)
+    };
+    Ok(local.with_aliases(bound))
+}

@@ -1,0 +1,117 @@
+//! Consistent-hash selection: `carp`, `prac`, `jarh` (SPEC section 2). PURE.
+//!
+//! Every algorithm reduces to a ranking of the configured services for a key; health and
+//! eligibility (max_clients, bounded loads) filter that ranking from the outside. A
+//! [`HashSelector`] is immutable once built from (algorithm, fingers, members, UP set): a health
+//! or config change builds a new one aside and the caller swaps it in (ArcSwap), so lookups never
+//! wait for a rebuild. The result is a pure function of those inputs, so every instance with the
+//! same config and UP set chooses the same service (SPEC section 2 rule 7).
+//!
+//! Constructions are documented in each submodule and in `docs/hashing.md`.
+
+pub mod carp;
+pub mod jarh;
+pub mod prac;
+
+use crate::config::HashAlgorithm;
+
+/// One configured service as the hash algorithms see it, in config order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Member {
+    /// `crate::hash::service_identity_hash` of the service (hash_id, else address).
+    pub id_hash: u64,
+    /// Service weight (config guarantees 1..=100; 0 is treated as 1).
+    pub weight: u32,
+}
+
+#[derive(Debug, Clone)]
+enum Inner {
+    Carp(carp::Carp),
+    Prac(prac::Prac),
+    Jarh(jarh::Jarh),
+}
+
+/// An immutable consistent-hash selector for one service set and one UP set.
+#[derive(Debug, Clone)]
+pub struct HashSelector {
+    algorithm: HashAlgorithm,
+    inner: Inner,
+}
+
+impl HashSelector {
+    /// Builds the selector. `up[i]` = service i is UP; a missing entry counts as not UP.
+    /// prac and jarh derive their health-adjusted state from the all-UP one, so the result is a
+    /// pure function of (algorithm, fingers, members, up). `fingers` is clamped to at least 1;
+    /// an empty member list gives a selector that never picks.
+    pub fn build(
+        algorithm: HashAlgorithm,
+        fingers: u32,
+        members: &[Member],
+        up: &[bool],
+    ) -> HashSelector {
+        let ids: Vec<u64> = members.iter().map(|m| m.id_hash).collect();
+        let weights: Vec<u32> = members.iter().map(|m| m.weight).collect();
+        let up: Vec<bool> = (0..members.len())
+            .map(|i| up.get(i).copied().unwrap_or(false))
+            .collect();
+        let inner = match algorithm {
+            HashAlgorithm::Carp => Inner::Carp(carp::Carp::build(ids, &weights, up)),
+            HashAlgorithm::Prac => Inner::Prac(prac::Prac::build(ids, &weights, fingers, up)),
+            HashAlgorithm::Jarh => Inner::Jarh(jarh::Jarh::build(&ids, &weights, fingers, up)),
+        };
+        HashSelector { algorithm, inner }
+    }
+
+    /// The algorithm this selector runs.
+    pub fn algorithm(&self) -> HashAlgorithm {
+        self.algorithm
+    }
+
+    /// First service for this key that is UP and for which `eligible(i)` holds, following the
+    /// algorithm's ranking (SPEC section 2 rules 1-5). Returns the service index and its position
+    /// in [`HashSelector::ranking`] (0 = first choice), so metrics can tell "hash" from
+    /// "next-ranked". `None` when no UP eligible service exists.
+    ///
+    /// A first-choice hit does not allocate: O(1) for prac and jarh, one pass over the services
+    /// for carp. prac's table may pass over a next-ranked service at its capped share (see
+    /// `prac`).
+    #[inline]
+    pub fn pick(&self, key_hash: u64, eligible: impl Fn(usize) -> bool) -> Option<(usize, usize)> {
+        match &self.inner {
+            Inner::Carp(c) => c.pick(key_hash, eligible),
+            Inner::Prac(p) => p.pick(key_hash, eligible),
+            Inner::Jarh(j) => j.pick(key_hash, eligible),
+        }
+    }
+
+    /// The full failover order for a key: every service exactly once, UP or not.
+    pub fn ranking(&self, key_hash: u64) -> Vec<usize> {
+        match &self.inner {
+            Inner::Carp(c) => c.ranking(key_hash),
+            Inner::Prac(p) => p.ranking(key_hash),
+            Inner::Jarh(j) => j.ranking(key_hash),
+        }
+    }
+
+    /// Bytes held by the algorithm's tables (the selector's heap data).
+    pub fn memory_bytes(&self) -> usize {
+        match &self.inner {
+            Inner::Carp(c) => c.memory_bytes(),
+            Inner::Prac(p) => p.memory_bytes(),
+            Inner::Jarh(j) => j.memory_bytes(),
+        }
+    }
+
+    /// The exact fraction of the hash space each service owns with the current UP set, for the
+    /// table and ring algorithms; `None` for carp, whose shares exist only as probabilities.
+    pub fn exact_shares(&self) -> Option<Vec<f64>> {
+        match &self.inner {
+            Inner::Carp(_) => None,
+            Inner::Prac(p) => Some(p.shares()),
+            Inner::Jarh(j) => Some(j.shares()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,332 @@
+//! `fulcrum simulate hash`: balance, disruption, lookup time and memory of a consistent-hash
+//! algorithm, measured with the real selection code. PURE, with one deliberate exception:
+//! `lookup_ns` is a measurement, so this module (never the selection code) reads
+//! `std::time::Instant` around batches of lookups.
+//!
+//! Keys are synthetic Call-ID-like strings (`<16 hex>-<8 hex>@host<n>.example.net`) drawn from a
+//! splitmix64 stream seeded by `seed`, hashed with the production `key_hash`. Services are
+//! `10.a.b.c:5060` (weight 1) hashed by address identity.
+//!
+//! Disruption is averaged over several trials so that one service's sampling noise (about
+//! 1/sqrt(keys/N)) does not dominate the ratio: `min(N, 16)` services, spread over the config
+//! order, are each taken DOWN alone, and as many distinct new services are each added alone.
+//! The ratios are the mean over trials; the foreign-move counts are the largest over trials;
+//! `restore_exact` must hold for every trial.
+
+use std::hint::black_box;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::config::HashAlgorithm;
+use crate::hash::{address_identity, key_hash, mix64, service_hash};
+use crate::select::{HashSelector, Member};
+
+/// Inputs of one simulation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HashSimParams {
+    pub algorithm: HashAlgorithm,
+    pub services: usize,
+    pub keys: usize,
+    pub fingers: u32,
+    pub seed: u64,
+}
+
+/// Result of one simulation (the JSON object of `fulcrum simulate hash --json`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HashReport {
+    pub algorithm: String,
+    pub services: usize,
+    pub keys: usize,
+    pub fingers: u32,
+    /// Max keys on one service / mean keys per service.
+    pub peak_to_mean: f64,
+    /// Largest exact share of the hash space one service owns x N (carp: = peak_to_mean).
+    pub share_peak_to_mean: f64,
+    /// Fraction of keys moved when one service goes DOWN, / (1/N); mean over trials.
+    pub remove_moved_ratio: f64,
+    /// Keys that moved although their service stayed UP; worst trial.
+    pub remove_foreign_moved: u64,
+    /// Every key back on its service after the DOWN service returned, in every trial.
+    pub restore_exact: bool,
+    /// Fraction of keys moved when one service is added, / (1/(N+1)); mean over trials.
+    pub add_moved_ratio: f64,
+    /// Keys that moved to a service other than the added one; worst trial.
+    pub add_foreign_moved: u64,
+    /// Median time of one lookup (`HashSelector::pick`), key hash excluded.
+    pub lookup_ns: f64,
+    /// Bytes of the algorithm's tables with all services UP.
+    pub memory_bytes: usize,
+}
+
+/// Number of remove and add trials.
+fn trials(services: usize) -> usize {
+    services.min(16)
+}
+
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        mix64(self.0)
+    }
+}
+
+/// The synthetic key hashes for `keys` Call-ID-like keys.
+pub fn synthetic_key_hashes(keys: usize, seed: u64) -> Vec<u64> {
+    let mut rng = SplitMix(seed);
+    (0..keys)
+        .map(|_| {
+            let a = rng.next();
+            let b = rng.next();
+            let call_id = format!("{a:016x}-{:08x}@host{}.example.net", b >> 32, b % 64);
+            key_hash(call_id.as_bytes())
+        })
+        .collect()
+}
+
+/// Member for the `i`-th synthetic service (10.x.y.z:5060).
+pub fn synthetic_member(i: usize) -> Member {
+    let n = (i as u32).wrapping_add(1);
+    let ip = Ipv4Addr::new(10, (n >> 16) as u8, (n >> 8) as u8, n as u8);
+    let addr = SocketAddr::V4(SocketAddrV4::new(ip, 5060));
+    Member {
+        id_hash: service_hash(&address_identity(&addr)),
+        weight: 1,
+    }
+}
+
+fn owners(sel: &HashSelector, keys: &[u64]) -> Vec<u32> {
+    keys.iter()
+        .map(|k| sel.pick(*k, |_| true).map_or(u32::MAX, |(i, _)| i as u32))
+        .collect()
+}
+
+fn median_lookup_ns(sel: &HashSelector, keys: &[u64]) -> f64 {
+    const BATCH: usize = 1000;
+    if keys.is_empty() {
+        return 0.0;
+    }
+    let mut samples: Vec<f64> = Vec::new();
+    // Warm the tables into cache the way a busy proxy has them.
+    for k in keys.iter().take(BATCH) {
+        black_box(sel.pick(*k, |_| true));
+    }
+    for chunk in keys.chunks(BATCH).take(2000) {
+        let t = Instant::now();
+        for k in chunk {
+            black_box(sel.pick(black_box(*k), |_| true));
+        }
+        samples.push(t.elapsed().as_nanos() as f64 / chunk.len() as f64);
+    }
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+/// Runs one simulation with the real selection code.
+pub fn simulate_hash(p: &HashSimParams) -> HashReport {
+    let n = p.services;
+    let keys = synthetic_key_hashes(p.keys, p.seed);
+    let members: Vec<Member> = (0..n).map(synthetic_member).collect();
+    let all_up = vec![true; n];
+    let base = HashSelector::build(p.algorithm, p.fingers, &members, &all_up);
+    let before = owners(&base, &keys);
+
+    let mut counts = vec![0u64; n];
+    for o in &before {
+        if let Some(c) = counts.get_mut(*o as usize) {
+            *c += 1;
+        }
+    }
+    let mean = p.keys as f64 / n.max(1) as f64;
+    let peak = counts.iter().copied().max().unwrap_or(0) as f64;
+    let peak_to_mean = if mean > 0.0 { peak / mean } else { 0.0 };
+    let share_peak_to_mean = match base.exact_shares() {
+        Some(shares) => shares.iter().copied().fold(0.0, f64::max) * n as f64,
+        None => peak_to_mean,
+    };
+
+    let t = trials(n);
+    let mut remove_ratio_sum = 0.0;
+    let mut remove_foreign = 0u64;
+    let mut restore_exact = true;
+    for trial in 0..t {
+        let victim = trial * n / t;
+        let mut up = all_up.clone();
+        up[victim] = false;
+        let down = HashSelector::build(p.algorithm, p.fingers, &members, &up);
+        let after = owners(&down, &keys);
+        let mut moved = 0u64;
+        let mut foreign = 0u64;
+        for (b, a) in before.iter().zip(&after) {
+            if b != a {
+                moved += 1;
+                if *b as usize != victim {
+                    foreign += 1;
+                }
+            }
+        }
+        remove_foreign = remove_foreign.max(foreign);
+        if p.keys > 0 {
+            remove_ratio_sum += (moved as f64 / p.keys as f64) * n as f64;
+        }
+        let back = HashSelector::build(p.algorithm, p.fingers, &members, &all_up);
+        restore_exact &= owners(&back, &keys) == before;
+    }
+
+    let mut add_ratio_sum = 0.0;
+    let mut add_foreign = 0u64;
+    for trial in 0..t {
+        let mut grown = members.clone();
+        // New services come from outside the range used by the config (n + 1000 + trial).
+        grown.push(synthetic_member(n + 1000 + trial));
+        let sel = HashSelector::build(p.algorithm, p.fingers, &grown, &vec![true; n + 1]);
+        let after = owners(&sel, &keys);
+        let mut moved = 0u64;
+        let mut foreign = 0u64;
+        for (b, a) in before.iter().zip(&after) {
+            if b != a {
+                moved += 1;
+                if *a as usize != n {
+                    foreign += 1;
+                }
+            }
+        }
+        add_foreign = add_foreign.max(foreign);
+        if p.keys > 0 {
+            add_ratio_sum += (moved as f64 / p.keys as f64) * (n + 1) as f64;
+        }
+    }
+    let per_trial = |sum: f64| if t > 0 { sum / t as f64 } else { 0.0 };
+
+    HashReport {
+        algorithm: p.algorithm.name().to_string(),
+        services: n,
+        keys: p.keys,
+        fingers: p.fingers,
+        peak_to_mean,
+        share_peak_to_mean,
+        remove_moved_ratio: per_trial(remove_ratio_sum),
+        remove_foreign_moved: remove_foreign,
+        restore_exact,
+        add_moved_ratio: per_trial(add_ratio_sum),
+        add_foreign_moved: add_foreign,
+        lookup_ns: median_lookup_ns(&base, &keys),
+        memory_bytes: base.memory_bytes(),
+    }
+}
+
+/// Human-readable rendering of a report (`fulcrum simulate hash` without `--json`).
+pub fn render_text(r: &HashReport) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "algorithm {}  services {}  keys {}  fingers {}\n",
+        r.algorithm, r.services, r.keys, r.fingers
+    ));
+    let rows: [(&str, String); 11] = [
+        ("peak/mean keys", format!("{:.4}", r.peak_to_mean)),
+        ("peak/mean share", format!("{:.4}", r.share_peak_to_mean)),
+        (
+            "remove: moved / ideal",
+            format!("{:.4}", r.remove_moved_ratio),
+        ),
+        ("remove: foreign moved", r.remove_foreign_moved.to_string()),
+        ("restore exact", r.restore_exact.to_string()),
+        ("add: moved / ideal", format!("{:.4}", r.add_moved_ratio)),
+        ("add: foreign moved", r.add_foreign_moved.to_string()),
+        ("lookup (median)", format!("{:.1} ns", r.lookup_ns)),
+        ("memory", format!("{} bytes", r.memory_bytes)),
+        ("trials (remove/add)", trials(r.services).to_string()),
+        (
+            "note",
+            "ratios: mean over trials; foreign: worst trial".to_string(),
+        ),
+    ];
+    for (k, v) in rows {
+        s.push_str(&format!("  {k:<24}{v}\n"));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(algorithm: HashAlgorithm) -> HashReport {
+        simulate_hash(&HashSimParams {
+            algorithm,
+            services: 20,
+            keys: 20_000,
+            fingers: 64,
+            seed: 7,
+        })
+    }
+
+    #[test]
+    fn small_runs_hold_the_disruption_properties() {
+        for (_, alg) in HashAlgorithm::ALL {
+            let r = run(alg);
+            assert_eq!(r.remove_foreign_moved, 0, "{r:?}");
+            assert!(r.restore_exact, "{r:?}");
+            assert!(r.peak_to_mean < 1.6, "{r:?}");
+            assert!(r.remove_moved_ratio < 1.5, "{r:?}");
+            assert!(r.add_moved_ratio < 2.0, "{r:?}");
+            if alg != HashAlgorithm::Prac {
+                assert_eq!(r.add_foreign_moved, 0, "{r:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn report_is_deterministic_except_timing() {
+        let mut a = run(HashAlgorithm::Prac);
+        let mut b = run(HashAlgorithm::Prac);
+        a.lookup_ns = 0.0;
+        b.lookup_ns = 0.0;
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn json_has_the_issue_fields() {
+        let r = run(HashAlgorithm::Jarh);
+        let v = serde_json::to_value(&r).unwrap();
+        let obj = v.as_object().unwrap();
+        for f in [
+            "algorithm",
+            "services",
+            "keys",
+            "fingers",
+            "peak_to_mean",
+            "share_peak_to_mean",
+            "remove_moved_ratio",
+            "remove_foreign_moved",
+            "restore_exact",
+            "add_moved_ratio",
+            "add_foreign_moved",
+            "lookup_ns",
+            "memory_bytes",
+        ] {
+            assert!(obj.contains_key(f), "{f}");
+        }
+        assert_eq!(obj.len(), 13);
+        assert!(render_text(&r).contains("jarh"));
+    }
+
+    #[test]
+    fn degenerate_inputs_do_not_panic() {
+        for (_, alg) in HashAlgorithm::ALL {
+            for (services, keys, fingers) in [(0, 10, 1), (1, 0, 0), (1, 10, 0), (3, 10, 1)] {
+                let r = simulate_hash(&HashSimParams {
+                    algorithm: alg,
+                    services,
+                    keys,
+                    fingers,
+                    seed: 1,
+                });
+                assert!(r.restore_exact);
+            }
+        }
+    }
+}
