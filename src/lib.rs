@@ -5,6 +5,7 @@
 //!
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
+//! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
@@ -22,6 +23,7 @@
 
 pub mod balancer;
 pub mod config;
+pub mod demo;
 pub mod dialog;
 pub mod hash;
 pub mod http;

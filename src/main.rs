@@ -1,10 +1,14 @@
 //! The `fulcrum` command line: arguments, tracing setup, config loading; the work is
 //! handed to the library.
 
+use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
-use fulcrum::config;
+use fulcrum::config::{self, Config, LogFormat};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -28,6 +32,22 @@ enum CliLogFormat {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the proxy until SIGTERM / Ctrl-C.
+    Run {
+        /// Config file.
+        #[arg(long, short, default_value = "config/fulcrum.yaml")]
+        config: PathBuf,
+    },
+    /// Self-contained run on loopback: built-in SIP backends, the proxy and a client load,
+    /// with a live per-service table. Needs nothing installed.
+    Demo {
+        /// How long to run, e.g. 30s.
+        #[arg(long, default_value = "30s", value_parser = parse_duration_arg)]
+        duration: Duration,
+        /// Offered calls per second.
+        #[arg(long, default_value_t = 120)]
+        rate: u32,
+    },
     /// Validate a config file: exit 0 with a summary per vserver, or exit 2 with
     /// `FILE:LINE:COL: field.path: problem` lines on stderr.
     Check {
@@ -54,7 +74,91 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Check { files } => Ok(check(&files)),
+        Command::Run { config: path } => {
+            let cfg = match config::load(&path) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("{e}");
+                    return Ok(ExitCode::from(EXIT_INVALID));
+                }
+            };
+            init_tracing(cli.log_format, Some(&cfg))?;
+            run_proxy(&cfg)?;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo { duration, rate } => {
+            init_tracing(cli.log_format, None)?;
+            let stop = Arc::new(AtomicBool::new(false));
+            let stop2 = Arc::clone(&stop);
+            std::thread::spawn(move || {
+                if wait_for_signal().is_ok() {
+                    stop2.store(true, Ordering::Relaxed);
+                }
+            });
+            let report = fulcrum::demo::run(fulcrum::demo::DemoOptions { duration, rate }, stop)?;
+            Ok(if report.calls_ok > 0 {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
     }
+}
+
+/// Set up tracing: `RUST_LOG` wins over the config's `logging.level`, which wins over `info`.
+fn init_tracing(cli_format: Option<CliLogFormat>, config: Option<&Config>) -> anyhow::Result<()> {
+    use tracing_subscriber::EnvFilter;
+    let level = config
+        .and_then(|c| c.logging.level.clone())
+        .unwrap_or_else(|| "info".into());
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(v) if !v.is_empty() => EnvFilter::try_new(v).context("RUST_LOG")?,
+        _ => EnvFilter::try_new(level).context("logging.level")?,
+    };
+    let json = match cli_format {
+        Some(CliLogFormat::Json) => true,
+        Some(CliLogFormat::Text) => false,
+        None => config.is_some_and(|c| c.logging.format == LogFormat::Json),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+    Ok(())
+}
+
+fn parse_duration_arg(s: &str) -> Result<Duration, String> {
+    config::parse_duration(s).ok_or_else(|| format!("`{s}` is not a duration such as 30s"))
+}
+
+/// Block until SIGTERM or SIGINT.
+fn wait_for_signal() -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => r,
+            _ = term.recv() => Ok(()),
+        }
+    })?;
+    Ok(())
+}
+
+fn run_proxy(cfg: &Config) -> anyhow::Result<()> {
+    let rt = fulcrum::proxy::Runtime::start(cfg).context("starting vservers")?;
+    for v in rt.vservers() {
+        tracing::info!(vserver = %v.name, bound = ?v.bound, "listening");
+    }
+    wait_for_signal()?;
+    tracing::info!("signal received, shutting down");
+    rt.shutdown();
+    Ok(())
 }
 
 fn check(files: &[PathBuf]) -> ExitCode {
