@@ -29,7 +29,11 @@
 //!    rate → leaves ([`ExitReason::BelowRate`]). This is how the rate "never grows beyond the
 //!    full share": in the SPEC table (100 req/s, five services) the rate reaches 20 at 40 s, and
 //!    at 50 s the next rate 24 would exceed the share 20, so the service leaves at 50 s.
-//!    `percent`: the next percentage is 100 or more → leaves ([`ExitReason::FullShare`]);
+//!    `percent`: the percentage of the finished interval was 100 or more, i.e. it already
+//!    received a full share → leaves ([`ExitReason::FullShare`]). In the SPEC example (step 25,
+//!    interval 5 s) p is 100 over 15–20 s, the service takes its full share there without limit,
+//!    and slow start ends at 20 s — the same pattern as `per_second`, where the rate equals the
+//!    full share over 40–50 s and the service leaves at 50 s;
 //! 3. otherwise the rate grows by the configured step; the 200th increase ends slow start
 //!    ([`ExitReason::MaxIncreases`]).
 //!
@@ -318,7 +322,9 @@ impl SlowStart {
                             let rhs = u128::from(next) * u128::from(interval) * up_weight.max(1);
                             (lhs < rhs).then_some(ExitReason::BelowRate)
                         }
-                        RateUnit::Percent => (next >= 100).then_some(ExitReason::FullShare),
+                        // The interval just finished already gave it the full share (p of 100
+                        // is an existing service's share): nothing is left to ramp up.
+                        RateUnit::Percent => (n.rate >= 100).then_some(ExitReason::FullShare),
                     }
                 };
                 if reason.is_none() {
@@ -373,6 +379,7 @@ impl SlowStart {
                     u128::from(n.rate) * u128::from(elapsed) / u128::from(NANOS_PER_SEC) + 1;
                 u128::from(taken) < paced.min(u128::from(n.rate))
             }
+            RateUnit::Percent if n.rate >= 100 => true,
             RateUnit::Percent => {
                 let existing_weight: u128 = self
                     .slots
@@ -622,11 +629,15 @@ mod tests {
         feed(&mut ss, 4, 0, 15, 100);
         assert_eq!(ss.status(4).map(|s| s.rate), Some(75));
         ss.advance(15 * S);
+        // At 100% it is no longer limited, but still new until the interval ends.
+        assert_eq!(ss.status(4).map(|s| s.rate), Some(100));
+        assert!(ss.may_take(4, 15 * S));
+        ss.advance(20 * S);
         assert_eq!(
             ss.last_exit(4),
             Some(Exit {
                 reason: ExitReason::FullShare,
-                at: 15 * S
+                at: 20 * S
             })
         );
         // A percentage of 100 or more from the start means no limit at all.
