@@ -824,6 +824,16 @@ pub fn render_svg(r: &SimResult) -> String {
             r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"{dash}/>"#,
             points.join(" ")
         );
+        // A dot per row: each is the mean over the window ending there, not a sample.
+        for row in &r.rows {
+            let v = row.rates.get(name).copied().unwrap_or(0.0);
+            let _ = writeln!(
+                s,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{color}"/>"#,
+                x(row.t),
+                y(v)
+            );
+        }
         let ly = TOP + 10.0 + 20.0 * k as f64;
         let lx = LEFT + pw + 16.0;
         let _ = writeln!(
