@@ -327,8 +327,13 @@ impl SlowStart {
                             // with `next` without division.
                             let requests =
                                 u128::from(vserver.wrapping_sub(n.vserver_at_interval_start));
-                            let lhs = requests * weight * u128::from(NANOS_PER_SEC);
-                            let rhs = u128::from(next) * u128::from(interval) * up_weight.max(1);
+                            // Saturating: only absurd counters or intervals reach the bound.
+                            let lhs = requests
+                                .saturating_mul(weight)
+                                .saturating_mul(u128::from(NANOS_PER_SEC));
+                            let rhs = u128::from(next)
+                                .saturating_mul(u128::from(interval))
+                                .saturating_mul(up_weight.max(1));
                             (lhs < rhs).then_some(ExitReason::BelowRate)
                         }
                         // The interval just finished already gave it the full share (p of 100
@@ -416,9 +421,12 @@ impl SlowStart {
                 };
                 // target = p/100 × weight × existing/existing_weight; admit when
                 // taken + 1/2 <= target.
-                let lhs = 100 * (2 * u128::from(taken) + 1) * existing_weight;
-                let rhs =
-                    2 * u128::from(n.rate) * u128::from(slot.weight.max(1)) * u128::from(existing);
+                let lhs = (2 * u128::from(taken) + 1)
+                    .saturating_mul(100)
+                    .saturating_mul(existing_weight);
+                let rhs = (2 * u128::from(n.rate))
+                    .saturating_mul(u128::from(slot.weight.max(1)))
+                    .saturating_mul(u128::from(existing));
                 lhs <= rhs
             }
         }

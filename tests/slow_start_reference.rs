@@ -163,3 +163,50 @@ fn committed_plot_is_current() {
         "{path} is stale: regenerate with FULCRUM_BLESS=1 cargo test --test slow_start_reference"
     );
 }
+
+/// Slow start is the same for every non-hash method: with connections held for a second (so the
+/// new service, with none open, is what least_connection and friends would flood), every method
+/// still reproduces both SPEC tables.
+#[test]
+fn every_method_reproduces_the_tables() {
+    let auto = std::fs::read_to_string(format!(
+        "{}/fixtures/slowstart/auto_per_second.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap_or_default();
+    let manual = std::fs::read_to_string(format!(
+        "{}/fixtures/slowstart/manual.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap_or_default();
+    for method in [
+        "least_connection",
+        "least_response_time",
+        "least_bandwidth",
+        "least_packets",
+        "lrtm",
+        "custom_load",
+    ] {
+        let yaml = auto.replace("round_robin", method) + "hold: 1s\n";
+        let r = run_scenario(&yaml).unwrap_or_else(|e| panic!("{method}: {e}"));
+        for (t, old, new) in [(10.0, 24.0, 4.0), (30.0, 22.0, 12.0), (50.0, 20.0, 20.0)] {
+            assert_rows(
+                &r,
+                &["Service1", "Service4", "Service5"],
+                &[(t, &[old, old, new])],
+                TOLERANCE,
+            );
+        }
+        let yaml = manual.replace("round_robin", method) + "hold: 1s\n";
+        let r = run_scenario(&yaml).unwrap_or_else(|e| panic!("{method}: {e}"));
+        assert_rows(
+            &r,
+            &["Service1", "Service2", "Service3", "Service4"],
+            &[
+                (10.0, &[115.0, 115.0, 10.0, 0.0]),
+                (30.0, &[80.0, 80.0, 40.0, 40.0]),
+            ],
+            TOLERANCE,
+        );
+    }
+}
