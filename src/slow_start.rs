@@ -86,6 +86,9 @@ pub struct NewServiceStatus {
     pub since: Nanos,
 }
 
+/// Largest service index tracked: a bound on the memory a bogus index could make it allocate.
+pub const MAX_SERVICES: usize = 1 << 16;
+
 /// Number of increases after which a service leaves slow start (SPEC §3).
 pub const MAX_INCREASES: u32 = 200;
 /// Consecutive intervals without traffic after which a service leaves slow start (SPEC §3).
@@ -196,15 +199,17 @@ impl SlowStart {
 
     /// Registers a service that is part of the vserver from the start and is not new (the
     /// initial set of a vserver: there is no other service to divert its requests to).
+    /// Indices at or above [`MAX_SERVICES`] are ignored (they cannot come from a valid config).
     pub fn register(&mut self, idx: usize, weight: u32, is_up: bool) {
-        let slot = self.slot_mut(idx);
-        *slot = Slot {
-            present: true,
-            up: is_up,
-            weight,
-            new: None,
-            last_exit: None,
-        };
+        if let Some(slot) = self.slot_mut(idx) {
+            *slot = Slot {
+                present: true,
+                up: is_up,
+                weight,
+                new: None,
+                last_exit: None,
+            };
+        }
         self.refresh_weight();
     }
 
@@ -496,11 +501,14 @@ impl SlowStart {
             .sum();
     }
 
-    fn slot_mut(&mut self, idx: usize) -> &mut Slot {
+    fn slot_mut(&mut self, idx: usize) -> Option<&mut Slot> {
+        if idx >= MAX_SERVICES {
+            return None;
+        }
         if self.slots.len() <= idx {
             self.slots.resize(idx + 1, Slot::default());
         }
-        &mut self.slots[idx]
+        self.slots.get_mut(idx)
     }
 }
 
@@ -832,6 +840,9 @@ mod tests {
         ss.advance(u64::MAX);
         let _ = ss.may_take(1, 0);
         ss.set_up(usize::MAX, true, 0);
+        ss.register(usize::MAX, 1, true);
+        ss.add_service(MAX_SERVICES, 1, true, 0);
+        assert!(!ss.is_new(MAX_SERVICES));
         ss.remove_service(1, 0);
         assert!(!ss.is_active());
     }
