@@ -418,6 +418,36 @@ mod tests {
         assert_eq!(picks, vec![0, 1, 2]);
     }
 
+    #[test]
+    fn round_robin_is_shared_across_threads() {
+        let st = std::sync::Arc::new(MethodState::new(&[1, 2, 1]));
+        let c = std::sync::Arc::new(counters(3));
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let (st, c) = (st.clone(), c.clone());
+                std::thread::spawn(move || {
+                    let mut counts = [0u32; 3];
+                    for _ in 0..10_000 {
+                        if let Some(i) = pick(Method::RoundRobin, &st, &c, &[1, 2, 1], |_| true, 0)
+                        {
+                            counts[i] += 1;
+                        }
+                    }
+                    counts
+                })
+            })
+            .collect();
+        let mut total = [0u32; 3];
+        for h in handles {
+            let counts = h.join().unwrap_or_default();
+            (0..3).for_each(|i| total[i] += counts[i]);
+        }
+        assert_eq!(total.iter().sum::<u32>(), 40_000);
+        for (i, want) in [(0, 10_000), (1, 20_000), (2, 10_000)] {
+            assert!(total[i].abs_diff(want) <= 200, "{total:?}");
+        }
+    }
+
     fn method_strategy() -> impl Strategy<Value = Method> {
         proptest::sample::select(NON_HASH.to_vec())
     }

@@ -29,7 +29,11 @@
 //!    rate → leaves ([`ExitReason::BelowRate`]). This is how the rate "never grows beyond the
 //!    full share": in the SPEC table (100 req/s, five services) the rate reaches 20 at 40 s, and
 //!    at 50 s the next rate 24 would exceed the share 20, so the service leaves at 50 s.
-//!    `percent`: the next percentage is 100 or more → leaves ([`ExitReason::FullShare`]);
+//!    `percent`: the percentage of the finished interval was 100 or more, i.e. it already
+//!    received a full share → leaves ([`ExitReason::FullShare`]). In the SPEC example (step 25,
+//!    interval 5 s) p is 100 over 15–20 s, the service takes its full share there without limit,
+//!    and slow start ends at 20 s — the same pattern as `per_second`, where the rate equals the
+//!    full share over 40–50 s and the service leaves at 50 s;
 //! 3. otherwise the rate grows by the configured step; the 200th increase ends slow start
 //!    ([`ExitReason::MaxIncreases`]).
 //!
@@ -82,6 +86,9 @@ pub struct NewServiceStatus {
     pub since: Nanos,
 }
 
+/// Largest service index tracked: a bound on the memory a bogus index could make it allocate.
+pub const MAX_SERVICES: usize = 1 << 16;
+
 /// Number of increases after which a service leaves slow start (SPEC §3).
 pub const MAX_INCREASES: u32 = 200;
 /// Consecutive intervals without traffic after which a service leaves slow start (SPEC §3).
@@ -130,6 +137,9 @@ pub struct SlowStart {
     vserver_requests: u64,
     /// Requests routed to existing (UP, not new) services, wrapping.
     existing_requests: u64,
+    /// Total weight of the existing (UP, not new) services, kept current by every mutation so
+    /// that [`SlowStart::may_take`] — called once per candidate per request — is O(1).
+    existing_weight: u128,
 }
 
 impl SlowStart {
@@ -147,6 +157,7 @@ impl SlowStart {
             slots: Vec::new(),
             vserver_requests: 0,
             existing_requests: 0,
+            existing_weight: 0,
         }
     }
 
@@ -188,15 +199,18 @@ impl SlowStart {
 
     /// Registers a service that is part of the vserver from the start and is not new (the
     /// initial set of a vserver: there is no other service to divert its requests to).
+    /// Indices at or above [`MAX_SERVICES`] are ignored (they cannot come from a valid config).
     pub fn register(&mut self, idx: usize, weight: u32, is_up: bool) {
-        let slot = self.slot_mut(idx);
-        *slot = Slot {
-            present: true,
-            up: is_up,
-            weight,
-            new: None,
-            last_exit: None,
-        };
+        if let Some(slot) = self.slot_mut(idx) {
+            *slot = Slot {
+                present: true,
+                up: is_up,
+                weight,
+                new: None,
+                last_exit: None,
+            };
+        }
+        self.refresh_weight();
     }
 
     /// A service was added to the vserver (by reload or the admin API) at `now`: it is new
@@ -220,6 +234,7 @@ impl SlowStart {
             slot.present = false;
             slot.up = false;
         }
+        self.refresh_weight();
     }
 
     /// The service's weight changed (used for the `percent` target and the full share).
@@ -227,27 +242,28 @@ impl SlowStart {
         if let Some(slot) = self.slots.get_mut(idx) {
             slot.weight = weight;
         }
+        self.refresh_weight();
     }
 
     /// Health state change at `now`. DOWN → UP makes the service new; UP → DOWN ends its slow
     /// start (it starts over when it comes back).
     pub fn set_up(&mut self, idx: usize, is_up: bool, now: Nanos) {
         let started = self.start_state(now);
-        let Some(slot) = self.slots.get_mut(idx) else {
-            return;
-        };
-        if !slot.present || slot.up == is_up {
-            return;
+        if let Some(slot) = self.slots.get_mut(idx)
+            && slot.present
+            && slot.up != is_up
+        {
+            slot.up = is_up;
+            if is_up {
+                slot.new = started;
+            } else if slot.new.take().is_some() {
+                slot.last_exit = Some(Exit {
+                    reason: ExitReason::Down,
+                    at: now,
+                });
+            }
         }
-        slot.up = is_up;
-        if is_up {
-            slot.new = started;
-        } else if slot.new.take().is_some() {
-            slot.last_exit = Some(Exit {
-                reason: ExitReason::Down,
-                at: now,
-            });
-        }
+        self.refresh_weight();
     }
 
     /// The operator changed `new_service_request_rate` at `now`. 0 ends slow start for every
@@ -273,6 +289,7 @@ impl SlowStart {
                 n.rate = u64::from(rate);
             }
         }
+        self.refresh_weight();
     }
 
     /// Applies every interval boundary and window turnover up to `now`. Call it before
@@ -288,6 +305,7 @@ impl SlowStart {
             .map(|s| u128::from(s.weight.max(1)))
             .sum();
         let (vserver, existing) = (self.vserver_requests, self.existing_requests);
+        let mut any_exit = false;
         for slot in &mut self.slots {
             let weight = u128::from(slot.weight.max(1));
             let Some(n) = slot.new.as_mut() else { continue };
@@ -314,11 +332,18 @@ impl SlowStart {
                             // with `next` without division.
                             let requests =
                                 u128::from(vserver.wrapping_sub(n.vserver_at_interval_start));
-                            let lhs = requests * weight * u128::from(NANOS_PER_SEC);
-                            let rhs = u128::from(next) * u128::from(interval) * up_weight.max(1);
+                            // Saturating: only absurd counters or intervals reach the bound.
+                            let lhs = requests
+                                .saturating_mul(weight)
+                                .saturating_mul(u128::from(NANOS_PER_SEC));
+                            let rhs = u128::from(next)
+                                .saturating_mul(u128::from(interval))
+                                .saturating_mul(up_weight.max(1));
                             (lhs < rhs).then_some(ExitReason::BelowRate)
                         }
-                        RateUnit::Percent => (next >= 100).then_some(ExitReason::FullShare),
+                        // The interval just finished already gave it the full share (p of 100
+                        // is an existing service's share): nothing is left to ramp up.
+                        RateUnit::Percent => (n.rate >= 100).then_some(ExitReason::FullShare),
                     }
                 };
                 if reason.is_none() {
@@ -351,7 +376,11 @@ impl SlowStart {
             if exit.is_some() {
                 slot.new = None;
                 slot.last_exit = exit;
+                any_exit = true;
             }
+        }
+        if any_exit {
+            self.refresh_weight();
         }
     }
 
@@ -373,13 +402,9 @@ impl SlowStart {
                     u128::from(n.rate) * u128::from(elapsed) / u128::from(NANOS_PER_SEC) + 1;
                 u128::from(taken) < paced.min(u128::from(n.rate))
             }
+            RateUnit::Percent if n.rate >= 100 => true,
             RateUnit::Percent => {
-                let existing_weight: u128 = self
-                    .slots
-                    .iter()
-                    .filter(|s| s.is_existing())
-                    .map(|s| u128::from(s.weight.max(1)))
-                    .sum();
+                let existing_weight = self.existing_weight;
                 if existing_weight == 0 {
                     // Nobody to compare with (every UP service is new): no limit to apply.
                     return true;
@@ -401,9 +426,12 @@ impl SlowStart {
                 };
                 // target = p/100 × weight × existing/existing_weight; admit when
                 // taken + 1/2 <= target.
-                let lhs = 100 * (2 * u128::from(taken) + 1) * existing_weight;
-                let rhs =
-                    2 * u128::from(n.rate) * u128::from(slot.weight.max(1)) * u128::from(existing);
+                let lhs = (2 * u128::from(taken) + 1)
+                    .saturating_mul(100)
+                    .saturating_mul(existing_weight);
+                let rhs = (2 * u128::from(n.rate))
+                    .saturating_mul(u128::from(slot.weight.max(1)))
+                    .saturating_mul(u128::from(existing));
                 lhs <= rhs
             }
         }
@@ -464,11 +492,23 @@ impl SlowStart {
         })
     }
 
-    fn slot_mut(&mut self, idx: usize) -> &mut Slot {
+    fn refresh_weight(&mut self) {
+        self.existing_weight = self
+            .slots
+            .iter()
+            .filter(|s| s.is_existing())
+            .map(|s| u128::from(s.weight.max(1)))
+            .sum();
+    }
+
+    fn slot_mut(&mut self, idx: usize) -> Option<&mut Slot> {
+        if idx >= MAX_SERVICES {
+            return None;
+        }
         if self.slots.len() <= idx {
             self.slots.resize(idx + 1, Slot::default());
         }
-        &mut self.slots[idx]
+        self.slots.get_mut(idx)
     }
 }
 
@@ -622,11 +662,15 @@ mod tests {
         feed(&mut ss, 4, 0, 15, 100);
         assert_eq!(ss.status(4).map(|s| s.rate), Some(75));
         ss.advance(15 * S);
+        // At 100% it is no longer limited, but still new until the interval ends.
+        assert_eq!(ss.status(4).map(|s| s.rate), Some(100));
+        assert!(ss.may_take(4, 15 * S));
+        ss.advance(20 * S);
         assert_eq!(
             ss.last_exit(4),
             Some(Exit {
                 reason: ExitReason::FullShare,
-                at: 15 * S
+                at: 20 * S
             })
         );
         // A percentage of 100 or more from the start means no limit at all.
@@ -701,6 +745,90 @@ mod tests {
         assert_eq!(ss.route(1, pick), Some(0));
     }
 
+    #[derive(Debug, Clone)]
+    enum Op {
+        Request(u64),
+        Down(usize),
+        Up(usize),
+        SetRate(u32),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            8 => (0u64..300_000_000).prop_map(Op::Request),
+            // Service 0 stays UP and not new, so the capped requests always have somewhere
+            // to go and `route` never needs its uncapped second try.
+            1 => (1usize..4).prop_map(Op::Down),
+            1 => (1usize..4).prop_map(Op::Up),
+            1 => (0u32..150).prop_map(Op::SetRate),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever happens, a per-second new service never gets more than its rate in one of
+        /// its one-second windows, and nothing panics in any mode.
+        #[test]
+        fn per_second_cap_holds(
+            rate in 1u32..40,
+            ops in proptest::collection::vec(op(), 1..400),
+            percent in proptest::bool::ANY,
+            interval_s in 0u64..4,
+        ) {
+            let unit = if percent { RateUnit::Percent } else { RateUnit::PerSecond };
+            let mut ss = SlowStart::new(params(rate, unit, interval_s));
+            for i in 0..4 {
+                ss.register(i, 1 + i as u32, true);
+            }
+            ss.set_up(3, false, 0);
+            ss.set_up(3, true, 0);
+            let mut now = 0;
+            let mut per_window: std::collections::HashMap<(usize, Nanos, u64), u64> =
+                Default::default();
+            let check = unit == RateUnit::PerSecond && interval_s == 0;
+            for op in ops {
+                match op {
+                    Op::Request(dt) => {
+                        now += dt;
+                        // A chooser that always prefers the highest index it may use: new
+                        // services are tried first whenever they are allowed.
+                        let got = ss.route(now, |cap| (0..4).rev().find(|&i| cap(i)));
+                        if let (true, Some(i)) = (check, got)
+                            && let Some(st) = ss.status(i)
+                        {
+                            let w = (now - st.since) / S;
+                            let c = per_window.entry((i, st.since, w)).or_default();
+                            *c += 1;
+                            // Admission needs taken < rate in force, so after taking one the
+                            // window holds at most the rate in force.
+                            proptest::prop_assert!(*c <= st.rate, "{} > {}", c, st.rate);
+                        }
+                    }
+                    Op::Down(i) => ss.set_up(i, false, now),
+                    Op::Up(i) => ss.set_up(i, true, now),
+                    Op::SetRate(r) => ss.set_rate(r, now),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn manual_cap_exact_under_random_gaps() {
+        // Requests arrive at irregular times; the new service still never exceeds 7 in any of
+        // its windows.
+        let mut ss = with_new(7, RateUnit::PerSecond, 0, 1);
+        let mut counts = std::collections::HashMap::<u64, u64>::new();
+        let mut now = 0;
+        for k in 0..5000u64 {
+            now += (k * 7919) % 23_000_000;
+            if ss.route(now, |cap| [1, 0].into_iter().find(|&i| cap(i))) == Some(1) {
+                *counts.entry(now / S).or_default() += 1;
+            }
+        }
+        assert!(counts.values().all(|&c| c <= 7), "{counts:?}");
+        assert!(counts.values().filter(|&&c| c == 7).count() > 10);
+    }
+
     #[test]
     fn hostile_times_do_not_panic() {
         let mut ss = with_new(u32::MAX, RateUnit::PerSecond, 1, 1);
@@ -712,6 +840,9 @@ mod tests {
         ss.advance(u64::MAX);
         let _ = ss.may_take(1, 0);
         ss.set_up(usize::MAX, true, 0);
+        ss.register(usize::MAX, 1, true);
+        ss.add_service(MAX_SERVICES, 1, true, 0);
+        assert!(!ss.is_new(MAX_SERVICES));
         ss.remove_service(1, 0);
         assert!(!ss.is_active());
     }

@@ -131,7 +131,7 @@ impl Ewma {
 ///
 /// The shell owns one per service (inside the service record) and updates it; the methods in
 /// [`crate::methods`] only read it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ServiceCounters {
     active: AtomicU64,
     requests_total: AtomicU64,
@@ -149,8 +149,15 @@ impl ServiceCounters {
     /// Fresh counters: nothing active, nothing measured, no load reported.
     pub fn new() -> Self {
         ServiceCounters {
+            active: AtomicU64::new(0),
+            requests_total: AtomicU64::new(0),
+            bytes_total: AtomicU64::new(0),
+            packets_total: AtomicU64::new(0),
+            bytes_rate: RateMeter::default(),
+            packets_rate: RateMeter::default(),
+            response_time: Ewma::default(),
+            monitor_response_time: Ewma::default(),
             reported_load: AtomicU64::new(u64::MAX),
-            ..Default::default()
         }
     }
 
@@ -244,6 +251,12 @@ impl ServiceCounters {
     }
 }
 
+impl Default for ServiceCounters {
+    fn default() -> Self {
+        ServiceCounters::new()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,7 +305,8 @@ mod tests {
 
     #[test]
     fn counters_never_underflow() {
-        let c = ServiceCounters::new();
+        let c = ServiceCounters::default();
+        assert_eq!(c.reported_load(), None);
         c.close();
         assert_eq!(c.active(), 0);
         c.open();

@@ -1,1 +1,977 @@
-//! placeholder
+//! `fulcrum simulate slow-start SCENARIO.yaml [--json] [--plot FILE.svg]`: runs a slow-start
+//! scenario through the real [`crate::methods::pick`] and [`crate::slow_start::SlowStart`] with
+//! simulated time and reports requests per second per service. PURE (the CLI reads the file and
+//! writes the outputs).
+//!
+//! There is no model of slow start here: every simulated request goes through
+//! [`SlowStart::route`] exactly as the data path's requests do, so the tables this prints are
+//! what the proxy does.
+//!
+//! # Scenario
+//! ```yaml
+//! method: round_robin          # any non-hash method
+//! offered_rate: 100            # requests per second, spread evenly within each second
+//! slow_start: { new_service_request_rate: 4, unit: per_second, increment_interval: 10s }
+//! services: [Service1, Service2, Service3, Service4]   # UP at t=0; or {name: S1, weight: 2}
+//! report_every: 10s            # each row = mean rate over the window ending at t
+//! duration: 50s
+//! hold: 0s                     # optional: how long a request keeps its service busy
+//!                              # (open connections, for least_connection and friends)
+//! events:
+//!   - { at: 0s, add: Service5 }          # optional `weight: N`
+//!   - { at: 20s, set_rate: 20 }          # operator sets new_service_request_rate
+//!   - { at: 30s, down: Service2 }        # also `up:` and `remove:`
+//! ```
+//!
+//! # Timeline
+//! The simulation starts one report window before t=0, with the initial services only, so the
+//! first row (t=0) shows the steady state before any event, as in the SPEC tables. Events at
+//! time `at` apply before the requests at that instant. Rows are emitted at t = 0,
+//! `report_every`, 2×`report_every`, ... up to `duration`; each gives the mean rate over the
+//! window ending at t. A row's `rates` map holds every service of the scenario (0 while it is
+//! absent), keyed by name; maps iterate in name order, while [`SimResult::services`] keeps the
+//! scenario order (initial services, then services added by events), which the table and the
+//! plot use.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::config::{Method, RateUnit, SlowStart as SlowStartParams};
+use crate::methods::{self, MethodState};
+use crate::slow_start::{ExitReason, SlowStart};
+use crate::stats::{NANOS_PER_SEC, Nanos, ServiceCounters};
+
+/// Upper bound on simulated requests, so a typo (`offered_rate: 1000000`, `duration: 10h`)
+/// fails fast instead of running for hours.
+pub const MAX_REQUESTS: u64 = 20_000_000;
+
+/// A scenario that cannot be simulated.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    #[error("scenario YAML: {0}")]
+    Yaml(#[from] serde_saphyr::Error),
+    #[error("method: unknown method `{0}`")]
+    UnknownMethod(String),
+    #[error("method: `{0}` is a hash method; slow start applies only to non-hash methods")]
+    HashMethod(String),
+    #[error("{field}: `{value}` is not a duration (examples: 10s, 250ms, 1.5s, 2m)")]
+    BadDuration { field: String, value: String },
+    #[error("slow_start.unit: `{0}` is not per_second or percent")]
+    BadUnit(String),
+    #[error("offered_rate: must be at least 1 request per second")]
+    ZeroOfferedRate,
+    #[error("report_every: must be longer than 0")]
+    ZeroReportEvery,
+    #[error("duration: must be at least report_every")]
+    DurationTooShort,
+    #[error("services: at least one service is needed")]
+    NoServices,
+    #[error("{field}: service `{name}` has weight {weight}; weights are 1..=100")]
+    BadWeight {
+        field: String,
+        name: String,
+        weight: u32,
+    },
+    #[error("services: `{0}` appears twice")]
+    DuplicateService(String),
+    #[error("events[{event}]: needs exactly one of add, remove, up, down, set_rate")]
+    EventAction { event: usize },
+    #[error("events[{event}]: unknown service `{name}`")]
+    UnknownService { event: usize, name: String },
+    #[error("events[{event}]: service `{name}` is already part of the vserver")]
+    AlreadyPresent { event: usize, name: String },
+    #[error("events[{event}]: `at` is negative or beyond duration")]
+    EventOutOfRange { event: usize },
+    #[error("the scenario needs {requests} requests; the limit is {MAX_REQUESTS}")]
+    TooLarge { requests: u64 },
+}
+
+/// One report row: mean requests per second per service over the window ending at `t`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    /// Seconds from the scenario's t=0 (the end of the window).
+    pub t: f64,
+    pub rates: BTreeMap<String, f64>,
+}
+
+/// A service leaving slow start during the simulation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExitRecord {
+    pub t: f64,
+    pub service: String,
+    pub reason: ExitReason,
+}
+
+/// What a scenario produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimResult {
+    pub method: Method,
+    pub offered_rate: u64,
+    /// Scenario order: initial services, then services added by events.
+    pub services: Vec<String>,
+    pub rows: Vec<Row>,
+    pub exits: Vec<ExitRecord>,
+    /// Requests no service could take (every service DOWN or removed).
+    pub dropped: u64,
+}
+
+impl SimResult {
+    /// The rate of `service` in the row at time `t` (seconds), if both exist.
+    pub fn rate(&self, t: f64, service: &str) -> Option<f64> {
+        self.rows
+            .iter()
+            .find(|r| (r.t - t).abs() < 1e-9)
+            .and_then(|r| r.rates.get(service).copied())
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawScenario {
+    method: String,
+    offered_rate: u64,
+    #[serde(default)]
+    slow_start: Option<RawSlowStart>,
+    services: Vec<RawService>,
+    report_every: RawDuration,
+    duration: RawDuration,
+    #[serde(default)]
+    hold: Option<RawDuration>,
+    #[serde(default)]
+    events: Vec<RawEvent>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSlowStart {
+    new_service_request_rate: u32,
+    #[serde(default)]
+    unit: Option<String>,
+    #[serde(default)]
+    increment_interval: Option<RawDuration>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawService {
+    Name(String),
+    Full {
+        name: String,
+        #[serde(default)]
+        weight: Option<u32>,
+    },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEvent {
+    at: RawDuration,
+    #[serde(default)]
+    add: Option<String>,
+    #[serde(default)]
+    weight: Option<u32>,
+    #[serde(default)]
+    remove: Option<String>,
+    #[serde(default)]
+    up: Option<String>,
+    #[serde(default)]
+    down: Option<String>,
+    #[serde(default)]
+    set_rate: Option<u32>,
+}
+
+/// A duration as written: `"10s"`, `"250ms"`, or a bare number of seconds.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawDuration {
+    Int(u64),
+    Text(String),
+}
+
+impl RawDuration {
+    fn to_nanos(&self, field: &str) -> Result<Nanos, ScenarioError> {
+        let bad = || ScenarioError::BadDuration {
+            field: field.to_string(),
+            value: match self {
+                RawDuration::Int(n) => n.to_string(),
+                RawDuration::Text(s) => s.clone(),
+            },
+        };
+        match self {
+            RawDuration::Int(secs) => secs.checked_mul(NANOS_PER_SEC).ok_or_else(bad),
+            RawDuration::Text(s) => parse_duration(s).ok_or_else(bad),
+        }
+    }
+}
+
+/// Parses `<decimal><unit>` with unit `h`, `m`, `s`, `ms`, `us` or `ns` (or none: seconds)
+/// exactly into nanoseconds, without going through floating point.
+fn parse_duration(s: &str) -> Option<Nanos> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let unit_ns: u64 = match unit.trim() {
+        "h" => 3600 * NANOS_PER_SEC,
+        "m" | "min" => 60 * NANOS_PER_SEC,
+        "s" | "" => NANOS_PER_SEC,
+        "ms" => 1_000_000,
+        "us" | "µs" => 1_000,
+        "ns" => 1,
+        _ => return None,
+    };
+    let (int, frac) = number.split_once('.').unwrap_or((number, ""));
+    if int.is_empty() && frac.is_empty() {
+        return None;
+    }
+    let int_v: u64 = if int.is_empty() { 0 } else { int.parse().ok()? };
+    let mut total = int_v.checked_mul(unit_ns)?;
+    // Fractional digits: value = digits / 10^len × unit_ns, kept exact in u128.
+    if !frac.is_empty() {
+        if frac.len() > 18 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        let digits: u128 = frac.parse().ok()?;
+        let scale = 10u128.pow(u32::try_from(frac.len()).ok()?);
+        let part = u64::try_from(digits * u128::from(unit_ns) / scale).ok()?;
+        total = total.checked_add(part)?;
+    }
+    Some(total)
+}
+
+enum Action {
+    Add(usize),
+    Remove(usize),
+    Up(usize),
+    Down(usize),
+    SetRate(u32),
+}
+
+struct Event {
+    at: Nanos,
+    action: Action,
+    /// Position in the file, for error messages.
+    index: usize,
+}
+
+struct Scenario {
+    method: Method,
+    offered_rate: u64,
+    slow_start: Option<SlowStartParams>,
+    names: Vec<String>,
+    weights: Vec<u32>,
+    initial: usize,
+    report_every: Nanos,
+    duration: Nanos,
+    hold: Nanos,
+    events: Vec<Event>,
+}
+
+fn check_weight(field: &str, name: &str, weight: u32) -> Result<u32, ScenarioError> {
+    if (1..=100).contains(&weight) {
+        Ok(weight)
+    } else {
+        Err(ScenarioError::BadWeight {
+            field: field.to_string(),
+            name: name.to_string(),
+            weight,
+        })
+    }
+}
+
+fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
+    let raw: RawScenario = serde_saphyr::from_str(yaml)?;
+    let method = Method::ALL
+        .iter()
+        .find(|(n, _)| *n == raw.method)
+        .map(|(_, m)| *m)
+        .ok_or_else(|| ScenarioError::UnknownMethod(raw.method.clone()))?;
+    if method.is_hash() {
+        return Err(ScenarioError::HashMethod(raw.method));
+    }
+    if raw.offered_rate == 0 {
+        return Err(ScenarioError::ZeroOfferedRate);
+    }
+    let slow_start = match raw.slow_start {
+        None => None,
+        Some(s) => {
+            let unit = match s.unit.as_deref() {
+                None | Some("per_second") => RateUnit::PerSecond,
+                Some("percent") => RateUnit::Percent,
+                Some(other) => return Err(ScenarioError::BadUnit(other.to_string())),
+            };
+            let interval = match &s.increment_interval {
+                None => 0,
+                Some(d) => d.to_nanos("slow_start.increment_interval")?,
+            };
+            Some(SlowStartParams {
+                new_service_request_rate: s.new_service_request_rate,
+                unit,
+                increment_interval: Duration::from_nanos(interval),
+            })
+        }
+    };
+    let report_every = raw.report_every.to_nanos("report_every")?;
+    let duration = raw.duration.to_nanos("duration")?;
+    let hold = match &raw.hold {
+        None => 0,
+        Some(d) => d.to_nanos("hold")?,
+    };
+    if report_every == 0 {
+        return Err(ScenarioError::ZeroReportEvery);
+    }
+    if duration < report_every {
+        return Err(ScenarioError::DurationTooShort);
+    }
+    if raw.services.is_empty() {
+        return Err(ScenarioError::NoServices);
+    }
+    let mut names: Vec<String> = Vec::new();
+    let mut weights = Vec::new();
+    for s in &raw.services {
+        let (name, weight) = match s {
+            RawService::Name(n) => (n.clone(), 1),
+            RawService::Full { name, weight } => (
+                name.clone(),
+                check_weight("services", name, weight.unwrap_or(1))?,
+            ),
+        };
+        if names.contains(&name) {
+            return Err(ScenarioError::DuplicateService(name));
+        }
+        names.push(name);
+        weights.push(weight);
+    }
+    let initial = names.len();
+    let index = |names: &[String], n: &str| names.iter().position(|x| x == n);
+    let mut events = Vec::new();
+    for (event, e) in raw.events.iter().enumerate() {
+        let at = e.at.to_nanos(&format!("events[{event}].at"))?;
+        if at > duration {
+            return Err(ScenarioError::EventOutOfRange { event });
+        }
+        let actions = [
+            e.add.is_some(),
+            e.remove.is_some(),
+            e.up.is_some(),
+            e.down.is_some(),
+            e.set_rate.is_some(),
+        ];
+        if actions.iter().filter(|&&a| a).count() != 1 {
+            return Err(ScenarioError::EventAction { event });
+        }
+        let known = |name: &String| {
+            index(&names, name).ok_or_else(|| ScenarioError::UnknownService {
+                event,
+                name: name.clone(),
+            })
+        };
+        let action = if let Some(name) = &e.add {
+            let weight = check_weight(&format!("events[{event}]"), name, e.weight.unwrap_or(1))?;
+            let idx = match index(&names, name) {
+                Some(i) => i,
+                None => {
+                    names.push(name.clone());
+                    weights.push(weight);
+                    names.len() - 1
+                }
+            };
+            Action::Add(idx)
+        } else if let Some(name) = &e.remove {
+            Action::Remove(known(name)?)
+        } else if let Some(name) = &e.up {
+            Action::Up(known(name)?)
+        } else if let Some(name) = &e.down {
+            Action::Down(known(name)?)
+        } else {
+            Action::SetRate(e.set_rate.unwrap_or(0))
+        };
+        events.push(Event {
+            at,
+            action,
+            index: event,
+        });
+    }
+    // Stable: events at the same instant apply in file order.
+    events.sort_by_key(|e| e.at);
+    // Replay membership so that adding a service that is already there is reported, not ignored.
+    let mut present: Vec<bool> = (0..names.len()).map(|i| i < initial).collect();
+    for e in &events {
+        match e.action {
+            Action::Add(i) if present[i] => {
+                return Err(ScenarioError::AlreadyPresent {
+                    event: e.index,
+                    name: names[i].clone(),
+                });
+            }
+            Action::Add(i) => present[i] = true,
+            Action::Remove(i) => present[i] = false,
+            _ => {}
+        }
+    }
+    let span = u128::from(duration) + u128::from(report_every);
+    let requests = u128::from(raw.offered_rate) * span / u128::from(NANOS_PER_SEC);
+    if requests > u128::from(MAX_REQUESTS) {
+        return Err(ScenarioError::TooLarge {
+            requests: u64::try_from(requests).unwrap_or(u64::MAX),
+        });
+    }
+    Ok(Scenario {
+        method,
+        offered_rate: raw.offered_rate,
+        slow_start,
+        names,
+        weights,
+        initial,
+        report_every,
+        duration,
+        hold,
+        events,
+    })
+}
+
+/// Parses and runs a scenario.
+pub fn run_scenario(yaml: &str) -> Result<SimResult, ScenarioError> {
+    let sc = parse(yaml)?;
+    Ok(simulate(&sc))
+}
+
+/// Simulated time: the scenario's t=0 is `report_every` nanoseconds after the start, so the
+/// warm-up window fits before it and every timestamp stays a non-negative [`Nanos`].
+fn simulate(sc: &Scenario) -> SimResult {
+    let n = sc.names.len();
+    let origin = sc.report_every;
+    let end = origin + sc.duration / sc.report_every * sc.report_every;
+    let state = MethodState::new(&sc.weights);
+    let counters: Vec<ServiceCounters> = (0..n).map(|_| ServiceCounters::new()).collect();
+    let mut present: Vec<bool> = (0..n).map(|i| i < sc.initial).collect();
+    let mut up = present.clone();
+    let mut ss = SlowStart::new(sc.slow_start);
+    for i in 0..sc.initial {
+        ss.register(i, sc.weights[i], true);
+    }
+    let mut was_new = vec![false; n];
+    let mut releases: BinaryHeap<Reverse<(Nanos, usize)>> = BinaryHeap::new();
+    let mut counts = vec![0u64; n];
+    let mut rows = Vec::new();
+    let mut exits = Vec::new();
+    let mut dropped = 0u64;
+    let mut next_event = 0;
+    let mut next_report = sc.report_every;
+    let to_t = |ns: Nanos| (ns as f64 - origin as f64) / NANOS_PER_SEC as f64;
+    // Notes every service that stopped being new since the last call.
+    let collect_exits = |ss: &SlowStart, was_new: &mut [bool], exits: &mut Vec<ExitRecord>| {
+        for (i, was) in was_new.iter_mut().enumerate() {
+            let is = ss.is_new(i);
+            if let (true, false, Some(exit)) = (*was, is, ss.last_exit(i)) {
+                exits.push(ExitRecord {
+                    t: to_t(exit.at),
+                    service: sc.names[i].clone(),
+                    reason: exit.reason,
+                });
+            }
+            *was = is;
+        }
+    };
+    let window_s = sc.report_every as f64 / NANOS_PER_SEC as f64;
+
+    let emit = |at: Nanos, counts: &mut Vec<u64>, rows: &mut Vec<Row>| {
+        let rates = sc
+            .names
+            .iter()
+            .zip(counts.iter())
+            .map(|(name, &c)| (name.clone(), c as f64 / window_s))
+            .collect();
+        rows.push(Row { t: to_t(at), rates });
+        counts.iter_mut().for_each(|c| *c = 0);
+    };
+
+    let mut j: u64 = 0;
+    loop {
+        // Request j of the evenly spaced stream, in integer nanoseconds.
+        let now =
+            u64::try_from(u128::from(j) * u128::from(NANOS_PER_SEC) / u128::from(sc.offered_rate))
+                .unwrap_or(u64::MAX);
+        while next_report <= end && now >= next_report {
+            emit(next_report, &mut counts, &mut rows);
+            next_report += sc.report_every;
+        }
+        if now >= end {
+            break;
+        }
+        while let Some(&Reverse((t, i))) = releases.peek() {
+            if t > now {
+                break;
+            }
+            releases.pop();
+            counters[i].close();
+        }
+        while let Some(e) = sc.events.get(next_event) {
+            let at = origin + e.at;
+            if at > now {
+                break;
+            }
+            apply(e, at, &mut ss, &mut present, &mut up, &sc.weights);
+            collect_exits(&ss, &mut was_new, &mut exits);
+            next_event += 1;
+        }
+        let chosen = ss.route(now, |cap| {
+            methods::pick(
+                sc.method,
+                &state,
+                &counters,
+                &sc.weights,
+                |i| present[i] && up[i] && cap(i),
+                now,
+            )
+        });
+        match chosen {
+            Some(i) => {
+                counts[i] += 1;
+                counters[i].record_request();
+                counters[i].record_traffic(1, 1, now);
+                if sc.hold > 0 {
+                    counters[i].open();
+                    releases.push(Reverse((now.saturating_add(sc.hold), i)));
+                }
+            }
+            None => dropped += 1,
+        }
+        collect_exits(&ss, &mut was_new, &mut exits);
+        j += 1;
+    }
+    SimResult {
+        method: sc.method,
+        offered_rate: sc.offered_rate,
+        services: sc.names.clone(),
+        rows,
+        exits,
+        dropped,
+    }
+}
+
+fn apply(
+    e: &Event,
+    at: Nanos,
+    ss: &mut SlowStart,
+    present: &mut [bool],
+    up: &mut [bool],
+    weights: &[u32],
+) {
+    match e.action {
+        Action::Add(i) => {
+            if !present[i] {
+                present[i] = true;
+                up[i] = true;
+                ss.add_service(i, weights[i], true, at);
+            }
+        }
+        Action::Remove(i) => {
+            present[i] = false;
+            up[i] = false;
+            ss.remove_service(i, at);
+        }
+        Action::Up(i) => {
+            up[i] = true;
+            ss.set_up(i, true, at);
+        }
+        Action::Down(i) => {
+            up[i] = false;
+            ss.set_up(i, false, at);
+        }
+        Action::SetRate(r) => ss.set_rate(r, at),
+    }
+}
+
+fn reason_text(r: ExitReason) -> &'static str {
+    match r {
+        ExitReason::BelowRate => "actual request rate below the new-service rate",
+        ExitReason::NoTraffic => "no traffic in three consecutive intervals",
+        ExitReason::MaxIncreases => "rate increased 200 times",
+        ExitReason::FullShare => "percentage reached 100",
+        ExitReason::Ended => "operator set the rate to 0",
+        ExitReason::Down => "went DOWN",
+        ExitReason::Removed => "removed",
+    }
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{}", v as i64)
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// A text table: one row per report time, one column per service (scenario order), then the
+/// slow-start exits.
+pub fn render_table(r: &SimResult) -> String {
+    let mut out = String::new();
+    let width = r.services.iter().map(|s| s.len()).max().unwrap_or(0).max(8);
+    let _ = write!(out, "{:>8}", "t (s)");
+    for s in &r.services {
+        let _ = write!(out, "  {s:>width$}");
+    }
+    out.push('\n');
+    for row in &r.rows {
+        let _ = write!(out, "{:>8}", fmt_num(row.t));
+        for s in &r.services {
+            let v = row.rates.get(s).copied().unwrap_or(0.0);
+            let _ = write!(out, "  {:>width$}", format!("{v:.2}"));
+        }
+        out.push('\n');
+    }
+    for e in &r.exits {
+        let _ = writeln!(
+            out,
+            "t={}s: {} left slow start ({})",
+            fmt_num(e.t),
+            e.service,
+            reason_text(e.reason)
+        );
+    }
+    if r.dropped > 0 {
+        let _ = writeln!(out, "{} requests found no UP service", r.dropped);
+    }
+    out
+}
+
+/// `{"rows":[{"t":10,"rates":{"Service1":24.0,...}},...]}`, t in seconds (an integer when whole).
+pub fn render_json(r: &SimResult) -> String {
+    // Structs (not `json!` maps) keep the documented key order: t before rates.
+    #[derive(serde::Serialize)]
+    struct JsonRow<'a> {
+        t: serde_json::Value,
+        rates: &'a BTreeMap<String, f64>,
+    }
+    #[derive(serde::Serialize)]
+    struct JsonOut<'a> {
+        rows: Vec<JsonRow<'a>>,
+    }
+    let rows = r
+        .rows
+        .iter()
+        .map(|row| JsonRow {
+            t: if row.t.fract() == 0.0 && row.t.abs() < 9.0e15 {
+                serde_json::Value::from(row.t as i64)
+            } else {
+                serde_json::Value::from(row.t)
+            },
+            rates: &row.rates,
+        })
+        .collect();
+    serde_json::to_string(&JsonOut { rows }).unwrap_or_else(|_| String::from("{\"rows\":[]}"))
+}
+
+const PALETTE: [&str; 10] = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf",
+];
+
+const DASHES: [&str; 5] = [
+    "",
+    r#" stroke-dasharray="10 6""#,
+    r#" stroke-dasharray="3 5""#,
+    r#" stroke-dasharray="14 4 3 4""#,
+    r#" stroke-dasharray="6 3""#,
+];
+
+/// A tick step of 1, 2 or 5 × 10^k giving about `target` intervals over `span`.
+fn nice_step(span: f64, target: f64) -> f64 {
+    if !(span.is_finite() && span > 0.0) {
+        return 1.0;
+    }
+    let raw = span / target;
+    let mag = 10f64.powf(raw.log10().floor());
+    let norm = raw / mag;
+    let m = if norm <= 1.0 {
+        1.0
+    } else if norm <= 2.0 {
+        2.0
+    } else if norm <= 5.0 {
+        5.0
+    } else {
+        10.0
+    };
+    m * mag
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&apos;")
+}
+
+/// An SVG line plot of the rows: requests per second per service over time, with axes, grid,
+/// and a legend. Hand-written: the figure is simple and a plotting crate would be a large
+/// dependency for one picture.
+pub fn render_svg(r: &SimResult) -> String {
+    const W: f64 = 760.0;
+    const H: f64 = 420.0;
+    const LEFT: f64 = 64.0;
+    const RIGHT: f64 = 170.0;
+    const TOP: f64 = 44.0;
+    const BOTTOM: f64 = 56.0;
+    let pw = W - LEFT - RIGHT;
+    let ph = H - TOP - BOTTOM;
+    let finite = |v: f64| if v.is_finite() { v } else { 0.0 };
+    let t0 = r.rows.first().map_or(0.0, |x| finite(x.t));
+    let t1 = r.rows.last().map_or(1.0, |x| finite(x.t));
+    let t1 = if t1 > t0 { t1 } else { t0 + 1.0 };
+    let vmax = r
+        .rows
+        .iter()
+        .flat_map(|row| row.rates.values().copied())
+        .map(finite)
+        .fold(0.0f64, f64::max);
+    let ystep = nice_step(vmax.max(1.0), 5.0);
+    let ymax = ((vmax.max(1.0) / ystep).ceil() * ystep).max(ystep);
+    let xstep = nice_step(t1 - t0, 8.0);
+    let x = |t: f64| LEFT + (finite(t) - t0) / (t1 - t0) * pw;
+    let y = |v: f64| TOP + ph - finite(v).clamp(0.0, ymax) / ymax * ph;
+
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(s, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<text x="{}" y="24" text-anchor="middle" font-size="15">Slow start: {}, {} req/s offered</text>"#,
+        LEFT + pw / 2.0,
+        xml_escape(r.method.name()),
+        r.offered_rate
+    );
+    // Horizontal grid and y labels.
+    let mut v = 0.0;
+    while v <= ymax + ystep * 1e-9 {
+        let yy = y(v);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{LEFT}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#e0e0e0"/>"##,
+            LEFT + pw
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
+            LEFT - 6.0,
+            yy + 4.0,
+            fmt_num((v * 1000.0).round() / 1000.0)
+        );
+        v += ystep;
+    }
+    // Vertical grid and x labels.
+    let mut t = (t0 / xstep).ceil() * xstep;
+    while t <= t1 + xstep * 1e-9 {
+        let xx = x(t);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{xx:.1}" y1="{TOP}" x2="{xx:.1}" y2="{:.1}" stroke="#e0e0e0"/>"##,
+            TOP + ph
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{xx:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+            TOP + ph + 18.0,
+            fmt_num((t * 1000.0).round() / 1000.0)
+        );
+        t += xstep;
+    }
+    // Axes and their titles.
+    let _ = writeln!(
+        s,
+        r#"<polyline points="{LEFT},{TOP} {LEFT},{:.1} {:.1},{:.1}" fill="none" stroke="black"/>"#,
+        TOP + ph,
+        LEFT + pw,
+        TOP + ph
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">time (s)</text>"#,
+        LEFT + pw / 2.0,
+        H - 14.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="16" y="{:.1}" text-anchor="middle" transform="rotate(-90 16 {:.1})">requests per second</text>"#,
+        TOP + ph / 2.0,
+        TOP + ph / 2.0
+    );
+    // One line per service, then the legend.
+    for (k, name) in r.services.iter().enumerate() {
+        let color = PALETTE[k % PALETTE.len()];
+        // Services with equal rates draw on top of each other; distinct dash patterns keep
+        // every one of them visible.
+        let dash = DASHES[k % DASHES.len()];
+        let points: Vec<String> = r
+            .rows
+            .iter()
+            .map(|row| {
+                let v = row.rates.get(name).copied().unwrap_or(0.0);
+                format!("{:.1},{:.1}", x(row.t), y(v))
+            })
+            .collect();
+        let _ = writeln!(
+            s,
+            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"{dash}/>"#,
+            points.join(" ")
+        );
+        // A dot per row: each is the mean over the window ending there, not a sample.
+        for row in &r.rows {
+            let v = row.rates.get(name).copied().unwrap_or(0.0);
+            let _ = writeln!(
+                s,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{color}"/>"#,
+                x(row.t),
+                y(v)
+            );
+        }
+        let ly = TOP + 10.0 + 20.0 * k as f64;
+        let lx = LEFT + pw + 16.0;
+        let _ = writeln!(
+            s,
+            r#"<line x1="{lx:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{color}" stroke-width="2"{dash}/>"#,
+            lx + 24.0
+        );
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}">{}</text>"#,
+            lx + 30.0,
+            ly + 4.0,
+            xml_escape(name)
+        );
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "method: round_robin\noffered_rate: 100\nservices: [A, B]\nreport_every: 1s\nduration: 2s\n";
+
+    #[test]
+    fn durations_parse_exactly() {
+        assert_eq!(parse_duration("10s"), Some(10 * NANOS_PER_SEC));
+        assert_eq!(parse_duration("250ms"), Some(250_000_000));
+        assert_eq!(parse_duration("1.5s"), Some(1_500_000_000));
+        assert_eq!(parse_duration("2m"), Some(120 * NANOS_PER_SEC));
+        assert_eq!(parse_duration("7"), Some(7 * NANOS_PER_SEC));
+        assert_eq!(parse_duration("0.000000001s"), Some(1));
+        for bad in ["", "s", "1x", "-1s", "1.2.3s", "99999999999999999999h", "."] {
+            assert_eq!(parse_duration(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn without_slow_start_round_robin_is_even() {
+        let r = run_scenario(BASE).map_err(|e| e.to_string());
+        let r = r.as_ref().ok();
+        assert_eq!(r.and_then(|r| r.rate(2.0, "A")), Some(50.0));
+        assert_eq!(r.and_then(|r| r.rate(0.0, "B")), Some(50.0));
+        assert_eq!(r.map(|r| r.rows.len()), Some(3));
+    }
+
+    #[test]
+    fn scenario_errors_are_reported() {
+        let cases: &[(&str, &str)] = &[
+            ("method: round_robin\n", "scenario YAML"),
+            (&BASE.replace("round_robin", "fastest"), "unknown method"),
+            (&BASE.replace("round_robin", "call_id_hash"), "hash method"),
+            (&BASE.replace("100", "0"), "offered_rate"),
+            (&BASE.replace("[A, B]", "[A, A]"), "appears twice"),
+            (&BASE.replace("[A, B]", "[]"), "at least one"),
+            (
+                &BASE.replace("duration: 2s", "duration: 2 parsecs"),
+                "duration",
+            ),
+            (
+                &BASE.replace("report_every: 1s", "report_every: 0s"),
+                "report_every",
+            ),
+            (
+                &format!("{BASE}events:\n  - {{ at: 1s, down: C }}\n"),
+                "unknown service",
+            ),
+            (&format!("{BASE}events:\n  - {{ at: 1s }}\n"), "exactly one"),
+            (
+                &format!("{BASE}events:\n  - {{ at: 5s, down: A }}\n"),
+                "beyond",
+            ),
+            (
+                &format!("{BASE}events:\n  - {{ at: 1s, add: A }}\n"),
+                "already",
+            ),
+            (&format!("{BASE}bogus: 1\n"), "scenario YAML"),
+            (
+                &format!("{BASE}slow_start: {{ new_service_request_rate: 1, unit: furlongs }}\n"),
+                "unit",
+            ),
+            (&BASE.replace("100", "100000000"), "limit"),
+        ];
+        for (yaml, want) in cases {
+            match run_scenario(yaml) {
+                Ok(_) => panic!("accepted: {yaml}"),
+                Err(e) => assert!(e.to_string().contains(want), "{yaml}: {e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn down_service_gets_nothing_and_restarts_slowly() {
+        let yaml = "method: least_connection\noffered_rate: 100\n\
+            slow_start: { new_service_request_rate: 10, unit: per_second, increment_interval: 0s }\n\
+            services: [A, B]\nreport_every: 1s\nduration: 3s\nhold: 50ms\n\
+            events:\n  - { at: 1s, down: B }\n  - { at: 2s, up: B }\n";
+        let r = run_scenario(yaml).map_err(|e| e.to_string());
+        let r = r.as_ref().ok();
+        assert_eq!(r.and_then(|r| r.rate(2.0, "B")), Some(0.0));
+        assert_eq!(r.and_then(|r| r.rate(2.0, "A")), Some(100.0));
+        assert_eq!(r.and_then(|r| r.rate(3.0, "B")), Some(10.0));
+        assert_eq!(r.and_then(|r| r.rate(3.0, "A")), Some(90.0));
+    }
+
+    #[test]
+    fn everything_down_drops() {
+        let yaml =
+            format!("{BASE}events:\n  - {{ at: 1s, remove: A }}\n  - {{ at: 1s, down: B }}\n");
+        let r = run_scenario(&yaml).map_err(|e| e.to_string());
+        assert_eq!(r.map(|r| r.dropped), Ok(100));
+    }
+
+    #[test]
+    fn renderers_produce_their_formats() {
+        let r = run_scenario(BASE).map_err(|e| e.to_string());
+        let Ok(r) = r else { panic!("{r:?}") };
+        let json = render_json(&r);
+        assert!(
+            json.starts_with(r#"{"rows":[{"t":0,"rates":{"A":50.0,"B":50.0}}"#),
+            "{json}"
+        );
+        let table = render_table(&r);
+        assert!(table.contains("50.00"), "{table}");
+        let svg = render_svg(&r);
+        assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+        assert_eq!(svg.matches("<polyline").count(), 3);
+        // An empty result renders without panicking.
+        let empty = SimResult {
+            method: Method::RoundRobin,
+            offered_rate: 0,
+            services: vec!["<x>".into()],
+            rows: vec![],
+            exits: vec![],
+            dropped: 0,
+        };
+        assert!(render_svg(&empty).contains("&lt;x&gt;"));
+        assert!(render_table(&empty).contains("<x>"));
+    }
+}
