@@ -38,6 +38,11 @@ enum Command {
         #[arg(long, short, default_value = "config/fulcrum.yaml")]
         config: PathBuf,
     },
+    /// Hash-distribution and slow-start tables from the real core, without sockets.
+    Simulate {
+        #[command(subcommand)]
+        what: Simulate,
+    },
     /// Self-contained run on loopback: built-in SIP backends, the proxy and a client load,
     /// with a live per-service table. Needs nothing installed.
     Demo {
@@ -55,6 +60,44 @@ enum Command {
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
+}
+
+#[derive(Subcommand)]
+enum Simulate {
+    /// Hash K synthetic Call-ID-like keys over N services and report balance, disruption,
+    /// lookup time and memory.
+    Hash {
+        #[arg(long, value_enum, default_value = "carp")]
+        algorithm: CliAlgorithm,
+        #[arg(long, default_value_t = 1000)]
+        services: usize,
+        #[arg(long, default_value_t = 1_000_000)]
+        keys: usize,
+        /// Table resolution of prac / jarh (1..=1024).
+        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1024))]
+        fingers: u32,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// One JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a slow-start scenario (YAML) and print requests per second per service.
+    SlowStart {
+        scenario: PathBuf,
+        #[arg(long)]
+        json: bool,
+        /// Also write an SVG plot of the rates over time.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum CliAlgorithm {
+    Carp,
+    Prac,
+    Jarh,
 }
 
 /// Exit status for an invalid config (SPEC section 9).
@@ -86,6 +129,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             run_proxy(&cfg)?;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Simulate { what } => simulate(what),
         Command::Demo { duration, rate } => {
             init_tracing(cli.log_format, None)?;
             let stop = Arc::new(AtomicBool::new(false));
@@ -159,6 +203,64 @@ fn run_proxy(cfg: &Config) -> anyhow::Result<()> {
     tracing::info!("signal received, shutting down");
     rt.shutdown();
     Ok(())
+}
+
+fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
+    use fulcrum::simulate::{hash, slow_start};
+    match what {
+        Simulate::Hash {
+            algorithm,
+            services,
+            keys,
+            fingers,
+            seed,
+            json,
+        } => {
+            anyhow::ensure!(services >= 1, "--services must be at least 1");
+            let params = hash::HashSimParams {
+                algorithm: match algorithm {
+                    CliAlgorithm::Carp => config::HashAlgorithm::Carp,
+                    CliAlgorithm::Prac => config::HashAlgorithm::Prac,
+                    CliAlgorithm::Jarh => config::HashAlgorithm::Jarh,
+                },
+                services,
+                keys,
+                fingers,
+                seed,
+            };
+            let report = hash::simulate_hash(&params);
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                print!("{}", hash::render_text(&report));
+            }
+        }
+        Simulate::SlowStart {
+            scenario,
+            json,
+            plot,
+        } => {
+            let text = std::fs::read_to_string(&scenario)
+                .with_context(|| format!("reading {}", scenario.display()))?;
+            let result = match slow_start::run_scenario(&text) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("{}: {e}", scenario.display());
+                    return Ok(ExitCode::from(EXIT_INVALID));
+                }
+            };
+            if json {
+                println!("{}", slow_start::render_json(&result));
+            } else {
+                print!("{}", slow_start::render_table(&result));
+            }
+            if let Some(path) = plot {
+                std::fs::write(&path, slow_start::render_svg(&result))
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn check(files: &[PathBuf]) -> ExitCode {
