@@ -36,6 +36,12 @@ pub enum RuntimeError {
     Thread(#[from] std::io::Error),
 }
 
+/// The data path behind a vserver (one variant per protocol).
+#[derive(Debug, Clone)]
+pub enum DataPath {
+    SipUdp(Arc<SipUdpCore>),
+}
+
 /// A running vserver.
 #[derive(Debug)]
 pub struct VserverHandle {
@@ -43,13 +49,23 @@ pub struct VserverHandle {
     pub protocol: Protocol,
     /// The addresses actually bound (port 0 resolved).
     pub bound: Vec<SocketAddr>,
-    pub core: Arc<SipUdpCore>,
+    pub balancer: Arc<Balancer>,
+    pub data: DataPath,
 }
 
 impl VserverHandle {
     pub fn balancer(&self) -> &Arc<Balancer> {
-        self.core.balancer()
+        &self.balancer
     }
+}
+
+/// What a data path needs from the runtime to start: the clock epoch, the stop flag its
+/// threads watch, a place to register its threads, and the tokio runtime for async paths.
+pub struct StartCtx<'a> {
+    pub epoch: Instant,
+    pub stop: &'a Arc<AtomicBool>,
+    pub threads: &'a mut Vec<JoinHandle<()>>,
+    pub tokio: &'a tokio::runtime::Handle,
 }
 
 /// All running vservers of one config.
@@ -58,6 +74,8 @@ pub struct Runtime {
     stop: Arc<AtomicBool>,
     vservers: Vec<VserverHandle>,
     threads: Vec<JoinHandle<()>>,
+    /// Async data paths, monitors and the admin API run here.
+    tokio: Option<tokio::runtime::Runtime>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -71,11 +89,16 @@ impl std::fmt::Debug for Runtime {
 impl Runtime {
     /// Bind every vserver and start its workers. Nothing is left running on error.
     pub fn start(config: &Config) -> Result<Runtime, RuntimeError> {
+        let tokio = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("fulcrum-io")
+            .build()?;
         let mut rt = Runtime {
             epoch: Instant::now(),
             stop: Arc::new(AtomicBool::new(false)),
             vservers: Vec::new(),
             threads: Vec::new(),
+            tokio: Some(tokio),
         };
         for v in &config.vservers {
             if let Err(e) = rt.start_vserver(config, v) {
@@ -114,92 +137,34 @@ impl Runtime {
         n
     }
 
-    fn start_vserver(&mut self, config: &Config, v: &Vserver) -> Result<(), RuntimeError> {
-        match v.protocol {
-            Protocol::SipUdp => self.start_sip_udp(config, v),
-            p => Err(RuntimeError::Unsupported {
-                vserver: v.name.clone(),
-                protocol: p.name(),
-            }),
-        }
+    /// The tokio runtime of async paths, monitors and the admin API.
+    pub fn tokio(&self) -> Option<&tokio::runtime::Handle> {
+        self.tokio.as_ref().map(|t| t.handle())
     }
 
-    fn start_sip_udp(&mut self, config: &Config, v: &Vserver) -> Result<(), RuntimeError> {
-        let workers = net::worker_count(v.workers);
-        let mut sockets = Vec::new();
-        let mut bound = Vec::new();
-        for addr in &v.bind {
-            let socks =
-                net::bind_udp_workers(*addr, workers).map_err(|source| RuntimeError::Bind {
+    fn start_vserver(&mut self, config: &Config, v: &Vserver) -> Result<(), RuntimeError> {
+        let Some(tokio) = self.tokio.as_ref().map(|t| t.handle().clone()) else {
+            return Err(RuntimeError::Setup {
+                vserver: v.name.clone(),
+                problem: "runtime is shut down".into(),
+            });
+        };
+        let mut ctx = StartCtx {
+            epoch: self.epoch,
+            stop: &self.stop,
+            threads: &mut self.threads,
+            tokio: &tokio,
+        };
+        let handle = match v.protocol {
+            Protocol::SipUdp => start_sip_udp(&mut ctx, config, v)?,
+            p => {
+                return Err(RuntimeError::Unsupported {
                     vserver: v.name.clone(),
-                    addr: *addr,
-                    source,
-                })?;
-            let actual = socks
-                .first()
-                .and_then(|s| s.local_addr().ok())
-                .unwrap_or(*addr);
-            bound.push(actual);
-            sockets.extend(socks);
-        }
-        let member_addrs: Vec<SocketAddr> = v
-            .services
-            .iter()
-            .filter_map(|&i| config.services.get(i))
-            .map(|s| SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
-            .collect();
-        let local = local_identity(v, &bound, &member_addrs)?;
-        let balancer = Arc::new(Balancer::new(config, v));
-        let core = Arc::new(SipUdpCore::new(SipUdpParams {
-            name: v.name.clone(),
-            local,
-            record_route: v.record_route,
-            method: v.method,
-            hash_params: v.hash.clone(),
-            balancer,
-            member_addrs,
-            max_dialogs: v.max_sessions,
-            dialog_idle: v.idle_timeout,
-        }));
-        for (i, socket) in sockets.into_iter().enumerate() {
-            let core = Arc::clone(&core);
-            let stop = Arc::clone(&self.stop);
-            let epoch = self.epoch;
-            let t = std::thread::Builder::new()
-                .name(format!("{}-{i}", v.name))
-                .spawn(move || sip_udp::run_worker(socket, core, epoch, stop, POLL))?;
-            self.threads.push(t);
-        }
-        // Dialog expiry: often enough that the table reflects the idle timeout within ~10%.
-        let sweep_every =
-            (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
-        let (core2, stop, epoch) = (Arc::clone(&core), Arc::clone(&self.stop), self.epoch);
-        let t = std::thread::Builder::new()
-            .name(format!("{}-sweep", v.name))
-            .spawn(move || {
-                let mut last = Instant::now();
-                while !stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(POLL);
-                    if last.elapsed() >= sweep_every {
-                        core2.sweep(sip_udp::elapsed_nanos(epoch));
-                        last = Instant::now();
-                    }
-                }
-            })?;
-        self.threads.push(t);
-        tracing::info!(
-            vserver = %v.name,
-            bind = ?bound,
-            workers,
-            method = v.method.name(),
-            "sip-udp vserver started"
-        );
-        self.vservers.push(VserverHandle {
-            name: v.name.clone(),
-            protocol: v.protocol,
-            bound,
-            core,
-        });
+                    protocol: p.name(),
+                });
+            }
+        };
+        self.vservers.push(handle);
         Ok(())
     }
 
@@ -207,6 +172,9 @@ impl Runtime {
         self.stop.store(true, Ordering::Relaxed);
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        if let Some(t) = self.tokio.take() {
+            t.shutdown_timeout(Duration::from_secs(5));
         }
     }
 
@@ -220,6 +188,89 @@ impl Drop for Runtime {
     fn drop(&mut self) {
         self.stop_all();
     }
+}
+
+/// Start a sip-udp vserver: worker threads with SO_REUSEPORT sockets, and a dialog sweeper.
+fn start_sip_udp(
+    ctx: &mut StartCtx<'_>,
+    config: &Config,
+    v: &Vserver,
+) -> Result<VserverHandle, RuntimeError> {
+    let workers = net::worker_count(v.workers);
+    let mut sockets = Vec::new();
+    let mut bound = Vec::new();
+    for addr in &v.bind {
+        let socks = net::bind_udp_workers(*addr, workers).map_err(|source| RuntimeError::Bind {
+            vserver: v.name.clone(),
+            addr: *addr,
+            source,
+        })?;
+        let actual = socks
+            .first()
+            .and_then(|s| s.local_addr().ok())
+            .unwrap_or(*addr);
+        bound.push(actual);
+        sockets.extend(socks);
+    }
+    let member_addrs: Vec<SocketAddr> = v
+        .services
+        .iter()
+        .filter_map(|&i| config.services.get(i))
+        .map(|s| SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
+        .collect();
+    let local = local_identity(v, &bound, &member_addrs)?;
+    let balancer = Arc::new(Balancer::new(config, v));
+    let core = Arc::new(SipUdpCore::new(SipUdpParams {
+        name: v.name.clone(),
+        local,
+        record_route: v.record_route,
+        method: v.method,
+        hash_params: v.hash.clone(),
+        balancer,
+        member_addrs,
+        max_dialogs: v.max_sessions,
+        dialog_idle: v.idle_timeout,
+    }));
+    for (i, socket) in sockets.into_iter().enumerate() {
+        let core = Arc::clone(&core);
+        let stop = Arc::clone(ctx.stop);
+        let epoch = ctx.epoch;
+        let t = std::thread::Builder::new()
+            .name(format!("{}-{i}", v.name))
+            .spawn(move || sip_udp::run_worker(socket, core, epoch, stop, POLL))?;
+        ctx.threads.push(t);
+    }
+    // Dialog expiry: often enough that the table reflects the idle timeout within ~10%.
+    let sweep_every =
+        (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
+    let (core2, stop, epoch) = (Arc::clone(&core), Arc::clone(ctx.stop), ctx.epoch);
+    let t = std::thread::Builder::new()
+        .name(format!("{}-sweep", v.name))
+        .spawn(move || {
+            let mut last = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(POLL);
+                if last.elapsed() >= sweep_every {
+                    core2.sweep(sip_udp::elapsed_nanos(epoch));
+                    last = Instant::now();
+                }
+            }
+        })?;
+    ctx.threads.push(t);
+    tracing::info!(
+        vserver = %v.name,
+        bind = ?bound,
+        workers,
+        method = v.method.name(),
+        "sip-udp vserver started"
+    );
+    Ok(VserverHandle {
+        name: v.name.clone(),
+        protocol: v.protocol,
+        bound,
+        balancer: Arc::clone(core.balancer()),
+        data: DataPath::SipUdp(core),
+    })
 }
 
 /// fulcrum's Via / Record-Route identity on a vserver: `advertise`, else the bound
