@@ -2,6 +2,7 @@
 
 pub mod runtime;
 pub mod sip_core;
+pub mod sip_tcp;
 pub mod sip_udp;
 
 pub use runtime::{Runtime, RuntimeError, VserverHandle};

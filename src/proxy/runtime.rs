@@ -38,6 +38,7 @@ pub enum RuntimeError {
 #[derive(Debug, Clone)]
 pub enum DataPath {
     SipUdp(Arc<SipCore>),
+    SipTcp(Arc<SipCore>, Arc<crate::proxy::sip_tcp::TcpShared>),
 }
 
 /// A running vserver.
@@ -155,6 +156,7 @@ impl Runtime {
         };
         let handle = match v.protocol {
             Protocol::SipUdp => sip_udp::start(&mut ctx, config, v)?,
+            Protocol::SipTcp => crate::proxy::sip_tcp::start(&mut ctx, config, v)?,
             p => {
                 return Err(RuntimeError::Unsupported {
                     vserver: v.name.clone(),
