@@ -334,3 +334,55 @@ fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
         );
     }
 }
+
+#[test]
+fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
+    use fulcrum::proxy::runtime::DataPath;
+    let uas = TcpUas::start();
+    let (rt, proxy) = start(&[&uas]);
+    // A small receive buffer makes the kernel stop taking responses early.
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.set_recv_buffer_size(4096).expect("rcvbuf");
+    sock.connect(&proxy.into()).expect("connect");
+    let mut lazy: TcpStream = sock.into();
+    let local = lazy.local_addr().expect("local");
+    let shared = match &rt.vserver("v").expect("v").data {
+        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    };
+    // Send requests without ever reading the responses, until fulcrum gives up on us
+    // (bounded: at most 200 000 requests or 30 s).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    lazy.set_write_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    let mut sent = 0u32;
+    while shared.counters.slow_clients_closed.load(Ordering::Relaxed) == 0 {
+        assert!(
+            Instant::now() < deadline && sent < 200_000,
+            "slow client never disconnected"
+        );
+        let req = request(
+            "OPTIONS",
+            &format!("slow-{sent}@x"),
+            local,
+            &format!("s{sent}"),
+        );
+        if lazy.write_all(req.as_bytes()).is_err() {
+            break;
+        }
+        sent += 1;
+    }
+    assert_eq!(
+        shared.counters.slow_clients_closed.load(Ordering::Relaxed),
+        1
+    );
+    // Another client is served normally.
+    let mut other = TcpStream::connect(proxy).expect("connect");
+    let local2 = other.local_addr().expect("local");
+    other
+        .write_all(request("OPTIONS", "fine@x", local2, "f1").as_bytes())
+        .expect("write");
+    let mut buf = Vec::new();
+    assert!(read_message(&mut other, &mut buf).is_some());
+}
