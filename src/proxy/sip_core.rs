@@ -451,3 +451,178 @@ fn sip_trim(v: &[u8]) -> &[u8] {
         .map_or(start, |e| e + 1);
     &v[start..end]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::balancer::Health;
+    use crate::config;
+    use crate::sip::Transport;
+
+    const CLIENT: &str = "192.0.2.10:5062";
+    const US: &str = "127.0.0.1:5060";
+
+    fn core(record_route: bool) -> SipCore {
+        let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, services: [a, b] }\n";
+        let cfg = config::from_str("t", y).expect("config");
+        let v = &cfg.vservers[0];
+        SipCore::new(SipParams {
+            name: "v".into(),
+            local: Local::from_addr(US.parse().expect("addr"), Transport::Udp),
+            record_route,
+            method: v.method,
+            hash_params: v.hash.clone(),
+            balancer: Arc::new(Balancer::new(&cfg, v)),
+            member_addrs: vec![
+                "127.0.0.1:5071".parse().expect("addr"),
+                "127.0.0.1:5072".parse().expect("addr"),
+            ],
+            max_dialogs: 100,
+            dialog_idle: Duration::from_secs(3600),
+        })
+    }
+
+    fn invite(call_id: &str, max_forwards: u32) -> String {
+        format!(
+            "INVITE sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bKc1;rport\r\nMax-Forwards: {max_forwards}\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n"
+        )
+    }
+
+    fn handle(c: &SipCore, bytes: &str, src: &str, out: &mut Vec<u8>) -> Action {
+        c.handle_datagram(
+            bytes.as_bytes(),
+            src.parse().expect("src"),
+            US.parse().expect("dst"),
+            0,
+            out,
+        )
+    }
+
+    #[test]
+    fn request_goes_to_a_member_with_our_via_and_rport_filled() {
+        let c = core(true);
+        let mut out = Vec::new();
+        let a = handle(&c, &invite("x1", 70), CLIENT, &mut out);
+        assert!(matches!(a, Action::ToMember(_)), "{a:?}");
+        let msg = crate::sip::scan(&out).expect("rewritten request scans");
+        let vias: Vec<_> = msg.vias().collect();
+        assert_eq!(vias.len(), 2);
+        assert_eq!(vias[0].host, b"127.0.0.1");
+        assert!(vias[0].branch.is_some_and(|b| b.starts_with(b"z9hG4bK")));
+        assert_eq!(vias[1].received, Some(&b"192.0.2.10"[..]));
+        assert_eq!(msg.max_forwards(), Some(Some(69)));
+        assert!(msg.record_route().is_some());
+        // Same request again (a retransmission): same member, same bytes.
+        let mut again = Vec::new();
+        assert_eq!(handle(&c, &invite("x1", 70), CLIENT, &mut again), a);
+        assert_eq!(again, out);
+    }
+
+    #[test]
+    fn replies_483_and_503() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let a = handle(&c, &invite("x2", 0), CLIENT, &mut out);
+        assert_eq!(a, Action::Reply(CLIENT.parse().expect("addr")));
+        assert_eq!(
+            crate::sip::scan(&out).expect("scan").status_code(),
+            Some(483)
+        );
+        let now = 0;
+        c.balancer().set_health(0, Health::Down, now);
+        c.balancer().set_health(1, Health::Down, now);
+        let a = handle(&c, &invite("x3", 70), CLIENT, &mut out);
+        assert!(matches!(a, Action::Reply(_)));
+        let msg = crate::sip::scan(&out).expect("scan");
+        assert_eq!(msg.status_code(), Some(503));
+        assert!(msg.header(b"Retry-After").is_some());
+        assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn response_from_member_loses_our_via_and_goes_to_the_client() {
+        let c = core(false);
+        let mut fwd = Vec::new();
+        let Action::ToMember(m) = handle(&c, &invite("x4", 70), CLIENT, &mut fwd) else {
+            panic!("not forwarded")
+        };
+        let req = crate::sip::scan(&fwd).expect("scan");
+        let mut resp = Vec::new();
+        crate::sip::build_response(
+            &req,
+            &crate::sip::Reply {
+                code: 200,
+                reason: "OK",
+                retry_after_s: None,
+            },
+            &mut resp,
+        )
+        .expect("response");
+        let member = c.member_addr(m).expect("member").to_string();
+        let mut out = Vec::new();
+        let a = handle(
+            &c,
+            std::str::from_utf8(&resp).expect("utf8"),
+            &member,
+            &mut out,
+        );
+        // rport was requested: back to the source address and port (RFC 3581 §4).
+        assert_eq!(a, Action::ToAddr(CLIENT.parse().expect("addr")));
+        assert_eq!(crate::sip::scan(&out).expect("scan").vias().count(), 1);
+    }
+
+    #[test]
+    fn foreign_responses_loops_and_garbage_are_dropped_and_counted() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let foreign = "SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP 10.9.9.9:5060;branch=z9hG4bKzz\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@y>;tag=2\r\nCall-ID: f\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(
+            handle(&c, foreign, CLIENT, &mut out),
+            Action::Drop(DropReason::NotOurs)
+        );
+        let to_us = "BYE sip:a@127.0.0.1:5060 SIP/2.0\r\nVia: SIP/2.0/UDP 127.0.0.1:5071;branch=z9hG4bKb\r\nMax-Forwards: 70\r\nFrom: <sip:b@y>;tag=2\r\nTo: <sip:a@x>;tag=1\r\nCall-ID: l\r\nCSeq: 2 BYE\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(
+            handle(&c, to_us, "127.0.0.1:5071", &mut out),
+            Action::Drop(DropReason::Loop)
+        );
+        assert_eq!(
+            handle(&c, "\u{1}\u{2}garbage", CLIENT, &mut out),
+            Action::Drop(DropReason::Malformed)
+        );
+        assert_eq!(c.counters.not_ours.load(Ordering::Relaxed), 1);
+        assert_eq!(c.counters.loops.load(Ordering::Relaxed), 1);
+        assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn dialog_stays_on_its_member_when_another_returns() {
+        // A twin core (same config, so same hashing) finds a call that ranks member 0 first.
+        let probe = core(false);
+        let mut out = Vec::new();
+        let call = (0..)
+            .map(|i| format!("aff-{i}"))
+            .find(|id| handle(&probe, &invite(id, 70), CLIENT, &mut out) == Action::ToMember(0))
+            .expect("some call ranks member 0 first");
+        let c = core(false);
+        c.balancer().set_health(0, Health::Down, 0);
+        assert_eq!(
+            handle(&c, &invite(&call, 70), CLIENT, &mut out),
+            Action::ToMember(1)
+        );
+        c.balancer().set_health(0, Health::Up, 0);
+        // Established on 1: it stays there although 0, its first choice, is back.
+        assert_eq!(
+            handle(&c, &invite(&call, 70), CLIENT, &mut out),
+            Action::ToMember(1)
+        );
+        // A new call with the same ranking goes to 0 again.
+        let other = (0..)
+            .map(|i| format!("aff-new-{i}"))
+            .find(|id| handle(&probe, &invite(id, 70), CLIENT, &mut out) == Action::ToMember(0))
+            .expect("another call ranking 0 first");
+        assert_eq!(
+            handle(&c, &invite(&other, 70), CLIENT, &mut out),
+            Action::ToMember(0)
+        );
+    }
+}
