@@ -1103,6 +1103,18 @@ impl<'a> SipMsg<'a> {
         }
     }
 
+    /// Via values in headers starting at or after offset `pos`.
+    pub(crate) fn vias_after(&self, pos: usize) -> Vias<'a> {
+        Vias {
+            headers: Headers {
+                buf: self.buf,
+                pos: pos.min(self.headers_end),
+                end: self.headers_end,
+            },
+            values: None,
+        }
+    }
+
     /// First Route value (`<sip:...;lr>`), raw.
     pub fn route(&self) -> Option<&'a [u8]> {
         let h = self.route?;
