@@ -522,22 +522,37 @@ pub fn route_response<'a>(
     msg: &SipMsg<'a>,
     local: &Local,
 ) -> Result<ResponseRoute<'a>, RewriteError> {
+    route_and_cut(msg, local).map(|(route, _)| route)
+}
+
+/// The route of a response and the bytes to cut to remove fulcrum's Via value.
+fn route_and_cut<'a>(
+    msg: &SipMsg<'a>,
+    local: &Local,
+) -> Result<(ResponseRoute<'a>, Span), RewriteError> {
     if msg.is_request() {
         return Err(RewriteError::NotAResponse);
     }
     let buf = msg.buf();
     let idx = msg.via_index().ok_or(RewriteError::NoVia)?;
-    let top = top_via_of(buf, idx, CONN_PARAM).ok_or(RewriteError::BadVia)?;
+    let mut vals = CommaValues::new(buf, idx.value);
+    let first = vals.next().ok_or(RewriteError::BadVia)?;
+    let top = parse_via(buf, first, CONN_PARAM).ok_or(RewriteError::BadVia)?;
     let ours = top.branch.is_some_and(|b| b.starts_with(BRANCH_PREFIX))
         && local.is_local(top.host, top.port);
     if !ours {
         return Err(RewriteError::ViaNotOurs);
     }
-    let conn_id = top
-        .extra_param
-        .and_then(|s| parse_hex(s.of(buf)))
-        .filter(|_| top.extra_param.is_some());
-    let next = msg.vias().nth(1).ok_or(RewriteError::NoNextVia)?;
+    let conn_id = top.extra_param.and_then(|s| parse_hex(s.of(buf)));
+    // The next Via is the second value of the same header, else the first of a later one.
+    let (next, cut) = match vals.next() {
+        Some(second) => (
+            parse_via(buf, second, b""),
+            Span::new(first.start, second.start),
+        ),
+        None => (msg.vias_after(idx.line.end).next(), idx.line),
+    };
+    let next = next.ok_or(RewriteError::NoNextVia)?;
     let default_port = if next.transport.eq_ignore_ascii_case(b"TLS") {
         5061
     } else {
@@ -554,11 +569,12 @@ pub fn route_response<'a>(
         },
         None => Target::from_host(next.host, port),
     };
-    Ok(ResponseRoute {
+    let route = ResponseRoute {
         target,
         transport: next.transport,
         conn_id,
-    })
+    };
+    Ok((route, cut))
 }
 
 /// Forward a response: check the top Via is ours, remove it (only the first value when
@@ -568,12 +584,9 @@ pub fn forward_response<'a, B: BufMut>(
     local: &Local,
     out: &mut B,
 ) -> Result<ResponseRoute<'a>, RewriteError> {
-    let route = route_response(msg, local)?;
+    let (route, cut) = route_and_cut(msg, local)?;
     let buf = msg.buf();
-    let idx = msg.via_index().ok_or(RewriteError::NoVia)?;
-    let cut = first_value_removal(buf, idx).ok_or(RewriteError::BadVia)?;
-    let sl_start = msg.start_offset();
-    out.put_slice(&buf[sl_start..cut.start]);
+    out.put_slice(&buf[msg.start_offset()..cut.start]);
     out.put_slice(&buf[cut.end..msg.len()]);
     Ok(route)
 }

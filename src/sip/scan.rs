@@ -399,10 +399,26 @@ fn check_version(v: &[u8]) -> Result<(), ScanError> {
     }
 }
 
+/// RFC 3261 §25.1 `token` characters, as a table: this test runs once per byte of every name.
+const TOKEN: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut c = 0;
+    while c < 256 {
+        let b = c as u8;
+        t[c] = b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'.' | b'!' | b'%' | b'*' | b'_' | b'+' | b'`' | b'\'' | b'~'
+            );
+        c += 1;
+    }
+    t
+};
+
 /// RFC 3261 §25.1 `token` characters.
 #[inline]
 pub(crate) fn is_token_char(c: u8) -> bool {
-    c.is_ascii_alphanumeric() || b"-.!%*_+`'~".contains(&c)
+    TOKEN[usize::from(c)]
 }
 
 #[inline]
@@ -439,28 +455,27 @@ pub(crate) fn parse_decimal(s: &[u8]) -> Option<usize> {
     Some(s.iter().fold(0usize, |a, d| a * 10 + usize::from(d - b'0')))
 }
 
-/// Offset of the first byte in `s` that is `target` outside quoted strings and `<...>`.
+/// Offset of the first byte in `s` that is `target` outside quoted strings and `<...>`
+/// (`target` itself may be `<`). memchr jumps between the few bytes that matter.
 pub(crate) fn find_unquoted(s: &[u8], target: u8) -> Option<usize> {
-    let mut in_quote = false;
-    let mut angle = false;
     let mut i = 0;
     while i < s.len() {
-        let c = s[i];
-        if in_quote {
-            match c {
-                b'\\' => i += 1,
-                b'"' => in_quote = false,
-                _ => {}
+        i += memchr::memchr3(target, b'"', b'<', &s[i..])?;
+        match s[i] {
+            c if c == target => return Some(i),
+            b'"' => {
+                // quoted-string with quoted-pair escapes (RFC 3261 §25.1)
+                i += 1;
+                loop {
+                    i += memchr::memchr2(b'"', b'\\', s.get(i..)?)?;
+                    if s[i] == b'\\' {
+                        i += 2;
+                    } else {
+                        break;
+                    }
+                }
             }
-        } else if c == target && !angle {
-            return Some(i);
-        } else {
-            match c {
-                b'"' => in_quote = true,
-                b'<' => angle = true,
-                b'>' => angle = false,
-                _ => {}
-            }
+            _ => i += memchr(b'>', &s[i..])?,
         }
         i += 1;
     }
@@ -1066,7 +1081,9 @@ impl<'a> SipMsg<'a> {
 
     /// First Via value, parsed.
     pub fn top_via(&self) -> Option<Via<'a>> {
-        self.vias().next()
+        let idx = self.via?;
+        let span = CommaValues::new(self.buf, idx.value).next()?;
+        parse_via(self.buf, span, b"")
     }
 
     /// Raw value of the first Via header (possibly several comma-joined values).
@@ -1080,6 +1097,18 @@ impl<'a> SipMsg<'a> {
             headers: Headers {
                 buf: self.buf,
                 pos: self.via.map_or(self.headers_end, |h| h.line.start),
+                end: self.headers_end,
+            },
+            values: None,
+        }
+    }
+
+    /// Via values in headers starting at or after offset `pos`.
+    pub(crate) fn vias_after(&self, pos: usize) -> Vias<'a> {
+        Vias {
+            headers: Headers {
+                buf: self.buf,
+                pos: pos.min(self.headers_end),
                 end: self.headers_end,
             },
             values: None,
