@@ -13,14 +13,14 @@
 //! after the start of the range. A lookup reads the index and walks forward over the few points
 //! (about one on average) that share that range: O(1) expected, no branches on the ring size.
 //!
-//! Bounds: the total number of points is capped at 2^24; when `fingers x sum(weights)` is larger,
+//! Bounds: the total number of points is capped at 2^22; when `fingers x sum(weights)` is larger,
 //! every service's count is scaled down in proportion (at least one point each). Config limits
 //! (fingers <= 1024) reach the cap only with large weights and hundreds of services.
 
 use crate::hash::finger_hash;
 
-/// Most ring points kept, whatever the config asks for (2^24 points = 192 MiB with the index).
-const MAX_POINTS: u64 = 1 << 24;
+/// Most ring points kept, whatever the config asks for (2^22 points = 64 MiB with the index).
+const MAX_POINTS: u64 = 1 << 22;
 
 /// The jarh selector.
 #[derive(Debug, Clone)]
