@@ -309,3 +309,14 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn carp_all_up_fast_path_matches_ranking() {
+    let ks = keys(200, 9);
+    for n in 1..14 {
+        let sel = HashSelector::build(HashAlgorithm::Carp, 1, &members(n), &vec![true; n]);
+        for k in &ks {
+            assert_eq!(sel.pick(*k, |_| true), Some((sel.ranking(*k)[0], 0)));
+        }
+    }
+}
