@@ -5,9 +5,9 @@
 //! `cargo bench --bench consistent` (BENCHMARKS.md records the figures).
 
 use std::hint::black_box;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, criterion_group};
 use fulcrum::config::HashAlgorithm;
 use fulcrum::hash::mix64;
 use fulcrum::select::{HashSelector, Member};
@@ -187,5 +187,73 @@ fn builds(c: &mut Criterion) {
     g.finish();
 }
 
+/// Median time per lookup over batches of 1,024 lookups, for every algorithm on the same keys.
+/// A batch lasts microseconds, so on a shared, loaded machine most batches run without being
+/// preempted and the median shows the undisturbed cost, where criterion's millisecond samples
+/// absorb the scheduler's time slices.
+fn batch_medians() {
+    fn median_ns(mut f: impl FnMut(u64) -> u64, keys: &[u64]) -> f64 {
+        let mut samples = Vec::new();
+        for round in 0..400 {
+            let t = Instant::now();
+            let mut acc = 0u64;
+            for k in keys.iter().skip((round * 1024) % (KEYS - 1024)).take(1024) {
+                acc = acc.wrapping_add(f(black_box(*k)));
+            }
+            black_box(acc);
+            samples.push(t.elapsed().as_nanos() as f64 / 1024.0);
+        }
+        samples.sort_by(f64::total_cmp);
+        samples[samples.len() / 2]
+    }
+    let keys = synthetic_key_hashes(KEYS, 3);
+    println!("batch medians (ns per lookup, median of 400 batches of 1,024 lookups)");
+    println!(
+        "{:<16}{:>10}{:>10}{:>10}",
+        "algorithm", "n=100", "n=1000", "n=4096"
+    );
+    let ns = [100usize, 1000, 4096];
+    let sets: Vec<Vec<Member>> = ns
+        .iter()
+        .map(|n| (0..*n).map(synthetic_member).collect())
+        .collect();
+    let row = |name: &str, f: &mut dyn FnMut(&[Member]) -> f64| {
+        let cells: Vec<String> = sets.iter().map(|m| format!("{:>10.2}", f(m))).collect();
+        println!("{name:<16}{}", cells.join(""));
+    };
+    for (name, alg) in HashAlgorithm::ALL {
+        for fingers in [256u32, 1024] {
+            if alg == HashAlgorithm::Carp && fingers == 1024 {
+                continue;
+            }
+            let label = format!("{name}-f{fingers}");
+            row(&label, &mut |m: &[Member]| {
+                let sel = HashSelector::build(alg, fingers, m, &vec![true; m.len()]);
+                median_ns(
+                    |k| sel.pick(k, |_| true).map_or(0, |(i, _)| i as u64),
+                    &keys,
+                )
+            });
+        }
+    }
+    row("ketama160", &mut |m: &[Member]| {
+        let r = Ketama::new(m);
+        median_ns(|k| u64::from(r.get(k)), &keys)
+    });
+    row("jump", &mut |m: &[Member]| {
+        let n = m.len() as i64;
+        median_ns(|k| jump(k, n) as u64, &keys)
+    });
+    row("maglev65537", &mut |m: &[Member]| {
+        let t = Maglev::new(m);
+        median_ns(|k| u64::from(t.get(k)), &keys)
+    });
+}
+
 criterion_group!(benches, lookups, builds);
-criterion_main!(benches);
+
+fn main() {
+    batch_medians();
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

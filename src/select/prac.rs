@@ -68,6 +68,8 @@ impl Table {
 pub struct Prac {
     scorer: Scorer,
     up: Vec<bool>,
+    /// Every service UP: the table is the all-UP table, every hit is a first choice.
+    all_up: bool,
     geo: Geometry,
     all_up_table: Table,
     table: Table,
@@ -233,6 +235,7 @@ impl Prac {
 
         Prac {
             scorer,
+            all_up: !any_down,
             up,
             geo,
             all_up_table,
@@ -261,6 +264,9 @@ impl Prac {
         let slot = self.slot(key);
         let owner = self.table.get(slot);
         if self.up.get(owner).copied().unwrap_or(false) && eligible(owner) {
+            if self.all_up {
+                return Some((owner, 0));
+            }
             let first = self.all_up_table.get(slot);
             if owner == first {
                 return Some((owner, 0));
