@@ -9,7 +9,7 @@ pub mod framing;
 pub mod rewrite;
 pub mod scan;
 
-pub use framing::{Frame, FrameError, next_frame};
+pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, PONG, next_frame};
 pub use rewrite::{
     BRANCH_PREFIX, CONN_PARAM, DEFAULT_MAX_FORWARDS, Host, Local, Reply, RequestRewrite,
     ResponseRoute, RewriteError, Target, Transport, build_response, forward_request,
