@@ -6,6 +6,11 @@
 //! (a lone CRLF, ignored). "Need more bytes" is [`FrameError::Incomplete`], a normal result.
 //! The caller consumes `frame.len()` bytes and calls again, so back-to-back messages in one
 //! read come out one at a time.
+//!
+//! Framing reads only the start of each line and Content-Length, so a frame may still fail
+//! [`crate::sip::scan`]; such a message is dropped, and the stream stays in sync because the
+//! boundary came from Content-Length. A Content-Length value folded over two lines is refused
+//! (no implementation sends one, and guessing would desynchronise the stream).
 
 use memchr::memchr;
 
@@ -100,8 +105,6 @@ pub fn next_frame(buf: &[u8], max_len: usize) -> Result<Frame, FrameError> {
         if !first && !matches!(line[0], b' ' | b'\t') {
             if let Some(colon) = memchr(b':', line) {
                 if HeaderName::classify(trim_lws(&line[..colon])) == HeaderName::ContentLength {
-                    // A folded Content-Length value is not supported: it would be a digit
-                    // string split over lines, which no implementation sends.
                     let n =
                         parse_decimal(&line[colon + 1..]).ok_or(FrameError::BadContentLength)?;
                     match content_length {
