@@ -230,6 +230,52 @@ v=0\r\n";
         );
     }
 
+    proptest::proptest! {
+        /// Reads of any size give the same frames as one read of the whole stream.
+        #[test]
+        fn any_read_sizes(parts in proptest::collection::vec(0u8..3, 1..12),
+                          chunks in proptest::collection::vec(1usize..300, 1..64)) {
+            let mut stream = Vec::new();
+            for p in &parts {
+                match p {
+                    0 => stream.extend_from_slice(MSG),
+                    1 => stream.extend_from_slice(b"\r\n\r\n"),
+                    _ => stream.extend_from_slice(b"OPTIONS sip:a SIP/2.0\r\nl: 0\r\n\r\n"),
+                }
+            }
+            let mut expected = Vec::new();
+            let mut pos = 0;
+            while let Ok(f) = frame(&stream[pos..]) {
+                expected.push(f);
+                pos += f.len();
+            }
+            proptest::prop_assert_eq!(pos, stream.len());
+
+            let mut got = Vec::new();
+            let mut buf: Vec<u8> = Vec::new();
+            let mut fed = 0;
+            let mut c = 0;
+            while fed < stream.len() {
+                let n = chunks[c % chunks.len()].min(stream.len() - fed);
+                c += 1;
+                buf.extend_from_slice(&stream[fed..fed + n]);
+                fed += n;
+                loop {
+                    match frame(&buf) {
+                        Ok(f) => {
+                            got.push(f);
+                            buf.drain(..f.len());
+                        }
+                        Err(FrameError::Incomplete) => break,
+                        Err(e) => return Err(proptest::test_runner::TestCaseError::fail(e.to_string())),
+                    }
+                }
+            }
+            proptest::prop_assert!(buf.is_empty());
+            proptest::prop_assert_eq!(got, expected);
+        }
+    }
+
     #[test]
     fn errors() {
         assert_eq!(
