@@ -146,6 +146,32 @@ impl Local {
         }
     }
 
+    /// Parse an `advertise` value: `host`, `host:port`, `[v6]` or `[v6]:port` (a bare IPv6
+    /// address without brackets takes `default_port`). `None` when it is not one of those.
+    pub fn parse(advertise: &str, default_port: u16, transport: Transport) -> Option<Local> {
+        let (host, port) = if let Some(rest) = advertise.strip_prefix('[') {
+            let close = rest.find(']')?;
+            let port = match &rest[close + 1..] {
+                "" => default_port,
+                p => p.strip_prefix(':')?.parse().ok()?,
+            };
+            (&rest[..close], port)
+        } else if advertise.matches(':').count() > 1 {
+            (advertise, default_port)
+        } else {
+            match advertise.split_once(':') {
+                Some((h, p)) => (h, p.parse().ok()?),
+                None => (advertise, default_port),
+            }
+        };
+        let valid = !host.is_empty()
+            && (parse_ip(host.as_bytes()).is_some()
+                || host
+                    .bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'.'));
+        valid.then(|| Local::new(host, port, transport))
+    }
+
     /// The advertised address of a socket address (for vservers without `advertise`).
     pub fn from_addr(addr: SocketAddr, transport: Transport) -> Local {
         Local::new(
@@ -920,6 +946,26 @@ Content-Length: 0\r\n\r\n";
             out,
             b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP [2001:db8::5]:5070;branch=z9hG4bKq\r\nCall-ID: x\r\nContent-Length: 0\r\n\r\n"
         );
+    }
+
+    #[test]
+    fn parse_advertise() {
+        let l = Local::parse("sip.example.com", 5060, Transport::Udp).unwrap();
+        assert!(l.is_local(b"SIP.example.com", None));
+        let l = Local::parse("[2001:db8::1]:5070", 5060, Transport::Udp).unwrap();
+        assert!(l.is_local(b"2001:db8::1", Some(5070)));
+        assert!(!l.is_local(b"2001:db8::1", None));
+        let l = Local::parse("2001:db8::1", 5080, Transport::Tcp).unwrap();
+        assert_eq!(l.port(), 5080);
+        let l = Local::parse("192.0.2.1:5062", 5060, Transport::Udp)
+            .unwrap()
+            .with_aliases(&["10.0.0.1:5060".parse().unwrap()]);
+        assert!(l.is_local(b"192.0.2.1", Some(5062)));
+        assert!(l.is_local(b"10.0.0.1", None));
+        assert!(l.is_local_addr("[::ffff:10.0.0.1]:5060".parse().unwrap()));
+        assert!(Local::parse("bad host", 5060, Transport::Udp).is_none());
+        assert!(Local::parse("h:notaport", 5060, Transport::Udp).is_none());
+        assert!(Local::parse("[::1", 5060, Transport::Udp).is_none());
     }
 
     #[test]
