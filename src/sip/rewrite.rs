@@ -107,6 +107,8 @@ pub struct Local {
     via_prefix: Vec<u8>,
     /// `Record-Route: <sip:host:port;lr>\r\n` ready to copy.
     rr_line: Vec<u8>,
+    /// Our address hashed once: the seed of the branch hash.
+    branch_seed: u64,
 }
 
 impl Local {
@@ -135,7 +137,9 @@ impl Local {
         };
         let rr_line =
             format!("Record-Route: <sip:{printable}:{port}{rr_param};lr>\r\n").into_bytes();
+        let branch_seed = xxh3_64_with_seed(bare.as_bytes(), SEED ^ u64::from(port));
         Local {
+            branch_seed,
             host: bare,
             ip,
             port,
@@ -529,7 +533,7 @@ fn own_route_removal(msg: &SipMsg<'_>, local: &Local) -> Option<Span> {
 /// top Via, To tag, From tag, Call-ID, CSeq number and Request-URI. Our own address is mixed
 /// in so that a request spiralling through fulcrum twice gets a new branch.
 fn branch_hash(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local) -> u64 {
-    let mut h = xxh3_64_with_seed(local.host.as_bytes(), SEED ^ u64::from(local.port));
+    let mut h = local.branch_seed;
     if top.has_cookie() {
         return xxh3_64_with_seed(top.branch.unwrap_or_default(), h);
     }
@@ -862,6 +866,18 @@ Content-Length: 0\r\n\r\n";
         let mut again = Vec::new();
         forward_request(&m, &rw(&l), &mut again).unwrap();
         assert_eq!(out, again);
+    }
+
+    /// The branch is a pure function of the request and our address: every instance, and every
+    /// retransmission, derives the same one (RFC 3261 §16.11). Pinned so a change is deliberate.
+    #[test]
+    fn branch_is_pinned() {
+        let l = local();
+        let mut out = Vec::new();
+        forward_request(&scan(REQ).unwrap(), &rw(&l), &mut out).unwrap();
+        let f = scan(&out).unwrap();
+        let branch = String::from_utf8(f.top_via().unwrap().branch.unwrap().to_vec()).unwrap();
+        assert_eq!(branch, "z9hG4bK-fc-d49d770742bee8ed");
     }
 
     #[test]
