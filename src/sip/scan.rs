@@ -1339,6 +1339,27 @@ l: 0\r\n\r\n";
     }
 
     #[test]
+    fn large_and_hostile_inputs() {
+        // 64 KB without a line end, 64 KB of NULs, 64 KB of LFs, a 64 KB header value.
+        assert_eq!(scan(&[b'A'; 65536]).err(), Some(ScanError::Incomplete));
+        assert!(scan(&[0u8; 65536]).is_err());
+        assert!(scan(&[b'\n'; 65536]).is_err());
+        let mut big = b"OPTIONS sip:a SIP/2.0\r\nX-Big: ".to_vec();
+        big.resize(65536 - 4, b'x');
+        big.extend_from_slice(b"\r\n\r\n");
+        let m = scan(&big).unwrap();
+        assert_eq!(m.header(b"x-big").map(<[u8]>::len), Some(65536 - 4 - 30));
+        // A body of 60000 bytes framed by Content-Length.
+        let mut body = b"MESSAGE sip:a SIP/2.0\r\nl: 60000\r\n\r\n".to_vec();
+        body.resize(body.len() + 60000, b'b');
+        assert_eq!(scan(&body).unwrap().body().len(), 60000);
+        assert_eq!(
+            scan(&body[..body.len() - 1]).err(),
+            Some(ScanError::Incomplete)
+        );
+    }
+
+    #[test]
     fn name_addr_and_routes() {
         let na = parse_name_addr(b"\"A <b>, c\" <sip:x@y;lr>;tag=\"q;r\";foo").unwrap();
         assert_eq!(na.uri, b"sip:x@y;lr");
