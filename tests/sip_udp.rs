@@ -8,7 +8,7 @@ use fulcrum::balancer::{Health, KeyInput};
 use fulcrum::config;
 use fulcrum::hash;
 use fulcrum::proxy::runtime::DataPath;
-use fulcrum::proxy::sip_udp::SipUdpCore;
+use fulcrum::proxy::sip_core::SipCore;
 use fulcrum::proxy::{Runtime, VserverHandle};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
@@ -82,9 +82,10 @@ impl Lab {
         self.rt.vserver("v").expect("vserver")
     }
 
-    fn core(&self) -> Arc<SipUdpCore> {
+    fn core(&self) -> Arc<SipCore> {
         match &self.vs().data {
             DataPath::SipUdp(c) => Arc::clone(c),
+            other => panic!("not a sip-udp vserver: {other:?}"),
         }
     }
 
