@@ -40,6 +40,8 @@ pub enum RuntimeError {
 #[derive(Debug, Clone)]
 pub enum DataPath {
     SipUdp(Arc<SipUdpCore>),
+    Udp(Arc<crate::proxy::udp::UdpCore>),
+    Tcp(Arc<crate::proxy::tcp::TcpCore>),
 }
 
 /// A running vserver.
@@ -157,6 +159,8 @@ impl Runtime {
         };
         let handle = match v.protocol {
             Protocol::SipUdp => start_sip_udp(&mut ctx, config, v)?,
+            Protocol::Udp => crate::proxy::udp::start(&mut ctx, config, v)?,
+            Protocol::Tcp | Protocol::Http => crate::proxy::tcp::start(&mut ctx, config, v)?,
             p => {
                 return Err(RuntimeError::Unsupported {
                     vserver: v.name.clone(),
