@@ -350,13 +350,26 @@ impl Balancer {
 
     /// Choose a member for a request.
     pub fn choose(&self, key: KeyInput, now: Nanos) -> Option<Choice> {
+        self.choose_avoiding(key, now, &|_| false)
+    }
+
+    /// Choose a member for a request, passing over the members `avoid` names as if they
+    /// were not usable: a connection whose connect to its first choice failed retries on the
+    /// next member of the key's ranking (or the method's next pick) without a health change.
+    pub fn choose_avoiding(
+        &self,
+        key: KeyInput,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
         let choice = if self.method.is_hash() {
-            self.choose_hash(key, now)
+            self.choose_hash(key, now, avoid)
         } else {
-            self.choose_method(self.method, now).map(|member| Choice {
-                member,
-                path: Path::Method,
-            })
+            self.choose_method(self.method, now, avoid)
+                .map(|member| Choice {
+                    member,
+                    path: Path::Method,
+                })
         };
         if let Some(c) = choice {
             self.paths[c.path as usize].fetch_add(1, Ordering::Relaxed);
@@ -369,11 +382,16 @@ impl Balancer {
         self.paths[Path::Affinity as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    fn choose_hash(&self, key: KeyInput, now: Nanos) -> Option<Choice> {
+    fn choose_hash(
+        &self,
+        key: KeyInput,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
         match key {
             KeyInput::Hash(h) => {
                 let selector = self.selector.load();
-                if let Some((member, rank)) = selector.pick(h, |i| self.is_usable(i)) {
+                if let Some((member, rank)) = selector.pick(h, |i| self.is_usable(i) && !avoid(i)) {
                     let path = if rank == 0 {
                         Path::Hash
                     } else {
@@ -381,31 +399,41 @@ impl Balancer {
                     };
                     return Some(Choice { member, path });
                 }
-                self.fallback(Method::LeastConnection, now)
+                self.fallback(Method::LeastConnection, now, avoid)
             }
-            KeyInput::NoKey => self.fallback(Method::LeastConnection, now),
-            KeyInput::Unparseable => self.fallback(methods::fallback(self.method), now),
+            KeyInput::NoKey => self.fallback(Method::LeastConnection, now, avoid),
+            KeyInput::Unparseable => self.fallback(methods::fallback(self.method), now, avoid),
         }
     }
 
-    fn fallback(&self, method: Method, now: Nanos) -> Option<Choice> {
+    fn fallback(
+        &self,
+        method: Method,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
         let path = if method == Method::RoundRobin {
             Path::FallbackRoundRobin
         } else {
             Path::FallbackLeastConnection
         };
-        self.choose_method(method, now)
+        self.choose_method(method, now, avoid)
             .map(|member| Choice { member, path })
     }
 
-    fn choose_method(&self, method: Method, now: Nanos) -> Option<usize> {
+    fn choose_method(
+        &self,
+        method: Method,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+    ) -> Option<usize> {
         let pick = |cap: &dyn Fn(usize) -> bool| {
             methods::pick(
                 method,
                 &self.method_state,
                 &self.counters,
                 &self.weights,
-                |i| self.is_usable(i) && cap(i),
+                |i| self.is_usable(i) && !avoid(i) && cap(i),
                 now,
             )
         };

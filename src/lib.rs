@@ -13,8 +13,9 @@
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
 //! - `net`        IO    SO_REUSEPORT worker sockets
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
-//! - `proxy`      IO    data paths (sip-udp) and the runtime that starts vservers
+//! - `proxy`      IO    data paths (sip-udp, udp, tcp, http) and the runtime that starts vservers
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
+//! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
 //! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
 //! - `sip`        PURE  zero-copy SIP scanner, stateless-proxy rewrite, TCP stream framing
 //! - `slow_start` PURE  slow-start state machine driven by injected time
@@ -33,6 +34,7 @@ pub mod net;
 pub mod peer;
 pub mod proxy;
 pub mod select;
+pub mod session;
 pub mod simulate;
 pub mod sip;
 pub mod slow_start;

@@ -25,11 +25,6 @@ pub enum RuntimeError {
     },
     #[error("vserver `{vserver}`: {problem}")]
     Setup { vserver: String, problem: String },
-    #[error("vserver `{vserver}`: protocol {protocol} has no data path in this build yet")]
-    Unsupported {
-        vserver: String,
-        protocol: &'static str,
-    },
     #[error("cannot start a thread: {0}")]
     Thread(#[from] std::io::Error),
 }
@@ -39,6 +34,8 @@ pub enum RuntimeError {
 pub enum DataPath {
     SipUdp(Arc<SipCore>),
     SipTcp(Arc<SipCore>, Arc<crate::proxy::sip_tcp::TcpShared>),
+    Udp(Arc<crate::proxy::udp::UdpCore>),
+    Tcp(Arc<crate::proxy::tcp::TcpCore>),
 }
 
 /// A running vserver.
@@ -157,12 +154,8 @@ impl Runtime {
         let handle = match v.protocol {
             Protocol::SipUdp => sip_udp::start(&mut ctx, config, v)?,
             Protocol::SipTcp => crate::proxy::sip_tcp::start(&mut ctx, config, v)?,
-            p => {
-                return Err(RuntimeError::Unsupported {
-                    vserver: v.name.clone(),
-                    protocol: p.name(),
-                });
-            }
+            Protocol::Udp => crate::proxy::udp::start(&mut ctx, config, v)?,
+            Protocol::Tcp | Protocol::Http => crate::proxy::tcp::start(&mut ctx, config, v)?,
         };
         self.vservers.push(handle);
         Ok(())

@@ -1,0 +1,582 @@
+//! The `tcp` and `http` vservers: per-connection TCP proxying on tokio.
+//!
+//! Per accepted connection: read the first bytes when the method needs them (the HTTP/1.x
+//! request head for `url_hash` / `domain_hash` / `token` on `http`; `offset + length` bytes
+//! for `token` on the payload of `tcp`), bounded in size and time; choose a member; connect
+//! with a timeout, and on failure pass over that member and choose again (the key's next
+//! ranked member, or the method's next pick), counting each failure; then copy both ways
+//! until both sides have finished, honouring half-close (a FIN from one side becomes a
+//! shutdown of the write side toward the other), or until the idle timeout.
+//!
+//! The decision ([`TcpCore::key_input`], [`TcpCore::first_bytes_needed`]) is pure; the rest
+//! is the shell. Memory of an idle connection is its task and two sockets: bytes are copied
+//! through one scratch buffer per runtime thread, and a connection holds a buffer of its own
+//! only while a write toward a slow peer is pending.
+
+use crate::balancer::{Balancer, KeyInput};
+use crate::config::{Config, HashParams, Method, Protocol, ProxyProtocol, TokenRule, Vserver};
+use crate::hash;
+use crate::http::{self, HttpError};
+use crate::key::{self, KeyOutcome, Payload, RequestCtx};
+use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
+use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle};
+use crate::proxy::{LogLimiter, elapsed_nanos};
+use crate::stats::{Nanos, ServiceCounters};
+use socket2::{Domain, SockRef, Socket, Type};
+use std::cell::RefCell;
+use std::io;
+use std::net::{Shutdown, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+/// How long a connect to a service may take before the next member is tried. Short: a
+/// service that does not answer a SYN within it is as good as down for this client.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Longest wait for the first request head (or token bytes); a slower client is balanced
+/// without a key (fallback), not held. Never longer than the vserver's idle timeout.
+pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Scratch buffer per runtime thread, shared by every connection that thread polls.
+const SCRATCH_BYTES: usize = 64 * 1024;
+
+/// Listen backlog: bursts of short connections (HTTP with `Connection: close`) must not
+/// be dropped by the kernel before the accept loop runs.
+const BACKLOG: i32 = 4096;
+
+thread_local! {
+    static SCRATCH: RefCell<Vec<u8>> = RefCell::new(vec![0u8; SCRATCH_BYTES]);
+}
+
+/// Counters of one tcp / http vserver.
+#[derive(Debug, Default)]
+pub struct TcpCounters {
+    pub accepted: AtomicU64,
+    /// Connections refused because `max_sessions` were open.
+    pub refused: AtomicU64,
+    pub connect_failures: AtomicU64,
+    /// Connections closed because no member could take them (or all connects failed).
+    pub no_service: AtomicU64,
+    pub idle_timeouts: AtomicU64,
+    /// First bytes not complete in time / too large / not HTTP: balanced by the fallback.
+    pub first_bytes_timeouts: AtomicU64,
+    pub heads_unparseable: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub bytes_out: AtomicU64,
+    /// Errors tagged by side (reset, broken pipe...).
+    pub client_errors: AtomicU64,
+    pub service_errors: AtomicU64,
+    pub accept_errors: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// What the first bytes of a connection must contain before a member can be chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstBytes {
+    /// Nothing: choose at accept.
+    None,
+    /// A complete HTTP/1.x request head.
+    HttpHead,
+    /// At least this many bytes (`token` offset + length).
+    Bytes(usize),
+}
+
+/// Shared state of one tcp / http vserver.
+pub struct TcpCore {
+    pub name: String,
+    method: Method,
+    hash_params: HashParams,
+    balancer: Arc<Balancer>,
+    member_addrs: Vec<SocketAddr>,
+    first: FirstBytes,
+    idle_timeout: Duration,
+    first_timeout: Duration,
+    max_connections: usize,
+    live: AtomicUsize,
+    transparent: bool,
+    send_proxy: bool,
+    epoch: Instant,
+    pub counters: TcpCounters,
+}
+
+impl std::fmt::Debug for TcpCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpCore")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TcpCore {
+    pub fn new(config: &Config, v: &Vserver, epoch: Instant) -> TcpCore {
+        let first = match (v.protocol, v.method, &v.hash.token) {
+            (_, Method::Token, Some(TokenRule::Payload { offset, length })) => {
+                FirstBytes::Bytes(offset.saturating_add(*length).min(http::MAX_HEAD))
+            }
+            (Protocol::Http, Method::UrlHash | Method::DomainHash | Method::Token, _) => {
+                FirstBytes::HttpHead
+            }
+            _ => FirstBytes::None,
+        };
+        TcpCore {
+            name: v.name.clone(),
+            method: v.method,
+            hash_params: v.hash.clone(),
+            balancer: Arc::new(Balancer::new(config, v)),
+            member_addrs: v
+                .services
+                .iter()
+                .filter_map(|&i| config.services.get(i))
+                .map(|s| s.address)
+                .collect(),
+            first,
+            idle_timeout: v.idle_timeout,
+            first_timeout: FIRST_BYTES_TIMEOUT.min(v.idle_timeout),
+            max_connections: v.max_sessions,
+            live: AtomicUsize::new(0),
+            transparent: v.transparent,
+            send_proxy: v.send_proxy == Some(ProxyProtocol::V2),
+            epoch,
+            counters: TcpCounters::default(),
+        }
+    }
+
+    pub fn balancer(&self) -> &Arc<Balancer> {
+        &self.balancer
+    }
+
+    /// Open client connections.
+    pub fn connections(&self) -> usize {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// What must be read before choosing.
+    pub fn first_bytes_needed(&self) -> FirstBytes {
+        self.first
+    }
+
+    /// True when `buf` holds enough to choose (or can never be enough: too large, or not
+    /// HTTP at all).
+    pub fn is_first_complete(&self, buf: &[u8]) -> bool {
+        match self.first {
+            FirstBytes::None => true,
+            FirstBytes::Bytes(n) => buf.len() >= n,
+            FirstBytes::HttpHead => !matches!(http::parse_head(buf), Err(HttpError::Incomplete)),
+        }
+    }
+
+    /// The balancer's key for a connection from `client` to `local` whose first bytes are
+    /// `first` (empty when none were needed or none came).
+    pub fn key_input(&self, first: &[u8], client: SocketAddr, local: SocketAddr) -> KeyInput {
+        let head;
+        let payload = match self.first {
+            FirstBytes::HttpHead => match http::parse_head(first) {
+                Ok(h) => {
+                    head = h;
+                    Payload::Http(&head)
+                }
+                Err(_) => {
+                    bump(&self.counters.heads_unparseable);
+                    return KeyInput::Unparseable;
+                }
+            },
+            FirstBytes::Bytes(_) => Payload::Raw(first),
+            FirstBytes::None => Payload::None,
+        };
+        let ctx = RequestCtx {
+            src: client,
+            dst: local,
+            payload,
+        };
+        match key::extract(self.method, &self.hash_params, &ctx) {
+            KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
+            KeyOutcome::NoKey => KeyInput::NoKey,
+            KeyOutcome::Unparseable => KeyInput::Unparseable,
+        }
+    }
+
+    fn now(&self) -> Nanos {
+        elapsed_nanos(self.epoch)
+    }
+}
+
+/// Start a tcp / http vserver: one accept task per bind address on the runtime's tokio.
+pub fn start(
+    ctx: &mut StartCtx<'_>,
+    config: &Config,
+    v: &Vserver,
+) -> Result<VserverHandle, RuntimeError> {
+    crate::proxy::fd_limit::raise_nofile_limit();
+    let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
+    let mut listeners = Vec::new();
+    let mut bound = Vec::new();
+    for addr in &v.bind {
+        let l = bind_listener(*addr).map_err(|source| RuntimeError::Bind {
+            vserver: v.name.clone(),
+            addr: *addr,
+            source,
+        })?;
+        bound.push(l.local_addr().unwrap_or(*addr));
+        listeners.push(l);
+    }
+    // Registering with the reactor needs the runtime's context.
+    let _enter = ctx.tokio.enter();
+    for l in listeners {
+        let l = TcpListener::from_std(l).map_err(|e| RuntimeError::Setup {
+            vserver: v.name.clone(),
+            problem: format!("cannot register listener: {e}"),
+        })?;
+        ctx.tokio.spawn(accept_loop(Arc::clone(&core), l));
+    }
+    tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), "tcp vserver started");
+    Ok(VserverHandle {
+        name: v.name.clone(),
+        protocol: v.protocol,
+        bound,
+        balancer: Arc::clone(core.balancer()),
+        data: DataPath::Tcp(core),
+    })
+}
+
+fn bind_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    let s = Socket::new(
+        Domain::for_address(addr),
+        Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    s.set_reuse_address(true)?;
+    s.bind(&addr.into())?;
+    s.listen(BACKLOG)?;
+    s.set_nonblocking(true)?;
+    Ok(s.into())
+}
+
+async fn accept_loop(core: Arc<TcpCore>, listener: TcpListener) {
+    let log = LogLimiter::default();
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                bump(&core.counters.accepted);
+                let reserved = core
+                    .live
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                        (n < core.max_connections).then_some(n + 1)
+                    });
+                if reserved.is_err() {
+                    bump(&core.counters.refused);
+                    if log.allow(core.now()) {
+                        tracing::warn!(vserver = %core.name, max = core.max_connections, "connection limit reached: connection refused");
+                    }
+                    continue;
+                }
+                tokio::spawn(serve(Arc::clone(&core), stream, peer));
+            }
+            Err(e) => {
+                bump(&core.counters.accept_errors);
+                if log.allow(core.now()) {
+                    tracing::warn!(vserver = %core.name, error = %e, "accept failed");
+                }
+                // Out of descriptors (EMFILE/ENFILE) makes accept fail at once, again and
+                // again: back off instead of spinning.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Gives back a connection slot, and the member's open-connection count, when the
+/// connection's task ends however it ends.
+struct Live<'a> {
+    core: &'a TcpCore,
+    member: Option<&'a ServiceCounters>,
+}
+
+impl Drop for Live<'_> {
+    fn drop(&mut self) {
+        let _ = self
+            .core
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                Some(n.saturating_sub(1))
+            });
+        if let Some(c) = self.member {
+            c.close();
+        }
+    }
+}
+
+async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
+    let mut live = Live {
+        core: &core,
+        member: None,
+    };
+    let local = match client.local_addr() {
+        Ok(a) => a,
+        Err(_) => {
+            bump(&core.counters.client_errors);
+            return;
+        }
+    };
+    let _ = client.set_nodelay(true);
+    let first = match read_first(&core, &client).await {
+        Ok(Some(b)) => b,
+        // The client left before sending anything a member could be chosen for.
+        Ok(None) => return,
+        Err(_) => {
+            bump(&core.counters.client_errors);
+            return;
+        }
+    };
+    let key = core.key_input(&first, peer, local);
+    let Some((upstream, member)) = connect_any(&core, key, peer).await else {
+        bump(&core.counters.no_service);
+        return;
+    };
+    let counters = core.balancer.counters(member);
+    if let Some(c) = counters {
+        c.open();
+        c.record_request();
+    }
+    live.member = counters;
+    let _ = upstream.set_nodelay(true);
+    // The PROXY header and the bytes already read go first, in one write.
+    let mut prefix = Vec::with_capacity(MAX_V2_LEN + first.len());
+    if core.send_proxy {
+        let mut hdr = [0u8; MAX_V2_LEN];
+        let n = proxy_protocol::encode_v2(peer, local, Transport::Stream, &mut hdr);
+        prefix.extend_from_slice(&hdr[..n]);
+    }
+    prefix.extend_from_slice(&first);
+    drop(first);
+    if !prefix.is_empty() {
+        if write_all(&upstream, &prefix).await.is_err() {
+            bump(&core.counters.service_errors);
+            return;
+        }
+        core.counters
+            .bytes_in
+            .fetch_add(prefix.len() as u64, Ordering::Relaxed);
+    }
+    drop(prefix);
+    relay(&core, &client, &upstream, counters).await;
+}
+
+/// Read what the method needs before choosing: `Some(bytes)` (possibly incomplete after
+/// the timeout or at the size bound), `None` when the client closed without sending.
+async fn read_first(core: &TcpCore, client: &TcpStream) -> io::Result<Option<Vec<u8>>> {
+    if core.first == FirstBytes::None {
+        return Ok(Some(Vec::new()));
+    }
+    let deadline = tokio::time::Instant::now() + core.first_timeout;
+    let mut buf: Vec<u8> = Vec::new();
+    loop {
+        if core.is_first_complete(&buf) || buf.len() >= http::MAX_HEAD {
+            return Ok(Some(buf));
+        }
+        match tokio::time::timeout_at(deadline, client.readable()).await {
+            Err(_) => {
+                bump(&core.counters.first_bytes_timeouts);
+                return Ok(if buf.is_empty() { None } else { Some(buf) });
+            }
+            Ok(r) => r?,
+        }
+        let room = http::MAX_HEAD - buf.len();
+        let got = SCRATCH.with_borrow_mut(|s| {
+            let n = s.len().min(room);
+            client
+                .try_read(&mut s[..n])
+                .inspect(|&k| buf.extend_from_slice(&s[..k]))
+        });
+        match got {
+            Ok(0) => return Ok(if buf.is_empty() { None } else { Some(buf) }),
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Choose and connect; a member whose connect fails is passed over for this connection
+/// and the next one is tried, until one connects or none is left.
+async fn connect_any(
+    core: &TcpCore,
+    key: KeyInput,
+    client: SocketAddr,
+) -> Option<(TcpStream, usize)> {
+    let mut failed: Vec<usize> = Vec::new();
+    loop {
+        let choice = core
+            .balancer
+            .choose_avoiding(key, core.now(), &|m| failed.contains(&m))?;
+        let addr = core.member_addrs.get(choice.member).copied()?;
+        match tokio::time::timeout(CONNECT_TIMEOUT, connect(addr, client, core.transparent)).await {
+            Ok(Ok(s)) => return Some((s, choice.member)),
+            Ok(Err(e)) => {
+                tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
+            }
+            Err(_) => {
+                tracing::debug!(vserver = %core.name, service = %addr, "connect timed out");
+            }
+        }
+        bump(&core.counters.connect_failures);
+        failed.push(choice.member);
+        if failed.len() >= core.member_addrs.len() {
+            return None;
+        }
+    }
+}
+
+async fn connect(
+    service: SocketAddr,
+    client: SocketAddr,
+    transparent: bool,
+) -> io::Result<TcpStream> {
+    let s = if service.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    if transparent {
+        // The service sees the client's own address; its replies must route back through
+        // this host (the firewall-pool deployment this mode exists for).
+        let r = SockRef::from(&s);
+        if service.is_ipv4() {
+            r.set_ip_transparent_v4(true)?;
+        } else {
+            r.set_ip_transparent_v6(true)?;
+        }
+        s.set_reuseaddr(true)?;
+        s.bind(SocketAddr::new(client.ip().to_canonical(), client.port()))?;
+    }
+    s.connect(service).await
+}
+
+/// Write all of `data` to `to` (used for the prefix and for a pending remainder).
+async fn write_all(to: &TcpStream, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        to.writable().await?;
+        match to.try_write(data) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => data = &data[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Which side an error came from (for the counters and logs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    Client,
+    Service,
+}
+
+/// Copy both ways until both directions have seen EOF, an error, or the idle timeout.
+async fn relay(
+    core: &TcpCore,
+    client: &TcpStream,
+    upstream: &TcpStream,
+    counters: Option<&ServiceCounters>,
+) {
+    let last = AtomicU64::new(core.now());
+    let inbound = pump(core, client, upstream, &last, counters, true);
+    let outbound = pump(core, upstream, client, &last, counters, false);
+    tokio::select! {
+        r = async { tokio::try_join!(inbound, outbound) } => {
+            if let Err(side) = r {
+                match side {
+                    Side::Client => bump(&core.counters.client_errors),
+                    Side::Service => bump(&core.counters.service_errors),
+                }
+            }
+        }
+        () = idle_watch(core, &last) => bump(&core.counters.idle_timeouts),
+    }
+}
+
+/// Resolves once nothing has moved in either direction for the idle timeout.
+async fn idle_watch(core: &TcpCore, last: &AtomicU64) {
+    let idle = core.idle_timeout;
+    loop {
+        let last_at = core.epoch + Duration::from_nanos(last.load(Ordering::Relaxed));
+        let deadline = last_at + idle;
+        if Instant::now() >= deadline {
+            return;
+        }
+        tokio::time::sleep_until(deadline.into()).await;
+    }
+}
+
+enum Step {
+    Eof,
+    Sent(usize),
+    Pending(usize, Vec<u8>),
+    Again,
+}
+
+/// One direction: `from` → `to`. On EOF from `from`, shut down the write side of `to` (the
+/// half-close is passed on) and finish; the other direction keeps flowing.
+async fn pump(
+    core: &TcpCore,
+    from: &TcpStream,
+    to: &TcpStream,
+    last: &AtomicU64,
+    counters: Option<&ServiceCounters>,
+    inbound: bool,
+) -> Result<(), Side> {
+    let (from_side, to_side) = if inbound {
+        (Side::Client, Side::Service)
+    } else {
+        (Side::Service, Side::Client)
+    };
+    loop {
+        from.readable().await.map_err(|_| from_side)?;
+        let step = SCRATCH.with_borrow_mut(|buf| match from.try_read(buf) {
+            Ok(0) => Ok(Step::Eof),
+            Ok(n) => match to.try_write(&buf[..n]) {
+                Ok(w) if w == n => Ok(Step::Sent(n)),
+                // Only now, with a slow peer, does the connection hold bytes of its own.
+                Ok(w) => Ok(Step::Pending(n, buf[w..n].to_vec())),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    Ok(Step::Pending(n, buf[..n].to_vec()))
+                }
+                Err(_) => Err(to_side),
+            },
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Step::Again),
+            Err(_) => Err(from_side),
+        })?;
+        let n = match step {
+            Step::Again => continue,
+            Step::Eof => {
+                // NotConnected: the peer is already gone; nothing left to tell it.
+                let _ = SockRef::from(to).shutdown(Shutdown::Write);
+                return Ok(());
+            }
+            Step::Sent(n) => n,
+            Step::Pending(n, rest) => {
+                write_all(to, &rest).await.map_err(|_| to_side)?;
+                n
+            }
+        };
+        let now = core.now();
+        last.store(now, Ordering::Relaxed);
+        let total = if inbound {
+            &core.counters.bytes_in
+        } else {
+            &core.counters.bytes_out
+        };
+        total.fetch_add(n as u64, Ordering::Relaxed);
+        if let Some(c) = counters {
+            c.record_traffic(n as u64, 1, now);
+        }
+    }
+}

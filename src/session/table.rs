@@ -1,0 +1,306 @@
+//! The UDP session table of one worker: client flow → session, bounded, with idle expiry.
+//! PURE: time comes in as `now` ([`Nanos`]); the shell's per-session resource (its upstream
+//! socket) is an opaque `R` the table only stores and hands back on expiry.
+//!
+//! Sessions live in a slab (`Vec<Option<Session>>` plus a free list) so that a session's
+//! index is a stable, small id the shell can use as its poll token, and the key map holds
+//! only that index. The bound (`max_sessions`) is shared by every worker of a vserver
+//! through one atomic count, so the vserver as a whole never holds more than the limit.
+
+use crate::stats::Nanos;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// What identifies a session: the client's address, the local address it sent to (replies
+/// must leave from that address), and, for methods that choose per datagram (`token` on the
+/// payload), the member the datagram's key chose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SessionKey {
+    pub client: SocketAddr,
+    pub local: SocketAddr,
+    pub member: Option<u32>,
+}
+
+/// Index of a session in its table (stable while the session lives).
+pub type SessionId = usize;
+
+/// One session.
+#[derive(Debug)]
+pub struct Session<R> {
+    pub key: SessionKey,
+    /// Member (index in the vserver's member list) the session sends to.
+    pub member: u32,
+    /// Which listener socket of the worker the client reached (replies leave from it).
+    pub listener: u16,
+    pub last_seen: Nanos,
+    pub packets_in: u64,
+    pub bytes_in: u64,
+    pub packets_out: u64,
+    pub bytes_out: u64,
+    pub resource: R,
+}
+
+/// Result of [`SessionTable::admit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// A slot is reserved; the caller must `insert` or `release`.
+    Reserved,
+    /// The vserver's session limit is reached: the datagram is refused (and counted).
+    Full,
+}
+
+/// The session table of one worker.
+#[derive(Debug)]
+pub struct SessionTable<R> {
+    by_key: HashMap<SessionKey, SessionId>,
+    slots: Vec<Option<Session<R>>>,
+    free: Vec<SessionId>,
+    idle_ns: Nanos,
+    max_sessions: usize,
+    /// Live sessions of the whole vserver (every worker's table).
+    live: Arc<AtomicUsize>,
+}
+
+impl<R> SessionTable<R> {
+    /// A table whose sessions expire after `idle_ns` without traffic in either direction.
+    /// `live` is shared by the tables of one vserver and bounded by `max_sessions`.
+    pub fn new(idle_ns: Nanos, max_sessions: usize, live: Arc<AtomicUsize>) -> Self {
+        SessionTable {
+            by_key: HashMap::new(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            idle_ns,
+            max_sessions,
+            live,
+        }
+    }
+
+    /// Sessions in this table.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+
+    /// The live session of `key`, if any (an expired one not yet swept counts as gone).
+    pub fn find(&self, key: &SessionKey, now: Nanos) -> Option<SessionId> {
+        let id = *self.by_key.get(key)?;
+        let s = self.slots.get(id)?.as_ref()?;
+        (now.saturating_sub(s.last_seen) <= self.idle_ns).then_some(id)
+    }
+
+    pub fn get(&self, id: SessionId) -> Option<&Session<R>> {
+        self.slots.get(id)?.as_ref()
+    }
+
+    pub fn get_mut(&mut self, id: SessionId) -> Option<&mut Session<R>> {
+        self.slots.get_mut(id)?.as_mut()
+    }
+
+    /// Reserve room for one more session of the vserver.
+    pub fn admit(&self) -> Admit {
+        let reserved = self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_sessions).then_some(n + 1)
+            });
+        match reserved {
+            Ok(_) => Admit::Reserved,
+            Err(_) => Admit::Full,
+        }
+    }
+
+    /// Give back a reservation that did not become a session (its socket failed).
+    pub fn release(&self) {
+        let _ = self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                Some(n.saturating_sub(1))
+            });
+    }
+
+    /// Store a session for a reservation obtained from [`SessionTable::admit`]. A stale
+    /// session under the same key (expired but not yet swept) is returned for the caller
+    /// to close.
+    pub fn insert(
+        &mut self,
+        key: SessionKey,
+        member: u32,
+        listener: u16,
+        resource: R,
+        now: Nanos,
+    ) -> (SessionId, Option<Session<R>>) {
+        let stale = self
+            .by_key
+            .get(&key)
+            .copied()
+            .and_then(|id| self.remove(id));
+        let session = Session {
+            key,
+            member,
+            listener,
+            last_seen: now,
+            packets_in: 0,
+            bytes_in: 0,
+            packets_out: 0,
+            bytes_out: 0,
+            resource,
+        };
+        let id = match self.free.pop() {
+            Some(id) => {
+                if let Some(slot) = self.slots.get_mut(id) {
+                    *slot = Some(session);
+                }
+                id
+            }
+            None => {
+                self.slots.push(Some(session));
+                self.slots.len() - 1
+            }
+        };
+        self.by_key.insert(key, id);
+        (id, stale)
+    }
+
+    /// A datagram from the client (`inbound`) or from the service was relayed.
+    pub fn touch(&mut self, id: SessionId, bytes: usize, inbound: bool, now: Nanos) {
+        if let Some(s) = self.get_mut(id) {
+            s.last_seen = s.last_seen.max(now);
+            let bytes = bytes as u64;
+            if inbound {
+                s.packets_in = s.packets_in.saturating_add(1);
+                s.bytes_in = s.bytes_in.saturating_add(bytes);
+            } else {
+                s.packets_out = s.packets_out.saturating_add(1);
+                s.bytes_out = s.bytes_out.saturating_add(bytes);
+            }
+        }
+    }
+
+    /// Remove a session (expiry, error, or its member went DOWN) and free its slot.
+    pub fn remove(&mut self, id: SessionId) -> Option<Session<R>> {
+        let s = self.slots.get_mut(id)?.take()?;
+        self.by_key.remove(&s.key);
+        self.free.push(id);
+        self.release();
+        Some(s)
+    }
+
+    /// Remove every session idle for longer than the idle timeout; `closed` receives each
+    /// (the shell closes its socket and stops counting it on its member).
+    pub fn expire(&mut self, now: Nanos, mut closed: impl FnMut(SessionId, Session<R>)) -> usize {
+        let idle = self.idle_ns;
+        let expired: Vec<SessionId> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.as_ref()
+                    .filter(|s| now.saturating_sub(s.last_seen) > idle)
+                    .map(|_| i)
+            })
+            .collect();
+        let n = expired.len();
+        for id in expired {
+            if let Some(s) = self.remove(id) {
+                closed(id, s);
+            }
+        }
+        n
+    }
+
+    /// Remove every session (shutdown).
+    pub fn drain(&mut self, mut closed: impl FnMut(SessionId, Session<R>)) {
+        for id in 0..self.slots.len() {
+            if let Some(s) = self.remove(id) {
+                closed(id, s);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(port: u16, member: Option<u32>) -> SessionKey {
+        SessionKey {
+            client: SocketAddr::from(([10, 0, 0, 1], port)),
+            local: SocketAddr::from(([10, 0, 0, 2], 53)),
+            member,
+        }
+    }
+
+    fn table(max: usize) -> SessionTable<u32> {
+        SessionTable::new(1_000, max, Arc::new(AtomicUsize::new(0)))
+    }
+
+    #[test]
+    fn find_insert_expire() {
+        let mut t = table(10);
+        assert_eq!(t.find(&key(1, None), 0), None);
+        assert_eq!(t.admit(), Admit::Reserved);
+        let (id, stale) = t.insert(key(1, None), 2, 0, 77, 100);
+        assert!(stale.is_none());
+        assert_eq!(t.find(&key(1, None), 1_100), Some(id));
+        assert_eq!(
+            t.find(&key(1, Some(2)), 100),
+            None,
+            "per-member keys are distinct"
+        );
+        t.touch(id, 50, true, 1_000);
+        assert_eq!(t.find(&key(1, None), 2_000), Some(id), "touch refreshes");
+        assert_eq!(t.expire(2_000, |_, _| panic!("not idle yet")), 0);
+        let mut closed = Vec::new();
+        assert_eq!(t.expire(2_001, |_, s| closed.push(s.resource)), 1);
+        assert_eq!(closed, vec![77]);
+        assert!(t.is_empty());
+        assert_eq!(t.live.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn limit_is_shared_and_released() {
+        let live = Arc::new(AtomicUsize::new(0));
+        let mut a: SessionTable<()> = SessionTable::new(1_000, 2, Arc::clone(&live));
+        let b: SessionTable<()> = SessionTable::new(1_000, 2, Arc::clone(&live));
+        assert_eq!(a.admit(), Admit::Reserved);
+        let (id, _) = a.insert(key(1, None), 0, 0, (), 0);
+        assert_eq!(b.admit(), Admit::Reserved);
+        assert_eq!(
+            a.admit(),
+            Admit::Full,
+            "limit counts every worker's sessions"
+        );
+        b.release();
+        assert_eq!(a.admit(), Admit::Reserved);
+        a.release();
+        assert!(a.remove(id).is_some());
+        assert_eq!(live.load(Ordering::Relaxed), 0);
+        assert!(a.remove(id).is_none(), "double remove is harmless");
+        assert_eq!(live.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn slots_are_reused_and_stale_sessions_replaced() {
+        let mut t = table(10);
+        t.admit();
+        let (a, _) = t.insert(key(1, None), 0, 0, 1, 0);
+        t.remove(a);
+        t.admit();
+        let (b, _) = t.insert(key(2, None), 0, 0, 2, 0);
+        assert_eq!(a, b, "freed slot reused");
+        t.admit();
+        let (c, stale) = t.insert(key(2, None), 1, 0, 3, 5_000);
+        assert_eq!(stale.map(|s| s.resource), Some(2));
+        assert_eq!(t.len(), 1);
+        assert_eq!(t.get(c).map(|s| s.member), Some(1));
+        let mut n = 0;
+        t.drain(|_, _| n += 1);
+        assert_eq!(n, 1);
+        assert_eq!(t.live.load(Ordering::Relaxed), 0);
+    }
+}

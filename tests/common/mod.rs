@@ -1,0 +1,191 @@
+//! Loopback peers for the data-path tests: UDP and TCP services that say who they are and
+//! what PROXY header (if any) they received, configs built around them, and clients that
+//! wait with read timeouts (never bare sleeps).
+#![allow(dead_code)]
+
+use fulcrum::proxy::proxy_protocol::decode_v2;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How long a client waits for an answer that must come.
+pub const ANSWER: Duration = Duration::from_secs(3);
+/// How long a client waits for an answer that must not come.
+pub const SILENCE: Duration = Duration::from_millis(400);
+
+/// Reply of every test service: `NAME|PROXY_SRC|payload` (`-` when no PROXY header).
+fn reply(name: &str, data: &[u8]) -> Vec<u8> {
+    let (src, body) = match decode_v2(data) {
+        Ok(h) => (h.src.to_string(), &data[h.len.min(data.len())..]),
+        Err(_) => ("-".to_string(), data),
+    };
+    let mut out = format!("{name}|{src}|").into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+pub struct Answer {
+    pub service: String,
+    pub proxy_src: String,
+    pub body: Vec<u8>,
+}
+
+pub fn parse_answer(b: &[u8]) -> Option<Answer> {
+    let mut it = b.splitn(3, |&c| c == b'|');
+    Some(Answer {
+        service: String::from_utf8(it.next()?.to_vec()).ok()?,
+        proxy_src: String::from_utf8(it.next()?.to_vec()).ok()?,
+        body: it.next()?.to_vec(),
+    })
+}
+
+/// A UDP service on `ip:0` answering each datagram to its sender.
+pub fn udp_service(name: &str, ip: &str) -> (SocketAddr, Arc<AtomicU64>) {
+    let s = UdpSocket::bind(format!("{ip}:0")).expect("bind udp service");
+    let addr = s.local_addr().expect("addr");
+    let hits = Arc::new(AtomicU64::new(0));
+    let (name, h) = (name.to_string(), Arc::clone(&hits));
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 65_536];
+        // Ends with the test process.
+        while let Ok((n, from)) = s.recv_from(&mut buf) {
+            h.fetch_add(1, Ordering::Relaxed);
+            let _ = s.send_to(&reply(&name, &buf[..n]), from);
+        }
+    });
+    (addr, hits)
+}
+
+/// A TCP service on `ip:0`: reads until the client half-closes, then answers and closes.
+pub fn tcp_service(name: &str, ip: &str) -> (SocketAddr, Arc<AtomicU64>) {
+    let l = TcpListener::bind(format!("{ip}:0")).expect("bind tcp service");
+    let addr = l.local_addr().expect("addr");
+    let hits = Arc::new(AtomicU64::new(0));
+    let (name, h) = (name.to_string(), Arc::clone(&hits));
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { continue };
+            h.fetch_add(1, Ordering::Relaxed);
+            let name = name.clone();
+            std::thread::spawn(move || {
+                let _ = c.set_read_timeout(Some(Duration::from_secs(20)));
+                let mut data = Vec::new();
+                if c.read_to_end(&mut data).is_ok() {
+                    let _ = c.write_all(&reply(&name, &data));
+                }
+            });
+        }
+    });
+    (addr, hits)
+}
+
+/// A port nothing listens on (bound, then released).
+pub fn closed_port(ip: &str) -> SocketAddr {
+    let l = TcpListener::bind(format!("{ip}:0")).expect("bind");
+    l.local_addr().expect("addr")
+}
+
+/// A config with one vserver `v` over `services` (name, address).
+pub fn config(
+    protocol: &str,
+    bind: &str,
+    method: &str,
+    extra: &str,
+    services: &[(&str, SocketAddr)],
+) -> String {
+    config_with("", protocol, bind, method, extra, services)
+}
+
+pub fn config_with(
+    top: &str,
+    protocol: &str,
+    bind: &str,
+    method: &str,
+    extra: &str,
+    services: &[(&str, SocketAddr)],
+) -> String {
+    let svc_proto = if protocol == "http" { "http" } else { protocol };
+    let mut y = format!("{top}admin:\n  listen: null\nservices:\n");
+    for (n, a) in services {
+        y += &format!("  - {{ name: {n}, address: \"{a}\", protocol: {svc_proto} }}\n");
+    }
+    let names: Vec<&str> = services.iter().map(|(n, _)| *n).collect();
+    y += &format!(
+        "vservers:\n  - name: v\n    protocol: {protocol}\n    bind: [\"{bind}\"]\n    method: {method}\n    services: [{}]\n",
+        names.join(", ")
+    );
+    for line in extra.lines().filter(|l| !l.trim().is_empty()) {
+        y += &format!("    {}\n", line.trim());
+    }
+    y
+}
+
+pub fn start(yaml: &str) -> fulcrum::proxy::Runtime {
+    let cfg =
+        fulcrum::config::from_str("test.yaml", yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    fulcrum::proxy::Runtime::start(&cfg).expect("start runtime")
+}
+
+pub fn bound(rt: &fulcrum::proxy::Runtime, vserver: &str) -> SocketAddr {
+    rt.vserver(vserver).expect("vserver").bound[0]
+}
+
+/// A UDP client on `ip:0` with the answer timeout.
+pub fn udp_client(ip: &str) -> UdpSocket {
+    let c = UdpSocket::bind(format!("{ip}:0")).expect("bind client");
+    c.set_read_timeout(Some(ANSWER)).expect("timeout");
+    c
+}
+
+/// Send `payload` to `to` and wait for the answer (None on timeout).
+pub fn udp_ask(c: &UdpSocket, to: SocketAddr, payload: &[u8]) -> Option<(Answer, SocketAddr)> {
+    c.send_to(payload, to).expect("send");
+    let mut buf = vec![0u8; 65_536];
+    let (n, from) = c.recv_from(&mut buf).ok()?;
+    Some((parse_answer(&buf[..n])?, from))
+}
+
+/// One TCP exchange: connect (from `from` when given), write, half-close, read to EOF.
+pub fn tcp_ask_from(
+    to: SocketAddr,
+    from: Option<SocketAddr>,
+    payload: &[u8],
+) -> std::io::Result<Answer> {
+    let mut s = match from {
+        Some(f) => {
+            let sock =
+                socket2::Socket::new(socket2::Domain::for_address(f), socket2::Type::STREAM, None)?;
+            sock.set_reuse_address(true)?;
+            sock.bind(&f.into())?;
+            sock.connect_timeout(&to.into(), ANSWER)?;
+            TcpStream::from(sock)
+        }
+        None => TcpStream::connect_timeout(&to, ANSWER)?,
+    };
+    s.set_read_timeout(Some(ANSWER))?;
+    s.write_all(payload)?;
+    s.shutdown(Shutdown::Write)?;
+    let mut out = Vec::new();
+    s.read_to_end(&mut out)?;
+    parse_answer(&out).ok_or_else(|| {
+        std::io::Error::other(format!("bad answer {:?}", String::from_utf8_lossy(&out)))
+    })
+}
+
+pub fn tcp_ask(to: SocketAddr, payload: &[u8]) -> std::io::Result<Answer> {
+    tcp_ask_from(to, None, payload)
+}
+
+/// Wait until `cond` holds, checking every few milliseconds, for at most `limit`.
+pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    cond()
+}

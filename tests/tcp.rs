@@ -1,0 +1,472 @@
+//! `tcp` and `http` vservers over loopback: distribution, affinity, HTTP keys and their
+//! round-robin fallback, half-close, connect-failure retry, idle timeout, connection limit,
+//! least_connection on live connections, IPv6, PROXY v2, and two instances agreeing.
+
+mod common;
+
+use common::*;
+use fulcrum::balancer::Path;
+use fulcrum::proxy::runtime::DataPath;
+use std::collections::{HashMap, HashSet};
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+fn tcp_core(rt: &fulcrum::proxy::Runtime, name: &str) -> Arc<fulcrum::proxy::tcp::TcpCore> {
+    match &rt.vserver(name).expect("vserver").data {
+        DataPath::Tcp(c) => Arc::clone(c),
+        other => panic!("not tcp: {other:?}"),
+    }
+}
+
+fn services(n: usize, ip: &str) -> Vec<(String, SocketAddr)> {
+    (0..n)
+        .map(|i| (format!("s{i}"), tcp_service(&format!("s{i}"), ip).0))
+        .collect()
+}
+
+fn refs(s: &[(String, SocketAddr)]) -> Vec<(&str, SocketAddr)> {
+    s.iter().map(|(n, a)| (n.as_str(), *a)).collect()
+}
+
+#[test]
+fn round_robin_distributes_connections() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "round_robin",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let mut per: HashMap<String, usize> = HashMap::new();
+    for i in 0..30 {
+        let msg = format!("hello {i}");
+        let a = tcp_ask(vs, msg.as_bytes()).expect("answer");
+        assert_eq!(
+            a.body,
+            msg.as_bytes(),
+            "bytes forwarded unchanged, both ways"
+        );
+        *per.entry(a.service).or_default() += 1;
+    }
+    assert!(per.values().all(|&n| n == 10), "{per:?}");
+    let core = tcp_core(&rt, "v");
+    assert!(wait_until(ANSWER, || core.connections() == 0));
+}
+
+#[test]
+fn source_ip_hash_keeps_a_client_on_one_service() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "source_ip_hash",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let first = tcp_ask(vs, b"a").expect("answer").service;
+    for _ in 0..10 {
+        assert_eq!(tcp_ask(vs, b"a").expect("answer").service, first);
+    }
+}
+
+/// A large transfer in both directions with a half-close in the middle: the client's FIN
+/// reaches the service (it answers only after EOF), and the answer still flows back.
+#[test]
+fn half_close_passes_through_and_large_payloads_are_intact() {
+    let svc = services(1, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "round_robin",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+    let a = tcp_ask(vs, &big).expect("answer");
+    assert_eq!(a.body.len(), big.len());
+    assert!(
+        a.body == big,
+        "3 MB echoed intact through the half-closed connection"
+    );
+    let core = tcp_core(&rt, "v");
+    assert!(
+        wait_until(ANSWER, || core.connections() == 0),
+        "both sides finished: closed"
+    );
+    assert!(core.counters.bytes_in.load(Ordering::Relaxed) >= big.len() as u64);
+}
+
+#[test]
+fn connect_failure_tries_the_next_service_and_counts() {
+    let svc = services(2, "127.0.0.1");
+    let mut all = refs(&svc);
+    let dead = closed_port("127.0.0.1");
+    all.insert(0, ("dead", dead));
+    for method in ["round_robin", "source_ip_source_port_hash"] {
+        let rt = start(&config("tcp", "127.0.0.1:0", method, "", &all));
+        let vs = bound(&rt, "v");
+        for _ in 0..12 {
+            let a = tcp_ask(vs, b"x").expect("every connection is served");
+            assert_ne!(a.service, "dead");
+        }
+        let core = tcp_core(&rt, "v");
+        assert!(
+            core.counters.connect_failures.load(Ordering::Relaxed) >= 1,
+            "{method}"
+        );
+        assert_eq!(core.counters.no_service.load(Ordering::Relaxed), 0);
+    }
+}
+
+#[test]
+fn all_services_failing_closes_the_client() {
+    let dead = closed_port("127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "round_robin",
+        "",
+        &[("dead", dead)],
+    ));
+    let vs = bound(&rt, "v");
+    assert!(tcp_ask(vs, b"x").is_err(), "closed without an answer");
+    let core = tcp_core(&rt, "v");
+    assert!(wait_until(ANSWER, || core
+        .counters
+        .no_service
+        .load(Ordering::Relaxed)
+        == 1));
+}
+
+#[test]
+fn idle_connections_time_out() {
+    let svc = services(1, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "round_robin",
+        "idle_timeout: 200ms",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let mut s = TcpStream::connect(vs).expect("connect");
+    s.set_read_timeout(Some(ANSWER)).expect("timeout");
+    let mut buf = [0u8; 16];
+    // Nothing is sent: fulcrum closes both sides after the idle timeout (EOF here).
+    assert_eq!(s.read(&mut buf).expect("EOF, not a timeout"), 0);
+    let core = tcp_core(&rt, "v");
+    assert_eq!(core.counters.idle_timeouts.load(Ordering::Relaxed), 1);
+    assert!(wait_until(ANSWER, || core.connections() == 0));
+}
+
+#[test]
+fn connection_limit_refuses_and_least_connection_counts_live_connections() {
+    let svc = services(2, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "least_connection",
+        "max_sessions: 2",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let core = tcp_core(&rt, "v");
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = TcpStream::connect(vs).expect("connect");
+        s.write_all(b"held").expect("write");
+        held.push(s);
+    }
+    let b = Arc::clone(core.balancer());
+    assert!(
+        wait_until(ANSWER, || (0..2)
+            .all(|m| b.counters(m).map_or(0, |c| c.active()) == 1)),
+        "two live connections, one per service"
+    );
+    let mut third = TcpStream::connect(vs).expect("accepted by the kernel");
+    third.set_read_timeout(Some(ANSWER)).expect("timeout");
+    let mut buf = [0u8; 8];
+    assert!(
+        matches!(third.read(&mut buf), Ok(0) | Err(_)),
+        "refused: closed at once"
+    );
+    assert_eq!(core.counters.refused.load(Ordering::Relaxed), 1);
+    // Finishing the held connections frees their slots and their counts.
+    let mut names = HashSet::new();
+    for mut s in held {
+        s.shutdown(Shutdown::Write).expect("shutdown");
+        s.set_read_timeout(Some(ANSWER)).expect("timeout");
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).expect("answer");
+        names.insert(parse_answer(&out).expect("answer").service);
+    }
+    assert_eq!(names.len(), 2);
+    assert!(wait_until(ANSWER, || (0..2)
+        .all(|m| b.counters(m).map_or(1, |c| c.active()) == 0)));
+    assert!(tcp_ask(vs, b"again").is_ok());
+}
+
+#[test]
+fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
+    let svc = services(2, "[::1]");
+    let rt = start(&config("tcp", "[::1]:0", "dest_ip_hash", "", &refs(&svc)));
+    let vs = bound(&rt, "v");
+    let first = tcp_ask(vs, b"six").expect("answer");
+    assert_eq!(first.body, b"six");
+    for _ in 0..5 {
+        assert_eq!(tcp_ask(vs, b"six").expect("answer").service, first.service);
+    }
+    // On a wildcard bind the accepted socket's local address is the key.
+    let svc4 = services(3, "127.0.0.1");
+    let rt4 = start(&config(
+        "tcp",
+        "0.0.0.0:0",
+        "dest_ip_hash",
+        "",
+        &refs(&svc4),
+    ));
+    let port = bound(&rt4, "v").port();
+    let mut by_dst = HashMap::new();
+    for i in 1..=12u8 {
+        let dst: SocketAddr = format!("127.0.0.{i}:{port}").parse().expect("addr");
+        by_dst.insert(i, tcp_ask(dst, b"d").expect("answer").service);
+    }
+    assert!(
+        by_dst.values().collect::<HashSet<_>>().len() >= 2,
+        "{by_dst:?}"
+    );
+    for i in 1..=12u8 {
+        let dst: SocketAddr = format!("127.0.0.{i}:{port}").parse().expect("addr");
+        assert_eq!(tcp_ask(dst, b"d").expect("answer").service, by_dst[&i]);
+    }
+}
+
+#[test]
+fn proxy_v2_header_precedes_the_stream() {
+    let svc = services(1, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "round_robin",
+        "send_proxy: v2",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let from: SocketAddr = "127.0.0.7:0".parse().expect("addr");
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.bind(&from.into()).expect("bind");
+    let me = sock.local_addr().expect("addr").as_socket().expect("ip");
+    drop(sock);
+    let a = tcp_ask_from(vs, Some(me), b"GET / HTTP/1.0\r\n\r\n").expect("answer");
+    assert_eq!(a.proxy_src, me.to_string());
+    assert_eq!(a.body, b"GET / HTTP/1.0\r\n\r\n");
+}
+
+#[test]
+fn http_url_hash_affinity_and_round_robin_fallback() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config("http", "127.0.0.1:0", "url_hash", "", &refs(&svc)));
+    let vs = bound(&rt, "v");
+    let mut by_url = HashMap::new();
+    for i in 0..15 {
+        let req = format!("GET /obj/{i} HTTP/1.1\r\nHost: cache\r\n\r\n");
+        let a = tcp_ask(vs, req.as_bytes()).expect("answer");
+        assert_eq!(a.body, req.as_bytes(), "head forwarded unchanged");
+        by_url.insert(i, a.service);
+    }
+    assert!(by_url.values().collect::<HashSet<_>>().len() >= 2);
+    for i in 0..15 {
+        // Split writes: the head arrives in pieces and is still read whole.
+        let req = format!("GET /obj/{i} HTTP/1.1\r\nHost: other\r\nX: y\r\n\r\nbody");
+        let mut s = TcpStream::connect(vs).expect("connect");
+        s.set_read_timeout(Some(ANSWER)).expect("timeout");
+        let (a, b) = req.as_bytes().split_at(9);
+        s.write_all(a).expect("write");
+        s.flush().expect("flush");
+        std::thread::yield_now();
+        s.write_all(b).expect("write");
+        s.shutdown(Shutdown::Write).expect("shutdown");
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).expect("read");
+        let ans = parse_answer(&out).expect("answer");
+        assert_eq!(ans.service, by_url[&i]);
+        assert_eq!(ans.body, req.as_bytes());
+    }
+    // Not HTTP: round robin, bytes still forwarded.
+    let mut per = HashMap::new();
+    for _ in 0..6 {
+        let a = tcp_ask(vs, b"\x16\x03\x01 not http\r\n\r\n").expect("answer");
+        assert_eq!(a.body, b"\x16\x03\x01 not http\r\n\r\n");
+        *per.entry(a.service).or_insert(0) += 1;
+    }
+    assert_eq!(per.len(), 3, "round robin over all: {per:?}");
+    let core = tcp_core(&rt, "v");
+    assert_eq!(core.balancer().path_count(Path::FallbackRoundRobin), 6);
+    assert_eq!(core.counters.heads_unparseable.load(Ordering::Relaxed), 6);
+}
+
+#[test]
+fn http_head_cut_short_by_eof_or_timeout_falls_back() {
+    let svc = services(2, "127.0.0.1");
+    let rt = start(&config(
+        "http",
+        "127.0.0.1:0",
+        "domain_hash",
+        "idle_timeout: 300ms",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    // The client half-closes mid-head: what came is forwarded to a fallback service.
+    let a = tcp_ask(vs, b"GET /x HTTP/1.1\r\nHost: exa").expect("answer");
+    assert_eq!(a.body, b"GET /x HTTP/1.1\r\nHost: exa");
+    // The client stalls mid-head: after the first-bytes timeout it is balanced anyway.
+    let mut s = TcpStream::connect(vs).expect("connect");
+    s.set_read_timeout(Some(ANSWER)).expect("timeout");
+    s.write_all(b"GET /slow HTTP/1.1\r\n").expect("write");
+    let core = tcp_core(&rt, "v");
+    assert!(wait_until(ANSWER, || core
+        .counters
+        .first_bytes_timeouts
+        .load(Ordering::Relaxed)
+        == 1));
+    s.shutdown(Shutdown::Write).expect("shutdown");
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).expect("read");
+    assert_eq!(
+        parse_answer(&out).expect("answer").body,
+        b"GET /slow HTTP/1.1\r\n"
+    );
+}
+
+#[test]
+fn http_domain_and_token_keys() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config(
+        "http",
+        "127.0.0.1:0",
+        "domain_hash",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let mut by_host = HashMap::new();
+    for h in 0..12 {
+        let req = format!("GET /{h} HTTP/1.1\r\nHost: site{h}.example\r\n\r\n");
+        by_host.insert(h, tcp_ask(vs, req.as_bytes()).expect("answer").service);
+    }
+    assert!(by_host.values().collect::<HashSet<_>>().len() >= 2);
+    for h in 0..12 {
+        let req = format!("POST /other HTTP/1.1\r\nHost: SITE{h}.example\r\n\r\n");
+        assert_eq!(
+            tcp_ask(vs, req.as_bytes()).expect("answer").service,
+            by_host[&h]
+        );
+    }
+    let rt2 = start(&config(
+        "http",
+        "127.0.0.1:0",
+        "token",
+        "token: { header: X-Tenant }",
+        &refs(&svc),
+    ));
+    let vs2 = bound(&rt2, "v");
+    let mut by_tenant = HashMap::new();
+    for t in 0..12 {
+        let req = format!("GET /a HTTP/1.1\r\nX-Tenant: t{t}\r\n\r\n");
+        by_tenant.insert(t, tcp_ask(vs2, req.as_bytes()).expect("answer").service);
+    }
+    for t in 0..12 {
+        let req = format!("GET /b HTTP/1.1\r\nHost: z\r\nX-Tenant: t{t}\r\n\r\n");
+        assert_eq!(
+            tcp_ask(vs2, req.as_bytes()).expect("answer").service,
+            by_tenant[&t]
+        );
+    }
+}
+
+#[test]
+fn tcp_token_on_payload_bytes() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "token",
+        "token: { offset: 2, length: 3 }",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let mut by_tok = HashMap::new();
+    for t in 0..12 {
+        let p = format!("..{t:03}-payload");
+        by_tok.insert(t, tcp_ask(vs, p.as_bytes()).expect("answer").service);
+    }
+    assert!(by_tok.values().collect::<HashSet<_>>().len() >= 2);
+    for t in 0..12 {
+        let p = format!("xx{t:03}");
+        assert_eq!(
+            tcp_ask(vs, p.as_bytes()).expect("answer").service,
+            by_tok[&t]
+        );
+    }
+}
+
+#[test]
+fn two_instances_choose_the_same_service_per_connection() {
+    let svc = services(4, "127.0.0.1");
+    let yaml = config(
+        "tcp",
+        "127.0.0.1:0",
+        "source_ip_source_port_hash",
+        "",
+        &refs(&svc),
+    );
+    let (rt1, rt2) = (start(&yaml), start(&yaml));
+    let (v1, v2) = (bound(&rt1, "v"), bound(&rt2, "v"));
+    let mut used = HashSet::new();
+    for _ in 0..16 {
+        // The same client address and port toward both instances (a mirrored connection).
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
+        let from = probe.local_addr().expect("addr");
+        drop(probe);
+        let a = tcp_ask_from(v1, Some(from), b"m").expect("answer").service;
+        let b = tcp_ask_from(v2, Some(from), b"m").expect("answer").service;
+        assert_eq!(a, b, "{from}");
+        used.insert(a);
+    }
+    assert!(used.len() >= 3);
+}
+
+#[test]
+fn idle_tcp_connection_holds_no_buffer_of_its_own() {
+    // Indirect check of the memory rule: 200 idle connections do not grow the process by
+    // more than ~4 KiB each (measured precisely by bench/tcp.sh).
+    let svc = services(1, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "round_robin",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let core = tcp_core(&rt, "v");
+    let mut conns = Vec::new();
+    for _ in 0..200 {
+        conns.push(TcpStream::connect(vs).expect("connect"));
+    }
+    assert!(wait_until(Duration::from_secs(5), || core
+        .balancer()
+        .counters(0)
+        .map_or(0, |c| c.active())
+        == 200));
+    drop(conns);
+    assert!(wait_until(Duration::from_secs(5), || core.connections() == 0));
+}

@@ -1,0 +1,228 @@
+//! Transparent mode (`transparent: true`, IP_TRANSPARENT toward the service) in network
+//! namespaces the test builds: client ns ── lb ns (fulcrum) ── service ns. The service must
+//! see the client's own address, not fulcrum's. Needs root and `ip`; otherwise the test
+//! prints why and passes without running (skip).
+//!
+//! The lb namespace delivers the service's replies (addressed to the client) locally with a
+//! policy rule (`from SERVICE iif LEG lookup 100` + `local 0.0.0.0/0 dev lo table 100`),
+//! the routing an IP_TRANSPARENT deployment needs. The client and the service are this test
+//! binary run again inside their namespaces (`helper_*` tests driven by an env variable).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ROLE: &str = "FULCRUM_NETNS_ROLE";
+
+/// Service role: accept, answer `PEER=<client address>`, close.
+#[test]
+fn helper_service() {
+    if std::env::var(ROLE).as_deref() != Ok("service") {
+        return;
+    }
+    let addr = std::env::var("FULCRUM_NETNS_ADDR").unwrap_or_default();
+    let l = TcpListener::bind(&addr).expect("bind service");
+    for c in l.incoming() {
+        let Ok(mut c) = c else { continue };
+        let peer = c.peer_addr().map(|p| p.to_string()).unwrap_or_default();
+        let _ = c.write_all(format!("PEER={peer}\n").as_bytes());
+    }
+}
+
+/// Client role: connect (retrying while fulcrum starts), print what the service said.
+#[test]
+fn helper_client() {
+    if std::env::var(ROLE).as_deref() != Ok("client") {
+        return;
+    }
+    let addr = std::env::var("FULCRUM_NETNS_ADDR").unwrap_or_default();
+    let end = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < end {
+        if let Ok(mut s) =
+            TcpStream::connect_timeout(&addr.parse().expect("addr"), Duration::from_secs(1))
+        {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+            let mut out = String::new();
+            let _ = s.read_to_string(&mut out);
+            if out.starts_with("PEER=") {
+                println!("ANSWER {}", out.trim());
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    println!("ANSWER none");
+}
+
+/// Effective uid 0, from /proc (no libc call in a test).
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|v| v.split_whitespace().nth(1))
+            == Some("0")
+    })
+}
+
+struct Netns {
+    names: Vec<String>,
+    children: Vec<Child>,
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+fn ip(args: &str) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args.split_whitespace())
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {args}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn setup(ns: &mut Netns, tag: &str) -> Result<(), String> {
+    let (cli, lb, svc) = (
+        format!("fc-cli-{tag}"),
+        format!("fc-lb-{tag}"),
+        format!("fc-svc-{tag}"),
+    );
+    for n in [&cli, &lb, &svc] {
+        ip(&format!("netns add {n}"))?;
+        ns.names.push(n.clone());
+        ip(&format!("-n {n} link set lo up"))?;
+    }
+    ip(&format!(
+        "link add fcc{tag} netns {cli} type veth peer name fcl{tag} netns {lb}"
+    ))?;
+    ip(&format!(
+        "link add fcs{tag} netns {svc} type veth peer name fcm{tag} netns {lb}"
+    ))?;
+    ip(&format!("-n {cli} addr add 10.71.1.2/24 dev fcc{tag}"))?;
+    ip(&format!("-n {lb} addr add 10.71.1.1/24 dev fcl{tag}"))?;
+    ip(&format!("-n {lb} addr add 10.71.2.1/24 dev fcm{tag}"))?;
+    ip(&format!("-n {svc} addr add 10.71.2.2/24 dev fcs{tag}"))?;
+    for (n, d) in [
+        (&cli, format!("fcc{tag}")),
+        (&lb, format!("fcl{tag}")),
+        (&lb, format!("fcm{tag}")),
+        (&svc, format!("fcs{tag}")),
+    ] {
+        ip(&format!("-n {n} link set {d} up"))?;
+    }
+    ip(&format!("-n {cli} route add default via 10.71.1.1"))?;
+    ip(&format!("-n {svc} route add default via 10.71.2.1"))?;
+    // Replies from the service to the client's address are for fulcrum's transparent socket.
+    ip(&format!(
+        "-n {lb} rule add from 10.71.2.2 iif fcm{tag} lookup 100"
+    ))?;
+    ip(&format!(
+        "-n {lb} route add local 0.0.0.0/0 dev lo table 100"
+    ))?;
+    Ok(())
+}
+
+fn spawn_in(ns: &str, program: &str, args: &[&str], env: &[(&str, &str)]) -> Result<Child, String> {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", ns, program])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c.spawn().map_err(|e| format!("spawn in {ns}: {e}"))
+}
+
+#[test]
+fn transparent_tcp_service_sees_the_client_address() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    if !is_root() {
+        println!(
+            "SKIP transparent_tcp_service_sees_the_client_address: needs root for network namespaces"
+        );
+        return;
+    }
+    let tag = format!("{}", std::process::id() % 100_000);
+    let mut ns = Netns {
+        names: Vec::new(),
+        children: Vec::new(),
+    };
+    if let Err(e) = setup(&mut ns, &tag) {
+        println!(
+            "SKIP transparent_tcp_service_sees_the_client_address: cannot build namespaces: {e}"
+        );
+        return;
+    }
+    let me = std::env::current_exe().expect("test binary");
+    let me = me.to_str().expect("utf-8 path");
+    let svc = spawn_in(
+        &format!("fc-svc-{tag}"),
+        me,
+        &["--exact", "helper_service", "--nocapture"],
+        &[(ROLE, "service"), ("FULCRUM_NETNS_ADDR", "10.71.2.2:9000")],
+    )
+    .expect("service");
+    ns.children.push(svc);
+    let dir = std::env::temp_dir().join(format!("fulcrum-transparent-{tag}"));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let cfg = dir.join("t.yaml");
+    std::fs::write(
+        &cfg,
+        "admin:\n  listen: null\nservices:\n  - { name: s, address: \"10.71.2.2:9000\", protocol: tcp }\n\
+vservers:\n  - name: t\n    protocol: tcp\n    bind: [\"10.71.1.1:8000\"]\n    method: round_robin\n    transparent: true\n    services: [s]\n",
+    )
+    .expect("config");
+    let lb = spawn_in(
+        &format!("fc-lb-{tag}"),
+        env!("CARGO_BIN_EXE_fulcrum"),
+        &["run", "--config", cfg.to_str().expect("path")],
+        &[],
+    )
+    .expect("fulcrum");
+    ns.children.push(lb);
+    let out = Command::new("ip")
+        .args([
+            "netns",
+            "exec",
+            &format!("fc-cli-{tag}"),
+            me,
+            "--exact",
+            "helper_client",
+            "--nocapture",
+        ])
+        .env(ROLE, "client")
+        .env("FULCRUM_NETNS_ADDR", "10.71.1.1:8000")
+        .output()
+        .expect("client");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let answer = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("ANSWER "))
+        .unwrap_or("none")
+        .to_string();
+    let _ = std::fs::remove_dir_all(&dir);
+    println!("transparent: the service saw {answer}");
+    assert!(
+        answer.starts_with("PEER=10.71.1.2:"),
+        "service saw {answer}; client output: {stdout}"
+    );
+}

@@ -1,0 +1,388 @@
+//! `udp` vserver over loopback: distribution, affinity, failover, session expiry, table
+//! limit, IPv6, IP_PKTINFO on a wildcard bind, per-datagram token sessions, PROXY v2, and
+//! the firewall-pool properties (two instances agree; an inside/outside sandwich keeps a
+//! flow and its reverse on one firewall).
+
+mod common;
+
+use common::*;
+use fulcrum::balancer::Health;
+use fulcrum::proxy::runtime::DataPath;
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+fn udp_core(
+    rt: &fulcrum::proxy::Runtime,
+    name: &str,
+) -> std::sync::Arc<fulcrum::proxy::udp::UdpCore> {
+    match &rt.vserver(name).expect("vserver").data {
+        DataPath::Udp(c) => std::sync::Arc::clone(c),
+        other => panic!("not udp: {other:?}"),
+    }
+}
+
+fn services(n: usize, ip: &str) -> Vec<(String, SocketAddr)> {
+    (0..n)
+        .map(|i| (format!("s{i}"), udp_service(&format!("s{i}"), ip).0))
+        .collect()
+}
+
+fn refs(s: &[(String, SocketAddr)]) -> Vec<(&str, SocketAddr)> {
+    s.iter().map(|(n, a)| (n.as_str(), *a)).collect()
+}
+
+#[test]
+fn round_robin_spreads_sessions_and_relays_from_the_vserver_address() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config(
+        "udp",
+        "127.0.0.1:0",
+        "round_robin",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let mut per: HashMap<String, usize> = HashMap::new();
+    for _ in 0..30 {
+        let c = udp_client("127.0.0.1");
+        let (a, from) = udp_ask(&c, vs, b"ping").expect("answer");
+        assert_eq!(from, vs, "reply comes from the vserver's address");
+        assert_eq!(a.body, b"ping");
+        *per.entry(a.service).or_default() += 1;
+    }
+    assert_eq!(per.len(), 3);
+    assert!(per.values().all(|&n| n == 10), "{per:?}");
+    let core = udp_core(&rt, "v");
+    assert_eq!(core.sessions(), 30);
+    assert_eq!(core.counters.sessions_created.load(Ordering::Relaxed), 30);
+    // least_connection reads these: every session is open on its member.
+    let b = core.balancer();
+    let active: u64 = (0..3)
+        .map(|m| b.counters(m).map_or(0, |c| c.active()))
+        .sum();
+    assert_eq!(active, 30);
+}
+
+#[test]
+fn a_session_keeps_its_service_and_counts_traffic() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config(
+        "udp",
+        "127.0.0.1:0",
+        "round_robin",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let c = udp_client("127.0.0.1");
+    let first = udp_ask(&c, vs, b"x").expect("answer").0.service;
+    for _ in 0..20 {
+        assert_eq!(udp_ask(&c, vs, b"xyz").expect("answer").0.service, first);
+    }
+    let core = udp_core(&rt, "v");
+    assert_eq!(core.sessions(), 1);
+    let m = svc.iter().position(|(n, _)| *n == first).expect("member");
+    let counters = core.balancer().counters(m).expect("counters");
+    // 21 datagrams each way; least_packets / least_bandwidth read these totals and rates.
+    // The last reply is counted right after it is sent: wait for it, not for the client.
+    assert!(wait_until(ANSWER, || counters.packets_total() == 42));
+    assert!(counters.bytes_total() > 42 * 3);
+}
+
+#[test]
+fn source_ip_hash_is_per_client_ip_and_fails_over_when_down() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config(
+        "udp",
+        "127.0.0.1:0",
+        "source_ip_hash",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let c1 = udp_client("127.0.0.1");
+    let c2 = udp_client("127.0.0.1");
+    let s1 = udp_ask(&c1, vs, b"a").expect("answer").0.service;
+    assert_eq!(
+        udp_ask(&c2, vs, b"a").expect("answer").0.service,
+        s1,
+        "same client IP"
+    );
+    assert_eq!(rt.set_health(&s1, Health::Down), 1);
+    let s2 = udp_ask(&c1, vs, b"a").expect("answer").0.service;
+    assert_ne!(
+        s2, s1,
+        "a session on a DOWN service moves to the next ranked one"
+    );
+    let core = udp_core(&rt, "v");
+    assert_eq!(core.counters.sessions_rerouted.load(Ordering::Relaxed), 1);
+    rt.set_health(&s1, Health::Up);
+    // The moved session stays where it is; a new flow of this key goes home.
+    assert_eq!(udp_ask(&c1, vs, b"a").expect("answer").0.service, s2);
+    let c3 = udp_client("127.0.0.1");
+    assert_eq!(udp_ask(&c3, vs, b"a").expect("answer").0.service, s1);
+}
+
+#[test]
+fn idle_sessions_expire() {
+    let svc = services(2, "127.0.0.1");
+    let rt = start(&config(
+        "udp",
+        "127.0.0.1:0",
+        "round_robin",
+        "idle_timeout: 150ms",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let core = udp_core(&rt, "v");
+    let c = udp_client("127.0.0.1");
+    let first = udp_ask(&c, vs, b"a").expect("answer").0.service;
+    assert_eq!(core.sessions(), 1);
+    assert!(
+        wait_until(Duration::from_secs(3), || core.sessions() == 0),
+        "session expired"
+    );
+    assert_eq!(core.counters.sessions_expired.load(Ordering::Relaxed), 1);
+    let b = core.balancer();
+    assert_eq!(
+        (0..2)
+            .map(|m| b.counters(m).map_or(0, |c| c.active()))
+            .sum::<u64>(),
+        0
+    );
+    // The next datagram opens a new session: round robin gives it the other service.
+    assert_ne!(udp_ask(&c, vs, b"a").expect("answer").0.service, first);
+    assert_eq!(core.counters.sessions_created.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn a_full_table_refuses_new_sessions_and_counts_them() {
+    let svc = services(2, "127.0.0.1");
+    let rt = start(&config(
+        "udp",
+        "127.0.0.1:0",
+        "round_robin",
+        "max_sessions: 2\nidle_timeout: 300ms",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let core = udp_core(&rt, "v");
+    let (a, b, c) = (
+        udp_client("127.0.0.1"),
+        udp_client("127.0.0.1"),
+        udp_client("127.0.0.1"),
+    );
+    assert!(udp_ask(&a, vs, b"1").is_some());
+    assert!(udp_ask(&b, vs, b"2").is_some());
+    c.set_read_timeout(Some(SILENCE)).expect("timeout");
+    assert!(udp_ask(&c, vs, b"3").is_none(), "third session refused");
+    assert_eq!(core.counters.sessions_refused.load(Ordering::Relaxed), 1);
+    // Existing sessions still work while the table is full.
+    assert!(udp_ask(&a, vs, b"1").is_some());
+    // Once the others expire there is room again.
+    assert!(wait_until(Duration::from_secs(3), || core.sessions() == 0));
+    c.set_read_timeout(Some(ANSWER)).expect("timeout");
+    assert!(udp_ask(&c, vs, b"3").is_some());
+}
+
+#[test]
+fn ipv6_sessions() {
+    let svc = services(2, "[::1]");
+    let rt = start(&config(
+        "udp",
+        "[::1]:0",
+        "source_ip_source_port_hash",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    assert!(vs.is_ipv6());
+    let mut seen = HashSet::new();
+    for _ in 0..20 {
+        let c = udp_client("[::1]");
+        let (a, from) = udp_ask(&c, vs, b"six").expect("answer");
+        assert_eq!(from, vs);
+        assert_eq!(a.body, b"six");
+        assert_eq!(
+            udp_ask(&c, vs, b"six").expect("answer").0.service,
+            a.service,
+            "per-port affinity"
+        );
+        seen.insert(a.service);
+    }
+    assert_eq!(seen.len(), 2, "20 ports spread over both services");
+}
+
+#[test]
+fn wildcard_bind_answers_from_the_address_reached_and_hashes_it() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config("udp", "0.0.0.0:0", "dest_ip_hash", "", &refs(&svc)));
+    let port = bound(&rt, "v").port();
+    let c = udp_client("127.0.0.1");
+    let mut by_dst = HashMap::new();
+    for i in 1..=12u8 {
+        let dst: SocketAddr = format!("127.0.0.{i}:{port}").parse().expect("addr");
+        let (a, from) = udp_ask(&c, dst, b"d").expect("answer");
+        assert_eq!(
+            from, dst,
+            "IP_PKTINFO: the reply leaves from the address the client reached"
+        );
+        by_dst.insert(i, a.service);
+    }
+    // dest_ip_hash sees each destination: several services are used, deterministically.
+    let distinct: HashSet<_> = by_dst.values().collect();
+    assert!(distinct.len() >= 2, "{by_dst:?}");
+    for i in 1..=12u8 {
+        let c2 = udp_client("127.0.0.1");
+        let dst: SocketAddr = format!("127.0.0.{i}:{port}").parse().expect("addr");
+        assert_eq!(
+            udp_ask(&c2, dst, b"d").expect("answer").0.service,
+            by_dst[&i]
+        );
+    }
+}
+
+#[test]
+fn token_on_the_payload_chooses_per_datagram() {
+    let svc = services(3, "127.0.0.1");
+    let rt = start(&config(
+        "udp",
+        "127.0.0.1:0",
+        "token",
+        "token: { offset: 0, length: 4 }",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let c = udp_client("127.0.0.1");
+    let mut by_token = HashMap::new();
+    for t in 0..12 {
+        let p = format!("t{t:03}rest");
+        let s = udp_ask(&c, vs, p.as_bytes()).expect("answer").0.service;
+        by_token.insert(t, s);
+    }
+    let used: HashSet<_> = by_token.values().cloned().collect();
+    assert!(
+        used.len() >= 2,
+        "one client, several tokens, several services: {by_token:?}"
+    );
+    let core = udp_core(&rt, "v");
+    assert_eq!(
+        core.sessions(),
+        used.len(),
+        "one session per (client, service)"
+    );
+    for t in 0..12 {
+        let p = format!("t{t:03}again");
+        assert_eq!(
+            udp_ask(&c, vs, p.as_bytes()).expect("answer").0.service,
+            by_token[&t]
+        );
+    }
+    // Too short for the token: least_connection fallback, still answered.
+    assert!(udp_ask(&c, vs, b"ab").is_some());
+}
+
+#[test]
+fn proxy_v2_header_carries_the_client_address() {
+    let svc = services(2, "127.0.0.1");
+    let rt = start(&config(
+        "udp",
+        "127.0.0.1:0",
+        "round_robin",
+        "send_proxy: v2",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    for _ in 0..4 {
+        let c = udp_client("127.0.0.1");
+        let me = c.local_addr().expect("addr");
+        let (a, _) = udp_ask(&c, vs, b"payload").expect("answer");
+        assert_eq!(
+            a.proxy_src,
+            me.to_string(),
+            "service parsed the PROXY v2 header"
+        );
+        assert_eq!(a.body, b"payload", "payload unchanged after the header");
+        assert_eq!(
+            udp_ask(&c, vs, b"again").expect("answer").0.proxy_src,
+            me.to_string(),
+            "every datagram"
+        );
+    }
+}
+
+/// SPEC §2 rule 7 / issue 6: two instances with one config pick the same service per flow.
+#[test]
+fn two_instances_agree_per_flow() {
+    let svc = services(4, "127.0.0.1");
+    let yaml = config(
+        "udp",
+        "127.0.0.1:0",
+        "source_ip_source_port_hash",
+        "",
+        &refs(&svc),
+    );
+    let (rt1, rt2) = (start(&yaml), start(&yaml));
+    let (v1, v2) = (bound(&rt1, "v"), bound(&rt2, "v"));
+    let mut used = HashSet::new();
+    for _ in 0..24 {
+        let c = udp_client("127.0.0.1");
+        let a = udp_ask(&c, v1, b"m").expect("answer").0.service;
+        let b = udp_ask(&c, v2, b"m").expect("answer").0.service;
+        assert_eq!(a, b, "flow {:?}", c.local_addr());
+        used.insert(a);
+    }
+    assert!(used.len() >= 3);
+}
+
+/// A firewall sandwich: `inside` and `outside` vservers over the two legs of each firewall
+/// (legs share a hash_id), both `source_dest_ip_hash`. A flow client→server enters inside,
+/// its reverse server→client enters outside; both must cross the same firewall.
+#[test]
+fn sandwich_keeps_a_flow_and_its_reverse_on_one_firewall() {
+    let fws = ["fw-a", "fw-b", "fw-c"];
+    let mut yaml = String::from("admin:\n  listen: null\nservices:\n");
+    for fw in fws {
+        for leg in ["in", "out"] {
+            let (a, _) = udp_service(&format!("{fw}-{leg}"), "127.0.0.1");
+            yaml += &format!(
+                "  - {{ name: {fw}-{leg}, address: \"{a}\", protocol: udp, hash_id: {fw} }}\n"
+            );
+        }
+    }
+    yaml += "vservers:\n";
+    for leg in ["in", "out"] {
+        yaml += &format!(
+            "  - name: {leg}\n    protocol: udp\n    bind: [\"0.0.0.0:0\"]\n    method: source_dest_ip_hash\n    services: [{}]\n",
+            fws.map(|f| format!("{f}-{leg}")).join(", ")
+        );
+    }
+    let rt = start(&yaml);
+    let (pin, pout) = (bound(&rt, "in").port(), bound(&rt, "out").port());
+    let mut used = HashSet::new();
+    for (c, s) in [
+        (2u8, 9u8),
+        (3, 9),
+        (4, 10),
+        (5, 11),
+        (6, 12),
+        (7, 13),
+        (8, 14),
+        (20, 30),
+        (21, 31),
+    ] {
+        let client = udp_client(&format!("127.0.0.{c}"));
+        let server = udp_client(&format!("127.0.0.{s}"));
+        let fwd: SocketAddr = format!("127.0.0.{s}:{pin}").parse().expect("addr");
+        let rev: SocketAddr = format!("127.0.0.{c}:{pout}").parse().expect("addr");
+        let inside = udp_ask(&client, fwd, b"syn").expect("answer").0.service;
+        let outside = udp_ask(&server, rev, b"syn-ack").expect("answer").0.service;
+        let fw_in = inside.trim_end_matches("-in");
+        let fw_out = outside.trim_end_matches("-out");
+        assert_eq!(fw_in, fw_out, "127.0.0.{c} <-> 127.0.0.{s}");
+        used.insert(fw_in.to_string());
+    }
+    assert!(used.len() >= 2, "flows spread over the firewalls: {used:?}");
+}
