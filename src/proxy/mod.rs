@@ -3,4 +3,4 @@
 pub mod runtime;
 pub mod sip_udp;
 
-pub use runtime::{Runtime, RuntimeError, VserverHandle};
+pub use runtime::{DataPath, Runtime, RuntimeError, VserverHandle};

@@ -114,6 +114,11 @@ impl Runtime {
         sip_udp::elapsed_nanos(self.epoch)
     }
 
+    /// The clock origin of [`Runtime::now`] (monitors and the admin API use it too).
+    pub fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
     pub fn vservers(&self) -> &[VserverHandle] {
         &self.vservers
     }
