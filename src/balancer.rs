@@ -306,6 +306,12 @@ impl Balancer {
             .map(|ss| ss.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
+    /// Whether an established flow (dialog, session, connection) pinned to `member` may
+    /// continue there: UP, or OUT_OF_SERVICE (the operator's graceful drain, SPEC §5).
+    pub fn accepts_existing(&self, member: usize) -> bool {
+        matches!(self.health(member), Some(Health::Up | Health::OutOfService))
+    }
+
     /// UP, below `max_clients`, and (with bounded loads) not above factor × average load.
     pub fn is_usable(&self, member: usize) -> bool {
         let Some(h) = self.health.get(member) else {

@@ -9,7 +9,7 @@ pub mod sip_udp;
 pub mod tcp;
 pub mod udp;
 
-pub use runtime::{Runtime, RuntimeError, VserverHandle};
+pub use runtime::{DataPath, Runtime, RuntimeError, VserverHandle};
 
 use crate::stats::Nanos;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -110,6 +110,11 @@ impl Runtime {
         super::elapsed_nanos(self.epoch)
     }
 
+    /// The clock origin of [`Runtime::now`] (monitors and the admin API use it too).
+    pub fn epoch(&self) -> Instant {
+        self.epoch
+    }
+
     pub fn vservers(&self) -> &[VserverHandle] {
         &self.vservers
     }

@@ -294,8 +294,9 @@ impl SipCore {
         }
     }
 
-    /// Dialog affinity first (an established call stays on its UP member), else the
-    /// vserver's method. The dialog is pinned to whatever was chosen.
+    /// Dialog affinity first (an established call stays on its member while it is UP or
+    /// draining OUT_OF_SERVICE), else the vserver's method. The dialog is pinned to whatever
+    /// was chosen.
     fn choose(
         &self,
         msg: &SipMsg<'_>,
@@ -307,7 +308,7 @@ impl SipCore {
         let call_hash = msg.call_id().map(|c| hash::key_hash(sip_trim(c)));
         if let Some(h) = call_hash
             && let Some(m) = self.dialogs.get(h, now_ms)
-            && self.balancer.is_usable(m as usize)
+            && self.balancer.accepts_existing(m as usize)
         {
             self.balancer.count_affinity();
             // BYE / CANCEL end the dialog: its member stops counting it as load.
