@@ -51,7 +51,9 @@ pub fn bind_tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> 
     }
     socket.set_reuse_address(true)?;
     socket.bind(&addr.into())?;
-    socket.listen(1024)?;
+    // Bursts of short connections (HTTP with `Connection: close`) must not be dropped by
+    // the kernel before the accept loop runs; the kernel caps it at somaxconn.
+    socket.listen(4096)?;
     socket.set_nonblocking(true)?;
     Ok(socket.into())
 }

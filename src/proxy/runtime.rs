@@ -188,6 +188,53 @@ impl Drop for Runtime {
     }
 }
 
+/// Bind `workers` SO_REUSEPORT UDP sockets on every bind address of `v`: the sockets per
+/// address, and the addresses actually bound (port 0 resolved).
+pub(crate) fn bind_udp(
+    v: &Vserver,
+    workers: usize,
+) -> Result<(Vec<Vec<std::net::UdpSocket>>, Vec<SocketAddr>), RuntimeError> {
+    let mut per_addr = Vec::new();
+    let mut bound = Vec::new();
+    for addr in &v.bind {
+        let socks = net::bind_udp_workers(*addr, workers).map_err(|source| RuntimeError::Bind {
+            vserver: v.name.clone(),
+            addr: *addr,
+            source,
+        })?;
+        bound.push(
+            socks
+                .first()
+                .and_then(|s| s.local_addr().ok())
+                .unwrap_or(*addr),
+        );
+        per_addr.push(socks);
+    }
+    Ok((per_addr, bound))
+}
+
+/// Bind a TCP listener on every bind address of `v`, registered with the tokio runtime
+/// `ctx` runs: the listeners and the addresses actually bound.
+pub(crate) fn bind_tcp(
+    ctx: &StartCtx<'_>,
+    v: &Vserver,
+) -> Result<(Vec<tokio::net::TcpListener>, Vec<SocketAddr>), RuntimeError> {
+    let _enter = ctx.tokio.enter();
+    let mut listeners = Vec::new();
+    let mut bound = Vec::new();
+    for addr in &v.bind {
+        let bind_err = |source| RuntimeError::Bind {
+            vserver: v.name.clone(),
+            addr: *addr,
+            source,
+        };
+        let l = net::bind_tcp_listener(*addr).map_err(bind_err)?;
+        bound.push(l.local_addr().map_err(bind_err)?);
+        listeners.push(tokio::net::TcpListener::from_std(l).map_err(bind_err)?);
+    }
+    Ok((listeners, bound))
+}
+
 /// fulcrum's Via / Record-Route identity on a vserver: `advertise`, else the bound
 /// address, else (wildcard bind) the local address the kernel uses toward the services.
 pub(crate) fn local_identity(

@@ -15,7 +15,9 @@
 
 use crate::balancer::Health;
 use crate::config::{Config, Vserver};
-use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle, local_identity};
+use crate::proxy::runtime::{
+    DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
+};
 use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
 use crate::proxy::{LogLimiter, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
@@ -416,27 +418,8 @@ pub fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
-    let _guard = ctx.tokio.enter();
-    let mut listeners = Vec::new();
-    let mut bound = Vec::new();
-    for addr in &v.bind {
-        let bind_err = |source| RuntimeError::Bind {
-            vserver: v.name.clone(),
-            addr: *addr,
-            source,
-        };
-        let std_listener = crate::net::bind_tcp_listener(*addr).map_err(bind_err)?;
-        let actual = std_listener.local_addr().map_err(bind_err)?;
-        let listener = TcpListener::from_std(std_listener).map_err(bind_err)?;
-        bound.push(actual);
-        listeners.push(listener);
-    }
-    let member_addrs: Vec<SocketAddr> = v
-        .services
-        .iter()
-        .filter_map(|&i| config.services.get(i))
-        .map(|s| SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
-        .collect();
+    let (listeners, bound) = bind_tcp(ctx, v)?;
+    let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Tcp)?;
     let balancer = Arc::new(crate::balancer::Balancer::new(config, v));
     let core = Arc::new(SipCore::new(SipParams {

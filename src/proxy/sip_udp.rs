@@ -6,12 +6,13 @@
 use crate::balancer::Balancer;
 use crate::config::{Config, Vserver};
 use crate::net;
-use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle, local_identity};
+use crate::proxy::runtime::{
+    DataPath, RuntimeError, StartCtx, VserverHandle, bind_udp, local_identity,
+};
 use crate::proxy::sip_core::SipParams;
 use crate::proxy::sip_core::{Action, SipCore};
 use crate::proxy::{LogLimiter, POLL, elapsed_nanos};
 use crate::sip::Transport;
-use std::net::SocketAddr;
 use std::net::UdpSocket;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -97,27 +98,9 @@ pub fn start(
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
     let workers = net::worker_count(v.workers);
-    let mut sockets = Vec::new();
-    let mut bound = Vec::new();
-    for addr in &v.bind {
-        let socks = net::bind_udp_workers(*addr, workers).map_err(|source| RuntimeError::Bind {
-            vserver: v.name.clone(),
-            addr: *addr,
-            source,
-        })?;
-        let actual = socks
-            .first()
-            .and_then(|s| s.local_addr().ok())
-            .unwrap_or(*addr);
-        bound.push(actual);
-        sockets.extend(socks);
-    }
-    let member_addrs: Vec<SocketAddr> = v
-        .services
-        .iter()
-        .filter_map(|&i| config.services.get(i))
-        .map(|s| SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
-        .collect();
+    let (per_addr, bound) = bind_udp(v, workers)?;
+    let sockets: Vec<UdpSocket> = per_addr.into_iter().flatten().collect();
+    let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Udp)?;
     let balancer = Arc::new(Balancer::new(config, v));
     let core = Arc::new(SipCore::new(SipParams {
