@@ -250,7 +250,8 @@ pub enum Host<'a> {
     Name(&'a [u8]),
 }
 
-/// A next hop with its port.
+/// A next hop with its port. IPv4-mapped IPv6 text is returned as IPv4; a shell sending from
+/// an IPv6 dual-stack socket maps IPv4 targets back (`Ipv4Addr::to_ipv6_mapped`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Target<'a> {
     pub host: Host<'a>,
@@ -687,9 +688,9 @@ fn put_header<B: BufMut>(out: &mut B, name: &[u8], value: &[u8]) {
 
 /// Where fulcrum sends its own reply to a request received from `src` over a datagram
 /// transport: the source address (RFC 3581 §4) when `rport` was requested, else the source IP
-/// (the `received` value) with the sent-by port (RFC 3261 §18.2.2).
+/// (the `received` value) with the sent-by port (RFC 3261 §18.2.2). The address family of
+/// `src` is kept, so a reply leaves a dual-stack socket as it arrived.
 pub fn reply_target(msg: &SipMsg<'_>, src: SocketAddr) -> SocketAddr {
-    let src = SocketAddr::new(src.ip().to_canonical(), src.port());
     match msg.top_via() {
         Some(v) if v.rport.is_none() => {
             let default = if v.transport.eq_ignore_ascii_case(b"TLS") {
