@@ -328,7 +328,7 @@ impl Prac {
 }
 
 /// Candidates kept per cell before falling back to a full pass over the services.
-const CELL_CANDIDATES: usize = 16;
+const CELL_CANDIDATES: usize = 8;
 
 /// The best `k` services (passing `filter`) for one cell key ranked strictly after `after`,
 /// best first.
@@ -345,28 +345,35 @@ fn top_k(
     if scorer.is_uniform() {
         // Combined values are uniform on [0, ceiling]: a window just below the ceiling holds
         // about `want` of them, so one pass collects a few more than k without sorting N values;
-        // widen and retry in the rare case it held too few.
+        // widen and retry in the rare case it held too few. Collected as (u64, u32) to keep the
+        // sort small.
         let ceiling = after.map_or(u64::MAX, |(a, _)| a as u64);
         let mut want = (2 * k).max(8) as f64;
+        let mut found: Vec<(u64, u32)> = Vec::with_capacity(4 * k);
         loop {
             let span = (want / n.max(1) as f64 * 18_446_744_073_709_551_616.0).min(u64::MAX as f64);
             let floor = ceiling.saturating_sub(span as u64);
-            top.clear();
+            found.clear();
             for (i, id) in scorer.ids.iter().enumerate() {
                 let c = crate::hash::carp_combine(key, *id);
                 if c < floor || c > ceiling {
                     continue;
                 }
-                let s = Score::from(c);
-                if below(s, i) && filter(i) {
-                    top.push((s, i));
+                if below(Score::from(c), i) && filter(i) {
+                    found.push((c, i as u32));
                 }
             }
-            if top.len() >= k || floor == 0 {
+            if found.len() >= k || floor == 0 {
                 break;
             }
             want *= 4.0;
         }
+        found.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        found.truncate(k);
+        return found
+            .into_iter()
+            .map(|(c, i)| (Score::from(c), i as usize))
+            .collect();
     } else {
         for i in 0..n {
             let s = scorer.score(key, i);
