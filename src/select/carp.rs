@@ -222,5 +222,11 @@ fn best_of_all(ids: &[u64], key: u64) -> Option<(u64, usize)> {
     [(v0, i0), (v1, i1), (v2, i2), (v3, i3)]
         .into_iter()
         .filter(|b| b.1 != usize::MAX)
-        .reduce(|a, b| if b.0 > a.0 || (b.0 == a.0 && b.1 < a.1) { b } else { a })
+        .reduce(|a, b| {
+            if b.0 > a.0 || (b.0 == a.0 && b.1 < a.1) {
+                b
+            } else {
+                a
+            }
+        })
 }
