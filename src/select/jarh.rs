@@ -10,10 +10,8 @@
 //!
 //! Jump assist: instead of a binary search over the sorted points, an index of `2^b` entries
 //! (`2^b` >= points) holds, for each range of the top `b` bits of the hash, the first point at or
-//! after the start of the range, and a hint per range: that point's owner and the 32 position bits
-//! after the top `b`. A key whose next 32 bits are below the hint's is owned by that point, so
-//! about two lookups in three end on one 8-byte read; the others walk forward from the indexed
-//! point over the few points (about one on average) that share the range. O(1) expected.
+//! after the start of the range. A lookup reads the index and walks forward over the few points
+//! (about one on average) that share that range: O(1) expected, no branches on the ring size.
 //!
 //! Bounds: the total number of points is capped at 2^22; when `fingers x sum(weights)` is larger,
 //! every service's count is scaled down in proportion (at least one point each). Config limits
@@ -27,18 +25,11 @@ const MAX_POINTS: u64 = 1 << 22;
 /// The jarh selector.
 #[derive(Debug, Clone)]
 pub struct Jarh {
-    /// Point positions, ascending.
-    points: Vec<u64>,
-    /// Owner service of each point.
-    owners: Vec<u32>,
+    /// (position, owner service) of each point, ascending; kept together so that a lookup touches
+    /// one cache line for both.
+    points: Vec<(u64, u32)>,
     /// For each top-`b`-bit range, the first point index at or after its start.
     index: Vec<u32>,
-    /// For each range, `(fragment, owner)`: the owner of that first point, and the 32 position
-    /// bits after the top `b` when the point lies inside the range (`u32::MAX` when it lies
-    /// beyond). A key whose next 32 bits are below the fragment is owned by that point: about
-    /// two lookups in three end on this one read.
-    hints: Vec<(u32, u32)>,
-    /// `64 - b`.
     shift: u32,
     up: Vec<bool>,
     services: usize,
@@ -62,39 +53,24 @@ impl Jarh {
             pts.extend((0..count).map(|j| (finger_hash(*id, j), i as u32)));
         }
         pts.sort_unstable();
-        let points: Vec<u64> = pts.iter().map(|p| p.0).collect();
-        let owners: Vec<u32> = pts.iter().map(|p| p.1).collect();
-        drop(pts);
+        let points = pts;
 
         let want = (points.len() as u64).max(2);
         let bits = (64 - (want - 1).leading_zeros()).clamp(1, 32);
         let shift = 64 - bits;
         let buckets = 1usize << bits;
         let mut index = Vec::with_capacity(buckets);
-        let mut hints = Vec::with_capacity(buckets);
         let mut p = 0usize;
         for b in 0..buckets {
             let start = (b as u64) << shift;
-            while p < points.len() && points[p] < start {
+            while p < points.len() && points[p].0 < start {
                 p += 1;
             }
             index.push(p as u32);
-            let (pos, owner) = match points.get(p) {
-                Some(pos) => (Some(*pos), owners[p]),
-                // Past the last point the ring wraps to the first one.
-                None => (None, owners.first().copied().unwrap_or(0)),
-            };
-            let fragment = match pos {
-                Some(pos) if (pos >> shift) as usize == b => fragment(pos, bits),
-                _ => u32::MAX,
-            };
-            hints.push((fragment, owner));
         }
         Jarh {
             points,
-            owners,
             index,
-            hints,
             shift,
             up,
             services: ids.len(),
@@ -108,7 +84,7 @@ impl Jarh {
             .index
             .get((key >> self.shift) as usize)
             .map_or(0, |v| *v as usize);
-        while i < self.points.len() && self.points[i] < key {
+        while i < self.points.len() && self.points[i].0 < key {
             i += 1;
         }
         if i >= self.points.len() { 0 } else { i }
@@ -116,7 +92,7 @@ impl Jarh {
 
     #[inline]
     fn owner(&self, point: usize) -> usize {
-        self.owners.get(point).map_or(0, |o| *o as usize)
+        self.points.get(point).map_or(0, |p| p.1 as usize)
     }
 
     pub(crate) fn pick(
@@ -126,12 +102,6 @@ impl Jarh {
     ) -> Option<(usize, usize)> {
         if self.points.is_empty() {
             return None;
-        }
-        if let Some((frag, owner)) = self.hints.get((key >> self.shift) as usize) {
-            let o = *owner as usize;
-            if fragment(key, 64 - self.shift) < *frag && self.up[o] && eligible(o) {
-                return Some((o, 0));
-            }
         }
         let start = self.successor(key);
         let first = self.owner(start);
@@ -181,11 +151,7 @@ impl Jarh {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.points.len() * 8
-            + self.owners.len() * 4
-            + self.index.len() * 4
-            + self.hints.len() * 8
-            + self.up.len()
+        self.points.len() * std::mem::size_of::<(u64, u32)>() + self.index.len() * 4 + self.up.len()
     }
 
     /// Exact fraction of the ring each service owns with the current UP set (arcs of DOWN owners
@@ -211,47 +177,15 @@ impl Jarh {
         }
         for i in 0..len {
             let prev = if i == 0 {
-                self.points[len - 1]
+                self.points[len - 1].0
             } else {
-                self.points[i - 1]
+                self.points[i - 1].0
             };
-            let arc = self.points[i].wrapping_sub(prev);
+            let arc = self.points[i].0.wrapping_sub(prev);
             let arc = if len == 1 { u64::MAX } else { arc };
             acc[next_up[i]] += arc as f64;
         }
         let ring = 2f64.powi(64);
         acc.into_iter().map(|a| a / ring).collect()
-    }
-}
-
-/// The 32 position bits that follow the top `bits` bits.
-#[inline]
-fn fragment(pos: u64, bits: u32) -> u32 {
-    (pos.checked_shl(bits).unwrap_or(0) >> 32) as u32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn hint_fast_path_agrees_with_the_walk_at_edges() {
-        let ids: Vec<u64> = (0..50u64).map(|i| crate::hash::mix64(i + 7)).collect();
-        let j = Jarh::build(&ids, &[1; 50], 16, vec![true; 50]);
-        let mut keys: Vec<u64> = (0..20_000u64)
-            .map(|k| crate::hash::mix64(k ^ 0x55))
-            .collect();
-        for p in &j.points {
-            keys.extend([*p, p.wrapping_sub(1), p.wrapping_add(1)]);
-        }
-        for b in 0..j.index.len() as u64 {
-            let start = b << j.shift;
-            keys.extend([start, start.wrapping_sub(1)]);
-        }
-        keys.extend([0, u64::MAX]);
-        for k in keys {
-            let want = j.owner(j.successor(k));
-            assert_eq!(j.pick(k, |_| true), Some((want, 0)), "key {k:#x}");
-        }
     }
 }
