@@ -20,7 +20,7 @@
 
 use crate::hash::finger_hash;
 
-/// Most ring points kept, whatever the config asks for (2^22 points = 64 MiB with the index).
+/// Most ring points kept, whatever the config asks for (2^22 points: 64 MiB, plus 32 MiB of index).
 const MAX_POINTS: u64 = 1 << 22;
 
 /// Flag of an index entry that holds a point index rather than an owner.
