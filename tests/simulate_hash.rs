@@ -94,11 +94,24 @@ fn measure_rebuild_times() {
     }
 }
 
-/// Profiling aid: one prac build at n = 1000, fingers 256.
+/// One table build at n = 1000, for `perf stat -e task-clock` (CPU time, insensitive to other
+/// processes sharing the cores). `FULCRUM_BUILD=jarh:1024` picks algorithm and fingers
+/// (default prac:256); `FULCRUM_BUILD_DOWN=1` takes one service DOWN.
 #[test]
 #[ignore = "profiling aid: use --release"]
-fn one_prac_build() {
+fn one_build() {
+    let spec = std::env::var("FULCRUM_BUILD").unwrap_or_else(|_| "prac:256".to_string());
+    let (name, fingers) = spec.split_once(':').unwrap_or(("prac", "256"));
+    let alg = HashAlgorithm::ALL
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map_or(HashAlgorithm::Prac, |(_, a)| *a);
+    let fingers: u32 = fingers.parse().unwrap_or(256);
     let members: Vec<_> = (0..1000).map(synthetic_member).collect();
-    let sel = HashSelector::build(HashAlgorithm::Prac, 256, &members, &vec![true; 1000]);
+    let mut up = vec![true; 1000];
+    if std::env::var_os("FULCRUM_BUILD_DOWN").is_some() {
+        up[500] = false;
+    }
+    let sel = HashSelector::build(alg, fingers, &members, &up);
     std::hint::black_box(sel);
 }

@@ -9,9 +9,10 @@
 //! service on the ring and come back exactly when it returns.
 //!
 //! Jump assist: instead of a binary search over the sorted points, an index of `2^b` entries
-//! (`2^b` >= points) holds, for each range of the top `b` bits of the hash, the first point at or
-//! after the start of the range. A lookup reads the index and walks forward over the few points
-//! (about one on average) that share that range: O(1) expected, no branches on the ring size.
+//! (`2^b` >= 2 x points) covers the ranges of the top `b` bits of the hash. A range with no point
+//! inside belongs wholly to the next point, so its entry is that point's owner and the lookup ends
+//! there (about 60-78% of keys); otherwise the entry is the first point inside the range and the
+//! lookup walks forward over the few points (about one) that share it. O(1) expected.
 //!
 //! Bounds: the total number of points is capped at 2^22; when `fingers x sum(weights)` is larger,
 //! every service's count is scaled down in proportion (at least one point each). Config limits
@@ -19,8 +20,11 @@
 
 use crate::hash::finger_hash;
 
-/// Most ring points kept, whatever the config asks for (2^22 points = 64 MiB with the index).
+/// Most ring points kept, whatever the config asks for (2^22 points: 64 MiB, plus 32 MiB of index).
 const MAX_POINTS: u64 = 1 << 22;
+
+/// Flag of an index entry that holds a point index rather than an owner.
+const HAS_POINT: u32 = 1 << 31;
 
 /// The jarh selector.
 #[derive(Debug, Clone)]
@@ -28,8 +32,12 @@ pub struct Jarh {
     /// (position, owner service) of each point, ascending; kept together so that a lookup touches
     /// one cache line for both.
     points: Vec<(u64, u32)>,
-    /// For each top-`b`-bit range, the first point index at or after its start.
+    /// One entry per range of the top `b` bits (`2^b` = twice the points, rounded up to a power
+    /// of two): when no point falls inside the range, the owner of the next point (every key of
+    /// the range belongs to it, so the lookup ends on this one read); else [`HAS_POINT`] | the
+    /// index of the first point inside the range.
     index: Vec<u32>,
+    /// `64 - b`.
     shift: u32,
     up: Vec<bool>,
     services: usize,
@@ -55,7 +63,9 @@ impl Jarh {
         pts.sort_unstable();
         let points = pts;
 
-        let want = (points.len() as u64).max(2);
+        // About half the ranges hold no point (2^b >= 2 x points), so most lookups end on the
+        // index read.
+        let want = (points.len() as u64).saturating_mul(2).max(2);
         let bits = (64 - (want - 1).leading_zeros()).clamp(1, 32);
         let shift = 64 - bits;
         let buckets = 1usize << bits;
@@ -66,7 +76,13 @@ impl Jarh {
             while p < points.len() && points[p].0 < start {
                 p += 1;
             }
-            index.push(p as u32);
+            let entry = match points.get(p) {
+                Some((pos, _)) if (pos >> shift) as usize == b => HAS_POINT | p as u32,
+                Some((_, owner)) => *owner,
+                // Past the last point the ring wraps to the first one.
+                None => points.first().map_or(0, |(_, owner)| *owner),
+            };
+            index.push(entry);
         }
         Jarh {
             points,
@@ -77,17 +93,28 @@ impl Jarh {
         }
     }
 
-    /// Index of the point owning `key`.
-    #[inline]
+    /// Index of the point owning `key` (the failover walk starts there).
     fn successor(&self, key: u64) -> usize {
-        let mut i = self
+        let i = self.points.partition_point(|p| p.0 < key);
+        if i >= self.points.len() { 0 } else { i }
+    }
+
+    /// Owner of `key`'s point: one index read for most keys, else a short walk.
+    #[inline]
+    fn first_owner(&self, key: u64) -> usize {
+        let entry = self
             .index
             .get((key >> self.shift) as usize)
-            .map_or(0, |v| *v as usize);
+            .copied()
+            .unwrap_or(0);
+        if entry & HAS_POINT == 0 {
+            return entry as usize;
+        }
+        let mut i = (entry & !HAS_POINT) as usize;
         while i < self.points.len() && self.points[i].0 < key {
             i += 1;
         }
-        if i >= self.points.len() { 0 } else { i }
+        self.owner(if i >= self.points.len() { 0 } else { i })
     }
 
     #[inline]
@@ -103,11 +130,11 @@ impl Jarh {
         if self.points.is_empty() {
             return None;
         }
-        let start = self.successor(key);
-        let first = self.owner(start);
-        if self.up[first] && eligible(first) {
+        let first = self.first_owner(key);
+        if self.up.get(first).copied().unwrap_or(false) && eligible(first) {
             return Some((first, 0));
         }
+        let start = self.successor(key);
         // Failover walk: distinct owners clockwise. Off the hot path, so a seen-list is fine.
         let mut seen = vec![false; self.services];
         let mut position = 0usize;
@@ -187,5 +214,34 @@ impl Jarh {
         }
         let ring = 2f64.powi(64);
         acc.into_iter().map(|a| a / ring).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_lookup_agrees_with_binary_search_at_edges() {
+        for (n, fingers) in [(1usize, 1u32), (2, 1), (50, 16), (7, 300)] {
+            let ids: Vec<u64> = (0..n as u64).map(|i| crate::hash::mix64(i + 7)).collect();
+            let j = Jarh::build(&ids, &vec![1; n], fingers, vec![true; n]);
+            let mut keys: Vec<u64> = (0..5_000u64)
+                .map(|k| crate::hash::mix64(k ^ 0x55))
+                .collect();
+            for (p, _) in &j.points {
+                keys.extend([*p, p.wrapping_sub(1), p.wrapping_add(1)]);
+            }
+            for b in 0..j.index.len() as u64 {
+                let start = b << j.shift;
+                keys.extend([start, start.wrapping_sub(1)]);
+            }
+            keys.extend([0, u64::MAX]);
+            for k in keys {
+                let want = j.owner(j.successor(k));
+                assert_eq!(j.first_owner(k), want, "n {n} key {k:#x}");
+                assert_eq!(j.pick(k, |_| true), Some((want, 0)));
+            }
+        }
     }
 }

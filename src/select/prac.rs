@@ -1,34 +1,39 @@
 //! `prac`: a CARP-ranked slot table with capped shares and O(1) lookups. PURE.
 //!
-//! Construction:
+//! Construction (also in `docs/hashing.md`):
 //! 1. Table size `M = 2^b`, the smallest power of two >= `fingers x services` (at least 2, at
-//!    most 2^26). A key lands in slot `key_hash >> (64 - b)`. A power of two (rather than a prime
-//!    with a modulo) keeps the key-to-slot map unchanged when a service is added without crossing a
-//!    power of two, so a config change re-ranks nothing it does not have to; when `M` doubles, slot
-//!    `s` splits into `2s` and `2s+1`, and `2s` keeps `s`'s ranking because a slot is ranked by its
-//!    start point `s << (64 - b)`.
-//! 2. Each slot ranks every service by the carp score of its start point (`carp` module, weights
-//!    included).
-//! 3. The all-UP table hands slots out in descending score order, each service capped at
-//!    `ceil(M x w_i / sum(w))` slots (its weighted share, +1 at most). This is computed as
-//!    slot-proposing deferred acceptance, whose result is the same unique matching as a global
-//!    descending-score greedy, independent of processing order.
-//! 4. The health-adjusted table is derived from the all-UP table: slots of UP services stay where
-//!    they are; the slots of DOWN services go, again by deferred acceptance, to their next-ranked
-//!    UP service that has room under the caps recomputed for the UP set. So a service going DOWN
-//!    moves only its own keys, and its return restores the all-UP table exactly.
+//!    most 2^22). A key lands in slot `key_hash >> (64 - b)`. A power of two (rather than a prime
+//!    with a modulo) keeps the key-to-slot map unchanged when a service is added without crossing
+//!    a power of two, so a config change re-ranks nothing it does not have to.
+//! 2. Slots are grouped in cells of `next_pow2(fingers) / 8` slots; each cell ranks every service
+//!    by the carp score (`carp` module, weights included) of its start point, so that when `M`
+//!    doubles, cell `2c` keeps old cell `c`'s ranking. Ranking about `8 x N` cells rather than
+//!    `M` slots is what keeps the build near 35 ms at n = 1000 (ranking every slot took 1 s);
+//!    the caps still balance at slot resolution.
+//! 3. Caps: `floor(share_i + 1/2 + r_i)` slots with `r_i` in [0, 1) fixed by the service hash
+//!    (see `caps` for why), raised where needed to cover `M`.
+//! 4. The all-UP table hands slots out in descending score order: candidate pairs (cell, service)
+//!    from each cell's top `CELL_CANDIDATES` (8) services, best score first, each filling the cell's
+//!    remaining slots up to the service's cap; slots whose candidates are all full walk further
+//!    down their cell's ranking to the first service with room.
+//! 5. The health-adjusted table is derived from the all-UP table: slots of UP services stay where
+//!    they are; the slots of DOWN services are handed out the same way among UP services, with
+//!    caps recomputed for the UP set (never below the all-UP caps). So a service going DOWN moves
+//!    only its own keys, and its return restores the all-UP table exactly.
 //!
 //! Caveat (issue 3): because of the caps, a slot's owner is not always the first UP service in
-//! the slot's ranking: a next-ranked service already at its capped share is passed over. The
-//! ranking reported for a key is the all-UP owner first, then the remaining services in carp
-//! order of the slot.
+//! its ranking: a next-ranked service already at its capped share is passed over. And adding a
+//! service to the config moves some slots between existing services (the services that lose a
+//! slot to the newcomer take back slots they had overflowed to others, which cascades); health
+//! changes never do. The ranking reported for a key is the all-UP owner first, then the
+//! remaining services in the carp order of its cell.
 //!
 //! Lookup: one shift and one table read, plus an UP check.
 
 use super::carp::{Score, Scorer};
 
-/// Largest table exponent: 2^22 slots (16 MiB of u32 entries at most, 1024 fingers x 4096 services) bounds memory whatever
-/// `fingers x services` asks for.
+/// Largest table exponent: 2^22 slots (1024 fingers x 4096 services; at most 32 MiB for the
+/// two u32 tables) bounds memory whatever `fingers x services` asks for.
 const MAX_BITS: u32 = 22;
 
 /// Slot -> service index, stored as u16 while the service count allows (half the memory).
@@ -328,7 +333,7 @@ impl Prac {
 }
 
 /// Candidates kept per cell before falling back to a full pass over the services.
-const CELL_CANDIDATES: usize = 16;
+const CELL_CANDIDATES: usize = 8;
 
 /// The best `k` services (passing `filter`) for one cell key ranked strictly after `after`,
 /// best first.
@@ -345,28 +350,35 @@ fn top_k(
     if scorer.is_uniform() {
         // Combined values are uniform on [0, ceiling]: a window just below the ceiling holds
         // about `want` of them, so one pass collects a few more than k without sorting N values;
-        // widen and retry in the rare case it held too few.
+        // widen and retry in the rare case it held too few. Collected as (u64, u32) to keep the
+        // sort small.
         let ceiling = after.map_or(u64::MAX, |(a, _)| a as u64);
         let mut want = (2 * k).max(8) as f64;
+        let mut found: Vec<(u64, u32)> = Vec::with_capacity(4 * k);
         loop {
             let span = (want / n.max(1) as f64 * 18_446_744_073_709_551_616.0).min(u64::MAX as f64);
             let floor = ceiling.saturating_sub(span as u64);
-            top.clear();
+            found.clear();
             for (i, id) in scorer.ids.iter().enumerate() {
                 let c = crate::hash::carp_combine(key, *id);
                 if c < floor || c > ceiling {
                     continue;
                 }
-                let s = Score::from(c);
-                if below(s, i) && filter(i) {
-                    top.push((s, i));
+                if below(Score::from(c), i) && filter(i) {
+                    found.push((c, i as u32));
                 }
             }
-            if top.len() >= k || floor == 0 {
+            if found.len() >= k || floor == 0 {
                 break;
             }
             want *= 4.0;
         }
+        found.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+        found.truncate(k);
+        return found
+            .into_iter()
+            .map(|(c, i)| (Score::from(c), i as usize))
+            .collect();
     } else {
         for i in 0..n {
             let s = scorer.score(key, i);
