@@ -173,6 +173,10 @@ impl Local {
     /// name fulcrum. Names compare case-insensitively, addresses by value.
     pub fn is_local(&self, host: &[u8], port: Option<u16>) -> bool {
         let port = port.unwrap_or(self.transport.default_port());
+        // Fast path: our own Via / Record-Route echoed back, byte for byte (every response).
+        if port == self.port && host.eq_ignore_ascii_case(self.host.as_bytes()) {
+            return true;
+        }
         let ip = parse_ip(host).map(|ip| ip.to_canonical());
         if port == self.port {
             let same = match (ip, self.ip) {
@@ -537,7 +541,7 @@ pub fn route_response<'a>(
         .extra_param
         .and_then(|s| parse_hex(s.of(buf)))
         .filter(|_| top.extra_param.is_some());
-    let next = msg.vias().nth(1).ok_or(RewriteError::NoNextVia)?;
+    let next = msg.second_via().ok_or(RewriteError::NoNextVia)?;
     let default_port = if next.transport.eq_ignore_ascii_case(b"TLS") {
         5061
     } else {

@@ -1064,9 +1064,37 @@ impl<'a> SipMsg<'a> {
         self.content_length.map(|(_, n)| n)
     }
 
-    /// First Via value, parsed.
+    /// First Via value, parsed. Straight from the indexed Via header: no header is
+    /// re-scanned (this runs for every message on the datagram path).
     pub fn top_via(&self) -> Option<Via<'a>> {
-        self.vias().next()
+        let idx = self.via?;
+        match CommaValues::new(self.buf, idx.value).next() {
+            Some(span) => parse_via(self.buf, span, b""),
+            // An empty first Via header: let the general walk find the first value.
+            None => self.vias().next(),
+        }
+    }
+
+    /// Second Via value, parsed, without parsing the first: the next hop of a response
+    /// after fulcrum's own Via (RFC 3261 §18.2.2).
+    pub fn second_via(&self) -> Option<Via<'a>> {
+        let idx = self.via?;
+        let mut values = CommaValues::new(self.buf, idx.value);
+        if values.next().is_none() {
+            return self.vias().nth(1);
+        }
+        if let Some(span) = values.next() {
+            return parse_via(self.buf, span, b"");
+        }
+        Vias {
+            headers: Headers {
+                buf: self.buf,
+                pos: idx.line.end,
+                end: self.headers_end,
+            },
+            values: None,
+        }
+        .next()
     }
 
     /// Raw value of the first Via header (possibly several comma-joined values).
@@ -1184,6 +1212,23 @@ impl<'a> SipMsg<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn top_and_second_via_match_the_general_walk() {
+        let cases: [&[u8]; 5] = [
+            b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP a:1;branch=z9hG4bK1, SIP/2.0/UDP b:2;rport=9\r\nCall-ID: x\r\n\r\n",
+            b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP a:1;branch=z9hG4bK1\r\nCall-ID: x\r\nv: SIP/2.0/UDP [::1]:2\r\n\r\n",
+            b"SIP/2.0 200 OK\r\nVia: ,\r\nVia: SIP/2.0/UDP a:1\r\nVia: SIP/2.0/UDP b:2\r\n\r\n",
+            b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP a:1\r\nCall-ID: x\r\n\r\n",
+            b"SIP/2.0 200 OK\r\nCall-ID: x\r\n\r\n",
+        ];
+        for c in cases {
+            let m = scan(c).unwrap();
+            let all: Vec<_> = m.vias().collect();
+            assert_eq!(m.top_via(), all.first().copied());
+            assert_eq!(m.second_via(), all.get(1).copied());
+        }
+    }
 
     const INVITE: &[u8] = b"INVITE sip:bob@biloxi.example.com SIP/2.0\r\n\
 Via: SIP/2.0/UDP pc33.atlanta.example.com;branch=z9hG4bK776asdhds ;rport\r\n\
