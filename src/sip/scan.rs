@@ -12,7 +12,7 @@
 
 use std::net::IpAddr;
 
-use memchr::memchr;
+use memchr::{memchr, memchr3};
 
 /// Upper bound on header lines in one message; a datagram that claims more is hostile.
 pub const MAX_HEADERS: usize = 256;
@@ -445,6 +445,11 @@ pub(crate) fn find_unquoted(s: &[u8], target: u8) -> Option<usize> {
     let mut angle = false;
     let mut i = 0;
     while i < s.len() {
+        if !in_quote && !angle {
+            // Outside quotes and brackets only these three bytes change anything: jump to
+            // the next one (SIMD) instead of stepping through every byte of the value.
+            i += memchr3(target, b'"', b'<', &s[i..])?;
+        }
         let c = s[i];
         if in_quote {
             match c {
@@ -1212,6 +1217,42 @@ impl<'a> SipMsg<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The byte-at-a-time definition `find_unquoted` must keep.
+    fn find_unquoted_reference(s: &[u8], target: u8) -> Option<usize> {
+        let (mut in_quote, mut angle, mut i) = (false, false, 0);
+        while i < s.len() {
+            let c = s[i];
+            if in_quote {
+                match c {
+                    b'\\' => i += 1,
+                    b'"' => in_quote = false,
+                    _ => {}
+                }
+            } else if c == target && !angle {
+                return Some(i);
+            } else {
+                match c {
+                    b'"' => in_quote = true,
+                    b'<' => angle = true,
+                    b'>' => angle = false,
+                    _ => {}
+                }
+            }
+            i += 1;
+        }
+        None
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn find_unquoted_matches_reference(
+            s in proptest::collection::vec(proptest::sample::select(b"ab,;\"<>\\ ".to_vec()), 0..40),
+            t in proptest::sample::select(b",;\"<".to_vec()),
+        ) {
+            proptest::prop_assert_eq!(find_unquoted(&s, t), find_unquoted_reference(&s, t));
+        }
+    }
 
     #[test]
     fn top_and_second_via_match_the_general_walk() {
