@@ -17,6 +17,8 @@
 # 2. Fixed rate FIXED for FIXED_DUR seconds on each proxy: proxy CPU time (utime + stime of the
 #    proxy and its children from /proc/PID/stat) per SIP message through the proxy
 #    (6 per call), and the unexpected-message count (reordering).
+#    The fixed rate must be clean on both proxies for the comparison to mean anything (a
+#    failing run retransmits); the script says so when it is not.
 # Prints both highest clean rates, the ratio fulcrum/Kamailio and the CPU per message.
 #
 # Every process runs under `timeout`; the EXIT trap terminates the processes this script
@@ -176,6 +178,9 @@ stop_uas() {
   UAS_PIDS=()
 }
 
+# system-wide UDP receive-buffer overflows (datagrams dropped by the kernel, any socket)
+rcvbuf_errors() { awk '/^Udp:/{if(!h){for(i=1;i<=NF;i++) c[$i]=i; h=1} else print $c["RcvbufErrors"]}' /proc/net/snmp; }
+
 # column $2 (by header name) of the last line of SIPp stat file $1
 col() {
   awk -F';' -v name="$2" 'NR==1{for(i=1;i<=NF;i++) if($i==name) c=i; next} NF{last=$0}
@@ -183,7 +188,7 @@ col() {
 }
 
 SUMMARY=summary.tsv
-printf "proxy\tphase\ttarget_cps\tcalls\tsuccess\tfailed\tunexpected\tretrans_uac\tretrans_uas\tdead_ooc\tachieved_cps\tproxy_cpu_s\tproxy_cpu_pct\tus_per_msg\tuas_calls\tclean\n" > $SUMMARY
+printf "proxy\tphase\ttarget_cps\tcalls\tsuccess\tfailed\tunexpected\tretrans_uac\tretrans_uas\tdead_ooc\tachieved_cps\tproxy_cpu_s\tproxy_cpu_pct\tus_per_msg\trcvbuf_drops\tuas_calls\tclean\n" > $SUMMARY
 
 # one run: $1 proxy, $2 phase, $3 rate, $4 duration; returns 0 when clean
 run_one() {
@@ -191,11 +196,12 @@ run_one() {
   local tag="${proxy}_${phase}_${rate}"
   start_uas "$tag" || return 1
   local k0 k1 t0 t1
-  k0=$(tree_ticks "$PROXY_PID"); t0=$(date +%s.%N)
+  local d0 d1
+  d0=$(rcvbuf_errors); k0=$(tree_ticks "$PROXY_PID"); t0=$(date +%s.%N)
   timeout $((dur * 3 + 30)) sipp -sn uac 127.0.0.1:$PROXY_PORT -i 127.0.0.1 -p $UAC_PORT \
     -r "$rate" -m "$n" -nostdin -buff_size $BUF -l $((rate * 2 + 100)) \
     -trace_stat -stf "uac_${tag}.csv" -fd 5 > "uac_${tag}.log" 2>&1
-  t1=$(date +%s.%N); k1=$(tree_ticks "$PROXY_PID")
+  t1=$(date +%s.%N); k1=$(tree_ticks "$PROXY_PID"); d1=$(rcvbuf_errors)
   sleep 1.2   # UAS write their final stat line
   stop_uas
   local f="uac_${tag}.csv" succ fail unexp retr dead rtr_uas=0 uas_calls="" ach wall cpu pct us clean=yes
@@ -216,8 +222,8 @@ run_one() {
   if [ "$succ" != "$n" ] || [ "$fail" != 0 ] || [ "$unexp" != 0 ] || [ "$retr" != 0 ] || \
      [ "$rtr_uas" != 0 ] || [ "$dead" != 0 ] || \
      awk -v a="$ach" -v r="$rate" 'BEGIN{exit !(a < 0.97*r)}'; then clean=no; fi
-  printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n" "$proxy" "$phase" "$rate" "$n" \
-    "$succ" "$fail" "$unexp" "$retr" "$rtr_uas" "$dead" "$ach" "$cpu" "$pct" "$us" "$uas_calls" "$clean" | tee -a $SUMMARY
+  printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n" "$proxy" "$phase" "$rate" "$n" \
+    "$succ" "$fail" "$unexp" "$retr" "$rtr_uas" "$dead" "$ach" "$cpu" "$pct" "$us" "$((d1 - d0))" "$uas_calls" "$clean" | tee -a $SUMMARY
   [ "$clean" = yes ]
 }
 
@@ -251,6 +257,9 @@ fi
 echo "== at $FIXED calls/s for ${FIXED_DUR}s: proxy CPU per SIP message, unexpected messages =="
 for proxy in $PROXIES; do
   echo "$proxy: ${FIXED_US[$proxy]} us/msg, unexpected ${FIXED_UNEXP[$proxy]}, clean ${FIXED_CLEAN[$proxy]}"
+done
+for proxy in $PROXIES; do
+  [ "${FIXED_CLEAN[$proxy]}" = yes ] || echo "NOTE: $FIXED calls/s was not clean on $proxy: its CPU figure includes retransmissions; rerun with a lower FIXED"
 done
 if [ -n "${FIXED_US[fulcrum]:-}" ] && [ -n "${FIXED_US[kamailio]:-}" ]; then
   echo "CPU ratio fulcrum/kamailio: $(awk -v a="${FIXED_US[fulcrum]}" -v b="${FIXED_US[kamailio]}" 'BEGIN{printf "%.2f", (b>0)?a/b:0}')"

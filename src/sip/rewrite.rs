@@ -203,6 +203,10 @@ impl Local {
     /// name fulcrum. Names compare case-insensitively, addresses by value.
     pub fn is_local(&self, host: &[u8], port: Option<u16>) -> bool {
         let port = port.unwrap_or(self.transport.default_port());
+        // Fast path: our own Via / Record-Route echoed back, byte for byte (every response).
+        if port == self.port && host.eq_ignore_ascii_case(self.host.as_bytes()) {
+            return true;
+        }
         let ip = parse_ip(host).map(|ip| ip.to_canonical());
         if port == self.port {
             let same = match (ip, self.ip) {

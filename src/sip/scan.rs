@@ -1079,7 +1079,8 @@ impl<'a> SipMsg<'a> {
         self.content_length.map(|(_, n)| n)
     }
 
-    /// First Via value, parsed.
+    /// First Via value, parsed. Straight from the indexed Via header: no header is
+    /// re-scanned (this runs for every message on the datagram path).
     pub fn top_via(&self) -> Option<Via<'a>> {
         let idx = self.via?;
         let span = CommaValues::new(self.buf, idx.value).next()?;
@@ -1213,6 +1214,58 @@ impl<'a> SipMsg<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The byte-at-a-time definition `find_unquoted` must keep.
+    fn find_unquoted_reference(s: &[u8], target: u8) -> Option<usize> {
+        let (mut in_quote, mut angle, mut i) = (false, false, 0);
+        while i < s.len() {
+            let c = s[i];
+            if in_quote {
+                match c {
+                    b'\\' => i += 1,
+                    b'"' => in_quote = false,
+                    _ => {}
+                }
+            } else if c == target && !angle {
+                return Some(i);
+            } else {
+                match c {
+                    b'"' => in_quote = true,
+                    b'<' => angle = true,
+                    b'>' => angle = false,
+                    _ => {}
+                }
+            }
+            i += 1;
+        }
+        None
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn find_unquoted_matches_reference(
+            s in proptest::collection::vec(proptest::sample::select(b"ab,;\"<>\\ ".to_vec()), 0..40),
+            t in proptest::sample::select(b",;\"<".to_vec()),
+        ) {
+            proptest::prop_assert_eq!(find_unquoted(&s, t), find_unquoted_reference(&s, t));
+        }
+    }
+
+    #[test]
+    fn top_via_matches_the_general_walk() {
+        let cases: [&[u8]; 5] = [
+            b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP a:1;branch=z9hG4bK1, SIP/2.0/UDP b:2;rport=9\r\nCall-ID: x\r\n\r\n",
+            b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP a:1;branch=z9hG4bK1\r\nCall-ID: x\r\nv: SIP/2.0/UDP [::1]:2\r\n\r\n",
+            b"SIP/2.0 200 OK\r\nVia: ,\r\nVia: SIP/2.0/UDP a:1\r\nVia: SIP/2.0/UDP b:2\r\n\r\n",
+            b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP a:1\r\nCall-ID: x\r\n\r\n",
+            b"SIP/2.0 200 OK\r\nCall-ID: x\r\n\r\n",
+        ];
+        for c in cases {
+            let m = scan(c).unwrap();
+            let all: Vec<_> = m.vias().collect();
+            assert_eq!(m.top_via(), all.first().copied());
+        }
+    }
 
     const INVITE: &[u8] = b"INVITE sip:bob@biloxi.example.com SIP/2.0\r\n\
 Via: SIP/2.0/UDP pc33.atlanta.example.com;branch=z9hG4bK776asdhds ;rport\r\n\
