@@ -12,7 +12,7 @@
 
 use std::net::IpAddr;
 
-use memchr::memchr;
+use memchr::{memchr, memchr3};
 
 /// Upper bound on header lines in one message; a datagram that claims more is hostile.
 pub const MAX_HEADERS: usize = 256;
@@ -455,27 +455,33 @@ pub(crate) fn parse_decimal(s: &[u8]) -> Option<usize> {
     Some(s.iter().fold(0usize, |a, d| a * 10 + usize::from(d - b'0')))
 }
 
-/// Offset of the first byte in `s` that is `target` outside quoted strings and `<...>`
-/// (`target` itself may be `<`). memchr jumps between the few bytes that matter.
+/// Offset of the first byte in `s` that is `target` outside quoted strings and `<...>`.
 pub(crate) fn find_unquoted(s: &[u8], target: u8) -> Option<usize> {
+    let mut in_quote = false;
+    let mut angle = false;
     let mut i = 0;
     while i < s.len() {
-        i += memchr::memchr3(target, b'"', b'<', &s[i..])?;
-        match s[i] {
-            c if c == target => return Some(i),
-            b'"' => {
-                // quoted-string with quoted-pair escapes (RFC 3261 §25.1)
-                i += 1;
-                loop {
-                    i += memchr::memchr2(b'"', b'\\', s.get(i..)?)?;
-                    if s[i] == b'\\' {
-                        i += 2;
-                    } else {
-                        break;
-                    }
-                }
+        if !in_quote && !angle {
+            // Outside quotes and brackets only these three bytes change anything: jump to
+            // the next one (SIMD) instead of stepping through every byte of the value.
+            i += memchr3(target, b'"', b'<', &s[i..])?;
+        }
+        let c = s[i];
+        if in_quote {
+            match c {
+                b'\\' => i += 1,
+                b'"' => in_quote = false,
+                _ => {}
             }
-            _ => i += memchr(b'>', &s[i..])?,
+        } else if c == target && !angle {
+            return Some(i);
+        } else {
+            match c {
+                b'"' => in_quote = true,
+                b'<' => angle = true,
+                b'>' => angle = false,
+                _ => {}
+            }
         }
         i += 1;
     }
@@ -1083,8 +1089,11 @@ impl<'a> SipMsg<'a> {
     /// re-scanned (this runs for every message on the datagram path).
     pub fn top_via(&self) -> Option<Via<'a>> {
         let idx = self.via?;
-        let span = CommaValues::new(self.buf, idx.value).next()?;
-        parse_via(self.buf, span, b"")
+        match CommaValues::new(self.buf, idx.value).next() {
+            Some(span) => parse_via(self.buf, span, b""),
+            // An empty first Via header: let the general walk find the first value.
+            None => self.vias().next(),
+        }
     }
 
     /// Raw value of the first Via header (possibly several comma-joined values).
