@@ -105,7 +105,7 @@ fn bench(c: &mut Criterion) {
             };
             for _ in 0..iters {
                 n += 1;
-                if n % 1024 == 0 {
+                if n.is_multiple_of(1024) {
                     // The runtime's sweeper: keeps the table at its real steady-state size.
                     core.sweep(now);
                 }
