@@ -10,7 +10,7 @@ use fulcrum::balancer::Health;
 use fulcrum::config;
 use fulcrum::proxy::Runtime;
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, UdpSocket};
+use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -19,6 +19,30 @@ use std::time::{Duration, Instant};
 const UAC_DEADLINE: Duration = Duration::from_secs(90);
 /// Bound of the wait for a UAS to bind its port.
 const UP_DEADLINE: Duration = Duration::from_secs(10);
+
+/// SIP transport of a run: SIPp's `-t` mode and fulcrum's protocol.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Transport {
+    Udp,
+    Tcp,
+}
+
+impl Transport {
+    /// SIPp transport mode: one socket (UDP) or one connection (TCP) per instance.
+    fn sipp_mode(self) -> &'static str {
+        match self {
+            Transport::Udp => "u1",
+            Transport::Tcp => "t1",
+        }
+    }
+
+    fn protocol(self) -> &'static str {
+        match self {
+            Transport::Udp => "sip-udp",
+            Transport::Tcp => "sip-tcp",
+        }
+    }
+}
 
 fn sipp_available() -> bool {
     let found = std::env::var_os("PATH")
@@ -95,19 +119,25 @@ impl Drop for Proc {
     }
 }
 
-/// A UDP port free right now on 127.0.0.1 (bound and released). Ports come from the kernel's
-/// ephemeral range, so parallel tests do not collide by construction.
-fn free_port() -> u16 {
-    UdpSocket::bind("127.0.0.1:0")
-        .and_then(|s| s.local_addr())
-        .expect("free port")
-        .port()
+/// A port free right now on 127.0.0.1 for `t` (bound and released). Ports come from the
+/// kernel's ephemeral range, so parallel tests do not collide by construction.
+fn free_port(t: Transport) -> u16 {
+    match t {
+        Transport::Udp => UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr()),
+        Transport::Tcp => TcpListener::bind("127.0.0.1:0").and_then(|s| s.local_addr()),
+    }
+    .expect("free port")
+    .port()
 }
 
-/// Poll until something holds UDP `port` (the SIPp process bound it), bounded.
-fn wait_bound(port: u16) {
+/// Poll until the SIPp process holds `port` (bound it, or listens on it), bounded.
+fn wait_bound(t: Transport, port: u16) {
     let deadline = Instant::now() + UP_DEADLINE;
-    while UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+    let free = || match t {
+        Transport::Udp => UdpSocket::bind(("127.0.0.1", port)).is_ok(),
+        Transport::Tcp => std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
+    };
+    while free() {
         assert!(Instant::now() < deadline, "SIPp did not bind port {port}");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -137,7 +167,7 @@ impl Drop for Scratch {
     }
 }
 
-fn start_uas(dir: &Scratch, port: u16, log: &str) -> Proc {
+fn start_uas(dir: &Scratch, t: Transport, port: u16, log: &str) -> Proc {
     let p = Proc::spawn(
         &format!("sipp uas :{port}"),
         Command::new("timeout")
@@ -148,6 +178,8 @@ fn start_uas(dir: &Scratch, port: u16, log: &str) -> Proc {
                 "sipp",
                 "-sn",
                 "uas",
+                "-t",
+                t.sipp_mode(),
                 "-i",
                 "127.0.0.1",
                 "-p",
@@ -157,23 +189,30 @@ fn start_uas(dir: &Scratch, port: u16, log: &str) -> Proc {
             .arg(dir.path(log))
             .current_dir(&dir.0),
     );
-    wait_bound(port);
+    wait_bound(t, port);
     p
 }
 
 /// Run a SIPp UAC to completion: `calls` calls at `rate` per second with Call-IDs
 /// `fo-<n>@sipp` (the same set every run). Returns (successful, failed) from its stat file.
-fn run_uac(dir: &Scratch, proxy: SocketAddr, calls: u32, rate: u32, tag: &str) -> (u64, u64) {
+fn run_uac(
+    dir: &Scratch,
+    t: Transport,
+    proxy: SocketAddr,
+    calls: u32,
+    rate: u32,
+    tag: &str,
+) -> (u64, u64) {
     let stat = dir.path(&format!("uac-{tag}.csv"));
     let mut uac = Proc::spawn(
         &format!("sipp uac {tag}"),
         Command::new("timeout")
             .args(["-s", "KILL"])
             .arg(UAC_DEADLINE.as_secs().to_string())
-            .args(["sipp", "-sn", "uac"])
+            .args(["sipp", "-sn", "uac", "-t", t.sipp_mode()])
             .arg(proxy.to_string())
             .args(["-i", "127.0.0.1", "-p"])
-            .arg(free_port().to_string())
+            .arg(free_port(t).to_string())
             .args(["-r", &rate.to_string(), "-m", &calls.to_string()])
             .args(["-nostdin", "-cid_str", "fo-%u@sipp", "-timeout", "60s"])
             .args(["-recv_timeout", "10000", "-trace_stat", "-stf"])
@@ -240,16 +279,17 @@ fn received_requests(log: &Path) -> BTreeMap<String, Vec<String>> {
 }
 
 /// fulcrum in front of `ports` with `call_id_hash`.
-fn start_fulcrum(ports: &[u16]) -> (Runtime, SocketAddr) {
+fn start_fulcrum(t: Transport, ports: &[u16]) -> (Runtime, SocketAddr) {
+    let proto = t.protocol();
     let mut y = String::from("admin: { listen: null }\nservices:\n");
     for (i, p) in ports.iter().enumerate() {
         y.push_str(&format!(
-            "  - {{ name: uas{i}, address: 127.0.0.1:{p}, protocol: sip-udp }}\n"
+            "  - {{ name: uas{i}, address: 127.0.0.1:{p}, protocol: {proto} }}\n"
         ));
     }
     let names: Vec<String> = (0..ports.len()).map(|i| format!("uas{i}")).collect();
     y.push_str(&format!(
-        "vservers:\n  - name: sipp\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: call_id_hash\n    workers: 2\n    services: [{}]\n",
+        "vservers:\n  - name: sipp\n    protocol: {proto}\n    bind: [127.0.0.1:0]\n    method: call_id_hash\n    workers: 2\n    services: [{}]\n",
         names.join(", ")
     ));
     let cfg = config::from_str("sipp.yaml", &y).expect("config");
@@ -286,19 +326,29 @@ fn affinity(logs: &[BTreeMap<String, Vec<String>>], calls: u32) -> BTreeMap<Stri
 
 #[test]
 fn sipp_300_calls_through_fulcrum_keep_call_id_affinity_and_spread() {
+    spread(Transport::Udp);
+}
+
+/// SIP over TCP (issue 8): the same 300 calls through a sip-tcp vserver, SIPp `-t t1`.
+#[test]
+fn sipp_300_calls_over_tcp_keep_call_id_affinity_and_spread() {
+    spread(Transport::Tcp);
+}
+
+fn spread(t: Transport) {
     if !sipp_available() {
         return;
     }
-    let dir = Scratch::new("spread");
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let dir = Scratch::new(&format!("spread-{t:?}"));
+    let ports: Vec<u16> = (0..3).map(|_| free_port(t)).collect();
     let mut uas: Vec<Proc> = ports
         .iter()
         .enumerate()
-        .map(|(i, &p)| start_uas(&dir, p, &format!("uas{i}.msg")))
+        .map(|(i, &p)| start_uas(&dir, t, p, &format!("uas{i}.msg")))
         .collect();
-    let (rt, proxy) = start_fulcrum(&ports);
+    let (rt, proxy) = start_fulcrum(t, &ports);
     let calls = 300;
-    let (ok, failed) = run_uac(&dir, proxy, calls, 150, "spread");
+    let (ok, failed) = run_uac(&dir, t, proxy, calls, 150, "spread");
     assert_eq!((ok, failed), (u64::from(calls), 0));
     for u in &mut uas {
         u.terminate(); // flushes the message logs
@@ -330,18 +380,18 @@ fn sipp_failover_new_calls_complete_and_others_do_not_move() {
         return;
     }
     let dir = Scratch::new("failover");
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let ports: Vec<u16> = (0..3).map(|_| free_port(Transport::Udp)).collect();
     let calls = 150;
-    let (rt, proxy) = start_fulcrum(&ports);
+    let (rt, proxy) = start_fulcrum(Transport::Udp, &ports);
 
     // Phase 1: all three UAS up.
     let mut uas: Vec<Proc> = ports
         .iter()
         .enumerate()
-        .map(|(i, &p)| start_uas(&dir, p, &format!("p1-uas{i}.msg")))
+        .map(|(i, &p)| start_uas(&dir, Transport::Udp, p, &format!("p1-uas{i}.msg")))
         .collect();
     assert_eq!(
-        run_uac(&dir, proxy, calls, 150, "p1"),
+        run_uac(&dir, Transport::Udp, proxy, calls, 150, "p1"),
         (u64::from(calls), 0)
     );
     for u in &mut uas {
@@ -365,10 +415,10 @@ fn sipp_failover_new_calls_complete_and_others_do_not_move() {
         .iter()
         .enumerate()
         .skip(1)
-        .map(|(i, &p)| start_uas(&dir, p, &format!("p2-uas{i}.msg")))
+        .map(|(i, &p)| start_uas(&dir, Transport::Udp, p, &format!("p2-uas{i}.msg")))
         .collect();
     assert_eq!(
-        run_uac(&dir, proxy, calls, 150, "p2"),
+        run_uac(&dir, Transport::Udp, proxy, calls, 150, "p2"),
         (u64::from(calls), 0)
     );
     drop(_uas);
