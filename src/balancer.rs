@@ -293,6 +293,19 @@ impl Balancer {
         }
     }
 
+    /// Members added by a reload: new for slow start from `now` if UP, else from when they
+    /// come UP (SPEC §3). [`Balancer::new`] treats every member as part of the base set.
+    pub fn mark_added(&self, added: &[usize], now: Nanos) {
+        if let Some(ss) = &self.slow_start {
+            let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+            for &m in added {
+                if let Some(info) = self.members.get(m) {
+                    ss.add_service(m, info.weight, self.health(m) == Some(Health::Up), now);
+                }
+            }
+        }
+    }
+
     /// Slow-start view for status pages.
     pub fn slow_start(&self) -> Option<SlowStart> {
         self.slow_start

@@ -66,14 +66,20 @@ pub struct StartCtx<'a> {
     pub stop: &'a Arc<AtomicBool>,
     pub threads: &'a mut Vec<JoinHandle<()>>,
     pub tokio: &'a tokio::runtime::Handle,
+    /// Swappable cores of sip-udp vservers, for reload (see `proxy::reconfig`).
+    pub sip_cells: &'a mut Vec<(String, SipUdpCell)>,
 }
+
+/// The current core of a sip-udp vserver; a reload stores a rebuilt one.
+pub type SipUdpCell = Arc<arc_swap::ArcSwap<SipUdpCore>>;
 
 /// All running vservers of one config.
 pub struct Runtime {
     epoch: Instant,
     stop: Arc<AtomicBool>,
-    vservers: Vec<VserverHandle>,
+    pub(super) vservers: Vec<VserverHandle>,
     threads: Vec<JoinHandle<()>>,
+    pub(super) sip_cells: Vec<(String, SipUdpCell)>,
     /// Async data paths, monitors and the admin API run here.
     tokio: Option<tokio::runtime::Runtime>,
 }
@@ -98,6 +104,7 @@ impl Runtime {
             stop: Arc::new(AtomicBool::new(false)),
             vservers: Vec::new(),
             threads: Vec::new(),
+            sip_cells: Vec::new(),
             tokio: Some(tokio),
         };
         for v in &config.vservers {
@@ -159,6 +166,7 @@ impl Runtime {
             stop: &self.stop,
             threads: &mut self.threads,
             tokio: &tokio,
+            sip_cells: &mut self.sip_cells,
         };
         let handle = match v.protocol {
             Protocol::SipUdp => start_sip_udp(&mut ctx, config, v)?,
@@ -236,19 +244,21 @@ fn start_sip_udp(
         max_dialogs: v.max_sessions,
         dialog_idle: v.idle_timeout,
     }));
+    let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
+    ctx.sip_cells.push((v.name.clone(), Arc::clone(&cell)));
     for (i, socket) in sockets.into_iter().enumerate() {
-        let core = Arc::clone(&core);
+        let cell = Arc::clone(&cell);
         let stop = Arc::clone(ctx.stop);
         let epoch = ctx.epoch;
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || sip_udp::run_worker(socket, core, epoch, stop, POLL))?;
+            .spawn(move || sip_udp::run_worker_swappable(socket, cell, epoch, stop, POLL))?;
         ctx.threads.push(t);
     }
     // Dialog expiry: often enough that the table reflects the idle timeout within ~10%.
     let sweep_every =
         (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
-    let (core2, stop, epoch) = (Arc::clone(&core), Arc::clone(ctx.stop), ctx.epoch);
+    let (cell2, stop, epoch) = (Arc::clone(&cell), Arc::clone(ctx.stop), ctx.epoch);
     let t = std::thread::Builder::new()
         .name(format!("{}-sweep", v.name))
         .spawn(move || {
@@ -256,7 +266,7 @@ fn start_sip_udp(
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(POLL);
                 if last.elapsed() >= sweep_every {
-                    core2.sweep(sip_udp::elapsed_nanos(epoch));
+                    cell2.load().sweep(sip_udp::elapsed_nanos(epoch));
                     last = Instant::now();
                 }
             }

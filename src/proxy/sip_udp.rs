@@ -17,6 +17,7 @@ use crate::sip::{
     forward_request, forward_response, reply_target, request_target,
 };
 use crate::stats::Nanos;
+use arc_swap::ArcSwap;
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -430,6 +431,19 @@ pub fn run_worker(
     stop: Arc<AtomicBool>,
     poll: Duration,
 ) {
+    run_worker_swappable(socket, Arc::new(ArcSwap::new(core)), epoch, stop, poll);
+}
+
+/// [`run_worker`] over a core that a reload may replace: each datagram is handled by the
+/// core current when it arrives (one atomic load, no lock).
+pub fn run_worker_swappable(
+    socket: UdpSocket,
+    cell: Arc<ArcSwap<SipUdpCore>>,
+    epoch: Instant,
+    stop: Arc<AtomicBool>,
+    poll: Duration,
+) {
+    let core = cell.load_full();
     let dst = match socket.local_addr() {
         Ok(a) => a,
         Err(e) => {
@@ -458,7 +472,7 @@ pub fn run_worker(
             }
             Err(e) => {
                 // ICMP errors from an earlier send surface here (ECONNREFUSED); not fatal.
-                bump(&core.counters.recv_errors);
+                bump(&cell.load().counters.recv_errors);
                 let now = elapsed_nanos(epoch);
                 if recv_log.allow(now) {
                     tracing::debug!(vserver = %core.name, error = %e, "receive error");
@@ -467,6 +481,7 @@ pub fn run_worker(
             }
         };
         let now = elapsed_nanos(epoch);
+        let core = cell.load();
         match core.handle(&buf[..n], src, dst, now, &mut out) {
             Action::Send(to) => {
                 if let Err(e) = socket.send_to(&out, to) {
