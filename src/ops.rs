@@ -223,7 +223,27 @@ impl Ops {
             let board = &self.health;
             let health_of = |n: &str| board.service(n).map_or(Health::Up, |r| r.effective());
             for vs in &plan.rebuild {
+                // A rate the operator set at run time survives a rebuild unless the file
+                // changes the configured rate.
+                let rate_of = |c: &Config| {
+                    c.vservers
+                        .iter()
+                        .find(|v| &v.name == vs)
+                        .and_then(|v| v.slow_start)
+                        .map(|s| s.new_service_request_rate)
+                };
+                let live_rate = rt
+                    .vserver(vs)
+                    .and_then(|h| h.balancer().slow_start())
+                    .map(|s| s.rate());
                 let r = rt.rebuild_sip_udp(&new, vs, &health_of)?;
+                if rate_of(&old) == rate_of(&new)
+                    && let Some(rate) = live_rate
+                    && live_rate != rate_of(&new)
+                    && let Some(h) = rt.vserver(vs)
+                {
+                    h.balancer().set_slow_start_rate(rate, rt.now());
+                }
                 tracing::info!(vserver = %vs, added = ?r.added, removed = ?r.removed, dialogs_kept = r.dialogs_kept, "vserver rebuilt");
             }
             board.set_placements(health::placements(

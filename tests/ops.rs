@@ -344,6 +344,13 @@ fn reload_adds_and_removes_services_keeping_established_calls() {
         Some(3)
     );
 
+    // A rate set at run time survives a later rebuild that leaves the configured rate alone.
+    let r = router::handle(
+        &ops,
+        &Request::new("PUT", "/vservers/v/slow-start").body(r#"{"new_service_request_rate": 4}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
     // Remove the service that does not carry the call.
     let other = 1 - owner;
     let keep: Vec<String> = (0..3)
@@ -569,5 +576,37 @@ fn metrics_parse_and_cover_the_proxy() {
             .iter()
             .any(|(f, _, _)| f == "fulcrum_monitor_latency_seconds")
     );
+    ops.shutdown();
+}
+
+#[test]
+fn drain_refuses_new_calls_and_waits_for_established_ones() {
+    let uas = Uas::start(any()).expect("uas");
+    let cfg = config::from_str(
+        "t.yaml",
+        &yaml(&[uas.addr.port()], "null", FAST, "", "call_id_hash"),
+    )
+    .expect("valid");
+    let ops = Ops::start(cfg, None).expect("start");
+    let mut uac = Uac::new(any(), proxy_addr(&ops), "term").expect("uac");
+    let tag = establish(&mut uac, "in-flight");
+    let ops2 = Arc::clone(&ops);
+    let drain = std::thread::spawn(move || ops2.drain(Duration::from_secs(10)));
+    wait_for("draining", Duration::from_secs(5), || {
+        (service(&get(&ops, "/status"), "s0")["state"] == "OUT_OF_SERVICE").then_some(())
+    });
+    let inv = uac.request("INVITE", "too-late", 1, "late1", None);
+    uac.send_raw(inv.as_bytes()).expect("send");
+    let (code, _, _) = uac
+        .final_response(Duration::from_secs(2))
+        .expect("answered");
+    assert_eq!(code, 503, "new calls are refused while draining");
+    assert_eq!(
+        bye(&mut uac, "in-flight", &tag),
+        200,
+        "established call continues"
+    );
+    let left = drain.join().expect("drain thread");
+    assert_eq!(left, 0, "drain ended when the last dialog ended");
     ops.shutdown();
 }

@@ -7,6 +7,9 @@
 //! load again; members added by the reload enter slow start. Dialogs pinned to a removed
 //! service are dropped: their next in-dialog request is routed by the method.
 //!
+//! Slow-start progress is not carried over: members still new before the rebuild are part
+//! of the base set after it (only members the reload adds start slow start).
+//!
 //! Counters of the rebuilt vserver (requests, selection paths, SIP counters) start again
 //! from zero, which Prometheus treats as a counter reset.
 
