@@ -136,6 +136,9 @@ pub struct Balancer {
     /// Serialises health changes (rebuild + swap); never taken by lookups.
     control: Mutex<()>,
     paths: [AtomicU64; 6],
+    /// Failures the data paths saw since the monitor last looked (connect refused, ICMP
+    /// unreachable on a connected socket); the monitor counts them toward DOWN.
+    passive_failures: Vec<AtomicU64>,
 }
 
 impl std::fmt::Debug for Balancer {
@@ -214,6 +217,9 @@ impl Balancer {
             slow_start,
             control: Mutex::new(()),
             paths: Default::default(),
+            passive_failures: (0..vserver.services.len())
+                .map(|_| AtomicU64::new(0))
+                .collect(),
         }
         .with_method_state()
     }
@@ -239,6 +245,21 @@ impl Balancer {
         self.health
             .get(member)
             .map(|h| Health::from_u8(h.load(Ordering::Acquire)))
+    }
+
+    /// A data path saw `member` fail (connect refused, ICMP port unreachable on a
+    /// connected socket): passive failure detection, counted toward DOWN by its monitor.
+    pub fn report_failure(&self, member: usize) {
+        if let Some(c) = self.passive_failures.get(member) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Passive failures reported since the last call (the monitor drains them).
+    pub fn take_failures(&self, member: usize) -> u64 {
+        self.passive_failures
+            .get(member)
+            .map_or(0, |c| c.swap(0, Ordering::Relaxed))
     }
 
     /// How many requests each path has decided.
