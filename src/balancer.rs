@@ -139,6 +139,9 @@ pub struct Balancer {
     /// Serialises health changes (rebuild + swap); never taken by lookups.
     control: Mutex<()>,
     paths: [AtomicU64; 6],
+    /// Failures the data paths saw since the monitor last looked (connect refused, ICMP
+    /// unreachable on a connected socket); the monitor counts them toward DOWN.
+    passive_failures: Vec<AtomicU64>,
 }
 
 impl std::fmt::Debug for Balancer {
@@ -218,6 +221,9 @@ impl Balancer {
             slow_start_active: AtomicBool::new(false),
             control: Mutex::new(()),
             paths: Default::default(),
+            passive_failures: (0..vserver.services.len())
+                .map(|_| AtomicU64::new(0))
+                .collect(),
         }
         .with_method_state()
     }
@@ -243,6 +249,21 @@ impl Balancer {
         self.health
             .get(member)
             .map(|h| Health::from_u8(h.load(Ordering::Acquire)))
+    }
+
+    /// A data path saw `member` fail (connect refused, ICMP port unreachable on a
+    /// connected socket): passive failure detection, counted toward DOWN by its monitor.
+    pub fn report_failure(&self, member: usize) {
+        if let Some(c) = self.passive_failures.get(member) {
+            c.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Passive failures reported since the last call (the monitor drains them).
+    pub fn take_failures(&self, member: usize) -> u64 {
+        self.passive_failures
+            .get(member)
+            .map_or(0, |c| c.swap(0, Ordering::Relaxed))
     }
 
     /// How many requests each path has decided.
@@ -296,6 +317,19 @@ impl Balancer {
                 true
             }
             None => false,
+        }
+    }
+
+    /// Members added by a reload: new for slow start from `now` if UP, else from when they
+    /// come UP (SPEC §3). [`Balancer::new`] treats every member as part of the base set.
+    pub fn mark_added(&self, added: &[usize], now: Nanos) {
+        if let Some(ss) = &self.slow_start {
+            let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+            for &m in added {
+                if let Some(info) = self.members.get(m) {
+                    ss.add_service(m, info.weight, self.health(m) == Some(Health::Up), now);
+                }
+            }
         }
     }
 

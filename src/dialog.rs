@@ -150,6 +150,44 @@ impl DialogTable {
         self.map.retain(|_, e| e.member != member);
     }
 
+    /// Copy every live entry into `into` (a table built for a reloaded member list),
+    /// renumbering members with `map`; entries whose member has no new index (its service
+    /// left the vserver) are dropped. Returns the new member of each migrated dialog that
+    /// has not ended, so the caller can count it as load there.
+    pub fn migrate_to(
+        &self,
+        into: &DialogTable,
+        now_ms: u64,
+        map: impl Fn(u32) -> Option<u32>,
+    ) -> Vec<u32> {
+        let mut open = Vec::new();
+        for e in self.map.iter() {
+            if e.is_expired(now_ms, self.idle_ms) {
+                continue;
+            }
+            let Some(member) = map(e.member) else {
+                continue;
+            };
+            let ended = e.ended.load(Ordering::Relaxed);
+            if into.map.len() >= into.max_entries {
+                into.refused.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            into.map.insert(
+                *e.key(),
+                Entry {
+                    member,
+                    last_seen_ms: AtomicU64::new(e.last_seen_ms.load(Ordering::Relaxed)),
+                    ended: AtomicBool::new(ended),
+                },
+            );
+            if !ended {
+                open.push(member);
+            }
+        }
+        open
+    }
+
     pub fn len(&self) -> usize {
         self.map.len()
     }
@@ -166,6 +204,22 @@ impl DialogTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn migration_renumbers_and_drops_removed_members() {
+        let old = DialogTable::new(10, 1000);
+        old.put(1, 0, 0);
+        old.put(2, 1, 0);
+        old.put(3, 2, 0);
+        old.end(3, 0);
+        let new = DialogTable::new(10, 1000);
+        // Member 0 removed; 1 -> 0, 2 -> 1.
+        let open = old.migrate_to(&new, 10, |m| m.checked_sub(1));
+        assert_eq!(open, vec![0]);
+        assert_eq!(new.get(1, 10), None);
+        assert_eq!(new.get(2, 10), Some(0));
+        assert_eq!(new.get(3, 10), Some(1), "ended dialogs keep lingering");
+    }
 
     #[test]
     fn pins_refreshes_and_expires() {

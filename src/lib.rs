@@ -3,7 +3,7 @@
 //! # Layout
 //! A pure decision core (no sockets, no clock, no randomness) inside an I/O shell.
 //!
-//! - `admin`      IO    admin HTTP API (router PURE over `Ops`, tiny HTTP/1.1 server) and /metrics
+//! - `admin`      IO    admin HTTP API: socket-free router over `Ops`, tiny HTTP/1.1 server, /metrics
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
@@ -16,7 +16,7 @@
 //! - `net`        IO    SO_REUSEPORT worker sockets
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
-//! - `proxy`      IO    data paths (sip-udp, udp, tcp, http) and the runtime that starts vservers
+//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http), the runtime that starts vservers, in-place rebuild on reload
 //! - `reload`     PURE  what a reload changes in place, and what needs a restart
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in

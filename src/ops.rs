@@ -23,6 +23,8 @@ pub enum ReloadError {
     NeedsRestart(Vec<String>),
     #[error("the proxy is shutting down")]
     ShutDown,
+    #[error("{0}")]
+    Rebuild(#[from] crate::proxy::RuntimeError),
 }
 
 /// Requests-per-second estimate per (vserver, member), sampled once a second.
@@ -212,8 +214,45 @@ impl Ops {
         for (vs, rate) in &plan.slow_start_rates {
             self.set_slow_start_rate(vs, *rate);
         }
-        if plan.monitors_changed {
+        if plan.monitors_changed || !plan.rebuild.is_empty() {
             self.health.sync_services(&new);
+        }
+        if !plan.rebuild.is_empty() {
+            let mut guard = self.runtime();
+            let rt = guard.as_mut().ok_or(ReloadError::ShutDown)?;
+            let board = &self.health;
+            let health_of = |n: &str| board.service(n).map_or(Health::Up, |r| r.effective());
+            for vs in &plan.rebuild {
+                // A rate the operator set at run time survives a rebuild unless the file
+                // changes the configured rate.
+                let rate_of = |c: &Config| {
+                    c.vservers
+                        .iter()
+                        .find(|v| &v.name == vs)
+                        .and_then(|v| v.slow_start)
+                        .map(|s| s.new_service_request_rate)
+                };
+                let live_rate = rt
+                    .vserver(vs)
+                    .and_then(|h| h.balancer().slow_start())
+                    .map(|s| s.rate());
+                let r = rt.rebuild_sip_udp(&new, vs, &health_of)?;
+                if rate_of(&old) == rate_of(&new)
+                    && let Some(rate) = live_rate
+                    && live_rate != rate_of(&new)
+                    && let Some(h) = rt.vserver(vs)
+                {
+                    h.balancer().set_slow_start_rate(rate, rt.now());
+                }
+                tracing::info!(vserver = %vs, added = ?r.added, removed = ?r.removed, dialogs_kept = r.dialogs_kept, "vserver rebuilt");
+            }
+            board.set_placements(health::placements(
+                rt.vservers().iter().map(|v| v.balancer()),
+            ));
+            // Request rates are indexed by member position, which a rebuild may change.
+            *self.rates.lock().unwrap_or_else(|e| e.into_inner()) = RateSample::default();
+        }
+        if plan.monitors_changed || !plan.rebuild.is_empty() {
             self.health.start_monitors(&new, &self.tokio);
             self.health.apply_all();
         }

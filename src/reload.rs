@@ -6,21 +6,23 @@
 //!   definitions; a service whose monitor definition is unchanged keeps its state, a new
 //!   or changed monitor starts UP, unconfirmed (see [`crate::health::state`]).
 //! - `admin.token`.
-//! - each vserver's `slow_start.new_service_request_rate` (as `PUT /vservers/{name}/slow-start`).
+//! - a vserver whose only change is `slow_start.new_service_request_rate`: the rate is set
+//!   (as `PUT /vservers/{name}/slow-start`), nothing else moves.
+//! - a sip-udp vserver whose services (added, removed, reordered, or their address, weight,
+//!   max_clients, hash_id), method, hash parameters, slow start, record_route, idle_timeout
+//!   or max_sessions changed is rebuilt behind its unchanged sockets
+//!   ([`crate::proxy::reconfig`]): dialog affinity of surviving services is kept, added
+//!   services enter slow start, dialogs of removed services are routed afresh.
 //! - `logging` is ignored (the subscriber is set once).
 //! - services that belong to no vserver may be added, changed or removed freely.
 //!
 //! # Needs a restart (the reload is refused and nothing changes)
 //! - `lb` (hash algorithm, fingers), `admin.listen`;
-//! - the set of vservers, and any vserver field other than the slow-start rate (bind,
-//!   protocol, method, hash parameters, slow-start unit or interval, timeouts, workers,
-//!   and the list of its services — adding or removing a member);
-//! - `address`, `protocol`, `weight`, `max_clients` or `hash_id` of a service that a
-//!   vserver uses.
-//!
-//! Listeners, sessions, dialog affinity and counters are untouched by an in-place reload.
+//! - adding, removing, renaming or reordering vservers;
+//! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `transparent`, `send_proxy`;
+//! - any service or balancing change on a vserver that is not sip-udp.
 
-use crate::config::{Config, Service, Vserver};
+use crate::config::{Config, Protocol, Service, Vserver};
 
 /// Changes an in-place reload applies.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -31,6 +33,8 @@ pub struct Plan {
     pub token: Option<Option<String>>,
     /// (vserver, new rate) for every changed slow-start rate.
     pub slow_start_rates: Vec<(String, u32)>,
+    /// sip-udp vservers rebuilt in place (services, weights, method or slow start changed).
+    pub rebuild: Vec<String>,
 }
 
 impl Plan {
@@ -42,6 +46,9 @@ impl Plan {
         }
         if self.token.is_some() {
             v.push("admin.token".to_owned());
+        }
+        for vs in &self.rebuild {
+            v.push(format!("vservers.{vs} rebuilt"));
         }
         for (vs, r) in &self.slow_start_rates {
             v.push(format!(
@@ -57,6 +64,16 @@ fn member_names(c: &Config, v: &Vserver) -> Vec<String> {
         .iter()
         .filter_map(|&i| c.services.get(i).map(|s| s.name.clone()))
         .collect()
+}
+
+/// Fields that belong to the sockets and threads of a vserver.
+fn same_listener(a: &Vserver, b: &Vserver) -> bool {
+    a.bind == b.bind
+        && a.protocol == b.protocol
+        && a.workers == b.workers
+        && a.advertise == b.advertise
+        && a.transparent == b.transparent
+        && a.send_proxy == b.send_proxy
 }
 
 fn same_data(a: &Service, b: &Service) -> bool {
@@ -92,14 +109,24 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
         if a.name != b.name {
             continue;
         }
-        let ma = member_names(old, a);
-        let mb = member_names(new, b);
-        if ma != mb {
+        if !same_listener(a, b) {
             restart.push(format!(
-                "vservers.{}.services changed ({ma:?} -> {mb:?})",
+                "vservers.{}: bind, protocol, workers, advertise, transparent or send_proxy changed",
                 a.name
             ));
+            continue;
         }
+        let ma = member_names(old, a);
+        let mb = member_names(new, b);
+        let data_changed = mb.iter().any(|name| {
+            match (
+                old.services.iter().find(|s| &s.name == name),
+                new.services.iter().find(|s| &s.name == name),
+            ) {
+                (Some(sa), Some(sb)) => !same_data(sa, sb),
+                _ => false,
+            }
+        });
         let mut a2 = a.clone();
         let mut b2 = b.clone();
         a2.services.clear();
@@ -111,31 +138,20 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
         if let (Some(sa), Some(sb)) = (a2.slow_start.as_mut(), b2.slow_start.as_mut()) {
             sb.new_service_request_rate = sa.new_service_request_rate;
         }
-        if a2 != b2 {
-            restart.push(format!(
-                "vservers.{}: listener, method or slow-start unit/interval changed",
-                a.name
-            ));
+        if ma != mb || data_changed || a2 != b2 {
+            if a.protocol == Protocol::SipUdp {
+                p.rebuild.push(b.name.clone());
+            } else {
+                restart.push(format!(
+                    "vservers.{}: services or balancing changed on a {} vserver (in-place rebuild is sip-udp only)",
+                    a.name,
+                    a.protocol.name()
+                ));
+            }
         } else if ra != rb
             && let Some(r) = rb
         {
             p.slow_start_rates.push((b.name.clone(), r));
-        }
-        for name in &mb {
-            let (Some(sa), Some(sb)) = (
-                old.services.iter().find(|s| &s.name == name),
-                new.services.iter().find(|s| &s.name == name),
-            ) else {
-                continue;
-            };
-            if !same_data(sa, sb) {
-                let msg = format!(
-                    "services.{name}: address, protocol, weight, max_clients or hash_id changed"
-                );
-                if !restart.contains(&msg) {
-                    restart.push(msg);
-                }
-            }
         }
     }
     if !restart.is_empty() {
@@ -193,10 +209,23 @@ mod tests {
     }
 
     #[test]
-    fn membership_change_needs_restart() {
+    fn membership_change_rebuilds_a_sip_udp_vserver() {
         let old = cfg("", "a, b", 10, "1s");
         let new = cfg("", "a", 10, "1s");
+        let p = plan(&old, &new).expect("in place");
+        assert_eq!(p.rebuild, vec!["v".to_owned()]);
+        assert!(p.slow_start_rates.is_empty());
+    }
+
+    #[test]
+    fn listener_change_needs_restart() {
+        let old = cfg("", "a, b", 10, "1s");
+        let mut new = old.clone();
+        new.vservers[0].workers = 7;
         let why = plan(&old, &new).expect_err("restart");
-        assert!(why[0].contains("vservers.v.services"), "{why:?}");
+        assert!(why[0].contains("vservers.v: bind"), "{why:?}");
+        let mut new = old.clone();
+        new.lb.hash_fingers = 3;
+        assert!(plan(&old, &new).is_err());
     }
 }

@@ -283,64 +283,103 @@ fn http(addr: SocketAddr, req: &str) -> String {
 }
 
 #[test]
-fn reload_applies_in_place_and_refuses_bad_or_restart_needing_files() {
-    let uas: Vec<Uas> = (0..2).map(|_| Uas::start(any()).expect("uas")).collect();
+fn reload_adds_and_removes_services_keeping_established_calls() {
+    let uas: Vec<Uas> = (0..3).map(|_| Uas::start(any()).expect("uas")).collect();
     let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
     let dir = std::env::temp_dir().join(format!("fulcrum-reload-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp dir");
     let path = dir.join("f.yaml");
     let slow = "    slow_start: { new_service_request_rate: 5, unit: per_second, increment_interval: 0s }\n";
-    let text = yaml(&ports, "null", FAST, slow, "round_robin");
+    let text = yaml(&ports[..2], "null", FAST, slow, "round_robin");
     std::fs::write(&path, &text).expect("write");
     let ops = Ops::start(config::load(&path).expect("valid"), Some(path.clone())).expect("start");
     let mut uac = Uac::new(any(), proxy_addr(&ops), "reload").expect("uac");
     let tag = establish(&mut uac, "long-call");
+    let owner = (0..2)
+        .find(|&i| !uas[i].log.methods_of("long-call").is_empty())
+        .expect("a service took the call");
 
-    // In place: new monitor timing, a new slow-start rate, a spare service.
-    let changed = text
+    // In place: new monitor timing, a new slow-start rate, a third service.
+    let with_s2 = yaml(&ports, "null", FAST, slow, "round_robin")
         .replace("interval: 300ms", "interval: 400ms")
-        .replace("new_service_request_rate: 5", "new_service_request_rate: 9")
-        .replace(
-            "vservers:",
-            "  - { name: spare, address: 127.0.0.1:9, protocol: sip-udp }\nvservers:",
-        );
-    std::fs::write(&path, &changed).expect("write");
+        .replace("new_service_request_rate: 5", "new_service_request_rate: 9");
+    std::fs::write(&path, &with_s2).expect("write");
     let r = router::handle(&ops, &Request::new("POST", "/reload"));
     assert_eq!(r.status, 200, "{}", r.body);
-    assert!(r.body.contains("monitors"), "{}", r.body);
+    assert!(r.body.contains("vservers.v rebuilt"), "{}", r.body);
+    let st = get(&ops, "/status");
     assert_eq!(
-        get(&ops, "/status")["vservers"][0]["slow_start"]["new_service_request_rate"],
-        9
+        st["vservers"][0]["services"].as_array().map(Vec::len),
+        Some(3)
+    );
+    assert_eq!(
+        service(&st, "s2")["slow_start"]["rate"],
+        9,
+        "added service is new: {st}"
+    );
+    assert!(service(&st, "s0")["slow_start"].is_null());
+    assert_eq!(
+        service(&st, &format!("s{owner}"))["active"],
+        1,
+        "the dialog moved over"
     );
 
     // A bad file changes nothing.
     std::fs::write(&path, "services: [").expect("write");
     let r = router::handle(&ops, &Request::new("POST", "/reload"));
     assert_eq!(r.status, 400, "{}", r.body);
-    assert!(ops.config().monitors[0].interval == Duration::from_millis(400));
+    assert_eq!(
+        ops.config().monitors[0].interval,
+        Duration::from_millis(400)
+    );
 
-    // Membership changes need a restart: refused, nothing changes.
-    std::fs::write(
-        &path,
-        changed.replace("services: [s0, s1]", "services: [s0]"),
-    )
-    .expect("write");
+    // A listener change needs a restart: refused, nothing changes.
+    std::fs::write(&path, with_s2.replace("workers: 1", "workers: 2")).expect("write");
     let r = router::handle(&ops, &Request::new("POST", "/reload"));
     assert_eq!(r.status, 409, "{}", r.body);
-    assert!(r.body.contains("vservers.v.services"), "{}", r.body);
     assert_eq!(
         get(&ops, "/status")["vservers"][0]["services"]
             .as_array()
             .map(Vec::len),
-        Some(2)
+        Some(3)
+    );
+
+    // A rate set at run time survives a later rebuild that leaves the configured rate alone.
+    let r = router::handle(
+        &ops,
+        &Request::new("PUT", "/vservers/v/slow-start").body(r#"{"new_service_request_rate": 4}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // Remove the service that does not carry the call.
+    let other = 1 - owner;
+    let keep: Vec<String> = (0..3)
+        .filter(|&i| i != other)
+        .map(|i| format!("s{i}"))
+        .collect();
+    let without = with_s2.replace(
+        "services: [s0, s1, s2]",
+        &format!("services: [{}]", keep.join(", ")),
+    );
+    assert_ne!(without, with_s2);
+    std::fs::write(&path, &without).expect("write");
+    let r = router::handle(&ops, &Request::new("POST", "/reload"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let st = get(&ops, "/status");
+    assert_eq!(
+        st["vservers"][0]["services"].as_array().map(Vec::len),
+        Some(2),
+        "{st}"
     );
 
     // The call established before the reloads finishes on its service.
     assert_eq!(bye(&mut uac, "long-call", &tag), 200);
-    let owners: Vec<usize> = (0..2)
-        .filter(|&i| !uas[i].log.methods_of("long-call").is_empty())
-        .collect();
-    assert_eq!(owners.len(), 1, "one service saw the whole call");
+    assert_eq!(
+        uas[owner].log.methods_of("long-call"),
+        vec!["INVITE", "ACK", "BYE"]
+    );
+    // New calls still work after the reloads.
+    uac.call(Duration::from_secs(2)).expect("call after reload");
     let _ = std::fs::remove_dir_all(&dir);
     ops.shutdown();
 }
@@ -537,5 +576,37 @@ fn metrics_parse_and_cover_the_proxy() {
             .iter()
             .any(|(f, _, _)| f == "fulcrum_monitor_latency_seconds")
     );
+    ops.shutdown();
+}
+
+#[test]
+fn drain_refuses_new_calls_and_waits_for_established_ones() {
+    let uas = Uas::start(any()).expect("uas");
+    let cfg = config::from_str(
+        "t.yaml",
+        &yaml(&[uas.addr.port()], "null", FAST, "", "call_id_hash"),
+    )
+    .expect("valid");
+    let ops = Ops::start(cfg, None).expect("start");
+    let mut uac = Uac::new(any(), proxy_addr(&ops), "term").expect("uac");
+    let tag = establish(&mut uac, "in-flight");
+    let ops2 = Arc::clone(&ops);
+    let drain = std::thread::spawn(move || ops2.drain(Duration::from_secs(10)));
+    wait_for("draining", Duration::from_secs(5), || {
+        (service(&get(&ops, "/status"), "s0")["state"] == "OUT_OF_SERVICE").then_some(())
+    });
+    let inv = uac.request("INVITE", "too-late", 1, "late1", None);
+    uac.send_raw(inv.as_bytes()).expect("send");
+    let (code, _, _) = uac
+        .final_response(Duration::from_secs(2))
+        .expect("answered");
+    assert_eq!(code, 503, "new calls are refused while draining");
+    assert_eq!(
+        bye(&mut uac, "in-flight", &tag),
+        200,
+        "established call continues"
+    );
+    let left = drain.join().expect("drain thread");
+    assert_eq!(left, 0, "drain ended when the last dialog ended");
     ops.shutdown();
 }

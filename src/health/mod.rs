@@ -9,6 +9,12 @@
 //! `record_monitor_response_time` (the `lrtm` method) and a reported load feeds
 //! `set_reported_load` (`custom_load`, see [`probe`] for where the load is read).
 //!
+//! Passive failure detection: data paths call [`Balancer::report_failure`] when a service
+//! refuses a connection or a connected socket gets ICMP unreachable; before each probe the
+//! monitor counts any such reports as one failed observation (so a dead service goes DOWN
+//! in fewer probe rounds; with `failures_to_down` >= 2 never on passive reports alone when
+//! it answers its probes; an unmonitored service is never taken down by them).
+//!
 //! The operator's disable (OUT_OF_SERVICE) wins over the monitor: a disabled service keeps
 //! being probed, so its monitored state is current when it is enabled again.
 
@@ -252,9 +258,20 @@ impl HealthBoard {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
+            if self.take_passive_failures(&target.name) > 0 {
+                self.record(&target.name, &m, Err(probe::ProbeError::Passive));
+            }
             let result = probe::probe(&m.kind, target.address, target.protocol, m.timeout).await;
             self.record(&target.name, &m, result);
         }
+    }
+
+    /// Passive failures the data paths reported for `name` since the last look, in every
+    /// vserver holding it.
+    fn take_passive_failures(&self, name: &str) -> u64 {
+        self.placements()
+            .get(name)
+            .map_or(0, |p| p.iter().map(|(b, i)| b.take_failures(*i)).sum())
     }
 
     /// Fold one probe result into the service's state and counters.
@@ -336,4 +353,72 @@ pub fn placements<'a>(balancers: impl IntoIterator<Item = &'a Arc<Balancer>>) ->
         }
     }
     map
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> Config {
+        crate::config::from_str(
+            "t.yaml",
+            "admin: { listen: null }\n\
+             monitors:\n  - { name: m, type: tcp-connect, interval: 1s, timeout: 500ms, failures_to_down: 2, successes_to_up: 1 }\n\
+             services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp, monitor: m }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n\
+             vservers:\n  - { name: v1, protocol: sip-udp, bind: [127.0.0.1:0], method: round_robin, services: [a, b] }\n  - { name: v2, protocol: sip-udp, bind: [127.0.0.1:0], method: call_id_hash, services: [b, a] }\n",
+        )
+        .expect("valid")
+    }
+
+    #[test]
+    fn outcomes_reach_every_vserver_and_disable_wins() {
+        let cfg = config();
+        let b1 = Arc::new(Balancer::new(&cfg, &cfg.vservers[0]));
+        let b2 = Arc::new(Balancer::new(&cfg, &cfg.vservers[1]));
+        let board = HealthBoard::new(&cfg, placements([&b1, &b2]), Instant::now());
+        let m = cfg.monitors[0].clone();
+        let fail = || Err(probe::ProbeError::Timeout);
+        let ok = || {
+            Ok(probe::ProbeReply {
+                rtt_us: 250,
+                status: None,
+                load: Some(9),
+            })
+        };
+        board.record("a", &m, ok());
+        assert_eq!(
+            b1.counters(0).and_then(|c| c.monitor_response_time_us()),
+            Some(250)
+        );
+        assert_eq!(b2.counters(1).and_then(|c| c.reported_load()), Some(9));
+        board.record("a", &m, fail());
+        assert_eq!(b1.health(0), Some(Health::Up), "one failure of two");
+        board.record("a", &m, fail());
+        assert_eq!(b1.health(0), Some(Health::Down));
+        assert_eq!(b2.health(1), Some(Health::Down));
+        assert!(board.set_disabled("a", true));
+        board.record("a", &m, ok());
+        assert_eq!(
+            b1.health(0),
+            Some(Health::OutOfService),
+            "disable wins over UP"
+        );
+        assert!(board.set_disabled("a", false));
+        assert_eq!(b2.health(1), Some(Health::Up));
+        assert!(!board.set_disabled("nope", true));
+    }
+
+    #[test]
+    fn passive_failures_are_summed_and_drained() {
+        let cfg = config();
+        let b1 = Arc::new(Balancer::new(&cfg, &cfg.vservers[0]));
+        let b2 = Arc::new(Balancer::new(&cfg, &cfg.vservers[1]));
+        let board = HealthBoard::new(&cfg, placements([&b1, &b2]), Instant::now());
+        b1.report_failure(0);
+        b2.report_failure(1);
+        b2.report_failure(1);
+        b1.report_failure(99);
+        assert_eq!(board.take_passive_failures("a"), 3);
+        assert_eq!(board.take_passive_failures("a"), 0);
+    }
 }

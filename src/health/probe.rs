@@ -41,6 +41,8 @@ pub enum ProbeError {
     Mismatch,
     #[error("connection closed before a reply")]
     Closed,
+    #[error("the data path reported failures")]
+    Passive,
 }
 
 /// A successful probe.

@@ -2,6 +2,7 @@
 
 pub mod fd_limit;
 pub mod proxy_protocol;
+pub mod reconfig;
 pub mod runtime;
 pub mod sip_core;
 pub mod sip_tcp;
@@ -9,6 +10,7 @@ pub mod sip_udp;
 pub mod tcp;
 pub mod udp;
 
+pub use reconfig::Rebuilt;
 pub use runtime::{DataPath, Runtime, RuntimeError, VserverHandle};
 
 use crate::stats::Nanos;

@@ -62,14 +62,20 @@ pub struct StartCtx<'a> {
     pub stop: &'a Arc<AtomicBool>,
     pub threads: &'a mut Vec<JoinHandle<()>>,
     pub tokio: &'a tokio::runtime::Handle,
+    /// Swappable cores of sip-udp vservers, for reload (see `proxy::reconfig`).
+    pub sip_cells: &'a mut Vec<(String, SipUdpCell)>,
 }
+
+/// The current core of a sip-udp vserver; a reload stores a rebuilt one.
+pub type SipUdpCell = Arc<arc_swap::ArcSwap<SipCore>>;
 
 /// All running vservers of one config.
 pub struct Runtime {
     epoch: Instant,
     stop: Arc<AtomicBool>,
-    vservers: Vec<VserverHandle>,
+    pub(super) vservers: Vec<VserverHandle>,
     threads: Vec<JoinHandle<()>>,
+    pub(super) sip_cells: Vec<(String, SipUdpCell)>,
     /// Async data paths, monitors and the admin API run here.
     tokio: Option<tokio::runtime::Runtime>,
 }
@@ -94,6 +100,7 @@ impl Runtime {
             stop: Arc::new(AtomicBool::new(false)),
             vservers: Vec::new(),
             threads: Vec::new(),
+            sip_cells: Vec::new(),
             tokio: Some(tokio),
         };
         for v in &config.vservers {
@@ -155,6 +162,7 @@ impl Runtime {
             stop: &self.stop,
             threads: &mut self.threads,
             tokio: &tokio,
+            sip_cells: &mut self.sip_cells,
         };
         let handle = match v.protocol {
             Protocol::SipUdp => sip_udp::start(&mut ctx, config, v)?,

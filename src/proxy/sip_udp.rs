@@ -7,7 +7,7 @@ use crate::balancer::Balancer;
 use crate::config::{Config, Vserver};
 use crate::net;
 use crate::proxy::runtime::{
-    DataPath, RuntimeError, StartCtx, VserverHandle, bind_udp, local_identity,
+    DataPath, RuntimeError, SipUdpCell, StartCtx, VserverHandle, bind_udp, local_identity,
 };
 use crate::proxy::sip_core::SipParams;
 use crate::proxy::sip_core::{Action, SipCore};
@@ -24,13 +24,17 @@ fn bump(c: &AtomicU64) {
 
 /// The receive loop of one worker socket. Runs until `stop` is set (checked at least every
 /// `poll` interval). Errors are counted and never end the loop.
+///
+/// The vserver's core is loaded from `cell` per datagram, so a reload that rebuilds it
+/// (`proxy::reconfig`) takes effect at the next datagram without touching the socket.
 pub fn run_worker(
     socket: UdpSocket,
-    core: Arc<SipCore>,
+    cell: SipUdpCell,
     epoch: Instant,
     stop: Arc<AtomicBool>,
     poll: Duration,
 ) {
+    let core = cell.load_full();
     let dst = match socket.local_addr() {
         Ok(a) => a,
         Err(e) => {
@@ -68,6 +72,7 @@ pub fn run_worker(
             }
         };
         let now = elapsed_nanos(epoch);
+        let core = cell.load();
         let to = match core.handle_datagram(&buf[..n], src, dst, now, &mut out) {
             Action::ToMember(m) => core.member_addr(m),
             Action::ToAddr(a) | Action::Reply(a) => Some(a),
@@ -114,19 +119,21 @@ pub fn start(
         max_dialogs: v.max_sessions,
         dialog_idle: v.idle_timeout,
     }));
+    let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
+    ctx.sip_cells.push((v.name.clone(), Arc::clone(&cell)));
     for (i, socket) in sockets.into_iter().enumerate() {
-        let core = Arc::clone(&core);
+        let cell = Arc::clone(&cell);
         let stop = Arc::clone(ctx.stop);
         let epoch = ctx.epoch;
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || run_worker(socket, core, epoch, stop, POLL))?;
+            .spawn(move || run_worker(socket, cell, epoch, stop, POLL))?;
         ctx.threads.push(t);
     }
     // Dialog expiry: often enough that the table reflects the idle timeout within ~10%.
     let sweep_every =
         (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
-    let (core2, stop, epoch) = (Arc::clone(&core), Arc::clone(ctx.stop), ctx.epoch);
+    let (cell2, stop, epoch) = (Arc::clone(&cell), Arc::clone(ctx.stop), ctx.epoch);
     let t = std::thread::Builder::new()
         .name(format!("{}-sweep", v.name))
         .spawn(move || {
@@ -134,7 +141,7 @@ pub fn start(
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(POLL);
                 if last.elapsed() >= sweep_every {
-                    core2.sweep(elapsed_nanos(epoch));
+                    cell2.load().sweep(elapsed_nanos(epoch));
                     last = Instant::now();
                 }
             }

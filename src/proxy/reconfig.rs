@@ -1,0 +1,128 @@
+//! Rebuilding a running sip-udp vserver for a reload, without touching its sockets. IO.
+//!
+//! The listener, worker threads and Via identity stay; a new [`Balancer`] and
+//! [`SipCore`] are built from the new config aside, given the current health of every
+//! member, and swapped in atomically (workers load the core per datagram). Dialog affinity
+//! of surviving services is migrated (members renumbered by service name) and counted as
+//! load again; members added by the reload enter slow start. Dialogs pinned to a removed
+//! service are dropped: their next in-dialog request is routed by the method.
+//!
+//! Slow-start progress is not carried over: members still new before the rebuild are part
+//! of the base set after it (only members the reload adds start slow start).
+//!
+//! Counters of the rebuilt vserver (requests, selection paths, SIP counters) start again
+//! from zero, which Prometheus treats as a counter reset.
+
+use super::runtime::{DataPath, Runtime, RuntimeError};
+use super::sip_core::{SipCore, SipParams};
+use crate::balancer::{Balancer, Health};
+use crate::config::{Config, Protocol};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+/// What a rebuild changed.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Rebuilt {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    /// Dialogs carried over to the new core.
+    pub dialogs_kept: usize,
+}
+
+impl Runtime {
+    /// Rebuild sip-udp vserver `name` from `config` (same listener). `health_of` gives each
+    /// member's current state.
+    pub fn rebuild_sip_udp(
+        &mut self,
+        config: &Config,
+        name: &str,
+        health_of: &dyn Fn(&str) -> Health,
+    ) -> Result<Rebuilt, RuntimeError> {
+        let setup = |problem: &str| RuntimeError::Setup {
+            vserver: name.to_owned(),
+            problem: problem.to_owned(),
+        };
+        let v = config
+            .vservers
+            .iter()
+            .find(|v| v.name == name && v.protocol == Protocol::SipUdp)
+            .ok_or_else(|| setup("not a sip-udp vserver of the new config"))?;
+        let cell = self
+            .sip_cells
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, c)| Arc::clone(c))
+            .ok_or_else(|| setup("not running"))?;
+        let slot = self
+            .vservers
+            .iter()
+            .position(|h| h.name == name)
+            .ok_or_else(|| setup("not running"))?;
+        let now = self.now();
+        let old = cell.load_full();
+        let old_names: Vec<String> = old
+            .balancer()
+            .members()
+            .iter()
+            .map(|m| m.name.clone())
+            .collect();
+
+        let balancer = Arc::new(Balancer::new(config, v));
+        let new_names: Vec<String> = balancer.members().iter().map(|m| m.name.clone()).collect();
+        for (i, n) in new_names.iter().enumerate() {
+            let h = health_of(n);
+            if h != Health::Up {
+                balancer.set_health(i, h, now);
+            }
+        }
+        let added: Vec<usize> = (0..new_names.len())
+            .filter(|&i| !old_names.contains(&new_names[i]))
+            .collect();
+        balancer.mark_added(&added, now);
+
+        let member_addrs: Vec<SocketAddr> = v
+            .services
+            .iter()
+            .filter_map(|&i| config.services.get(i))
+            .map(|s| SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
+            .collect();
+        let core = Arc::new(SipCore::new(SipParams {
+            name: v.name.clone(),
+            local: old.local().clone(),
+            record_route: v.record_route,
+            method: v.method,
+            hash_params: v.hash.clone(),
+            balancer: Arc::clone(&balancer),
+            member_addrs,
+            max_dialogs: v.max_sessions,
+            dialog_idle: v.idle_timeout,
+        }));
+        let open = old
+            .dialogs()
+            .migrate_to(core.dialogs(), now / 1_000_000, |m| {
+                let n = old_names.get(m as usize)?;
+                new_names
+                    .iter()
+                    .position(|x| x == n)
+                    .and_then(|p| u32::try_from(p).ok())
+            });
+        for m in &open {
+            if let Some(c) = balancer.counters(*m as usize) {
+                c.open();
+            }
+        }
+        cell.store(Arc::clone(&core));
+        let handle = &mut self.vservers[slot];
+        handle.balancer = balancer;
+        handle.data = DataPath::SipUdp(core);
+        Ok(Rebuilt {
+            added: added.iter().map(|&i| new_names[i].clone()).collect(),
+            removed: old_names
+                .iter()
+                .filter(|n| !new_names.contains(n))
+                .cloned()
+                .collect(),
+            dialogs_kept: open.len(),
+        })
+    }
+}
