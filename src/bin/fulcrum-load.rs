@@ -7,6 +7,8 @@
 //!
 //! `fulcrum-load udp-idle TARGET --sockets N`: opens N flows (one datagram each, answered),
 //! prints `ready=N`, then holds them until killed (idle-session memory measurement).
+//!
+//! `fulcrum-load tcp-idle TARGET --sockets N`: the same with N idle TCP connections.
 
 use mio::net::UdpSocket;
 use mio::{Events, Interest, Poll, Token};
@@ -26,13 +28,22 @@ struct Args {
 
 fn parse() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
-    let mode = it.next().ok_or("usage: fulcrum-load udp|udp-idle TARGET [options]")?;
+    let mode = it
+        .next()
+        .ok_or("usage: fulcrum-load udp|udp-idle TARGET [options]")?;
     let target = it
         .next()
         .ok_or("missing TARGET")?
         .parse()
         .map_err(|e| format!("TARGET: {e}"))?;
-    let mut a = Args { mode, target, sockets: 256, secs: 10, warmup: 1, size: 64 };
+    let mut a = Args {
+        mode,
+        target,
+        sockets: 256,
+        secs: 10,
+        warmup: 1,
+        size: 64,
+    };
     while let Some(flag) = it.next() {
         let v = it.next().ok_or(format!("{flag} needs a value"))?;
         let n: u64 = v.parse().map_err(|e| format!("{flag}: {e}"))?;
@@ -48,7 +59,12 @@ fn parse() -> Result<Args, String> {
 }
 
 fn source_ip(i: usize) -> IpAddr {
-    IpAddr::V4(Ipv4Addr::new(127, 0, 1 + (i / 250 % 200) as u8, 1 + (i % 250) as u8))
+    IpAddr::V4(Ipv4Addr::new(
+        127,
+        0,
+        1 + (i / 250 % 200) as u8,
+        1 + (i % 250) as u8,
+    ))
 }
 
 fn open(n: usize, target: SocketAddr, poll: &Poll) -> std::io::Result<Vec<UdpSocket>> {
@@ -57,7 +73,8 @@ fn open(n: usize, target: SocketAddr, poll: &Poll) -> std::io::Result<Vec<UdpSoc
     for i in 0..n {
         let mut s = UdpSocket::bind(SocketAddr::new(source_ip(i), 0))?;
         s.connect(target)?;
-        poll.registry().register(&mut s, Token(i), Interest::READABLE)?;
+        poll.registry()
+            .register(&mut s, Token(i), Interest::READABLE)?;
         v.push(s);
     }
     Ok(v)
@@ -77,14 +94,35 @@ fn main() {
     }
 }
 
+/// Open `n` TCP connections to `target` and hold them (idle-connection memory).
+fn tcp_idle(target: SocketAddr, n: usize) -> std::io::Result<()> {
+    fulcrum::proxy::fd_limit::raise_nofile_limit();
+    let mut held = Vec::with_capacity(n);
+    for i in 0..n {
+        let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        s.bind(&SocketAddr::new(source_ip(i), 0).into())?;
+        s.connect(&target.into())?;
+        held.push(s);
+    }
+    println!("ready={}", held.len());
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
 fn run(a: &Args) -> std::io::Result<()> {
+    if a.mode == "tcp-idle" {
+        return tcp_idle(a.target, a.sockets);
+    }
     let mut poll = Poll::new()?;
     let socks = open(a.sockets, a.target, &poll)?;
     let mut events = Events::with_capacity(1024);
     let start = Instant::now();
     let mut buf = vec![0u8; 65_536];
     let mut payload = vec![b'x'; a.size];
-    let stamp = |p: &mut [u8], t: Instant| p[..8].copy_from_slice(&(t.duration_since(start).as_nanos() as u64).to_le_bytes());
+    let stamp = |p: &mut [u8], t: Instant| {
+        p[..8].copy_from_slice(&(t.duration_since(start).as_nanos() as u64).to_le_bytes())
+    };
     let mut sent_at = vec![start; socks.len()];
     for (i, s) in socks.iter().enumerate() {
         let now = Instant::now();
@@ -111,7 +149,7 @@ fn run(a: &Args) -> std::io::Result<()> {
             }
             for e in events.iter() {
                 let i = e.token().0;
-                while let Ok(_) = socks[i].recv(&mut buf) {
+                while socks[i].recv(&mut buf).is_ok() {
                     if !answered[i] {
                         answered[i] = true;
                         n += 1;
@@ -146,7 +184,12 @@ fn run(a: &Args) -> std::io::Result<()> {
                             continue;
                         }
                         if now >= measure_from {
-                            rtts.push(now.duration_since(sent_at[i]).as_micros().min(u128::from(u32::MAX)) as u32);
+                            rtts.push(
+                                now.duration_since(sent_at[i])
+                                    .as_micros()
+                                    .min(u128::from(u32::MAX))
+                                    as u32,
+                            );
                         }
                         stamp(&mut payload, now);
                         let _ = socks[i].send(&payload);
@@ -173,7 +216,11 @@ fn run(a: &Args) -> std::io::Result<()> {
         }
     }
     rtts.sort_unstable();
-    let pct = |p: f64| rtts.get(((rtts.len() as f64 * p) as usize).min(rtts.len().saturating_sub(1))).copied().unwrap_or(0);
+    let pct = |p: f64| {
+        rtts.get(((rtts.len() as f64 * p) as usize).min(rtts.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
     println!(
         "rps={:.0} p50_us={} p90_us={} p99_us={} p999_us={} max_us={} lost={}",
         rtts.len() as f64 / a.secs as f64,

@@ -313,6 +313,7 @@ struct Worker {
     cmsg: Vec<u8>,
     /// Sockets not drained in their last turn (edge-triggered readiness will not repeat).
     again: Vec<Token>,
+    ready: Vec<Token>,
     log: LogLimiter,
 }
 
@@ -376,6 +377,7 @@ pub fn run_worker(
         buf: vec![0u8; MAX_V2_LEN + MAX_DATAGRAM],
         cmsg: nix::cmsg_space!(nix::libc::in6_pktinfo),
         again: Vec::new(),
+        ready: Vec::with_capacity(1024),
         log: LogLimiter::default(),
     };
     w.run(epoch, &stop);
@@ -408,9 +410,12 @@ impl Worker {
                 std::thread::sleep(POLL);
             }
             let now = elapsed_nanos(epoch);
-            let mut ready: Vec<Token> = std::mem::take(&mut self.again);
+            // Reused across wake-ups: the hot loop does not allocate.
+            let mut ready = std::mem::take(&mut self.ready);
+            ready.clear();
+            ready.append(&mut self.again);
             ready.extend(events.iter().map(|e| e.token()));
-            for token in ready {
+            for &token in &ready {
                 let drained = if token.0 < self.base() {
                     self.drain_clients(token.0, now)
                 } else {
@@ -420,6 +425,7 @@ impl Worker {
                     self.again.push(token);
                 }
             }
+            self.ready = ready;
             if now >= next_sweep {
                 self.sweep(now);
                 next_sweep = now.saturating_add(sweep_every);
