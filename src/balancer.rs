@@ -18,7 +18,7 @@ use crate::select::{self, HashSelector};
 use crate::slow_start::SlowStart;
 use crate::stats::{Nanos, ServiceCounters};
 use arc_swap::ArcSwap;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Operational state of a member (SPEC §1).
@@ -133,6 +133,9 @@ pub struct Balancer {
     method_state: MethodState,
     /// Present for non-hash methods with slow start configured.
     slow_start: Option<Mutex<SlowStart>>,
+    /// Mirrors `SlowStart::is_active` (some member is new) after every locked call, so the
+    /// per-request path takes the lock only while slow start has work to do.
+    slow_start_active: AtomicBool,
     /// Serialises health changes (rebuild + swap); never taken by lookups.
     control: Mutex<()>,
     paths: [AtomicU64; 6],
@@ -212,6 +215,7 @@ impl Balancer {
             selector: ArcSwap::from_pointee(selector),
             method_state: MethodState::new(&[]),
             slow_start,
+            slow_start_active: AtomicBool::new(false),
             control: Mutex::new(()),
             paths: Default::default(),
         }
@@ -262,6 +266,8 @@ impl Balancer {
             if let Some(ss) = &self.slow_start {
                 let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
                 ss.set_up(member, health == Health::Up, now);
+                self.slow_start_active
+                    .store(ss.is_active(), Ordering::Release);
             }
         }
     }
@@ -298,6 +304,12 @@ impl Balancer {
         self.slow_start
             .as_ref()
             .map(|ss| ss.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// Whether an established flow (dialog, session, connection) pinned to `member` may
+    /// continue there: UP, or OUT_OF_SERVICE (the operator's graceful drain, SPEC §5).
+    pub fn accepts_existing(&self, member: usize) -> bool {
+        matches!(self.health(member), Some(Health::Up | Health::OutOfService))
     }
 
     /// UP, below `max_clients`, and (with bounded loads) not above factor × average load.
@@ -438,5 +450,158 @@ impl Balancer {
                 .route(now, pick),
             None => pick(&|_| true),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config;
+
+    fn config(method: &str, extra: &str, services: usize) -> Config {
+        let proto = if method.starts_with("url") {
+            "http"
+        } else {
+            "udp"
+        };
+        let mut y = String::from("services:\n");
+        for i in 0..services {
+            y.push_str(&format!(
+                "  - {{ name: s{i}, address: 127.0.0.1:{}, protocol: {proto}{} }}\n",
+                7000 + i,
+                if i == 0 { ", max_clients: 2" } else { "" }
+            ));
+        }
+        let names: Vec<String> = (0..services).map(|i| format!("s{i}")).collect();
+        y.push_str(&format!(
+            "vservers:\n  - name: v\n    protocol: {proto}\n    bind: 127.0.0.1:9000\n    method: {method}\n{extra}    services: [{}]\n",
+            names.join(", ")
+        ));
+        config::from_str("t", &y).expect("valid test config")
+    }
+
+    fn balancer(method: &str, extra: &str, services: usize) -> Balancer {
+        let c = config(method, extra, services);
+        Balancer::new(&c, &c.vservers[0])
+    }
+
+    #[test]
+    fn failover_follows_the_ranking_and_returns() {
+        let b = balancer("source_ip_hash", "", 3);
+        let key = KeyInput::Hash(hash::key_hash(b"U1"));
+        let order: Vec<usize> = b.selector.load().ranking(hash::key_hash(b"U1"));
+        let first = b.choose(key, 0).expect("choice");
+        assert_eq!(
+            first,
+            Choice {
+                member: order[0],
+                path: Path::Hash
+            }
+        );
+        b.set_health(order[0], Health::Down, 0);
+        assert_eq!(b.choose(key, 0).map(|c| c.member), Some(order[1]));
+        b.set_health(order[1], Health::OutOfService, 0);
+        assert_eq!(b.choose(key, 0).map(|c| c.member), Some(order[2]));
+        b.set_health(order[1], Health::Up, 0);
+        assert_eq!(b.choose(key, 0).map(|c| c.member), Some(order[1]));
+        b.set_health(order[0], Health::Up, 0);
+        assert_eq!(b.choose(key, 0).map(|c| c.member), Some(order[0]));
+        assert!(b.path_count(Path::Hash) >= 2);
+    }
+
+    #[test]
+    fn nothing_up_means_no_choice() {
+        let b = balancer("source_ip_hash", "", 2);
+        b.set_health(0, Health::Down, 0);
+        b.set_health(1, Health::Down, 0);
+        assert_eq!(b.choose(KeyInput::Hash(1), 0), None);
+        assert_eq!(b.choose(KeyInput::NoKey, 0), None);
+    }
+
+    #[test]
+    fn fallbacks_name_their_path() {
+        let b = balancer("source_ip_hash", "", 3);
+        assert_eq!(
+            b.choose(KeyInput::NoKey, 0).map(|c| c.path),
+            Some(Path::FallbackLeastConnection)
+        );
+        let b = balancer("url_hash", "", 3);
+        assert_eq!(
+            b.choose(KeyInput::Unparseable, 0).map(|c| c.path),
+            Some(Path::FallbackRoundRobin)
+        );
+        assert_eq!(
+            b.choose(KeyInput::NoKey, 0).map(|c| c.path),
+            Some(Path::FallbackLeastConnection)
+        );
+    }
+
+    #[test]
+    fn max_clients_passes_the_key_to_the_next_ranked() {
+        let b = balancer("source_ip_hash", "", 3);
+        // Find a key whose first choice is s0 (max_clients 2).
+        let h = (0u64..)
+            .map(|i| hash::key_hash(&i.to_le_bytes()))
+            .find(|&h| b.selector.load().ranking(h).first() == Some(&0))
+            .expect("some key ranks s0 first");
+        let c0 = b.counters(0).expect("counters");
+        c0.open();
+        assert_eq!(b.choose(KeyInput::Hash(h), 0).map(|c| c.member), Some(0));
+        c0.open();
+        let next = b.choose(KeyInput::Hash(h), 0).expect("choice");
+        assert_ne!(next.member, 0);
+        assert_eq!(next.path, Path::NextRanked);
+        c0.close();
+        assert_eq!(b.choose(KeyInput::Hash(h), 0).map(|c| c.member), Some(0));
+    }
+
+    #[test]
+    fn bounded_loads_pass_over_a_hot_member() {
+        let b = balancer("source_ip_hash", "    hash_balance_factor: 150\n", 3);
+        let h = (0u64..)
+            .map(|i| hash::key_hash(&i.to_le_bytes()))
+            .find(|&h| b.selector.load().ranking(h).first() == Some(&1))
+            .expect("some key ranks s1 first");
+        for _ in 0..10 {
+            b.counters(1).expect("counters").open();
+        }
+        b.counters(0).expect("counters").open();
+        // s1 carries 10 of 11 flows: far above 150% of its fair third.
+        let c = b.choose(KeyInput::Hash(h), 0).expect("choice");
+        assert_ne!(c.member, 1);
+    }
+
+    #[test]
+    fn down_to_up_starts_slow_start_and_caps_the_member() {
+        let b = balancer(
+            "round_robin",
+            "    slow_start: { new_service_request_rate: 2, unit: per_second, increment_interval: 0s }\n",
+            3,
+        );
+        b.set_health(2, Health::Down, 0);
+        b.set_health(2, Health::Up, 0);
+        assert!(b.slow_start().is_some_and(|s| s.is_new(2)));
+        let mut to_new = 0;
+        // 90 requests spread over one second: the new member may take at most 2.
+        for i in 0..90u64 {
+            let now = i * 1_000_000_000 / 90;
+            if b.choose(KeyInput::NoKey, now).map(|c| c.member) == Some(2) {
+                to_new += 1;
+            }
+        }
+        assert!(to_new <= 2, "{to_new}");
+        assert!(to_new >= 1, "{to_new}");
+        // The operator ends slow start: full share again.
+        assert!(b.set_slow_start_rate(0, 1_000_000_000));
+        let mut to_new = 0;
+        for i in 0..90u64 {
+            if b.choose(KeyInput::NoKey, 1_000_000_000 + i)
+                .map(|c| c.member)
+                == Some(2)
+            {
+                to_new += 1;
+            }
+        }
+        assert_eq!(to_new, 30);
     }
 }

@@ -3,13 +3,13 @@
 //! Three built-in SIP UAS backends, a sip-udp vserver in front of them (round robin with
 //! automatic slow start, dialog affinity), and a built-in UAC load placing whole calls. A
 //! live table shows each service's state, calls and call rate. Part way through, one
-//! service stops and is marked DOWN; later it returns, is marked UP and ramps up under slow
-//! start. The config is ordinary YAML run through the real loader.
+//! service stops; its sip-options monitor (every 500 ms, DOWN after 2 failures) marks it
+//! DOWN; later it returns, the monitor marks it UP after 2 successes and it ramps up under
+//! slow start. The config is ordinary YAML run through the real loader.
 
-use crate::balancer::Health;
 use crate::config;
+use crate::ops::Ops;
 use crate::peer::{Uac, Uas};
-use crate::proxy::Runtime;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -43,12 +43,13 @@ pub struct DemoReport {
 }
 
 fn demo_yaml(ports: &[u16]) -> String {
-    let mut y =
-        String::from("# fulcrum demo: generated at run time\nadmin: { listen: null }\nservices:\n");
+    let mut y = String::from(
+        "# fulcrum demo: generated at run time\nadmin: { listen: null }\nmonitors:\n  - { name: ping, type: sip-options, interval: 500ms, timeout: 300ms, failures_to_down: 2, successes_to_up: 2 }\nservices:\n",
+    );
     for (i, p) in ports.iter().enumerate() {
         let _ = writeln!(
             y,
-            "  - {{ name: sip{n}, address: 127.0.0.1:{p}, protocol: sip-udp }}",
+            "  - {{ name: sip{n}, address: 127.0.0.1:{p}, protocol: sip-udp, monitor: ping }}",
             n = i + 1
         );
     }
@@ -64,14 +65,15 @@ pub fn run(opts: DemoOptions, stop: Arc<AtomicBool>) -> anyhow::Result<DemoRepor
     let mut uas: Vec<Uas> = (0..3).map(|_| Uas::start(any)).collect::<Result<_, _>>()?;
     let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
     let cfg = config::from_str("demo.yaml", &demo_yaml(&ports))?;
-    let rt = Runtime::start(&cfg)?;
-    let vs = rt
-        .vserver("demo")
+    let ops = Ops::start(cfg, None)?;
+    let (b, proxy) = ops
+        .with_vservers(|vs, _| {
+            vs.iter()
+                .find(|v| v.name == "demo")
+                .and_then(|v| Some((std::sync::Arc::clone(v.balancer()), *v.bound.first()?)))
+        })
+        .flatten()
         .ok_or_else(|| anyhow::anyhow!("demo vserver did not start"))?;
-    let proxy = *vs
-        .bound
-        .first()
-        .ok_or_else(|| anyhow::anyhow!("demo vserver has no address"))?;
     println!("fulcrum demo: 3 SIP services on 127.0.0.1:{ports:?}, proxy on {proxy}");
     println!(
         "round robin + slow start (5 calls/s, +5 every 2 s), {} calls/s offered, {} s",
@@ -113,6 +115,7 @@ pub fn run(opts: DemoOptions, stop: Arc<AtomicBool>) -> anyhow::Result<DemoRepor
     let (mut went_down, mut came_back) = (false, false);
     let mut last: Vec<u64> = vec![0; uas.len()];
     let mut tick = start;
+    let mut last_state = b.health(1);
     while start.elapsed() < opts.duration && !stop.load(Ordering::Relaxed) {
         tick += Duration::from_secs(1);
         if let Some(wait) = tick.checked_duration_since(Instant::now()) {
@@ -121,21 +124,29 @@ pub fn run(opts: DemoOptions, stop: Arc<AtomicBool>) -> anyhow::Result<DemoRepor
         let t = start.elapsed();
         if !went_down && t >= down_at {
             uas[1].stop();
-            // In production a sip-options monitor notices; the demo tells the balancer.
-            rt.set_health("sip2", Health::Down);
-            println!("-- t={:>2}s sip2 stopped and marked DOWN", t.as_secs());
+            println!(
+                "-- t={:>2}s sip2 stopped: its sip-options monitor will notice",
+                t.as_secs()
+            );
             went_down = true;
         }
         if went_down && !came_back && t >= up_at {
             uas[1] = Uas::start(SocketAddr::from(([127, 0, 0, 1], ports[1])))?;
-            rt.set_health("sip2", Health::Up);
             println!(
-                "-- t={:>2}s sip2 back UP: slow start ramps it up",
+                "-- t={:>2}s sip2 restarted: the monitor brings it UP, slow start ramps it up",
                 t.as_secs()
             );
             came_back = true;
         }
-        let b = vs.balancer();
+        let state_now = b.health(1);
+        if state_now != last_state {
+            println!(
+                "-- t={:>2}s monitor: sip2 is {}",
+                t.as_secs(),
+                state_now.map_or("?", |h| h.name())
+            );
+            last_state = state_now;
+        }
         let slow = b.slow_start();
         let mut line = format!("t={:>3}s ", t.as_secs());
         for (i, u) in uas.iter().enumerate() {
@@ -177,7 +188,7 @@ pub fn run(opts: DemoOptions, stop: Arc<AtomicBool>) -> anyhow::Result<DemoRepor
             .map(|u| u.log.invites.load(Ordering::Relaxed))
             .collect(),
     };
-    rt.shutdown();
+    ops.shutdown();
     println!(
         "done: {} calls completed, {} failed (calls in flight on sip2 when it stopped fail by design)",
         report.calls_ok, report.calls_failed

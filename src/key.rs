@@ -89,7 +89,7 @@ impl Eq for Key<'_> {}
 
 impl std::fmt::Debug for Key<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Key({:?})", self.as_bytes().escape_ascii().to_string())
+        write!(f, "Key(\"{}\")", self.as_bytes().escape_ascii())
     }
 }
 

@@ -3,17 +3,21 @@
 //! # Layout
 //! A pure decision core (no sockets, no clock, no randomness) inside an I/O shell.
 //!
+//! - `admin`      IO    admin HTTP API (router PURE over `Ops`, tiny HTTP/1.1 server) and /metrics
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
+//! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
 //! - `net`        IO    SO_REUSEPORT worker sockets
+//! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
 //! - `proxy`      IO    data paths (sip-udp, udp, tcp, http) and the runtime that starts vservers
+//! - `reload`     PURE  what a reload changes in place, and what needs a restart
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
 //! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
@@ -22,17 +26,21 @@
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)
 #![forbid(unsafe_code)]
 
+pub mod admin;
 pub mod balancer;
 pub mod config;
 pub mod demo;
 pub mod dialog;
 pub mod hash;
+pub mod health;
 pub mod http;
 pub mod key;
 pub mod methods;
 pub mod net;
+pub mod ops;
 pub mod peer;
 pub mod proxy;
+pub mod reload;
 pub mod select;
 pub mod session;
 pub mod simulate;

@@ -37,6 +37,9 @@ enum Command {
         /// Config file.
         #[arg(long, short, default_value = "config/fulcrum.yaml")]
         config: PathBuf,
+        /// On SIGTERM, how long established flows may drain before exit (e.g. 10s).
+        #[arg(long, default_value = "10s", value_parser = parse_duration_arg)]
+        drain_timeout: Duration,
     },
     /// Hash-distribution and slow-start tables from the real core, without sockets.
     Simulate {
@@ -117,7 +120,10 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Check { files } => Ok(check(&files)),
-        Command::Run { config: path } => {
+        Command::Run {
+            config: path,
+            drain_timeout,
+        } => {
             let cfg = match config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
@@ -126,7 +132,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
             };
             init_tracing(cli.log_format, Some(&cfg))?;
-            run_proxy(&cfg)?;
+            run_proxy(cfg, path, drain_timeout)?;
             Ok(ExitCode::SUCCESS)
         }
         Command::Simulate { what } => simulate(what),
@@ -194,14 +200,53 @@ fn wait_for_signal() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_proxy(cfg: &Config) -> anyhow::Result<()> {
-    let rt = fulcrum::proxy::Runtime::start(cfg).context("starting vservers")?;
-    for v in rt.vservers() {
-        tracing::info!(vserver = %v.name, bound = ?v.bound, "listening");
+/// Run until SIGTERM / Ctrl-C: admin API, monitors, SIGHUP reload, then a graceful drain.
+fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Result<()> {
+    let admin_addr = cfg.admin.listen;
+    let ops = fulcrum::ops::Ops::start(cfg, Some(path)).context("starting vservers")?;
+    ops.with_vservers(|vs, _| {
+        for v in vs {
+            tracing::info!(vserver = %v.name, bound = ?v.bound, "listening");
+        }
+    });
+    if let Some(addr) = admin_addr {
+        let (bound, _task) = ops
+            .tokio()
+            .block_on(fulcrum::admin::serve(Arc::clone(&ops), addr))
+            .with_context(|| format!("admin API on {addr}"))?;
+        tracing::info!(%bound, "admin API listening");
     }
-    wait_for_signal()?;
-    tracing::info!("signal received, shutting down");
-    rt.shutdown();
+    let signals = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    signals.block_on(async {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        loop {
+            tokio::select! {
+                r = tokio::signal::ctrl_c() => return r,
+                _ = term.recv() => return Ok(()),
+                _ = hup.recv() => {
+                    let ops = Arc::clone(&ops);
+                    // Reload reads the file: off this signal loop.
+                    let r = tokio::task::spawn_blocking(move || ops.reload()).await;
+                    match r {
+                        Ok(Ok(changes)) => tracing::info!(?changes, "SIGHUP: reloaded"),
+                        Ok(Err(e)) => tracing::error!(error = %e, "SIGHUP: reload refused, nothing changed"),
+                        Err(e) => tracing::error!(error = %e, "SIGHUP: reload task failed"),
+                    }
+                }
+            }
+        }
+    })?;
+    tracing::info!(drain_timeout = ?drain_timeout, "signal received: draining");
+    let left = ops.drain(drain_timeout);
+    if left > 0 {
+        tracing::warn!(flows = left, "drain timeout: closing remaining flows");
+    }
+    ops.shutdown();
+    tracing::info!("stopped");
     Ok(())
 }
 

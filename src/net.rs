@@ -43,6 +43,21 @@ pub fn bind_udp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<UdpSoc
     Ok(out)
 }
 
+/// A TCP listener (SO_REUSEADDR, IPv6-only for [::] binds), non-blocking for tokio.
+pub fn bind_tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(true)?;
+    }
+    socket.set_reuse_address(true)?;
+    socket.bind(&addr.into())?;
+    // Bursts of short connections (HTTP with `Connection: close`) must not be dropped by
+    // the kernel before the accept loop runs; the kernel caps it at somaxconn.
+    socket.listen(4096)?;
+    socket.set_nonblocking(true)?;
+    Ok(socket.into())
+}
+
 /// Number of worker sockets for `configured` (0 = one per core).
 pub fn worker_count(configured: usize) -> usize {
     if configured > 0 {

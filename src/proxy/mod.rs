@@ -3,8 +3,40 @@
 pub mod fd_limit;
 pub mod proxy_protocol;
 pub mod runtime;
+pub mod sip_core;
+pub mod sip_tcp;
 pub mod sip_udp;
 pub mod tcp;
 pub mod udp;
 
-pub use runtime::{Runtime, RuntimeError, VserverHandle};
+pub use runtime::{DataPath, Runtime, RuntimeError, VserverHandle};
+
+use crate::stats::Nanos;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// How often a blocked worker checks for shutdown.
+pub const POLL: Duration = Duration::from_millis(100);
+
+/// Logs at most once per second per limiter (bad input must not flood the log).
+#[derive(Debug, Default)]
+pub struct LogLimiter {
+    last_s: AtomicU64,
+}
+
+impl LogLimiter {
+    pub fn allow(&self, now: Nanos) -> bool {
+        let s = now / 1_000_000_000 + 1;
+        let last = self.last_s.load(Ordering::Relaxed);
+        s != last
+            && self
+                .last_s
+                .compare_exchange(last, s, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+}
+
+/// Nanoseconds since `epoch` (the shell's clock, handed to the pure core).
+pub fn elapsed_nanos(epoch: Instant) -> Nanos {
+    u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}

@@ -3,7 +3,8 @@
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol, Vserver};
 use crate::net;
-use crate::proxy::sip_udp::{self, SipUdpCore, SipUdpParams};
+use crate::proxy::sip_core::SipCore;
+use crate::proxy::sip_udp;
 use crate::sip::{Local, Transport};
 use crate::stats::Nanos;
 use std::net::SocketAddr;
@@ -11,9 +12,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-/// How often a blocked worker checks for shutdown.
-const POLL: Duration = Duration::from_millis(100);
 
 /// Why the runtime could not start.
 #[derive(Debug, thiserror::Error)]
@@ -27,11 +25,6 @@ pub enum RuntimeError {
     },
     #[error("vserver `{vserver}`: {problem}")]
     Setup { vserver: String, problem: String },
-    #[error("vserver `{vserver}`: protocol {protocol} has no data path in this build yet")]
-    Unsupported {
-        vserver: String,
-        protocol: &'static str,
-    },
     #[error("cannot start a thread: {0}")]
     Thread(#[from] std::io::Error),
 }
@@ -39,7 +32,8 @@ pub enum RuntimeError {
 /// The data path behind a vserver (one variant per protocol).
 #[derive(Debug, Clone)]
 pub enum DataPath {
-    SipUdp(Arc<SipUdpCore>),
+    SipUdp(Arc<SipCore>),
+    SipTcp(Arc<SipCore>, Arc<crate::proxy::sip_tcp::TcpShared>),
     Udp(Arc<crate::proxy::udp::UdpCore>),
     Tcp(Arc<crate::proxy::tcp::TcpCore>),
 }
@@ -113,7 +107,12 @@ impl Runtime {
 
     /// Monotonic nanoseconds since start: the `now` handed to the pure core.
     pub fn now(&self) -> Nanos {
-        sip_udp::elapsed_nanos(self.epoch)
+        super::elapsed_nanos(self.epoch)
+    }
+
+    /// The clock origin of [`Runtime::now`] (monitors and the admin API use it too).
+    pub fn epoch(&self) -> Instant {
+        self.epoch
     }
 
     pub fn vservers(&self) -> &[VserverHandle] {
@@ -158,15 +157,10 @@ impl Runtime {
             tokio: &tokio,
         };
         let handle = match v.protocol {
-            Protocol::SipUdp => start_sip_udp(&mut ctx, config, v)?,
+            Protocol::SipUdp => sip_udp::start(&mut ctx, config, v)?,
+            Protocol::SipTcp => crate::proxy::sip_tcp::start(&mut ctx, config, v)?,
             Protocol::Udp => crate::proxy::udp::start(&mut ctx, config, v)?,
             Protocol::Tcp | Protocol::Http => crate::proxy::tcp::start(&mut ctx, config, v)?,
-            p => {
-                return Err(RuntimeError::Unsupported {
-                    vserver: v.name.clone(),
-                    protocol: p.name(),
-                });
-            }
         };
         self.vservers.push(handle);
         Ok(())
@@ -194,14 +188,13 @@ impl Drop for Runtime {
     }
 }
 
-/// Start a sip-udp vserver: worker threads with SO_REUSEPORT sockets, and a dialog sweeper.
-fn start_sip_udp(
-    ctx: &mut StartCtx<'_>,
-    config: &Config,
+/// Bind `workers` SO_REUSEPORT UDP sockets on every bind address of `v`: the sockets per
+/// address, and the addresses actually bound (port 0 resolved).
+pub(crate) fn bind_udp(
     v: &Vserver,
-) -> Result<VserverHandle, RuntimeError> {
-    let workers = net::worker_count(v.workers);
-    let mut sockets = Vec::new();
+    workers: usize,
+) -> Result<(Vec<Vec<std::net::UdpSocket>>, Vec<SocketAddr>), RuntimeError> {
+    let mut per_addr = Vec::new();
     let mut bound = Vec::new();
     for addr in &v.bind {
         let socks = net::bind_udp_workers(*addr, workers).map_err(|source| RuntimeError::Bind {
@@ -209,80 +202,46 @@ fn start_sip_udp(
             addr: *addr,
             source,
         })?;
-        let actual = socks
-            .first()
-            .and_then(|s| s.local_addr().ok())
-            .unwrap_or(*addr);
-        bound.push(actual);
-        sockets.extend(socks);
+        bound.push(
+            socks
+                .first()
+                .and_then(|s| s.local_addr().ok())
+                .unwrap_or(*addr),
+        );
+        per_addr.push(socks);
     }
-    let member_addrs: Vec<SocketAddr> = v
-        .services
-        .iter()
-        .filter_map(|&i| config.services.get(i))
-        .map(|s| SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
-        .collect();
-    let local = local_identity(v, &bound, &member_addrs)?;
-    let balancer = Arc::new(Balancer::new(config, v));
-    let core = Arc::new(SipUdpCore::new(SipUdpParams {
-        name: v.name.clone(),
-        local,
-        record_route: v.record_route,
-        method: v.method,
-        hash_params: v.hash.clone(),
-        balancer,
-        member_addrs,
-        max_dialogs: v.max_sessions,
-        dialog_idle: v.idle_timeout,
-    }));
-    for (i, socket) in sockets.into_iter().enumerate() {
-        let core = Arc::clone(&core);
-        let stop = Arc::clone(ctx.stop);
-        let epoch = ctx.epoch;
-        let t = std::thread::Builder::new()
-            .name(format!("{}-{i}", v.name))
-            .spawn(move || sip_udp::run_worker(socket, core, epoch, stop, POLL))?;
-        ctx.threads.push(t);
+    Ok((per_addr, bound))
+}
+
+/// Bind a TCP listener on every bind address of `v`, registered with the tokio runtime
+/// `ctx` runs: the listeners and the addresses actually bound.
+pub(crate) fn bind_tcp(
+    ctx: &StartCtx<'_>,
+    v: &Vserver,
+) -> Result<(Vec<tokio::net::TcpListener>, Vec<SocketAddr>), RuntimeError> {
+    let _enter = ctx.tokio.enter();
+    let mut listeners = Vec::new();
+    let mut bound = Vec::new();
+    for addr in &v.bind {
+        let bind_err = |source| RuntimeError::Bind {
+            vserver: v.name.clone(),
+            addr: *addr,
+            source,
+        };
+        let l = net::bind_tcp_listener(*addr).map_err(bind_err)?;
+        bound.push(l.local_addr().map_err(bind_err)?);
+        listeners.push(tokio::net::TcpListener::from_std(l).map_err(bind_err)?);
     }
-    // Dialog expiry: often enough that the table reflects the idle timeout within ~10%.
-    let sweep_every =
-        (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
-    let (core2, stop, epoch) = (Arc::clone(&core), Arc::clone(ctx.stop), ctx.epoch);
-    let t = std::thread::Builder::new()
-        .name(format!("{}-sweep", v.name))
-        .spawn(move || {
-            let mut last = Instant::now();
-            while !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(POLL);
-                if last.elapsed() >= sweep_every {
-                    core2.sweep(sip_udp::elapsed_nanos(epoch));
-                    last = Instant::now();
-                }
-            }
-        })?;
-    ctx.threads.push(t);
-    tracing::info!(
-        vserver = %v.name,
-        bind = ?bound,
-        workers,
-        method = v.method.name(),
-        "sip-udp vserver started"
-    );
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
-        bound,
-        balancer: Arc::clone(core.balancer()),
-        data: DataPath::SipUdp(core),
-    })
+    Ok((listeners, bound))
 }
 
 /// fulcrum's Via / Record-Route identity on a vserver: `advertise`, else the bound
 /// address, else (wildcard bind) the local address the kernel uses toward the services.
-fn local_identity(
+pub(crate) fn local_identity(
     v: &Vserver,
     bound: &[SocketAddr],
     members: &[SocketAddr],
+    transport: Transport,
 ) -> Result<Local, RuntimeError> {
     let setup = |problem: String| RuntimeError::Setup {
         vserver: v.name.clone(),
@@ -296,7 +255,7 @@ fn local_identity(
             .rsplit_once(':')
             .and_then(|(h, p)| p.parse::<u16>().ok().map(|p| (h, p)))
             .ok_or_else(|| setup(format!("advertise `{adv}` is not HOST:PORT")))?;
-        Local::new(host, port, Transport::Udp)
+        Local::new(host, port, transport)
     } else if first.ip().is_unspecified() {
         let peer = members
             .first()
@@ -304,9 +263,9 @@ fn local_identity(
         let ip =
             net::local_ip_toward(*peer).map_err(|e| setup(format!("no route to {peer}: {e}")))?;
         tracing::warn!(vserver = %v.name, %ip, "bound to a wildcard without `advertise`: using the address toward the services in Via");
-        Local::from_addr(SocketAddr::new(ip, first.port()), Transport::Udp)
+        Local::from_addr(SocketAddr::new(ip, first.port()), transport)
     } else {
-        Local::from_addr(first, Transport::Udp)
+        Local::from_addr(first, transport)
     };
     Ok(local.with_aliases(bound))
 }

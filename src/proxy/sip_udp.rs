@@ -1,430 +1,32 @@
-//! The `sip-udp` vserver: a stateless SIP proxy (RFC 3261 §16.11, RFC 3581).
-//!
-//! [`SipUdpCore::handle`] is the whole per-datagram decision and rewrite: bytes, source,
-//! destination and `now` in; an [`Action`] and the bytes to send out. It touches no socket,
-//! so it is tested without one. [`run_worker`] is the IO loop around it: one blocking
-//! SO_REUSEPORT socket per worker thread, receive → handle → send from the same socket.
-//! Because the kernel keeps each 4-tuple on one socket and each worker sends in the order
-//! it received, the messages of one call leave fulcrum in the order they arrived.
+//! The `sip-udp` vserver's IO shell: one blocking SO_REUSEPORT socket per worker thread,
+//! receive → [`SipCore::handle_datagram`] → send from the same socket. Because the kernel
+//! keeps each 4-tuple on one socket and each worker sends in the order it received, the
+//! messages of one call leave fulcrum in the order they arrived.
 
-use crate::balancer::{Balancer, KeyInput};
-use crate::config::{HashParams, Method};
-use crate::dialog::{DialogTable, Pin};
-use crate::hash;
-use crate::key::{self, KeyOutcome, Payload, RequestCtx};
-use crate::sip::{
-    self, Local, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, build_response,
-    forward_request, forward_response, reply_target, request_target,
+use crate::balancer::Balancer;
+use crate::config::{Config, Vserver};
+use crate::net;
+use crate::proxy::runtime::{
+    DataPath, RuntimeError, StartCtx, VserverHandle, bind_udp, local_identity,
 };
-use crate::stats::Nanos;
-use std::net::{SocketAddr, UdpSocket};
+use crate::proxy::sip_core::SipParams;
+use crate::proxy::sip_core::{Action, SipCore};
+use crate::proxy::{LogLimiter, POLL, elapsed_nanos};
+use crate::sip::Transport;
+use std::net::UdpSocket;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// Retry-After of fulcrum's 503 (RFC 3261 §21.5.4): long enough for a monitor to bring a
-/// service back, short enough that clients do not give up on the vserver.
-pub const RETRY_AFTER_S: u32 = 5;
-
-/// Why a datagram was not forwarded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DropReason {
-    /// Not a SIP message, or one too broken to answer.
-    Malformed,
-    /// A response whose top Via is not fulcrum's.
-    NotOurs,
-    /// Next hop is fulcrum itself.
-    Loop,
-    /// Next hop is a name (fulcrum does not resolve DNS on the data path) or missing.
-    Unroutable,
-    /// An ACK that could not be forwarded (ACKs are never answered).
-    AckNotForwarded,
-}
-
-/// What to do with the bytes written to `out`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Action {
-    /// Send `out` to this address (a request forwarded to a service, a response forwarded
-    /// to a client, or fulcrum's own reply).
-    Send(SocketAddr),
-    Drop(DropReason),
-}
-
-/// Counters of one sip-udp vserver (all workers).
-#[derive(Debug, Default)]
-pub struct SipCounters {
-    pub requests_in: AtomicU64,
-    pub responses_in: AtomicU64,
-    pub requests_forwarded: AtomicU64,
-    pub responses_forwarded: AtomicU64,
-    pub in_dialog_from_services: AtomicU64,
-    pub replies_400: AtomicU64,
-    pub replies_483: AtomicU64,
-    pub replies_503: AtomicU64,
-    pub malformed: AtomicU64,
-    pub not_ours: AtomicU64,
-    pub loops: AtomicU64,
-    pub unroutable: AtomicU64,
-    pub send_errors: AtomicU64,
-    pub recv_errors: AtomicU64,
-}
-
 fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
-}
-
-/// Shared, immutable-after-build state of one sip-udp vserver.
-pub struct SipUdpCore {
-    pub name: String,
-    local: Local,
-    record_route: bool,
-    method: Method,
-    hash_params: HashParams,
-    balancer: Arc<Balancer>,
-    dialogs: DialogTable,
-    /// Address of each member (index = member index).
-    member_addrs: Vec<SocketAddr>,
-    pub counters: SipCounters,
-}
-
-impl std::fmt::Debug for SipUdpCore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SipUdpCore")
-            .field("name", &self.name)
-            .finish_non_exhaustive()
-    }
-}
-
-/// Everything a sip-udp vserver needs to decide.
-pub struct SipUdpParams {
-    pub name: String,
-    pub local: Local,
-    pub record_route: bool,
-    pub method: Method,
-    pub hash_params: HashParams,
-    pub balancer: Arc<Balancer>,
-    pub member_addrs: Vec<SocketAddr>,
-    pub max_dialogs: usize,
-    pub dialog_idle: Duration,
-}
-
-impl SipUdpCore {
-    pub fn new(p: SipUdpParams) -> SipUdpCore {
-        SipUdpCore {
-            name: p.name,
-            local: p.local,
-            record_route: p.record_route,
-            method: p.method,
-            hash_params: p.hash_params,
-            balancer: p.balancer,
-            dialogs: DialogTable::new(
-                p.max_dialogs,
-                u64::try_from(p.dialog_idle.as_millis()).unwrap_or(u64::MAX),
-            ),
-            member_addrs: p.member_addrs,
-            counters: SipCounters::default(),
-        }
-    }
-
-    pub fn balancer(&self) -> &Arc<Balancer> {
-        &self.balancer
-    }
-
-    pub fn dialogs(&self) -> &DialogTable {
-        &self.dialogs
-    }
-
-    pub fn local(&self) -> &Local {
-        &self.local
-    }
-
-    /// Expire idle dialogs; each expired dialog stops counting toward its member's load.
-    pub fn sweep(&self, now: Nanos) -> usize {
-        let balancer = &self.balancer;
-        self.dialogs.sweep(now / 1_000_000, |member| {
-            if let Some(c) = balancer.counters(member as usize) {
-                c.close();
-            }
-        })
-    }
-
-    fn member_of(&self, src: SocketAddr) -> Option<usize> {
-        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
-        self.member_addrs.iter().position(|a| *a == src)
-    }
-
-    /// Decide and rewrite one datagram received from `src` on local address `dst`.
-    pub fn handle(
-        &self,
-        buf: &[u8],
-        src: SocketAddr,
-        dst: SocketAddr,
-        now: Nanos,
-        out: &mut Vec<u8>,
-    ) -> Action {
-        out.clear();
-        let msg = match sip::scan(buf) {
-            Ok(m) => m,
-            Err(_) => {
-                bump(&self.counters.malformed);
-                return Action::Drop(DropReason::Malformed);
-            }
-        };
-        if msg.is_request() {
-            bump(&self.counters.requests_in);
-            match self.member_of(src) {
-                Some(_) => self.request_from_service(&msg, src, out),
-                None => self.request_from_client(&msg, src, dst, now, out),
-            }
-        } else {
-            bump(&self.counters.responses_in);
-            self.response(&msg, out)
-        }
-    }
-
-    /// A stateless reply to the request's sender (RFC 3261 §8.2.6, RFC 3581 §4).
-    fn reply(
-        &self,
-        msg: &SipMsg<'_>,
-        src: SocketAddr,
-        reply: &Reply<'_>,
-        out: &mut Vec<u8>,
-    ) -> Action {
-        out.clear();
-        match build_response(msg, reply, out) {
-            Ok(()) => Action::Send(reply_target(msg, src)),
-            Err(RewriteError::AckNotAnswered) => Action::Drop(DropReason::AckNotForwarded),
-            Err(_) => {
-                bump(&self.counters.malformed);
-                Action::Drop(DropReason::Malformed)
-            }
-        }
-    }
-
-    fn request_from_client(
-        &self,
-        msg: &SipMsg<'_>,
-        src: SocketAddr,
-        dst: SocketAddr,
-        now: Nanos,
-        out: &mut Vec<u8>,
-    ) -> Action {
-        if msg.missing_mandatory().is_some() {
-            bump(&self.counters.replies_400);
-            return self.reply(msg, src, &Reply::BAD_REQUEST, out);
-        }
-        // Max-Forwards first: a looping request must not pin a dialog or take a slot.
-        if msg.max_forwards() == Some(Some(0)) {
-            bump(&self.counters.replies_483);
-            return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out);
-        }
-        let Some(member) = self.choose(msg, src, dst, now) else {
-            bump(&self.counters.replies_503);
-            return self.reply(msg, src, &Reply::service_unavailable(RETRY_AFTER_S), out);
-        };
-        let Some(&target) = self.member_addrs.get(member) else {
-            return Action::Drop(DropReason::Unroutable);
-        };
-        let rw = RequestRewrite {
-            local: &self.local,
-            src,
-            record_route: self.record_route,
-            force_rport: false,
-            conn_id: None,
-        };
-        match forward_request(msg, &rw, out) {
-            Ok(_) => {
-                bump(&self.counters.requests_forwarded);
-                if let Some(c) = self.balancer.counters(member) {
-                    c.record_request();
-                }
-                Action::Send(target)
-            }
-            Err(RewriteError::TooManyHops) => {
-                bump(&self.counters.replies_483);
-                self.reply(msg, src, &Reply::TOO_MANY_HOPS, out)
-            }
-            Err(_) => {
-                bump(&self.counters.replies_400);
-                self.reply(msg, src, &Reply::BAD_REQUEST, out)
-            }
-        }
-    }
-
-    /// Dialog affinity first (an established call stays on its UP member), else the
-    /// vserver's method. The dialog is pinned to whatever was chosen.
-    fn choose(
-        &self,
-        msg: &SipMsg<'_>,
-        src: SocketAddr,
-        dst: SocketAddr,
-        now: Nanos,
-    ) -> Option<usize> {
-        let now_ms = now / 1_000_000;
-        let call_hash = msg.call_id().map(|c| hash::key_hash(sip_trim(c)));
-        if let Some(h) = call_hash
-            && let Some(m) = self.dialogs.get(h, now_ms)
-            && self.balancer.is_usable(m as usize)
-        {
-            self.balancer.count_affinity();
-            // BYE / CANCEL end the dialog: its member stops counting it as load.
-            if matches!(msg.method_kind(), SipMethod::Bye | SipMethod::Cancel)
-                && let Some(member) = self.dialogs.end(h, now_ms)
-            {
-                self.close(member);
-            }
-            return Some(m as usize);
-        }
-        let ctx = RequestCtx {
-            src,
-            dst,
-            payload: Payload::Sip(msg),
-        };
-        let key = match key::extract(self.method, &self.hash_params, &ctx) {
-            KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
-            KeyOutcome::NoKey => KeyInput::NoKey,
-            KeyOutcome::Unparseable => KeyInput::Unparseable,
-        };
-        let choice = self.balancer.choose(key, now)?;
-        if let Some(h) = call_hash {
-            let member = choice.member as u32;
-            match self.dialogs.put(h, member, now_ms) {
-                Pin::New => self.open(member),
-                Pin::Moved(old) => {
-                    self.close(old);
-                    self.open(member);
-                }
-                Pin::Refreshed | Pin::Refused => {}
-            }
-        }
-        Some(choice.member)
-    }
-
-    fn open(&self, member: u32) {
-        if let Some(c) = self.balancer.counters(member as usize) {
-            c.open();
-        }
-    }
-
-    fn close(&self, member: u32) {
-        if let Some(c) = self.balancer.counters(member as usize) {
-            c.close();
-        }
-    }
-
-    /// A request from a service toward a client (in-dialog: BYE, re-INVITE, NOTIFY...):
-    /// routed by Route / Request-URI, never to ourselves.
-    fn request_from_service(&self, msg: &SipMsg<'_>, src: SocketAddr, out: &mut Vec<u8>) -> Action {
-        bump(&self.counters.in_dialog_from_services);
-        let target = match request_target(msg, &self.local) {
-            Ok(t) => t,
-            Err(RewriteError::Loop) => {
-                bump(&self.counters.loops);
-                return Action::Drop(DropReason::Loop);
-            }
-            Err(_) => {
-                bump(&self.counters.unroutable);
-                return Action::Drop(DropReason::Unroutable);
-            }
-        };
-        let Some(addr) = target.socket_addr() else {
-            bump(&self.counters.unroutable);
-            return Action::Drop(DropReason::Unroutable);
-        };
-        if self.local.is_local_addr(addr) {
-            bump(&self.counters.loops);
-            return Action::Drop(DropReason::Loop);
-        }
-        let rw = RequestRewrite {
-            local: &self.local,
-            src,
-            record_route: self.record_route,
-            force_rport: false,
-            conn_id: None,
-        };
-        match forward_request(msg, &rw, out) {
-            Ok(_) => {
-                bump(&self.counters.requests_forwarded);
-                Action::Send(addr)
-            }
-            Err(RewriteError::TooManyHops) => {
-                bump(&self.counters.replies_483);
-                self.reply(msg, src, &Reply::TOO_MANY_HOPS, out)
-            }
-            Err(_) => {
-                bump(&self.counters.malformed);
-                Action::Drop(DropReason::Malformed)
-            }
-        }
-    }
-
-    /// A response: fulcrum's Via must be on top; it is removed and the response goes to
-    /// the next Via (received / rport aware).
-    fn response(&self, msg: &SipMsg<'_>, out: &mut Vec<u8>) -> Action {
-        match forward_response(msg, &self.local, out) {
-            Ok(route) => match route.target.socket_addr() {
-                Some(addr) if self.local.is_local_addr(addr) => {
-                    bump(&self.counters.loops);
-                    Action::Drop(DropReason::Loop)
-                }
-                Some(addr) => {
-                    bump(&self.counters.responses_forwarded);
-                    Action::Send(addr)
-                }
-                None => {
-                    bump(&self.counters.unroutable);
-                    Action::Drop(DropReason::Unroutable)
-                }
-            },
-            Err(RewriteError::ViaNotOurs) => {
-                bump(&self.counters.not_ours);
-                Action::Drop(DropReason::NotOurs)
-            }
-            Err(_) => {
-                bump(&self.counters.malformed);
-                Action::Drop(DropReason::Malformed)
-            }
-        }
-    }
-}
-
-/// Call-ID without surrounding whitespace (the scanner already trims LWS; this keeps the
-/// dialog key identical to the call_id_hash key whatever the header's spacing).
-fn sip_trim(v: &[u8]) -> &[u8] {
-    let start = v
-        .iter()
-        .position(|c| !c.is_ascii_whitespace())
-        .unwrap_or(v.len());
-    let end = v
-        .iter()
-        .rposition(|c| !c.is_ascii_whitespace())
-        .map_or(start, |e| e + 1);
-    &v[start..end]
-}
-
-/// Logs at most once per second per limiter (bad input must not flood the log).
-#[derive(Debug, Default)]
-pub struct LogLimiter {
-    last_s: AtomicU64,
-}
-
-impl LogLimiter {
-    pub fn allow(&self, now: Nanos) -> bool {
-        let s = now / 1_000_000_000 + 1;
-        let last = self.last_s.load(Ordering::Relaxed);
-        s != last
-            && self
-                .last_s
-                .compare_exchange(last, s, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-    }
 }
 
 /// The receive loop of one worker socket. Runs until `stop` is set (checked at least every
 /// `poll` interval). Errors are counted and never end the loop.
 pub fn run_worker(
     socket: UdpSocket,
-    core: Arc<SipUdpCore>,
+    core: Arc<SipCore>,
     epoch: Instant,
     stop: Arc<AtomicBool>,
     poll: Duration,
@@ -466,25 +68,90 @@ pub fn run_worker(
             }
         };
         let now = elapsed_nanos(epoch);
-        match core.handle(&buf[..n], src, dst, now, &mut out) {
-            Action::Send(to) => {
-                if let Err(e) = socket.send_to(&out, to) {
-                    bump(&core.counters.send_errors);
-                    if send_log.allow(now) {
-                        tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
-                    }
-                }
-            }
+        let to = match core.handle_datagram(&buf[..n], src, dst, now, &mut out) {
+            Action::ToMember(m) => core.member_addr(m),
+            Action::ToAddr(a) | Action::Reply(a) => Some(a),
+            // Connection ids exist only on streams.
+            Action::ToConn(_) => None,
             Action::Drop(reason) => {
                 if drop_log.allow(now) {
                     tracing::debug!(vserver = %core.name, %src, ?reason, "datagram dropped");
                 }
+                None
+            }
+        };
+        if let Some(to) = to
+            && let Err(e) = socket.send_to(&out, to)
+        {
+            bump(&core.counters.send_errors);
+            if send_log.allow(now) {
+                tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
             }
         }
     }
 }
 
-/// Nanoseconds since `epoch` (the shell's clock, handed to the pure core).
-pub fn elapsed_nanos(epoch: Instant) -> Nanos {
-    u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+/// Start a sip-udp vserver: worker threads with SO_REUSEPORT sockets, and a dialog sweeper.
+pub fn start(
+    ctx: &mut StartCtx<'_>,
+    config: &Config,
+    v: &Vserver,
+) -> Result<VserverHandle, RuntimeError> {
+    let workers = net::worker_count(v.workers);
+    let (per_addr, bound) = bind_udp(v, workers)?;
+    let sockets: Vec<UdpSocket> = per_addr.into_iter().flatten().collect();
+    let member_addrs = config.member_addrs(v);
+    let local = local_identity(v, &bound, &member_addrs, Transport::Udp)?;
+    let balancer = Arc::new(Balancer::new(config, v));
+    let core = Arc::new(SipCore::new(SipParams {
+        name: v.name.clone(),
+        local,
+        record_route: v.record_route,
+        method: v.method,
+        hash_params: v.hash.clone(),
+        balancer,
+        member_addrs,
+        max_dialogs: v.max_sessions,
+        dialog_idle: v.idle_timeout,
+    }));
+    for (i, socket) in sockets.into_iter().enumerate() {
+        let core = Arc::clone(&core);
+        let stop = Arc::clone(ctx.stop);
+        let epoch = ctx.epoch;
+        let t = std::thread::Builder::new()
+            .name(format!("{}-{i}", v.name))
+            .spawn(move || run_worker(socket, core, epoch, stop, POLL))?;
+        ctx.threads.push(t);
+    }
+    // Dialog expiry: often enough that the table reflects the idle timeout within ~10%.
+    let sweep_every =
+        (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
+    let (core2, stop, epoch) = (Arc::clone(&core), Arc::clone(ctx.stop), ctx.epoch);
+    let t = std::thread::Builder::new()
+        .name(format!("{}-sweep", v.name))
+        .spawn(move || {
+            let mut last = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(POLL);
+                if last.elapsed() >= sweep_every {
+                    core2.sweep(elapsed_nanos(epoch));
+                    last = Instant::now();
+                }
+            }
+        })?;
+    ctx.threads.push(t);
+    tracing::info!(
+        vserver = %v.name,
+        bind = ?bound,
+        workers,
+        method = v.method.name(),
+        "sip-udp vserver started"
+    );
+    Ok(VserverHandle {
+        name: v.name.clone(),
+        protocol: v.protocol,
+        bound,
+        balancer: Arc::clone(core.balancer()),
+        data: DataPath::SipUdp(core),
+    })
 }

@@ -19,10 +19,10 @@ use crate::hash;
 use crate::http::{self, HttpError};
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
-use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle};
-use crate::proxy::sip_udp::{LogLimiter, elapsed_nanos};
+use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp};
+use crate::proxy::{LogLimiter, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
-use socket2::{Domain, SockRef, Socket, Type};
+use socket2::SockRef;
 use std::cell::RefCell;
 use std::io;
 use std::net::{Shutdown, SocketAddr};
@@ -41,10 +41,6 @@ pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Scratch buffer per runtime thread, shared by every connection that thread polls.
 const SCRATCH_BYTES: usize = 64 * 1024;
-
-/// Listen backlog: bursts of short connections (HTTP with `Connection: close`) must not
-/// be dropped by the kernel before the accept loop runs.
-const BACKLOG: i32 = 4096;
 
 thread_local! {
     static SCRATCH: RefCell<Vec<u8>> = RefCell::new(vec![0u8; SCRATCH_BYTES]);
@@ -213,24 +209,8 @@ pub fn start(
 ) -> Result<VserverHandle, RuntimeError> {
     crate::proxy::fd_limit::raise_nofile_limit();
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
-    let mut listeners = Vec::new();
-    let mut bound = Vec::new();
-    for addr in &v.bind {
-        let l = bind_listener(*addr).map_err(|source| RuntimeError::Bind {
-            vserver: v.name.clone(),
-            addr: *addr,
-            source,
-        })?;
-        bound.push(l.local_addr().unwrap_or(*addr));
-        listeners.push(l);
-    }
-    // Registering with the reactor needs the runtime's context.
-    let _enter = ctx.tokio.enter();
+    let (listeners, bound) = bind_tcp(ctx, v)?;
     for l in listeners {
-        let l = TcpListener::from_std(l).map_err(|e| RuntimeError::Setup {
-            vserver: v.name.clone(),
-            problem: format!("cannot register listener: {e}"),
-        })?;
         ctx.tokio.spawn(accept_loop(Arc::clone(&core), l));
     }
     tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), "tcp vserver started");
@@ -241,22 +221,6 @@ pub fn start(
         balancer: Arc::clone(core.balancer()),
         data: DataPath::Tcp(core),
     })
-}
-
-fn bind_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
-    let s = Socket::new(
-        Domain::for_address(addr),
-        Type::STREAM,
-        Some(socket2::Protocol::TCP),
-    )?;
-    if addr.is_ipv6() {
-        s.set_only_v6(true)?;
-    }
-    s.set_reuse_address(true)?;
-    s.bind(&addr.into())?;
-    s.listen(BACKLOG)?;
-    s.set_nonblocking(true)?;
-    Ok(s.into())
 }
 
 async fn accept_loop(core: Arc<TcpCore>, listener: TcpListener) {

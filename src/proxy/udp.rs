@@ -22,7 +22,7 @@ use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::net;
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle};
-use crate::proxy::sip_udp::{LogLimiter, elapsed_nanos};
+use crate::proxy::{LogLimiter, elapsed_nanos};
 use crate::session::{Admit, Session, SessionId, SessionKey, SessionTable};
 use crate::stats::Nanos;
 use mio::net::UdpSocket as MioUdp;

@@ -124,23 +124,25 @@ impl Carp {
     /// The best UP service, by one pass; the hot path of [`Carp::pick`].
     #[inline]
     fn best_up(&self, key: u64) -> Option<(Score, usize)> {
-        if self.scorer.is_uniform() {
-            // The common case: compare combined values as u64, no float work.
-            let mut best: Option<(u64, usize)> = None;
-            for (i, id) in self.scorer.ids.iter().enumerate() {
-                if !self.up[i] {
-                    continue;
-                }
-                let c = crate::hash::carp_combine(key, *id);
-                match best {
-                    Some((bc, _)) if bc >= c => {}
-                    _ => best = Some((c, i)),
-                }
-            }
-            best.map(|(c, i)| (Score::from(c), i))
-        } else {
-            self.scorer.best_after(key, None, |i| self.up[i])
+        if !self.scorer.is_uniform() {
+            return self.scorer.best_after(key, None, |i| self.up[i]);
         }
+        if self.all_up {
+            return best_of_all(&self.scorer.ids, key).map(|(c, i)| (Score::from(c), i));
+        }
+        // Equal weights: compare combined values as u64, no float work.
+        let mut best: Option<(u64, usize)> = None;
+        for (i, id) in self.scorer.ids.iter().enumerate() {
+            if !self.up[i] {
+                continue;
+            }
+            let c = crate::hash::carp_combine(key, *id);
+            match best {
+                Some((bc, _)) if bc >= c => {}
+                _ => best = Some((c, i)),
+            }
+        }
+        best.map(|(c, i)| (Score::from(c), i))
     }
 
     pub(crate) fn pick(
@@ -174,4 +176,40 @@ impl Carp {
     pub(crate) fn memory_bytes(&self) -> usize {
         self.scorer.ids.len() * (8 + 8 + 1)
     }
+}
+
+/// Highest combined value over all services (ties: lower index). Four independent running
+/// maxima let the multiplies of consecutive services overlap instead of waiting on one compare
+/// chain.
+#[inline]
+fn best_of_all(ids: &[u64], key: u64) -> Option<(u64, usize)> {
+    const LANES: usize = 4;
+    let mut best = [(0u64, usize::MAX); LANES];
+    let chunks = ids.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for (c, chunk) in chunks.enumerate() {
+        for lane in 0..LANES {
+            let v = crate::hash::carp_combine(key, chunk[lane]);
+            let i = c * LANES + lane;
+            if v > best[lane].0 || best[lane].1 == usize::MAX {
+                best[lane] = (v, i);
+            }
+        }
+    }
+    let base = ids.len() - tail.len();
+    for (t, id) in tail.iter().enumerate() {
+        let v = crate::hash::carp_combine(key, *id);
+        if v > best[0].0 || best[0].1 == usize::MAX {
+            best[0] = (v, base + t);
+        }
+    }
+    best.into_iter()
+        .filter(|b| b.1 != usize::MAX)
+        .reduce(|a, b| {
+            if b.0 > a.0 || (b.0 == a.0 && b.1 < a.1) {
+                b
+            } else {
+                a
+            }
+        })
 }

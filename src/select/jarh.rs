@@ -13,22 +13,21 @@
 //! after the start of the range. A lookup reads the index and walks forward over the few points
 //! (about one on average) that share that range: O(1) expected, no branches on the ring size.
 //!
-//! Bounds: the total number of points is capped at 2^24; when `fingers x sum(weights)` is larger,
+//! Bounds: the total number of points is capped at 2^22; when `fingers x sum(weights)` is larger,
 //! every service's count is scaled down in proportion (at least one point each). Config limits
 //! (fingers <= 1024) reach the cap only with large weights and hundreds of services.
 
 use crate::hash::finger_hash;
 
-/// Most ring points kept, whatever the config asks for (2^24 points = 192 MiB with the index).
-const MAX_POINTS: u64 = 1 << 24;
+/// Most ring points kept, whatever the config asks for (2^22 points = 64 MiB with the index).
+const MAX_POINTS: u64 = 1 << 22;
 
 /// The jarh selector.
 #[derive(Debug, Clone)]
 pub struct Jarh {
-    /// Point positions, ascending.
-    points: Vec<u64>,
-    /// Owner service of each point.
-    owners: Vec<u32>,
+    /// (position, owner service) of each point, ascending; kept together so that a lookup touches
+    /// one cache line for both.
+    points: Vec<(u64, u32)>,
     /// For each top-`b`-bit range, the first point index at or after its start.
     index: Vec<u32>,
     shift: u32,
@@ -54,8 +53,7 @@ impl Jarh {
             pts.extend((0..count).map(|j| (finger_hash(*id, j), i as u32)));
         }
         pts.sort_unstable();
-        let points: Vec<u64> = pts.iter().map(|p| p.0).collect();
-        let owners: Vec<u32> = pts.iter().map(|p| p.1).collect();
+        let points = pts;
 
         let want = (points.len() as u64).max(2);
         let bits = (64 - (want - 1).leading_zeros()).clamp(1, 32);
@@ -65,14 +63,13 @@ impl Jarh {
         let mut p = 0usize;
         for b in 0..buckets {
             let start = (b as u64) << shift;
-            while p < points.len() && points[p] < start {
+            while p < points.len() && points[p].0 < start {
                 p += 1;
             }
             index.push(p as u32);
         }
         Jarh {
             points,
-            owners,
             index,
             shift,
             up,
@@ -87,7 +84,7 @@ impl Jarh {
             .index
             .get((key >> self.shift) as usize)
             .map_or(0, |v| *v as usize);
-        while i < self.points.len() && self.points[i] < key {
+        while i < self.points.len() && self.points[i].0 < key {
             i += 1;
         }
         if i >= self.points.len() { 0 } else { i }
@@ -95,7 +92,7 @@ impl Jarh {
 
     #[inline]
     fn owner(&self, point: usize) -> usize {
-        self.owners.get(point).map_or(0, |o| *o as usize)
+        self.points.get(point).map_or(0, |p| p.1 as usize)
     }
 
     pub(crate) fn pick(
@@ -154,7 +151,7 @@ impl Jarh {
     }
 
     pub(crate) fn memory_bytes(&self) -> usize {
-        self.points.len() * 8 + self.owners.len() * 4 + self.index.len() * 4 + self.up.len()
+        self.points.len() * std::mem::size_of::<(u64, u32)>() + self.index.len() * 4 + self.up.len()
     }
 
     /// Exact fraction of the ring each service owns with the current UP set (arcs of DOWN owners
@@ -180,11 +177,11 @@ impl Jarh {
         }
         for i in 0..len {
             let prev = if i == 0 {
-                self.points[len - 1]
+                self.points[len - 1].0
             } else {
-                self.points[i - 1]
+                self.points[i - 1].0
             };
-            let arc = self.points[i].wrapping_sub(prev);
+            let arc = self.points[i].0.wrapping_sub(prev);
             let arc = if len == 1 { u64::MAX } else { arc };
             acc[next_up[i]] += arc as f64;
         }

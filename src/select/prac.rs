@@ -25,14 +25,11 @@
 //!
 //! Lookup: one shift and one table read, plus an UP check.
 
-use std::cmp::Reverse;
-use std::collections::BinaryHeap;
-
 use super::carp::{Score, Scorer};
 
-/// Largest table exponent: 2^26 slots (128 MiB of u16 entries at most) bounds memory whatever
+/// Largest table exponent: 2^22 slots (16 MiB of u32 entries at most, 1024 fingers x 4096 services) bounds memory whatever
 /// `fingers x services` asks for.
-const MAX_BITS: u32 = 26;
+const MAX_BITS: u32 = 22;
 
 /// Slot -> service index, stored as u16 while the service count allows (half the memory).
 #[derive(Debug, Clone)]
@@ -71,8 +68,9 @@ impl Table {
 pub struct Prac {
     scorer: Scorer,
     up: Vec<bool>,
-    shift: u32,
-    slots: usize,
+    /// Every service UP: the table is the all-UP table, every hit is a first choice.
+    all_up: bool,
+    geo: Geometry,
     all_up_table: Table,
     table: Table,
 }
@@ -84,44 +82,120 @@ pub(crate) fn table_bits(fingers: u32, services: usize) -> u32 {
     bits.clamp(1, MAX_BITS)
 }
 
-fn caps(weights: &[u32], include: impl Fn(usize) -> bool, slots: usize) -> Vec<usize> {
+/// Slots per cell: `fingers / 8` rounded up to a power of two, so a service's share spans
+/// about 8 cells whatever the finger count, and the build ranks `8 x N` cells, not `M` slots.
+fn cell_bits(fingers: u32, table_bits: u32) -> u32 {
+    let f = u64::from(fingers.max(1)).next_power_of_two();
+    let bits = f.trailing_zeros().saturating_sub(3);
+    bits.min(table_bits)
+}
+
+/// Where slots and cells sit in the 64-bit key space.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Geometry {
+    /// `64 - table bits`: a key's slot is `key >> shift`.
+    shift: u32,
+    /// log2(slots per cell).
+    cell_bits: u32,
+    slots: usize,
+}
+
+impl Geometry {
+    fn new(fingers: u32, services: usize) -> Geometry {
+        let bits = table_bits(fingers, services);
+        Geometry {
+            shift: 64 - bits,
+            cell_bits: cell_bits(fingers, bits),
+            slots: 1usize << bits,
+        }
+    }
+
+    #[inline]
+    fn slot(&self, key: u64) -> usize {
+        (key >> self.shift) as usize
+    }
+
+    fn cell_of(&self, slot: usize) -> usize {
+        slot >> self.cell_bits
+    }
+
+    /// The key a cell is ranked by: its start point in the key space, so that when the table
+    /// doubles, cell `2c` keeps cell `c`'s ranking.
+    fn cell_key(&self, cell: usize) -> u64 {
+        ((cell as u64) << self.cell_bits) << self.shift
+    }
+}
+
+/// Seed of the per-service rounding offset of the caps: ASCII "fulcrumC".
+const CAP_SEED: u64 = 0x6675_6c63_7275_6d43;
+
+/// Slot caps: `floor(share_i + 1/2 + r_i)` where `share_i = M x w_i / sum(w)` over the included
+/// services and `r_i` in [0, 1) is fixed by the service hash, then raised by one, largest `r_i`
+/// first, until the caps cover the table.
+///
+/// Why a per-service offset: with a plain `ceil(share)`, every equal-weight service's cap drops
+/// by one at the same moment when a service is added, and each of them sheds a slot to some
+/// unrelated service. With the offset only about `share / (N + 1)` of the services see their cap
+/// drop per added service, which is what the newcomer's share needs anyway. The cap never
+/// exceeds `share + 3/2`, so the largest share stays within 1.5 slots of the mean.
+fn caps(
+    scorer: &Scorer,
+    weights: &[u32],
+    include: impl Fn(usize) -> bool,
+    slots: usize,
+) -> Vec<usize> {
     let total: u64 = weights
         .iter()
         .enumerate()
         .filter(|(i, _)| include(*i))
         .map(|(_, w)| u64::from((*w).max(1)))
         .sum();
-    weights
+    let offset = |i: usize| {
+        let h = crate::hash::mix64(scorer.ids.get(i).copied().unwrap_or(0) ^ CAP_SEED);
+        (h >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut caps: Vec<usize> = weights
         .iter()
         .enumerate()
         .map(|(i, w)| {
             if !include(i) || total == 0 {
-                0
-            } else {
-                let num = (slots as u64) * u64::from((*w).max(1));
-                num.div_ceil(total) as usize
+                return 0;
             }
+            let share = slots as f64 * f64::from((*w).max(1)) / total as f64;
+            (share + 0.5 + offset(i)).floor() as usize
         })
-        .collect()
+        .collect();
+    let mut order: Vec<usize> = (0..weights.len()).filter(|i| include(*i)).collect();
+    order.sort_by(|a, b| offset(*b).total_cmp(&offset(*a)).then(a.cmp(b)));
+    let mut sum: usize = caps.iter().sum();
+    'raise: while sum < slots && !order.is_empty() {
+        for i in &order {
+            caps[*i] += 1;
+            sum += 1;
+            if sum >= slots {
+                break 'raise;
+            }
+        }
+    }
+    caps
 }
 
 impl Prac {
     pub(crate) fn build(ids: Vec<u64>, weights: &[u32], fingers: u32, up: Vec<bool>) -> Prac {
         let n = ids.len();
-        let bits = table_bits(fingers, n);
-        let slots = 1usize << bits;
-        let shift = 64 - bits;
+        let geo = Geometry::new(fingers, n);
+        let slots = geo.slots;
         let scorer = Scorer::new(ids, weights);
         let small = n <= usize::from(u16::MAX) + 1;
 
-        let all_caps = caps(weights, |_| true, slots);
+        let all_caps = caps(&scorer, weights, |_| true, slots);
         let mut owners = vec![0u32; slots];
         if n > 0 {
             let all: Vec<usize> = (0..slots).collect();
             let mut held = vec![0usize; n];
             assign(
                 &scorer,
-                shift,
+                &geo,
                 &all,
                 &all_caps,
                 &mut held,
@@ -134,7 +208,7 @@ impl Prac {
         let any_down = up.iter().any(|u| !*u);
         let any_up = up.iter().any(|u| *u);
         let table = if any_down && any_up {
-            let up_caps = caps(weights, |i| up[i], slots);
+            let up_caps = caps(&scorer, weights, |i| up[i], slots);
             let mut held = vec![0usize; n];
             let mut orphans = Vec::new();
             for (s, o) in owners.iter().enumerate() {
@@ -147,7 +221,7 @@ impl Prac {
             }
             assign(
                 &scorer,
-                shift,
+                &geo,
                 &orphans,
                 &up_caps,
                 &mut held,
@@ -161,9 +235,9 @@ impl Prac {
 
         Prac {
             scorer,
+            all_up: !any_down,
             up,
-            shift,
-            slots,
+            geo,
             all_up_table,
             table,
         }
@@ -171,12 +245,12 @@ impl Prac {
 
     #[inline]
     fn slot(&self, key: u64) -> usize {
-        (key >> self.shift) as usize
+        self.geo.slot(key)
     }
 
-    #[inline]
+    /// The key a slot is ranked by (its cell's start point).
     fn slot_key(&self, slot: usize) -> u64 {
-        (slot as u64) << self.shift
+        self.geo.cell_key(self.geo.cell_of(slot))
     }
 
     pub(crate) fn pick(
@@ -190,6 +264,9 @@ impl Prac {
         let slot = self.slot(key);
         let owner = self.table.get(slot);
         if self.up.get(owner).copied().unwrap_or(false) && eligible(owner) {
+            if self.all_up {
+                return Some((owner, 0));
+            }
             let first = self.all_up_table.get(slot);
             if owner == first {
                 return Some((owner, 0));
@@ -238,69 +315,146 @@ impl Prac {
     /// Fraction of the hash space each service owns in the health-adjusted table.
     pub(crate) fn shares(&self) -> Vec<f64> {
         let mut counts = vec![0u64; self.scorer.len()];
-        for s in 0..self.slots {
+        for s in 0..self.geo.slots {
             if let Some(c) = counts.get_mut(self.table.get(s)) {
                 *c += 1;
             }
         }
         counts
             .into_iter()
-            .map(|c| c as f64 / self.slots as f64)
+            .map(|c| c as f64 / self.geo.slots as f64)
             .collect()
     }
 }
 
-/// Slot-proposing deferred acceptance: each slot in `slots` proposes to services in its carp
-/// order (only those passing `allowed`); a service holds at most `caps[i] - held[i]` proposals
-/// and keeps the highest-scoring ones. Writes the result into `owners`.
+/// Candidates kept per cell before falling back to a full pass over the services.
+const CELL_CANDIDATES: usize = 16;
+
+/// The best `k` services (passing `filter`) for one cell key ranked strictly after `after`,
+/// best first.
+fn top_k(
+    scorer: &Scorer,
+    key: u64,
+    k: usize,
+    after: Option<(Score, usize)>,
+    filter: &dyn Fn(usize) -> bool,
+) -> Vec<(Score, usize)> {
+    let below = |s: Score, i: usize| after.is_none_or(|(a, ai)| Scorer::beats(a, ai, s, i));
+    let n = scorer.len();
+    let mut top: Vec<(Score, usize)> = Vec::new();
+    if scorer.is_uniform() {
+        // Combined values are uniform on [0, ceiling]: a window just below the ceiling holds
+        // about `want` of them, so one pass collects a few more than k without sorting N values;
+        // widen and retry in the rare case it held too few.
+        let ceiling = after.map_or(u64::MAX, |(a, _)| a as u64);
+        let mut want = (2 * k).max(8) as f64;
+        loop {
+            let span = (want / n.max(1) as f64 * 18_446_744_073_709_551_616.0).min(u64::MAX as f64);
+            let floor = ceiling.saturating_sub(span as u64);
+            top.clear();
+            for (i, id) in scorer.ids.iter().enumerate() {
+                let c = crate::hash::carp_combine(key, *id);
+                if c < floor || c > ceiling {
+                    continue;
+                }
+                let s = Score::from(c);
+                if below(s, i) && filter(i) {
+                    top.push((s, i));
+                }
+            }
+            if top.len() >= k || floor == 0 {
+                break;
+            }
+            want *= 4.0;
+        }
+    } else {
+        for i in 0..n {
+            let s = scorer.score(key, i);
+            if below(s, i) && filter(i) {
+                top.push((s, i));
+            }
+        }
+    }
+    top.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    top.truncate(k);
+    top
+}
+
+/// Hands `slots` (ascending) out to services: candidate pairs (cell, service) from each cell's
+/// top `CELL_CANDIDATES` services (those passing `allowed` with a non-zero cap) are taken in
+/// descending score order, each giving the cell's remaining slots (lowest slot first) to the
+/// service up to its room `caps[i] - held[i]`. Slots left when every candidate of their cell is
+/// full walk further down the cell's ranking to the first service with room. Writes the result
+/// into `owners`; deterministic and independent of memory layout.
 fn assign(
     scorer: &Scorer,
-    shift: u32,
+    geo: &Geometry,
     slots: &[usize],
     caps: &[usize],
     held: &mut [usize],
     allowed: &dyn Fn(usize) -> bool,
     owners: &mut [u32],
 ) {
-    let n = scorer.len();
-    // Per service, the proposals it holds: min-heap on (score, slot) so the weakest is evicted.
-    let mut holding: Vec<BinaryHeap<Reverse<(Score, usize)>>> = vec![BinaryHeap::new(); n];
-    // Last service each proposing slot went to, so the next proposal continues down its ranking.
-    let mut last: Vec<Option<(Score, usize)>> = vec![None; slots.len()];
-    let mut free: Vec<usize> = (0..slots.len()).rev().collect();
-    while let Some(p) = free.pop() {
-        let Some(slot) = slots.get(p).copied() else {
-            continue;
-        };
-        let key = (slot as u64) << shift;
-        let Some((score, svc)) = scorer.best_after(key, last[p], |i| {
-            allowed(i) && caps.get(i).copied().unwrap_or(0) > 0
-        }) else {
-            // Only when no allowed service has any capacity; the slot keeps its old owner.
-            continue;
-        };
-        last[p] = Some((score, svc));
-        let room = caps[svc].saturating_sub(held[svc]);
-        let heap = &mut holding[svc];
-        if heap.len() < room {
-            heap.push(Reverse((score, p)));
-            continue;
-        }
-        match heap.peek() {
-            Some(Reverse((ws, wp))) if (score, p) > (*ws, *wp) => {
-                let loser = *wp;
-                heap.pop();
-                heap.push(Reverse((score, p)));
-                free.push(loser);
-            }
-            _ => free.push(p),
+    let usable = |i: usize| allowed(i) && caps.get(i).copied().unwrap_or(0) > 0;
+    let room = |held: &[usize], i: usize| caps[i].saturating_sub(held[i]);
+    // Runs of consecutive `slots` in one cell: (cell, next unassigned index, end index).
+    let mut groups: Vec<(usize, usize, usize)> = Vec::new();
+    for (p, slot) in slots.iter().enumerate() {
+        let cell = geo.cell_of(*slot);
+        match groups.last_mut() {
+            Some(g) if g.0 == cell => g.2 = p + 1,
+            _ => groups.push((cell, p, p + 1)),
         }
     }
-    for (svc, heap) in holding.into_iter().enumerate() {
-        for Reverse((_, p)) in heap {
-            if let Some(slot) = slots.get(p) {
-                owners[*slot] = svc as u32;
+    let mut lists: Vec<Vec<(Score, usize)>> = Vec::with_capacity(groups.len());
+    let mut pairs: Vec<(Score, u32, u32)> = Vec::with_capacity(groups.len() * CELL_CANDIDATES);
+    for (g, (cell, _, _)) in groups.iter().enumerate() {
+        let list = top_k(scorer, geo.cell_key(*cell), CELL_CANDIDATES, None, &usable);
+        pairs.extend(list.iter().map(|(sc, i)| (*sc, g as u32, *i as u32)));
+        lists.push(list);
+    }
+    // Descending score; equal scores follow the ranking tie-break (lower service), then cell.
+    pairs.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.2.cmp(&b.2)).then(a.1.cmp(&b.1)));
+    for (_, g, svc) in pairs {
+        let (svc, g) = (svc as usize, g as usize);
+        let Some(group) = groups.get_mut(g) else {
+            continue;
+        };
+        let take = room(held, svc).min(group.2 - group.1);
+        for p in group.1..group.1 + take {
+            if let Some(o) = slots.get(p).and_then(|s| owners.get_mut(*s)) {
+                *o = svc as u32;
             }
+        }
+        held[svc] += take;
+        group.1 += take;
+    }
+    for (g, group) in groups.iter_mut().enumerate() {
+        if group.1 == group.2 {
+            continue;
+        }
+        let key = geo.cell_key(group.0);
+        let list = &mut lists[g];
+        let mut at = 0usize;
+        while group.1 < group.2 {
+            if at >= list.len() {
+                let more = top_k(scorer, key, CELL_CANDIDATES, list.last().copied(), &usable);
+                if more.is_empty() {
+                    // Only when no allowed service has room: these slots keep their old owner.
+                    break;
+                }
+                list.extend(more);
+            }
+            let svc = list[at].1;
+            at += 1;
+            let take = room(held, svc).min(group.2 - group.1);
+            for p in group.1..group.1 + take {
+                if let Some(o) = slots.get(p).and_then(|s| owners.get_mut(*s)) {
+                    *o = svc as u32;
+                }
+            }
+            held[svc] += take;
+            group.1 += take;
         }
     }
 }

@@ -6,6 +6,11 @@
 //! (a lone CRLF, ignored). "Need more bytes" is [`FrameError::Incomplete`], a normal result.
 //! The caller consumes `frame.len()` bytes and calls again, so back-to-back messages in one
 //! read come out one at a time.
+//!
+//! Framing reads only the start of each line and Content-Length, so a frame may still fail
+//! [`crate::sip::scan`]; such a message is dropped, and the stream stays in sync because the
+//! boundary came from Content-Length. A Content-Length value folded over two lines is refused
+//! (no implementation sends one, and guessing would desynchronise the stream).
 
 use memchr::memchr;
 
@@ -100,8 +105,6 @@ pub fn next_frame(buf: &[u8], max_len: usize) -> Result<Frame, FrameError> {
         if !first && !matches!(line[0], b' ' | b'\t') {
             if let Some(colon) = memchr(b':', line) {
                 if HeaderName::classify(trim_lws(&line[..colon])) == HeaderName::ContentLength {
-                    // A folded Content-Length value is not supported: it would be a digit
-                    // string split over lines, which no implementation sends.
                     let n =
                         parse_decimal(&line[colon + 1..]).ok_or(FrameError::BadContentLength)?;
                     match content_length {
@@ -225,6 +228,52 @@ v=0\r\n";
                 header_len: m.len() - 10
             })
         );
+    }
+
+    proptest::proptest! {
+        /// Reads of any size give the same frames as one read of the whole stream.
+        #[test]
+        fn any_read_sizes(parts in proptest::collection::vec(0u8..3, 1..12),
+                          chunks in proptest::collection::vec(1usize..300, 1..64)) {
+            let mut stream = Vec::new();
+            for p in &parts {
+                match p {
+                    0 => stream.extend_from_slice(MSG),
+                    1 => stream.extend_from_slice(b"\r\n\r\n"),
+                    _ => stream.extend_from_slice(b"OPTIONS sip:a SIP/2.0\r\nl: 0\r\n\r\n"),
+                }
+            }
+            let mut expected = Vec::new();
+            let mut pos = 0;
+            while let Ok(f) = frame(&stream[pos..]) {
+                expected.push(f);
+                pos += f.len();
+            }
+            proptest::prop_assert_eq!(pos, stream.len());
+
+            let mut got = Vec::new();
+            let mut buf: Vec<u8> = Vec::new();
+            let mut fed = 0;
+            let mut c = 0;
+            while fed < stream.len() {
+                let n = chunks[c % chunks.len()].min(stream.len() - fed);
+                c += 1;
+                buf.extend_from_slice(&stream[fed..fed + n]);
+                fed += n;
+                loop {
+                    match frame(&buf) {
+                        Ok(f) => {
+                            got.push(f);
+                            buf.drain(..f.len());
+                        }
+                        Err(FrameError::Incomplete) => break,
+                        Err(e) => return Err(proptest::test_runner::TestCaseError::fail(e.to_string())),
+                    }
+                }
+            }
+            proptest::prop_assert!(buf.is_empty());
+            proptest::prop_assert_eq!(got, expected);
+        }
     }
 
     #[test]

@@ -107,6 +107,8 @@ pub struct Local {
     via_prefix: Vec<u8>,
     /// `Record-Route: <sip:host:port;lr>\r\n` ready to copy.
     rr_line: Vec<u8>,
+    /// Our address hashed once: the seed of the branch hash.
+    branch_seed: u64,
 }
 
 impl Local {
@@ -135,7 +137,9 @@ impl Local {
         };
         let rr_line =
             format!("Record-Route: <sip:{printable}:{port}{rr_param};lr>\r\n").into_bytes();
+        let branch_seed = xxh3_64_with_seed(bare.as_bytes(), SEED ^ u64::from(port));
         Local {
+            branch_seed,
             host: bare,
             ip,
             port,
@@ -144,6 +148,32 @@ impl Local {
             via_prefix,
             rr_line,
         }
+    }
+
+    /// Parse an `advertise` value: `host`, `host:port`, `[v6]` or `[v6]:port` (a bare IPv6
+    /// address without brackets takes `default_port`). `None` when it is not one of those.
+    pub fn parse(advertise: &str, default_port: u16, transport: Transport) -> Option<Local> {
+        let (host, port) = if let Some(rest) = advertise.strip_prefix('[') {
+            let close = rest.find(']')?;
+            let port = match &rest[close + 1..] {
+                "" => default_port,
+                p => p.strip_prefix(':')?.parse().ok()?,
+            };
+            (&rest[..close], port)
+        } else if advertise.matches(':').count() > 1 {
+            (advertise, default_port)
+        } else {
+            match advertise.split_once(':') {
+                Some((h, p)) => (h, p.parse().ok()?),
+                None => (advertise, default_port),
+            }
+        };
+        let valid = !host.is_empty()
+            && (parse_ip(host.as_bytes()).is_some()
+                || host
+                    .bytes()
+                    .all(|c| c.is_ascii_alphanumeric() || c == b'-' || c == b'.'));
+        valid.then(|| Local::new(host, port, transport))
     }
 
     /// The advertised address of a socket address (for vservers without `advertise`).
@@ -220,7 +250,8 @@ pub enum Host<'a> {
     Name(&'a [u8]),
 }
 
-/// A next hop with its port.
+/// A next hop with its port. IPv4-mapped IPv6 text is returned as IPv4; a shell sending from
+/// an IPv6 dual-stack socket maps IPv4 targets back (`Ipv4Addr::to_ipv6_mapped`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Target<'a> {
     pub host: Host<'a>,
@@ -503,7 +534,7 @@ fn own_route_removal(msg: &SipMsg<'_>, local: &Local) -> Option<Span> {
 /// top Via, To tag, From tag, Call-ID, CSeq number and Request-URI. Our own address is mixed
 /// in so that a request spiralling through fulcrum twice gets a new branch.
 fn branch_hash(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local) -> u64 {
-    let mut h = xxh3_64_with_seed(local.host.as_bytes(), SEED ^ u64::from(local.port));
+    let mut h = local.branch_seed;
     if top.has_cookie() {
         return xxh3_64_with_seed(top.branch.unwrap_or_default(), h);
     }
@@ -522,22 +553,37 @@ pub fn route_response<'a>(
     msg: &SipMsg<'a>,
     local: &Local,
 ) -> Result<ResponseRoute<'a>, RewriteError> {
+    route_and_cut(msg, local).map(|(route, _)| route)
+}
+
+/// The route of a response and the bytes to cut to remove fulcrum's Via value.
+fn route_and_cut<'a>(
+    msg: &SipMsg<'a>,
+    local: &Local,
+) -> Result<(ResponseRoute<'a>, Span), RewriteError> {
     if msg.is_request() {
         return Err(RewriteError::NotAResponse);
     }
     let buf = msg.buf();
     let idx = msg.via_index().ok_or(RewriteError::NoVia)?;
-    let top = top_via_of(buf, idx, CONN_PARAM).ok_or(RewriteError::BadVia)?;
+    let mut vals = CommaValues::new(buf, idx.value);
+    let first = vals.next().ok_or(RewriteError::BadVia)?;
+    let top = parse_via(buf, first, CONN_PARAM).ok_or(RewriteError::BadVia)?;
     let ours = top.branch.is_some_and(|b| b.starts_with(BRANCH_PREFIX))
         && local.is_local(top.host, top.port);
     if !ours {
         return Err(RewriteError::ViaNotOurs);
     }
-    let conn_id = top
-        .extra_param
-        .and_then(|s| parse_hex(s.of(buf)))
-        .filter(|_| top.extra_param.is_some());
-    let next = msg.vias().nth(1).ok_or(RewriteError::NoNextVia)?;
+    let conn_id = top.extra_param.and_then(|s| parse_hex(s.of(buf)));
+    // The next Via is the second value of the same header, else the first of a later one.
+    let (next, cut) = match vals.next() {
+        Some(second) => (
+            parse_via(buf, second, b""),
+            Span::new(first.start, second.start),
+        ),
+        None => (msg.vias_after(idx.line.end).next(), idx.line),
+    };
+    let next = next.ok_or(RewriteError::NoNextVia)?;
     let default_port = if next.transport.eq_ignore_ascii_case(b"TLS") {
         5061
     } else {
@@ -554,11 +600,12 @@ pub fn route_response<'a>(
         },
         None => Target::from_host(next.host, port),
     };
-    Ok(ResponseRoute {
+    let route = ResponseRoute {
         target,
         transport: next.transport,
         conn_id,
-    })
+    };
+    Ok((route, cut))
 }
 
 /// Forward a response: check the top Via is ours, remove it (only the first value when
@@ -568,12 +615,9 @@ pub fn forward_response<'a, B: BufMut>(
     local: &Local,
     out: &mut B,
 ) -> Result<ResponseRoute<'a>, RewriteError> {
-    let route = route_response(msg, local)?;
+    let (route, cut) = route_and_cut(msg, local)?;
     let buf = msg.buf();
-    let idx = msg.via_index().ok_or(RewriteError::NoVia)?;
-    let cut = first_value_removal(buf, idx).ok_or(RewriteError::BadVia)?;
-    let sl_start = msg.start_offset();
-    out.put_slice(&buf[sl_start..cut.start]);
+    out.put_slice(&buf[msg.start_offset()..cut.start]);
     out.put_slice(&buf[cut.end..msg.len()]);
     Ok(route)
 }
@@ -644,9 +688,9 @@ fn put_header<B: BufMut>(out: &mut B, name: &[u8], value: &[u8]) {
 
 /// Where fulcrum sends its own reply to a request received from `src` over a datagram
 /// transport: the source address (RFC 3581 §4) when `rport` was requested, else the source IP
-/// (the `received` value) with the sent-by port (RFC 3261 §18.2.2).
+/// (the `received` value) with the sent-by port (RFC 3261 §18.2.2). The address family of
+/// `src` is kept, so a reply leaves a dual-stack socket as it arrived.
 pub fn reply_target(msg: &SipMsg<'_>, src: SocketAddr) -> SocketAddr {
-    let src = SocketAddr::new(src.ip().to_canonical(), src.port());
     match msg.top_via() {
         Some(v) if v.rport.is_none() => {
             let default = if v.transport.eq_ignore_ascii_case(b"TLS") {
@@ -825,6 +869,18 @@ Content-Length: 0\r\n\r\n";
         assert_eq!(out, again);
     }
 
+    /// The branch is a pure function of the request and our address: every instance, and every
+    /// retransmission, derives the same one (RFC 3261 §16.11). Pinned so a change is deliberate.
+    #[test]
+    fn branch_is_pinned() {
+        let l = local();
+        let mut out = Vec::new();
+        forward_request(&scan(REQ).unwrap(), &rw(&l), &mut out).unwrap();
+        let f = scan(&out).unwrap();
+        let branch = String::from_utf8(f.top_via().unwrap().branch.unwrap().to_vec()).unwrap();
+        assert_eq!(branch, "z9hG4bK-fc-d49d770742bee8ed");
+    }
+
     #[test]
     fn forward_adds_mf_rr_conn() {
         let l = Local::new("2001:db8::1", 5080, Transport::Tcp);
@@ -907,6 +963,26 @@ Content-Length: 0\r\n\r\n";
             out,
             b"SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP [2001:db8::5]:5070;branch=z9hG4bKq\r\nCall-ID: x\r\nContent-Length: 0\r\n\r\n"
         );
+    }
+
+    #[test]
+    fn parse_advertise() {
+        let l = Local::parse("sip.example.com", 5060, Transport::Udp).unwrap();
+        assert!(l.is_local(b"SIP.example.com", None));
+        let l = Local::parse("[2001:db8::1]:5070", 5060, Transport::Udp).unwrap();
+        assert!(l.is_local(b"2001:db8::1", Some(5070)));
+        assert!(!l.is_local(b"2001:db8::1", None));
+        let l = Local::parse("2001:db8::1", 5080, Transport::Tcp).unwrap();
+        assert_eq!(l.port(), 5080);
+        let l = Local::parse("192.0.2.1:5062", 5060, Transport::Udp)
+            .unwrap()
+            .with_aliases(&["10.0.0.1:5060".parse().unwrap()]);
+        assert!(l.is_local(b"192.0.2.1", Some(5062)));
+        assert!(l.is_local(b"10.0.0.1", None));
+        assert!(l.is_local_addr("[::ffff:10.0.0.1]:5060".parse().unwrap()));
+        assert!(Local::parse("bad host", 5060, Transport::Udp).is_none());
+        assert!(Local::parse("h:notaport", 5060, Transport::Udp).is_none());
+        assert!(Local::parse("[::1", 5060, Transport::Udp).is_none());
     }
 
     #[test]

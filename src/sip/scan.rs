@@ -399,10 +399,26 @@ fn check_version(v: &[u8]) -> Result<(), ScanError> {
     }
 }
 
+/// RFC 3261 §25.1 `token` characters, as a table: this test runs once per byte of every name.
+const TOKEN: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut c = 0;
+    while c < 256 {
+        let b = c as u8;
+        t[c] = b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'.' | b'!' | b'%' | b'*' | b'_' | b'+' | b'`' | b'\'' | b'~'
+            );
+        c += 1;
+    }
+    t
+};
+
 /// RFC 3261 §25.1 `token` characters.
 #[inline]
 pub(crate) fn is_token_char(c: u8) -> bool {
-    c.is_ascii_alphanumeric() || b"-.!%*_+`'~".contains(&c)
+    TOKEN[usize::from(c)]
 }
 
 #[inline]
@@ -439,28 +455,27 @@ pub(crate) fn parse_decimal(s: &[u8]) -> Option<usize> {
     Some(s.iter().fold(0usize, |a, d| a * 10 + usize::from(d - b'0')))
 }
 
-/// Offset of the first byte in `s` that is `target` outside quoted strings and `<...>`.
+/// Offset of the first byte in `s` that is `target` outside quoted strings and `<...>`
+/// (`target` itself may be `<`). memchr jumps between the few bytes that matter.
 pub(crate) fn find_unquoted(s: &[u8], target: u8) -> Option<usize> {
-    let mut in_quote = false;
-    let mut angle = false;
     let mut i = 0;
     while i < s.len() {
-        let c = s[i];
-        if in_quote {
-            match c {
-                b'\\' => i += 1,
-                b'"' => in_quote = false,
-                _ => {}
+        i += memchr::memchr3(target, b'"', b'<', &s[i..])?;
+        match s[i] {
+            c if c == target => return Some(i),
+            b'"' => {
+                // quoted-string with quoted-pair escapes (RFC 3261 §25.1)
+                i += 1;
+                loop {
+                    i += memchr::memchr2(b'"', b'\\', s.get(i..)?)?;
+                    if s[i] == b'\\' {
+                        i += 2;
+                    } else {
+                        break;
+                    }
+                }
             }
-        } else if c == target && !angle {
-            return Some(i);
-        } else {
-            match c {
-                b'"' => in_quote = true,
-                b'<' => angle = true,
-                b'>' => angle = false,
-                _ => {}
-            }
+            _ => i += memchr(b'>', &s[i..])?,
         }
         i += 1;
     }
@@ -1066,7 +1081,9 @@ impl<'a> SipMsg<'a> {
 
     /// First Via value, parsed.
     pub fn top_via(&self) -> Option<Via<'a>> {
-        self.vias().next()
+        let idx = self.via?;
+        let span = CommaValues::new(self.buf, idx.value).next()?;
+        parse_via(self.buf, span, b"")
     }
 
     /// Raw value of the first Via header (possibly several comma-joined values).
@@ -1080,6 +1097,18 @@ impl<'a> SipMsg<'a> {
             headers: Headers {
                 buf: self.buf,
                 pos: self.via.map_or(self.headers_end, |h| h.line.start),
+                end: self.headers_end,
+            },
+            values: None,
+        }
+    }
+
+    /// Via values in headers starting at or after offset `pos`.
+    pub(crate) fn vias_after(&self, pos: usize) -> Vias<'a> {
+        Vias {
+            headers: Headers {
+                buf: self.buf,
+                pos: pos.min(self.headers_end),
                 end: self.headers_end,
             },
             values: None,
@@ -1307,6 +1336,27 @@ l: 0\r\n\r\n";
         }
         many.extend_from_slice(b"\r\n");
         assert_eq!(scan(&many).err(), Some(ScanError::TooManyHeaders));
+    }
+
+    #[test]
+    fn large_and_hostile_inputs() {
+        // 64 KB without a line end, 64 KB of NULs, 64 KB of LFs, a 64 KB header value.
+        assert_eq!(scan(&[b'A'; 65536]).err(), Some(ScanError::Incomplete));
+        assert!(scan(&[0u8; 65536]).is_err());
+        assert!(scan(&[b'\n'; 65536]).is_err());
+        let mut big = b"OPTIONS sip:a SIP/2.0\r\nX-Big: ".to_vec();
+        big.resize(65536 - 4, b'x');
+        big.extend_from_slice(b"\r\n\r\n");
+        let m = scan(&big).unwrap();
+        assert_eq!(m.header(b"x-big").map(<[u8]>::len), Some(65536 - 4 - 30));
+        // A body of 60000 bytes framed by Content-Length.
+        let mut body = b"MESSAGE sip:a SIP/2.0\r\nl: 60000\r\n\r\n".to_vec();
+        body.resize(body.len() + 60000, b'b');
+        assert_eq!(scan(&body).unwrap().body().len(), 60000);
+        assert_eq!(
+            scan(&body[..body.len() - 1]).err(),
+            Some(ScanError::Incomplete)
+        );
     }
 
     #[test]

@@ -1,0 +1,281 @@
+//! The admin API's routes: a request value in, a response value out. No socket here, so the
+//! whole API is tested without a listener; [`super::serve`] carries it over HTTP/1.1.
+//!
+//! | route | does |
+//! |---|---|
+//! | `GET /status` | JSON: vservers, services with state, weight, load, rates, slow start |
+//! | `GET /metrics` | Prometheus text format ([`super::metrics`]) |
+//! | `POST /services/{name}/disable` | OUT_OF_SERVICE: no new flows, established ones continue |
+//! | `POST /services/{name}/enable` | back to the monitor's state (UP when unmonitored) |
+//! | `PUT /vservers/{name}/slow-start` | body `{"new_service_request_rate": N}` (optionally with the configured `unit` / `increment_interval`) |
+//! | `POST /reload` | re-read the config file; 200 with the changes, 400 invalid, 409 needs restart |
+//!
+//! With `admin.token` set every route needs `Authorization: Bearer TOKEN` (compared in
+//! constant time), else 401.
+
+use crate::config::RateUnit;
+use crate::ops::{Ops, ReloadError};
+use serde_json::{Value, json};
+
+/// An HTTP request as the router sees it.
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    pub method: String,
+    /// Path without query string.
+    pub path: String,
+    /// Value of the `Authorization` header.
+    pub authorization: Option<String>,
+    pub body: Vec<u8>,
+}
+
+impl Request {
+    pub fn new(method: &str, path: &str) -> Request {
+        Request {
+            method: method.to_owned(),
+            path: path.to_owned(),
+            ..Request::default()
+        }
+    }
+
+    pub fn bearer(mut self, token: &str) -> Request {
+        self.authorization = Some(format!("Bearer {token}"));
+        self
+    }
+
+    pub fn body(mut self, body: &str) -> Request {
+        self.body = body.as_bytes().to_vec();
+        self
+    }
+}
+
+/// The response to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub body: String,
+}
+
+impl Response {
+    fn json(status: u16, v: &Value) -> Response {
+        Response {
+            status,
+            content_type: "application/json",
+            body: format!("{v}\n"),
+        }
+    }
+
+    fn error(status: u16, msg: &str) -> Response {
+        Response::json(status, &json!({ "error": msg }))
+    }
+}
+
+/// Equal strings, in time that depends only on their lengths.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn authorized(expected: Option<&str>, header: Option<&str>) -> bool {
+    let Some(expected) = expected else {
+        return true;
+    };
+    let Some(given) = header.and_then(|h| {
+        let (scheme, rest) = h.trim().split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then_some(rest.trim())
+    }) else {
+        return false;
+    };
+    constant_time_eq(given.as_bytes(), expected.as_bytes())
+}
+
+/// Answer one request.
+pub fn handle(ops: &Ops, req: &Request) -> Response {
+    if !authorized(ops.token().as_deref(), req.authorization.as_deref()) {
+        let mut r = Response::error(401, "missing or wrong bearer token");
+        r.content_type = "application/json";
+        return r;
+    }
+    let segs: Vec<&str> = req.path.trim_matches('/').split('/').collect();
+    match (req.method.as_str(), segs.as_slice()) {
+        ("GET", ["status"]) => Response::json(200, &status(ops)),
+        ("GET", ["metrics"]) => Response {
+            status: 200,
+            content_type: "text/plain; version=0.0.4",
+            body: super::metrics::render(ops),
+        },
+        ("POST", ["services", name, action @ ("disable" | "enable")]) => {
+            let disable = *action == "disable";
+            if ops.set_disabled(name, disable) {
+                Response::json(
+                    200,
+                    &json!({ "service": name, "state": if disable { "OUT_OF_SERVICE" } else { "enabled" } }),
+                )
+            } else {
+                Response::error(404, &format!("no service `{name}`"))
+            }
+        }
+        ("PUT", ["vservers", name, "slow-start"]) => slow_start(ops, name, &req.body),
+        ("POST", ["reload"]) => match ops.reload() {
+            Ok(changes) => Response::json(200, &json!({ "reloaded": true, "changes": changes })),
+            Err(e @ ReloadError::NeedsRestart(_)) => Response::error(409, &e.to_string()),
+            Err(e @ ReloadError::Invalid(_)) => Response::error(400, &e.to_string()),
+            Err(e) => Response::error(503, &e.to_string()),
+        },
+        (_, ["status" | "metrics" | "reload"])
+        | (_, ["services", _, "disable" | "enable"])
+        | (_, ["vservers", _, "slow-start"]) => Response::error(405, "method not allowed"),
+        _ => Response::error(404, "no such endpoint"),
+    }
+}
+
+fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
+    let Ok(v) = serde_json::from_slice::<Value>(body) else {
+        return Response::error(400, "body must be JSON: {\"new_service_request_rate\": N}");
+    };
+    let Some(rate) = v
+        .get("new_service_request_rate")
+        .and_then(Value::as_u64)
+        .and_then(|r| u32::try_from(r).ok())
+    else {
+        return Response::error(
+            400,
+            "new_service_request_rate: a non-negative integer is required",
+        );
+    };
+    let cfg = ops.config();
+    let Some(vs) = cfg.vservers.iter().find(|v| v.name == name) else {
+        return Response::error(404, &format!("no vserver `{name}`"));
+    };
+    let Some(params) = vs.slow_start.filter(|s| s.new_service_request_rate > 0) else {
+        return Response::error(
+            409,
+            &format!("vserver `{name}` has no slow start configured"),
+        );
+    };
+    if let Some(u) = v.get("unit").and_then(Value::as_str) {
+        let cur = match params.unit {
+            RateUnit::PerSecond => "per_second",
+            RateUnit::Percent => "percent",
+        };
+        if u != cur {
+            return Response::error(409, "changing the unit needs a config change and a restart");
+        }
+    }
+    if let Some(i) = v.get("increment_interval").and_then(Value::as_str)
+        && crate::config::parse_duration(i) != Some(params.increment_interval)
+    {
+        return Response::error(
+            409,
+            "changing increment_interval needs a config change and a restart",
+        );
+    }
+    match ops.set_slow_start_rate(name, rate) {
+        Some(true) => Response::json(
+            200,
+            &json!({ "vserver": name, "new_service_request_rate": rate }),
+        ),
+        Some(false) => Response::error(409, &format!("vserver `{name}` has no slow start")),
+        None => Response::error(404, &format!("no vserver `{name}`")),
+    }
+}
+
+/// The `/status` document.
+pub fn status(ops: &Ops) -> Value {
+    let health = ops.health();
+    let vservers = ops
+        .with_vservers(|vs, now| {
+            vs.iter()
+                .enumerate()
+                .map(|(vi, v)| {
+                    let b = v.balancer();
+                    let slow = b.slow_start();
+                    let services: Vec<Value> = b
+                        .members()
+                        .iter()
+                        .enumerate()
+                        .map(|(mi, m)| {
+                            let c = b.counters(mi);
+                            let rec = health.service(&m.name);
+                            let monitor = rec.as_ref().and_then(|r| r.monitor()).map(|(name, phase)| {
+                                json!({
+                                    "name": name,
+                                    "state": phase.name(),
+                                    "probes_ok": r_load(&rec, |r| r.probes_ok.load(std::sync::atomic::Ordering::Relaxed)),
+                                    "probes_failed": r_load(&rec, |r| r.probes_failed.load(std::sync::atomic::Ordering::Relaxed)),
+                                    "response_time_us": c.and_then(|c| c.monitor_response_time_us()),
+                                })
+                            });
+                            let ss = slow.as_ref().and_then(|s| s.status(mi)).map(|s| {
+                                json!({
+                                    "phase": if slow.as_ref().is_some_and(|x| x.is_manual()) { "manual" } else { "automatic" },
+                                    "rate": s.rate,
+                                    "unit": unit_name(s.unit),
+                                    "increases": s.increases,
+                                    "since_s": now.saturating_sub(s.since) as f64 / 1e9,
+                                })
+                            });
+                            json!({
+                                "name": m.name,
+                                "state": b.health(mi).map_or("?", |h| h.name()),
+                                "weight": m.weight,
+                                "active": c.map_or(0, |c| c.active()),
+                                "requests_total": c.map_or(0, |c| c.requests_total()),
+                                "requests_per_s": ops.request_rate(vi, mi),
+                                "reported_load": c.and_then(|c| c.reported_load()),
+                                "monitor": monitor,
+                                "slow_start": ss,
+                            })
+                        })
+                        .collect();
+                    json!({
+                        "name": v.name,
+                        "protocol": v.protocol.name(),
+                        "bound": v.bound.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        "method": b.method().name(),
+                        "slow_start": slow.as_ref().map(|s| json!({
+                            "new_service_request_rate": s.rate(),
+                            "manual": s.is_manual(),
+                            "active": s.is_active(),
+                        })),
+                        "services": services,
+                    })
+                })
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    json!({ "vservers": vservers })
+}
+
+fn r_load(
+    rec: &Option<std::sync::Arc<crate::health::ServiceHealth>>,
+    f: impl Fn(&crate::health::ServiceHealth) -> u64,
+) -> u64 {
+    rec.as_deref().map_or(0, f)
+}
+
+fn unit_name(u: RateUnit) -> &'static str {
+    match u {
+        RateUnit::PerSecond => "per_second",
+        RateUnit::Percent => "percent",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_check() {
+        assert!(authorized(None, None));
+        assert!(!authorized(Some("s3cret"), None));
+        assert!(!authorized(Some("s3cret"), Some("Bearer nope")));
+        assert!(!authorized(Some("s3cret"), Some("Basic s3cret")));
+        assert!(authorized(Some("s3cret"), Some("Bearer s3cret")));
+        assert!(authorized(Some("s3cret"), Some("bearer  s3cret ")));
+        assert!(constant_time_eq(b"", b""));
+        assert!(!constant_time_eq(b"a", b"ab"));
+    }
+}

@@ -1,0 +1,339 @@
+//! Health monitoring: per-service state, probes on tokio, results applied to every vserver
+//! that contains the service. IO around the PURE [`state`] machine.
+//!
+//! One task per monitored service probes every `interval` (first probe after a
+//! deterministic per-service fraction of the interval, [`state::first_probe_delay_ms`]),
+//! each probe bounded by `timeout`. Outcomes feed the service's [`state::HealthState`];
+//! a transition is applied with [`Balancer::set_health`] in every vserver holding the
+//! service (DOWN→UP starts slow start there). Every reply's round-trip time feeds
+//! `record_monitor_response_time` (the `lrtm` method) and a reported load feeds
+//! `set_reported_load` (`custom_load`, see [`probe`] for where the load is read).
+//!
+//! The operator's disable (OUT_OF_SERVICE) wins over the monitor: a disabled service keeps
+//! being probed, so its monitored state is current when it is enabled again.
+
+pub mod probe;
+pub mod state;
+
+use crate::balancer::{Balancer, Health};
+use crate::config::{Config, Monitor, Protocol};
+use crate::stats::Nanos;
+use state::{HealthState, Phase, Thresholds, Transition};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Where a service sits: (balancer, member index) in every vserver that holds it.
+pub type Placements = HashMap<String, Vec<(Arc<Balancer>, usize)>>;
+
+/// The shared view of one service's health, read by the admin API and metrics.
+#[derive(Debug)]
+pub struct ServiceHealth {
+    pub name: String,
+    /// Set by the operator (OUT_OF_SERVICE).
+    disabled: AtomicBool,
+    /// The monitor definition and its state; `None` for an unmonitored service.
+    monitor: Mutex<Option<(Monitor, HealthState)>>,
+    pub probes_ok: AtomicU64,
+    pub probes_failed: AtomicU64,
+    /// Last successful probe's round-trip time (µs); 0 = none yet.
+    pub last_rtt_us: AtomicU64,
+    /// Sum of successful probes' round-trip times (µs), for the latency metric.
+    pub rtt_sum_us: AtomicU64,
+}
+
+impl ServiceHealth {
+    fn new(name: &str, monitor: Option<Monitor>) -> ServiceHealth {
+        ServiceHealth {
+            name: name.to_owned(),
+            disabled: AtomicBool::new(false),
+            monitor: Mutex::new(monitor.map(|m| {
+                let st = HealthState::new(thresholds(&m));
+                (m, st)
+            })),
+            probes_ok: AtomicU64::new(0),
+            probes_failed: AtomicU64::new(0),
+            last_rtt_us: AtomicU64::new(0),
+            rtt_sum_us: AtomicU64::new(0),
+        }
+    }
+
+    pub fn is_disabled(&self) -> bool {
+        self.disabled.load(Ordering::Acquire)
+    }
+
+    /// The monitor's name and phase, `None` when unmonitored.
+    pub fn monitor(&self) -> Option<(String, Phase)> {
+        self.lock()
+            .as_ref()
+            .map(|(m, s)| (m.name.clone(), s.phase()))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Monitor, HealthState)>> {
+        self.monitor.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The state the balancers should hold: disabled wins, then the monitor.
+    pub fn effective(&self) -> Health {
+        if self.is_disabled() {
+            Health::OutOfService
+        } else if self.lock().as_ref().is_some_and(|(_, s)| !s.is_up()) {
+            Health::Down
+        } else {
+            Health::Up
+        }
+    }
+}
+
+fn thresholds(m: &Monitor) -> Thresholds {
+    Thresholds {
+        failures_to_down: m.failures_to_down,
+        successes_to_up: m.successes_to_up,
+    }
+}
+
+/// Health of every service of the running config, and the monitor tasks.
+#[derive(Debug)]
+pub struct HealthBoard {
+    services: Mutex<HashMap<String, Arc<ServiceHealth>>>,
+    placements: Mutex<Arc<Placements>>,
+    epoch: Instant,
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+}
+
+impl HealthBoard {
+    /// A board for `config`; `epoch` is the runtime's clock origin (`now` for balancers).
+    pub fn new(config: &Config, placements: Placements, epoch: Instant) -> Arc<HealthBoard> {
+        let board = Arc::new(HealthBoard {
+            services: Mutex::new(HashMap::new()),
+            placements: Mutex::new(Arc::new(placements)),
+            epoch,
+            tasks: Mutex::new(Vec::new()),
+        });
+        board.sync_services(config);
+        board
+    }
+
+    fn now(&self) -> Nanos {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Bring the service records in line with `config`: new services get a fresh record,
+    /// removed ones are dropped, a service whose monitor definition is unchanged keeps its
+    /// state; a changed or new monitor starts UP, unconfirmed.
+    pub fn sync_services(&self, config: &Config) {
+        let mut map = self.services.lock().unwrap_or_else(|e| e.into_inner());
+        let mut next = HashMap::new();
+        for s in &config.services {
+            let mon = s.monitor.and_then(|i| config.monitors.get(i)).cloned();
+            let rec = match map.remove(&s.name) {
+                Some(old) => {
+                    let mut g = old.lock();
+                    let same = match (&*g, &mon) {
+                        (Some((a, _)), Some(b)) => a == b,
+                        (None, None) => true,
+                        _ => false,
+                    };
+                    if !same {
+                        *g = mon.map(|m| {
+                            let st = HealthState::new(thresholds(&m));
+                            (m, st)
+                        });
+                    }
+                    drop(g);
+                    old
+                }
+                None => Arc::new(ServiceHealth::new(&s.name, mon)),
+            };
+            next.insert(s.name.clone(), rec);
+        }
+        *map = next;
+    }
+
+    /// Replace where services sit (after a reload changed memberships).
+    pub fn set_placements(&self, placements: Placements) {
+        *self.placements.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(placements);
+    }
+
+    fn placements(&self) -> Arc<Placements> {
+        Arc::clone(&self.placements.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn service(&self, name: &str) -> Option<Arc<ServiceHealth>> {
+        self.services
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+
+    /// Every service record, sorted by name.
+    pub fn services(&self) -> Vec<Arc<ServiceHealth>> {
+        let mut v: Vec<_> = self
+            .services
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// Push the effective state of `name` to every balancer that holds it.
+    pub fn apply(&self, name: &str) {
+        let Some(rec) = self.service(name) else {
+            return;
+        };
+        let health = rec.effective();
+        let now = self.now();
+        if let Some(places) = self.placements().get(name) {
+            for (b, m) in places {
+                b.set_health(*m, health, now);
+            }
+        }
+    }
+
+    /// Push every service's effective state (after start or reload).
+    pub fn apply_all(&self) {
+        for s in self.services() {
+            self.apply(&s.name);
+        }
+    }
+
+    /// Operator disable (`true`) / enable (`false`). `false` when the service is unknown.
+    pub fn set_disabled(&self, name: &str, disabled: bool) -> bool {
+        let Some(rec) = self.service(name) else {
+            return false;
+        };
+        rec.disabled.store(disabled, Ordering::Release);
+        self.apply(name);
+        true
+    }
+
+    /// Start one probe task per monitored service on `tokio`, replacing running ones.
+    pub fn start_monitors(self: &Arc<Self>, config: &Config, tokio: &tokio::runtime::Handle) {
+        self.stop_monitors();
+        let mut tasks = Vec::new();
+        for s in &config.services {
+            let Some(m) = s.monitor.and_then(|i| config.monitors.get(i)).cloned() else {
+                continue;
+            };
+            let board = Arc::clone(self);
+            let target = ProbeTarget {
+                name: s.name.clone(),
+                address: s.address,
+                protocol: s.protocol,
+            };
+            tasks.push(tokio.spawn(async move { board.run_monitor(target, m).await }));
+        }
+        *self.tasks.lock().unwrap_or_else(|e| e.into_inner()) = tasks;
+    }
+
+    /// Stop every probe task.
+    pub fn stop_monitors(&self) {
+        for t in self
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
+            t.abort();
+        }
+    }
+
+    async fn run_monitor(self: Arc<Self>, target: ProbeTarget, m: Monitor) {
+        let interval_ms = u64::try_from(m.interval.as_millis()).unwrap_or(u64::MAX);
+        let delay = state::first_probe_delay_ms(&target.name, interval_ms);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+        let mut tick = tokio::time::interval(m.interval.max(Duration::from_millis(10)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let result = probe::probe(&m.kind, target.address, target.protocol, m.timeout).await;
+            self.record(&target.name, &m, result);
+        }
+    }
+
+    /// Fold one probe result into the service's state and counters.
+    pub fn record(
+        &self,
+        name: &str,
+        m: &Monitor,
+        result: Result<probe::ProbeReply, probe::ProbeError>,
+    ) {
+        let Some(rec) = self.service(name) else {
+            return;
+        };
+        let alive = result.is_ok();
+        match &result {
+            Ok(reply) => {
+                rec.probes_ok.fetch_add(1, Ordering::Relaxed);
+                rec.last_rtt_us
+                    .store(reply.rtt_us.max(1), Ordering::Relaxed);
+                rec.rtt_sum_us.fetch_add(reply.rtt_us, Ordering::Relaxed);
+                if let Some(places) = self.placements().get(name) {
+                    for (b, i) in places {
+                        if let Some(c) = b.counters(*i) {
+                            c.record_monitor_response_time(reply.rtt_us);
+                            if let Some(load) = reply.load {
+                                c.set_reported_load(load);
+                            }
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                rec.probes_failed.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(service = name, monitor = %m.name, error = %e, "probe failed");
+            }
+        }
+        let transition = {
+            let mut g = rec.lock();
+            match g.as_mut() {
+                // A probe of a monitor replaced by reload meanwhile is ignored.
+                Some((cur, st)) if cur == m => st.observe(alive),
+                _ => None,
+            }
+        };
+        if let Some(t) = transition {
+            match t {
+                Transition::WentDown => {
+                    let why = result.err().map(|e| e.to_string()).unwrap_or_default();
+                    tracing::warn!(service = name, monitor = %m.name, reason = %why, "service DOWN");
+                }
+                Transition::CameUp => {
+                    tracing::info!(service = name, monitor = %m.name, "service UP");
+                }
+            }
+            self.apply(name);
+        }
+    }
+}
+
+impl Drop for HealthBoard {
+    fn drop(&mut self) {
+        self.stop_monitors();
+    }
+}
+
+struct ProbeTarget {
+    name: String,
+    address: SocketAddr,
+    protocol: Protocol,
+}
+
+/// Where each service of `vservers` sits.
+pub fn placements<'a>(balancers: impl IntoIterator<Item = &'a Arc<Balancer>>) -> Placements {
+    let mut map: Placements = HashMap::new();
+    for b in balancers {
+        for (i, m) in b.members().iter().enumerate() {
+            map.entry(m.name.clone())
+                .or_default()
+                .push((Arc::clone(b), i));
+        }
+    }
+    map
+}

@@ -1,0 +1,382 @@
+//! Health probes: one attempt against one service. IO (the message builders and verdicts
+//! at the top are PURE and unit-tested).
+//!
+//! - `sip-options`: an OPTIONS request over the service's transport (UDP, or TCP for
+//!   `sip-tcp` services); any final response (>= 200) means alive unless `expect_codes`
+//!   lists the acceptable codes. Provisional responses are skipped.
+//! - `tcp-connect`: the TCP handshake completes.
+//! - `udp`: `send` is sent; a reply arrives (containing `expect` when set).
+//! - `http`: `GET path` answers one of `expect_codes` (200 when empty).
+//!
+//! # Reported load (`custom_load`)
+//! A SIP monitor reads the load from the response header `X-Load: <0..=4294967295>`; an http
+//! monitor reads it from the response body, whose first line must be a decimal integer.
+//! Anything else reports no load (the method then treats the service as unloaded-unknown).
+
+use crate::config::{MonitorKind, Protocol};
+use crate::sip::framing::{self, Frame};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpStream, UdpSocket};
+
+/// Header a SIP service reports its load in (custom_load).
+pub const LOAD_HEADER: &[u8] = b"X-Load";
+/// Largest reply a probe reads.
+const MAX_REPLY: usize = 64 * 1024;
+
+/// Why a probe failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("no answer within the timeout")]
+    Timeout,
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("reply is not a valid response")]
+    BadReply,
+    #[error("unexpected status {0}")]
+    UnexpectedStatus(u16),
+    #[error("reply does not contain the expected payload")]
+    Mismatch,
+    #[error("connection closed before a reply")]
+    Closed,
+}
+
+/// A successful probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProbeReply {
+    /// Time from sending (or connecting) to the reply.
+    pub rtt_us: u64,
+    /// Status code, for SIP and HTTP monitors.
+    pub status: Option<u16>,
+    /// Load reported by the service (custom_load).
+    pub load: Option<u32>,
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(1);
+
+/// An OPTIONS request from `local` to `target` (RFC 3261 §11). `seq` makes the Call-ID
+/// and branch unique.
+pub fn build_options(target: SocketAddr, local: SocketAddr, tcp: bool, seq: u64) -> Vec<u8> {
+    let transport = if tcp { "TCP" } else { "UDP" };
+    format!(
+        "OPTIONS sip:{target} SIP/2.0\r\n\
+         Via: SIP/2.0/{transport} {local};branch=z9hG4bK-fmon-{seq:x};rport\r\n\
+         Max-Forwards: 70\r\n\
+         From: <sip:fulcrum@{local}>;tag=fmon{seq:x}\r\n\
+         To: <sip:{target}>\r\n\
+         Call-ID: fmon-{seq:x}@fulcrum\r\n\
+         CSeq: 1 OPTIONS\r\n\
+         Accept: application/sdp\r\n\
+         User-Agent: fulcrum-monitor\r\n\
+         Content-Length: 0\r\n\r\n"
+    )
+    .into_bytes()
+}
+
+/// `Some(code)` for a final SIP response to the probe with Call-ID `call_id`; `None` for
+/// anything to skip (provisional, not ours, not a response). `Err` for garbage.
+pub fn sip_final_status(
+    buf: &[u8],
+    call_id: &[u8],
+) -> Result<Option<(u16, Option<u32>)>, ProbeError> {
+    let msg = crate::sip::scan(buf).map_err(|_| ProbeError::BadReply)?;
+    if msg.is_request() || msg.call_id().map(trim) != Some(call_id) {
+        return Ok(None);
+    }
+    let code = msg.status_code().ok_or(ProbeError::BadReply)?;
+    if code < 200 {
+        return Ok(None);
+    }
+    let load = msg.header(LOAD_HEADER).and_then(parse_load);
+    Ok(Some((code, load)))
+}
+
+/// Is `code` acceptable? Empty `expect` = `default` rule.
+pub fn status_ok(code: u16, expect: &[u16], default: impl Fn(u16) -> bool) -> bool {
+    if expect.is_empty() {
+        default(code)
+    } else {
+        expect.contains(&code)
+    }
+}
+
+/// A load value: a decimal integer, surrounding whitespace ignored.
+pub fn parse_load(v: &[u8]) -> Option<u32> {
+    std::str::from_utf8(trim(v)).ok()?.parse().ok()
+}
+
+/// Load from an http monitor body: its first line.
+pub fn body_load(body: &[u8]) -> Option<u32> {
+    let line = body.split(|&b| b == b'\n').next()?;
+    parse_load(line)
+}
+
+fn trim(v: &[u8]) -> &[u8] {
+    let start = v
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(v.len());
+    let end = v
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &v[start..end]
+}
+
+/// `GET path` toward `target`, closing after the response.
+pub fn build_http_get(target: SocketAddr, path: &str) -> Vec<u8> {
+    format!(
+        "GET {path} HTTP/1.1\r\nHost: {target}\r\nUser-Agent: fulcrum-monitor\r\nAccept: */*\r\nConnection: close\r\n\r\n"
+    )
+    .into_bytes()
+}
+
+/// Status and body of a complete HTTP response in `buf`, `Ok(None)` when more bytes are needed.
+pub fn http_response(buf: &[u8], eof: bool) -> Result<Option<(u16, &[u8])>, ProbeError> {
+    let mut headers = [httparse::EMPTY_HEADER; 64];
+    let mut resp = httparse::Response::new(&mut headers);
+    match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => {
+            let code = resp.code.ok_or(ProbeError::BadReply)?;
+            let len = resp
+                .headers
+                .iter()
+                .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                .and_then(|h| std::str::from_utf8(h.value).ok())
+                .and_then(|v| v.trim().parse::<usize>().ok());
+            let body = &buf[n..];
+            match len {
+                Some(l) if body.len() >= l => Ok(Some((code, &body[..l]))),
+                Some(_) if !eof => Ok(None),
+                None if !eof => Ok(None),
+                _ => Ok(Some((code, body))),
+            }
+        }
+        Ok(httparse::Status::Partial) if !eof => Ok(None),
+        _ => Err(ProbeError::BadReply),
+    }
+}
+
+fn unspecified_for(addr: SocketAddr) -> SocketAddr {
+    if addr.is_ipv4() {
+        SocketAddr::from(([0, 0, 0, 0], 0))
+    } else {
+        SocketAddr::from(([0u16; 8], 0))
+    }
+}
+
+fn micros(since: Instant) -> u64 {
+    u64::try_from(since.elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Run one probe of `kind` against a service at `target` speaking `protocol`, bounded by
+/// `timeout`.
+pub async fn probe(
+    kind: &MonitorKind,
+    target: SocketAddr,
+    protocol: Protocol,
+    timeout: Duration,
+) -> Result<ProbeReply, ProbeError> {
+    match tokio::time::timeout(timeout, probe_inner(kind, target, protocol)).await {
+        Ok(r) => r,
+        Err(_) => Err(ProbeError::Timeout),
+    }
+}
+
+async fn probe_inner(
+    kind: &MonitorKind,
+    target: SocketAddr,
+    protocol: Protocol,
+) -> Result<ProbeReply, ProbeError> {
+    match kind {
+        MonitorKind::SipOptions { expect_codes } => {
+            let tcp = matches!(protocol, Protocol::SipTcp | Protocol::Tcp);
+            let (code, load, rtt_us) = if tcp {
+                sip_tcp(target).await?
+            } else {
+                sip_udp(target).await?
+            };
+            if status_ok(code, expect_codes, |c| c >= 200) {
+                Ok(ProbeReply {
+                    rtt_us,
+                    status: Some(code),
+                    load,
+                })
+            } else {
+                Err(ProbeError::UnexpectedStatus(code))
+            }
+        }
+        MonitorKind::TcpConnect => {
+            let start = Instant::now();
+            let _s = TcpStream::connect(target).await?;
+            Ok(ProbeReply {
+                rtt_us: micros(start),
+                status: None,
+                load: None,
+            })
+        }
+        MonitorKind::Udp { send, expect } => {
+            let sock = UdpSocket::bind(unspecified_for(target)).await?;
+            sock.connect(target).await?;
+            let start = Instant::now();
+            sock.send(send).await?;
+            let mut buf = vec![0u8; MAX_REPLY];
+            // A connected socket reports ICMP port unreachable as ECONNREFUSED here.
+            let n = sock.recv(&mut buf).await?;
+            let rtt_us = micros(start);
+            match expect {
+                Some(e) if !contains(&buf[..n], e) => Err(ProbeError::Mismatch),
+                _ => Ok(ProbeReply {
+                    rtt_us,
+                    status: None,
+                    load: None,
+                }),
+            }
+        }
+        MonitorKind::Http { path, expect_codes } => {
+            let start = Instant::now();
+            let mut s = TcpStream::connect(target).await?;
+            s.write_all(&build_http_get(target, path)).await?;
+            let mut buf = Vec::with_capacity(4096);
+            loop {
+                let mut chunk = [0u8; 4096];
+                let n = s.read(&mut chunk).await?;
+                buf.extend_from_slice(&chunk[..n]);
+                let eof = n == 0 || buf.len() >= MAX_REPLY;
+                match http_response(&buf, eof) {
+                    Ok(Some((code, body))) => {
+                        let rtt_us = micros(start);
+                        return if status_ok(code, expect_codes, |c| c == 200) {
+                            Ok(ProbeReply {
+                                rtt_us,
+                                status: Some(code),
+                                load: body_load(body),
+                            })
+                        } else {
+                            Err(ProbeError::UnexpectedStatus(code))
+                        };
+                    }
+                    Ok(None) => {}
+                    Err(_) if buf.is_empty() => return Err(ProbeError::Closed),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    needle.is_empty() || memchr::memmem::find(hay, needle).is_some()
+}
+
+fn call_id_of(seq: u64) -> Vec<u8> {
+    format!("fmon-{seq:x}@fulcrum").into_bytes()
+}
+
+async fn sip_udp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeError> {
+    let sock = UdpSocket::bind(unspecified_for(target)).await?;
+    sock.connect(target).await?;
+    let local = sock.local_addr()?;
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+    let start = Instant::now();
+    sock.send(&build_options(target, local, false, seq)).await?;
+    let call_id = call_id_of(seq);
+    let mut buf = vec![0u8; MAX_REPLY];
+    loop {
+        let n = sock.recv(&mut buf).await?;
+        if let Ok(Some((code, load))) = sip_final_status(&buf[..n], &call_id) {
+            return Ok((code, load, micros(start)));
+        }
+    }
+}
+
+async fn sip_tcp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeError> {
+    let start = Instant::now();
+    let mut s = TcpStream::connect(target).await?;
+    let local = s.local_addr()?;
+    let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+    s.write_all(&build_options(target, local, true, seq))
+        .await?;
+    let call_id = call_id_of(seq);
+    let mut buf: Vec<u8> = Vec::with_capacity(4096);
+    loop {
+        let mut chunk = [0u8; 4096];
+        let n = s.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(ProbeError::Closed);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        loop {
+            match framing::next_frame(&buf, framing::DEFAULT_MAX_MESSAGE) {
+                Ok(frame) => {
+                    let len = frame.len();
+                    if let Frame::Message { .. } = frame {
+                        match sip_final_status(&buf[..len], &call_id) {
+                            Ok(Some((code, load))) => return Ok((code, load, micros(start))),
+                            Ok(None) => {}
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    buf.drain(..len);
+                }
+                Err(framing::FrameError::Incomplete) => break,
+                Err(_) => return Err(ProbeError::BadReply),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_scans_and_matches_its_response() {
+        let t: SocketAddr = "127.0.0.1:5071".parse().unwrap();
+        let l: SocketAddr = "127.0.0.1:40000".parse().unwrap();
+        let req = build_options(t, l, false, 7);
+        let msg = crate::sip::scan(&req).unwrap();
+        assert_eq!(msg.method(), Some(&b"OPTIONS"[..]));
+        let cid = call_id_of(7);
+        let resp = format!(
+            "SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP {l};branch=z9hG4bK-fmon-7\r\nCall-ID: fmon-7@fulcrum\r\nCSeq: 1 OPTIONS\r\nX-Load: 42\r\nContent-Length: 0\r\n\r\n"
+        );
+        assert_eq!(
+            sip_final_status(resp.as_bytes(), &cid).ok(),
+            Some(Some((200, Some(42))))
+        );
+        let prov = resp.replace("200 OK", "100 Trying");
+        assert_eq!(sip_final_status(prov.as_bytes(), &cid).ok(), Some(None));
+        assert_eq!(sip_final_status(resp.as_bytes(), b"other").ok(), Some(None));
+        assert!(sip_final_status(b"garbage", &cid).is_err());
+    }
+
+    #[test]
+    fn verdicts() {
+        assert!(status_ok(503, &[], |c| c >= 200));
+        assert!(!status_ok(503, &[200], |c| c >= 200));
+        assert!(status_ok(200, &[], |c| c == 200));
+        assert!(!status_ok(404, &[], |c| c == 200));
+        assert_eq!(body_load(b" 17 \nrest"), Some(17));
+        assert_eq!(body_load(b"busy"), None);
+    }
+
+    #[test]
+    fn http_framing() {
+        let r = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n12\n";
+        assert_eq!(
+            http_response(r, false).ok(),
+            Some(Some((200, &b"12\n"[..])))
+        );
+        assert_eq!(http_response(&r[..20], false).ok(), Some(None));
+        let no_len = b"HTTP/1.0 503 Busy\r\n\r\nxx";
+        assert_eq!(http_response(no_len, false).ok(), Some(None));
+        assert_eq!(
+            http_response(no_len, true).ok(),
+            Some(Some((503, &b"xx"[..])))
+        );
+        assert!(http_response(b"nonsense\r\n\r\n", true).is_err());
+    }
+}

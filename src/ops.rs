@@ -1,0 +1,261 @@
+//! The running proxy as the operator sees it: the vservers, service health and monitors,
+//! request-rate sampling, reload and drain. IO (it owns the [`Runtime`]); the admin API
+//! ([`crate::admin`]) and the signal handlers in `main` call into it.
+
+use crate::balancer::Health;
+use crate::config::{self, Config};
+use crate::health::{self, HealthBoard};
+use crate::proxy::{Runtime, VserverHandle};
+use crate::reload;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// Why a reload did not apply.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("no config file to reload from")]
+    NoFile,
+    #[error("{0}")]
+    Invalid(#[from] config::ConfigError),
+    #[error("the new config needs a restart: {}", .0.join("; "))]
+    NeedsRestart(Vec<String>),
+    #[error("the proxy is shutting down")]
+    ShutDown,
+}
+
+/// Requests-per-second estimate per (vserver, member), sampled once a second.
+#[derive(Debug, Default)]
+struct RateSample {
+    at: Option<Instant>,
+    totals: HashMap<(usize, usize), u64>,
+    rates: HashMap<(usize, usize), f64>,
+}
+
+/// The operator's handle on a running proxy.
+pub struct Ops {
+    rt: Mutex<Option<Runtime>>,
+    tokio: tokio::runtime::Handle,
+    health: Arc<HealthBoard>,
+    config: Mutex<Arc<Config>>,
+    path: Option<PathBuf>,
+    rates: Mutex<RateSample>,
+    reload_lock: Mutex<()>,
+}
+
+impl std::fmt::Debug for Ops {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ops")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Ops {
+    /// Start the vservers of `config` and their monitors. `path` is the file reloads re-read.
+    pub fn start(
+        config: Config,
+        path: Option<PathBuf>,
+    ) -> Result<Arc<Ops>, crate::proxy::RuntimeError> {
+        let rt = Runtime::start(&config)?;
+        let tokio = rt
+            .tokio()
+            .cloned()
+            .ok_or_else(|| crate::proxy::RuntimeError::Setup {
+                vserver: String::new(),
+                problem: "no async runtime".into(),
+            })?;
+        let placements = health::placements(rt.vservers().iter().map(|v| v.balancer()));
+        let board = HealthBoard::new(&config, placements, rt.epoch());
+        board.apply_all();
+        board.start_monitors(&config, &tokio);
+        let ops = Arc::new(Ops {
+            rt: Mutex::new(Some(rt)),
+            tokio,
+            health: board,
+            config: Mutex::new(Arc::new(config)),
+            path,
+            rates: Mutex::new(RateSample::default()),
+            reload_lock: Mutex::new(()),
+        });
+        let weak = Arc::downgrade(&ops);
+        ops.tokio.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let Some(ops) = weak.upgrade() else { return };
+                ops.sample_rates();
+            }
+        });
+        Ok(ops)
+    }
+
+    /// The tokio runtime monitors and the admin API run on.
+    pub fn tokio(&self) -> &tokio::runtime::Handle {
+        &self.tokio
+    }
+
+    pub fn health(&self) -> &Arc<HealthBoard> {
+        &self.health
+    }
+
+    /// The running config.
+    pub fn config(&self) -> Arc<Config> {
+        Arc::clone(&self.config.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The admin token in force (changes with reload).
+    pub fn token(&self) -> Option<String> {
+        self.config().admin.token.clone()
+    }
+
+    /// Run `f` over the vservers; `None` once shut down.
+    pub fn with_vservers<R>(&self, f: impl FnOnce(&[VserverHandle], u64) -> R) -> Option<R> {
+        let g = self.runtime();
+        g.as_ref().map(|rt| f(rt.vservers(), rt.now()))
+    }
+
+    fn runtime(&self) -> MutexGuard<'_, Option<Runtime>> {
+        self.rt.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Requests per second of member `m` of vserver `v` over the last sampled second.
+    pub fn request_rate(&self, v: usize, m: usize) -> f64 {
+        self.rates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .rates
+            .get(&(v, m))
+            .copied()
+            .unwrap_or(0.0)
+    }
+
+    fn sample_rates(&self) {
+        let totals: HashMap<(usize, usize), u64> = self
+            .with_vservers(|vs, _| {
+                let mut t = HashMap::new();
+                for (vi, v) in vs.iter().enumerate() {
+                    let b = v.balancer();
+                    for mi in 0..b.members().len() {
+                        if let Some(c) = b.counters(mi) {
+                            t.insert((vi, mi), c.requests_total());
+                        }
+                    }
+                }
+                t
+            })
+            .unwrap_or_default();
+        let now = Instant::now();
+        let mut s = self.rates.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(at) = s.at {
+            let dt = now.duration_since(at).as_secs_f64().max(1e-3);
+            let rates = totals
+                .iter()
+                .map(|(k, &t)| {
+                    let prev = s.totals.get(k).copied().unwrap_or(t);
+                    (*k, t.saturating_sub(prev) as f64 / dt)
+                })
+                .collect();
+            s.rates = rates;
+        }
+        s.at = Some(now);
+        s.totals = totals;
+    }
+
+    /// Operator disable / enable of a service in every vserver. `false` if unknown.
+    pub fn set_disabled(&self, service: &str, disabled: bool) -> bool {
+        let ok = self.health.set_disabled(service, disabled);
+        if ok {
+            tracing::info!(
+                service,
+                state = if disabled {
+                    "OUT_OF_SERVICE"
+                } else {
+                    "enabled"
+                },
+                "operator"
+            );
+        }
+        ok
+    }
+
+    /// Change a vserver's slow-start rate. `None` when the vserver is unknown, `Some(false)`
+    /// when it has no slow start.
+    pub fn set_slow_start_rate(&self, vserver: &str, rate: u32) -> Option<bool> {
+        self.with_vservers(|vs, now| {
+            vs.iter()
+                .find(|v| v.name == vserver)
+                .map(|v| v.balancer().set_slow_start_rate(rate, now))
+        })
+        .flatten()
+    }
+
+    /// Re-read the config file and apply it (see [`crate::reload`] for what applies in
+    /// place). A file that does not validate, or that needs a restart, changes nothing.
+    pub fn reload(&self) -> Result<Vec<String>, ReloadError> {
+        let path = self.path.as_ref().ok_or(ReloadError::NoFile)?;
+        let new = config::load(path)?;
+        self.apply(new)
+    }
+
+    /// Apply a validated config (the second half of [`Ops::reload`]).
+    pub fn apply(&self, new: Config) -> Result<Vec<String>, ReloadError> {
+        let _one_at_a_time = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.config();
+        let plan = reload::plan(&old, &new).map_err(ReloadError::NeedsRestart)?;
+        if self.runtime().is_none() {
+            return Err(ReloadError::ShutDown);
+        }
+        let new = Arc::new(new);
+        *self.config.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&new);
+        for (vs, rate) in &plan.slow_start_rates {
+            self.set_slow_start_rate(vs, *rate);
+        }
+        if plan.monitors_changed {
+            self.health.sync_services(&new);
+            self.health.start_monitors(&new, &self.tokio);
+            self.health.apply_all();
+        }
+        let changes = plan.describe();
+        tracing::info!(changes = ?changes, "config reloaded");
+        Ok(changes)
+    }
+
+    /// Graceful stop: no new flows (every member OUT_OF_SERVICE; established dialogs and
+    /// connections continue), wait until none is active or `timeout` passes, then stop the
+    /// workers. Returns the flows still active when it gave up.
+    pub fn drain(&self, timeout: Duration) -> u64 {
+        self.health.stop_monitors();
+        let active = || {
+            self.with_vservers(|vs, now| {
+                let mut n = 0;
+                for v in vs {
+                    let b = v.balancer();
+                    for m in 0..b.members().len() {
+                        b.set_health(m, Health::OutOfService, now);
+                        n += b.counters(m).map_or(0, |c| c.active());
+                    }
+                }
+                n
+            })
+            .unwrap_or(0)
+        };
+        let deadline = Instant::now() + timeout;
+        let mut left = active();
+        while left > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            left = active();
+        }
+        left
+    }
+
+    /// Stop everything. Call from outside the tokio runtime (the signal thread or main).
+    pub fn shutdown(&self) {
+        self.health.stop_monitors();
+        let rt = self.runtime().take();
+        if let Some(rt) = rt {
+            rt.shutdown();
+        }
+    }
+}

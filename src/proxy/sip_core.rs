@@ -1,0 +1,629 @@
+//! The SIP decision of a vserver, shared by `sip-udp` and `sip-tcp`: a stateless SIP proxy
+//! (RFC 3261 §16.11, RFC 3581). PURE apart from reading its own atomics.
+//!
+//! [`SipCore::handle`] is the whole per-message decision and rewrite: bytes, where they came
+//! from and `now` in; an [`Action`] and the bytes to send out. It touches no socket, so it
+//! is tested without one; only the transport shells (`sip_udp`, `sip_tcp`) differ.
+
+use crate::balancer::{Balancer, KeyInput};
+use crate::config::{HashParams, Method};
+use crate::dialog::{DialogTable, Pin};
+use crate::hash;
+use crate::key::{self, KeyOutcome, Payload, RequestCtx};
+use crate::sip::{
+    self, Local, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, build_response,
+    forward_request, forward_response, reply_target, request_target,
+};
+use crate::stats::Nanos;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// Retry-After of fulcrum's 503 (RFC 3261 §21.5.4): long enough for a monitor to bring a
+/// service back, short enough that clients do not give up on the vserver.
+pub const RETRY_AFTER_S: u32 = 5;
+
+/// Why a datagram was not forwarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Not a SIP message, or one too broken to answer.
+    Malformed,
+    /// A response whose top Via is not fulcrum's.
+    NotOurs,
+    /// Next hop is fulcrum itself.
+    Loop,
+    /// Next hop is a name (fulcrum does not resolve DNS on the data path) or missing.
+    Unroutable,
+    /// An ACK that could not be forwarded (ACKs are never answered).
+    AckNotForwarded,
+}
+
+/// Where a message came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// A client (anyone who is not a member). On streams, the client connection's id,
+    /// which fulcrum writes into its Via so the response finds the connection again.
+    Client { conn: Option<u64> },
+    /// Member `m` of the vserver (a service).
+    Member(usize),
+}
+
+/// What to do with the bytes written to `out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// A client's request: send `out` to this member.
+    ToMember(usize),
+    /// Send `out` to this address: a response to the next Via on datagrams, or a request
+    /// from a service toward a client (on streams: the client connection from that address).
+    ToAddr(SocketAddr),
+    /// A response for the client connection with this id (streams).
+    ToConn(u64),
+    /// fulcrum's own reply (400 / 483 / 503): back to the sender, at this address on
+    /// datagrams (RFC 3581 aware), on the same connection on streams.
+    Reply(SocketAddr),
+    Drop(DropReason),
+}
+
+/// Counters of one sip-udp vserver (all workers).
+#[derive(Debug, Default)]
+pub struct SipCounters {
+    pub requests_in: AtomicU64,
+    pub responses_in: AtomicU64,
+    pub requests_forwarded: AtomicU64,
+    pub responses_forwarded: AtomicU64,
+    pub in_dialog_from_services: AtomicU64,
+    pub replies_400: AtomicU64,
+    pub replies_483: AtomicU64,
+    pub replies_503: AtomicU64,
+    pub malformed: AtomicU64,
+    pub not_ours: AtomicU64,
+    pub loops: AtomicU64,
+    pub unroutable: AtomicU64,
+    pub send_errors: AtomicU64,
+    pub recv_errors: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Shared, immutable-after-build state of one SIP vserver.
+pub struct SipCore {
+    pub name: String,
+    local: Local,
+    record_route: bool,
+    method: Method,
+    hash_params: HashParams,
+    balancer: Arc<Balancer>,
+    dialogs: DialogTable,
+    /// Address of each member (index = member index).
+    member_addrs: Vec<SocketAddr>,
+    pub counters: SipCounters,
+}
+
+impl std::fmt::Debug for SipCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SipCore")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Everything a SIP vserver needs to decide.
+pub struct SipParams {
+    pub name: String,
+    pub local: Local,
+    pub record_route: bool,
+    pub method: Method,
+    pub hash_params: HashParams,
+    pub balancer: Arc<Balancer>,
+    pub member_addrs: Vec<SocketAddr>,
+    pub max_dialogs: usize,
+    pub dialog_idle: Duration,
+}
+
+impl SipCore {
+    pub fn new(p: SipParams) -> SipCore {
+        SipCore {
+            name: p.name,
+            local: p.local,
+            record_route: p.record_route,
+            method: p.method,
+            hash_params: p.hash_params,
+            balancer: p.balancer,
+            dialogs: DialogTable::new(
+                p.max_dialogs,
+                u64::try_from(p.dialog_idle.as_millis()).unwrap_or(u64::MAX),
+            ),
+            member_addrs: p.member_addrs,
+            counters: SipCounters::default(),
+        }
+    }
+
+    pub fn balancer(&self) -> &Arc<Balancer> {
+        &self.balancer
+    }
+
+    pub fn dialogs(&self) -> &DialogTable {
+        &self.dialogs
+    }
+
+    pub fn local(&self) -> &Local {
+        &self.local
+    }
+
+    /// Expire idle dialogs; each expired dialog stops counting toward its member's load.
+    pub fn sweep(&self, now: Nanos) -> usize {
+        let balancer = &self.balancer;
+        self.dialogs.sweep(now / 1_000_000, |member| {
+            if let Some(c) = balancer.counters(member as usize) {
+                c.close();
+            }
+        })
+    }
+
+    /// The member whose address is `src` (datagrams: a service sends from its address).
+    pub fn member_of(&self, src: SocketAddr) -> Option<usize> {
+        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+        self.member_addrs.iter().position(|a| *a == src)
+    }
+
+    /// Address of member `m`.
+    pub fn member_addr(&self, m: usize) -> Option<SocketAddr> {
+        self.member_addrs.get(m).copied()
+    }
+
+    pub fn member_count(&self) -> usize {
+        self.member_addrs.len()
+    }
+
+    /// Decide and rewrite a datagram from `src` received on local address `dst`.
+    pub fn handle_datagram(
+        &self,
+        buf: &[u8],
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        let origin = match self.member_of(src) {
+            Some(m) => Origin::Member(m),
+            None => Origin::Client { conn: None },
+        };
+        self.handle(buf, origin, src, dst, now, out)
+    }
+
+    /// Decide and rewrite one message from `src` (arrived on local address `dst`).
+    pub fn handle(
+        &self,
+        buf: &[u8],
+        origin: Origin,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        out.clear();
+        let msg = match sip::scan(buf) {
+            Ok(m) => m,
+            Err(_) => {
+                bump(&self.counters.malformed);
+                return Action::Drop(DropReason::Malformed);
+            }
+        };
+        if msg.is_request() {
+            bump(&self.counters.requests_in);
+            match origin {
+                Origin::Member(_) => self.request_from_service(&msg, src, out),
+                Origin::Client { conn } => self.request_from_client(&msg, src, dst, conn, now, out),
+            }
+        } else {
+            bump(&self.counters.responses_in);
+            self.response(&msg, out)
+        }
+    }
+
+    /// A stateless reply to the request's sender (RFC 3261 §8.2.6, RFC 3581 §4).
+    fn reply(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        reply: &Reply<'_>,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        out.clear();
+        match build_response(msg, reply, out) {
+            Ok(()) => Action::Reply(reply_target(msg, src)),
+            Err(RewriteError::AckNotAnswered) => Action::Drop(DropReason::AckNotForwarded),
+            Err(_) => {
+                bump(&self.counters.malformed);
+                Action::Drop(DropReason::Malformed)
+            }
+        }
+    }
+
+    fn request_from_client(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        dst: SocketAddr,
+        conn: Option<u64>,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        if msg.missing_mandatory().is_some() {
+            bump(&self.counters.replies_400);
+            return self.reply(msg, src, &Reply::BAD_REQUEST, out);
+        }
+        // Max-Forwards first: a looping request must not pin a dialog or take a slot.
+        if msg.max_forwards() == Some(Some(0)) {
+            bump(&self.counters.replies_483);
+            return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out);
+        }
+        let Some(member) = self.choose(msg, src, dst, now) else {
+            bump(&self.counters.replies_503);
+            return self.reply(msg, src, &Reply::service_unavailable(RETRY_AFTER_S), out);
+        };
+        if member >= self.member_addrs.len() {
+            return Action::Drop(DropReason::Unroutable);
+        }
+        let rw = RequestRewrite {
+            local: &self.local,
+            src,
+            record_route: self.record_route,
+            force_rport: false,
+            conn_id: conn,
+        };
+        match forward_request(msg, &rw, out) {
+            Ok(_) => {
+                bump(&self.counters.requests_forwarded);
+                if let Some(c) = self.balancer.counters(member) {
+                    c.record_request();
+                }
+                Action::ToMember(member)
+            }
+            Err(RewriteError::TooManyHops) => {
+                bump(&self.counters.replies_483);
+                self.reply(msg, src, &Reply::TOO_MANY_HOPS, out)
+            }
+            Err(_) => {
+                bump(&self.counters.replies_400);
+                self.reply(msg, src, &Reply::BAD_REQUEST, out)
+            }
+        }
+    }
+
+    /// Dialog affinity first (an established call stays on its member while it is UP or
+    /// draining OUT_OF_SERVICE), else the vserver's method. The dialog is pinned to whatever
+    /// was chosen.
+    fn choose(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+    ) -> Option<usize> {
+        let now_ms = now / 1_000_000;
+        let call_hash = msg.call_id().map(|c| hash::key_hash(sip_trim(c)));
+        if let Some(h) = call_hash
+            && let Some(m) = self.dialogs.get(h, now_ms)
+            && self.balancer.accepts_existing(m as usize)
+        {
+            self.balancer.count_affinity();
+            // BYE / CANCEL end the dialog: its member stops counting it as load.
+            if matches!(msg.method_kind(), SipMethod::Bye | SipMethod::Cancel)
+                && let Some(member) = self.dialogs.end(h, now_ms)
+            {
+                self.close(member);
+            }
+            return Some(m as usize);
+        }
+        let ctx = RequestCtx {
+            src,
+            dst,
+            payload: Payload::Sip(msg),
+        };
+        let key = match key::extract(self.method, &self.hash_params, &ctx) {
+            KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
+            KeyOutcome::NoKey => KeyInput::NoKey,
+            KeyOutcome::Unparseable => KeyInput::Unparseable,
+        };
+        let choice = self.balancer.choose(key, now)?;
+        if let Some(h) = call_hash {
+            let member = choice.member as u32;
+            match self.dialogs.put(h, member, now_ms) {
+                Pin::New => self.open(member),
+                Pin::Moved(old) => {
+                    self.close(old);
+                    self.open(member);
+                }
+                Pin::Refreshed | Pin::Refused => {}
+            }
+        }
+        Some(choice.member)
+    }
+
+    fn open(&self, member: u32) {
+        if let Some(c) = self.balancer.counters(member as usize) {
+            c.open();
+        }
+    }
+
+    fn close(&self, member: u32) {
+        if let Some(c) = self.balancer.counters(member as usize) {
+            c.close();
+        }
+    }
+
+    /// A request from a service toward a client (in-dialog: BYE, re-INVITE, NOTIFY...):
+    /// routed by Route / Request-URI, never to ourselves.
+    fn request_from_service(&self, msg: &SipMsg<'_>, src: SocketAddr, out: &mut Vec<u8>) -> Action {
+        bump(&self.counters.in_dialog_from_services);
+        let target = match request_target(msg, &self.local) {
+            Ok(t) => t,
+            Err(RewriteError::Loop) => {
+                bump(&self.counters.loops);
+                return Action::Drop(DropReason::Loop);
+            }
+            Err(_) => {
+                bump(&self.counters.unroutable);
+                return Action::Drop(DropReason::Unroutable);
+            }
+        };
+        let Some(addr) = target.socket_addr() else {
+            bump(&self.counters.unroutable);
+            return Action::Drop(DropReason::Unroutable);
+        };
+        if self.local.is_local_addr(addr) {
+            bump(&self.counters.loops);
+            return Action::Drop(DropReason::Loop);
+        }
+        let rw = RequestRewrite {
+            local: &self.local,
+            src,
+            record_route: self.record_route,
+            force_rport: false,
+            conn_id: None,
+        };
+        match forward_request(msg, &rw, out) {
+            Ok(_) => {
+                bump(&self.counters.requests_forwarded);
+                Action::ToAddr(addr)
+            }
+            Err(RewriteError::TooManyHops) => {
+                bump(&self.counters.replies_483);
+                self.reply(msg, src, &Reply::TOO_MANY_HOPS, out)
+            }
+            Err(_) => {
+                bump(&self.counters.malformed);
+                Action::Drop(DropReason::Malformed)
+            }
+        }
+    }
+
+    /// A response: fulcrum's Via must be on top; it is removed and the response goes to
+    /// the next Via (received / rport aware).
+    fn response(&self, msg: &SipMsg<'_>, out: &mut Vec<u8>) -> Action {
+        match forward_response(msg, &self.local, out) {
+            Ok(route) => match route.target.socket_addr() {
+                // Streams: the client connection named in our Via carries the response.
+                _ if route.conn_id.is_some() => {
+                    bump(&self.counters.responses_forwarded);
+                    route
+                        .conn_id
+                        .map_or(Action::Drop(DropReason::Unroutable), Action::ToConn)
+                }
+                Some(addr) if self.local.is_local_addr(addr) => {
+                    bump(&self.counters.loops);
+                    Action::Drop(DropReason::Loop)
+                }
+                Some(addr) => {
+                    bump(&self.counters.responses_forwarded);
+                    Action::ToAddr(addr)
+                }
+                None => {
+                    bump(&self.counters.unroutable);
+                    Action::Drop(DropReason::Unroutable)
+                }
+            },
+            Err(RewriteError::ViaNotOurs) => {
+                bump(&self.counters.not_ours);
+                Action::Drop(DropReason::NotOurs)
+            }
+            Err(_) => {
+                bump(&self.counters.malformed);
+                Action::Drop(DropReason::Malformed)
+            }
+        }
+    }
+}
+
+/// Call-ID without surrounding whitespace (the scanner already trims LWS; this keeps the
+/// dialog key identical to the call_id_hash key whatever the header's spacing).
+fn sip_trim(v: &[u8]) -> &[u8] {
+    let start = v
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(v.len());
+    let end = v
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &v[start..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::balancer::Health;
+    use crate::config;
+    use crate::sip::Transport;
+
+    const CLIENT: &str = "192.0.2.10:5062";
+    const US: &str = "127.0.0.1:5060";
+
+    fn core(record_route: bool) -> SipCore {
+        let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, services: [a, b] }\n";
+        let cfg = config::from_str("t", y).expect("config");
+        let v = &cfg.vservers[0];
+        SipCore::new(SipParams {
+            name: "v".into(),
+            local: Local::from_addr(US.parse().expect("addr"), Transport::Udp),
+            record_route,
+            method: v.method,
+            hash_params: v.hash.clone(),
+            balancer: Arc::new(Balancer::new(&cfg, v)),
+            member_addrs: vec![
+                "127.0.0.1:5071".parse().expect("addr"),
+                "127.0.0.1:5072".parse().expect("addr"),
+            ],
+            max_dialogs: 100,
+            dialog_idle: Duration::from_secs(3600),
+        })
+    }
+
+    fn invite(call_id: &str, max_forwards: u32) -> String {
+        format!(
+            "INVITE sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bKc1;rport\r\nMax-Forwards: {max_forwards}\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n"
+        )
+    }
+
+    fn handle(c: &SipCore, bytes: &str, src: &str, out: &mut Vec<u8>) -> Action {
+        c.handle_datagram(
+            bytes.as_bytes(),
+            src.parse().expect("src"),
+            US.parse().expect("dst"),
+            0,
+            out,
+        )
+    }
+
+    #[test]
+    fn request_goes_to_a_member_with_our_via_and_rport_filled() {
+        let c = core(true);
+        let mut out = Vec::new();
+        let a = handle(&c, &invite("x1", 70), CLIENT, &mut out);
+        assert!(matches!(a, Action::ToMember(_)), "{a:?}");
+        let msg = crate::sip::scan(&out).expect("rewritten request scans");
+        let vias: Vec<_> = msg.vias().collect();
+        assert_eq!(vias.len(), 2);
+        assert_eq!(vias[0].host, b"127.0.0.1");
+        assert!(vias[0].branch.is_some_and(|b| b.starts_with(b"z9hG4bK")));
+        assert_eq!(vias[1].received, Some(&b"192.0.2.10"[..]));
+        assert_eq!(msg.max_forwards(), Some(Some(69)));
+        assert!(msg.record_route().is_some());
+        // Same request again (a retransmission): same member, same bytes.
+        let mut again = Vec::new();
+        assert_eq!(handle(&c, &invite("x1", 70), CLIENT, &mut again), a);
+        assert_eq!(again, out);
+    }
+
+    #[test]
+    fn replies_483_and_503() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let a = handle(&c, &invite("x2", 0), CLIENT, &mut out);
+        assert_eq!(a, Action::Reply(CLIENT.parse().expect("addr")));
+        assert_eq!(
+            crate::sip::scan(&out).expect("scan").status_code(),
+            Some(483)
+        );
+        let now = 0;
+        c.balancer().set_health(0, Health::Down, now);
+        c.balancer().set_health(1, Health::Down, now);
+        let a = handle(&c, &invite("x3", 70), CLIENT, &mut out);
+        assert!(matches!(a, Action::Reply(_)));
+        let msg = crate::sip::scan(&out).expect("scan");
+        assert_eq!(msg.status_code(), Some(503));
+        assert!(msg.header(b"Retry-After").is_some());
+        assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn response_from_member_loses_our_via_and_goes_to_the_client() {
+        let c = core(false);
+        let mut fwd = Vec::new();
+        let Action::ToMember(m) = handle(&c, &invite("x4", 70), CLIENT, &mut fwd) else {
+            panic!("not forwarded")
+        };
+        let req = crate::sip::scan(&fwd).expect("scan");
+        let mut resp = Vec::new();
+        crate::sip::build_response(
+            &req,
+            &crate::sip::Reply {
+                code: 200,
+                reason: "OK",
+                retry_after_s: None,
+            },
+            &mut resp,
+        )
+        .expect("response");
+        let member = c.member_addr(m).expect("member").to_string();
+        let mut out = Vec::new();
+        let a = handle(
+            &c,
+            std::str::from_utf8(&resp).expect("utf8"),
+            &member,
+            &mut out,
+        );
+        // rport was requested: back to the source address and port (RFC 3581 §4).
+        assert_eq!(a, Action::ToAddr(CLIENT.parse().expect("addr")));
+        assert_eq!(crate::sip::scan(&out).expect("scan").vias().count(), 1);
+    }
+
+    #[test]
+    fn foreign_responses_loops_and_garbage_are_dropped_and_counted() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let foreign = "SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP 10.9.9.9:5060;branch=z9hG4bKzz\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@y>;tag=2\r\nCall-ID: f\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(
+            handle(&c, foreign, CLIENT, &mut out),
+            Action::Drop(DropReason::NotOurs)
+        );
+        let to_us = "BYE sip:a@127.0.0.1:5060 SIP/2.0\r\nVia: SIP/2.0/UDP 127.0.0.1:5071;branch=z9hG4bKb\r\nMax-Forwards: 70\r\nFrom: <sip:b@y>;tag=2\r\nTo: <sip:a@x>;tag=1\r\nCall-ID: l\r\nCSeq: 2 BYE\r\nContent-Length: 0\r\n\r\n";
+        assert_eq!(
+            handle(&c, to_us, "127.0.0.1:5071", &mut out),
+            Action::Drop(DropReason::Loop)
+        );
+        assert_eq!(
+            handle(&c, "\u{1}\u{2}garbage", CLIENT, &mut out),
+            Action::Drop(DropReason::Malformed)
+        );
+        assert_eq!(c.counters.not_ours.load(Ordering::Relaxed), 1);
+        assert_eq!(c.counters.loops.load(Ordering::Relaxed), 1);
+        assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn dialog_stays_on_its_member_when_another_returns() {
+        // A twin core (same config, so same hashing) finds a call that ranks member 0 first.
+        let probe = core(false);
+        let mut out = Vec::new();
+        let call = (0..)
+            .map(|i| format!("aff-{i}"))
+            .find(|id| handle(&probe, &invite(id, 70), CLIENT, &mut out) == Action::ToMember(0))
+            .expect("some call ranks member 0 first");
+        let c = core(false);
+        c.balancer().set_health(0, Health::Down, 0);
+        assert_eq!(
+            handle(&c, &invite(&call, 70), CLIENT, &mut out),
+            Action::ToMember(1)
+        );
+        c.balancer().set_health(0, Health::Up, 0);
+        // Established on 1: it stays there although 0, its first choice, is back.
+        assert_eq!(
+            handle(&c, &invite(&call, 70), CLIENT, &mut out),
+            Action::ToMember(1)
+        );
+        // A new call with the same ranking goes to 0 again.
+        let other = (0..)
+            .map(|i| format!("aff-new-{i}"))
+            .find(|id| handle(&probe, &invite(id, 70), CLIENT, &mut out) == Action::ToMember(0))
+            .expect("another call ranking 0 first");
+        assert_eq!(
+            handle(&c, &invite(&other, 70), CLIENT, &mut out),
+            Action::ToMember(0)
+        );
+    }
+}

@@ -1,0 +1,541 @@
+//! Operations over loopback: monitors, admin API (through its router, and once over a
+//! socket), disable/drain, reload, /metrics, and the binary's signals.
+//! Synchronisation is by polling with deadlines, never by bare sleeps.
+
+use fulcrum::admin::router::{self, Request};
+use fulcrum::config;
+use fulcrum::ops::Ops;
+use fulcrum::peer::{Uac, Uas};
+use serde_json::Value;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn any() -> SocketAddr {
+    "127.0.0.1:0".parse().expect("addr")
+}
+
+/// Poll `f` every 20 ms until it returns `Some`, or panic after `limit`.
+fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn yaml(ports: &[u16], token: &str, monitor: &str, slow: &str, method: &str) -> String {
+    let mut y = format!(
+        "admin: {{ listen: null, token: {token} }}\nmonitors:\n  - {{ name: ping, type: sip-options, {monitor} }}\nservices:\n"
+    );
+    for (i, p) in ports.iter().enumerate() {
+        y.push_str(&format!(
+            "  - {{ name: s{i}, address: 127.0.0.1:{p}, protocol: sip-udp, monitor: ping }}\n"
+        ));
+    }
+    let names: Vec<String> = (0..ports.len()).map(|i| format!("s{i}")).collect();
+    y.push_str(&format!(
+        "vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: {method}\n{slow}    workers: 1\n    services: [{}]\n",
+        names.join(", ")
+    ));
+    y
+}
+
+const FAST: &str = "interval: 300ms, timeout: 200ms, failures_to_down: 2, successes_to_up: 2";
+
+fn get(ops: &Ops, path: &str) -> Value {
+    let r = router::handle(ops, &Request::new("GET", path));
+    assert_eq!(r.status, 200, "{path}: {}", r.body);
+    serde_json::from_str(&r.body).expect("status is JSON")
+}
+
+fn service<'a>(status: &'a Value, name: &str) -> &'a Value {
+    status["vservers"][0]["services"]
+        .as_array()
+        .and_then(|s| s.iter().find(|x| x["name"] == name))
+        .expect("service in status")
+}
+
+fn proxy_addr(ops: &Ops) -> SocketAddr {
+    ops.with_vservers(|vs, _| vs[0].bound[0]).expect("running")
+}
+
+/// INVITE → 200 → ACK; returns the To tag.
+fn establish(uac: &mut Uac, call_id: &str) -> String {
+    let inv = uac.request("INVITE", call_id, 1, &format!("{call_id}i"), None);
+    uac.send_raw(inv.as_bytes()).expect("send");
+    let (code, to, _) = uac
+        .final_response(Duration::from_secs(2))
+        .expect("INVITE answered");
+    assert_eq!(code, 200);
+    let tag = to
+        .split(";tag=")
+        .nth(1)
+        .map(|t| t.split(';').next().unwrap_or(t).to_owned())
+        .expect("to tag");
+    let ack = uac.request("ACK", call_id, 1, &format!("{call_id}a"), Some(&tag));
+    uac.send_raw(ack.as_bytes()).expect("send");
+    tag
+}
+
+fn bye(uac: &mut Uac, call_id: &str, tag: &str) -> u16 {
+    let b = uac.request("BYE", call_id, 2, &format!("{call_id}b"), Some(tag));
+    uac.send_raw(b.as_bytes()).expect("send");
+    uac.final_response(Duration::from_secs(2))
+        .expect("BYE answered")
+        .0
+}
+
+#[test]
+fn monitor_marks_down_then_up_with_slow_start() {
+    let mut uas: Vec<Uas> = (0..2).map(|_| Uas::start(any()).expect("uas")).collect();
+    let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
+    let slow = "    slow_start: { new_service_request_rate: 5, unit: per_second, increment_interval: 0s }\n";
+    let cfg = config::from_str("t.yaml", &yaml(&ports, "null", FAST, slow, "round_robin"))
+        .expect("valid");
+    let ops = Ops::start(cfg, None).expect("start");
+    wait_for("s1 confirmed UP", Duration::from_secs(5), || {
+        (service(&get(&ops, "/status"), "s1")["monitor"]["state"] == "UP").then_some(())
+    });
+
+    uas[1].stop();
+    let stopped = Instant::now();
+    wait_for("s1 DOWN", Duration::from_secs(5), || {
+        (service(&get(&ops, "/status"), "s1")["state"] == "DOWN").then_some(())
+    });
+    // interval × failures_to_down, + 1 interval, + scheduling slack on a shared machine.
+    let bound = Duration::from_millis(300 * 2 + 300 + 400);
+    assert!(
+        stopped.elapsed() <= bound,
+        "DOWN after {:?}, bound {bound:?}",
+        stopped.elapsed()
+    );
+    assert_eq!(service(&get(&ops, "/status"), "s0")["state"], "UP");
+
+    uas[1] = Uas::start(SocketAddr::from(([127, 0, 0, 1], ports[1]))).expect("restart");
+    let back = wait_for("s1 UP again", Duration::from_secs(5), || {
+        let st = get(&ops, "/status");
+        (service(&st, "s1")["state"] == "UP").then_some(st)
+    });
+    let ss = &service(&back, "s1")["slow_start"];
+    assert_eq!(ss["rate"], 5, "returning service is in slow start: {back}");
+    assert_eq!(ss["phase"], "manual");
+    assert!(service(&back, "s0")["slow_start"].is_null());
+
+    // Manual slow start is driven through the admin API: rate 0 ends it.
+    let r = router::handle(
+        &ops,
+        &Request::new("PUT", "/vservers/v/slow-start").body(r#"{"new_service_request_rate": 0}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(service(&get(&ops, "/status"), "s1")["slow_start"].is_null());
+    let r = router::handle(
+        &ops,
+        &Request::new("PUT", "/vservers/v/slow-start")
+            .body(r#"{"new_service_request_rate": 3, "unit": "percent"}"#),
+    );
+    assert_eq!(r.status, 409, "unit changes need a restart");
+    assert!(
+        service(&back, "s1")["monitor"]["response_time_us"]
+            .as_u64()
+            .is_some()
+    );
+    ops.shutdown();
+}
+
+#[test]
+fn disable_drains_established_calls() {
+    let uas: Vec<Uas> = (0..2).map(|_| Uas::start(any()).expect("uas")).collect();
+    let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
+    let cfg = config::from_str(
+        "t.yaml",
+        &yaml(
+            &ports,
+            "null",
+            "interval: 1s, timeout: 500ms, failures_to_down: 3, successes_to_up: 1",
+            "",
+            "call_id_hash",
+        ),
+    )
+    .expect("valid");
+    let ops = Ops::start(cfg, None).expect("start");
+    let mut uac = Uac::new(any(), proxy_addr(&ops), "drain").expect("uac");
+    let tag = establish(&mut uac, "call-before");
+    let owner = (0..2)
+        .find(|&i| !uas[i].log.methods_of("call-before").is_empty())
+        .expect("some service took the call");
+    let other = 1 - owner;
+
+    let r = router::handle(
+        &ops,
+        &Request::new("POST", &format!("/services/s{owner}/disable")),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(
+        service(&get(&ops, "/status"), &format!("s{owner}"))["state"],
+        "OUT_OF_SERVICE"
+    );
+    // New calls avoid the disabled service...
+    for n in 0..10 {
+        let id = format!("new-{n}");
+        let t = establish(&mut uac, &id);
+        assert!(
+            uas[owner].log.methods_of(&id).is_empty(),
+            "{id} went to the disabled service"
+        );
+        assert_eq!(bye(&mut uac, &id, &t), 200);
+    }
+    assert!(
+        uas[other]
+            .log
+            .invites
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 10
+    );
+    // ...while the established call finishes where it started.
+    assert_eq!(bye(&mut uac, "call-before", &tag), 200);
+    assert_eq!(
+        uas[owner].log.methods_of("call-before"),
+        vec!["INVITE", "ACK", "BYE"]
+    );
+    let r = router::handle(
+        &ops,
+        &Request::new("POST", &format!("/services/s{owner}/enable")),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        service(&get(&ops, "/status"), &format!("s{owner}"))["state"],
+        "UP"
+    );
+    assert_eq!(
+        router::handle(&ops, &Request::new("POST", "/services/nope/disable")).status,
+        404
+    );
+    ops.shutdown();
+}
+
+#[test]
+fn admin_requires_the_token_when_set() {
+    let uas = Uas::start(any()).expect("uas");
+    let cfg = config::from_str(
+        "t.yaml",
+        &yaml(&[uas.addr.port()], "s3cret", FAST, "", "round_robin"),
+    )
+    .expect("valid");
+    let ops = Ops::start(cfg, None).expect("start");
+    for (method, path) in [
+        ("GET", "/status"),
+        ("GET", "/metrics"),
+        ("POST", "/services/s0/disable"),
+        ("POST", "/reload"),
+    ] {
+        assert_eq!(
+            router::handle(&ops, &Request::new(method, path)).status,
+            401,
+            "{path}"
+        );
+        assert_eq!(
+            router::handle(&ops, &Request::new(method, path).bearer("wrong")).status,
+            401,
+            "{path}"
+        );
+    }
+    assert_eq!(
+        service(&get_with(&ops, "s3cret"), "s0")["state"],
+        "UP",
+        "the disable above was refused"
+    );
+
+    // Once over a real socket, to exercise the HTTP server around the router.
+    let ops2 = Arc::clone(&ops);
+    let (addr, _task) = ops
+        .tokio()
+        .block_on(fulcrum::admin::serve(ops2, any()))
+        .expect("admin listener");
+    assert!(http(addr, "GET /status HTTP/1.1\r\nHost: x\r\n\r\n").starts_with("HTTP/1.1 401"));
+    let ok = http(
+        addr,
+        "GET /status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n\r\n",
+    );
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    assert!(ok.contains("\"vservers\""));
+    ops.shutdown();
+}
+
+fn get_with(ops: &Ops, token: &str) -> Value {
+    let r = router::handle(ops, &Request::new("GET", "/status").bearer(token));
+    assert_eq!(r.status, 200);
+    serde_json::from_str(&r.body).expect("json")
+}
+
+fn http(addr: SocketAddr, req: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect admin");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    s.write_all(req.as_bytes()).expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    out
+}
+
+#[test]
+fn reload_applies_in_place_and_refuses_bad_or_restart_needing_files() {
+    let uas: Vec<Uas> = (0..2).map(|_| Uas::start(any()).expect("uas")).collect();
+    let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
+    let dir = std::env::temp_dir().join(format!("fulcrum-reload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let path = dir.join("f.yaml");
+    let slow = "    slow_start: { new_service_request_rate: 5, unit: per_second, increment_interval: 0s }\n";
+    let text = yaml(&ports, "null", FAST, slow, "round_robin");
+    std::fs::write(&path, &text).expect("write");
+    let ops = Ops::start(config::load(&path).expect("valid"), Some(path.clone())).expect("start");
+    let mut uac = Uac::new(any(), proxy_addr(&ops), "reload").expect("uac");
+    let tag = establish(&mut uac, "long-call");
+
+    // In place: new monitor timing, a new slow-start rate, a spare service.
+    let changed = text
+        .replace("interval: 300ms", "interval: 400ms")
+        .replace("new_service_request_rate: 5", "new_service_request_rate: 9")
+        .replace(
+            "vservers:",
+            "  - { name: spare, address: 127.0.0.1:9, protocol: sip-udp }\nvservers:",
+        );
+    std::fs::write(&path, &changed).expect("write");
+    let r = router::handle(&ops, &Request::new("POST", "/reload"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("monitors"), "{}", r.body);
+    assert_eq!(
+        get(&ops, "/status")["vservers"][0]["slow_start"]["new_service_request_rate"],
+        9
+    );
+
+    // A bad file changes nothing.
+    std::fs::write(&path, "services: [").expect("write");
+    let r = router::handle(&ops, &Request::new("POST", "/reload"));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(ops.config().monitors[0].interval == Duration::from_millis(400));
+
+    // Membership changes need a restart: refused, nothing changes.
+    std::fs::write(
+        &path,
+        changed.replace("services: [s0, s1]", "services: [s0]"),
+    )
+    .expect("write");
+    let r = router::handle(&ops, &Request::new("POST", "/reload"));
+    assert_eq!(r.status, 409, "{}", r.body);
+    assert!(r.body.contains("vservers.v.services"), "{}", r.body);
+    assert_eq!(
+        get(&ops, "/status")["vservers"][0]["services"]
+            .as_array()
+            .map(Vec::len),
+        Some(2)
+    );
+
+    // The call established before the reloads finishes on its service.
+    assert_eq!(bye(&mut uac, "long-call", &tag), 200);
+    let owners: Vec<usize> = (0..2)
+        .filter(|&i| !uas[i].log.methods_of("long-call").is_empty())
+        .collect();
+    assert_eq!(owners.len(), 1, "one service saw the whole call");
+    let _ = std::fs::remove_dir_all(&dir);
+    ops.shutdown();
+}
+
+/// (family, labels, value).
+type Sample = (String, Vec<(String, String)>, f64);
+
+/// A minimal Prometheus text-format (0.0.4) parser: returns (family, labels, value) samples
+/// and fails on any malformed line, sample without a TYPE, or duplicate series.
+fn parse_prometheus(text: &str) -> Result<Vec<Sample>, String> {
+    use std::collections::{HashMap, HashSet};
+    let mut types: HashMap<String, String> = HashMap::new();
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    let is_name = |s: &str| {
+        let mut c = s.chars();
+        c.next()
+            .is_some_and(|f| f.is_ascii_alphabetic() || f == '_' || f == ':')
+            && c.all(|x| x.is_ascii_alphanumeric() || x == '_' || x == ':')
+    };
+    for (n, line) in text.lines().enumerate() {
+        let err = |m: &str| format!("line {}: {m}: {line}", n + 1);
+        if line.is_empty() {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# ") {
+            let mut parts = rest.splitn(3, ' ');
+            match (parts.next(), parts.next(), parts.next()) {
+                (Some("TYPE"), Some(name), Some(kind)) => {
+                    if !is_name(name) {
+                        return Err(err("bad family name"));
+                    }
+                    if !["counter", "gauge", "summary", "histogram", "untyped"].contains(&kind) {
+                        return Err(err("bad type"));
+                    }
+                    if types.insert(name.to_owned(), kind.to_owned()).is_some() {
+                        return Err(err("TYPE twice"));
+                    }
+                }
+                (Some("HELP"), Some(name), _) if is_name(name) => {}
+                _ => return Err(err("bad comment")),
+            }
+            continue;
+        }
+        let name_end = line.find(['{', ' ']).ok_or_else(|| err("no value"))?;
+        let name = &line[..name_end];
+        if !is_name(name) {
+            return Err(err("bad metric name"));
+        }
+        let mut labels = Vec::new();
+        let mut rest = &line[name_end..];
+        if let Some(r) = rest.strip_prefix('{') {
+            let mut chars = r.char_indices().peekable();
+            let end;
+            loop {
+                let (i, c) = chars.next().ok_or_else(|| err("unterminated labels"))?;
+                if c == '}' {
+                    end = Some(i);
+                    break;
+                }
+                let start = i;
+                let mut eq = None;
+                while let Some(&(j, c)) = chars.peek() {
+                    if c == '=' {
+                        eq = Some(j);
+                        break;
+                    }
+                    chars.next();
+                }
+                let eq = eq.ok_or_else(|| err("label without ="))?;
+                let key = &r[start..eq];
+                if !is_name(key) {
+                    return Err(err("bad label name"));
+                }
+                chars.next();
+                if chars.next().map(|x| x.1) != Some('"') {
+                    return Err(err("label value not quoted"));
+                }
+                let mut val = String::new();
+                loop {
+                    match chars.next().map(|x| x.1) {
+                        Some('\\') => match chars.next().map(|x| x.1) {
+                            Some('\\') => val.push('\\'),
+                            Some('"') => val.push('"'),
+                            Some('n') => val.push('\n'),
+                            _ => return Err(err("bad escape")),
+                        },
+                        Some('"') => break,
+                        Some(c) => val.push(c),
+                        None => return Err(err("unterminated label value")),
+                    }
+                }
+                labels.push((key.to_owned(), val));
+                match chars.peek().map(|x| x.1) {
+                    Some(',') => {
+                        chars.next();
+                    }
+                    Some('}') => {}
+                    _ => return Err(err("expected , or }")),
+                }
+            }
+            rest = &r[end.map_or(r.len(), |e| e + 1)..];
+        }
+        let value = rest.trim();
+        let v: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            "NaN" => f64::NAN,
+            v => v.parse().map_err(|_| err("bad value"))?,
+        };
+        let family = types
+            .keys()
+            .filter(|f| {
+                name == f.as_str()
+                    || (name.starts_with(f.as_str())
+                        && ["_sum", "_count", "_bucket"].contains(&&name[f.len()..]))
+            })
+            .max_by_key(|f| f.len())
+            .ok_or_else(|| err("sample before its TYPE"))?
+            .clone();
+        if !seen.insert(line[..line.len() - value.len()].trim().to_owned()) {
+            return Err(err("duplicate series"));
+        }
+        out.push((family, labels, v));
+    }
+    Ok(out)
+}
+
+#[test]
+fn metrics_parse_and_cover_the_proxy() {
+    assert!(
+        parse_prometheus("x 1\n").is_err(),
+        "the parser rejects untyped samples"
+    );
+    assert!(parse_prometheus("# TYPE x counter\nx{a=\"b} 1\n").is_err());
+    let uas = Uas::start(any()).expect("uas");
+    let cfg = config::from_str(
+        "t.yaml",
+        &yaml(&[uas.addr.port()], "null", FAST, "", "call_id_hash"),
+    )
+    .expect("valid");
+    let ops = Ops::start(cfg, None).expect("start");
+    let mut uac = Uac::new(any(), proxy_addr(&ops), "metrics").expect("uac");
+    uac.call(Duration::from_secs(2)).expect("call");
+    uac.send_raw(b"garbage\r\n\r\n").expect("send");
+    wait_for("a probe", Duration::from_secs(5), || {
+        let m = router::handle(&ops, &Request::new("GET", "/metrics")).body;
+        m.contains("fulcrum_monitor_probes_total{service=\"s0\",monitor=\"ping\",result=\"ok\"} 1")
+            .then_some(())
+            .or_else(|| {
+                parse_prometheus(&m)
+                    .ok()?
+                    .iter()
+                    .any(|(f, l, v)| {
+                        f == "fulcrum_monitor_probes_total"
+                            && l.iter().any(|x| x.1 == "ok")
+                            && *v >= 1.0
+                    })
+                    .then_some(())
+            })
+    });
+    let r = router::handle(&ops, &Request::new("GET", "/metrics"));
+    assert_eq!(r.status, 200);
+    assert!(r.content_type.starts_with("text/plain"));
+    let samples = parse_prometheus(&r.body).unwrap_or_else(|e| panic!("{e}\n{}", r.body));
+    let find = |fam: &str, label: (&str, &str)| {
+        samples
+            .iter()
+            .find(|(f, l, _)| f == fam && l.iter().any(|(k, v)| k == label.0 && v == label.1))
+            .map(|s| s.2)
+    };
+    assert!(find("fulcrum_requests_total", ("service", "s0")).is_some_and(|v| v >= 1.0));
+    assert_eq!(
+        find("fulcrum_selections_total", ("path", "hash")),
+        Some(1.0)
+    );
+    assert!(find("fulcrum_selections_total", ("path", "affinity")).is_some_and(|v| v >= 1.0));
+    let malformed = wait_for("malformed counted", Duration::from_secs(2), || {
+        let m = router::handle(&ops, &Request::new("GET", "/metrics")).body;
+        let s = parse_prometheus(&m).ok()?;
+        s.iter()
+            .find(|(f, l, v)| {
+                f == "fulcrum_dropped_total" && l.iter().any(|x| x.1 == "malformed") && *v >= 1.0
+            })
+            .map(|x| x.2)
+    });
+    assert!(malformed >= 1.0);
+    assert_eq!(
+        find("fulcrum_service_state", ("state", "UP")).map(|v| v >= 0.0),
+        Some(true)
+    );
+    assert!(
+        samples
+            .iter()
+            .any(|(f, _, _)| f == "fulcrum_monitor_latency_seconds")
+    );
+    ops.shutdown();
+}

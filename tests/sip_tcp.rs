@@ -1,0 +1,388 @@
+//! sip-tcp vserver over real loopback sockets: framing on both sides, routing by Call-ID
+//! over pooled service connections, responses back on the originating client connection,
+//! keep-alives, in-dialog requests from a service, passive failure detection.
+
+use fulcrum::balancer::Health;
+use fulcrum::config;
+use fulcrum::proxy::Runtime;
+use fulcrum::sip::{self, Frame, Reply, framing::DEFAULT_MAX_MESSAGE, next_frame};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+const WAIT: Duration = Duration::from_secs(5);
+
+/// Read one framed SIP message (skipping keep-alives) from a blocking stream.
+fn read_message(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match next_frame(buf, DEFAULT_MAX_MESSAGE) {
+            Ok(Frame::Message { len, .. }) => {
+                let msg = buf[..len].to_vec();
+                buf.drain(..len);
+                return Some(msg);
+            }
+            Ok(f) => {
+                buf.drain(..f.len());
+                continue;
+            }
+            Err(sip::FrameError::Incomplete) => {}
+            Err(_) => return None,
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        let mut chunk = [0u8; 4096];
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .ok()?;
+        match stream.read(&mut chunk) {
+            Ok(0) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return None,
+        }
+    }
+}
+
+/// A TCP UAS: answers every request but ACK with 200, records (Call-ID, method), and can
+/// send a request back on the connection fulcrum opened.
+struct TcpUas {
+    addr: SocketAddr,
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+    conn: Arc<Mutex<Option<TcpStream>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl TcpUas {
+    fn start() -> TcpUas {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind uas");
+        let addr = listener.local_addr().expect("addr");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let conn = Arc::new(Mutex::new(None));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (seen2, conn2, stop2) = (Arc::clone(&seen), Arc::clone(&conn), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !stop2.load(Ordering::Relaxed) {
+                let Ok((stream, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                stream.set_nonblocking(false).expect("blocking");
+                *conn2.lock().expect("lock") = stream.try_clone().ok();
+                let (seen3, stop3) = (Arc::clone(&seen2), Arc::clone(&stop2));
+                std::thread::spawn(move || {
+                    let mut stream = stream;
+                    let mut buf = Vec::new();
+                    while !stop3.load(Ordering::Relaxed) {
+                        let Some(bytes) = read_message(&mut stream, &mut buf) else {
+                            if buf.is_empty() {
+                                continue;
+                            }
+                            return;
+                        };
+                        let Ok(msg) = sip::scan(&bytes) else { continue };
+                        if !msg.is_request() {
+                            continue;
+                        }
+                        let method =
+                            String::from_utf8_lossy(msg.method().unwrap_or(b"")).into_owned();
+                        let cid =
+                            String::from_utf8_lossy(msg.call_id().unwrap_or(b"")).into_owned();
+                        seen3.lock().expect("lock").push((cid, method));
+                        let mut out = Vec::new();
+                        let ok = Reply {
+                            code: 200,
+                            reason: "OK",
+                            retry_after_s: None,
+                        };
+                        if sip::build_response(&msg, &ok, &mut out).is_ok() {
+                            let _ = stream.write_all(&out);
+                        }
+                    }
+                });
+            }
+        });
+        TcpUas {
+            addr,
+            seen,
+            conn,
+            stop,
+        }
+    }
+
+    fn calls(&self) -> Vec<(String, String)> {
+        self.seen.lock().expect("lock").clone()
+    }
+}
+
+impl Drop for TcpUas {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+fn start(uas: &[&TcpUas]) -> (Runtime, SocketAddr) {
+    let mut y = String::from("services:\n");
+    for (i, u) in uas.iter().enumerate() {
+        y.push_str(&format!(
+            "  - {{ name: s{i}, address: {}, protocol: sip-tcp }}\n",
+            u.addr
+        ));
+    }
+    let names: Vec<String> = (0..uas.len()).map(|i| format!("s{i}")).collect();
+    y.push_str(&format!(
+        "vservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, method: call_id_hash, services: [{}] }}\n",
+        names.join(", ")
+    ));
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let addr = rt.vserver("v").expect("vserver").bound[0];
+    (rt, addr)
+}
+
+fn request(method: &str, call_id: &str, local: SocketAddr, branch: &str) -> String {
+    format!(
+        "{method} sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/TCP {local};branch=z9hG4bK{branch}\r\nMax-Forwards: 70\r\nFrom: <sip:a@client>;tag=a1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 {method}\r\nContact: <sip:a@{local};transport=tcp>\r\nContent-Length: 0\r\n\r\n"
+    )
+}
+
+#[test]
+fn requests_reach_one_service_per_call_and_responses_return_on_the_client_connection() {
+    let uas: Vec<TcpUas> = (0..3).map(|_| TcpUas::start()).collect();
+    let refs: Vec<&TcpUas> = uas.iter().collect();
+    let (_rt, proxy) = start(&refs);
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    let mut buf = Vec::new();
+    for i in 0..30 {
+        let cid = format!("call-{i}@tcp");
+        // Two messages of one call in a single write: framing must split them.
+        let both = format!(
+            "{}{}",
+            request("OPTIONS", &cid, local, &format!("o{i}")),
+            request("INFO", &cid, local, &format!("n{i}"))
+        );
+        client.write_all(both.as_bytes()).expect("write");
+        for _ in 0..2 {
+            let resp = read_message(&mut client, &mut buf).expect("response");
+            let msg = sip::scan(&resp).expect("scan");
+            assert_eq!(msg.status_code(), Some(200));
+            // fulcrum's Via is gone: only the client's remains.
+            assert_eq!(msg.vias().count(), 1);
+            assert!(
+                msg.top_via()
+                    .expect("via")
+                    .branch
+                    .is_some_and(|b| b.starts_with(b"z9hG4bK"))
+            );
+        }
+    }
+    // Every call's messages landed on exactly one service, and all three took calls.
+    let mut per_call: std::collections::HashMap<String, std::collections::HashSet<usize>> =
+        Default::default();
+    for (i, u) in uas.iter().enumerate() {
+        for (cid, _) in u.calls() {
+            per_call.entry(cid).or_default().insert(i);
+        }
+    }
+    assert_eq!(per_call.len(), 30);
+    assert!(per_call.values().all(|s| s.len() == 1));
+    assert!(uas.iter().all(|u| !u.calls().is_empty()));
+}
+
+#[test]
+fn keepalive_partial_writes_and_bad_framing() {
+    let uas = TcpUas::start();
+    let (_rt, proxy) = start(&[&uas]);
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    // RFC 5626 §3.5.1: CRLFCRLF ping → CRLF pong.
+    client.write_all(b"\r\n\r\n").expect("ping");
+    let mut pong = [0u8; 2];
+    client.set_read_timeout(Some(WAIT)).expect("timeout");
+    client.read_exact(&mut pong).expect("pong");
+    assert_eq!(&pong, b"\r\n");
+    // A message split across writes.
+    let req = request("OPTIONS", "split@tcp", local, "s1");
+    let (a, b) = req.as_bytes().split_at(40);
+    client.write_all(a).expect("part 1");
+    client.flush().expect("flush");
+    std::thread::sleep(Duration::from_millis(50));
+    client.write_all(b).expect("part 2");
+    let mut buf = Vec::new();
+    let resp = read_message(&mut client, &mut buf).expect("response to split message");
+    assert_eq!(sip::scan(&resp).expect("scan").status_code(), Some(200));
+    // No Content-Length on a stream (RFC 3261 §18.3): the connection is closed.
+    let bad = "OPTIONS sip:x SIP/2.0\r\nVia: SIP/2.0/TCP 1.2.3.4;branch=z9hG4bKx\r\nCall-ID: bad\r\nCSeq: 1 OPTIONS\r\nFrom: <sip:a@b>;tag=1\r\nTo: <sip:c@d>\r\n\r\n";
+    client.write_all(bad.as_bytes()).expect("bad");
+    let mut rest = [0u8; 64];
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match client.read(&mut rest) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => break,
+        }
+        assert!(
+            Instant::now() < deadline,
+            "connection not closed after a framing error"
+        );
+    }
+    // Other clients are unaffected.
+    let mut other = TcpStream::connect(proxy).expect("connect");
+    let local2 = other.local_addr().expect("local");
+    other
+        .write_all(request("OPTIONS", "after@tcp", local2, "a1").as_bytes())
+        .expect("write");
+    let mut buf2 = Vec::new();
+    assert!(read_message(&mut other, &mut buf2).is_some());
+}
+
+#[test]
+fn in_dialog_request_from_service_reaches_the_client_connection() {
+    let uas = TcpUas::start();
+    let (_rt, proxy) = start(&[&uas]);
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    client
+        .write_all(request("INVITE", "dlg@tcp", local, "i1").as_bytes())
+        .expect("invite");
+    let mut buf = Vec::new();
+    let _ = read_message(&mut client, &mut buf).expect("200");
+    // The UAS sends a BYE toward the client's Contact over the connection fulcrum opened.
+    let bye = format!(
+        "BYE sip:a@{local};transport=tcp SIP/2.0\r\nVia: SIP/2.0/TCP {};branch=z9hG4bKbye1\r\nMax-Forwards: 70\r\nFrom: <sip:svc@example.com>;tag=u1\r\nTo: <sip:a@client>;tag=a1\r\nCall-ID: dlg@tcp\r\nCSeq: 9 BYE\r\nContent-Length: 0\r\n\r\n",
+        uas.addr
+    );
+    let (tx, rx) = mpsc::channel();
+    {
+        let guard = uas.conn.lock().expect("lock");
+        let mut conn = guard
+            .as_ref()
+            .expect("fulcrum connected to the uas")
+            .try_clone()
+            .expect("clone");
+        conn.write_all(bye.as_bytes()).expect("bye");
+        tx.send(()).expect("sent");
+    }
+    rx.recv_timeout(WAIT).expect("bye written");
+    let got = read_message(&mut client, &mut buf).expect("BYE reaches the client");
+    let msg = sip::scan(&got).expect("scan");
+    assert_eq!(msg.method(), Some(&b"BYE"[..]));
+    // fulcrum put its own Via on top.
+    assert_eq!(msg.vias().count(), 2);
+}
+
+#[test]
+fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
+    let live = TcpUas::start();
+    // A port with nothing listening.
+    let dead_addr = {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let y = format!(
+        "services:\n  - {{ name: live, address: {}, protocol: sip-tcp }}\n  - {{ name: dead, address: {dead_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [live, dead] }}\n",
+        live.addr
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let proxy = rt.vserver("v").expect("v").bound[0];
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    let mut buf = Vec::new();
+    let mut answered = 0;
+    for i in 0..40 {
+        client
+            .write_all(request("OPTIONS", &format!("c{i}@x"), local, &format!("b{i}")).as_bytes())
+            .expect("write");
+        // Requests queued toward the dead service before it was marked DOWN are lost (the
+        // client would retransmit on its own timer); the rest are answered.
+        if read_message(&mut client, &mut buf).is_some() {
+            answered += 1;
+        }
+        let b = rt.vserver("v").expect("v").balancer();
+        if b.health(1) == Some(Health::Down) && answered > 0 {
+            break;
+        }
+    }
+    let b = rt.vserver("v").expect("v").balancer();
+    assert_eq!(b.health(1), Some(Health::Down));
+    // Now everything lands on the live service.
+    for i in 0..10 {
+        client
+            .write_all(
+                request("OPTIONS", &format!("after{i}@x"), local, &format!("a{i}")).as_bytes(),
+            )
+            .expect("write");
+        assert!(
+            read_message(&mut client, &mut buf).is_some(),
+            "call {i} answered"
+        );
+    }
+}
+
+#[test]
+fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
+    use fulcrum::proxy::runtime::DataPath;
+    let uas = TcpUas::start();
+    let (rt, proxy) = start(&[&uas]);
+    // A small receive buffer makes the kernel stop taking responses early.
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.set_recv_buffer_size(4096).expect("rcvbuf");
+    sock.connect(&proxy.into()).expect("connect");
+    let mut lazy: TcpStream = sock.into();
+    let local = lazy.local_addr().expect("local");
+    let shared = match &rt.vserver("v").expect("v").data {
+        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    };
+    // Send requests without ever reading the responses, until fulcrum gives up on us
+    // (bounded: at most 200 000 requests or 30 s).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    lazy.set_write_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    let mut sent = 0u32;
+    while shared.counters.slow_clients_closed.load(Ordering::Relaxed) == 0 {
+        assert!(
+            Instant::now() < deadline && sent < 200_000,
+            "slow client never disconnected"
+        );
+        let req = request(
+            "OPTIONS",
+            &format!("slow-{sent}@x"),
+            local,
+            &format!("s{sent}"),
+        );
+        if lazy.write_all(req.as_bytes()).is_err() {
+            break;
+        }
+        sent += 1;
+    }
+    assert_eq!(
+        shared.counters.slow_clients_closed.load(Ordering::Relaxed),
+        1
+    );
+    // Another client is served normally.
+    let mut other = TcpStream::connect(proxy).expect("connect");
+    let local2 = other.local_addr().expect("local");
+    other
+        .write_all(request("OPTIONS", "fine@x", local2, "f1").as_bytes())
+        .expect("write");
+    let mut buf = Vec::new();
+    assert!(read_message(&mut other, &mut buf).is_some());
+}
