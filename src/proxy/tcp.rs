@@ -472,7 +472,10 @@ async fn idle_watch(core: &TcpCore, last: &AtomicU64) {
     let idle = core.idle_timeout;
     loop {
         let last_at = core.epoch + Duration::from_nanos(last.load(Ordering::Relaxed));
-        let deadline = last_at + idle;
+        // An idle timeout beyond the clock's range means "never".
+        let Some(deadline) = last_at.checked_add(idle) else {
+            return std::future::pending().await;
+        };
         if Instant::now() >= deadline {
             return;
         }
