@@ -30,6 +30,44 @@ fn helper_service() {
     }
 }
 
+/// UDP service role: answer each datagram with `PEER=<sender address>`.
+#[test]
+fn helper_udp_service() {
+    if std::env::var(ROLE).as_deref() != Ok("udp-service") {
+        return;
+    }
+    let addr = std::env::var("FULCRUM_NETNS_ADDR").unwrap_or_default();
+    let s = std::net::UdpSocket::bind(&addr).expect("bind service");
+    let mut buf = [0u8; 2048];
+    while let Ok((_, from)) = s.recv_from(&mut buf) {
+        let _ = s.send_to(format!("PEER={from}").as_bytes(), from);
+    }
+}
+
+/// UDP client role: send until answered, print the answer.
+#[test]
+fn helper_udp_client() {
+    if std::env::var(ROLE).as_deref() != Ok("udp-client") {
+        return;
+    }
+    let addr: std::net::SocketAddr = std::env::var("FULCRUM_NETNS_ADDR")
+        .unwrap_or_default()
+        .parse()
+        .expect("addr");
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").expect("bind");
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut buf = [0u8; 2048];
+    let end = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < end {
+        let _ = s.send_to(b"hello", addr);
+        if let Ok((n, _)) = s.recv_from(&mut buf) {
+            println!("ANSWER {}", String::from_utf8_lossy(&buf[..n]));
+            return;
+        }
+    }
+    println!("ANSWER none");
+}
+
 /// Client role: connect (retrying while fulcrum starts), print what the service said.
 #[test]
 fn helper_client() {
@@ -152,33 +190,50 @@ fn spawn_in(ns: &str, program: &str, args: &[&str], env: &[(&str, &str)]) -> Res
 
 #[test]
 fn transparent_tcp_service_sees_the_client_address() {
+    transparent_case("tcp", 0);
+}
+
+#[test]
+fn transparent_udp_service_sees_the_client_address() {
+    transparent_case("udp", 1);
+}
+
+/// One namespace triple per protocol (`slot` keeps their names and subnets apart).
+fn transparent_case(protocol: &str, slot: u32) {
+    let name = format!("transparent_{protocol}_service_sees_the_client_address");
     if std::env::var(ROLE).is_ok() {
         return;
     }
     if !is_root() {
-        println!(
-            "SKIP transparent_tcp_service_sees_the_client_address: needs root for network namespaces"
-        );
+        println!("SKIP {name}: needs root for network namespaces");
         return;
     }
-    let tag = format!("{}", std::process::id() % 100_000);
+    let tag = format!("{}{slot}", std::process::id() % 10_000);
     let mut ns = Netns {
         names: Vec::new(),
         children: Vec::new(),
     };
     if let Err(e) = setup(&mut ns, &tag) {
-        println!(
-            "SKIP transparent_tcp_service_sees_the_client_address: cannot build namespaces: {e}"
-        );
+        println!("SKIP {name}: cannot build namespaces: {e}");
         return;
     }
+    let (svc_role, cli_role, svc_helper, cli_helper) = if protocol == "udp" {
+        (
+            "udp-service",
+            "udp-client",
+            "helper_udp_service",
+            "helper_udp_client",
+        )
+    } else {
+        ("service", "client", "helper_service", "helper_client")
+    };
     let me = std::env::current_exe().expect("test binary");
     let me = me.to_str().expect("utf-8 path");
     let svc = spawn_in(
         &format!("fc-svc-{tag}"),
         me,
-        &["--exact", "helper_service", "--nocapture"],
-        &[(ROLE, "service"), ("FULCRUM_NETNS_ADDR", "10.71.2.2:9000")],
+        &["--exact", svc_helper, "--nocapture"],
+        &[(ROLE, svc_role), ("FULCRUM_NETNS_ADDR", "10.71.2.2:9000")],
     )
     .expect("service");
     ns.children.push(svc);
@@ -187,8 +242,8 @@ fn transparent_tcp_service_sees_the_client_address() {
     let cfg = dir.join("t.yaml");
     std::fs::write(
         &cfg,
-        "admin:\n  listen: null\nservices:\n  - { name: s, address: \"10.71.2.2:9000\", protocol: tcp }\n\
-vservers:\n  - name: t\n    protocol: tcp\n    bind: [\"10.71.1.1:8000\"]\n    method: round_robin\n    transparent: true\n    services: [s]\n",
+        format!("admin:\n  listen: null\nservices:\n  - {{ name: s, address: \"10.71.2.2:9000\", protocol: {protocol} }}\n\
+vservers:\n  - name: t\n    protocol: {protocol}\n    bind: [\"10.71.1.1:8000\"]\n    method: round_robin\n    transparent: true\n    services: [s]\n"),
     )
     .expect("config");
     let lb = spawn_in(
@@ -206,10 +261,10 @@ vservers:\n  - name: t\n    protocol: tcp\n    bind: [\"10.71.1.1:8000\"]\n    m
             &format!("fc-cli-{tag}"),
             me,
             "--exact",
-            "helper_client",
+            cli_helper,
             "--nocapture",
         ])
-        .env(ROLE, "client")
+        .env(ROLE, cli_role)
         .env("FULCRUM_NETNS_ADDR", "10.71.1.1:8000")
         .output()
         .expect("client");
@@ -220,7 +275,7 @@ vservers:\n  - name: t\n    protocol: tcp\n    bind: [\"10.71.1.1:8000\"]\n    m
         .unwrap_or("none")
         .to_string();
     let _ = std::fs::remove_dir_all(&dir);
-    println!("transparent: the service saw {answer}");
+    println!("transparent {protocol}: the service saw {answer}");
     assert!(
         answer.starts_with("PEER=10.71.1.2:"),
         "service saw {answer}; client output: {stdout}"

@@ -472,7 +472,10 @@ async fn idle_watch(core: &TcpCore, last: &AtomicU64) {
     let idle = core.idle_timeout;
     loop {
         let last_at = core.epoch + Duration::from_nanos(last.load(Ordering::Relaxed));
-        let deadline = last_at + idle;
+        // An idle timeout beyond the clock's range means "never".
+        let Some(deadline) = last_at.checked_add(idle) else {
+            return std::future::pending().await;
+        };
         if Instant::now() >= deadline {
             return;
         }
@@ -542,5 +545,83 @@ async fn pump(
         if let Some(c) = counters {
             c.record_traffic(n as u64, 1, now);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn core(protocol: &str, method: &str, extra: &str) -> TcpCore {
+        let yaml = format!(
+            "admin: {{ listen: null }}\nservices:\n\
+  - {{ name: a, address: \"127.0.0.1:7001\", protocol: tcp }}\n\
+  - {{ name: b, address: \"127.0.0.1:7002\", protocol: tcp }}\n\
+vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], method: {method}, services: [a, b]{extra} }}\n"
+        );
+        let cfg = crate::config::from_str("t.yaml", &yaml).expect("config");
+        TcpCore::new(&cfg, &cfg.vservers[0], Instant::now())
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().expect("addr")
+    }
+
+    #[test]
+    fn what_is_read_before_choosing() {
+        assert_eq!(
+            core("tcp", "round_robin", "").first_bytes_needed(),
+            FirstBytes::None
+        );
+        assert_eq!(
+            core("http", "source_ip_hash", "").first_bytes_needed(),
+            FirstBytes::None
+        );
+        assert_eq!(
+            core("http", "url_hash", "").first_bytes_needed(),
+            FirstBytes::HttpHead
+        );
+        let t = core("tcp", "token", ", token: { offset: 3, length: 4 }");
+        assert_eq!(t.first_bytes_needed(), FirstBytes::Bytes(7));
+        assert!(!t.is_first_complete(b"abcdef"));
+        assert!(t.is_first_complete(b"abcdefg"));
+        let h = core("http", "url_hash", "");
+        assert!(!h.is_first_complete(b"GET / HTTP/1.1\r\nHost: a\r\n"));
+        assert!(h.is_first_complete(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"));
+        assert!(
+            h.is_first_complete(b"\x16\x03\x01garbage"),
+            "never HTTP: stop reading"
+        );
+    }
+
+    #[test]
+    fn keys_from_heads_addresses_and_fallbacks() {
+        let (c, l) = (addr("10.0.0.1:4000"), addr("10.0.0.2:80"));
+        let h = core("http", "url_hash", "");
+        let k1 = h.key_input(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n", c, l);
+        let k2 = h.key_input(b"POST /a HTTP/1.0\r\n\r\n", addr("10.9.9.9:1"), l);
+        assert!(matches!(k1, KeyInput::Hash(_)));
+        assert_eq!(k1, k2, "the URL is the key, not the client");
+        assert_eq!(
+            h.key_input(b"not http\r\n\r\n", c, l),
+            KeyInput::Unparseable
+        );
+        assert_eq!(h.key_input(b"", c, l), KeyInput::Unparseable);
+        let d = core("tcp", "dest_ip_hash", "");
+        assert_eq!(
+            d.key_input(b"", c, l),
+            d.key_input(b"", addr("10.7.7.7:9"), l)
+        );
+        assert_ne!(
+            d.key_input(b"", c, l),
+            d.key_input(b"", c, addr("10.0.0.3:80"))
+        );
+        let t = core("tcp", "token", ", token: { offset: 0, length: 4 }");
+        assert_eq!(
+            t.key_input(b"ab", c, l),
+            KeyInput::NoKey,
+            "too short: least_connection"
+        );
+        assert_eq!(t.key_input(b"abcdXX", c, l), t.key_input(b"abcdYY", c, l));
     }
 }

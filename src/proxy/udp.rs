@@ -313,6 +313,7 @@ struct Worker {
     cmsg: Vec<u8>,
     /// Sockets not drained in their last turn (edge-triggered readiness will not repeat).
     again: Vec<Token>,
+    ready: Vec<Token>,
     log: LogLimiter,
 }
 
@@ -376,6 +377,7 @@ pub fn run_worker(
         buf: vec![0u8; MAX_V2_LEN + MAX_DATAGRAM],
         cmsg: nix::cmsg_space!(nix::libc::in6_pktinfo),
         again: Vec::new(),
+        ready: Vec::with_capacity(1024),
         log: LogLimiter::default(),
     };
     w.run(epoch, &stop);
@@ -408,9 +410,12 @@ impl Worker {
                 std::thread::sleep(POLL);
             }
             let now = elapsed_nanos(epoch);
-            let mut ready: Vec<Token> = std::mem::take(&mut self.again);
+            // Reused across wake-ups: the hot loop does not allocate.
+            let mut ready = std::mem::take(&mut self.ready);
+            ready.clear();
+            ready.append(&mut self.again);
             ready.extend(events.iter().map(|e| e.token()));
-            for token in ready {
+            for &token in &ready {
                 let drained = if token.0 < self.base() {
                     self.drain_clients(token.0, now)
                 } else {
@@ -420,6 +425,7 @@ impl Worker {
                     self.again.push(token);
                 }
             }
+            self.ready = ready;
             if now >= next_sweep {
                 self.sweep(now);
                 next_sweep = now.saturating_add(sweep_every);
@@ -767,4 +773,86 @@ fn upstream_socket(
     s.connect(&service.into())?;
     s.set_nonblocking(true)?;
     Ok(s.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn core(method: &str, extra: &str) -> UdpCore {
+        let yaml = format!(
+            "admin: {{ listen: null }}\nservices:\n\
+  - {{ name: a, address: \"127.0.0.1:7001\", protocol: udp }}\n\
+  - {{ name: b, address: \"127.0.0.1:7002\", protocol: udp }}\n\
+vservers:\n  - {{ name: v, protocol: udp, bind: [\"127.0.0.1:0\"], method: {method}, services: [a, b]{extra} }}\n"
+        );
+        let cfg = crate::config::from_str("t.yaml", &yaml).expect("config");
+        UdpCore::new(&cfg, &cfg.vservers[0])
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().expect("addr")
+    }
+
+    #[test]
+    fn sessions_stick_until_their_member_is_down() {
+        let c = core("round_robin", "");
+        let mut t: SessionTable<()> = c.table();
+        let (cl, lo) = (addr("10.0.0.1:5000"), addr("127.0.0.1:53"));
+        let Decision::New {
+            key,
+            member,
+            replace: None,
+        } = c.decide(&t, b"x", cl, lo, 0)
+        else {
+            panic!("first datagram opens a session");
+        };
+        assert_eq!(t.admit(), Admit::Reserved);
+        let (id, _) = t.insert(key, member as u32, 0, (), 0);
+        assert_eq!(c.decide(&t, b"x", cl, lo, 10), Decision::Existing(id));
+        // Another local address is another session (replies must leave from it).
+        assert!(matches!(
+            c.decide(&t, b"x", cl, addr("127.0.0.2:53"), 10),
+            Decision::New { .. }
+        ));
+        c.balancer().set_health(member, Health::OutOfService, 20);
+        assert_eq!(
+            c.decide(&t, b"x", cl, lo, 30),
+            Decision::Existing(id),
+            "drain keeps flows"
+        );
+        c.balancer().set_health(member, Health::Down, 40);
+        match c.decide(&t, b"x", cl, lo, 50) {
+            Decision::New {
+                member: m, replace, ..
+            } => {
+                assert_ne!(m, member);
+                assert_eq!(replace, Some(id));
+            }
+            d => panic!("{d:?}"),
+        }
+        c.balancer().set_health(1 - member, Health::Down, 60);
+        assert_eq!(
+            c.decide(&t, b"x", addr("10.0.0.9:1"), lo, 70),
+            Decision::NoService
+        );
+    }
+
+    #[test]
+    fn payload_token_sessions_are_per_member() {
+        let c = core("token", ", token: { offset: 0, length: 2 }");
+        let t: SessionTable<()> = c.table();
+        let (cl, lo) = (addr("10.0.0.1:5000"), addr("127.0.0.1:53"));
+        let members: std::collections::HashSet<Option<u32>> = (0..20u8)
+            .filter_map(|i| match c.decide(&t, &[b'k', i, b'z'], cl, lo, 0) {
+                Decision::New { key, .. } => Some(key.member),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            members.len(),
+            2,
+            "one client, two member-keyed sessions: {members:?}"
+        );
+    }
 }

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# TCP: fulcrum `tcp` vserver vs HAProxy (mode tcp, balance source, hash-type consistent,
+# nbthread 1), in one run, in front of the same 3 nginx HTTP backends (peers' configs, moved to
+# free ports), wrk -t2 -cCONNS through each, keep-alive ("ka") and `Connection: close`
+# ("close"). Then idle-connection memory: N connections opened and held, RSS growth / N.
+# Usage: DUR=10 CONNS=64 IDLE=8000 bench/tcp.sh   (needs nginx, haproxy, wrk)
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PEERS=${PEERS:-$ROOT/../shared/bench/peers}
+[ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
+DUR=${DUR:-10}; CONNS=${CONNS:-64}; IDLE=${IDLE:-8000}
+B1=${B1:-18081}; HA=${HA:-19000}; FU=${FU:-19100}
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+(cd "$ROOT" && cargo build --release -q --bin fulcrum --bin fulcrum-load) || exit 1
+FUL=$ROOT/target/release/fulcrum; LOAD=$ROOT/target/release/fulcrum-load
+sed -e "s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/; s#/tmp/peers-nginx-backends#$TMP/backends#g" \
+  "$PEERS/nginx/nginx-backends.conf" > "$TMP/backends.conf"
+sed -e "s/127.0.0.1:9000/127.0.0.1:$HA/; s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/; s#/tmp/peers-haproxy#$TMP/haproxy#g" \
+  "$PEERS/haproxy/haproxy.cfg" > "$TMP/haproxy.cfg"
+cat > "$TMP/tcp.yaml" <<YAML
+admin: { listen: null }
+logging: { level: warn }
+services:
+  - { name: b1, address: 127.0.0.1:$B1, protocol: tcp }
+  - { name: b2, address: 127.0.0.1:$((B1 + 1)), protocol: tcp }
+  - { name: b3, address: 127.0.0.1:$((B1 + 2)), protocol: tcp }
+vservers:
+  - { name: t, protocol: tcp, bind: [127.0.0.1:$FU], method: source_ip_hash, max_sessions: 100000,
+      services: [b1, b2, b3] }
+YAML
+timeout 900 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & PIDS+=($!)
+timeout 900 haproxy -db -f "$TMP/haproxy.cfg" > "$TMP/haproxy.log" 2>&1 & PIDS+=($!)
+"$FUL" run --config "$TMP/tcp.yaml" > "$TMP/fulcrum.log" 2>&1 & FPID=$!; PIDS+=($FPID)
+sleep 1
+echo "# tcp: wrk -t2 -c$CONNS -d${DUR}s --latency"
+declare -A R
+for mode in ka close; do
+  hdr=(); [ $mode = close ] && hdr=(-H "Connection: close")
+  for tgt in direct haproxy fulcrum; do
+    case $tgt in direct) port=$B1;; haproxy) port=$HA;; fulcrum) port=$FU;; esac
+    out=$(timeout $((DUR + 30)) wrk -t2 -c"$CONNS" -d"${DUR}s" --latency "${hdr[@]}" "http://127.0.0.1:$port/" 2>&1)
+    rps=$(awk '/Requests\/sec/{print $2}' <<<"$out"); p99=$(awk '/^ +99%/{print $2}' <<<"$out")
+    se=$(grep -o "Socket errors:.*" <<<"$out" || echo "socket errors: none")
+    R[$tgt.$mode]=$rps
+    echo "$mode $tgt req_s=$rps p99=$p99 $se"
+  done
+  awk -v d="${R[direct.$mode]}" -v h="${R[haproxy.$mode]}" -v f="${R[fulcrum.$mode]}" -v m=$mode 'BEGIN{
+    printf "%s ratio to direct: fulcrum %.2f, haproxy %.2f; fulcrum/haproxy %.2fx\n", m, f/d, h/d, f/h }'
+done
+# Idle connections: a fresh fulcrum, N connections opened and held (each costs fulcrum 2 fds).
+kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
+"$FUL" run --config "$TMP/tcp.yaml" > "$TMP/fulcrum2.log" 2>&1 & FPID=$!; PIDS+=($FPID)
+sleep 1
+rss() { awk '/^VmRSS/{print $2}' /proc/$1/status; }
+r0=$(rss $FPID)
+"$LOAD" tcp-idle 127.0.0.1:$FU --sockets "$IDLE" > "$TMP/idle.out" 2>&1 & PIDS+=($!)
+for _ in $(seq 1 300); do grep -q ready= "$TMP/idle.out" && break; sleep 0.1; done
+# Wait until fulcrum has connected every one upstream (its RSS stops growing).
+prev=0; for _ in $(seq 1 50); do r1=$(rss $FPID); [ "$r1" = "$prev" ] && break; prev=$r1; sleep 0.2; done
+echo "idle connections: $(cat "$TMP/idle.out") rss_before_kib=$r0 rss_after_kib=$r1 per_connection_bytes=$(( (r1 - r0) * 1024 / IDLE ))"

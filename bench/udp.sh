@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# UDP: fulcrum `udp` vserver vs nginx stream UDP (hash $remote_addr consistent), in one run,
+# same 3 echo services (peers' tools/udp_echo.c, 127.0.0.1:7001-7003), same load generator
+# (fulcrum's own `fulcrum-load udp`, closed loop, SOCKS sockets from 127.0.1.x, one datagram
+# in flight each). Then idle-session memory: N sessions opened and held, RSS growth / N.
+# Usage: DUR=10 SOCKS=256 SIZE=64 WORKERS=1 IDLE=15000 bench/udp.sh   (needs gcc, nginx + libnginx-mod-stream)
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PEERS=${PEERS:-$ROOT/../shared/bench/peers}
+[ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
+DUR=${DUR:-10}; SOCKS=${SOCKS:-256}; SIZE=${SIZE:-64}; WORKERS=${WORKERS:-1}; IDLE=${IDLE:-15000}
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+(cd "$ROOT" && cargo build --release -q --bin fulcrum --bin fulcrum-load) || exit 1
+FUL=$ROOT/target/release/fulcrum; LOAD=$ROOT/target/release/fulcrum-load
+gcc -O2 -o "$TMP/udp_echo" "$PEERS/tools/udp_echo.c" || exit 1
+# Ports apart from the peers' defaults (other benchmarks may hold those on a shared box).
+E1=${E1:-17001}; NG=${NG:-16000}; FU=${FU:-16100}
+for port in $E1 $((E1 + 1)) $((E1 + 2)); do timeout 900 "$TMP/udp_echo" 127.0.0.1 $port & PIDS+=($!); done
+sed -e "s/127.0.0.1:6000/127.0.0.1:$NG/; s/127.0.0.1:7001/127.0.0.1:$E1/; s/127.0.0.1:7002/127.0.0.1:$((E1 + 1))/; s/127.0.0.1:7003/127.0.0.1:$((E1 + 2))/; s#/tmp/peers-nginx-udp#$TMP/nginx-udp#g" \
+  "$PEERS/nginx/nginx-udp.conf" > "$TMP/nginx-udp.conf"
+cat > "$TMP/udp.yaml" <<YAML
+admin: { listen: null }
+logging: { level: warn }
+services:
+  - { name: e1, address: 127.0.0.1:$E1, protocol: udp }
+  - { name: e2, address: 127.0.0.1:$((E1 + 1)), protocol: udp }
+  - { name: e3, address: 127.0.0.1:$((E1 + 2)), protocol: udp }
+vservers:
+  - { name: u, protocol: udp, bind: [127.0.0.1:$FU], method: source_ip_hash, workers: $WORKERS,
+      idle_timeout: 600s, max_sessions: 100000, services: [e1, e2, e3] }
+YAML
+timeout 900 "$FUL" run --config "$TMP/udp.yaml" > "$TMP/fulcrum.log" 2>&1 & FPID=$!; PIDS+=($FPID)
+timeout 900 nginx -c "$TMP/nginx-udp.conf" > "$TMP/nginx.log" 2>&1 & NPID=$!; PIDS+=($NPID)
+sleep 1
+echo "# udp: sockets=$SOCKS size=$SIZE dur=${DUR}s fulcrum workers=$WORKERS"
+declare -A RPS P99
+for tgt in direct nginx fulcrum; do
+  case $tgt in direct) port=$E1;; nginx) port=$NG;; fulcrum) port=$FU;; esac
+  line=$("$LOAD" udp 127.0.0.1:$port --sockets "$SOCKS" --secs "$DUR" --size "$SIZE")
+  echo "$tgt $line"
+  RPS[$tgt]=$(sed -n 's/.*rps=\([0-9]*\).*/\1/p' <<<"$line"); P99[$tgt]=$(sed -n 's/.*p99_us=\([0-9]*\).*/\1/p' <<<"$line")
+done
+awk -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v f="${RPS[fulcrum]}" -v pn="${P99[nginx]}" -v pf="${P99[fulcrum]}" 'BEGIN{
+  printf "ratio to direct: fulcrum %.2f, nginx %.2f; fulcrum/nginx %.2fx; p99 fulcrum %d us vs nginx %d us\n", f/d, n/d, f/n, pf, pn }'
+# Idle sessions: a fresh fulcrum, N flows opened and answered, then held.
+kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
+"$FUL" run --config "$TMP/udp.yaml" > "$TMP/fulcrum2.log" 2>&1 & FPID=$!; PIDS+=($FPID)   # no wrapper: RSS of fulcrum itself
+sleep 1
+rss() { awk '/^VmRSS/{print $2}' /proc/$1/status; }
+r0=$(rss $FPID)
+"$LOAD" udp-idle 127.0.0.1:$FU --sockets "$IDLE" > "$TMP/idle.out" 2>&1 & LPID=$!; PIDS+=($LPID)
+for _ in $(seq 1 300); do grep -q ready= "$TMP/idle.out" && break; sleep 0.1; done
+r1=$(rss $FPID)
+echo "idle sessions: $(cat "$TMP/idle.out") rss_before_kib=$r0 rss_after_kib=$r1 per_session_bytes=$(( (r1 - r0) * 1024 / IDLE ))"
