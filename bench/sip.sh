@@ -153,7 +153,7 @@ EOF
 PROXY_PID=""
 start_proxy() {   # $1 = fulcrum | kamailio
   case $1 in
-    fulcrum)  timeout $MAXT "$FULCRUM" run --config fulcrum.yaml > fulcrum.log 2>&1 & ;;
+    fulcrum)  timeout $MAXT "$FULCRUM" run --config fulcrum.yaml --drain-timeout 1s > fulcrum.log 2>&1 & ;;
     kamailio) timeout $MAXT kamailio -f kamailio.cfg -DD -E -m 256 -M 16 -n "$KCHILDREN" > kamailio.log 2>&1 & ;;
   esac
   PROXY_PID=$!; PIDS+=($PROXY_PID)

@@ -134,6 +134,11 @@ pub fn render(ops: &Ops) -> String {
         "counter",
         "Socket errors on the data path.",
     );
+    let mut events = Family::new(
+        "fulcrum_transport_events_total",
+        "counter",
+        "Transport events of a vserver's data path (sessions, connections, refusals, errors).",
+    );
     let mut probes = Family::new(
         "fulcrum_monitor_probes_total",
         "counter",
@@ -179,10 +184,13 @@ pub fn render(ops: &Ops) -> String {
                     b.path_count(p),
                 );
             }
-            #[allow(irrefutable_let_patterns)]
-            if let DataPath::SipUdp(core) = &v.data {
+            let n = v.name.as_str();
+            let sip_core = match &v.data {
+                DataPath::SipUdp(core) | DataPath::SipTcp(core, _) => Some(core),
+                DataPath::Udp(_) | DataPath::Tcp(_) => None,
+            };
+            if let Some(core) = sip_core {
                 let c = &core.counters;
-                let n = v.name.as_str();
                 for (kind, val) in [
                     ("requests_in", &c.requests_in),
                     ("responses_in", &c.responses_in),
@@ -211,6 +219,54 @@ pub fn render(ops: &Ops) -> String {
                     io_err.add(&[("vserver", n), ("op", dir)], load(val));
                 }
             }
+            // Transport-specific counters, one series per event.
+            let mut event = |name: &str, val: &AtomicU64| {
+                events.add(&[("vserver", n), ("event", name)], load(val));
+            };
+            match &v.data {
+                DataPath::SipUdp(_) => {}
+                DataPath::SipTcp(_, shared) => {
+                    let c = &shared.counters;
+                    event("clients_accepted", &c.clients_accepted);
+                    event("clients_refused", &c.clients_refused);
+                    event("slow_clients_closed", &c.slow_clients_closed);
+                    event("framing_errors", &c.framing_errors);
+                    event("keepalive_pings", &c.keepalive_pings);
+                    event("responses_no_client", &c.responses_no_client);
+                    event("in_dialog_no_client", &c.in_dialog_no_client);
+                    event("service_connect_failures", &c.service_connect_failures);
+                    event("service_queue_full", &c.service_queue_full);
+                    event("requests_rerouted", &c.requests_rerouted);
+                    event("requests_lost", &c.requests_lost);
+                }
+                DataPath::Udp(core) => {
+                    let c = &core.counters;
+                    event("datagrams_in", &c.datagrams_in);
+                    event("datagrams_out", &c.datagrams_out);
+                    event("sessions_created", &c.sessions_created);
+                    event("sessions_expired", &c.sessions_expired);
+                    event("sessions_refused", &c.sessions_refused);
+                    event("sessions_rerouted", &c.sessions_rerouted);
+                    event("no_service", &c.no_service);
+                    event("socket_errors", &c.socket_errors);
+                    event("service_errors", &c.service_errors);
+                    event("recv_errors", &c.recv_errors);
+                    event("send_errors", &c.send_errors);
+                }
+                DataPath::Tcp(core) => {
+                    let c = &core.counters;
+                    event("accepted", &c.accepted);
+                    event("refused", &c.refused);
+                    event("connect_failures", &c.connect_failures);
+                    event("no_service", &c.no_service);
+                    event("idle_timeouts", &c.idle_timeouts);
+                    event("first_bytes_timeouts", &c.first_bytes_timeouts);
+                    event("heads_unparseable", &c.heads_unparseable);
+                    event("client_errors", &c.client_errors);
+                    event("service_errors", &c.service_errors);
+                    event("accept_errors", &c.accept_errors);
+                }
+            }
         }
     });
     for s in health.services() {
@@ -227,7 +283,7 @@ pub fn render(ops: &Ops) -> String {
     let mut out = String::new();
     for f in [
         &requests, &bytes, &packets, &active, &state, &weight, &slow, &paths, &sip_in, &dropped,
-        &replies, &io_err, &probes, &latency, &mon_up,
+        &replies, &io_err, &events, &probes, &latency, &mon_up,
     ] {
         f.render(&mut out);
     }

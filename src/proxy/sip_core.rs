@@ -294,6 +294,27 @@ impl SipCore {
         }
     }
 
+    /// Choose again for a request already rewritten for a member whose connection failed
+    /// (streams): the failed member is no longer usable, so dialog affinity and the method
+    /// pass it over and the next-ranked member takes the request. The client's address for
+    /// source-based methods is read from the request's second Via (`received`, else
+    /// sent-by), since the first is fulcrum's own. Returns the member, or `None` when the
+    /// bytes are not a request or no member can take it.
+    pub fn rechoose(&self, forwarded: &[u8], dst: SocketAddr, now: Nanos) -> Option<usize> {
+        let msg = sip::scan(forwarded).ok()?;
+        if !msg.is_request() {
+            return None;
+        }
+        let client = msg.vias().nth(1).and_then(|v| {
+            let ip = v
+                .received
+                .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())
+                .or_else(|| v.host_ip())?;
+            Some(SocketAddr::new(ip, v.port.unwrap_or(5060)))
+        });
+        self.choose(&msg, client.unwrap_or(dst), dst, now)
+    }
+
     /// Dialog affinity first (an established call stays on its member while it is UP or
     /// draining OUT_OF_SERVICE), else the vserver's method. The dialog is pinned to whatever
     /// was chosen.

@@ -55,6 +55,10 @@ pub struct TcpCounters {
     pub in_dialog_no_client: AtomicU64,
     pub service_connect_failures: AtomicU64,
     pub service_queue_full: AtomicU64,
+    /// Requests moved to the next-ranked member after their member's connection failed.
+    pub requests_rerouted: AtomicU64,
+    /// Requests that found no member after their member's connection failed.
+    pub requests_lost: AtomicU64,
 }
 
 fn bump(c: &AtomicU64) {
@@ -124,6 +128,22 @@ impl TcpShared {
                 bump(&self.counters.service_queue_full);
                 false
             }
+        }
+    }
+
+    /// Send a request that could not reach member `failed` to the member chosen now (the
+    /// failed one is DOWN, so the ranking passes it over); counted and dropped if none.
+    fn redispatch(&self, failed: usize, bytes: Bytes) {
+        let dst = self
+            .core
+            .member_addr(failed)
+            .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+        match self.core.rechoose(&bytes, dst, self.now()) {
+            Some(m) if m != failed => {
+                bump(&self.counters.requests_rerouted);
+                self.to_service(m, bytes);
+            }
+            _ => bump(&self.counters.requests_lost),
         }
     }
 
@@ -340,6 +360,7 @@ async fn service_loop(
             Ok(Ok(s)) => s,
             _ => {
                 bump(&shared.counters.service_connect_failures);
+                shared.core.balancer().report_failure(m);
                 if !down {
                     down = true;
                     shared
@@ -348,9 +369,14 @@ async fn service_loop(
                         .set_health(m, Health::Down, shared.now());
                     tracing::warn!(vserver = %shared.core.name, service = %addr, "cannot connect: service marked DOWN");
                 }
-                // What was queued for a dead service is lost; new requests go to the others.
-                pending = None;
-                while rx.try_recv().is_ok() {}
+                // Requests queued for the dead service go to the next-ranked member.
+                let queued = pending
+                    .take()
+                    .into_iter()
+                    .chain(std::iter::from_fn(|| rx.try_recv().ok()));
+                for bytes in queued {
+                    shared.redispatch(m, bytes);
+                }
                 if shared.stop.load(Ordering::Relaxed) {
                     return;
                 }

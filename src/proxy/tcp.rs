@@ -391,6 +391,8 @@ async fn connect_any(
             }
         }
         bump(&core.counters.connect_failures);
+        // Passive detection (SPEC §5): the service's monitor counts this as a failure.
+        core.balancer.report_failure(choice.member);
         failed.push(choice.member);
         if failed.len() >= core.member_addrs.len() {
             return None;

@@ -657,9 +657,13 @@ impl Worker {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => {
-                    // ICMP unreachable from the service: the monitor decides its health;
-                    // the session stays so a transient error does not move the flow.
+                    // ICMP unreachable from the service (connected socket): reported to the
+                    // service's monitor as a passive failure, which decides its health; the
+                    // session stays so a transient error does not move the flow.
                     bump(&self.core.counters.service_errors);
+                    if let Some(s) = self.table.get(id) {
+                        self.core.balancer().report_failure(s.member as usize);
+                    }
                     continue;
                 }
             };
