@@ -20,6 +20,11 @@ use std::time::{Duration, Instant};
 /// How often a blocked worker checks for shutdown.
 pub const POLL: Duration = Duration::from_millis(100);
 
+/// Count one event.
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Logs at most once per second per limiter (bad input must not flood the log).
 #[derive(Debug, Default)]
 pub struct LogLimiter {

@@ -10,6 +10,7 @@ use crate::config::{HashParams, Method};
 use crate::dialog::{DialogTable, Pin};
 use crate::hash;
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
+use crate::proxy::bump;
 use crate::sip::{
     self, Local, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, build_response,
     forward_request, forward_response, reply_target, request_target,
@@ -17,7 +18,7 @@ use crate::sip::{
 use crate::stats::Nanos;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 /// Retry-After of fulcrum's 503 (RFC 3261 §21.5.4): long enough for a monitor to bring a
@@ -82,10 +83,6 @@ pub struct SipCounters {
     pub unroutable: AtomicU64,
     pub send_errors: AtomicU64,
     pub recv_errors: AtomicU64,
-}
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Shared, immutable-after-build state of one SIP vserver.
@@ -480,6 +477,7 @@ mod tests {
     use crate::balancer::Health;
     use crate::config;
     use crate::sip::Transport;
+    use std::sync::atomic::Ordering;
 
     const CLIENT: &str = "192.0.2.10:5062";
     const US: &str = "127.0.0.1:5060";

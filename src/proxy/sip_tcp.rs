@@ -19,7 +19,7 @@ use crate::proxy::runtime::{
     DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
 use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
-use crate::proxy::{LogLimiter, elapsed_nanos};
+use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
 use crate::sip::{Frame, FrameError, Transport, next_frame};
 use bytes::{Bytes, BytesMut};
@@ -59,10 +59,6 @@ pub struct TcpCounters {
     pub requests_rerouted: AtomicU64,
     /// Requests that found no member after their member's connection failed.
     pub requests_lost: AtomicU64,
-}
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
 }
 
 struct Client {

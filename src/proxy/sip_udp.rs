@@ -11,16 +11,12 @@ use crate::proxy::runtime::{
 };
 use crate::proxy::sip_core::SipParams;
 use crate::proxy::sip_core::{Action, SipCore};
-use crate::proxy::{LogLimiter, POLL, elapsed_nanos};
+use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::Transport;
 use std::net::UdpSocket;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
-}
 
 /// The receive loop of one worker socket. Runs until `stop` is set (checked at least every
 /// `poll` interval). Errors are counted and never end the loop.

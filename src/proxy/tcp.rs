@@ -20,7 +20,7 @@ use crate::http::{self, HttpError};
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp};
-use crate::proxy::{LogLimiter, elapsed_nanos};
+use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
 use socket2::SockRef;
 use std::cell::RefCell;
@@ -65,10 +65,6 @@ pub struct TcpCounters {
     pub client_errors: AtomicU64,
     pub service_errors: AtomicU64,
     pub accept_errors: AtomicU64,
-}
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// What the first bytes of a connection must contain before a member can be chosen.

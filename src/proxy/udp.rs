@@ -21,8 +21,8 @@ use crate::hash;
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::net;
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
-use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle};
-use crate::proxy::{LogLimiter, elapsed_nanos};
+use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle, bind_udp};
+use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::session::{Admit, Session, SessionId, SessionKey, SessionTable};
 use crate::stats::Nanos;
 use mio::net::UdpSocket as MioUdp;
@@ -70,10 +70,6 @@ pub struct UdpCounters {
     pub service_errors: AtomicU64,
     pub recv_errors: AtomicU64,
     pub send_errors: AtomicU64,
-}
-
-fn bump(c: &AtomicU64) {
-    c.fetch_add(1, Ordering::Relaxed);
 }
 
 /// What to do with a datagram from a client.
@@ -248,21 +244,7 @@ pub fn start(
 ) -> Result<VserverHandle, RuntimeError> {
     crate::proxy::fd_limit::raise_nofile_limit();
     let workers = net::worker_count(v.workers);
-    let mut per_addr = Vec::new();
-    let mut bound = Vec::new();
-    for addr in &v.bind {
-        let socks = net::bind_udp_workers(*addr, workers).map_err(|source| RuntimeError::Bind {
-            vserver: v.name.clone(),
-            addr: *addr,
-            source,
-        })?;
-        let actual = socks
-            .first()
-            .and_then(|s| s.local_addr().ok())
-            .unwrap_or(*addr);
-        bound.push(actual);
-        per_addr.push(socks);
-    }
+    let (per_addr, bound) = bind_udp(v, workers)?;
     let core = Arc::new(UdpCore::new(config, v));
     // Worker i takes the i-th socket of every bind address.
     let mut sets: Vec<Vec<UdpSocket>> = (0..workers).map(|_| Vec::new()).collect();
