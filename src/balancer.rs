@@ -128,7 +128,10 @@ pub struct Balancer {
     members: Vec<MemberInfo>,
     weights: Vec<u32>,
     health: Vec<AtomicU8>,
-    counters: Vec<ServiceCounters>,
+    /// Shared with the balancer a reload rebuilds from this one, for the members both
+    /// have: connections and sessions opened before the reload are counted (and closed) on
+    /// the same counters the new balancer reads.
+    counters: Vec<Arc<ServiceCounters>>,
     selector: ArcSwap<HashSelector>,
     method_state: MethodState,
     /// Present for non-hash methods with slow start configured.
@@ -212,7 +215,10 @@ impl Balancer {
                 .iter()
                 .map(|_| AtomicU8::new(Health::Up as u8))
                 .collect(),
-            counters: members.iter().map(|_| ServiceCounters::new()).collect(),
+            counters: members
+                .iter()
+                .map(|_| Arc::new(ServiceCounters::new()))
+                .collect(),
             members,
             weights,
             selector: ArcSwap::from_pointee(selector),
@@ -226,6 +232,22 @@ impl Balancer {
                 .collect(),
         }
         .with_method_state()
+    }
+
+    /// Build the balancer of `vserver` for a reload of the vserver `old` balanced: members
+    /// present in both (by service name) share their counters with `old`, so flows
+    /// established before the reload keep counting (and closing) where the new balancer
+    /// reads them; every member starts UP.
+    pub fn carrying(config: &Config, vserver: &Vserver, old: &Balancer) -> Balancer {
+        let mut b = Balancer::new(config, vserver);
+        for (i, m) in b.members.iter().enumerate() {
+            if let Some(j) = old.members.iter().position(|o| o.name == m.name)
+                && let (Some(slot), Some(c)) = (b.counters.get_mut(i), old.counters.get(j))
+            {
+                *slot = Arc::clone(c);
+            }
+        }
+        b
     }
 
     fn with_method_state(mut self) -> Balancer {
@@ -242,7 +264,7 @@ impl Balancer {
     }
 
     pub fn counters(&self, member: usize) -> Option<&ServiceCounters> {
-        self.counters.get(member)
+        self.counters.get(member).map(|c| &**c)
     }
 
     pub fn health(&self, member: usize) -> Option<Health> {

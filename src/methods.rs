@@ -84,10 +84,10 @@ pub fn fallback(method: Method) -> Method {
 /// the per-service counters and `weights[i]` the weights (missing or 0 counts as 1); the
 /// services considered are `0..counters.len()`. A hash method is served by its [`fallback`].
 /// Returns `None` only when no service is eligible.
-pub fn pick(
+pub fn pick<C: AsRef<ServiceCounters>>(
     method: Method,
     state: &MethodState,
-    counters: &[ServiceCounters],
+    counters: &[C],
     weights: &[u32],
     eligible: impl Fn(usize) -> bool,
     now: Nanos,
@@ -97,30 +97,36 @@ pub fn pick(
         return None;
     }
     let weight = |i: usize| u128::from(weights.get(i).copied().unwrap_or(1).max(1));
-    let active_score = |i: usize| Frac::new(u128::from(counters[i].active()) + 1, weight(i));
+    let active_score =
+        |i: usize| Frac::new(u128::from(counters[i].as_ref().active()) + 1, weight(i));
     match fallback(method) {
         Method::RoundRobin => round_robin(state, n, &eligible),
         Method::LeastConnection => least_by(state, n, &eligible, |i| (active_score(i), Frac::ZERO)),
         Method::LeastResponseTime => {
-            let neutral = neutral_time(n, &eligible, |i| counters[i].response_time_us());
+            let neutral = neutral_time(n, &eligible, |i| counters[i].as_ref().response_time_us());
             least_by(state, n, &eligible, |i| {
-                let rt = counters[i].response_time_us().unwrap_or(neutral);
+                let rt = counters[i].as_ref().response_time_us().unwrap_or(neutral);
                 (active_score(i).times(u128::from(rt)), Frac::ZERO)
             })
         }
         Method::Lrtm => {
-            let neutral = neutral_time(n, &eligible, |i| counters[i].monitor_response_time_us());
+            let neutral = neutral_time(n, &eligible, |i| {
+                counters[i].as_ref().monitor_response_time_us()
+            });
             least_by(state, n, &eligible, |i| {
-                let rt = counters[i].monitor_response_time_us().unwrap_or(neutral);
+                let rt = counters[i]
+                    .as_ref()
+                    .monitor_response_time_us()
+                    .unwrap_or(neutral);
                 (active_score(i).times(u128::from(rt)), Frac::ZERO)
             })
         }
         Method::LeastBandwidth => least_by(state, n, &eligible, |i| {
-            let rate = u128::from(counters[i].bytes_per_s(now));
+            let rate = u128::from(counters[i].as_ref().bytes_per_s(now));
             (Frac::new(rate, weight(i)), active_score(i))
         }),
         Method::LeastPackets => least_by(state, n, &eligible, |i| {
-            let rate = u128::from(counters[i].packets_per_s(now));
+            let rate = u128::from(counters[i].as_ref().packets_per_s(now));
             (Frac::new(rate, weight(i)), active_score(i))
         }),
         Method::CustomLoad => {
@@ -128,11 +134,11 @@ pub fn pick(
             // it neither grabs all traffic nor starves until its monitor answers.
             let neutral = (0..n)
                 .filter(|&i| eligible(i))
-                .filter_map(|i| counters[i].reported_load())
+                .filter_map(|i| counters[i].as_ref().reported_load())
                 .min()
                 .unwrap_or(0);
             least_by(state, n, &eligible, |i| {
-                let load = counters[i].reported_load().unwrap_or(neutral);
+                let load = counters[i].as_ref().reported_load().unwrap_or(neutral);
                 (Frac::new(u128::from(load), weight(i)), active_score(i))
             })
         }

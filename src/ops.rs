@@ -236,7 +236,7 @@ impl Ops {
                     .vserver(vs)
                     .and_then(|h| h.balancer().slow_start())
                     .map(|s| s.rate());
-                let r = rt.rebuild_sip_udp(&new, vs, &health_of)?;
+                let r = rt.rebuild(&new, vs, &health_of)?;
                 if rate_of(&old) == rate_of(&new)
                     && let Some(rate) = live_rate
                     && live_rate != rate_of(&new)

@@ -251,6 +251,13 @@ impl ServiceCounters {
     }
 }
 
+/// Lets the selection methods take owned counters (tests) or shared ones (the balancer).
+impl AsRef<ServiceCounters> for ServiceCounters {
+    fn as_ref(&self) -> &ServiceCounters {
+        self
+    }
+}
+
 impl Default for ServiceCounters {
     fn default() -> Self {
         ServiceCounters::new()

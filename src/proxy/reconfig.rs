@@ -1,5 +1,18 @@
-//! Rebuilding a running sip-udp vserver for a reload, without touching its sockets. IO.
+//! Rebuilding a running vserver for a reload, without touching its sockets. IO.
 //!
+//! # udp, tcp and http
+//! A new core ([`crate::proxy::udp::UdpCore`], [`crate::proxy::tcp::TcpCore`]) is built
+//! aside with a balancer that shares the counters of the members it keeps
+//! ([`Balancer::carrying`]), given the current health of every member, and stored in the
+//! vserver's cell. tcp / http accept loops load the cell per accepted connection:
+//! established connections finish on the core and service they began with. udp workers
+//! adopt the new core at their next wake-up (within 100 ms): sessions of members kept with
+//! the same address stay on them, sessions of removed members are closed (their next
+//! datagram is balanced afresh). Members added by the reload enter slow start. The
+//! vserver's own counters (accepted, datagrams...) restart from zero; per-service counters
+//! of kept members continue.
+//!
+//! # sip-udp
 //! The listener, worker threads and Via identity stay; a new [`Balancer`] and
 //! [`SipCore`] are built from the new config aside, given the current health of every
 //! member, and swapped in atomically (workers load the core per datagram). Dialog affinity
@@ -15,6 +28,8 @@
 
 use super::runtime::{DataPath, Runtime, RuntimeError};
 use super::sip_core::{SipCore, SipParams};
+use super::tcp::TcpCore;
+use super::udp::UdpCore;
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol};
 use std::net::SocketAddr;
@@ -29,7 +44,147 @@ pub struct Rebuilt {
     pub dialogs_kept: usize,
 }
 
+/// Give the members of a freshly built `balancer` their current health, and mark those
+/// not in `old_names` as added (slow start). Returns the added members.
+fn settle(
+    balancer: &Balancer,
+    old_names: &[String],
+    health_of: &dyn Fn(&str) -> Health,
+    now: crate::stats::Nanos,
+) -> Vec<usize> {
+    let names: Vec<&str> = balancer.members().iter().map(|m| m.name.as_str()).collect();
+    for (i, n) in names.iter().enumerate() {
+        let h = health_of(n);
+        if h != Health::Up {
+            balancer.set_health(i, h, now);
+        }
+    }
+    let added: Vec<usize> = (0..names.len())
+        .filter(|&i| !old_names.iter().any(|o| o == names[i]))
+        .collect();
+    balancer.mark_added(&added, now);
+    added
+}
+
+fn names_of(b: &Balancer) -> Vec<String> {
+    b.members().iter().map(|m| m.name.clone()).collect()
+}
+
+fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
+    let new_names = names_of(new);
+    Rebuilt {
+        added: added
+            .iter()
+            .filter_map(|&i| new_names.get(i).cloned())
+            .collect(),
+        removed: old_names
+            .iter()
+            .filter(|n| !new_names.contains(n))
+            .cloned()
+            .collect(),
+        dialogs_kept: 0,
+    }
+}
+
 impl Runtime {
+    /// Rebuild vserver `name` from `config`, whatever its protocol (see the module doc).
+    /// sip-tcp is not rebuilt in place ([`crate::reload::plan`] refuses it).
+    pub fn rebuild(
+        &mut self,
+        config: &Config,
+        name: &str,
+        health_of: &dyn Fn(&str) -> Health,
+    ) -> Result<Rebuilt, RuntimeError> {
+        let protocol = self.vserver(name).map(|h| h.protocol);
+        match protocol {
+            Some(Protocol::SipUdp) => self.rebuild_sip_udp(config, name, health_of),
+            Some(Protocol::Udp) => self.rebuild_udp(config, name, health_of),
+            Some(Protocol::Tcp | Protocol::Http) => self.rebuild_tcp(config, name, health_of),
+            Some(Protocol::SipTcp) | None => Err(RuntimeError::Setup {
+                vserver: name.to_owned(),
+                problem: "cannot be rebuilt in place".to_owned(),
+            }),
+        }
+    }
+
+    fn rebuild_udp(
+        &mut self,
+        config: &Config,
+        name: &str,
+        health_of: &dyn Fn(&str) -> Health,
+    ) -> Result<Rebuilt, RuntimeError> {
+        let setup = |problem: &str| RuntimeError::Setup {
+            vserver: name.to_owned(),
+            problem: problem.to_owned(),
+        };
+        let v = config
+            .vservers
+            .iter()
+            .find(|v| v.name == name && v.protocol == Protocol::Udp)
+            .ok_or_else(|| setup("not a udp vserver of the new config"))?;
+        let cell = self
+            .udp_cells
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, c)| Arc::clone(c))
+            .ok_or_else(|| setup("not running"))?;
+        let slot = self
+            .vservers
+            .iter()
+            .position(|h| h.name == name)
+            .ok_or_else(|| setup("not running"))?;
+        let now = self.now();
+        let old = cell.load_full();
+        let old_names = names_of(old.balancer());
+        let core = Arc::new(UdpCore::rebuilt(config, v, &old));
+        let added = settle(core.balancer(), &old_names, health_of, now);
+        cell.store(Arc::clone(&core));
+        let handle = &mut self.vservers[slot];
+        handle.balancer = Arc::clone(core.balancer());
+        let r = rebuilt(&old_names, core.balancer(), &added);
+        handle.data = DataPath::Udp(core);
+        Ok(r)
+    }
+
+    fn rebuild_tcp(
+        &mut self,
+        config: &Config,
+        name: &str,
+        health_of: &dyn Fn(&str) -> Health,
+    ) -> Result<Rebuilt, RuntimeError> {
+        let setup = |problem: &str| RuntimeError::Setup {
+            vserver: name.to_owned(),
+            problem: problem.to_owned(),
+        };
+        let v = config
+            .vservers
+            .iter()
+            .find(|v| v.name == name && matches!(v.protocol, Protocol::Tcp | Protocol::Http))
+            .ok_or_else(|| setup("not a tcp or http vserver of the new config"))?;
+        let cell = self
+            .tcp_cells
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, c)| Arc::clone(c))
+            .ok_or_else(|| setup("not running"))?;
+        let slot = self
+            .vservers
+            .iter()
+            .position(|h| h.name == name)
+            .ok_or_else(|| setup("not running"))?;
+        let now = self.now();
+        let old = cell.load_full();
+        let old_names = names_of(old.balancer());
+        let core = Arc::new(TcpCore::rebuilt(config, v, self.epoch(), &old));
+        let added = settle(core.balancer(), &old_names, health_of, now);
+        cell.store(Arc::clone(&core));
+        let handle = &mut self.vservers[slot];
+        handle.balancer = Arc::clone(core.balancer());
+        let r = rebuilt(&old_names, core.balancer(), &added);
+        handle.data = DataPath::Tcp(core);
+        Ok(r)
+    }
+
     /// Rebuild sip-udp vserver `name` from `config` (same listener). `health_of` gives each
     /// member's current state.
     pub fn rebuild_sip_udp(

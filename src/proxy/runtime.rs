@@ -64,10 +64,20 @@ pub struct StartCtx<'a> {
     pub tokio: &'a tokio::runtime::Handle,
     /// Swappable cores of sip-udp vservers, for reload (see `proxy::reconfig`).
     pub sip_cells: &'a mut Vec<(String, SipUdpCell)>,
+    /// Swappable cores of udp vservers, for reload.
+    pub udp_cells: &'a mut Vec<(String, UdpCell)>,
+    /// Swappable cores of tcp / http vservers, for reload.
+    pub tcp_cells: &'a mut Vec<(String, TcpCell)>,
 }
 
 /// The current core of a sip-udp vserver; a reload stores a rebuilt one.
 pub type SipUdpCell = Arc<arc_swap::ArcSwap<SipCore>>;
+
+/// The current core of a udp vserver; workers adopt a rebuilt one on their next wake-up.
+pub type UdpCell = Arc<arc_swap::ArcSwap<crate::proxy::udp::UdpCore>>;
+
+/// The current core of a tcp / http vserver; the accept loops load it per connection.
+pub type TcpCell = Arc<arc_swap::ArcSwap<crate::proxy::tcp::TcpCore>>;
 
 /// All running vservers of one config.
 pub struct Runtime {
@@ -76,6 +86,8 @@ pub struct Runtime {
     pub(super) vservers: Vec<VserverHandle>,
     threads: Vec<JoinHandle<()>>,
     pub(super) sip_cells: Vec<(String, SipUdpCell)>,
+    pub(super) udp_cells: Vec<(String, UdpCell)>,
+    pub(super) tcp_cells: Vec<(String, TcpCell)>,
     /// Async data paths, monitors and the admin API run here.
     tokio: Option<tokio::runtime::Runtime>,
 }
@@ -101,6 +113,8 @@ impl Runtime {
             vservers: Vec::new(),
             threads: Vec::new(),
             sip_cells: Vec::new(),
+            udp_cells: Vec::new(),
+            tcp_cells: Vec::new(),
             tokio: Some(tokio),
         };
         for v in &config.vservers {
@@ -163,6 +177,8 @@ impl Runtime {
             threads: &mut self.threads,
             tokio: &tokio,
             sip_cells: &mut self.sip_cells,
+            udp_cells: &mut self.udp_cells,
+            tcp_cells: &mut self.tcp_cells,
         };
         let handle = match v.protocol {
             Protocol::SipUdp => sip_udp::start(&mut ctx, config, v)?,

@@ -19,9 +19,10 @@ use crate::hash;
 use crate::http::{self, HttpError};
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
-use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp};
+use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, TcpCell, VserverHandle, bind_tcp};
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
+use arc_swap::ArcSwap;
 use socket2::SockRef;
 use std::cell::RefCell;
 use std::io;
@@ -89,7 +90,9 @@ pub struct TcpCore {
     idle_timeout: Duration,
     first_timeout: Duration,
     max_connections: usize,
-    live: AtomicUsize,
+    /// Open client connections; shared with the cores a reload builds from this one, so
+    /// connections accepted before a reload still count toward `max_sessions`.
+    live: Arc<AtomicUsize>,
     transparent: bool,
     send_proxy: bool,
     epoch: Instant,
@@ -130,12 +133,22 @@ impl TcpCore {
             idle_timeout: v.idle_timeout,
             first_timeout: FIRST_BYTES_TIMEOUT.min(v.idle_timeout),
             max_connections: v.max_sessions,
-            live: AtomicUsize::new(0),
+            live: Arc::new(AtomicUsize::new(0)),
             transparent: v.transparent,
             send_proxy: v.send_proxy == Some(ProxyProtocol::V2),
             epoch,
             counters: TcpCounters::default(),
         }
+    }
+
+    /// The core of a reload of the vserver `old` served: members it keeps share their
+    /// counters with `old` (connections established before the reload stay counted on
+    /// their service), and the open-connection bound carries over.
+    pub fn rebuilt(config: &Config, v: &Vserver, epoch: Instant, old: &TcpCore) -> TcpCore {
+        let mut core = TcpCore::new(config, v, epoch);
+        core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
+        core.live = Arc::clone(&old.live);
+        core
     }
 
     pub fn balancer(&self) -> &Arc<Balancer> {
@@ -206,9 +219,11 @@ pub fn start(
     crate::proxy::fd_limit::raise_nofile_limit();
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
     let (listeners, bound) = bind_tcp(ctx, v)?;
+    let cell: TcpCell = Arc::new(ArcSwap::new(Arc::clone(&core)));
     for l in listeners {
-        ctx.tokio.spawn(accept_loop(Arc::clone(&core), l));
+        ctx.tokio.spawn(accept_loop(Arc::clone(&cell), l));
     }
+    ctx.tcp_cells.push((v.name.clone(), cell));
     tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), "tcp vserver started");
     Ok(VserverHandle {
         name: v.name.clone(),
@@ -219,10 +234,14 @@ pub fn start(
     })
 }
 
-async fn accept_loop(core: Arc<TcpCore>, listener: TcpListener) {
+async fn accept_loop(cell: TcpCell, listener: TcpListener) {
     let log = LogLimiter::default();
     loop {
-        match listener.accept().await {
+        let accepted = listener.accept().await;
+        // Loaded per connection, after the accept: a reload swaps in a rebuilt core, and
+        // connections already accepted keep the core (members, addresses) they began with.
+        let core = cell.load_full();
+        match accepted {
             Ok((stream, peer)) => {
                 bump(&core.counters.accepted);
                 let reserved = core
@@ -237,7 +256,7 @@ async fn accept_loop(core: Arc<TcpCore>, listener: TcpListener) {
                     }
                     continue;
                 }
-                tokio::spawn(serve(Arc::clone(&core), stream, peer));
+                tokio::spawn(serve(core, stream, peer));
             }
             Err(e) => {
                 bump(&core.counters.accept_errors);

@@ -21,10 +21,11 @@ use crate::hash;
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::net;
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
-use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, VserverHandle, bind_udp};
+use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, UdpCell, VserverHandle, bind_udp};
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::session::{Admit, Session, SessionId, SessionKey, SessionTable};
 use crate::stats::Nanos;
+use arc_swap::ArcSwap;
 use mio::net::UdpSocket as MioUdp;
 use mio::{Events, Interest, Poll, Token};
 use nix::sys::socket::{
@@ -142,6 +143,35 @@ impl UdpCore {
         }
     }
 
+    /// The core of a reload of the vserver `old` served: members it keeps share their
+    /// counters with `old` (sessions established before the reload stay counted on their
+    /// service), and the session bound carries over.
+    pub fn rebuilt(config: &Config, v: &Vserver, old: &UdpCore) -> UdpCore {
+        let mut core = UdpCore::new(config, v);
+        core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
+        core.live = Arc::clone(&old.live);
+        core
+    }
+
+    /// Where a session toward member `m` of `old` goes in this core: the member with the
+    /// same service name and address, if this core has one (a session's socket is
+    /// connected to the address). `None` when the keying changed (per-datagram or not).
+    fn carried_member(&self, old: &UdpCore, m: usize) -> Option<u32> {
+        if self.per_datagram != old.per_datagram {
+            return None;
+        }
+        let name = &old.balancer.members().get(m)?.name;
+        let addr = old.member_addr(m)?;
+        let n = self
+            .balancer
+            .members()
+            .iter()
+            .position(|x| &x.name == name)?;
+        (self.member_addr(n)? == addr)
+            .then(|| u32::try_from(n).ok())
+            .flatten()
+    }
+
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
     }
@@ -246,6 +276,8 @@ pub fn start(
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_udp(v, workers)?;
     let core = Arc::new(UdpCore::new(config, v));
+    let cell: UdpCell = Arc::new(ArcSwap::new(Arc::clone(&core)));
+    ctx.udp_cells.push((v.name.clone(), Arc::clone(&cell)));
     // Worker i takes the i-th socket of every bind address.
     let mut sets: Vec<Vec<UdpSocket>> = (0..workers).map(|_| Vec::new()).collect();
     for socks in per_addr {
@@ -256,12 +288,12 @@ pub fn start(
         }
     }
     for (i, set) in sets.into_iter().enumerate() {
-        let core = Arc::clone(&core);
+        let cell = Arc::clone(&cell);
         let stop = Arc::clone(ctx.stop);
         let epoch = ctx.epoch;
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || run_worker(set, core, epoch, stop))?;
+            .spawn(move || run_worker(set, cell, epoch, stop))?;
         ctx.threads.push(t);
     }
     tracing::info!(vserver = %v.name, bind = ?bound, workers, method = v.method.name(), "udp vserver started");
@@ -285,6 +317,8 @@ struct Listener {
 
 /// The IO state of one worker.
 struct Worker {
+    /// The current core; a reload stores a rebuilt one, adopted at the next wake-up.
+    cell: UdpCell,
     core: Arc<UdpCore>,
     poll: Poll,
     listeners: Vec<Listener>,
@@ -300,12 +334,8 @@ struct Worker {
 }
 
 /// The receive loop of one worker. Runs until `stop`; errors are counted, never fatal.
-pub fn run_worker(
-    socks: Vec<UdpSocket>,
-    core: Arc<UdpCore>,
-    epoch: Instant,
-    stop: Arc<AtomicBool>,
-) {
+pub fn run_worker(socks: Vec<UdpSocket>, cell: UdpCell, epoch: Instant, stop: Arc<AtomicBool>) {
+    let core = cell.load_full();
     let poll = match Poll::new() {
         Ok(p) => p,
         Err(e) => {
@@ -352,6 +382,7 @@ pub fn run_worker(
         });
     }
     let mut w = Worker {
+        cell,
         table: core.table(),
         core,
         poll,
@@ -370,13 +401,37 @@ impl Worker {
         self.listeners.len()
     }
 
-    fn run(&mut self, epoch: Instant, stop: &AtomicBool) {
-        let mut events = Events::with_capacity(1024);
-        // Expiry precision: within ~10% of the idle timeout, at most every 10 s.
-        let sweep_every = nanos(
+    /// Expiry precision: within ~10% of the idle timeout, at most every 10 s.
+    fn sweep_every(&self) -> Nanos {
+        nanos(
             (Duration::from_nanos(self.core.idle_ns) / 10)
                 .clamp(Duration::from_millis(20), Duration::from_secs(10)),
+        )
+    }
+
+    /// Switch to the core a reload stored, if any: sessions of members the new core keeps
+    /// (same name and address) are renumbered and stay on their service; sessions of
+    /// removed members are closed, so their next datagram is balanced afresh. True when
+    /// the core changed.
+    fn adopt_reload(&mut self) -> bool {
+        if Arc::ptr_eq(&self.core, &self.cell.load()) {
+            return false;
+        }
+        let old = std::mem::replace(&mut self.core, self.cell.load_full());
+        let new = Arc::clone(&self.core);
+        let registry = self.poll.registry();
+        self.table.remap(
+            new.idle_ns,
+            new.max_sessions,
+            |s| new.carried_member(&old, s.member as usize),
+            |_, s| close_session(&old, registry, s),
         );
+        true
+    }
+
+    fn run(&mut self, epoch: Instant, stop: &AtomicBool) {
+        let mut events = Events::with_capacity(1024);
+        let mut sweep_every = self.sweep_every();
         let mut next_sweep = elapsed_nanos(epoch).saturating_add(sweep_every);
         while !stop.load(Ordering::Relaxed) {
             let timeout = if self.again.is_empty() {
@@ -392,6 +447,11 @@ impl Worker {
                 std::thread::sleep(POLL);
             }
             let now = elapsed_nanos(epoch);
+            // Before any datagram of this wake-up, so none is routed by a replaced core.
+            if self.adopt_reload() {
+                sweep_every = self.sweep_every();
+                next_sweep = now.saturating_add(sweep_every);
+            }
             // Reused across wake-ups: the hot loop does not allocate.
             let mut ready = std::mem::take(&mut self.ready);
             ready.clear();

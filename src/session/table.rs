@@ -213,6 +213,46 @@ impl<R> SessionTable<R> {
         n
     }
 
+    /// Adopt a reload: a new idle timeout and bound, and each session's member renumbered
+    /// by `map` (also in its key, for per-member sessions). A session `map` gives `None`
+    /// (its member is gone) is removed and handed to `closed`. Session ids, which the
+    /// shell uses as poll tokens, do not change.
+    pub fn remap(
+        &mut self,
+        idle_ns: Nanos,
+        max_sessions: usize,
+        mut map: impl FnMut(&Session<R>) -> Option<u32>,
+        mut closed: impl FnMut(SessionId, Session<R>),
+    ) {
+        self.idle_ns = idle_ns;
+        self.max_sessions = max_sessions;
+        for id in 0..self.slots.len() {
+            let Some(s) = self.slots.get_mut(id).and_then(|s| s.as_mut()) else {
+                continue;
+            };
+            match map(s) {
+                Some(m) => {
+                    s.member = m;
+                    if let Some(km) = s.key.member.as_mut() {
+                        *km = m;
+                    }
+                }
+                None => {
+                    if let Some(s) = self.remove(id) {
+                        closed(id, s);
+                    }
+                }
+            }
+        }
+        // Rebuilt whole: renumbering may permute keys, so entries cannot be moved one by one.
+        self.by_key = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(id, s)| s.as_ref().map(|s| (s.key, id)))
+            .collect();
+    }
+
     /// Remove every session (shutdown).
     pub fn drain(&mut self, mut closed: impl FnMut(SessionId, Session<R>)) {
         for id in 0..self.slots.len() {
@@ -233,6 +273,36 @@ mod tests {
             local: SocketAddr::from(([10, 0, 0, 2], 53)),
             member,
         }
+    }
+
+    #[test]
+    fn remap_renumbers_members_and_closes_the_removed() {
+        let mut t = table(10);
+        let mut ids = Vec::new();
+        for (port, m) in [(1, 0u32), (2, 1), (3, 2)] {
+            assert_eq!(t.admit(), Admit::Reserved);
+            ids.push(t.insert(key(port, Some(m)), m, 0, port as u32, 0).0);
+        }
+        let mut closed = Vec::new();
+        // Member 1 removed, members 0 and 2 swap places.
+        t.remap(
+            2_000,
+            5,
+            |s| match s.member {
+                0 => Some(1),
+                2 => Some(0),
+                _ => None,
+            },
+            |id, s| closed.push((id, s.resource)),
+        );
+        assert_eq!(closed, vec![(ids[1], 2)]);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.find(&key(1, Some(1)), 0), Some(ids[0]));
+        assert_eq!(t.find(&key(3, Some(0)), 0), Some(ids[2]));
+        assert_eq!(t.find(&key(1, Some(0)), 0), None);
+        assert_eq!(t.get(ids[2]).map(|s| s.member), Some(0));
+        // The new idle timeout applies.
+        assert_eq!(t.find(&key(1, Some(1)), 1_500), Some(ids[0]));
     }
 
     fn table(max: usize) -> SessionTable<u32> {
