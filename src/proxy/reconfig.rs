@@ -31,8 +31,8 @@ use super::sip_core::{SipCore, SipParams};
 use super::tcp::TcpCore;
 use super::udp::UdpCore;
 use crate::balancer::{Balancer, Health};
-use crate::config::{Config, Protocol};
-use std::net::SocketAddr;
+use crate::config::{Config, Protocol, Vserver};
+use arc_swap::ArcSwap;
 use std::sync::Arc;
 
 /// What a rebuild changed.
@@ -86,6 +86,37 @@ fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
     }
 }
 
+/// The vserver `name` of the new config (when its protocol passes `fits`), the running
+/// vserver's swappable cell, and its slot in the runtime's handle list.
+fn locate<'c, T>(
+    config: &'c Config,
+    cells: &[(String, Arc<ArcSwap<T>>)],
+    handles: &[super::runtime::VserverHandle],
+    name: &str,
+    fits: impl Fn(Protocol) -> bool,
+    what: &str,
+) -> Result<(&'c Vserver, Arc<ArcSwap<T>>, usize), RuntimeError> {
+    let setup = |problem: String| RuntimeError::Setup {
+        vserver: name.to_owned(),
+        problem,
+    };
+    let v = config
+        .vservers
+        .iter()
+        .find(|v| v.name == name && fits(v.protocol))
+        .ok_or_else(|| setup(format!("not a {what} vserver of the new config")))?;
+    let cell = cells
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, c)| Arc::clone(c))
+        .ok_or_else(|| setup("not running".into()))?;
+    let slot = handles
+        .iter()
+        .position(|h| h.name == name)
+        .ok_or_else(|| setup("not running".into()))?;
+    Ok((v, cell, slot))
+}
+
 impl Runtime {
     /// Rebuild vserver `name` from `config`, whatever its protocol (see the module doc).
     /// sip-tcp is not rebuilt in place ([`crate::reload::plan`] refuses it).
@@ -113,26 +144,14 @@ impl Runtime {
         name: &str,
         health_of: &dyn Fn(&str) -> Health,
     ) -> Result<Rebuilt, RuntimeError> {
-        let setup = |problem: &str| RuntimeError::Setup {
-            vserver: name.to_owned(),
-            problem: problem.to_owned(),
-        };
-        let v = config
-            .vservers
-            .iter()
-            .find(|v| v.name == name && v.protocol == Protocol::Udp)
-            .ok_or_else(|| setup("not a udp vserver of the new config"))?;
-        let cell = self
-            .udp_cells
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, c)| Arc::clone(c))
-            .ok_or_else(|| setup("not running"))?;
-        let slot = self
-            .vservers
-            .iter()
-            .position(|h| h.name == name)
-            .ok_or_else(|| setup("not running"))?;
+        let (v, cell, slot) = locate(
+            config,
+            &self.udp_cells,
+            &self.vservers,
+            name,
+            |p| p == Protocol::Udp,
+            "udp",
+        )?;
         let now = self.now();
         let old = cell.load_full();
         let old_names = names_of(old.balancer());
@@ -152,26 +171,14 @@ impl Runtime {
         name: &str,
         health_of: &dyn Fn(&str) -> Health,
     ) -> Result<Rebuilt, RuntimeError> {
-        let setup = |problem: &str| RuntimeError::Setup {
-            vserver: name.to_owned(),
-            problem: problem.to_owned(),
-        };
-        let v = config
-            .vservers
-            .iter()
-            .find(|v| v.name == name && matches!(v.protocol, Protocol::Tcp | Protocol::Http))
-            .ok_or_else(|| setup("not a tcp or http vserver of the new config"))?;
-        let cell = self
-            .tcp_cells
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, c)| Arc::clone(c))
-            .ok_or_else(|| setup("not running"))?;
-        let slot = self
-            .vservers
-            .iter()
-            .position(|h| h.name == name)
-            .ok_or_else(|| setup("not running"))?;
+        let (v, cell, slot) = locate(
+            config,
+            &self.tcp_cells,
+            &self.vservers,
+            name,
+            |p| matches!(p, Protocol::Tcp | Protocol::Http),
+            "tcp or http",
+        )?;
         let now = self.now();
         let old = cell.load_full();
         let old_names = names_of(old.balancer());
@@ -193,54 +200,20 @@ impl Runtime {
         name: &str,
         health_of: &dyn Fn(&str) -> Health,
     ) -> Result<Rebuilt, RuntimeError> {
-        let setup = |problem: &str| RuntimeError::Setup {
-            vserver: name.to_owned(),
-            problem: problem.to_owned(),
-        };
-        let v = config
-            .vservers
-            .iter()
-            .find(|v| v.name == name && v.protocol == Protocol::SipUdp)
-            .ok_or_else(|| setup("not a sip-udp vserver of the new config"))?;
-        let cell = self
-            .sip_cells
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, c)| Arc::clone(c))
-            .ok_or_else(|| setup("not running"))?;
-        let slot = self
-            .vservers
-            .iter()
-            .position(|h| h.name == name)
-            .ok_or_else(|| setup("not running"))?;
+        let (v, cell, slot) = locate(
+            config,
+            &self.sip_cells,
+            &self.vservers,
+            name,
+            |p| p == Protocol::SipUdp,
+            "sip-udp",
+        )?;
         let now = self.now();
         let old = cell.load_full();
-        let old_names: Vec<String> = old
-            .balancer()
-            .members()
-            .iter()
-            .map(|m| m.name.clone())
-            .collect();
-
+        let old_names = names_of(old.balancer());
         let balancer = Arc::new(Balancer::new(config, v));
-        let new_names: Vec<String> = balancer.members().iter().map(|m| m.name.clone()).collect();
-        for (i, n) in new_names.iter().enumerate() {
-            let h = health_of(n);
-            if h != Health::Up {
-                balancer.set_health(i, h, now);
-            }
-        }
-        let added: Vec<usize> = (0..new_names.len())
-            .filter(|&i| !old_names.contains(&new_names[i]))
-            .collect();
-        balancer.mark_added(&added, now);
-
-        let member_addrs: Vec<SocketAddr> = v
-            .services
-            .iter()
-            .filter_map(|&i| config.services.get(i))
-            .map(|s| SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
-            .collect();
+        let added = settle(&balancer, &old_names, health_of, now);
+        let new_names = names_of(&balancer);
         let core = Arc::new(SipCore::new(SipParams {
             name: v.name.clone(),
             local: old.local().clone(),
@@ -248,7 +221,7 @@ impl Runtime {
             method: v.method,
             hash_params: v.hash.clone(),
             balancer: Arc::clone(&balancer),
-            member_addrs,
+            member_addrs: config.member_addrs(v),
             max_dialogs: v.max_sessions,
             dialog_idle: v.idle_timeout,
         }));
@@ -268,16 +241,12 @@ impl Runtime {
         }
         cell.store(Arc::clone(&core));
         let handle = &mut self.vservers[slot];
+        let r = Rebuilt {
+            dialogs_kept: open.len(),
+            ..rebuilt(&old_names, &balancer, &added)
+        };
         handle.balancer = balancer;
         handle.data = DataPath::SipUdp(core);
-        Ok(Rebuilt {
-            added: added.iter().map(|&i| new_names[i].clone()).collect(),
-            removed: old_names
-                .iter()
-                .filter(|n| !new_names.contains(n))
-                .cloned()
-                .collect(),
-            dialogs_kept: open.len(),
-        })
+        Ok(r)
     }
 }
