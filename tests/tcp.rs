@@ -21,19 +21,9 @@ fn tcp_core(rt: &fulcrum::proxy::Runtime, name: &str) -> Arc<fulcrum::proxy::tcp
     }
 }
 
-fn services(n: usize, ip: &str) -> Vec<(String, SocketAddr)> {
-    (0..n)
-        .map(|i| (format!("s{i}"), tcp_service(&format!("s{i}"), ip).0))
-        .collect()
-}
-
-fn refs(s: &[(String, SocketAddr)]) -> Vec<(&str, SocketAddr)> {
-    s.iter().map(|(n, a)| (n.as_str(), *a)).collect()
-}
-
 #[test]
 fn round_robin_distributes_connections() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("tcp", 3, "127.0.0.1");
     let rt = start(&config(
         "tcp",
         "127.0.0.1:0",
@@ -60,7 +50,7 @@ fn round_robin_distributes_connections() {
 
 #[test]
 fn source_ip_hash_keeps_a_client_on_one_service() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("tcp", 3, "127.0.0.1");
     let rt = start(&config(
         "tcp",
         "127.0.0.1:0",
@@ -79,7 +69,7 @@ fn source_ip_hash_keeps_a_client_on_one_service() {
 /// reaches the service (it answers only after EOF), and the answer still flows back.
 #[test]
 fn half_close_passes_through_and_large_payloads_are_intact() {
-    let svc = services(1, "127.0.0.1");
+    let svc = services("tcp", 1, "127.0.0.1");
     let rt = start(&config(
         "tcp",
         "127.0.0.1:0",
@@ -105,7 +95,7 @@ fn half_close_passes_through_and_large_payloads_are_intact() {
 
 #[test]
 fn connect_failure_tries_the_next_service_and_counts() {
-    let svc = services(2, "127.0.0.1");
+    let svc = services("tcp", 2, "127.0.0.1");
     let mut all = refs(&svc);
     let dead = closed_port("127.0.0.1");
     all.insert(0, ("dead", dead));
@@ -147,7 +137,7 @@ fn all_services_failing_closes_the_client() {
 
 #[test]
 fn idle_connections_time_out() {
-    let svc = services(1, "127.0.0.1");
+    let svc = services("tcp", 1, "127.0.0.1");
     let rt = start(&config(
         "tcp",
         "127.0.0.1:0",
@@ -168,7 +158,7 @@ fn idle_connections_time_out() {
 
 #[test]
 fn connection_limit_refuses_and_least_connection_counts_live_connections() {
-    let svc = services(2, "127.0.0.1");
+    let svc = services("tcp", 2, "127.0.0.1");
     let rt = start(&config(
         "tcp",
         "127.0.0.1:0",
@@ -215,7 +205,7 @@ fn connection_limit_refuses_and_least_connection_counts_live_connections() {
 
 #[test]
 fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
-    let svc = services(2, "[::1]");
+    let svc = services("tcp", 2, "[::1]");
     let rt = start(&config("tcp", "[::1]:0", "dest_ip_hash", "", &refs(&svc)));
     let vs = bound(&rt, "v");
     let first = tcp_ask(vs, b"six").expect("answer");
@@ -224,7 +214,7 @@ fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
         assert_eq!(tcp_ask(vs, b"six").expect("answer").service, first.service);
     }
     // On a wildcard bind the accepted socket's local address is the key.
-    let svc4 = services(3, "127.0.0.1");
+    let svc4 = services("tcp", 3, "127.0.0.1");
     let rt4 = start(&config(
         "tcp",
         "0.0.0.0:0",
@@ -250,7 +240,7 @@ fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
 
 #[test]
 fn proxy_v2_header_precedes_the_stream() {
-    let svc = services(1, "127.0.0.1");
+    let svc = services("tcp", 1, "127.0.0.1");
     let rt = start(&config(
         "tcp",
         "127.0.0.1:0",
@@ -272,7 +262,7 @@ fn proxy_v2_header_precedes_the_stream() {
 
 #[test]
 fn http_url_hash_affinity_and_round_robin_fallback() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("tcp", 3, "127.0.0.1");
     let rt = start(&config("http", "127.0.0.1:0", "url_hash", "", &refs(&svc)));
     let vs = bound(&rt, "v");
     let mut by_url = HashMap::new();
@@ -315,7 +305,7 @@ fn http_url_hash_affinity_and_round_robin_fallback() {
 
 #[test]
 fn http_head_cut_short_by_eof_or_timeout_falls_back() {
-    let svc = services(2, "127.0.0.1");
+    let svc = services("tcp", 2, "127.0.0.1");
     let rt = start(&config(
         "http",
         "127.0.0.1:0",
@@ -348,7 +338,7 @@ fn http_head_cut_short_by_eof_or_timeout_falls_back() {
 
 #[test]
 fn http_domain_and_token_keys() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("tcp", 3, "127.0.0.1");
     let rt = start(&config(
         "http",
         "127.0.0.1:0",
@@ -394,7 +384,7 @@ fn http_domain_and_token_keys() {
 
 #[test]
 fn tcp_token_on_payload_bytes() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("tcp", 3, "127.0.0.1");
     let rt = start(&config(
         "tcp",
         "127.0.0.1:0",
@@ -420,7 +410,7 @@ fn tcp_token_on_payload_bytes() {
 
 #[test]
 fn two_instances_choose_the_same_service_per_connection() {
-    let svc = services(4, "127.0.0.1");
+    let svc = services("tcp", 4, "127.0.0.1");
     let yaml = config(
         "tcp",
         "127.0.0.1:0",
@@ -448,7 +438,7 @@ fn two_instances_choose_the_same_service_per_connection() {
 fn idle_tcp_connection_holds_no_buffer_of_its_own() {
     // Indirect check of the memory rule: 200 idle connections do not grow the process by
     // more than ~4 KiB each (measured precisely by bench/tcp.sh).
-    let svc = services(1, "127.0.0.1");
+    let svc = services("tcp", 1, "127.0.0.1");
     let rt = start(&config(
         "tcp",
         "127.0.0.1:0",

@@ -23,19 +23,9 @@ fn udp_core(
     }
 }
 
-fn services(n: usize, ip: &str) -> Vec<(String, SocketAddr)> {
-    (0..n)
-        .map(|i| (format!("s{i}"), udp_service(&format!("s{i}"), ip).0))
-        .collect()
-}
-
-fn refs(s: &[(String, SocketAddr)]) -> Vec<(&str, SocketAddr)> {
-    s.iter().map(|(n, a)| (n.as_str(), *a)).collect()
-}
-
 #[test]
 fn round_robin_spreads_sessions_and_relays_from_the_vserver_address() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("udp", 3, "127.0.0.1");
     let rt = start(&config(
         "udp",
         "127.0.0.1:0",
@@ -67,7 +57,7 @@ fn round_robin_spreads_sessions_and_relays_from_the_vserver_address() {
 
 #[test]
 fn a_session_keeps_its_service_and_counts_traffic() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("udp", 3, "127.0.0.1");
     let rt = start(&config(
         "udp",
         "127.0.0.1:0",
@@ -93,7 +83,7 @@ fn a_session_keeps_its_service_and_counts_traffic() {
 
 #[test]
 fn source_ip_hash_is_per_client_ip_and_fails_over_when_down() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("udp", 3, "127.0.0.1");
     let rt = start(&config(
         "udp",
         "127.0.0.1:0",
@@ -127,7 +117,7 @@ fn source_ip_hash_is_per_client_ip_and_fails_over_when_down() {
 
 #[test]
 fn idle_sessions_expire() {
-    let svc = services(2, "127.0.0.1");
+    let svc = services("udp", 2, "127.0.0.1");
     let rt = start(&config(
         "udp",
         "127.0.0.1:0",
@@ -159,7 +149,7 @@ fn idle_sessions_expire() {
 
 #[test]
 fn a_full_table_refuses_new_sessions_and_counts_them() {
-    let svc = services(2, "127.0.0.1");
+    let svc = services("udp", 2, "127.0.0.1");
     let rt = start(&config(
         "udp",
         "127.0.0.1:0",
@@ -189,7 +179,7 @@ fn a_full_table_refuses_new_sessions_and_counts_them() {
 
 #[test]
 fn ipv6_sessions() {
-    let svc = services(2, "[::1]");
+    let svc = services("udp", 2, "[::1]");
     let rt = start(&config(
         "udp",
         "[::1]:0",
@@ -217,7 +207,7 @@ fn ipv6_sessions() {
 
 #[test]
 fn wildcard_bind_answers_from_the_address_reached_and_hashes_it() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("udp", 3, "127.0.0.1");
     let rt = start(&config("udp", "0.0.0.0:0", "dest_ip_hash", "", &refs(&svc)));
     let port = bound(&rt, "v").port();
     let c = udp_client("127.0.0.1");
@@ -246,7 +236,7 @@ fn wildcard_bind_answers_from_the_address_reached_and_hashes_it() {
 
 #[test]
 fn token_on_the_payload_chooses_per_datagram() {
-    let svc = services(3, "127.0.0.1");
+    let svc = services("udp", 3, "127.0.0.1");
     let rt = start(&config(
         "udp",
         "127.0.0.1:0",
@@ -286,7 +276,7 @@ fn token_on_the_payload_chooses_per_datagram() {
 
 #[test]
 fn proxy_v2_header_carries_the_client_address() {
-    let svc = services(2, "127.0.0.1");
+    let svc = services("udp", 2, "127.0.0.1");
     let rt = start(&config(
         "udp",
         "127.0.0.1:0",
@@ -316,7 +306,7 @@ fn proxy_v2_header_carries_the_client_address() {
 /// SPEC §2 rule 7 / issue 6: two instances with one config pick the same service per flow.
 #[test]
 fn two_instances_agree_per_flow() {
-    let svc = services(4, "127.0.0.1");
+    let svc = services("udp", 4, "127.0.0.1");
     let yaml = config(
         "udp",
         "127.0.0.1:0",
@@ -406,7 +396,7 @@ impl Drop for Child {
 /// The same with two `fulcrum run` processes (issue 6: mirrored instances).
 #[test]
 fn two_processes_agree_per_flow() {
-    let svc = services(4, "127.0.0.1");
+    let svc = services("udp", 4, "127.0.0.1");
     let dir = std::env::temp_dir().join(format!("fulcrum-udp-two-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let mut targets = Vec::new();

@@ -189,3 +189,20 @@ pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// `n` test services named `s0..` of `kind` ("udp" or "tcp") on `ip`.
+pub fn services(kind: &str, n: usize, ip: &str) -> Vec<(String, SocketAddr)> {
+    let make = if kind == "udp" {
+        udp_service
+    } else {
+        tcp_service
+    };
+    (0..n)
+        .map(|i| (format!("s{i}"), make(&format!("s{i}"), ip).0))
+        .collect()
+}
+
+/// Borrowed view of [`services`] for [`config`].
+pub fn refs(s: &[(String, SocketAddr)]) -> Vec<(&str, SocketAddr)> {
+    s.iter().map(|(n, a)| (n.as_str(), *a)).collect()
+}
