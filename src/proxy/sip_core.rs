@@ -323,7 +323,9 @@ impl SipCore {
         now: Nanos,
     ) -> Option<usize> {
         let now_ms = now / 1_000_000;
-        let call_hash = msg.call_id().map(|c| hash::key_hash(sip_trim(c)));
+        // The scanner hands out the Call-ID without surrounding LWS, so this is also exactly the
+        // call_id_hash key: hashed once, used for both.
+        let call_hash = msg.call_id().map(hash::key_hash);
         if let Some(h) = call_hash
             && let Some(m) = self.dialogs.get(h, now_ms)
             && self.balancer.accepts_existing(m as usize)
@@ -342,10 +344,13 @@ impl SipCore {
             dst,
             payload: Payload::Sip(msg),
         };
-        let key = match key::extract(self.method, &self.hash_params, &ctx) {
-            KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
-            KeyOutcome::NoKey => KeyInput::NoKey,
-            KeyOutcome::Unparseable => KeyInput::Unparseable,
+        let key = match (self.method, call_hash) {
+            (Method::CallIdHash, Some(h)) => KeyInput::Hash(h),
+            _ => match key::extract(self.method, &self.hash_params, &ctx) {
+                KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
+                KeyOutcome::NoKey => KeyInput::NoKey,
+                KeyOutcome::Unparseable => KeyInput::Unparseable,
+            },
         };
         let choice = self.balancer.choose(key, now)?;
         if let Some(h) = call_hash {
@@ -457,20 +462,6 @@ impl SipCore {
     }
 }
 
-/// Call-ID without surrounding whitespace (the scanner already trims LWS; this keeps the
-/// dialog key identical to the call_id_hash key whatever the header's spacing).
-fn sip_trim(v: &[u8]) -> &[u8] {
-    let start = v
-        .iter()
-        .position(|c| !c.is_ascii_whitespace())
-        .unwrap_or(v.len());
-    let end = v
-        .iter()
-        .rposition(|c| !c.is_ascii_whitespace())
-        .map_or(start, |e| e + 1);
-    &v[start..end]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -536,6 +527,23 @@ mod tests {
         let mut again = Vec::new();
         assert_eq!(handle(&c, &invite("x1", 70), CLIENT, &mut again), a);
         assert_eq!(again, out);
+    }
+
+    #[test]
+    fn dialog_key_is_the_call_id_hash_key_whatever_the_spacing() {
+        let text = "INVITE sip:a@b SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1;branch=z9hG4bKq\r\ni:   spaced-id@x  \t\r\nCSeq: 1 INVITE\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@y>\r\nMax-Forwards: 70\r\n\r\n";
+        let msg = crate::sip::scan(text.as_bytes()).expect("scan");
+        let ctx = RequestCtx {
+            src: CLIENT.parse().expect("addr"),
+            dst: US.parse().expect("addr"),
+            payload: Payload::Sip(&msg),
+        };
+        let KeyOutcome::Key(k) = key::extract(Method::CallIdHash, &HashParams::default(), &ctx)
+        else {
+            panic!("no key")
+        };
+        assert_eq!(msg.call_id(), Some(&b"spaced-id@x"[..]));
+        assert_eq!(hash::key_hash(k.as_bytes()), hash::key_hash(b"spaced-id@x"));
     }
 
     #[test]
