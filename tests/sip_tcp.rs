@@ -2,132 +2,18 @@
 //! over pooled service connections, responses back on the originating client connection,
 //! keep-alives, in-dialog requests from a service, passive failure detection.
 
+mod common;
+
+use common::sip_tcp::*;
 use fulcrum::balancer::Health;
 use fulcrum::config;
 use fulcrum::proxy::Runtime;
-use fulcrum::sip::{self, Frame, Reply, framing::DEFAULT_MAX_MESSAGE, next_frame};
+use fulcrum::sip;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
-
-const WAIT: Duration = Duration::from_secs(5);
-
-/// Read one framed SIP message (skipping keep-alives) from a blocking stream.
-fn read_message(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        match next_frame(buf, DEFAULT_MAX_MESSAGE) {
-            Ok(Frame::Message { len, .. }) => {
-                let msg = buf[..len].to_vec();
-                buf.drain(..len);
-                return Some(msg);
-            }
-            Ok(f) => {
-                buf.drain(..f.len());
-                continue;
-            }
-            Err(sip::FrameError::Incomplete) => {}
-            Err(_) => return None,
-        }
-        if Instant::now() > deadline {
-            return None;
-        }
-        let mut chunk = [0u8; 4096];
-        stream
-            .set_read_timeout(Some(Duration::from_millis(200)))
-            .ok()?;
-        match stream.read(&mut chunk) {
-            Ok(0) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) => {}
-            Err(_) => return None,
-        }
-    }
-}
-
-/// A TCP UAS: answers every request but ACK with 200, records (Call-ID, method), and can
-/// send a request back on the connection fulcrum opened.
-struct TcpUas {
-    addr: SocketAddr,
-    seen: Arc<Mutex<Vec<(String, String)>>>,
-    conn: Arc<Mutex<Option<TcpStream>>>,
-    stop: Arc<AtomicBool>,
-}
-
-impl TcpUas {
-    fn start() -> TcpUas {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind uas");
-        let addr = listener.local_addr().expect("addr");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let seen = Arc::new(Mutex::new(Vec::new()));
-        let conn = Arc::new(Mutex::new(None));
-        let stop = Arc::new(AtomicBool::new(false));
-        let (seen2, conn2, stop2) = (Arc::clone(&seen), Arc::clone(&conn), Arc::clone(&stop));
-        std::thread::spawn(move || {
-            while !stop2.load(Ordering::Relaxed) {
-                let Ok((stream, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                };
-                stream.set_nonblocking(false).expect("blocking");
-                *conn2.lock().expect("lock") = stream.try_clone().ok();
-                let (seen3, stop3) = (Arc::clone(&seen2), Arc::clone(&stop2));
-                std::thread::spawn(move || {
-                    let mut stream = stream;
-                    let mut buf = Vec::new();
-                    while !stop3.load(Ordering::Relaxed) {
-                        let Some(bytes) = read_message(&mut stream, &mut buf) else {
-                            if buf.is_empty() {
-                                continue;
-                            }
-                            return;
-                        };
-                        let Ok(msg) = sip::scan(&bytes) else { continue };
-                        if !msg.is_request() {
-                            continue;
-                        }
-                        let method =
-                            String::from_utf8_lossy(msg.method().unwrap_or(b"")).into_owned();
-                        let cid =
-                            String::from_utf8_lossy(msg.call_id().unwrap_or(b"")).into_owned();
-                        seen3.lock().expect("lock").push((cid, method));
-                        let mut out = Vec::new();
-                        let ok = Reply {
-                            code: 200,
-                            reason: "OK",
-                            retry_after_s: None,
-                        };
-                        if sip::build_response(&msg, &ok, &mut out).is_ok() {
-                            let _ = stream.write_all(&out);
-                        }
-                    }
-                });
-            }
-        });
-        TcpUas {
-            addr,
-            seen,
-            conn,
-            stop,
-        }
-    }
-
-    fn calls(&self) -> Vec<(String, String)> {
-        self.seen.lock().expect("lock").clone()
-    }
-}
-
-impl Drop for TcpUas {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-    }
-}
 
 fn start(uas: &[&TcpUas]) -> (Runtime, SocketAddr) {
     let mut y = String::from("services:\n");
@@ -146,12 +32,6 @@ fn start(uas: &[&TcpUas]) -> (Runtime, SocketAddr) {
     let rt = Runtime::start(&cfg).expect("start");
     let addr = rt.vserver("v").expect("vserver").bound[0];
     (rt, addr)
-}
-
-fn request(method: &str, call_id: &str, local: SocketAddr, branch: &str) -> String {
-    format!(
-        "{method} sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/TCP {local};branch=z9hG4bK{branch}\r\nMax-Forwards: 70\r\nFrom: <sip:a@client>;tag=a1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 {method}\r\nContact: <sip:a@{local};transport=tcp>\r\nContent-Length: 0\r\n\r\n"
-    )
 }
 
 #[test]

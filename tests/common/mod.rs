@@ -3,6 +3,8 @@
 //! wait with read timeouts (never bare sleeps).
 #![allow(dead_code)]
 
+pub mod sip_tcp;
+
 use fulcrum::proxy::proxy_protocol::decode_v2;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
