@@ -8,24 +8,24 @@
 //! - `admin.token`.
 //! - a vserver whose only change is `slow_start.new_service_request_rate`: the rate is set
 //!   (as `PUT /vservers/{name}/slow-start`), nothing else moves.
-//! - a sip-udp, udp, tcp or http vserver whose services (added, removed, reordered, or
-//!   their address, weight, max_clients, hash_id), method, hash parameters, slow start,
+//! - a vserver of any protocol whose services (added, removed, reordered, or their
+//!   address, weight, max_clients, hash_id), method, hash parameters, slow start,
 //!   record_route, idle_timeout or max_sessions changed is rebuilt behind its unchanged
 //!   sockets ([`crate::proxy::reconfig`]): dialogs, sessions and connections of surviving
 //!   services stay on them, added services enter slow start, removed services get no new
-//!   flows (their sip-udp dialogs and udp sessions are routed afresh; their tcp / http
-//!   connections finish where they are).
+//!   flows (their sip-udp / sip-tcp dialogs and udp sessions are routed afresh; their tcp /
+//!   http connections finish where they are; requests queued for a removed sip-tcp service
+//!   go to the service the new config chooses).
 //! - `logging` is ignored (the subscriber is set once).
 //! - services that belong to no vserver may be added, changed or removed freely.
 //!
 //! # Needs a restart (the reload is refused and nothing changes)
 //! - `lb` (hash algorithm, fingers), `admin.listen`;
 //! - adding, removing, renaming or reordering vservers;
-//! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `transparent`, `send_proxy`;
-//! - any service or balancing change on a sip-tcp vserver (its per-member service
-//!   connections are not rebuilt in place yet).
+//! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `transparent`, `send_proxy`
+//!   (its sockets, threads and Via identity).
 
-use crate::config::{Config, Protocol, Service, Vserver};
+use crate::config::{Config, Service, Vserver};
 
 /// Changes an in-place reload applies.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -36,8 +36,8 @@ pub struct Plan {
     pub token: Option<Option<String>>,
     /// (vserver, new rate) for every changed slow-start rate.
     pub slow_start_rates: Vec<(String, u32)>,
-    /// sip-udp, udp, tcp and http vservers rebuilt in place (services, weights, method,
-    /// slow start or timeouts changed).
+    /// Vservers rebuilt in place (services, weights, method, slow start or timeouts
+    /// changed).
     pub rebuild: Vec<String>,
 }
 
@@ -115,7 +115,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
         }
         if !same_listener(a, b) {
             restart.push(format!(
-                "vservers.{}: bind, protocol, workers, advertise, transparent or send_proxy changed",
+                "vservers.{}: bind, protocol, workers, advertise, transparent or send_proxy changed (the listener is only set up at start)",
                 a.name
             ));
             continue;
@@ -143,15 +143,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
             sb.new_service_request_rate = sa.new_service_request_rate;
         }
         if ma != mb || data_changed || a2 != b2 {
-            if a.protocol == Protocol::SipTcp {
-                restart.push(format!(
-                    "vservers.{}: services or balancing changed on a {} vserver (not rebuilt in place)",
-                    a.name,
-                    a.protocol.name()
-                ));
-            } else {
-                p.rebuild.push(b.name.clone());
-            }
+            p.rebuild.push(b.name.clone());
         } else if ra != rb
             && let Some(r) = rb
         {
@@ -222,29 +214,21 @@ mod tests {
     }
 
     #[test]
-    fn membership_change_rebuilds_udp_tcp_and_http_but_not_sip_tcp() {
-        for (proto, in_place) in [
-            ("udp", true),
-            ("tcp", true),
-            ("http", true),
-            ("sip-tcp", false),
-        ] {
-            let y = |members: &str| {
+    fn membership_change_rebuilds_every_protocol_but_a_bind_change_does_not() {
+        for proto in ["sip-udp", "sip-tcp", "udp", "tcp", "http"] {
+            let y = |bind: &str, members: &str| {
                 format!(
                     "admin: {{ listen: null }}\n\
                      services:\n  - {{ name: a, address: 127.0.0.1:5071, protocol: {proto} }}\n  - {{ name: b, address: 127.0.0.1:5072, protocol: {proto} }}\n\
-                     vservers:\n  - {{ name: v, protocol: {proto}, bind: [127.0.0.1:0], method: round_robin, services: [{members}] }}\n"
+                     vservers:\n  - {{ name: v, protocol: {proto}, bind: [{bind}], method: round_robin, services: [{members}] }}\n"
                 )
             };
-            let old = crate::config::from_str("t.yaml", &y("a")).expect("valid test config");
-            let new = crate::config::from_str("t.yaml", &y("a, b")).expect("valid test config");
-            match plan(&old, &new) {
-                Ok(p) => {
-                    assert!(in_place, "{proto}: {p:?}");
-                    assert_eq!(p.rebuild, vec!["v".to_owned()], "{proto}");
-                }
-                Err(why) => assert!(!in_place, "{proto}: {why:?}"),
-            }
+            let parse = |t: String| crate::config::from_str("t.yaml", &t).expect("valid config");
+            let old = parse(y("127.0.0.1:0", "a"));
+            let p = plan(&old, &parse(y("127.0.0.1:0", "a, b"))).expect("in place");
+            assert_eq!(p.rebuild, vec!["v".to_owned()], "{proto}");
+            let why = plan(&old, &parse(y("127.0.0.1:7", "a, b"))).expect_err("restart");
+            assert!(why[0].contains("vservers.v: bind"), "{proto}: {why:?}");
         }
     }
 

@@ -1,12 +1,17 @@
-//! Reload of udp and tcp vservers over loopback: services added and removed behind the
-//! unchanged listener, established flows kept on their service. Synchronisation is by
+//! Reload of udp, tcp and sip-tcp vservers over loopback: services added and removed
+//! behind the unchanged listener, established flows (and SIP dialogs) kept on their
+//! service, a balancing change taking effect. Synchronisation is by
 //! polling with deadlines (or blocking reads with timeouts), never by bare sleeps.
 
 mod common;
 
+use common::sip_tcp::{TcpUas, read_message, request};
 use common::*;
+use fulcrum::admin::router::{self, Request};
+use fulcrum::balancer::{Balancer, KeyInput};
 use fulcrum::config;
 use fulcrum::ops::Ops;
+use fulcrum::proxy::DataPath;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::path::PathBuf;
@@ -208,5 +213,321 @@ fn tcp_reload_adds_and_removes_services_keeping_connections() {
     assert_eq!(owners, ["s0", "s1"]);
     // Connections closing after the reloads are uncounted where the new balancer reads.
     assert!(wait_until(ANSWER, || active(&ops, "s1") == 0));
+    ops.shutdown();
+}
+
+/// A client connection to a sip-tcp vserver.
+struct SipClient {
+    stream: TcpStream,
+    local: SocketAddr,
+    buf: Vec<u8>,
+    sent: u32,
+}
+
+impl SipClient {
+    fn connect(vs: SocketAddr) -> SipClient {
+        let stream = TcpStream::connect_timeout(&vs, ANSWER).expect("connect");
+        let local = stream.local_addr().expect("local");
+        SipClient {
+            stream,
+            local,
+            buf: Vec::new(),
+            sent: 0,
+        }
+    }
+
+    /// Send a request on this connection; the status of the response that comes back on
+    /// it (None when none comes).
+    fn ask(&mut self, method: &str, call_id: &str) -> Option<u16> {
+        self.sent += 1;
+        let req = request(method, call_id, self.local, &format!("r{}", self.sent));
+        self.stream.write_all(req.as_bytes()).ok()?;
+        let resp = read_message(&mut self.stream, &mut self.buf)?;
+        fulcrum::sip::scan(&resp).ok()?.status_code()
+    }
+}
+
+/// The services (by index) that saw a request of call `call_id`.
+fn owners(uas: &[TcpUas], call_id: &str) -> Vec<usize> {
+    (0..uas.len())
+        .filter(|&i| !uas[i].methods_of(call_id).is_empty())
+        .collect()
+}
+
+/// A sip-tcp config with services `s{i}` for the indices `members` of `uas`.
+fn sip_tcp(uas: &[TcpUas], members: &[usize], method: &str, extra: &str) -> String {
+    let services: Vec<(String, SocketAddr)> = members
+        .iter()
+        .map(|&i| (format!("s{i}"), uas[i].addr))
+        .collect();
+    config("sip-tcp", "127.0.0.1:0", method, extra, &refs(&services))
+}
+
+fn tcp_counters<T>(ops: &Ops, f: impl Fn(&fulcrum::proxy::sip_tcp::TcpCounters) -> T) -> T {
+    ops.with_vservers(|vs, _| match &vs[0].data {
+        DataPath::SipTcp(_, shared) => f(&shared.counters),
+        _ => panic!("not a sip-tcp vserver"),
+    })
+    .expect("running")
+}
+
+#[test]
+fn sip_tcp_reload_adds_a_service_keeping_connections_and_dialogs() {
+    let uas: Vec<TcpUas> = (0..3).map(|_| TcpUas::start()).collect();
+    let slow =
+        "slow_start: { new_service_request_rate: 100, unit: per_second, increment_interval: 0s }";
+    let file = File::new(
+        "reload-sip-tcp-add",
+        &sip_tcp(&uas, &[0, 1], "round_robin", slow),
+    );
+    let ops = file.start();
+    let vs = addr(&ops);
+    let mut client = SipClient::connect(vs);
+    assert_eq!(client.ask("INVITE", "long@tcp"), Some(200));
+    let owner = match owners(&uas, "long@tcp")[..] {
+        [o] => o,
+        ref other => panic!("the INVITE reached {other:?}"),
+    };
+    let owner_name = format!("s{owner}");
+    assert_eq!(active(&ops, &owner_name), 1);
+
+    file.reload(&ops, &sip_tcp(&uas, &[0, 1, 2], "round_robin", slow));
+    assert_eq!(active(&ops, &owner_name), 1, "the dialog is still counted");
+    let in_slow_start = ops
+        .with_vservers(|v, _| v[0].balancer().slow_start().map(|s| s.is_active()))
+        .flatten();
+    assert_eq!(in_slow_start, Some(true), "the added service is new");
+
+    // The connection established before the reload carries the dialog on to its service.
+    assert_eq!(client.ask("INFO", "long@tcp"), Some(200));
+    assert_eq!(uas[owner].methods_of("long@tcp"), ["INVITE", "INFO"]);
+    // New calls, on that connection and on a new one, reach the added service too.
+    let mut fresh = SipClient::connect(vs);
+    for i in 0..6 {
+        assert_eq!(client.ask("OPTIONS", &format!("old-{i}@tcp")), Some(200));
+        assert_eq!(fresh.ask("OPTIONS", &format!("new-{i}@tcp")), Some(200));
+    }
+    assert!(!uas[2].calls().is_empty(), "the added service takes calls");
+    assert_eq!(client.ask("BYE", "long@tcp"), Some(200));
+    assert_eq!(uas[owner].methods_of("long@tcp"), ["INVITE", "INFO", "BYE"]);
+    assert_eq!(owners(&uas, "long@tcp"), [owner]);
+    // Both clients kept their one connection throughout.
+    assert_eq!(
+        tcp_counters(&ops, |c| c.clients_accepted.load(Ordering::Relaxed)),
+        2
+    );
+    ops.shutdown();
+}
+
+#[test]
+fn sip_tcp_reload_removes_a_service_over_post_reload() {
+    let uas: Vec<TcpUas> = (0..3).map(|_| TcpUas::start()).collect();
+    let file = File::new(
+        "reload-sip-tcp-remove",
+        &sip_tcp(&uas, &[0, 1, 2], "round_robin", ""),
+    );
+    let ops = file.start();
+    let mut client = SipClient::connect(addr(&ops));
+    // Round robin: one call per service.
+    let calls: Vec<String> = (0..3).map(|i| format!("call-{i}@tcp")).collect();
+    let mut owner_of = Vec::new();
+    for c in &calls {
+        assert_eq!(client.ask("INVITE", c), Some(200));
+        match owners(&uas, c)[..] {
+            [o] => owner_of.push(o),
+            ref other => panic!("{c} reached {other:?}"),
+        }
+    }
+    let mut sorted = owner_of.clone();
+    sorted.sort();
+    assert_eq!(sorted, [0, 1, 2]);
+
+    std::fs::write(&file.path, sip_tcp(&uas, &[0, 2], "round_robin", "")).expect("write");
+    let r = router::handle(&ops, &Request::new("POST", "/reload"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert!(r.body.contains("vservers.v rebuilt"), "{}", r.body);
+    let s1_seen = uas[1].calls().len();
+
+    // The removed service's connection still relays what it sends for a while: its BYE
+    // for the call it carried reaches the client after the connection was retired.
+    assert!(wait_until(ANSWER, || tcp_counters(&ops, |c| c
+        .services_retired
+        .load(Ordering::Relaxed))
+        == 1));
+    let gone = calls[owner_of.iter().position(|&o| o == 1).expect("a call on s1")].clone();
+    let bye = format!(
+        "BYE sip:a@{};transport=tcp SIP/2.0\r\nVia: SIP/2.0/TCP {};branch=z9hG4bKgone\r\nMax-Forwards: 70\r\nFrom: <sip:svc@example.com>;tag=u1\r\nTo: <sip:a@client>;tag=a1\r\nCall-ID: {gone}\r\nCSeq: 9 BYE\r\nContent-Length: 0\r\n\r\n",
+        client.local, uas[1].addr
+    );
+    uas[1]
+        .conn
+        .lock()
+        .expect("lock")
+        .as_mut()
+        .expect("fulcrum connected to s1")
+        .write_all(bye.as_bytes())
+        .expect("bye");
+    let got = read_message(&mut client.stream, &mut client.buf).expect("BYE reaches the client");
+    let msg = fulcrum::sip::scan(&got).expect("scan");
+    assert_eq!(msg.method(), Some(&b"BYE"[..]));
+    assert_eq!(msg.call_id(), Some(gone.as_bytes()));
+
+    for (c, &o) in calls.iter().zip(&owner_of) {
+        assert_eq!(client.ask("INFO", c), Some(200), "{c}");
+        if o == 1 {
+            // Its service left: the dialog is routed afresh, to a remaining service.
+            let now = owners(&uas, c);
+            assert_eq!(now.len(), 2, "{c}: {now:?}");
+            assert!(now.contains(&0) || now.contains(&2), "{c}: {now:?}");
+        } else {
+            assert_eq!(uas[o].methods_of(c), ["INVITE", "INFO"], "{c}");
+            assert_eq!(owners(&uas, c), [o], "{c}");
+        }
+    }
+    for i in 0..8 {
+        assert_eq!(client.ask("OPTIONS", &format!("after-{i}@tcp")), Some(200));
+    }
+    assert_eq!(
+        uas[1].calls().len(),
+        s1_seen,
+        "a removed service gets nothing new"
+    );
+    assert_eq!(
+        tcp_counters(&ops, |c| c.requests_lost.load(Ordering::Relaxed)),
+        0
+    );
+    // Nothing is left hanging: shutdown returns promptly.
+    let t = std::time::Instant::now();
+    ops.shutdown();
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(8),
+        "{:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn sip_tcp_reload_changes_the_method() {
+    let uas: Vec<TcpUas> = (0..2).map(|_| TcpUas::start()).collect();
+    let file = File::new(
+        "reload-sip-tcp-method",
+        &sip_tcp(&uas, &[0, 1], "round_robin", ""),
+    );
+    let ops = file.start();
+    let mut client = SipClient::connect(addr(&ops));
+    let mut before = Vec::new();
+    for i in 0..4 {
+        let c = format!("rr-{i}@tcp");
+        assert_eq!(client.ask("OPTIONS", &c), Some(200));
+        before.extend(owners(&uas, &c));
+    }
+    assert!(
+        before.windows(2).all(|w| w[0] != w[1]),
+        "round robin alternates: {before:?}"
+    );
+
+    let hashed = sip_tcp(&uas, &[0, 1], "call_id_hash", "");
+    file.reload(&ops, &hashed);
+    // A balancer built aside from the same file predicts where each new call goes.
+    let cfg = config::from_str("t.yaml", &hashed).expect("valid");
+    let twin = Balancer::new(&cfg, &cfg.vservers[0]);
+    let mut seen = Vec::new();
+    for i in 0..16 {
+        let c = format!("hashed-{i}@tcp");
+        let expect = twin
+            .choose(KeyInput::Hash(fulcrum::hash::key_hash(c.as_bytes())), 0)
+            .expect("a member")
+            .member;
+        assert_eq!(client.ask("OPTIONS", &c), Some(200));
+        assert_eq!(owners(&uas, &c), [expect], "{c}");
+        seen.push(expect);
+    }
+    // The hash puts consecutive calls on the same service at times, as round robin never does.
+    assert!(seen.windows(2).any(|w| w[0] == w[1]), "{seen:?}");
+    ops.shutdown();
+}
+
+/// A listener whose accept queue is full: connects to it hang (loopback drops the SYNs).
+fn hanging_service() -> (socket2::Socket, Vec<TcpStream>, SocketAddr) {
+    let l =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    l.bind(&"127.0.0.1:0".parse::<SocketAddr>().expect("addr").into())
+        .expect("bind");
+    l.listen(0).expect("listen");
+    let at = l.local_addr().expect("addr").as_socket().expect("inet");
+    // Fill the queue until a connect no longer completes (bounded).
+    let mut held = Vec::new();
+    for _ in 0..16 {
+        match TcpStream::connect_timeout(&at, std::time::Duration::from_millis(300)) {
+            Ok(s) => held.push(s),
+            Err(_) => return (l, held, at),
+        }
+    }
+    panic!("the accept queue never filled");
+}
+
+#[test]
+fn sip_tcp_reload_sends_requests_queued_for_a_removed_service_elsewhere() {
+    let live = [TcpUas::start()];
+    let (_listener, _held, stuck) = hanging_service();
+    let file = File::new(
+        "reload-sip-tcp-queued",
+        &config(
+            "sip-tcp",
+            "127.0.0.1:0",
+            "round_robin",
+            "",
+            &[("stuck", stuck)],
+        ),
+    );
+    let ops = file.start();
+    let mut client = SipClient::connect(addr(&ops));
+    // Two requests wait for the connection to `stuck`, which does not complete.
+    for i in 0..2 {
+        let req = request(
+            "OPTIONS",
+            &format!("q{i}@tcp"),
+            client.local,
+            &format!("q{i}"),
+        );
+        client.stream.write_all(req.as_bytes()).expect("write");
+    }
+    let forwarded = || {
+        ops.with_vservers(|vs, _| match &vs[0].data {
+            DataPath::SipTcp(core, _) => core.counters.requests_forwarded.load(Ordering::Relaxed),
+            _ => 0,
+        })
+        .unwrap_or(0)
+    };
+    assert!(wait_until(ANSWER, || forwarded() == 2));
+
+    file.reload(
+        &ops,
+        &config(
+            "sip-tcp",
+            "127.0.0.1:0",
+            "round_robin",
+            "",
+            &[("s0", live[0].addr)],
+        ),
+    );
+    // Both are answered by the service that replaced it, well before the connect timeout.
+    for _ in 0..2 {
+        let resp = read_message(&mut client.stream, &mut client.buf).expect("answered");
+        assert_eq!(
+            fulcrum::sip::scan(&resp).expect("scan").status_code(),
+            Some(200)
+        );
+    }
+    assert_eq!(owners(&live, "q0@tcp"), [0]);
+    assert_eq!(owners(&live, "q1@tcp"), [0]);
+    assert_eq!(
+        tcp_counters(&ops, |c| c.requests_rerouted.load(Ordering::Relaxed)),
+        2
+    );
+    assert_eq!(
+        tcp_counters(&ops, |c| c.service_connect_failures.load(Ordering::Relaxed)),
+        0
+    );
     ops.shutdown();
 }

@@ -238,6 +238,7 @@ pub fn render(ops: &Ops) -> String {
                     event("service_queue_full", &c.service_queue_full);
                     event("requests_rerouted", &c.requests_rerouted);
                     event("requests_lost", &c.requests_lost);
+                    event("services_retired", &c.services_retired);
                 }
                 DataPath::Udp(core) => {
                     let c = &core.counters;

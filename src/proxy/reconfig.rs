@@ -20,6 +20,17 @@
 //! load again; members added by the reload enter slow start. Dialogs pinned to a removed
 //! service are dropped: their next in-dialog request is routed by the method.
 //!
+//! # sip-tcp
+//! The listener, the client connections and the Via identity stay. A new [`SipCore`] is
+//! built as for sip-udp, but its balancer shares the counters of the members it keeps
+//! ([`Balancer::carrying`]), so migrated dialogs are already counted. It is installed in
+//! the vserver's [`crate::proxy::sip_tcp::TcpShared`] together with the service
+//! connections: kept members (same name and address) keep theirs, added members get a new
+//! one (connected on first use), removed members' connections are retired (queued requests
+//! go to the member the new core chooses, what the service still sends is relayed for a
+//! while). Per-service counters of kept members continue; the SIP counters of the core
+//! restart from zero, the transport counters (clients accepted, ...) continue.
+//!
 //! Slow-start progress is not carried over: members still new before the rebuild are part
 //! of the base set after it (only members the reload adds start slow start).
 //!
@@ -28,6 +39,7 @@
 
 use super::runtime::{DataPath, Runtime, RuntimeError};
 use super::sip_core::{SipCore, SipParams};
+use super::sip_tcp::Install;
 use super::tcp::TcpCore;
 use super::udp::UdpCore;
 use crate::balancer::{Balancer, Health};
@@ -86,6 +98,40 @@ fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
     }
 }
 
+/// The core of SIP vserver `v` of `config`, with `old`'s Via identity (its listener is kept).
+fn sip_core(config: &Config, v: &Vserver, old: &SipCore, balancer: &Arc<Balancer>) -> SipCore {
+    SipCore::new(SipParams {
+        name: v.name.clone(),
+        local: old.local().clone(),
+        record_route: v.record_route,
+        method: v.method,
+        hash_params: v.hash.clone(),
+        balancer: Arc::clone(balancer),
+        member_addrs: config.member_addrs(v),
+        max_dialogs: v.max_sessions,
+        dialog_idle: v.idle_timeout,
+    })
+}
+
+/// Copy the live dialogs of `old` into `new`, renumbering members by service name; dialogs
+/// of services that left are dropped. Returns the new member of each open dialog.
+fn migrate_dialogs(
+    old: &SipCore,
+    new: &SipCore,
+    old_names: &[String],
+    new_names: &[String],
+    now: crate::stats::Nanos,
+) -> Vec<u32> {
+    old.dialogs()
+        .migrate_to(new.dialogs(), now / 1_000_000, |m| {
+            let n = old_names.get(m as usize)?;
+            new_names
+                .iter()
+                .position(|x| x == n)
+                .and_then(|p| u32::try_from(p).ok())
+        })
+}
+
 /// The vserver `name` of the new config (when its protocol passes `fits`), the running
 /// vserver's swappable cell, and its slot in the runtime's handle list.
 fn locate<'c, T>(
@@ -119,7 +165,6 @@ fn locate<'c, T>(
 
 impl Runtime {
     /// Rebuild vserver `name` from `config`, whatever its protocol (see the module doc).
-    /// sip-tcp is not rebuilt in place ([`crate::reload::plan`] refuses it).
     pub fn rebuild(
         &mut self,
         config: &Config,
@@ -131,9 +176,10 @@ impl Runtime {
             Some(Protocol::SipUdp) => self.rebuild_sip_udp(config, name, health_of),
             Some(Protocol::Udp) => self.rebuild_udp(config, name, health_of),
             Some(Protocol::Tcp | Protocol::Http) => self.rebuild_tcp(config, name, health_of),
-            Some(Protocol::SipTcp) | None => Err(RuntimeError::Setup {
+            Some(Protocol::SipTcp) => self.rebuild_sip_tcp(config, name, health_of),
+            None => Err(RuntimeError::Setup {
                 vserver: name.to_owned(),
-                problem: "cannot be rebuilt in place".to_owned(),
+                problem: "not running".to_owned(),
             }),
         }
     }
@@ -214,26 +260,8 @@ impl Runtime {
         let balancer = Arc::new(Balancer::new(config, v));
         let added = settle(&balancer, &old_names, health_of, now);
         let new_names = names_of(&balancer);
-        let core = Arc::new(SipCore::new(SipParams {
-            name: v.name.clone(),
-            local: old.local().clone(),
-            record_route: v.record_route,
-            method: v.method,
-            hash_params: v.hash.clone(),
-            balancer: Arc::clone(&balancer),
-            member_addrs: config.member_addrs(v),
-            max_dialogs: v.max_sessions,
-            dialog_idle: v.idle_timeout,
-        }));
-        let open = old
-            .dialogs()
-            .migrate_to(core.dialogs(), now / 1_000_000, |m| {
-                let n = old_names.get(m as usize)?;
-                new_names
-                    .iter()
-                    .position(|x| x == n)
-                    .and_then(|p| u32::try_from(p).ok())
-            });
+        let core = Arc::new(sip_core(config, v, &old, &balancer));
+        let open = migrate_dialogs(&old, &core, &old_names, &new_names, now);
         for m in &open {
             if let Some(c) = balancer.counters(*m as usize) {
                 c.open();
@@ -247,6 +275,59 @@ impl Runtime {
         };
         handle.balancer = balancer;
         handle.data = DataPath::SipUdp(core);
+        Ok(r)
+    }
+
+    /// Rebuild sip-tcp vserver `name` from `config`: same listener, client connections and
+    /// connections of surviving services (see [`crate::proxy::sip_tcp`]).
+    fn rebuild_sip_tcp(
+        &mut self,
+        config: &Config,
+        name: &str,
+        health_of: &dyn Fn(&str) -> Health,
+    ) -> Result<Rebuilt, RuntimeError> {
+        let setup = |problem: &str| RuntimeError::Setup {
+            vserver: name.to_owned(),
+            problem: problem.to_owned(),
+        };
+        let v = config
+            .vservers
+            .iter()
+            .find(|v| v.name == name && v.protocol == Protocol::SipTcp)
+            .ok_or_else(|| setup("not a sip-tcp vserver of the new config"))?;
+        let slot = self
+            .vservers
+            .iter()
+            .position(|h| h.name == name)
+            .ok_or_else(|| setup("not running"))?;
+        let DataPath::SipTcp(_, shared) = &self.vservers[slot].data else {
+            return Err(setup("not a running sip-tcp vserver"));
+        };
+        let shared = Arc::clone(shared);
+        let now = self.now();
+        let old = shared.core();
+        let old_names = names_of(old.balancer());
+        // Surviving members share their counters with the old balancer, so the dialogs
+        // they carry are already counted there.
+        let balancer = Arc::new(Balancer::carrying(config, v, old.balancer()));
+        let added = settle(&balancer, &old_names, health_of, now);
+        let new_names = names_of(&balancer);
+        let core = Arc::new(sip_core(config, v, &old, &balancer));
+        // Expired dialogs are not migrated: close their count first, or it would stay.
+        old.sweep(now);
+        let kept = migrate_dialogs(&old, &core, &old_names, &new_names, now).len();
+        shared.install(Install {
+            core: Arc::clone(&core),
+            max_clients: v.max_sessions,
+            idle: v.idle_timeout,
+        });
+        let handle = &mut self.vservers[slot];
+        let r = Rebuilt {
+            dialogs_kept: kept,
+            ..rebuilt(&old_names, &balancer, &added)
+        };
+        handle.balancer = balancer;
+        handle.data = DataPath::SipTcp(core, shared);
         Ok(r)
     }
 }

@@ -12,6 +12,16 @@
 //! - Requests from a service toward a client (in-dialog) go to a live connection from the
 //!   client's address (RFC 5923-style alias); with none, they are dropped and counted,
 //!   never relayed elsewhere.
+//!
+//! # Reload
+//! Every message is decided and carried out with one [`Generation`]: the core and the link
+//! (connection task) of each of its members, swapped whole by [`TcpShared::install`]. A
+//! reload keeps the client connections and the links of members that stay (same service
+//! name and address); members it adds get a new link, which connects on their first
+//! request. The link of a member it removes is retired: requests still queued for it are
+//! chosen again by the current core, nothing more is written to it, and its connection
+//! stays open for reading for [`RETIRED_DRAIN`] (responses to requests already written,
+//! the service's in-dialog requests) unless the service closes it first.
 
 use crate::balancer::Health;
 use crate::config::{Config, Vserver};
@@ -22,6 +32,7 @@ use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
 use crate::sip::{Frame, FrameError, Transport, next_frame};
+use arc_swap::ArcSwap;
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
 use std::net::SocketAddr;
@@ -30,7 +41,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{Notify, mpsc};
 
 /// Messages queued toward one client before it counts as not reading.
 pub const CLIENT_QUEUE: usize = 1024;
@@ -41,6 +52,9 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// First and last reconnect delay toward a service.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How long the connection of a member removed by a reload stays open for what the service
+/// still sends: 64·T1, the non-INVITE transaction timeout (RFC 3261 §17.1.2.2, Timer F).
+pub const RETIRED_DRAIN: Duration = Duration::from_secs(32);
 
 /// Counters specific to the stream transport.
 #[derive(Debug, Default)]
@@ -55,10 +69,14 @@ pub struct TcpCounters {
     pub in_dialog_no_client: AtomicU64,
     pub service_connect_failures: AtomicU64,
     pub service_queue_full: AtomicU64,
-    /// Requests moved to the next-ranked member after their member's connection failed.
+    /// Requests moved to the next-ranked member after their member's connection failed or
+    /// a reload removed it.
     pub requests_rerouted: AtomicU64,
     /// Requests that found no member after their member's connection failed.
     pub requests_lost: AtomicU64,
+    /// Service connection tasks that took their retirement in (a reload removed their
+    /// member): queue handed back, nothing more written.
+    pub services_retired: AtomicU64,
 }
 
 struct Client {
@@ -67,34 +85,165 @@ struct Client {
     abort: tokio::task::AbortHandle,
 }
 
+/// The way to one member's connection task. A reload keeps the link of a member that stays
+/// (same service name and address) and retires the others.
+struct ServiceLink {
+    name: String,
+    addr: SocketAddr,
+    tx: mpsc::Sender<Bytes>,
+    retired: AtomicBool,
+    retire: Notify,
+}
+
+impl ServiceLink {
+    fn new(name: &str, addr: SocketAddr) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
+        let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
+        let link = ServiceLink {
+            name: name.to_owned(),
+            addr,
+            tx,
+            retired: AtomicBool::new(false),
+            retire: Notify::new(),
+        };
+        (Arc::new(link), rx)
+    }
+
+    fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        self.retire.notify_waiters();
+    }
+
+    fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the link is retired (at once if it already is).
+    async fn retired(&self) {
+        loop {
+            // Created before the check: `notify_waiters` reaches it from here on.
+            let wake = self.retire.notified();
+            if self.is_retired() {
+                return;
+            }
+            wake.await;
+        }
+    }
+}
+
+/// The configuration one message is handled with: the core, and the link of each of its
+/// members (same index). Swapped whole, so a decision and the link it names always belong
+/// together.
+struct Generation {
+    core: Arc<SipCore>,
+    links: Vec<Arc<ServiceLink>>,
+    max_clients: usize,
+    idle: Duration,
+}
+
+impl Generation {
+    fn index_of(&self, link: &ServiceLink) -> Option<usize> {
+        self.links.iter().position(|l| std::ptr::eq(&**l, link))
+    }
+}
+
 /// State shared by the tasks of one sip-tcp vserver.
 pub struct TcpShared {
-    pub core: Arc<SipCore>,
+    name: String,
+    current: ArcSwap<Generation>,
     pub counters: TcpCounters,
     clients: DashMap<u64, Client>,
     /// Remote address → client connection id (the alias used for in-dialog requests).
     by_remote: DashMap<SocketAddr, u64>,
-    services: Vec<mpsc::Sender<Bytes>>,
     next_conn: AtomicU64,
-    max_clients: usize,
-    idle: Duration,
     epoch: Instant,
     stop: Arc<AtomicBool>,
     log: LogLimiter,
+    /// Where the links of added members run.
+    tokio: tokio::runtime::Handle,
 }
 
 impl std::fmt::Debug for TcpShared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpShared")
-            .field("vserver", &self.core.name)
+            .field("vserver", &self.name)
             .field("clients", &self.clients.len())
             .finish_non_exhaustive()
     }
 }
 
+/// What a new generation is built from: the core, and the vserver's `max_sessions` and
+/// `idle_timeout`.
+pub(crate) struct Install {
+    pub core: Arc<SipCore>,
+    pub max_clients: usize,
+    pub idle: Duration,
+}
+
 impl TcpShared {
     fn now(&self) -> u64 {
         elapsed_nanos(self.epoch)
+    }
+
+    /// The core messages are decided with now.
+    pub fn core(&self) -> Arc<SipCore> {
+        Arc::clone(&self.current.load().core)
+    }
+
+    /// Open client connections.
+    pub fn clients(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Make `next` the current generation: members of its balancer that were already
+    /// members with the same address keep their link (and its connection), the others get
+    /// a new one; links of members that left are retired once `next` is current.
+    pub(crate) fn install(self: &Arc<Self>, next: Install) {
+        let old = self.current.load_full();
+        let names: Vec<String> = next
+            .core
+            .balancer()
+            .members()
+            .iter()
+            .map(|m| m.name.clone())
+            .collect();
+        let mut fresh = Vec::new();
+        let links: Vec<Arc<ServiceLink>> = names
+            .iter()
+            .enumerate()
+            .map(|(m, name)| {
+                let addr = next
+                    .core
+                    .member_addr(m)
+                    .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+                old.links
+                    .iter()
+                    .find(|l| l.name == *name && l.addr == addr)
+                    .cloned()
+                    .unwrap_or_else(|| {
+                        let (link, rx) = ServiceLink::new(name, addr);
+                        fresh.push((Arc::clone(&link), rx));
+                        link
+                    })
+            })
+            .collect();
+        let gone: Vec<Arc<ServiceLink>> = old
+            .links
+            .iter()
+            .filter(|l| !links.iter().any(|k| Arc::ptr_eq(k, l)))
+            .cloned()
+            .collect();
+        self.current.store(Arc::new(Generation {
+            core: next.core,
+            links,
+            max_clients: next.max_clients,
+            idle: next.idle,
+        }));
+        for (link, rx) in fresh {
+            self.tokio.spawn(service_loop(Arc::clone(self), link, rx));
+        }
+        for link in gone {
+            link.retire();
+        }
     }
 
     /// Queue `bytes` toward client `id`; a full queue disconnects that client only.
@@ -108,7 +257,7 @@ impl TcpShared {
                 let (abort, remote) = (c.abort.clone(), c.remote);
                 drop(c);
                 bump(&self.counters.slow_clients_closed);
-                tracing::info!(vserver = %self.core.name, %remote, "client does not read: disconnected");
+                tracing::info!(vserver = %self.name, %remote, "client does not read: disconnected");
                 self.forget_client(id, remote);
                 abort.abort();
                 false
@@ -117,29 +266,58 @@ impl TcpShared {
         }
     }
 
-    fn to_service(&self, member: usize, bytes: Bytes) -> bool {
-        match self.services.get(member).map(|tx| tx.try_send(bytes)) {
-            Some(Ok(())) => true,
-            _ => {
+    /// Queue `bytes` toward member `member` of `g`. A link retired meanwhile (a reload
+    /// removed its member after `g` was loaded) no longer takes requests: they are chosen
+    /// again by the current core.
+    fn to_service(&self, g: &Generation, member: usize, bytes: Bytes) -> bool {
+        let Some(link) = g.links.get(member) else {
+            bump(&self.counters.service_queue_full);
+            return false;
+        };
+        match link.tx.try_send(bytes) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Closed(bytes)) => {
+                self.redispatch(link, bytes);
+                true
+            }
+            Err(mpsc::error::TrySendError::Full(_)) => {
                 bump(&self.counters.service_queue_full);
                 false
             }
         }
     }
 
-    /// Send a request that could not reach member `failed` to the member chosen now (the
-    /// failed one is DOWN, so the ranking passes it over); counted and dropped if none.
-    fn redispatch(&self, failed: usize, bytes: Bytes) {
-        let dst = self
-            .core
-            .member_addr(failed)
-            .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
-        match self.core.rechoose(&bytes, dst, self.now()) {
-            Some(m) if m != failed => {
-                bump(&self.counters.requests_rerouted);
-                self.to_service(m, bytes);
+    /// Send a request that could not go over `link` to the member the current core chooses
+    /// now (a failed member is DOWN and a removed one absent, so the ranking passes it
+    /// over); counted and dropped if none.
+    fn redispatch(&self, link: &ServiceLink, bytes: Bytes) {
+        let g = self.current.load();
+        let failed = g.index_of(link);
+        match g.core.rechoose(&bytes, link.addr, self.now()) {
+            Some(m) if Some(m) != failed => {
+                let sent = g.links.get(m).is_some_and(|l| l.tx.try_send(bytes).is_ok());
+                bump(if sent {
+                    &self.counters.requests_rerouted
+                } else {
+                    &self.counters.requests_lost
+                });
             }
             _ => bump(&self.counters.requests_lost),
+        }
+    }
+
+    /// Redispatch `pending` and everything queued on `rx` (the receiving end of `link`).
+    fn redispatch_queued(
+        &self,
+        link: &ServiceLink,
+        pending: Option<Bytes>,
+        rx: &mut mpsc::Receiver<Bytes>,
+    ) {
+        for bytes in pending
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
+            self.redispatch(link, bytes);
         }
     }
 
@@ -150,12 +328,19 @@ impl TcpShared {
         self.by_remote.remove_if(&remote, |_, v| *v == id);
     }
 
-    /// Carry out the core's decision for a message that arrived from `origin`.
-    fn dispatch(&self, action: Action, out: &[u8], origin: Origin, reply: &mpsc::Sender<Bytes>) {
+    /// Carry out the decision `g`'s core made for a message that arrived from `origin`.
+    fn dispatch(
+        &self,
+        g: &Generation,
+        action: Action,
+        out: &[u8],
+        origin: Origin,
+        reply: &mpsc::Sender<Bytes>,
+    ) {
         let bytes = || Bytes::copy_from_slice(out);
         match action {
             Action::ToMember(m) => {
-                self.to_service(m, bytes());
+                self.to_service(g, m, bytes());
             }
             Action::ToConn(id) => {
                 if !self.to_client(id, bytes()) {
@@ -164,17 +349,15 @@ impl TcpShared {
             }
             Action::ToAddr(addr) => {
                 let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
-                if let Some(m) = self.core.member_of(addr) {
+                if let Some(m) = g.core.member_of(addr) {
                     // A client's response to a service's in-dialog request.
-                    self.to_service(m, bytes());
+                    self.to_service(g, m, bytes());
                 } else if let Some(id) = self.by_remote.get(&addr).map(|v| *v) {
                     self.to_client(id, bytes());
+                } else if matches!(origin, Origin::Member(_)) {
+                    bump(&self.counters.in_dialog_no_client);
                 } else {
-                    if matches!(origin, Origin::Member(_)) {
-                        bump(&self.counters.in_dialog_no_client);
-                    } else {
-                        bump(&self.counters.responses_no_client);
-                    }
+                    bump(&self.counters.responses_no_client);
                 }
             }
             Action::Reply(_) => {
@@ -183,15 +366,15 @@ impl TcpShared {
             }
             Action::Drop(reason) => {
                 if self.log.allow(self.now()) {
-                    tracing::debug!(vserver = %self.core.name, ?reason, "message dropped");
+                    tracing::debug!(vserver = %self.name, ?reason, "message dropped");
                 }
             }
         }
     }
 }
 
-/// Read framed SIP messages from `read`, hand each to the core, until EOF, error, idle
-/// timeout or a framing error. `reply` carries pongs and fulcrum's own replies.
+/// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
+/// idle timeout or a framing error. `reply` carries pongs and fulcrum's own replies.
 async fn read_messages(
     shared: &TcpShared,
     mut read: tokio::net::tcp::OwnedReadHalf,
@@ -211,11 +394,10 @@ async fn read_messages(
                     match frame {
                         Frame::Message { .. } => {
                             let now = shared.now();
+                            let g = shared.current.load();
                             let action =
-                                shared
-                                    .core
-                                    .handle(&buf[..len], origin, src, dst, now, &mut out);
-                            shared.dispatch(action, &out, origin, reply);
+                                g.core.handle(&buf[..len], origin, src, dst, now, &mut out);
+                            shared.dispatch(&g, action, &out, origin, reply);
                         }
                         Frame::Ping => {
                             bump(&shared.counters.keepalive_pings);
@@ -229,7 +411,7 @@ async fn read_messages(
                 Err(e) => {
                     bump(&shared.counters.framing_errors);
                     if shared.log.allow(shared.now()) {
-                        tracing::info!(vserver = %shared.core.name, %src, error = %e, "closing stream after framing error");
+                        tracing::info!(vserver = %shared.name, %src, error = %e, "closing stream after framing error");
                     }
                     return;
                 }
@@ -238,11 +420,11 @@ async fn read_messages(
         if buf.capacity() - buf.len() < 1024 {
             buf.reserve(4096);
         }
-        let n = match tokio::time::timeout(shared.idle, read.read_buf(&mut buf)).await {
+        let idle = shared.current.load().idle;
+        match tokio::time::timeout(idle, read.read_buf(&mut buf)).await {
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return,
-            Ok(Ok(n)) => n,
-        };
-        let _ = n;
+            Ok(Ok(_)) => {}
+        }
         if shared.stop.load(Ordering::Relaxed) {
             return;
         }
@@ -290,7 +472,7 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
             Ok(s) => s,
             Err(e) => {
                 if shared.log.allow(shared.now()) {
-                    tracing::warn!(vserver = %shared.core.name, error = %e, "accept failed");
+                    tracing::warn!(vserver = %shared.name, error = %e, "accept failed");
                 }
                 tokio::time::sleep(Duration::from_millis(10)).await;
                 continue;
@@ -299,7 +481,7 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
         if shared.stop.load(Ordering::Relaxed) {
             return;
         }
-        if shared.clients.len() >= shared.max_clients {
+        if shared.clients.len() >= shared.current.load().max_clients {
             bump(&shared.counters.clients_refused);
             drop(stream);
             continue;
@@ -331,63 +513,81 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
     }
 }
 
-/// Own the connection to member `m`: connect on demand with backoff, write what is queued,
-/// and read what the service sends (responses, in-dialog requests).
+/// Own the connection over `link`: connect on demand with backoff, write what is queued,
+/// and read what the service sends (responses, in-dialog requests). The member's index,
+/// health and failure reports are looked up in the current generation each time, so they
+/// follow reloads; a retired link hands its queue back to the current core and drains.
 async fn service_loop(
     shared: Arc<TcpShared>,
-    m: usize,
-    addr: SocketAddr,
+    link: Arc<ServiceLink>,
     mut rx: mpsc::Receiver<Bytes>,
 ) {
+    let addr = link.addr;
     let mut backoff = BACKOFF_MIN;
     let mut pending: Option<Bytes> = None;
     // Set after a failed connect: keep probing (with backoff) until the service answers,
     // so a service marked DOWN by this path comes back without waiting for traffic.
     let mut down = false;
     loop {
+        if link.is_retired() {
+            // Refuse late senders first, so nothing is left behind in the queue.
+            rx.close();
+            shared.redispatch_queued(&link, pending.take(), &mut rx);
+            bump(&shared.counters.services_retired);
+            return;
+        }
         if pending.is_none() && !down {
             // Connect only when there is something to send.
-            match rx.recv().await {
-                Some(b) => pending = Some(b),
-                None => return,
+            tokio::select! {
+                msg = rx.recv() => match msg {
+                    Some(b) => pending = Some(b),
+                    None => return,
+                },
+                () = link.retired() => continue,
             }
         }
-        let stream = match tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)).await {
+        let attempt = tokio::select! {
+            r = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)) => r,
+            () = link.retired() => continue,
+        };
+        let stream = match attempt {
             Ok(Ok(s)) => s,
             _ => {
                 bump(&shared.counters.service_connect_failures);
-                shared.core.balancer().report_failure(m);
-                if !down {
-                    down = true;
-                    shared
-                        .core
-                        .balancer()
-                        .set_health(m, Health::Down, shared.now());
-                    tracing::warn!(vserver = %shared.core.name, service = %addr, "cannot connect: service marked DOWN");
+                {
+                    let g = shared.current.load();
+                    if let Some(m) = g.index_of(&link) {
+                        let b = g.core.balancer();
+                        b.report_failure(m);
+                        down = true;
+                        // Checked against the current balancer: a reload may have built
+                        // one that starts this member UP again.
+                        if b.health(m) != Some(Health::Down) {
+                            b.set_health(m, Health::Down, shared.now());
+                            tracing::warn!(vserver = %shared.name, service = %addr, "cannot connect: service marked DOWN");
+                        }
+                    }
                 }
                 // Requests queued for the dead service go to the next-ranked member.
-                let queued = pending
-                    .take()
-                    .into_iter()
-                    .chain(std::iter::from_fn(|| rx.try_recv().ok()));
-                for bytes in queued {
-                    shared.redispatch(m, bytes);
-                }
+                shared.redispatch_queued(&link, pending.take(), &mut rx);
                 if shared.stop.load(Ordering::Relaxed) {
                     return;
                 }
-                tokio::time::sleep(backoff).await;
+                tokio::select! {
+                    () = tokio::time::sleep(backoff) => {}
+                    () = link.retired() => {}
+                }
                 backoff = (backoff * 2).min(BACKOFF_MAX);
                 continue;
             }
         };
         if down {
             down = false;
-            shared
-                .core
-                .balancer()
-                .set_health(m, Health::Up, shared.now());
-            tracing::info!(vserver = %shared.core.name, service = %addr, "connected again: service marked UP");
+            let g = shared.current.load();
+            if let Some(m) = g.index_of(&link) {
+                g.core.balancer().set_health(m, Health::Up, shared.now());
+                tracing::info!(vserver = %shared.name, service = %addr, "connected again: service marked UP");
+            }
         }
         backoff = BACKOFF_MIN;
         let _ = stream.set_nodelay(true);
@@ -396,42 +596,72 @@ async fn service_loop(
         // Replies fulcrum makes to a service's request go back on this connection.
         let (reply_tx, mut reply_rx) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
         let reader_shared = Arc::clone(&shared);
+        // The core reads a member origin only to tell a service from a client, so the index
+        // at connect time serves for the life of the connection.
+        let origin = Origin::Member(shared.current.load().index_of(&link).unwrap_or(0));
         let mut reader = tokio::spawn(async move {
-            read_messages(
-                &reader_shared,
-                read,
-                Origin::Member(m),
-                addr,
-                dst,
-                &reply_tx,
-            )
-            .await;
+            read_messages(&reader_shared, read, origin, addr, dst, &reply_tx).await;
         });
         if let Some(b) = pending.take()
             && write.write_all(&b).await.is_err()
         {
+            reader.abort();
             continue;
         }
-        loop {
+        let retired = loop {
             tokio::select! {
                 msg = rx.recv() => match msg {
                     Some(b) => {
                         if write.write_all(&b).await.is_err() {
-                            break;
+                            break false;
                         }
                     }
-                    None => return,
+                    None => {
+                        reader.abort();
+                        return;
+                    }
                 },
                 Some(b) = reply_rx.recv() => {
                     if write.write_all(&b).await.is_err() {
-                        break;
+                        break false;
                     }
                 }
-                _ = &mut reader => break,
+                _ = &mut reader => break false,
+                () = link.retired() => break true,
             }
+        };
+        if retired {
+            rx.close();
+            shared.redispatch_queued(&link, None, &mut rx);
+            bump(&shared.counters.services_retired);
+            // What the service still sends (responses to requests already written, its
+            // in-dialog requests) is relayed for a while; nothing new is written to it.
+            let drain = async {
+                loop {
+                    tokio::select! {
+                        Some(b) = reply_rx.recv() => {
+                            if write.write_all(&b).await.is_err() {
+                                return;
+                            }
+                        }
+                        _ = &mut reader => return,
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(RETIRED_DRAIN, drain).await;
+            reader.abort();
+            let _ = write.shutdown().await;
+            tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
+            return;
         }
         reader.abort();
     }
+}
+
+/// How often dialogs are expired: often enough that the table reflects the idle timeout
+/// within ~10%.
+fn sweep_interval(idle: Duration) -> Duration {
+    (idle / 10).clamp(Duration::from_millis(100), Duration::from_secs(10))
 }
 
 /// Start a sip-tcp vserver on the runtime's tokio runtime.
@@ -451,49 +681,47 @@ pub fn start(
         method: v.method,
         hash_params: v.hash.clone(),
         balancer: Arc::clone(&balancer),
-        member_addrs: member_addrs.clone(),
+        member_addrs,
         max_dialogs: v.max_sessions,
         dialog_idle: v.idle_timeout,
     }));
-    let mut service_rx = Vec::new();
-    let mut service_tx = Vec::new();
-    for _ in &member_addrs {
-        let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
-        service_tx.push(tx);
-        service_rx.push(rx);
-    }
-    let shared = Arc::new(TcpShared {
+    let empty = Generation {
         core: Arc::clone(&core),
+        links: Vec::new(),
+        max_clients: v.max_sessions,
+        idle: v.idle_timeout,
+    };
+    let shared = Arc::new(TcpShared {
+        name: v.name.clone(),
+        current: ArcSwap::from_pointee(empty),
         counters: TcpCounters::default(),
         clients: DashMap::new(),
         by_remote: DashMap::new(),
-        services: service_tx,
         next_conn: AtomicU64::new(1),
-        max_clients: v.max_sessions,
-        idle: v.idle_timeout,
         epoch: ctx.epoch,
         stop: Arc::clone(ctx.stop),
         log: LogLimiter::default(),
+        tokio: ctx.tokio.clone(),
     });
-    for (m, rx) in service_rx.into_iter().enumerate() {
-        ctx.tokio
-            .spawn(service_loop(Arc::clone(&shared), m, member_addrs[m], rx));
-    }
+    // Every member gets its link (and connection task) as a reload's added member would.
+    shared.install(Install {
+        core: Arc::clone(&core),
+        max_clients: v.max_sessions,
+        idle: v.idle_timeout,
+    });
     for l in listeners {
         ctx.tokio.spawn(accept_loop(Arc::clone(&shared), l));
     }
-    // Dialog expiry, as on UDP.
-    let sweep_every =
-        (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
+    // Dialog expiry, as on UDP, in whatever core is current (with its idle timeout).
     let sweeper = Arc::clone(&shared);
     ctx.tokio.spawn(async move {
-        let mut tick = tokio::time::interval(sweep_every);
         loop {
-            tick.tick().await;
+            let idle = sweeper.current.load().idle;
+            tokio::time::sleep(sweep_interval(idle)).await;
             if sweeper.stop.load(Ordering::Relaxed) {
                 return;
             }
-            sweeper.core.sweep(sweeper.now());
+            sweeper.core().sweep(sweeper.now());
         }
     });
     tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), "sip-tcp vserver started");
