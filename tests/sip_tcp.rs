@@ -268,3 +268,33 @@ fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
     let mut buf = Vec::new();
     assert!(read_message(&mut other, &mut buf).is_some());
 }
+
+#[test]
+fn a_request_no_service_can_take_after_a_failed_connect_is_answered_503() {
+    let dead = {
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let y = format!(
+        "services:\n  - {{ name: dead, address: {dead}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [dead] }}\n"
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let proxy = rt.vserver("v").expect("v").bound[0];
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    client
+        .write_all(request("INVITE", "lone@x", local, "l1").as_bytes())
+        .expect("write");
+    let mut buf = Vec::new();
+    let resp = read_message(&mut client, &mut buf).expect("an answer, not silence");
+    let msg = sip::scan(&resp).expect("scan");
+    assert_eq!(msg.status_code(), Some(503));
+    assert!(msg.header(b"Retry-After").is_some());
+    assert_eq!(msg.vias().count(), 1, "only the client's Via");
+    let shared = match &rt.vserver("v").expect("v").data {
+        fulcrum::proxy::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    };
+    assert_eq!(shared.counters.requests_lost.load(Ordering::Relaxed), 1);
+}

@@ -312,6 +312,30 @@ impl SipCore {
         self.choose(&msg, client.unwrap_or(dst), dst, now)
     }
 
+    /// fulcrum's 503 for a request it had already forwarded (`forwarded` carries its own Via
+    /// on top) and can no longer deliver (streams: its member's connection failed and no
+    /// other member can take it). Built as a service would answer it, then routed back like
+    /// any response (to the client connection named in that Via), so the client learns at
+    /// once instead of waiting for its transaction timer (RFC 3261 §16.7 step 6 lets a
+    /// proxy answer 503 when it cannot forward). ACKs are not answered.
+    pub fn unavailable(&self, forwarded: &[u8], out: &mut Vec<u8>) -> Action {
+        out.clear();
+        let Ok(msg) = sip::scan(forwarded) else {
+            return Action::Drop(DropReason::Malformed);
+        };
+        let mut resp = Vec::new();
+        match build_response(&msg, &Reply::service_unavailable(RETRY_AFTER_S), &mut resp) {
+            Ok(()) => {}
+            Err(RewriteError::AckNotAnswered) => return Action::Drop(DropReason::AckNotForwarded),
+            Err(_) => return Action::Drop(DropReason::Malformed),
+        }
+        let Ok(reply) = sip::scan(&resp) else {
+            return Action::Drop(DropReason::Malformed);
+        };
+        bump(&self.counters.replies_503);
+        self.response(&reply, out)
+    }
+
     /// Dialog affinity first (an established call stays on its member while it is UP or
     /// draining OUT_OF_SERVICE), else the vserver's method. The dialog is pinned to whatever
     /// was chosen.
@@ -620,6 +644,38 @@ mod tests {
         assert_eq!(c.counters.not_ours.load(Ordering::Relaxed), 1);
         assert_eq!(c.counters.loops.load(Ordering::Relaxed), 1);
         assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn a_forwarded_request_that_cannot_be_delivered_is_answered_503_to_its_sender() {
+        let c = core(false);
+        let mut fwd = Vec::new();
+        assert!(matches!(
+            handle(&c, &invite("u1", 70), CLIENT, &mut fwd),
+            Action::ToMember(_)
+        ));
+        let mut out = Vec::new();
+        // rport was requested: back to the source address and port (RFC 3581 §4).
+        assert_eq!(
+            c.unavailable(&fwd, &mut out),
+            Action::ToAddr(CLIENT.parse().expect("addr"))
+        );
+        let msg = crate::sip::scan(&out).expect("scan");
+        assert_eq!(msg.status_code(), Some(503));
+        assert!(msg.header(b"Retry-After").is_some());
+        assert_eq!(msg.vias().count(), 1, "fulcrum's Via is gone");
+        assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 1);
+        // An ACK is never answered.
+        let ack = invite("u2", 70).replace("INVITE", "ACK");
+        let mut fwd = Vec::new();
+        assert!(matches!(
+            handle(&c, &ack, CLIENT, &mut fwd),
+            Action::ToMember(_)
+        ));
+        assert_eq!(
+            c.unavailable(&fwd, &mut out),
+            Action::Drop(DropReason::AckNotForwarded)
+        );
     }
 
     #[test]

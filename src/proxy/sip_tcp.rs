@@ -72,7 +72,8 @@ pub struct TcpCounters {
     /// Requests moved to the next-ranked member after their member's connection failed or
     /// a reload removed it.
     pub requests_rerouted: AtomicU64,
-    /// Requests that found no member after their member's connection failed.
+    /// Requests that found no member after their member's connection failed (answered
+    /// 503 unless they were ACKs).
     pub requests_lost: AtomicU64,
     /// Service connection tasks that took their retirement in (a reload removed their
     /// member): queue handed back, nothing more written.
@@ -289,20 +290,25 @@ impl TcpShared {
 
     /// Send a request that could not go over `link` to the member the current core chooses
     /// now (a failed member is DOWN and a removed one absent, so the ranking passes it
-    /// over); counted and dropped if none.
+    /// over). With none, it is counted lost and its client gets fulcrum's 503.
     fn redispatch(&self, link: &ServiceLink, bytes: Bytes) {
         let g = self.current.load();
         let failed = g.index_of(link);
-        match g.core.rechoose(&bytes, link.addr, self.now()) {
-            Some(m) if Some(m) != failed => {
-                let sent = g.links.get(m).is_some_and(|l| l.tx.try_send(bytes).is_ok());
-                bump(if sent {
-                    &self.counters.requests_rerouted
-                } else {
-                    &self.counters.requests_lost
-                });
-            }
-            _ => bump(&self.counters.requests_lost),
+        let sent = match g.core.rechoose(&bytes, link.addr, self.now()) {
+            Some(m) if Some(m) != failed => g
+                .links
+                .get(m)
+                .is_some_and(|l| l.tx.try_send(bytes.clone()).is_ok()),
+            _ => false,
+        };
+        if sent {
+            bump(&self.counters.requests_rerouted);
+            return;
+        }
+        bump(&self.counters.requests_lost);
+        let mut out = Vec::new();
+        if let Action::ToConn(id) = g.core.unavailable(&bytes, &mut out) {
+            self.to_client(id, Bytes::from(out));
         }
     }
 
