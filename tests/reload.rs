@@ -346,7 +346,6 @@ fn sip_tcp_reload_removes_a_service_over_post_reload() {
     let r = router::handle(&ops, &Request::new("POST", "/reload"));
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(r.body.contains("vservers.v rebuilt"), "{}", r.body);
-    let s1_seen = uas[1].calls().len();
 
     // The removed service's connection still relays what it sends for a while: its BYE
     // for the call it carried reaches the client after the connection was retired.
@@ -371,6 +370,23 @@ fn sip_tcp_reload_removes_a_service_over_post_reload() {
     let msg = fulcrum::sip::scan(&got).expect("scan");
     assert_eq!(msg.method(), Some(&b"BYE"[..]));
     assert_eq!(msg.call_id(), Some(gone.as_bytes()));
+    // ... and the client's 200 to it reaches the removed service.
+    let mut ok = Vec::new();
+    let reply = fulcrum::sip::Reply {
+        code: 200,
+        reason: "OK",
+        retry_after_s: None,
+    };
+    fulcrum::sip::build_response(&msg, &reply, &mut ok).expect("200 to the BYE");
+    client.stream.write_all(&ok).expect("write 200");
+    assert!(
+        wait_until(ANSWER, || uas[1]
+            .methods_of(&gone)
+            .contains(&"200".to_owned())),
+        "{:?}",
+        uas[1].methods_of(&gone)
+    );
+    let s1_seen = uas[1].calls().len();
 
     for (c, &o) in calls.iter().zip(&owner_of) {
         assert_eq!(client.ask("INFO", c), Some(200), "{c}");

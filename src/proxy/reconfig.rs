@@ -27,8 +27,8 @@
 //! the vserver's [`crate::proxy::sip_tcp::TcpShared`] together with the service
 //! connections: kept members (same name and address) keep theirs, added members get a new
 //! one (connected on first use), removed members' connections are retired (queued requests
-//! go to the member the new core chooses, what the service still sends is relayed for a
-//! while). Per-service counters of kept members continue; the SIP counters of the core
+//! go to the member the new core chooses, what the service still sends and the clients'
+//! responses to it are relayed for a while). Per-service counters of kept members continue; the SIP counters of the core
 //! restart from zero, the transport counters (clients accepted, ...) continue.
 //!
 //! Slow-start progress is not carried over: members still new before the rebuild are part

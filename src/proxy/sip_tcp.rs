@@ -19,9 +19,10 @@
 //! reload keeps the client connections and the links of members that stay (same service
 //! name and address); members it adds get a new link, which connects on their first
 //! request. The link of a member it removes is retired: requests still queued for it are
-//! chosen again by the current core, nothing more is written to it, and its connection
-//! stays open for reading for [`RETIRED_DRAIN`] (responses to requests already written,
-//! the service's in-dialog requests) unless the service closes it first.
+//! chosen again by the current core, no new request is written to it, and its connection
+//! stays open for [`RETIRED_DRAIN`] (responses to requests already written, the service's
+//! in-dialog requests and the clients' responses to them) unless the service closes it
+//! first.
 
 use crate::balancer::Health;
 use crate::config::{Config, Vserver};
@@ -155,6 +156,9 @@ pub struct TcpShared {
     clients: DashMap<u64, Client>,
     /// Remote address → client connection id (the alias used for in-dialog requests).
     by_remote: DashMap<SocketAddr, u64>,
+    /// Service address → write queue of a retired link's connection while it drains, so a
+    /// client's response to that service's in-dialog request still reaches it.
+    draining: DashMap<SocketAddr, mpsc::Sender<Bytes>>,
     next_conn: AtomicU64,
     epoch: Instant,
     stop: Arc<AtomicBool>,
@@ -358,6 +362,9 @@ impl TcpShared {
                 if let Some(m) = g.core.member_of(addr) {
                     // A client's response to a service's in-dialog request.
                     self.to_service(g, m, bytes());
+                } else if let Some(tx) = self.draining.get(&addr).map(|t| t.clone()) {
+                    // The same, toward a service a reload removed (its connection drains).
+                    let _ = tx.try_send(bytes());
                 } else if let Some(id) = self.by_remote.get(&addr).map(|v| *v) {
                     self.to_client(id, bytes());
                 } else if matches!(origin, Origin::Member(_)) {
@@ -601,6 +608,7 @@ async fn service_loop(
         let (read, mut write) = stream.into_split();
         // Replies fulcrum makes to a service's request go back on this connection.
         let (reply_tx, mut reply_rx) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
+        let drain_tx = reply_tx.clone();
         let reader_shared = Arc::clone(&shared);
         // The core reads a member origin only to tell a service from a client, so the index
         // at connect time serves for the life of the connection.
@@ -641,7 +649,9 @@ async fn service_loop(
             shared.redispatch_queued(&link, None, &mut rx);
             bump(&shared.counters.services_retired);
             // What the service still sends (responses to requests already written, its
-            // in-dialog requests) is relayed for a while; nothing new is written to it.
+            // in-dialog requests) is relayed for a while, and clients' responses to those
+            // requests reach it; nothing new is written to it.
+            shared.draining.insert(addr, drain_tx.clone());
             let drain = async {
                 loop {
                     tokio::select! {
@@ -655,6 +665,9 @@ async fn service_loop(
                 }
             };
             let _ = tokio::time::timeout(RETIRED_DRAIN, drain).await;
+            shared
+                .draining
+                .remove_if(&addr, |_, tx| tx.same_channel(&drain_tx));
             reader.abort();
             let _ = write.shutdown().await;
             tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
@@ -703,6 +716,7 @@ pub fn start(
         counters: TcpCounters::default(),
         clients: DashMap::new(),
         by_remote: DashMap::new(),
+        draining: DashMap::new(),
         next_conn: AtomicU64::new(1),
         epoch: ctx.epoch,
         stop: Arc::clone(ctx.stop),

@@ -68,8 +68,9 @@ pub fn read_message(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>
     }
 }
 
-/// A TCP UAS: answers every request but ACK with 200, records (Call-ID, method), and can
-/// send a request back on the connection fulcrum opened.
+/// A TCP UAS: answers every request but ACK with 200, records (Call-ID, method) of
+/// requests and (Call-ID, status code) of responses, and can send a request back on the
+/// connection fulcrum opened.
 pub struct TcpUas {
     pub addr: SocketAddr,
     seen: Arc<Mutex<Vec<(String, String)>>>,
@@ -105,13 +106,16 @@ impl TcpUas {
                             Next::Closed => return,
                         };
                         let Ok(msg) = sip::scan(&bytes) else { continue };
+                        let cid =
+                            String::from_utf8_lossy(msg.call_id().unwrap_or(b"")).into_owned();
                         if !msg.is_request() {
+                            // Responses to its own requests are recorded by status code.
+                            let code = msg.status_code().map_or(0, u32::from);
+                            seen3.lock().expect("lock").push((cid, code.to_string()));
                             continue;
                         }
                         let method =
                             String::from_utf8_lossy(msg.method().unwrap_or(b"")).into_owned();
-                        let cid =
-                            String::from_utf8_lossy(msg.call_id().unwrap_or(b"")).into_owned();
                         seen3.lock().expect("lock").push((cid, method));
                         let mut out = Vec::new();
                         let ok = Reply {
@@ -134,12 +138,12 @@ impl TcpUas {
         }
     }
 
-    /// Every request seen so far: (Call-ID, method).
+    /// Every message seen so far: (Call-ID, method or status code).
     pub fn calls(&self) -> Vec<(String, String)> {
         self.seen.lock().expect("lock").clone()
     }
 
-    /// The methods seen for one Call-ID, in order.
+    /// The methods (and status codes) seen for one Call-ID, in order.
     pub fn methods_of(&self, call_id: &str) -> Vec<String> {
         self.calls()
             .into_iter()
