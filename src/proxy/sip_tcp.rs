@@ -574,8 +574,9 @@ async fn service_loop(
                         b.report_failure(m);
                         down = true;
                         // Checked against the current balancer: a reload may have built
-                        // one that starts this member UP again.
-                        if b.health(m) != Some(Health::Down) {
+                        // one that starts this member UP again. A member the operator
+                        // took OUT_OF_SERVICE stays so.
+                        if b.health(m) == Some(Health::Up) {
                             b.set_health(m, Health::Down, shared.now());
                             tracing::warn!(vserver = %shared.name, service = %addr, "cannot connect: service marked DOWN");
                         }
@@ -597,7 +598,9 @@ async fn service_loop(
         if down {
             down = false;
             let g = shared.current.load();
-            if let Some(m) = g.index_of(&link) {
+            if let Some(m) = g.index_of(&link)
+                && g.core.balancer().health(m) == Some(Health::Down)
+            {
                 g.core.balancer().set_health(m, Health::Up, shared.now());
                 tracing::info!(vserver = %shared.name, service = %addr, "connected again: service marked UP");
             }
