@@ -298,3 +298,67 @@ fn a_request_no_service_can_take_after_a_failed_connect_is_answered_503() {
     };
     assert_eq!(shared.counters.requests_lost.load(Ordering::Relaxed), 1);
 }
+
+#[test]
+fn a_service_that_does_not_read_fills_its_queue_and_clients_hear_503() {
+    // A "service" that accepts and never reads: fulcrum's writes stall, its queue fills.
+    let stuck = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let stuck_addr = stuck.local_addr().expect("addr");
+    let held = std::thread::spawn(move || stuck.accept().map(|(s, _)| s));
+    let y = format!(
+        "services:\n  - {{ name: stuck, address: {stuck_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [stuck] }}\n"
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let proxy = rt.vserver("v").expect("v").bound[0];
+    let shared = match &rt.vserver("v").expect("v").data {
+        fulcrum::proxy::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    };
+    let client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    let mut reader = client.try_clone().expect("clone");
+    // Read on a thread until the first 503 (bounded by the read timeout).
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        while let Some(m) = read_message(&mut reader, &mut buf) {
+            let code = sip::scan(&m).ok().and_then(|s| s.status_code());
+            if code == Some(503) {
+                let _ = tx.send(m);
+                return;
+            }
+        }
+    });
+    // Bounded: at most 100 000 requests or 30 s, stopping at the first 503.
+    let mut writer = client;
+    writer
+        .set_write_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut answer = None;
+    for n in 0..100_000u32 {
+        if Instant::now() > deadline {
+            break;
+        }
+        let req = request("OPTIONS", &format!("q-{n}@x"), local, &format!("q{n}"));
+        if writer.write_all(req.as_bytes()).is_err() {
+            break;
+        }
+        if n % 256 == 0
+            && let Ok(m) = rx.try_recv()
+        {
+            answer = Some(m);
+            break;
+        }
+    }
+    let answer = answer
+        .or_else(|| rx.recv_timeout(Duration::from_secs(5)).ok())
+        .expect("a 503 once the service queue is full");
+    let msg = sip::scan(&answer).expect("scan");
+    assert!(msg.header(b"Retry-After").is_some());
+    assert_eq!(msg.vias().count(), 1, "only the client's Via");
+    assert!(shared.counters.service_queue_full.load(Ordering::Relaxed) >= 1);
+    drop(rt);
+    drop(held);
+}

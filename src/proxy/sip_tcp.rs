@@ -310,8 +310,14 @@ impl TcpShared {
             return;
         }
         bump(&self.counters.requests_lost);
+        self.answer_unavailable(&g, &bytes);
+    }
+
+    /// Answer a forwarded request no service took with fulcrum's 503 on its client's
+    /// connection (nothing for ACK, see `SipCore::unavailable`).
+    fn answer_unavailable(&self, g: &Generation, forwarded: &[u8]) {
         let mut out = Vec::new();
-        if let Action::ToConn(id) = g.core.unavailable(&bytes, &mut out) {
+        if let Action::ToConn(id) = g.core.unavailable(forwarded, &mut out) {
             self.to_client(id, Bytes::from(out));
         }
     }
@@ -350,7 +356,11 @@ impl TcpShared {
         let bytes = || Bytes::copy_from_slice(out);
         match action {
             Action::ToMember(m) => {
-                self.to_service(g, m, bytes());
+                if !self.to_service(g, m, bytes()) {
+                    // The service's queue is full (it is not keeping up): the client hears
+                    // 503 + Retry-After now rather than waiting for a transaction timeout.
+                    self.answer_unavailable(g, out);
+                }
             }
             Action::ToConn(id) => {
                 if !self.to_client(id, bytes()) {
