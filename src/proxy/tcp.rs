@@ -216,7 +216,7 @@ pub fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
-    crate::proxy::fd_limit::raise_nofile_limit();
+    crate::proxy::fd_limit::check_capacity(&v.name, v.max_sessions, 2);
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
     let (listeners, bound) = bind_tcp(ctx, v)?;
     let cell: TcpCell = Arc::new(ArcSwap::new(Arc::clone(&core)));
