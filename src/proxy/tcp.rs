@@ -342,7 +342,12 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     live.member = counters;
     let _ = upstream.set_nodelay(true);
     // The PROXY header and the bytes already read go first, in one write.
-    let mut prefix = Vec::with_capacity(MAX_V2_LEN + first.len());
+    // No allocation when there is nothing to send first (the common plain-tcp case).
+    let mut prefix = if core.send_proxy || !first.is_empty() {
+        Vec::with_capacity(MAX_V2_LEN + first.len())
+    } else {
+        Vec::new()
+    };
     if core.send_proxy {
         let mut hdr = [0u8; MAX_V2_LEN];
         let n = proxy_protocol::encode_v2(peer, local, Transport::Stream, &mut hdr);
