@@ -57,7 +57,7 @@ kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
 sleep 1
 rss() { awk '/^VmRSS/{print $2}' /proc/$1/status; }
 r0=$(rss $FPID)
-"$LOAD" tcp-idle 127.0.0.1:$FU --sockets "$IDLE" > "$TMP/idle.out" 2>&1 & PIDS+=($!)
+"$LOAD" tcp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & PIDS+=($!)
 for _ in $(seq 1 300); do grep -q ready= "$TMP/idle.out" && break; sleep 0.1; done
 # Wait until fulcrum has connected every one upstream (its RSS stops growing).
 prev=0; for _ in $(seq 1 50); do r1=$(rss $FPID); [ "$r1" = "$prev" ] && break; prev=$r1; sleep 0.2; done

@@ -52,7 +52,7 @@ kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
 sleep 1
 rss() { awk '/^VmRSS/{print $2}' /proc/$1/status; }
 r0=$(rss $FPID)
-"$LOAD" udp-idle 127.0.0.1:$FU --sockets "$IDLE" > "$TMP/idle.out" 2>&1 & LPID=$!; PIDS+=($LPID)
+"$LOAD" udp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & LPID=$!; PIDS+=($LPID)
 for _ in $(seq 1 300); do grep -q ready= "$TMP/idle.out" && break; sleep 0.1; done
 r1=$(rss $FPID)
 echo "idle sessions: $(cat "$TMP/idle.out") rss_before_kib=$r0 rss_after_kib=$r1 per_session_bytes=$(( (r1 - r0) * 1024 / IDLE ))"

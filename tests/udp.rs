@@ -55,6 +55,44 @@ fn round_robin_spreads_sessions_and_relays_from_the_vserver_address() {
     assert_eq!(active, 30);
 }
 
+/// Many clients sending at once: more datagrams than one recvmmsg / sendmmsg batch and one
+/// wake-up budget. Every datagram is answered, from the vserver's address, each client's
+/// in order.
+#[test]
+fn bursts_larger_than_a_batch_are_all_relayed_in_order() {
+    let svc = services("udp", 3, "127.0.0.1");
+    let rt = start(&config(
+        "udp",
+        "127.0.0.1:0",
+        "round_robin",
+        "",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let clients: Vec<_> = (0..50).map(|_| udp_client("127.0.0.1")).collect();
+    for round in 0..4 {
+        for (i, c) in clients.iter().enumerate() {
+            c.send_to(format!("c{i}-{round}").as_bytes(), vs)
+                .expect("send");
+        }
+    }
+    let mut buf = vec![0u8; 65_536];
+    for (i, c) in clients.iter().enumerate() {
+        for round in 0..4 {
+            let (n, from) = c.recv_from(&mut buf).expect("answer");
+            assert_eq!(from, vs);
+            let a = parse_answer(&buf[..n]).expect("answer format");
+            assert_eq!(a.body, format!("c{i}-{round}").as_bytes());
+        }
+    }
+    let core = udp_core(&rt, "v");
+    assert_eq!(core.counters.datagrams_in.load(Ordering::Relaxed), 200);
+    assert!(wait_until(ANSWER, || {
+        core.counters.datagrams_out.load(Ordering::Relaxed) == 200
+    }));
+    assert_eq!(core.sessions(), 50);
+}
+
 #[test]
 fn a_session_keeps_its_service_and_counts_traffic() {
     let svc = services("udp", 3, "127.0.0.1");

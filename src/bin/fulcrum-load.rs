@@ -5,10 +5,15 @@
 //! source hashing spreads them); prints `rps= p50_us= p90_us= p99_us= p999_us= max_us= lost=`.
 //! A datagram not answered within 200 ms counts as lost and the socket sends again.
 //!
-//! `fulcrum-load udp-idle TARGET --sockets N`: opens N flows (one datagram each, answered),
-//! prints `ready=N`, then holds them until killed (idle-session memory measurement).
+//! `fulcrum-load udp-idle TARGET --sockets N --secs S`: opens N flows (one datagram each,
+//! answered), prints `ready=N`, then holds them for S seconds or until killed (idle-session
+//! memory measurement).
 //!
-//! `fulcrum-load tcp-idle TARGET --sockets N`: the same with N idle TCP connections.
+//! `fulcrum-load tcp-idle TARGET --sockets N --secs S`: the same with N idle TCP connections.
+//!
+//! `fulcrum-load tcp-sink ADDR --sockets N --secs S`: a service that accepts up to N
+//! connections on ADDR and holds them, never reading, for S seconds (the backend of the
+//! idle-connection measurement: unlike an HTTP server it never times an idle client out).
 
 use mio::net::UdpSocket;
 use mio::{Events, Interest, Poll, Token};
@@ -16,6 +21,12 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 const LOSS_TIMEOUT: Duration = Duration::from_millis(200);
+
+/// Source port of the idle modes' flows: every flow has an address of its own, so they can
+/// all share one port, chosen below the ephemeral range so that the flows leave every
+/// ephemeral port to the proxy's upstream sockets (a UDP socket's port is chosen before it
+/// has an address, so it may not collide with a port any local socket holds).
+const IDLE_PORT: u16 = 29_999;
 
 struct Args {
     mode: String,
@@ -30,7 +41,7 @@ fn parse() -> Result<Args, String> {
     let mut it = std::env::args().skip(1);
     let mode = it
         .next()
-        .ok_or("usage: fulcrum-load udp|udp-idle TARGET [options]")?;
+        .ok_or("usage: fulcrum-load udp|udp-idle|tcp-idle|tcp-sink TARGET [options]")?;
     let target = it
         .next()
         .ok_or("missing TARGET")?
@@ -67,11 +78,11 @@ fn source_ip(i: usize) -> IpAddr {
     ))
 }
 
-fn open(n: usize, target: SocketAddr, poll: &Poll) -> std::io::Result<Vec<UdpSocket>> {
-    fulcrum::proxy::fd_limit::raise_nofile_limit();
+fn open(n: usize, target: SocketAddr, port: u16, poll: &Poll) -> std::io::Result<Vec<UdpSocket>> {
+    let _ = fulcrum::proxy::fd_limit::raise_nofile_limit();
     let mut v = Vec::with_capacity(n);
     for i in 0..n {
-        let mut s = UdpSocket::bind(SocketAddr::new(source_ip(i), 0))?;
+        let mut s = UdpSocket::bind(SocketAddr::new(source_ip(i), port))?;
         s.connect(target)?;
         poll.registry()
             .register(&mut s, Token(i), Interest::READABLE)?;
@@ -95,27 +106,60 @@ fn main() {
 }
 
 /// Open `n` TCP connections to `target` and hold them (idle-connection memory).
-fn tcp_idle(target: SocketAddr, n: usize) -> std::io::Result<()> {
-    fulcrum::proxy::fd_limit::raise_nofile_limit();
+fn tcp_idle(target: SocketAddr, n: usize, secs: u64) -> std::io::Result<()> {
+    let _ = fulcrum::proxy::fd_limit::raise_nofile_limit();
     let mut held = Vec::with_capacity(n);
     for i in 0..n {
         let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
-        s.bind(&SocketAddr::new(source_ip(i), 0).into())?;
+        s.bind(&SocketAddr::new(source_ip(i), IDLE_PORT).into())?;
         s.connect(&target.into())?;
         held.push(s);
     }
     println!("ready={}", held.len());
-    loop {
-        std::thread::sleep(Duration::from_secs(3600));
+    hold(secs);
+    Ok(())
+}
+
+/// Keep the flows open for `secs` seconds (stdout flushed first: the caller waits for it).
+fn hold(secs: u64) {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    std::thread::sleep(Duration::from_secs(secs));
+}
+
+/// Accept up to `n` connections on `addr` and hold them until `secs` have passed.
+fn tcp_sink(addr: SocketAddr, n: usize, secs: u64) -> std::io::Result<()> {
+    let _ = fulcrum::proxy::fd_limit::raise_nofile_limit();
+    let l = std::net::TcpListener::bind(addr)?;
+    l.set_nonblocking(true)?;
+    let end = Instant::now() + Duration::from_secs(secs);
+    let mut held = Vec::with_capacity(n);
+    while Instant::now() < end {
+        match l.accept() {
+            Ok((s, _)) if held.len() < n => held.push(s),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => {
+                eprintln!("fulcrum-load: accept: {e}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
     }
+    println!("held={}", held.len());
+    Ok(())
 }
 
 fn run(a: &Args) -> std::io::Result<()> {
-    if a.mode == "tcp-idle" {
-        return tcp_idle(a.target, a.sockets);
+    match a.mode.as_str() {
+        "tcp-idle" => return tcp_idle(a.target, a.sockets, a.secs),
+        "tcp-sink" => return tcp_sink(a.target, a.sockets, a.secs),
+        _ => {}
     }
     let mut poll = Poll::new()?;
-    let socks = open(a.sockets, a.target, &poll)?;
+    let port = if a.mode == "udp-idle" { IDLE_PORT } else { 0 };
+    let socks = open(a.sockets, a.target, port, &poll)?;
     let mut events = Events::with_capacity(1024);
     let start = Instant::now();
     let mut buf = vec![0u8; 65_536];
@@ -158,9 +202,8 @@ fn run(a: &Args) -> std::io::Result<()> {
             }
         }
         println!("ready={n}");
-        loop {
-            std::thread::sleep(Duration::from_secs(3600));
-        }
+        hold(a.secs);
+        return Ok(());
     }
     let measure_from = start + Duration::from_secs(a.warmup);
     let end = measure_from + Duration::from_secs(a.secs);

@@ -23,13 +23,16 @@ use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, TcpCell, VserverHa
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
 use arc_swap::ArcSwap;
+use nix::sys::socket::{MsgFlags, recv};
 use socket2::SockRef;
 use std::cell::RefCell;
 use std::io;
 use std::net::{Shutdown, SocketAddr};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
+use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 /// How long a connect to a service may take before the next member is tried. Short: a
@@ -160,6 +163,12 @@ impl TcpCore {
         self.live.load(Ordering::Relaxed)
     }
 
+    /// True when a connection's local address matters: the key uses it (`dest_ip_hash`,
+    /// `source_dest_ip_hash`) or a PROXY header carries it.
+    pub fn needs_local(&self) -> bool {
+        self.send_proxy || matches!(self.method, Method::DestIpHash | Method::SourceDestIpHash)
+    }
+
     /// What must be read before choosing.
     pub fn first_bytes_needed(&self) -> FirstBytes {
         self.first
@@ -216,7 +225,7 @@ pub fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
-    crate::proxy::fd_limit::raise_nofile_limit();
+    crate::proxy::fd_limit::check_capacity(&v.name, v.max_sessions, 2);
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
     let (listeners, bound) = bind_tcp(ctx, v)?;
     let cell: TcpCell = Arc::new(ArcSwap::new(Arc::clone(&core)));
@@ -297,12 +306,18 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
         core: &core,
         member: None,
     };
-    let local = match client.local_addr() {
-        Ok(a) => a,
-        Err(_) => {
-            bump(&core.counters.client_errors);
-            return;
+    // The local address costs a system call: asked only when the key or a PROXY header
+    // uses it (the placeholder is never read otherwise, see `needs_local`).
+    let local = if core.needs_local() {
+        match client.local_addr() {
+            Ok(a) => a,
+            Err(_) => {
+                bump(&core.counters.client_errors);
+                return;
+            }
         }
+    } else {
+        SocketAddr::from(([0, 0, 0, 0], 0))
     };
     let _ = client.set_nodelay(true);
     let first = match read_first(&core, &client).await {
@@ -327,7 +342,12 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     live.member = counters;
     let _ = upstream.set_nodelay(true);
     // The PROXY header and the bytes already read go first, in one write.
-    let mut prefix = Vec::with_capacity(MAX_V2_LEN + first.len());
+    // No allocation when there is nothing to send first (the common plain-tcp case).
+    let mut prefix = if core.send_proxy || !first.is_empty() {
+        Vec::with_capacity(MAX_V2_LEN + first.len())
+    } else {
+        Vec::new()
+    };
     if core.send_proxy {
         let mut hdr = [0u8; MAX_V2_LEN];
         let n = proxy_protocol::encode_v2(peer, local, Transport::Stream, &mut hdr);
@@ -469,8 +489,9 @@ async fn relay(
     counters: Option<&ServiceCounters>,
 ) {
     let last = AtomicU64::new(core.now());
-    let inbound = pump(core, client, upstream, &last, counters, true);
-    let outbound = pump(core, upstream, client, &last, counters, false);
+    let ended = AtomicBool::new(false);
+    let inbound = pump(core, client, upstream, &last, &ended, counters, true);
+    let outbound = pump(core, upstream, client, &last, &ended, counters, false);
     tokio::select! {
         r = async { tokio::try_join!(inbound, outbound) } => {
             if let Err(side) = r {
@@ -500,6 +521,28 @@ async fn idle_watch(core: &TcpCore, last: &AtomicU64) {
     }
 }
 
+/// Read what `from` has into `buf`. A short read (fewer bytes than `buf` holds) emptied the
+/// socket's receive queue, so its readiness is cleared right away instead of by one more
+/// `recv` that would only return EAGAIN (two system calls per message become one). The
+/// readiness cleared is the one seen before the read: data arriving after the read raises a
+/// new readiness event, which tokio keeps, so no wake-up is lost.
+fn read_draining(from: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {
+    let mut got = None;
+    let r = from.try_io(Interest::READABLE, || {
+        let n = recv(from.as_raw_fd(), buf, MsgFlags::empty()).map_err(io::Error::from)?;
+        got = Some(n);
+        if n > 0 && n < buf.len() {
+            Err(io::ErrorKind::WouldBlock.into())
+        } else {
+            Ok(n)
+        }
+    });
+    match (r, got) {
+        (Err(e), Some(n)) if e.kind() == io::ErrorKind::WouldBlock => Ok(n),
+        (r, _) => r,
+    }
+}
+
 enum Step {
     Eof,
     Sent(usize),
@@ -514,6 +557,7 @@ async fn pump(
     from: &TcpStream,
     to: &TcpStream,
     last: &AtomicU64,
+    ended: &AtomicBool,
     counters: Option<&ServiceCounters>,
     inbound: bool,
 ) -> Result<(), Side> {
@@ -524,9 +568,21 @@ async fn pump(
     };
     loop {
         from.readable().await.map_err(|_| from_side)?;
-        let step = SCRATCH.with_borrow_mut(|buf| match from.try_read(buf) {
-            Ok(0) => Ok(Step::Eof),
-            Ok(n) => match to.try_write(&buf[..n]) {
+        let step = SCRATCH.with_borrow_mut(|buf| {
+            let n = match read_draining(from, buf) {
+                Ok(0) => return Ok(Step::Eof),
+                Ok(n) => n,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+                    ) =>
+                {
+                    return Ok(Step::Again);
+                }
+                Err(_) => return Err(from_side),
+            };
+            match to.try_write(&buf[..n]) {
                 Ok(w) if w == n => Ok(Step::Sent(n)),
                 // Only now, with a slow peer, does the connection hold bytes of its own.
                 Ok(w) => Ok(Step::Pending(n, buf[w..n].to_vec())),
@@ -534,15 +590,18 @@ async fn pump(
                     Ok(Step::Pending(n, buf[..n].to_vec()))
                 }
                 Err(_) => Err(to_side),
-            },
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(Step::Again),
-            Err(_) => Err(from_side),
+            }
         })?;
         let n = match step {
             Step::Again => continue,
             Step::Eof => {
                 // NotConnected: the peer is already gone; nothing left to tell it.
-                let _ = SockRef::from(to).shutdown(Shutdown::Write);
+                // The first direction to end passes the half-close on; when the other one
+                // has already ended, both sockets are closed right after, and the close
+                // sends the FIN (every byte received has been read: no reset).
+                if !ended.swap(true, Ordering::AcqRel) {
+                    let _ = SockRef::from(to).shutdown(Shutdown::Write);
+                }
                 return Ok(());
             }
             Step::Sent(n) => n,
@@ -609,6 +668,49 @@ vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], method
             h.is_first_complete(b"\x16\x03\x01garbage"),
             "never HTTP: stop reading"
         );
+    }
+
+    #[test]
+    fn the_local_address_is_skipped_only_where_no_key_reads_it() {
+        let (c, l1, l2) = (
+            addr("10.0.0.1:4000"),
+            addr("10.0.0.2:80"),
+            addr("0.0.0.0:0"),
+        );
+        let mut checked = 0;
+        for (name, method) in Method::ALL {
+            for protocol in ["tcp", "http"] {
+                let extra = if method == Method::Token {
+                    ", token: { offset: 0, length: 2 }"
+                } else {
+                    ""
+                };
+                let yaml = format!(
+                    "admin: {{ listen: null }}\nservices:\n\
+  - {{ name: a, address: \"127.0.0.1:7001\", protocol: tcp }}\n\
+vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], method: {name}, services: [a]{extra} }}\n"
+                );
+                // Methods a tcp / http vserver does not accept (call_id_hash) are skipped.
+                let Ok(cfg) = crate::config::from_str("t.yaml", &yaml) else {
+                    continue;
+                };
+                let t = TcpCore::new(&cfg, &cfg.vservers[0], Instant::now());
+                checked += 1;
+                let first = b"GET /x HTTP/1.1\r\nHost: h\r\n\r\n";
+                if !t.needs_local() {
+                    assert_eq!(
+                        t.key_input(first, c, l1),
+                        t.key_input(first, c, l2),
+                        "{protocol} {name} reads the local address"
+                    );
+                }
+            }
+        }
+        assert!(checked >= 26, "only {checked} method/protocol pairs built");
+        assert!(core("tcp", "dest_ip_hash", "").needs_local());
+        assert!(core("tcp", "source_dest_ip_hash", "").needs_local());
+        assert!(core("tcp", "round_robin", ", send_proxy: v2").needs_local());
+        assert!(!core("tcp", "source_ip_hash", "").needs_local());
     }
 
     #[test]

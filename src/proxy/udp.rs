@@ -12,8 +12,11 @@
 //! worker owning one SO_REUSEPORT socket per bind address and a mio poll over those and its
 //! sessions' upstream sockets. The kernel keeps a client's flow on one worker socket, so a
 //! worker's table needs no lock; the `max_sessions` bound is shared through one atomic.
-//! One receive buffer per worker: an idle session costs its table entry and a socket, no
-//! buffer.
+//! Datagrams move in batches: a worker takes up to [`BATCH`] client datagrams per
+//! recvmmsg, reads a session's replies with one recvmmsg (a short count means the socket is
+//! drained, so no extra call to see EAGAIN), and sends the replies of one wake-up with one
+//! sendmmsg per listener and source address. The receive and reply buffers belong to the
+//! worker: an idle session costs its table entry and a socket, no buffer.
 
 use crate::balancer::{Balancer, Health, KeyInput};
 use crate::config::{Config, HashParams, Method, ProxyProtocol, TokenRule, Vserver};
@@ -29,8 +32,8 @@ use arc_swap::ArcSwap;
 use mio::net::UdpSocket as MioUdp;
 use mio::{Events, Interest, Poll, Token};
 use nix::sys::socket::{
-    ControlMessage, ControlMessageOwned, MsgFlags, SockaddrStorage, recvmsg, sendmsg, setsockopt,
-    sockopt,
+    ControlMessage, ControlMessageOwned, MsgFlags, MultiHeaders, SockaddrStorage, recvmmsg,
+    sendmmsg, setsockopt, sockopt,
 };
 use socket2::{Domain, Socket, Type};
 use std::io::{self, IoSlice, IoSliceMut};
@@ -46,6 +49,13 @@ const MAX_DATAGRAM: usize = 65_527;
 /// Datagrams handled per socket per wake-up before the others get a turn (one busy
 /// client must not starve the replies of every other session).
 const BUDGET: usize = 64;
+
+/// Datagrams moved per recvmmsg / sendmmsg call (and replies held before a send).
+const BATCH: usize = 32;
+
+/// One receive slot: room for a PROXY header written in front of the payload, so the
+/// header and the payload leave in one send without copying the payload.
+const SLOT: usize = MAX_V2_LEN + MAX_DATAGRAM;
 
 /// How often a worker checks for shutdown when idle.
 const POLL: Duration = Duration::from_millis(100);
@@ -272,7 +282,7 @@ pub fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
-    crate::proxy::fd_limit::raise_nofile_limit();
+    crate::proxy::fd_limit::check_capacity(&v.name, v.max_sessions, 1);
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_udp(v, workers)?;
     let core = Arc::new(UdpCore::new(config, v));
@@ -313,6 +323,45 @@ struct Listener {
     /// Bound to a wildcard: the local address of each datagram comes from IP_PKTINFO /
     /// IPV6_PKTINFO, and replies name it as their source.
     pktinfo: bool,
+    /// recvmmsg headers (with room for the packet info when `pktinfo`).
+    rx: MultiHeaders<SockaddrStorage>,
+    /// sendmmsg headers without control data.
+    tx_plain: MultiHeaders<SockaddrStorage>,
+    /// sendmmsg headers with room for exactly one packet info of the listener's family
+    /// (`pktinfo` listeners only). Every send through them carries one.
+    tx_pktinfo: Option<MultiHeaders<SockaddrStorage>>,
+}
+
+/// recvmmsg headers for a listener: with room for one packet info of its family if it asks
+/// for them.
+fn rx_headers(bound: SocketAddr, pktinfo: bool) -> MultiHeaders<SockaddrStorage> {
+    MultiHeaders::preallocate(BATCH, pktinfo.then(|| pktinfo_space(bound)))
+}
+
+fn pktinfo_space(bound: SocketAddr) -> Vec<u8> {
+    if bound.is_ipv4() {
+        nix::cmsg_space!(nix::libc::in_pktinfo)
+    } else {
+        nix::cmsg_space!(nix::libc::in6_pktinfo)
+    }
+}
+
+/// A client datagram waiting in its receive slot (`None` client: no usable source address).
+#[derive(Debug, Clone, Copy)]
+struct Inbound {
+    len: usize,
+    client: Option<SocketAddr>,
+    local: SocketAddr,
+}
+
+/// A service's reply waiting in reply slot `slot` for the worker's next sendmmsg.
+#[derive(Debug, Clone, Copy)]
+struct Reply {
+    listener: u16,
+    local: SocketAddr,
+    client: SocketAddr,
+    slot: usize,
+    len: usize,
 }
 
 /// The IO state of one worker.
@@ -323,10 +372,16 @@ struct Worker {
     poll: Poll,
     listeners: Vec<Listener>,
     table: SessionTable<MioUdp>,
-    /// The one receive buffer of the worker; the first `MAX_V2_LEN` bytes are room for a
-    /// PROXY header written in front of the payload without copying it.
-    buf: Vec<u8>,
-    cmsg: Vec<u8>,
+    /// `BATCH` receive slots of `SLOT` bytes for client datagrams (pages are touched only
+    /// as far as datagrams fill them).
+    rx_buf: Vec<u8>,
+    /// What the last recvmmsg on a listener put in each receive slot.
+    inbound: Vec<Inbound>,
+    /// `BATCH` reply slots of `MAX_DATAGRAM` bytes, and the replies waiting in them.
+    reply_buf: Vec<u8>,
+    replies: Vec<Reply>,
+    /// recvmmsg headers for session sockets (connected: the address is not used).
+    session_rx: MultiHeaders<SockaddrStorage>,
     /// Sockets not drained in their last turn (edge-triggered readiness will not repeat).
     again: Vec<Token>,
     ready: Vec<Token>,
@@ -344,7 +399,7 @@ pub fn run_worker(socks: Vec<UdpSocket>, cell: UdpCell, epoch: Instant, stop: Ar
         }
     };
     let mut listeners = Vec::new();
-    for (i, s) in socks.into_iter().enumerate() {
+    for s in socks {
         let bound = match s.local_addr() {
             Ok(a) => a,
             Err(e) => {
@@ -368,9 +423,10 @@ pub fn run_worker(socks: Vec<UdpSocket>, cell: UdpCell, epoch: Instant, stop: Ar
             }
         }
         let mut sock = MioUdp::from_std(s);
-        if let Err(e) = poll
-            .registry()
-            .register(&mut sock, Token(i), Interest::READABLE)
+        // The token is the listener's index (a socket that failed to register is skipped).
+        if let Err(e) =
+            poll.registry()
+                .register(&mut sock, Token(listeners.len()), Interest::READABLE)
         {
             tracing::error!(vserver = %core.name, error = %e, "cannot register socket");
             continue;
@@ -379,6 +435,10 @@ pub fn run_worker(socks: Vec<UdpSocket>, cell: UdpCell, epoch: Instant, stop: Ar
             sock,
             bound,
             pktinfo,
+            rx: rx_headers(bound, pktinfo),
+            tx_plain: MultiHeaders::preallocate(BATCH, None),
+            tx_pktinfo: pktinfo
+                .then(|| MultiHeaders::preallocate(BATCH, Some(pktinfo_space(bound)))),
         });
     }
     let mut w = Worker {
@@ -387,8 +447,11 @@ pub fn run_worker(socks: Vec<UdpSocket>, cell: UdpCell, epoch: Instant, stop: Ar
         core,
         poll,
         listeners,
-        buf: vec![0u8; MAX_V2_LEN + MAX_DATAGRAM],
-        cmsg: nix::cmsg_space!(nix::libc::in6_pktinfo),
+        rx_buf: vec![0u8; BATCH * SLOT],
+        inbound: Vec::with_capacity(BATCH),
+        reply_buf: vec![0u8; BATCH * MAX_DATAGRAM],
+        replies: Vec::with_capacity(BATCH),
+        session_rx: MultiHeaders::preallocate(BATCH, None),
         again: Vec::new(),
         ready: Vec::with_capacity(1024),
         log: LogLimiter::default(),
@@ -468,6 +531,7 @@ impl Worker {
                 }
             }
             self.ready = ready;
+            self.flush_replies(now);
             if now >= next_sweep {
                 self.sweep(now);
                 next_sweep = now.saturating_add(sweep_every);
@@ -490,63 +554,77 @@ impl Worker {
             .fetch_add(n as u64, Ordering::Relaxed);
     }
 
-    /// Receive one datagram on listener `li` into `buf[MAX_V2_LEN..]`: (length, client,
-    /// local address it was sent to).
-    fn recv_client(&mut self, li: usize) -> io::Result<(usize, SocketAddr, SocketAddr)> {
-        let l = &self.listeners[li];
-        let payload = &mut self.buf[MAX_V2_LEN..];
-        if !l.pktinfo {
-            let (n, src) = l.sock.recv_from(payload)?;
-            return Ok((n, src, l.bound));
-        }
-        let mut iov = [IoSliceMut::new(payload)];
-        let msg = recvmsg::<SockaddrStorage>(
-            l.sock.as_raw_fd(),
-            &mut iov,
-            Some(&mut self.cmsg),
-            MsgFlags::empty(),
-        )
-        .map_err(io::Error::from)?;
-        let mut local = l.bound;
-        if let Ok(cmsgs) = msg.cmsgs() {
-            for c in cmsgs {
-                match c {
-                    ControlMessageOwned::Ipv4PacketInfo(pi) => {
-                        let ip = Ipv4Addr::from(u32::from_be(pi.ipi_addr.s_addr));
-                        local = SocketAddr::new(IpAddr::V4(ip), l.bound.port());
+    /// Receive up to `BATCH` datagrams on listener `li` into the receive slots, described
+    /// in `inbound`; how many came.
+    fn recv_clients(&mut self, li: usize) -> io::Result<usize> {
+        let Worker {
+            listeners,
+            rx_buf,
+            inbound,
+            ..
+        } = self;
+        inbound.clear();
+        let Some(l) = listeners.get_mut(li) else {
+            return Ok(0);
+        };
+        let fd = l.sock.as_raw_fd();
+        let mut slots = rx_buf.chunks_exact_mut(SLOT);
+        let mut iovs: [[IoSliceMut<'_>; 1]; BATCH] = std::array::from_fn(|_| {
+            [IoSliceMut::new(
+                slots
+                    .next()
+                    .map(|s| &mut s[MAX_V2_LEN..])
+                    .unwrap_or_default(),
+            )]
+        });
+        let got = recvmmsg(fd, &mut l.rx, iovs.iter_mut(), MsgFlags::MSG_DONTWAIT, None)
+            .map_err(io::Error::from)?;
+        let mut pktinfo_lost = false;
+        for msg in got {
+            let mut local = l.bound;
+            let mut seen = false;
+            if let Ok(cmsgs) = msg.cmsgs() {
+                for c in cmsgs {
+                    match c {
+                        ControlMessageOwned::Ipv4PacketInfo(pi) => {
+                            let ip = Ipv4Addr::from(u32::from_be(pi.ipi_addr.s_addr));
+                            local = SocketAddr::new(IpAddr::V4(ip), l.bound.port());
+                            seen = true;
+                        }
+                        ControlMessageOwned::Ipv6PacketInfo(pi) => {
+                            let ip = Ipv6Addr::from(pi.ipi6_addr.s6_addr);
+                            local = SocketAddr::new(IpAddr::V6(ip), l.bound.port());
+                            seen = true;
+                        }
+                        _ => {}
                     }
-                    ControlMessageOwned::Ipv6PacketInfo(pi) => {
-                        let ip = Ipv6Addr::from(pi.ipi6_addr.s6_addr);
-                        local = SocketAddr::new(IpAddr::V6(ip), l.bound.port());
-                    }
-                    _ => {}
                 }
             }
+            pktinfo_lost |= l.pktinfo && !seen;
+            inbound.push(Inbound {
+                len: msg.bytes,
+                client: msg.address.as_ref().and_then(socket_addr),
+                local,
+            });
         }
-        let src = msg
-            .address
-            .and_then(|a: SockaddrStorage| {
-                a.as_sockaddr_in()
-                    .map(|v4| SocketAddr::V4((*v4).into()))
-                    .or_else(|| a.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into())))
-            })
-            .ok_or_else(|| {
-                io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "datagram without source address",
-                )
-            })?;
-        Ok((msg.bytes, src, local))
+        // The kernel writes each header's control length back; one that came without a
+        // packet info would leave no room for the next: start the headers afresh.
+        if pktinfo_lost {
+            l.rx = rx_headers(l.bound, l.pktinfo);
+        }
+        Ok(inbound.len())
     }
 
     /// Drain listener `li`; false when the budget ran out first.
     fn drain_clients(&mut self, li: usize, now: Nanos) -> bool {
-        for _ in 0..BUDGET {
-            let (n, client, local) = match self.recv_client(li) {
-                Ok(r) => r,
+        let mut handled = 0;
+        while handled < BUDGET {
+            let n = match self.recv_clients(li) {
+                Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
+                    handled += 1;
                     bump(&self.core.counters.recv_errors);
                     if self.log.allow(now) {
                         tracing::warn!(vserver = %self.core.name, error = %e, "receive failed");
@@ -554,25 +632,44 @@ impl Worker {
                     continue;
                 }
             };
-            bump(&self.core.counters.datagrams_in);
-            self.core
-                .counters
-                .bytes_in
-                .fetch_add(n as u64, Ordering::Relaxed);
-            self.client_datagram(li, n, client, local, now);
+            for k in 0..n {
+                let Some(&Inbound { len, client, local }) = self.inbound.get(k) else {
+                    break;
+                };
+                let Some(client) = client else {
+                    bump(&self.core.counters.recv_errors);
+                    continue;
+                };
+                bump(&self.core.counters.datagrams_in);
+                self.core
+                    .counters
+                    .bytes_in
+                    .fetch_add(len as u64, Ordering::Relaxed);
+                self.client_datagram(li, k, len, client, local, now);
+            }
+            handled += n;
+            // A short batch: the queue was empty (a later datagram raises a new edge).
+            if n < BATCH {
+                return true;
+            }
         }
         false
     }
 
+    /// Relay the client datagram of `n` bytes in receive slot `k`.
     fn client_datagram(
         &mut self,
         li: usize,
+        k: usize,
         n: usize,
         client: SocketAddr,
         local: SocketAddr,
         now: Nanos,
     ) {
-        let payload = &self.buf[MAX_V2_LEN..MAX_V2_LEN + n];
+        let base = k * SLOT;
+        let Some(payload) = self.rx_buf.get(base + MAX_V2_LEN..base + MAX_V2_LEN + n) else {
+            return;
+        };
         let id = match self.core.decide(&self.table, payload, client, local, now) {
             Decision::Existing(id) => id,
             Decision::NoService => {
@@ -604,13 +701,13 @@ impl Worker {
         let start = if self.core.send_proxy {
             let mut hdr = [0u8; MAX_V2_LEN];
             let h = proxy_protocol::encode_v2(client, local, Transport::Datagram, &mut hdr);
-            let start = MAX_V2_LEN - h;
-            self.buf[start..MAX_V2_LEN].copy_from_slice(&hdr[..h]);
+            let start = base + MAX_V2_LEN - h;
+            self.rx_buf[start..base + MAX_V2_LEN].copy_from_slice(&hdr[..h]);
             start
         } else {
-            MAX_V2_LEN
+            base + MAX_V2_LEN
         };
-        match s.resource.send(&self.buf[start..MAX_V2_LEN + n]) {
+        match s.resource.send(&self.rx_buf[start..base + MAX_V2_LEN + n]) {
             Ok(_) => {
                 self.table.touch(id, n, true, now);
                 if let Some(c) = self.core.balancer.counters(member) {
@@ -688,52 +785,166 @@ impl Worker {
         Some(id)
     }
 
-    /// Drain the upstream socket of session `id`; false when the budget ran out first.
+    /// Drain the upstream socket of session `id` into reply slots (sent by the next
+    /// [`Worker::flush_replies`]); false when the budget ran out first.
     fn drain_service(&mut self, id: SessionId, now: Nanos) -> bool {
-        for _ in 0..BUDGET {
+        let mut handled = 0;
+        while handled < BUDGET {
+            if self.replies.len() >= BATCH {
+                self.flush_replies(now);
+            }
             let Some(s) = self.table.get(id) else {
                 return true;
             };
-            let n = match s.resource.recv(&mut self.buf) {
-                Ok(n) => n,
+            let (fd, listener, client, local, member) = (
+                s.resource.as_raw_fd(),
+                s.listener,
+                s.key.client,
+                s.key.local,
+                s.member as usize,
+            );
+            let first = self.replies.len();
+            let room = BATCH - first;
+            let mut lens = [0usize; BATCH];
+            let got = {
+                let mut slots = self.reply_buf.chunks_exact_mut(MAX_DATAGRAM).skip(first);
+                let mut iovs: [[IoSliceMut<'_>; 1]; BATCH] =
+                    std::array::from_fn(|_| [IoSliceMut::new(slots.next().unwrap_or_default())]);
+                recvmmsg(
+                    fd,
+                    &mut self.session_rx,
+                    iovs.iter_mut().take(room),
+                    MsgFlags::MSG_DONTWAIT,
+                    None,
+                )
+                .map(|msgs| {
+                    let mut k = 0;
+                    for (m, len) in msgs.zip(lens.iter_mut()) {
+                        *len = m.bytes;
+                        k += 1;
+                    }
+                    k
+                })
+                .map_err(io::Error::from)
+            };
+            let k = match got {
+                Ok(k) => k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => {
                     // ICMP unreachable from the service (connected socket): reported to the
                     // service's monitor as a passive failure, which decides its health; the
                     // session stays so a transient error does not move the flow.
+                    handled += 1;
                     bump(&self.core.counters.service_errors);
-                    if let Some(s) = self.table.get(id) {
-                        self.core.balancer().report_failure(s.member as usize);
-                    }
+                    self.core.balancer().report_failure(member);
                     continue;
                 }
             };
-            let (client, local, member) = (s.key.client, s.key.local, s.member as usize);
-            let Some(l) = self.listeners.get(usize::from(s.listener)) else {
-                return true;
-            };
-            match send_from(l, &self.buf[..n], client, local) {
-                Ok(()) => {
-                    bump(&self.core.counters.datagrams_out);
-                    self.core
-                        .counters
-                        .bytes_out
-                        .fetch_add(n as u64, Ordering::Relaxed);
-                    self.table.touch(id, n, false, now);
-                    if let Some(c) = self.core.balancer.counters(member) {
-                        c.record_traffic(n as u64, 1, now);
-                    }
+            for (i, &len) in lens.iter().take(k).enumerate() {
+                self.replies.push(Reply {
+                    listener,
+                    local,
+                    client,
+                    slot: first + i,
+                    len,
+                });
+                self.table.touch(id, len, false, now);
+                if let Some(c) = self.core.balancer.counters(member) {
+                    c.record_traffic(len as u64, 1, now);
                 }
+            }
+            handled += k;
+            // A short batch: the socket is drained (a later reply raises a new edge).
+            if k < room {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Send the waiting replies: one sendmmsg per run of replies that leave from the same
+    /// listener and source address (a client's replies keep their order).
+    fn flush_replies(&mut self, now: Nanos) {
+        if self.replies.is_empty() {
+            return;
+        }
+        self.replies.sort_by_key(|r| (r.listener, r.local));
+        let mut start = 0;
+        while let Some(&first) = self.replies.get(start) {
+            let len = self.replies[start..]
+                .iter()
+                .take_while(|r| r.listener == first.listener && r.local == first.local)
+                .count();
+            self.send_run(start, start + len, now);
+            start += len;
+        }
+        self.replies.clear();
+    }
+
+    /// Send replies `from..to` (one listener, one source address), sendmmsg after sendmmsg
+    /// until all are sent or dropped. UDP drops what cannot be sent; it is counted.
+    fn send_run(&mut self, from: usize, to: usize, now: Nanos) {
+        let Worker {
+            listeners,
+            replies,
+            reply_buf,
+            core,
+            log,
+            ..
+        } = self;
+        let Some(run) = replies.get(from..to) else {
+            return;
+        };
+        let Some(first) = run.first() else {
+            return;
+        };
+        let Some(l) = listeners.get_mut(usize::from(first.listener)) else {
+            return;
+        };
+        let fd = l.sock.as_raw_fd();
+        let local = first.local;
+        let mut at = 0;
+        while at < run.len() {
+            let part = &run[at..];
+            let iovs: [[IoSlice<'_>; 1]; BATCH] = std::array::from_fn(|i| {
+                let data = part.get(i).and_then(|r| {
+                    reply_buf.get(r.slot * MAX_DATAGRAM..r.slot * MAX_DATAGRAM + r.len)
+                });
+                [IoSlice::new(data.unwrap_or_default())]
+            });
+            let addrs: [Option<SockaddrStorage>; BATCH] =
+                std::array::from_fn(|i| part.get(i).map(|r| SockaddrStorage::from(r.client)));
+            let n = part.len().min(BATCH);
+            let sent = send_batch(l, fd, local, &iovs[..n], &addrs[..n]);
+            match sent {
+                Ok(0) => {
+                    // Nothing went (should not happen): drop the first, move on.
+                    at += 1;
+                    bump(&core.counters.send_errors);
+                }
+                Ok(k) => {
+                    let bytes: usize = part.iter().take(k).map(|r| r.len).sum();
+                    core.counters
+                        .datagrams_out
+                        .fetch_add(k as u64, Ordering::Relaxed);
+                    core.counters
+                        .bytes_out
+                        .fetch_add(bytes as u64, Ordering::Relaxed);
+                    at += k;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    bump(&self.core.counters.send_errors);
-                    if self.log.allow(now) {
-                        tracing::warn!(vserver = %self.core.name, %client, error = %e, "send to client failed");
+                    // The first of the batch failed (buffer full, client unreachable...):
+                    // drop it and try the rest.
+                    at += 1;
+                    bump(&core.counters.send_errors);
+                    if log.allow(now) {
+                        tracing::warn!(vserver = %core.name, client = %first.client, error = %e, "send to client failed");
                     }
                 }
             }
         }
-        false
     }
 }
 
@@ -745,21 +956,28 @@ fn close_session(core: &UdpCore, registry: &mio::Registry, mut s: Session<MioUdp
     }
 }
 
-/// Send a reply to `client` from `local` (the address the client sent to).
-fn send_from(
-    l: &Listener,
-    payload: &[u8],
-    client: SocketAddr,
+/// One sendmmsg of `iovs` to `addrs` from listener `l`, naming `local` as the source when
+/// the listener is bound to a wildcard: how many datagrams went.
+fn send_batch(
+    l: &mut Listener,
+    fd: std::os::fd::RawFd,
     local: SocketAddr,
-) -> io::Result<()> {
-    if !l.pktinfo || local.ip().is_unspecified() {
-        l.sock.send_to(payload, client)?;
-        return Ok(());
-    }
-    let iov = [IoSlice::new(payload)];
-    let dest = SockaddrStorage::from(client);
-    let r = match local.ip() {
-        IpAddr::V4(ip) => {
+    iovs: &[[IoSlice<'_>; 1]],
+    addrs: &[Option<SockaddrStorage>],
+) -> io::Result<usize> {
+    let count = |r: nix::Result<nix::sys::socket::MultiResults<'_, SockaddrStorage>>| {
+        r.map(Iterator::count).map_err(io::Error::from)
+    };
+    let flags = MsgFlags::MSG_DONTWAIT;
+    let headers = match (&mut l.tx_pktinfo, local.ip()) {
+        (Some(h), IpAddr::V4(ip)) if l.bound.is_ipv4() && !ip.is_unspecified() => Some((h, Ok(ip))),
+        (Some(h), IpAddr::V6(ip)) if l.bound.is_ipv6() && !ip.is_unspecified() => {
+            Some((h, Err(ip)))
+        }
+        _ => None,
+    };
+    match headers {
+        Some((h, Ok(ip))) => {
             let pi = nix::libc::in_pktinfo {
                 ipi_ifindex: 0,
                 ipi_spec_dst: nix::libc::in_addr {
@@ -767,31 +985,40 @@ fn send_from(
                 },
                 ipi_addr: nix::libc::in_addr { s_addr: 0 },
             };
-            sendmsg(
-                l.sock.as_raw_fd(),
-                &iov,
-                &[ControlMessage::Ipv4PacketInfo(&pi)],
-                MsgFlags::empty(),
-                Some(&dest),
-            )
+            count(sendmmsg(
+                fd,
+                h,
+                iovs,
+                addrs,
+                [ControlMessage::Ipv4PacketInfo(&pi)],
+                flags,
+            ))
         }
-        IpAddr::V6(ip) => {
+        Some((h, Err(ip))) => {
             let pi = nix::libc::in6_pktinfo {
                 ipi6_addr: nix::libc::in6_addr {
                     s6_addr: ip.octets(),
                 },
                 ipi6_ifindex: 0,
             };
-            sendmsg(
-                l.sock.as_raw_fd(),
-                &iov,
-                &[ControlMessage::Ipv6PacketInfo(&pi)],
-                MsgFlags::empty(),
-                Some(&dest),
-            )
+            count(sendmmsg(
+                fd,
+                h,
+                iovs,
+                addrs,
+                [ControlMessage::Ipv6PacketInfo(&pi)],
+                flags,
+            ))
         }
-    };
-    r.map(|_| ()).map_err(io::Error::from)
+        None => count(sendmmsg(fd, &mut l.tx_plain, iovs, addrs, [], flags)),
+    }
+}
+
+/// A socket address nix handed back, as std's.
+fn socket_addr(a: &SockaddrStorage) -> Option<SocketAddr> {
+    a.as_sockaddr_in()
+        .map(|v4| SocketAddr::V4((*v4).into()))
+        .or_else(|| a.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into())))
 }
 
 /// A non-blocking UDP socket connected to `service`. Transparent mode binds it to the
