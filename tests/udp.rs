@@ -35,9 +35,12 @@ fn round_robin_spreads_sessions_and_relays_from_the_vserver_address() {
     ));
     let vs = bound(&rt, "v");
     let mut per: HashMap<String, usize> = HashMap::new();
+    // Clients are kept open so that no two share a source port (one session each).
+    let mut clients = Vec::new();
     for _ in 0..30 {
         let c = udp_client("127.0.0.1");
         let (a, from) = udp_ask(&c, vs, b"ping").expect("answer");
+        clients.push(c);
         assert_eq!(from, vs, "reply comes from the vserver's address");
         assert_eq!(a.body, b"ping");
         *per.entry(a.service).or_default() += 1;
