@@ -193,24 +193,23 @@ fn sort_points(pts: Vec<(u32, u32)>) -> Vec<(u32, u32)> {
 /// `p_i + (p_{i+1} - p_i) / 2` (wrapping, rounded down) after the previous point's midpoint.
 /// Returns the (midpoint, owner) of every cell in ring order: a key belongs to the first midpoint
 /// at or after it, the same successor rule as a plain ring, so the table and the walk are shared.
-fn cells(pts: &[(u32, u32)]) -> Vec<(u32, u32)> {
+fn cells(pts: Vec<(u32, u32)>) -> Vec<(u32, u32)> {
+    let mut pts = pts;
     let len = pts.len();
-    let mut out: Vec<(u32, u32)> = (0..len)
-        .map(|i| {
-            let (p, owner) = pts[i];
-            let next = pts[(i + 1) % len].0;
-            (p.wrapping_add(next.wrapping_sub(p) / 2), owner)
-        })
-        .collect();
+    let (Some(first), Some(last)) = (pts.first().map(|p| p.0), pts.last().map(|p| p.0)) else {
+        return pts;
+    };
+    for i in 0..len {
+        let p = pts[i].0;
+        let next = pts.get(i + 1).map_or(first, |n| n.0);
+        pts[i].0 = p.wrapping_add(next.wrapping_sub(p) / 2);
+    }
     // The last cell's midpoint wraps past zero when the gap to the first point does: then it
     // comes first in ring order.
-    if let (Some(last), Some(lp)) = (out.last().copied(), pts.last())
-        && last.0 < lp.0
-    {
-        out.pop();
-        out.insert(0, last);
+    if pts.last().is_some_and(|m| m.0 < last) {
+        pts.rotate_right(1);
     }
-    out
+    pts
 }
 
 fn build_table<E: Entry>(pts: &[(u32, u32)], slot_count: u64) -> Table<E> {
@@ -376,7 +375,7 @@ impl Jarh {
             let id = ids[i];
             pts.extend((0..counts[i]).map(|j| ((finger_hash(id, j) >> 32) as u32, i as u32)));
         }
-        let cells = cells(&sort_points(pts));
+        let cells = cells(sort_points(pts));
         Jarh::from_cells(&cells, up, ids.len())
     }
 
@@ -570,7 +569,7 @@ mod tests {
             let (pos, owner, narrow) = ring(n, fingers);
             assert_eq!(pos.len(), n * fingers as usize);
             let want_cells = cells(
-                &pos.iter()
+                pos.iter()
                     .copied()
                     .zip(owner.iter().copied())
                     .collect::<Vec<_>>(),
@@ -641,12 +640,13 @@ mod tests {
     fn cells_of_coincident_and_wrapping_points() {
         // The last gap wraps: its midpoint comes first.
         assert_eq!(
-            cells(&[(10, 0), (20, 1), (u32::MAX - 9, 2)]),
+            cells(vec![(10, 0), (20, 1), (u32::MAX - 9, 2)]),
             vec![(0, 2), (15, 0), (u32::MAX / 2 + 6, 1)]
         );
-        assert_eq!(cells(&[(7, 3)]), vec![(7, 3)]);
+        assert_eq!(cells(vec![(7, 3)]), vec![(7, 3)]);
+        assert!(cells(Vec::new()).is_empty());
         // Coincident points alone: a zero gap both ways.
-        assert_eq!(cells(&[(7, 0), (7, 1)]), vec![(7, 0), (7, 1)]);
+        assert_eq!(cells(vec![(7, 0), (7, 1)]), vec![(7, 0), (7, 1)]);
     }
 
     #[test]
