@@ -17,10 +17,11 @@
 //! the cells met walking clockwise from its own, so a DOWN service's keys go to the next UP
 //! service and come back exactly when it returns.
 //!
-//! Jump assist (how a lookup finds that cell in O(1); it decides nothing): the circle is cut
-//! into `S = 5 x points` equal slots; below, "point" means a cell end. One 32 x 32-bit multiply `(k >> 32) x S` gives the slot (high
-//! half) and the key's offset inside it (low half, monotone); with `S >= 2^17` the top 15 bits of
-//! the offset still tell any two 32-bit positions of one slot apart, so they compare exactly.
+//! Jump assist (how a lookup finds that cell in O(1); it decides nothing; below, "point" means a
+//! cell end): the circle is cut into `S = 5 x points` equal slots. One 32 x 32-bit multiply
+//! `(k >> 32) x S` gives the slot (high half) and the key's offset inside it (low half,
+//! monotone); with `S >= 2^17` the top 15 bits of the offset still tell any two 32-bit positions
+//! of one slot apart, so they compare exactly.
 //! Each slot has one 32-bit entry:
 //! - no point in the slot: the owner of the next point after it;
 //! - one point: that point's 15-bit offset and its owner; a key at or below the offset belongs to
@@ -288,8 +289,8 @@ impl<E: Entry> Table<E> {
         }
     }
 
-    /// Calls `f(position, owner)` for every point of slot `s` in ring order.
-    fn each_in_slot(&self, s: usize, slot_count: u64, mut f: impl FnMut(u32, usize)) {
+    /// Calls `f(stored offset, owner)` for every point of slot `s` in ring order.
+    fn each_in_slot(&self, s: usize, mut f: impl FnMut(u64, usize)) {
         let Some(e) = self.entries.get(s) else {
             return;
         };
@@ -298,29 +299,28 @@ impl<E: Entry> Table<E> {
                 if *off == END {
                     break;
                 }
-                f(
-                    position_of::<E>(s, u64::from(*off), slot_count),
-                    *owner as usize,
-                );
+                f(u64::from(*off), *owner as usize);
             }
         } else if e.offset() != E::EMPTY {
-            f(position_of::<E>(s, e.offset(), slot_count), e.owner());
+            f(e.offset(), e.owner());
         }
     }
 
     /// Owners of the points clockwise from ring position `k32` (its own point first), once round
-    /// the ring, until `f` returns true.
+    /// the ring, until `f` returns true. Stored offsets compare exactly with the key's, so no
+    /// position is reconstructed.
     fn walk(&self, k32: u32, slot_count: u64, mut f: impl FnMut(usize) -> bool) {
-        let (s0, _) = slot_of(k32, slot_count);
+        let (s0, off) = slot_of(k32, slot_count);
+        let kt = off >> (32 - E::OFFSET_BITS);
         let total = slot_count as usize;
         let mut done = false;
         for step in 0..=total {
             let s = (s0 + step) % total;
-            self.each_in_slot(s, slot_count, |pos, owner| {
+            self.each_in_slot(s, |offset, owner| {
                 let in_range = if step == 0 {
-                    pos >= k32
+                    offset >= kt
                 } else if step == total {
-                    pos < k32
+                    offset < kt
                 } else {
                     true
                 };
@@ -338,7 +338,9 @@ impl<E: Entry> Table<E> {
     fn points(&self, slot_count: u64) -> Vec<(u32, usize)> {
         let mut out = Vec::new();
         for s in 0..slot_count as usize {
-            self.each_in_slot(s, slot_count, |p, o| out.push((p, o)));
+            self.each_in_slot(s, |off, o| {
+                out.push((position_of::<E>(s, off, slot_count), o))
+            });
         }
         out
     }
