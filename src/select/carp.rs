@@ -178,55 +178,82 @@ impl Carp {
     }
 }
 
-/// Highest combined value over all services (ties: lower index). Four independent running
-/// maxima let the multiplies of consecutive services overlap instead of waiting on one compare
-/// chain; a value is packed with nothing else so each lane is one compare and two moves.
+/// Highest combined value over all services (ties: lower index).
+///
+/// Two independent running maxima (lane 0 sees even services, lane 1 odd ones) halve the
+/// compare chain, so the throughput of the mixing multiplies, not the chain, sets the pace; each
+/// update is a compare and two conditional moves (no branch on the data), and a lane records the
+/// pair number, not the index, to keep every live value in a register. A lane replaces its
+/// maximum only on a strictly larger value, so it keeps the lowest index among equal values; the
+/// two lanes are merged by (value, lower index). The result is the one of a single pass in config
+/// order with the same tie rule.
 #[inline]
 fn best_of_all(ids: &[u64], key: u64) -> Option<(u64, usize)> {
     use crate::hash::carp_combine;
-    if ids.is_empty() {
-        return None;
+    let (first, rest) = ids.split_first()?;
+    let Some((second, rest)) = rest.split_first() else {
+        return Some((carp_combine(key, *first), 0));
+    };
+    let (mut v0, mut v1) = (carp_combine(key, *first), carp_combine(key, *second));
+    // Pair numbers: services 2p and 2p + 1.
+    let (mut p0, mut p1) = (0usize, 0usize);
+    let pairs = rest.chunks_exact(2);
+    let tail = pairs.remainder();
+    for (p, q) in pairs.enumerate() {
+        let (a, b) = (carp_combine(key, q[0]), carp_combine(key, q[1]));
+        let pair = p + 1;
+        let (ga, gb) = (a > v0, b > v1);
+        v0 = if ga { a } else { v0 };
+        p0 = if ga { pair } else { p0 };
+        v1 = if gb { b } else { v1 };
+        p1 = if gb { pair } else { p1 };
     }
-    let (mut v0, mut v1, mut v2, mut v3) = (0u64, 0u64, 0u64, 0u64);
-    let (mut i0, mut i1, mut i2, mut i3) = (usize::MAX, usize::MAX, usize::MAX, usize::MAX);
-    let chunks = ids.chunks_exact(4);
-    let tail = chunks.remainder();
-    for (c, q) in chunks.enumerate() {
-        let base = c * 4;
-        let (a, b, d, e) = (
-            carp_combine(key, q[0]),
-            carp_combine(key, q[1]),
-            carp_combine(key, q[2]),
-            carp_combine(key, q[3]),
-        );
-        if a > v0 || i0 == usize::MAX {
-            (v0, i0) = (a, base);
-        }
-        if b > v1 || i1 == usize::MAX {
-            (v1, i1) = (b, base + 1);
-        }
-        if d > v2 || i2 == usize::MAX {
-            (v2, i2) = (d, base + 2);
-        }
-        if e > v3 || i3 == usize::MAX {
-            (v3, i3) = (e, base + 3);
+    if let Some(last) = tail.first() {
+        let a = carp_combine(key, *last);
+        if a > v0 {
+            (v0, p0) = (a, ids.len() / 2);
         }
     }
-    let base = ids.len() - tail.len();
-    for (t, id) in tail.iter().enumerate() {
-        let v = carp_combine(key, *id);
-        if v > v0 || i0 == usize::MAX {
-            (v0, i0) = (v, base + t);
-        }
-    }
-    [(v0, i0), (v1, i1), (v2, i2), (v3, i3)]
-        .into_iter()
-        .filter(|b| b.1 != usize::MAX)
-        .reduce(|a, b| {
-            if b.0 > a.0 || (b.0 == a.0 && b.1 < a.1) {
-                b
-            } else {
-                a
+    let (i0, i1) = (2 * p0, 2 * p1 + 1);
+    Some(if v1 > v0 || (v1 == v0 && i1 < i0) {
+        (v1, i1)
+    } else {
+        (v0, i0)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The two-lane pass equals a plain pass in config order, ties (duplicate service hashes,
+    /// as two legs sharing one `hash_id` have) included, at every length and parity.
+    #[test]
+    fn best_of_all_matches_a_single_pass_with_ties() {
+        let plain = |ids: &[u64], key: u64| {
+            let mut best: Option<(u64, usize)> = None;
+            for (i, id) in ids.iter().enumerate() {
+                let c = crate::hash::carp_combine(key, *id);
+                if best.is_none_or(|(b, _)| c > b) {
+                    best = Some((c, i));
+                }
             }
-        })
+            best
+        };
+        for n in 0..40usize {
+            let base: Vec<u64> = (0..n as u64)
+                .map(|i| crate::hash::mix64(i ^ 0xabc))
+                .collect();
+            // Every service duplicated somewhere later, so the winner always has a twin.
+            let mut ids = base.clone();
+            ids.extend(base.iter().rev());
+            for k in 0..300u64 {
+                let key = crate::hash::mix64(k);
+                assert_eq!(best_of_all(&base, key), plain(&base, key), "n {n}");
+                assert_eq!(best_of_all(&ids, key), plain(&ids, key), "dup n {n}");
+                let odd = ids.get(1..).unwrap_or(&[]);
+                assert_eq!(best_of_all(odd, key), plain(odd, key));
+            }
+        }
+    }
 }
