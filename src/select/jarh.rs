@@ -426,6 +426,9 @@ impl Jarh {
         }
     }
 
+    /// Inlined fast path (the key's own point is UP); the failover walk is out of line in
+    /// `pick_rest`, so the common case returns its pair in registers.
+    #[inline]
     pub(crate) fn pick(
         &self,
         key: u64,
@@ -438,6 +441,11 @@ impl Jarh {
         if (self.all_up || self.up.get(first).copied().unwrap_or(false)) && eligible(first) {
             return Some((first, 0));
         }
+        self.pick_rest(key, &eligible)
+    }
+
+    #[inline(never)]
+    fn pick_rest(&self, key: u64, eligible: &dyn Fn(usize) -> bool) -> Option<(usize, usize)> {
         // Failover walk: distinct owners clockwise. Off the hot path, so a seen-list is fine.
         let mut seen = vec![false; self.services];
         let mut position = 0usize;

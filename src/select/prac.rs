@@ -258,11 +258,25 @@ impl Prac {
         self.geo.cell_key(self.geo.cell_of(slot))
     }
 
+    /// Inlined fast path (every service UP: one shift, one table read); everything else is
+    /// out of line in `pick_rest`, so the common case returns its pair in registers.
+    #[inline]
     pub(crate) fn pick(
         &self,
         key: u64,
         eligible: impl Fn(usize) -> bool,
     ) -> Option<(usize, usize)> {
+        if self.all_up && self.scorer.len() != 0 {
+            let owner = self.table.get(self.slot(key));
+            if eligible(owner) {
+                return Some((owner, 0));
+            }
+        }
+        self.pick_rest(key, &eligible)
+    }
+
+    #[inline(never)]
+    fn pick_rest(&self, key: u64, eligible: &dyn Fn(usize) -> bool) -> Option<(usize, usize)> {
         if self.scorer.len() == 0 {
             return None;
         }
