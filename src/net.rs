@@ -43,19 +43,39 @@ pub fn bind_udp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<UdpSoc
     Ok(out)
 }
 
-/// A TCP listener (SO_REUSEADDR, IPv6-only for [::] binds), non-blocking for tokio.
-pub fn bind_tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+fn tcp_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<std::net::TcpListener> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     if addr.is_ipv6() {
         socket.set_only_v6(true)?;
     }
     socket.set_reuse_address(true)?;
+    if reuse_port {
+        socket.set_reuse_port(true)?;
+    }
     socket.bind(&addr.into())?;
     // Bursts of short connections (HTTP with `Connection: close`) must not be dropped by
     // the kernel before the accept loop runs; the kernel caps it at somaxconn.
     socket.listen(4096)?;
     socket.set_nonblocking(true)?;
     Ok(socket.into())
+}
+
+/// A TCP listener (SO_REUSEADDR, IPv6-only for [::] binds), non-blocking for tokio.
+pub fn bind_tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
+    tcp_listener(addr, false)
+}
+
+/// `count` TCP listeners on the same address with SO_REUSEPORT, one per worker thread: the
+/// kernel spreads incoming connections over them, and each connection lives on the thread
+/// that accepted it. Port 0 is resolved by the first bind and reused.
+pub fn bind_tcp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<std::net::TcpListener>> {
+    let first = tcp_listener(addr, true)?;
+    let bound = first.local_addr()?;
+    let mut out = vec![first];
+    for _ in 1..count.max(1) {
+        out.push(tcp_listener(bound, true)?);
+    }
+    Ok(out)
 }
 
 /// Number of worker sockets for `configured` (0 = one per core).
@@ -95,6 +115,29 @@ mod tests {
                 .iter()
                 .all(|s| s.local_addr().expect("addr").port() == port)
         );
+    }
+
+    #[test]
+    fn tcp_workers_share_one_port_and_the_connections() {
+        let ls = bind_tcp_workers("127.0.0.1:0".parse().expect("addr"), 2).expect("bind");
+        assert_eq!(ls.len(), 2);
+        let addr = ls[0].local_addr().expect("addr");
+        assert_ne!(addr.port(), 0);
+        assert_eq!(ls[1].local_addr().expect("addr"), addr);
+        // The kernel hashes each connection's 4-tuple to one listener: over 64 connections
+        // both get some (the chance that one gets none is 2^-63).
+        let clients: Vec<_> = (0..64)
+            .map(|_| std::net::TcpStream::connect(addr).expect("connect"))
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let mut got = [0usize; 2];
+        for (i, l) in ls.iter().enumerate() {
+            while l.accept().is_ok() {
+                got[i] += 1;
+            }
+        }
+        assert_eq!(got[0] + got[1], clients.len());
+        assert!(got[0] > 0 && got[1] > 0, "{got:?}");
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! `tcp` and `http` vservers over loopback: distribution, affinity, HTTP keys and their
 //! round-robin fallback, half-close, connect-failure retry, idle timeout, connection limit,
-//! least_connection on live connections, IPv6, PROXY v2, and two instances agreeing.
+//! least_connection on live connections, worker threads, IPv6, PROXY v2, and two instances
+//! agreeing.
 
 mod common;
 
@@ -206,6 +207,63 @@ fn connection_limit_refuses_and_least_connection_counts_live_connections() {
     assert!(wait_until(ANSWER, || (0..2)
         .all(|m| b.counters(m).map_or(1, |c| c.active()) == 0)));
     assert!(tcp_ask(vs, b"again").is_ok());
+}
+
+/// `workers: 3`: three threads, each with its own listener on the vserver's one port.
+/// Connections are served whichever thread accepted them, the connection bound and the
+/// services' live-connection counts (least_connection's input) see them all, and a
+/// shutdown closes those still open.
+#[test]
+fn worker_threads_share_the_port_the_bound_and_the_shutdown() {
+    let svc = services("tcp", 2, "127.0.0.1");
+    let rt = start(&config(
+        "tcp",
+        "127.0.0.1:0",
+        "least_connection",
+        "workers: 3\nmax_sessions: 40",
+        &refs(&svc),
+    ));
+    let vs = bound(&rt, "v");
+    let core = tcp_core(&rt, "v");
+    let b = Arc::clone(core.balancer());
+    let active = |m| b.counters(m).map_or(0, |c| c.active());
+    let mut held = Vec::new();
+    for _ in 0..40 {
+        let mut s = TcpStream::connect(vs).expect("connect");
+        s.write_all(b"held").expect("write");
+        held.push(s);
+    }
+    assert!(
+        wait_until(ANSWER, || active(0) + active(1) == 40),
+        "every connection reached a service: {} + {}",
+        active(0),
+        active(1)
+    );
+    assert_eq!(core.connections(), 40);
+    let mut extra = TcpStream::connect(vs).expect("accepted by the kernel");
+    extra.set_read_timeout(Some(ANSWER)).expect("timeout");
+    let mut buf = [0u8; 8];
+    assert!(matches!(extra.read(&mut buf), Ok(0) | Err(_)), "refused");
+    assert_eq!(core.counters.refused.load(Ordering::Relaxed), 1);
+    // One connection finishes normally, the others are closed by the shutdown.
+    let mut one = held.pop().expect("held");
+    one.shutdown(Shutdown::Write).expect("shutdown");
+    one.set_read_timeout(Some(ANSWER)).expect("timeout");
+    let mut out = Vec::new();
+    one.read_to_end(&mut out).expect("answer");
+    assert_eq!(parse_answer(&out).expect("answer").body, b"held");
+    let t0 = std::time::Instant::now();
+    rt.shutdown();
+    assert!(t0.elapsed() < ANSWER, "worker threads stop promptly");
+    for mut s in held {
+        s.set_read_timeout(Some(ANSWER)).expect("timeout");
+        let mut rest = Vec::new();
+        assert!(
+            !matches!(s.read_to_end(&mut rest), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "closed by the shutdown, not left open"
+        );
+        assert!(rest.is_empty(), "no answer without the client's EOF");
+    }
 }
 
 #[test]

@@ -259,6 +259,31 @@ pub(crate) fn bind_tcp(
     Ok((listeners, bound))
 }
 
+/// Bind `workers` SO_REUSEPORT TCP listeners on every bind address of `v` (not yet
+/// registered with any runtime): the listeners per address, and the addresses actually
+/// bound (port 0 resolved).
+pub(crate) fn bind_tcp_workers(
+    v: &Vserver,
+    workers: usize,
+) -> Result<(Vec<Vec<std::net::TcpListener>>, Vec<SocketAddr>), RuntimeError> {
+    let mut per_addr = Vec::new();
+    let mut bound = Vec::new();
+    for addr in &v.bind {
+        let bind_err = |source| RuntimeError::Bind {
+            vserver: v.name.clone(),
+            addr: *addr,
+            source,
+        };
+        let ls = net::bind_tcp_workers(*addr, workers).map_err(bind_err)?;
+        let first = ls
+            .first()
+            .ok_or_else(|| bind_err(std::io::ErrorKind::InvalidInput.into()))?;
+        bound.push(first.local_addr().map_err(bind_err)?);
+        per_addr.push(ls);
+    }
+    Ok((per_addr, bound))
+}
+
 /// fulcrum's Via / Record-Route identity on a vserver: `advertise`, else the bound
 /// address, else (wildcard bind) the local address the kernel uses toward the services.
 pub(crate) fn local_identity(

@@ -9,17 +9,22 @@
 //! shutdown of the write side toward the other), or until the idle timeout.
 //!
 //! The decision ([`TcpCore::key_input`], [`TcpCore::first_bytes_needed`]) is pure; the rest
-//! is the shell. Memory of an idle connection is its task and two sockets: bytes are copied
-//! through one scratch buffer per runtime thread, and a connection holds a buffer of its own
-//! only while a write toward a slow peer is pending.
+//! is the shell. Threading is HAProxy's: `workers` threads, each with a single-threaded
+//! tokio runtime and its own SO_REUSEPORT listener, a connection served start to end by the
+//! thread that accepted it. Memory of an idle connection is its task and two sockets: bytes
+//! are copied through one scratch buffer per worker thread, and a connection holds a buffer
+//! of its own only while a write toward a slow peer is pending.
 
 use crate::balancer::{Balancer, KeyInput};
 use crate::config::{Config, HashParams, Method, Protocol, ProxyProtocol, TokenRule, Vserver};
 use crate::hash;
 use crate::http::{self, HttpError};
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
+use crate::net;
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
-use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, TcpCell, VserverHandle, bind_tcp};
+use crate::proxy::runtime::{
+    DataPath, RuntimeError, StartCtx, TcpCell, VserverHandle, bind_tcp_workers,
+};
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
 use arc_swap::ArcSwap;
@@ -43,7 +48,7 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// without a key (fallback), not held. Never longer than the vserver's idle timeout.
 pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Scratch buffer per runtime thread, shared by every connection that thread polls.
+/// Scratch buffer per worker thread, shared by every connection that thread polls.
 const SCRATCH_BYTES: usize = 64 * 1024;
 
 thread_local! {
@@ -219,7 +224,13 @@ impl TcpCore {
     }
 }
 
-/// Start a tcp / http vserver: one accept task per bind address on the runtime's tokio.
+/// How often an idle worker thread looks at the runtime's stop flag.
+const STOP_POLL: Duration = Duration::from_millis(100);
+
+/// Start a tcp / http vserver: `workers` threads (one per core by default), each with its
+/// own single-threaded tokio runtime and its own SO_REUSEPORT listener on every bind
+/// address. The kernel spreads incoming connections over the listeners, and a connection
+/// lives on the thread that accepted it (no work stealing, no wake-ups across threads).
 pub fn start(
     ctx: &mut StartCtx<'_>,
     config: &Config,
@@ -227,13 +238,44 @@ pub fn start(
 ) -> Result<VserverHandle, RuntimeError> {
     crate::proxy::fd_limit::check_capacity(&v.name, v.max_sessions, 2);
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
-    let (listeners, bound) = bind_tcp(ctx, v)?;
+    let workers = net::worker_count(v.workers);
+    let (per_addr, bound) = bind_tcp_workers(v, workers)?;
     let cell: TcpCell = Arc::new(ArcSwap::new(Arc::clone(&core)));
-    for l in listeners {
-        ctx.tokio.spawn(accept_loop(Arc::clone(&cell), l));
+    // Worker `w` takes the `w`-th listener of every bind address.
+    let mut per_worker: Vec<Vec<(SocketAddr, std::net::TcpListener)>> =
+        (0..workers).map(|_| Vec::new()).collect();
+    for (addr, listeners) in bound.iter().zip(per_addr) {
+        for (mine, l) in per_worker.iter_mut().zip(listeners) {
+            mine.push((*addr, l));
+        }
+    }
+    for listeners in per_worker {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        // Registered here, with the worker's runtime, so a failure stops the start.
+        let listeners = {
+            let _enter = rt.enter();
+            listeners
+                .into_iter()
+                .map(|(addr, l)| {
+                    TcpListener::from_std(l).map_err(|source| RuntimeError::Bind {
+                        vserver: v.name.clone(),
+                        addr,
+                        source,
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        };
+        let cell = Arc::clone(&cell);
+        let stop = Arc::clone(ctx.stop);
+        let thread = std::thread::Builder::new()
+            .name("fulcrum-tcp".into())
+            .spawn(move || worker(rt, cell, listeners, &stop))?;
+        ctx.threads.push(thread);
     }
     ctx.tcp_cells.push((v.name.clone(), cell));
-    tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), "tcp vserver started");
+    tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), workers, "tcp vserver started");
     Ok(VserverHandle {
         name: v.name.clone(),
         protocol: v.protocol,
@@ -241,6 +283,24 @@ pub fn start(
         balancer: Arc::clone(core.balancer()),
         data: DataPath::Tcp(core),
     })
+}
+
+/// One worker thread: its accept loops and the connections they accept, until the
+/// runtime's stop flag is raised; the connections still open then are closed with it.
+fn worker(
+    rt: tokio::runtime::Runtime,
+    cell: TcpCell,
+    listeners: Vec<TcpListener>,
+    stop: &AtomicBool,
+) {
+    rt.block_on(async {
+        for l in listeners {
+            tokio::spawn(accept_loop(Arc::clone(&cell), l));
+        }
+        while !stop.load(Ordering::Relaxed) {
+            tokio::time::sleep(STOP_POLL).await;
+        }
+    });
 }
 
 async fn accept_loop(cell: TcpCell, listener: TcpListener) {

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Two fulcrum binaries (A, B) beside HAProxy and direct, in one run, rounds alternating the
+# order of the targets: the setup of bench/tcp.sh (3 nginx backends, `tcp` vserver with
+# `source_ip_hash`, HAProxy `mode tcp` from the peers), `wrk -t2 -cCONNS -dDURs` per target,
+# keep-alive and `Connection: close`. Prints req/s and p99 per target and the load average.
+# Usage: DUR=10 ROUNDS=3 bench/tcp_ab.sh OLD_BINARY NEW_BINARY   (needs nginx, haproxy, wrk)
+set -u
+[ $# -eq 2 ] || { echo "usage: $0 FULCRUM_A FULCRUM_B" >&2; exit 2; }
+FA=$1; FB=$2
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PEERS=${PEERS:-$ROOT/../shared/bench/peers}
+[ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
+DUR=${DUR:-10}; CONNS=${CONNS:-64}; ROUNDS=${ROUNDS:-2}
+B1=${B1:-18081}; HA=${HA:-19000}; PA=${PA:-19100}; PB=${PB:-19200}
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+sed -e "s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/; s#/tmp/peers-nginx-backends#$TMP/backends#g" \
+  "$PEERS/nginx/nginx-backends.conf" > "$TMP/backends.conf"
+sed -e "s/127.0.0.1:9000/127.0.0.1:$HA/; s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/; s#/tmp/peers-haproxy#$TMP/haproxy#g" \
+  "$PEERS/haproxy/haproxy.cfg" > "$TMP/haproxy.cfg"
+yaml() { cat <<YAML
+admin: { listen: null }
+logging: { level: error }
+services:
+  - { name: b1, address: 127.0.0.1:$B1, protocol: tcp }
+  - { name: b2, address: 127.0.0.1:$((B1 + 1)), protocol: tcp }
+  - { name: b3, address: 127.0.0.1:$((B1 + 2)), protocol: tcp }
+vservers:
+  - { name: t, protocol: tcp, bind: [127.0.0.1:$1], method: source_ip_hash, max_sessions: 100000,
+      services: [b1, b2, b3] }
+YAML
+}
+yaml "$PA" > "$TMP/a.yaml"; yaml "$PB" > "$TMP/b.yaml"
+timeout 1800 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & PIDS+=($!)
+timeout 1800 haproxy -db -f "$TMP/haproxy.cfg" > "$TMP/haproxy.log" 2>&1 & PIDS+=($!)
+timeout 1800 "$FA" run --config "$TMP/a.yaml" > "$TMP/a.log" 2>&1 & PIDS+=($!)
+timeout 1800 "$FB" run --config "$TMP/b.yaml" > "$TMP/b.log" 2>&1 & PIDS+=($!)
+sleep 1
+echo "# wrk -t2 -c$CONNS -d${DUR}s; A=$FA B=$FB; $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
+for r in $(seq 1 "$ROUNDS"); do
+  order="direct haproxy A B"; [ $((r % 2)) = 0 ] && order="direct B A haproxy"
+  for mode in ka close; do
+    hdr=(); [ $mode = close ] && hdr=(-H "Connection: close")
+    line="round $r $mode:"
+    for tgt in $order; do
+      case $tgt in direct) port=$B1;; haproxy) port=$HA;; A) port=$PA;; B) port=$PB;; esac
+      out=$(timeout $((DUR + 30)) wrk -t2 -c"$CONNS" -d"${DUR}s" --latency "${hdr[@]}" "http://127.0.0.1:$port/" 2>&1)
+      rps=$(awk '/Requests\/sec/{print $2}' <<<"$out"); p99=$(awk '/^ +99%/{print $2}' <<<"$out")
+      se=$(grep -o "Socket errors:.*" <<<"$out" | tr -d ' ')
+      line="$line $tgt=$rps (p99 $p99${se:+, $se})"
+    done
+    echo "$line; load $(cut -d' ' -f1 /proc/loadavg)"
+  done
+done
+echo "# end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
