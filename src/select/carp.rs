@@ -145,11 +145,25 @@ impl Carp {
         best.map(|(c, i)| (Score::from(c), i))
     }
 
+    /// Inlined fast path (equal weights, every service UP: one pass, first choice); the rest
+    /// is out of line in `pick_rest`, so the common case returns its pair in registers.
+    #[inline]
     pub(crate) fn pick(
         &self,
         key: u64,
         eligible: impl Fn(usize) -> bool,
     ) -> Option<(usize, usize)> {
+        if self.all_up && self.scorer.is_uniform() {
+            let (_, idx) = best_of_all(&self.scorer.ids, key)?;
+            if eligible(idx) {
+                return Some((idx, 0));
+            }
+        }
+        self.pick_rest(key, &eligible)
+    }
+
+    #[inline(never)]
+    fn pick_rest(&self, key: u64, eligible: &dyn Fn(usize) -> bool) -> Option<(usize, usize)> {
         let (score, idx) = self.best_up(key)?;
         if eligible(idx) {
             if self.all_up {
