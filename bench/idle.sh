@@ -58,7 +58,7 @@ settled() { local prev=0 r; for _ in $(seq 1 50); do r=$(rss "$1"); [ "$r" = "$p
 measure() {
   local kind=$1 n=$2 mode=$3 port=$4 fpid lpid r0 r1 ready
   # No `timeout` wrapper: $fpid is fulcrum itself (its RSS is read); cleanup kills it.
-  "$FUL" run --config "$TMP/idle.yaml" > "$TMP/fulcrum-$kind.log" 2>&1 & fpid=$!; PIDS+=($fpid)
+  "$FUL" run --config "$TMP/idle.yaml" --drain-timeout 0s > "$TMP/fulcrum-$kind.log" 2>&1 & fpid=$!; PIDS+=($fpid)
   sleep 1
   r0=$(settled $fpid)
   # Holds its flows for 120 s at most (killed as soon as the figure is taken).

@@ -53,7 +53,7 @@ for mode in ka close; do
 done
 # Idle connections: a fresh fulcrum, N connections opened and held (each costs fulcrum 2 fds).
 kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
-"$FUL" run --config "$TMP/tcp.yaml" > "$TMP/fulcrum2.log" 2>&1 & FPID=$!; PIDS+=($FPID)
+"$FUL" run --config "$TMP/tcp.yaml" --drain-timeout 0s > "$TMP/fulcrum2.log" 2>&1 & FPID=$!; PIDS+=($FPID)
 sleep 1
 rss() { awk '/^VmRSS/{print $2}' /proc/$1/status; }
 r0=$(rss $FPID)
