@@ -218,20 +218,50 @@ pub(crate) fn bind_udp(
     v: &Vserver,
     workers: usize,
 ) -> Result<(Vec<Vec<std::net::UdpSocket>>, Vec<SocketAddr>), RuntimeError> {
+    bind_workers(
+        v,
+        workers,
+        net::bind_udp_workers,
+        std::net::UdpSocket::local_addr,
+    )
+}
+
+/// Bind `workers` SO_REUSEPORT TCP listeners on every bind address of `v` (not yet
+/// registered with any runtime): the listeners per address, and the addresses actually
+/// bound (port 0 resolved).
+pub(crate) fn bind_tcp_workers(
+    v: &Vserver,
+    workers: usize,
+) -> Result<(Vec<Vec<std::net::TcpListener>>, Vec<SocketAddr>), RuntimeError> {
+    bind_workers(
+        v,
+        workers,
+        net::bind_tcp_workers,
+        std::net::TcpListener::local_addr,
+    )
+}
+
+/// `bind(addr, workers)` on every bind address of `v`; the bound address of each is the first
+/// socket's (they share it).
+fn bind_workers<S>(
+    v: &Vserver,
+    workers: usize,
+    bind: impl Fn(SocketAddr, usize) -> std::io::Result<Vec<S>>,
+    local: impl Fn(&S) -> std::io::Result<SocketAddr>,
+) -> Result<(Vec<Vec<S>>, Vec<SocketAddr>), RuntimeError> {
     let mut per_addr = Vec::new();
     let mut bound = Vec::new();
     for addr in &v.bind {
-        let socks = net::bind_udp_workers(*addr, workers).map_err(|source| RuntimeError::Bind {
+        let bind_err = |source| RuntimeError::Bind {
             vserver: v.name.clone(),
             addr: *addr,
             source,
-        })?;
-        bound.push(
-            socks
-                .first()
-                .and_then(|s| s.local_addr().ok())
-                .unwrap_or(*addr),
-        );
+        };
+        let socks = bind(*addr, workers).map_err(bind_err)?;
+        let first = socks
+            .first()
+            .ok_or_else(|| bind_err(std::io::ErrorKind::InvalidInput.into()))?;
+        bound.push(local(first).map_err(bind_err)?);
         per_addr.push(socks);
     }
     Ok((per_addr, bound))
@@ -257,31 +287,6 @@ pub(crate) fn bind_tcp(
         listeners.push(tokio::net::TcpListener::from_std(l).map_err(bind_err)?);
     }
     Ok((listeners, bound))
-}
-
-/// Bind `workers` SO_REUSEPORT TCP listeners on every bind address of `v` (not yet
-/// registered with any runtime): the listeners per address, and the addresses actually
-/// bound (port 0 resolved).
-pub(crate) fn bind_tcp_workers(
-    v: &Vserver,
-    workers: usize,
-) -> Result<(Vec<Vec<std::net::TcpListener>>, Vec<SocketAddr>), RuntimeError> {
-    let mut per_addr = Vec::new();
-    let mut bound = Vec::new();
-    for addr in &v.bind {
-        let bind_err = |source| RuntimeError::Bind {
-            vserver: v.name.clone(),
-            addr: *addr,
-            source,
-        };
-        let ls = net::bind_tcp_workers(*addr, workers).map_err(bind_err)?;
-        let first = ls
-            .first()
-            .ok_or_else(|| bind_err(std::io::ErrorKind::InvalidInput.into()))?;
-        bound.push(first.local_addr().map_err(bind_err)?);
-        per_addr.push(ls);
-    }
-    Ok((per_addr, bound))
 }
 
 /// fulcrum's Via / Record-Route identity on a vserver: `advertise`, else the bound
