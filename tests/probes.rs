@@ -1,5 +1,7 @@
 //! Each probe kind against a live and a dead loopback endpoint.
 
+mod common;
+
 use fulcrum::config::{MonitorKind, Protocol};
 use fulcrum::health::probe::{ProbeError, probe};
 use std::net::SocketAddr;
@@ -9,10 +11,9 @@ use tokio::net::{TcpListener, UdpSocket};
 
 const T: Duration = Duration::from_secs(2);
 
-/// A loopback port with nothing listening (bound then released).
+/// A loopback port with nothing listening, reserved for the test binary's lifetime.
 async fn dead_port() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-    l.local_addr().expect("addr")
+    common::closed_port("127.0.0.1")
 }
 
 #[tokio::test]

@@ -170,10 +170,7 @@ fn in_dialog_request_from_service_reaches_the_client_connection() {
 fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
     let live = TcpUas::start();
     // A port with nothing listening.
-    let dead_addr = {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        l.local_addr().expect("addr")
-    };
+    let dead_addr = common::closed_port("127.0.0.1");
     let y = format!(
         "services:\n  - {{ name: live, address: {}, protocol: sip-tcp }}\n  - {{ name: dead, address: {dead_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [live, dead] }}\n",
         live.addr
@@ -271,10 +268,7 @@ fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
 
 #[test]
 fn a_request_no_service_can_take_after_a_failed_connect_is_answered_503() {
-    let dead = {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        l.local_addr().expect("addr")
-    };
+    let dead = common::closed_port("127.0.0.1");
     let y = format!(
         "services:\n  - {{ name: dead, address: {dead}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [dead] }}\n"
     );

@@ -83,10 +83,27 @@ pub fn tcp_service(name: &str, ip: &str) -> (SocketAddr, Arc<AtomicU64>) {
     (addr, hits)
 }
 
-/// A port nothing listens on (bound, then released).
+/// A TCP port nothing listens on, kept reserved for the rest of the test binary: a socket is
+/// bound to it and never listens, so connections are refused, and no other socket (another
+/// test's vserver or service, SO_REUSEPORT or not) can be given the port meanwhile — a port
+/// bound and released at once could be, and then the "dead" service answers.
 pub fn closed_port(ip: &str) -> SocketAddr {
-    let l = TcpListener::bind(format!("{ip}:0")).expect("bind");
-    l.local_addr().expect("addr")
+    let ip: std::net::IpAddr = ip.parse().expect("ip");
+    let addr = SocketAddr::new(ip, 0);
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )
+    .expect("socket");
+    s.bind(&addr.into()).expect("bind");
+    let local = s
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .expect("addr");
+    std::mem::forget(s);
+    local
 }
 
 /// A config with one vserver `v` over `services` (name, address).
