@@ -40,6 +40,7 @@
 //! every service's count is scaled down in proportion (at least one point each). Config limits
 //! (fingers <= 1024) reach the cap only with large weights and hundreds of services.
 
+use super::words::{Word, Words};
 use crate::hash::finger_hash;
 
 /// Most ring points kept, whatever the config asks for.
@@ -53,7 +54,7 @@ const END: u32 = u32::MAX;
 
 /// One slot entry: either plain (offset of the slot's only point, or all ones when it has none,
 /// and an owner) or multi (an index into the side list).
-trait Entry: Copy + std::fmt::Debug {
+trait Entry: Word + std::fmt::Debug {
     /// Bits of a stored offset; the offset inside a slot is shifted right by `32 - OFFSET_BITS`.
     const OFFSET_BITS: u32;
     /// Fewest slots for which that shift keeps offsets exact.
@@ -123,8 +124,8 @@ impl Entry for u64 {
 /// Slot entries (`S + 1`: the last one stands for slot 0's start, for the wrap) and the side list
 /// of the multi-point slots.
 #[derive(Debug, Clone)]
-struct Table<E> {
-    entries: Vec<E>,
+struct Table<E: Entry> {
+    entries: Words<E>,
     /// (offset, owner) of the points of each multi slot in ring order, then (`END`, owner of the
     /// first point after the slot).
     side: Vec<(u32, u32)>,
@@ -253,7 +254,10 @@ fn build_table<E: Entry>(pts: &[(u32, u32)], slot_count: u64) -> Table<E> {
         p = q;
     }
     // Slots after the last point, and the wrap entry, keep the first point's owner.
-    Table { entries, side }
+    Table {
+        entries: Words::new(entries),
+        side,
+    }
 }
 
 impl<E: Entry> Table<E> {
@@ -262,14 +266,14 @@ impl<E: Entry> Table<E> {
     fn first_owner(&self, k32: u32, slot_count: u64) -> usize {
         let (s, off) = slot_of(k32, slot_count);
         let kt = off >> (32 - E::OFFSET_BITS);
-        let (Some(e), Some(n)) = (self.entries.get(s), self.entries.get(s + 1)) else {
+        let Some((e, n)) = self.entries.get2(s) else {
             return 0;
         };
         let below = kt <= e.offset();
         if !e.is_multi() && (below || !n.is_multi()) {
             return if below { e.owner() } else { n.owner() };
         }
-        self.first_owner_slow(*e, *n, kt)
+        self.first_owner_slow(e, n, kt)
     }
 
     #[cold]

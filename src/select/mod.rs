@@ -12,6 +12,7 @@
 pub mod carp;
 pub mod jarh;
 pub mod prac;
+mod words;
 
 use crate::config::HashAlgorithm;
 
