@@ -198,17 +198,14 @@ impl Runtime {
             |p| p == Protocol::Udp,
             "udp",
         )?;
-        let now = self.now();
-        let old = cell.load_full();
-        let old_names = names_of(old.balancer());
-        let core = Arc::new(UdpCore::rebuilt(config, v, &old));
-        let added = settle(core.balancer(), &old_names, health_of, now);
-        cell.store(Arc::clone(&core));
-        let handle = &mut self.vservers[slot];
-        handle.balancer = Arc::clone(core.balancer());
-        let r = rebuilt(&old_names, core.balancer(), &added);
-        handle.data = DataPath::Udp(core);
-        Ok(r)
+        Ok(self.swap_core(
+            &cell,
+            slot,
+            health_of,
+            |old| UdpCore::rebuilt(config, v, old),
+            UdpCore::balancer,
+            DataPath::Udp,
+        ))
     }
 
     fn rebuild_tcp(
@@ -225,17 +222,39 @@ impl Runtime {
             |p| matches!(p, Protocol::Tcp | Protocol::Http),
             "tcp or http",
         )?;
+        let epoch = self.epoch();
+        Ok(self.swap_core(
+            &cell,
+            slot,
+            health_of,
+            |old| TcpCore::rebuilt(config, v, epoch, old),
+            TcpCore::balancer,
+            DataPath::Tcp,
+        ))
+    }
+
+    /// Build a core from the running one with `build`, settle its members' health and slow
+    /// start against the old balancer, swap it into `cell` and the handle at `slot`.
+    fn swap_core<C>(
+        &mut self,
+        cell: &ArcSwap<C>,
+        slot: usize,
+        health_of: &dyn Fn(&str) -> Health,
+        build: impl FnOnce(&C) -> C,
+        balancer: fn(&C) -> &Arc<Balancer>,
+        wrap: fn(Arc<C>) -> DataPath,
+    ) -> Rebuilt {
         let now = self.now();
         let old = cell.load_full();
-        let old_names = names_of(old.balancer());
-        let core = Arc::new(TcpCore::rebuilt(config, v, self.epoch(), &old));
-        let added = settle(core.balancer(), &old_names, health_of, now);
+        let old_names = names_of(balancer(&old));
+        let core = Arc::new(build(&old));
+        let added = settle(balancer(&core), &old_names, health_of, now);
         cell.store(Arc::clone(&core));
+        let r = rebuilt(&old_names, balancer(&core), &added);
         let handle = &mut self.vservers[slot];
-        handle.balancer = Arc::clone(core.balancer());
-        let r = rebuilt(&old_names, core.balancer(), &added);
-        handle.data = DataPath::Tcp(core);
-        Ok(r)
+        handle.balancer = Arc::clone(balancer(&core));
+        handle.data = wrap(core);
+        r
     }
 
     /// Rebuild sip-udp vserver `name` from `config` (same listener). `health_of` gives each
