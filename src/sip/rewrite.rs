@@ -395,7 +395,12 @@ pub fn forward_request<B: BufMut>(
     }
     let buf = msg.buf();
     let via_idx = msg.via_index().ok_or(RewriteError::NoVia)?;
-    let top = top_via_of(buf, via_idx, b"").ok_or(RewriteError::BadVia)?;
+    // The scan's parsed top Via, unless the first Via header has no value at all (the scan
+    // then takes the next header's; a request's top Via must be in the first header).
+    let top = CommaValues::new(buf, via_idx.value)
+        .next()
+        .and_then(|_| msg.top_via())
+        .ok_or(RewriteError::BadVia)?;
 
     let mut edits = Edits::new();
     let mf = match msg.max_forwards() {
@@ -504,12 +509,6 @@ pub fn forward_request<B: BufMut>(
     }
     put(out, &buf[pos..msg.len()]);
     Ok(n)
-}
-
-/// The first value of the top Via header, parsed, with its header line.
-fn top_via_of<'a>(buf: &'a [u8], idx: Indexed, extra: &[u8]) -> Option<Via<'a>> {
-    let span = CommaValues::new(buf, idx.value).next()?;
-    parse_via(buf, span, extra)
 }
 
 /// The bytes to cut so that the first value of a header disappears: the whole line when it is

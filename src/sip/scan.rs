@@ -191,6 +191,9 @@ pub struct SipMsg<'a> {
     route: Option<Indexed>,
     record_route: Option<Indexed>,
     contact: Option<Indexed>,
+    /// The first Via value, parsed once at the end of the scan (every message on the proxy
+    /// path needs it, some twice).
+    top_via: Option<Via<'a>>,
 }
 
 /// Scan one SIP message at the start of `buf` (leading CRLFs are skipped, RFC 3261 §7.5).
@@ -229,6 +232,7 @@ pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
         route: None,
         record_route: None,
         contact: None,
+        top_via: None,
     };
 
     let mut pos = headers_start;
@@ -278,6 +282,7 @@ pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
         None => buf.len(),
     };
     msg.body = Span::new(body_start, body_end);
+    msg.top_via = msg.parse_top_via();
     Ok(msg)
 }
 
@@ -1085,9 +1090,15 @@ impl<'a> SipMsg<'a> {
         self.content_length.map(|(_, n)| n)
     }
 
-    /// First Via value, parsed. Straight from the indexed Via header: no header is
-    /// re-scanned (this runs for every message on the datagram path).
+    /// First Via value, parsed (once, by `scan`).
+    #[inline]
     pub fn top_via(&self) -> Option<Via<'a>> {
+        self.top_via
+    }
+
+    /// First Via value, parsed straight from the indexed Via header: no header is
+    /// re-scanned.
+    fn parse_top_via(&self) -> Option<Via<'a>> {
         let idx = self.via?;
         match CommaValues::new(self.buf, idx.value).next() {
             Some(span) => parse_via(self.buf, span, b""),
