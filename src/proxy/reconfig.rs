@@ -100,17 +100,12 @@ fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
 
 /// The core of SIP vserver `v` of `config`, with `old`'s Via identity (its listener is kept).
 fn sip_core(config: &Config, v: &Vserver, old: &SipCore, balancer: &Arc<Balancer>) -> SipCore {
-    SipCore::new(SipParams {
-        name: v.name.clone(),
-        local: old.local().clone(),
-        record_route: v.record_route,
-        method: v.method,
-        hash_params: v.hash.clone(),
-        balancer: Arc::clone(balancer),
-        member_addrs: config.member_addrs(v),
-        max_dialogs: v.max_sessions,
-        dialog_idle: v.idle_timeout,
-    })
+    SipCore::new(SipParams::of(
+        config,
+        v,
+        old.local().clone(),
+        Arc::clone(balancer),
+    ))
 }
 
 /// Copy the live dialogs of `old` into `new`, renumbering members by service name; dialogs

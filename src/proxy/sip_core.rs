@@ -120,6 +120,29 @@ pub struct SipParams {
     pub dialog_idle: Duration,
 }
 
+impl SipParams {
+    /// The parameters of SIP vserver `v` of `config`: its settings, members' addresses, Via
+    /// identity `local` and `balancer`.
+    pub fn of(
+        config: &crate::config::Config,
+        v: &crate::config::Vserver,
+        local: Local,
+        balancer: Arc<Balancer>,
+    ) -> SipParams {
+        SipParams {
+            name: v.name.clone(),
+            local,
+            record_route: v.record_route,
+            method: v.method,
+            hash_params: v.hash.clone(),
+            balancer,
+            member_addrs: config.member_addrs(v),
+            max_dialogs: v.max_sessions,
+            dialog_idle: v.idle_timeout,
+        }
+    }
+}
+
 impl SipCore {
     pub fn new(p: SipParams) -> SipCore {
         SipCore {

@@ -706,17 +706,12 @@ pub fn start(
     let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Tcp)?;
     let balancer = Arc::new(crate::balancer::Balancer::new(config, v));
-    let core = Arc::new(SipCore::new(SipParams {
-        name: v.name.clone(),
+    let core = Arc::new(SipCore::new(SipParams::of(
+        config,
+        v,
         local,
-        record_route: v.record_route,
-        method: v.method,
-        hash_params: v.hash.clone(),
-        balancer: Arc::clone(&balancer),
-        member_addrs,
-        max_dialogs: v.max_sessions,
-        dialog_idle: v.idle_timeout,
-    }));
+        Arc::clone(&balancer),
+    )));
     let empty = Generation {
         core: Arc::clone(&core),
         links: Vec::new(),

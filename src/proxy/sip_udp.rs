@@ -104,17 +104,7 @@ pub fn start(
     let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Udp)?;
     let balancer = Arc::new(Balancer::new(config, v));
-    let core = Arc::new(SipCore::new(SipParams {
-        name: v.name.clone(),
-        local,
-        record_route: v.record_route,
-        method: v.method,
-        hash_params: v.hash.clone(),
-        balancer,
-        member_addrs,
-        max_dialogs: v.max_sessions,
-        dialog_idle: v.idle_timeout,
-    }));
+    let core = Arc::new(SipCore::new(SipParams::of(config, v, local, balancer)));
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
     ctx.sip_cells.push((v.name.clone(), Arc::clone(&cell)));
     for (i, socket) in sockets.into_iter().enumerate() {
