@@ -76,15 +76,23 @@ pub fn mix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The CARP combination of a key hash and a service hash: `mix64(key ^ service)`.
+/// The CARP combination of a key hash and a service hash: [`mix64`] of `key ^ service` without
+/// its last step (`z ^= z >> 31`).
 ///
 /// The 1998 CARP draft's own 32-bit combine gives a peak/mean of 4 with IP:port members (issue 3
 /// measured it), so fulcrum keeps the draft's structure (combine two hashes, highest wins) with a
-/// full-avalanche 64-bit mixer: for a fixed key, the values over distinct services behave as
-/// independent uniform draws, which is what highest-random-weight hashing needs.
+/// 64-bit mixer whose high bits avalanche fully: for a fixed key, the values over distinct
+/// services behave as independent uniform draws, which is what highest-random-weight hashing
+/// needs. The last xor-shift of `mix64` only re-mixes the low 33 bits from the high ones, so it
+/// never changes the order of two values whose top 31 bits differ; leaving it out saves three of
+/// the instructions a carp lookup spends per service (1.27 -> 1.14 ns per service at n = 100).
+/// Rankings differ from the full `mix64` only where the two best values share their top 31 bits,
+/// about one key in two million at n = 1000; the golden file's 1,000 keys did not change.
 #[inline]
 pub fn carp_combine(key_hash: u64, service_hash: u64) -> u64 {
-    mix64(key_hash ^ service_hash)
+    let z = key_hash ^ service_hash;
+    let z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb)
 }
 
 /// Position of ring point number `finger` of a service on the jarh ring: xxh3-64 with
