@@ -115,3 +115,45 @@ fn one_build() {
     let sel = HashSelector::build(alg, fingers, &members, &up);
     std::hint::black_box(sel);
 }
+
+/// prac's add disruption over a range of service counts (caps change at some counts and not at
+/// others, so one count alone can flatter or hurt). `FULCRUM_SWEEP=lo..hi`, default 996..1008.
+#[test]
+#[ignore = "measurement run: use --release"]
+fn measure_prac_add_sweep() {
+    let (lo, hi) = std::env::var("FULCRUM_SWEEP")
+        .ok()
+        .and_then(|v| {
+            let (a, b) = v.split_once("..")?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        })
+        .unwrap_or((996usize, 1008usize));
+    let fingers: u32 = std::env::var("FULCRUM_FINGERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256);
+    let (mut sum, mut worst, mut foreign_sum, mut share_worst) = (0.0, 0.0f64, 0u64, 0.0f64);
+    for n in lo..=hi {
+        let r = simulate_hash(&HashSimParams {
+            algorithm: HashAlgorithm::Prac,
+            services: n,
+            keys: 1_000_000,
+            fingers,
+            seed: 1,
+        });
+        println!(
+            "n {n}: add_moved_ratio {:.3} add_foreign_moved {} share {:.4}",
+            r.add_moved_ratio, r.add_foreign_moved, r.share_peak_to_mean
+        );
+        sum += r.add_moved_ratio;
+        worst = worst.max(r.add_moved_ratio);
+        foreign_sum += r.add_foreign_moved;
+        share_worst = share_worst.max(r.share_peak_to_mean);
+    }
+    let count = (hi + 1 - lo) as f64;
+    println!(
+        "prac fingers {fingers} n {lo}..{hi}: mean add_moved_ratio {:.3}, worst {worst:.3}, mean worst-trial foreign {:.0}, worst share {share_worst:.4}",
+        sum / count,
+        foreign_sum as f64 / count
+    );
+}
