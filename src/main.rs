@@ -67,18 +67,27 @@ enum Command {
 
 #[derive(Subcommand)]
 enum Simulate {
-    /// Hash K synthetic Call-ID-like keys over N services and report balance, disruption,
-    /// lookup time and memory.
+    /// Hash K synthetic Call-ID-like keys over N services (or over a config's vserver) and
+    /// report balance, disruption, lookup time and memory.
     Hash {
-        #[arg(long, value_enum, default_value = "carp")]
-        algorithm: CliAlgorithm,
-        #[arg(long, default_value_t = 1000)]
-        services: usize,
+        /// Default: the config's `lb.hash_algorithm` with --config, else carp.
+        #[arg(long, value_enum)]
+        algorithm: Option<CliAlgorithm>,
+        /// Synthetic services (10.a.b.c:5060, weight 1); not with --config.
+        #[arg(long, conflicts_with = "config")]
+        services: Option<usize>,
         #[arg(long, default_value_t = 1_000_000)]
         keys: usize,
-        /// Table resolution of prac / jarh (1..=1024).
-        #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..=1024))]
-        fingers: u32,
+        /// Table resolution of prac / jarh (1..=1024). Default: the config's `lb.hash_fingers`
+        /// with --config, else 256.
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+        fingers: Option<u32>,
+        /// Use the services (addresses, hash_id, weights) of a vserver of this config.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The vserver of --config (may be left out when the config has one hashing vserver).
+        #[arg(long, requires = "config")]
+        vserver: Option<String>,
         #[arg(long, default_value_t = 1)]
         seed: u64,
         /// One JSON object instead of text.
@@ -250,6 +259,54 @@ fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Res
     Ok(())
 }
 
+/// The vserver `simulate hash --config` reports on: the named one, else the only vserver with a
+/// hash method.
+fn pick_hash_vserver<'a>(
+    cfg: &'a config::Config,
+    name: Option<&str>,
+) -> anyhow::Result<&'a config::Vserver> {
+    let hashing: Vec<&config::Vserver> =
+        cfg.vservers.iter().filter(|v| v.method.is_hash()).collect();
+    let names = |list: &[&config::Vserver]| {
+        list.iter()
+            .map(|v| v.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let vs = match name {
+        Some(name) => cfg
+            .vservers
+            .iter()
+            .find(|v| v.name == name)
+            .ok_or_else(|| anyhow::anyhow!("no vserver named {name:?} in the config"))?,
+        None => match hashing.as_slice() {
+            [one] => one,
+            [] => anyhow::bail!("no vserver of this config uses a hash method"),
+            _ => anyhow::bail!(
+                "several vservers use a hash method ({}): choose one with --vserver",
+                names(&hashing)
+            ),
+        },
+    };
+    anyhow::ensure!(
+        vs.method.is_hash(),
+        "vserver {:?} uses {}, which does not hash; hashing vservers: {}",
+        vs.name,
+        vs.method.name(),
+        if hashing.is_empty() {
+            "none".to_string()
+        } else {
+            names(&hashing)
+        }
+    );
+    anyhow::ensure!(
+        !vs.services.is_empty(),
+        "vserver {:?} has no services",
+        vs.name
+    );
+    Ok(vs)
+}
+
 fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
     use fulcrum::simulate::{hash, slow_start};
     match what {
@@ -258,22 +315,44 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
             services,
             keys,
             fingers,
+            config: config_path,
+            vserver,
             seed,
             json,
         } => {
-            anyhow::ensure!(services >= 1, "--services must be at least 1");
-            let params = hash::HashSimParams {
-                algorithm: match algorithm {
-                    CliAlgorithm::Carp => config::HashAlgorithm::Carp,
-                    CliAlgorithm::Prac => config::HashAlgorithm::Prac,
-                    CliAlgorithm::Jarh => config::HashAlgorithm::Jarh,
-                },
-                services,
-                keys,
-                fingers,
-                seed,
+            let algorithm = algorithm.map(|a| match a {
+                CliAlgorithm::Carp => config::HashAlgorithm::Carp,
+                CliAlgorithm::Prac => config::HashAlgorithm::Prac,
+                CliAlgorithm::Jarh => config::HashAlgorithm::Jarh,
+            });
+            let report = if let Some(path) = config_path {
+                let cfg = match config::load(&path) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        eprintln!("{e}");
+                        return Ok(ExitCode::from(EXIT_INVALID));
+                    }
+                };
+                let vs = pick_hash_vserver(&cfg, vserver.as_deref())?;
+                hash::simulate_config(
+                    &cfg,
+                    vs,
+                    algorithm.unwrap_or(cfg.lb.hash_algorithm),
+                    fingers.unwrap_or(cfg.lb.hash_fingers),
+                    keys,
+                    seed,
+                )
+            } else {
+                let services = services.unwrap_or(1000);
+                anyhow::ensure!(services >= 1, "--services must be at least 1");
+                hash::simulate_hash(&hash::HashSimParams {
+                    algorithm: algorithm.unwrap_or(config::HashAlgorithm::Carp),
+                    services,
+                    keys,
+                    fingers: fingers.unwrap_or(256),
+                    seed,
+                })
             };
-            let report = hash::simulate_hash(&params);
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {

@@ -157,3 +157,115 @@ fn measure_prac_add_sweep() {
         foreign_sum as f64 / count
     );
 }
+
+fn fulcrum(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .args(args)
+        .output()
+        .expect("run fulcrum")
+}
+
+/// `simulate hash --config`: the vserver's own services, weights and hash_id identities, the
+/// config's algorithm; a weight-2 service gets about twice the share of a weight-1 one, and two
+/// services sharing a hash_id rank identically (the firewall legs of config/firewall.yaml).
+#[test]
+fn simulate_hash_from_a_config() {
+    let dir = std::env::temp_dir().join(format!("fulcrum-simcfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("sim.yaml");
+    std::fs::write(
+        &path,
+        "lb: { hash_algorithm: prac, hash_fingers: 64 }\n\
+         services:\n\
+         \x20 - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n\
+         \x20 - { name: b, address: 127.0.0.1:5072, protocol: sip-udp, weight: 2 }\n\
+         \x20 - { name: c, address: 127.0.0.1:5073, protocol: sip-udp, hash_id: fw-c }\n\
+         vservers:\n\
+         \x20 - { name: lb, protocol: sip-udp, bind: [127.0.0.1:5060], method: call_id_hash, services: [a, b, c] }\n\
+         \x20 - { name: rr, protocol: sip-udp, bind: [127.0.0.1:5061], method: round_robin, services: [a, b] }\n",
+    )
+    .unwrap();
+    let p = path.to_str().unwrap();
+    let out = fulcrum(&[
+        "simulate", "hash", "--config", p, "--keys", "40000", "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["algorithm"], "prac");
+    assert_eq!(v["fingers"], 64);
+    assert_eq!(v["services"], 3);
+    let per = v["per_service"].as_array().unwrap();
+    let names: Vec<&str> = per.iter().map(|s| s["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["a", "b", "c"]);
+    assert_eq!(per[2]["hash_id"], "fw-c");
+    assert_eq!(per[1]["expected_share"], 0.5);
+    for s in per {
+        let ratio = s["share_to_expected"].as_f64().unwrap();
+        assert!((ratio - 1.0).abs() < 0.01, "{s}");
+    }
+    let keys = |i: usize| per[i]["keys"].as_f64().unwrap();
+    let twice = keys(1) / keys(0);
+    assert!((1.8..2.2).contains(&twice), "weight 2 gets {twice}x");
+    assert!(v["restore_exact"].as_bool().unwrap());
+
+    // Overrides, and the text table.
+    let out = fulcrum(&[
+        "simulate",
+        "hash",
+        "--config",
+        p,
+        "--vserver",
+        "lb",
+        "--algorithm",
+        "jarh",
+        "--keys",
+        "10000",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("algorithm jarh"), "{text}");
+    assert!(text.contains("127.0.0.1:5072"), "{text}");
+
+    // The same identity gives the same choices: renaming or readdressing a hash_id service
+    // changes nothing, its hash_id does.
+    let renamed = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace(
+            "name: c, address: 127.0.0.1:5073",
+            "name: z, address: 127.0.0.1:6000",
+        )
+        .replace("[a, b, c]", "[a, b, z]");
+    let path2 = dir.join("renamed.yaml");
+    std::fs::write(&path2, renamed).unwrap();
+    let out2 = fulcrum(&[
+        "simulate",
+        "hash",
+        "--config",
+        path2.to_str().unwrap(),
+        "--keys",
+        "40000",
+        "--json",
+    ]);
+    let v2: serde_json::Value = serde_json::from_slice(&out2.stdout).unwrap();
+    for i in 0..3 {
+        assert_eq!(v2["per_service"][i]["keys"], per[i]["keys"]);
+    }
+
+    // A vserver that does not hash, an unknown one, and a bad file are clear errors.
+    let out = fulcrum(&["simulate", "hash", "--config", p, "--vserver", "rr"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("round_robin") && err.contains("lb"), "{err}");
+    let out = fulcrum(&["simulate", "hash", "--config", p, "--vserver", "nope"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no vserver named \"nope\""));
+    std::fs::write(dir.join("bad.yaml"), "lb: { hash_fingers: 0 }\n").unwrap();
+    let bad = dir.join("bad.yaml");
+    let out = fulcrum(&["simulate", "hash", "--config", bad.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad.yaml:1:"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

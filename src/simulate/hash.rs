@@ -7,6 +7,11 @@
 //! splitmix64 stream seeded by `seed`, hashed with the production `key_hash`. Services are
 //! `10.a.b.c:5060` (weight 1) hashed by address identity.
 //!
+//! With `--config FILE --vserver NAME` the services are the vserver's own (address or `hash_id`
+//! identity, weights), the algorithm and fingers those of the config's `lb` section unless given,
+//! and the report adds each service's expected share (weight / total) against the share it gets.
+//! Every ratio is taken against the weighted share, which for equal weights is 1/N.
+//!
 //! Disruption is averaged over several trials so that one service's sampling noise (about
 //! 1/sqrt(keys/N)) does not dominate the ratio: `min(N, 16)` services, spread over the config
 //! order, are each taken DOWN alone, and as many distinct new services are each added alone.
@@ -19,8 +24,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::config::HashAlgorithm;
-use crate::hash::{address_identity, key_hash, mix64, service_hash};
+use crate::config::{Config, HashAlgorithm, Service, Vserver};
+use crate::hash::{address_identity, key_hash, mix64, service_hash, service_identity_hash};
 use crate::select::{HashSelector, Member};
 
 /// Inputs of one simulation.
@@ -58,6 +63,9 @@ pub struct HashReport {
     pub lookup_ns: f64,
     /// Bytes of the algorithm's tables with all services UP.
     pub memory_bytes: usize,
+    /// Config runs only: each service's expected and actual share.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per_service: Option<Vec<ServiceShare>>,
 }
 
 /// Number of remove and add trials.
@@ -127,12 +135,105 @@ fn median_lookup_ns(sel: &HashSelector, keys: &[u64]) -> f64 {
 
 /// Runs one simulation with the real selection code.
 pub fn simulate_hash(p: &HashSimParams) -> HashReport {
-    let n = p.services;
+    let members: Vec<Member> = (0..p.services).map(synthetic_member).collect();
     let keys = synthetic_key_hashes(p.keys, p.seed);
-    let members: Vec<Member> = (0..n).map(synthetic_member).collect();
+    let (report, _) = simulate_members(p.algorithm, p.fingers, &members, &keys);
+    report
+}
+
+/// One service of a config run: its expected share (weight / total weight) against the share
+/// it gets.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServiceShare {
+    pub name: String,
+    pub address: String,
+    pub hash_id: Option<String>,
+    pub weight: u32,
+    /// Keys (of the simulated ones) that land on this service with every service UP.
+    pub keys: u64,
+    /// `weight / sum(weights)`.
+    pub expected_share: f64,
+    /// Exact share of the hash space (prac, jarh), or the key fraction (carp).
+    pub share: f64,
+    /// `share / expected_share`.
+    pub share_to_expected: f64,
+}
+
+/// `fulcrum simulate hash --config FILE --vserver NAME`: the vserver's own services (identity,
+/// `hash_id`, weights) with the config's algorithm and fingers unless overridden. Disruption
+/// trials take the config's services DOWN one at a time and add synthetic new services
+/// (weight 1), as the synthetic run does.
+pub fn simulate_config(
+    cfg: &Config,
+    vserver: &Vserver,
+    algorithm: HashAlgorithm,
+    fingers: u32,
+    keys: usize,
+    seed: u64,
+) -> HashReport {
+    let services: Vec<&Service> = vserver
+        .services
+        .iter()
+        .filter_map(|i| cfg.services.get(*i))
+        .collect();
+    let members: Vec<Member> = services
+        .iter()
+        .map(|s| Member {
+            id_hash: service_identity_hash(s.hash_id.as_deref(), &s.address),
+            weight: s.weight.max(1),
+        })
+        .collect();
+    let key_hashes = synthetic_key_hashes(keys, seed);
+    let (mut report, detail) = simulate_members(algorithm, fingers, &members, &key_hashes);
+    report.per_service = Some(
+        services
+            .iter()
+            .zip(detail)
+            .map(|(s, d)| ServiceShare {
+                name: s.name.clone(),
+                address: s.address.to_string(),
+                hash_id: s.hash_id.clone(),
+                weight: s.weight.max(1),
+                keys: d.keys,
+                expected_share: d.expected,
+                share: d.share,
+                share_to_expected: if d.expected > 0.0 {
+                    d.share / d.expected
+                } else {
+                    0.0
+                },
+            })
+            .collect(),
+    );
+    report
+}
+
+/// Per-member figures of one run, in member order.
+struct MemberShare {
+    keys: u64,
+    expected: f64,
+    share: f64,
+}
+
+/// The measurement itself, over any member list (weights honoured: every ratio is taken
+/// against a member's weighted share, which for equal weights is 1/N).
+fn simulate_members(
+    algorithm: HashAlgorithm,
+    fingers: u32,
+    members: &[Member],
+    keys: &[u64],
+) -> (HashReport, Vec<MemberShare>) {
+    let n = members.len();
+    let k = keys.len();
     let all_up = vec![true; n];
-    let base = HashSelector::build(p.algorithm, p.fingers, &members, &all_up);
-    let before = owners(&base, &keys);
+    let base = HashSelector::build(algorithm, fingers, members, &all_up);
+    let before = owners(&base, keys);
+    let total_weight: u64 = members.iter().map(|m| u64::from(m.weight.max(1))).sum();
+    let expected = |i: usize| {
+        members.get(i).map_or(0.0, |m| {
+            f64::from(m.weight.max(1)) / total_weight.max(1) as f64
+        })
+    };
 
     let mut counts = vec![0u64; n];
     for o in &before {
@@ -140,13 +241,39 @@ pub fn simulate_hash(p: &HashSimParams) -> HashReport {
             *c += 1;
         }
     }
-    let mean = p.keys as f64 / n.max(1) as f64;
-    let peak = counts.iter().copied().max().unwrap_or(0) as f64;
-    let peak_to_mean = if mean > 0.0 { peak / mean } else { 0.0 };
-    let share_peak_to_mean = match base.exact_shares() {
-        Some(shares) => shares.iter().copied().fold(0.0, f64::max) * n as f64,
+    let key_shares: Vec<f64> = counts
+        .iter()
+        .map(|c| if k > 0 { *c as f64 / k as f64 } else { 0.0 })
+        .collect();
+    let peak_over = |shares: &[f64]| {
+        shares
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                if expected(i) > 0.0 {
+                    s / expected(i)
+                } else {
+                    0.0
+                }
+            })
+            .fold(0.0, f64::max)
+    };
+    let peak_to_mean = peak_over(&key_shares);
+    let exact = base.exact_shares();
+    let share_peak_to_mean = match &exact {
+        Some(shares) => peak_over(shares),
         None => peak_to_mean,
     };
+    let detail = (0..n)
+        .map(|i| MemberShare {
+            keys: counts[i],
+            expected: expected(i),
+            share: exact
+                .as_ref()
+                .and_then(|s| s.get(i).copied())
+                .unwrap_or(key_shares[i]),
+        })
+        .collect();
 
     let t = trials(n);
     let mut remove_ratio_sum = 0.0;
@@ -156,8 +283,8 @@ pub fn simulate_hash(p: &HashSimParams) -> HashReport {
         let victim = trial * n / t;
         let mut up = all_up.clone();
         up[victim] = false;
-        let down = HashSelector::build(p.algorithm, p.fingers, &members, &up);
-        let after = owners(&down, &keys);
+        let down = HashSelector::build(algorithm, fingers, members, &up);
+        let after = owners(&down, keys);
         let mut moved = 0u64;
         let mut foreign = 0u64;
         for (b, a) in before.iter().zip(&after) {
@@ -169,21 +296,23 @@ pub fn simulate_hash(p: &HashSimParams) -> HashReport {
             }
         }
         remove_foreign = remove_foreign.max(foreign);
-        if p.keys > 0 {
-            remove_ratio_sum += (moved as f64 / p.keys as f64) * n as f64;
+        if k > 0 && expected(victim) > 0.0 {
+            remove_ratio_sum += (moved as f64 / k as f64) / expected(victim);
         }
-        let back = HashSelector::build(p.algorithm, p.fingers, &members, &all_up);
-        restore_exact &= owners(&back, &keys) == before;
+        let back = HashSelector::build(algorithm, fingers, members, &all_up);
+        restore_exact &= owners(&back, keys) == before;
     }
 
     let mut add_ratio_sum = 0.0;
     let mut add_foreign = 0u64;
     for trial in 0..t {
-        let mut grown = members.clone();
-        // New services come from outside the range used by the config (n + 1000 + trial).
-        grown.push(synthetic_member(n + 1000 + trial));
-        let sel = HashSelector::build(p.algorithm, p.fingers, &grown, &vec![true; n + 1]);
-        let after = owners(&sel, &keys);
+        let mut grown = members.to_vec();
+        // New services come from outside the synthetic config's range (n + 1000 + trial).
+        let newcomer = synthetic_member(n + 1000 + trial);
+        let ideal = f64::from(newcomer.weight) / (total_weight + u64::from(newcomer.weight)) as f64;
+        grown.push(newcomer);
+        let sel = HashSelector::build(algorithm, fingers, &grown, &vec![true; n + 1]);
+        let after = owners(&sel, keys);
         let mut moved = 0u64;
         let mut foreign = 0u64;
         for (b, a) in before.iter().zip(&after) {
@@ -195,17 +324,17 @@ pub fn simulate_hash(p: &HashSimParams) -> HashReport {
             }
         }
         add_foreign = add_foreign.max(foreign);
-        if p.keys > 0 {
-            add_ratio_sum += (moved as f64 / p.keys as f64) * (n + 1) as f64;
+        if k > 0 {
+            add_ratio_sum += (moved as f64 / k as f64) / ideal;
         }
     }
     let per_trial = |sum: f64| if t > 0 { sum / t as f64 } else { 0.0 };
 
-    HashReport {
-        algorithm: p.algorithm.name().to_string(),
+    let report = HashReport {
+        algorithm: algorithm.name().to_string(),
         services: n,
-        keys: p.keys,
-        fingers: p.fingers,
+        keys: k,
+        fingers,
         peak_to_mean,
         share_peak_to_mean,
         remove_moved_ratio: per_trial(remove_ratio_sum),
@@ -213,9 +342,11 @@ pub fn simulate_hash(p: &HashSimParams) -> HashReport {
         restore_exact,
         add_moved_ratio: per_trial(add_ratio_sum),
         add_foreign_moved: add_foreign,
-        lookup_ns: median_lookup_ns(&base, &keys),
+        lookup_ns: median_lookup_ns(&base, keys),
         memory_bytes: base.memory_bytes(),
-    }
+        per_service: None,
+    };
+    (report, detail)
 }
 
 /// Human-readable rendering of a report (`fulcrum simulate hash` without `--json`).
@@ -246,6 +377,25 @@ pub fn render_text(r: &HashReport) -> String {
     ];
     for (k, v) in rows {
         s.push_str(&format!("  {k:<24}{v}\n"));
+    }
+    if let Some(per) = &r.per_service {
+        let width = per.iter().map(|p| p.name.len()).max().unwrap_or(0).max(7);
+        s.push_str(&format!(
+            "\n  {:<width$}  {:<22}  {:>6}  {:>9}  {:>9}  {:>8}  {:>10}\n",
+            "service", "address", "weight", "expected", "share", "ratio", "keys"
+        ));
+        for p in per {
+            s.push_str(&format!(
+                "  {:<width$}  {:<22}  {:>6}  {:>8.4}%  {:>8.4}%  {:>8.4}  {:>10}\n",
+                p.name,
+                p.address,
+                p.weight,
+                p.expected_share * 100.0,
+                p.share * 100.0,
+                p.share_to_expected,
+                p.keys
+            ));
+        }
     }
     s
 }
