@@ -24,15 +24,7 @@ fn tcp_core(rt: &fulcrum::proxy::Runtime, name: &str) -> Arc<fulcrum::proxy::tcp
 
 #[test]
 fn round_robin_distributes_connections() {
-    let svc = services("tcp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "round_robin",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("tcp", 3, "round_robin", "");
     let mut per: HashMap<String, usize> = HashMap::new();
     for i in 0..30 {
         let msg = format!("hello {i}");
@@ -51,15 +43,7 @@ fn round_robin_distributes_connections() {
 
 #[test]
 fn source_ip_hash_keeps_a_client_on_one_service() {
-    let svc = services("tcp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "source_ip_hash",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (_rt, vs) = start_loopback("tcp", 3, "source_ip_hash", "");
     let first = tcp_ask(vs, b"a").expect("answer").service;
     for _ in 0..10 {
         assert_eq!(tcp_ask(vs, b"a").expect("answer").service, first);
@@ -70,15 +54,7 @@ fn source_ip_hash_keeps_a_client_on_one_service() {
 /// reaches the service (it answers only after EOF), and the answer still flows back.
 #[test]
 fn half_close_passes_through_and_large_payloads_are_intact() {
-    let svc = services("tcp", 1, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "round_robin",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("tcp", 1, "round_robin", "");
     let big: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
     let a = tcp_ask(vs, &big).expect("answer");
     assert_eq!(a.body.len(), big.len());
@@ -143,15 +119,7 @@ fn all_services_failing_closes_the_client() {
 
 #[test]
 fn idle_connections_time_out() {
-    let svc = services("tcp", 1, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "round_robin",
-        "idle_timeout: 200ms",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("tcp", 1, "round_robin", "idle_timeout: 200ms");
     let mut s = TcpStream::connect(vs).expect("connect");
     s.set_read_timeout(Some(ANSWER)).expect("timeout");
     let mut buf = [0u8; 16];
@@ -164,15 +132,7 @@ fn idle_connections_time_out() {
 
 #[test]
 fn connection_limit_refuses_and_least_connection_counts_live_connections() {
-    let svc = services("tcp", 2, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "least_connection",
-        "max_sessions: 2",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("tcp", 2, "least_connection", "max_sessions: 2");
     let core = tcp_core(&rt, "v");
     let mut held = Vec::new();
     for _ in 0..2 {
@@ -215,15 +175,7 @@ fn connection_limit_refuses_and_least_connection_counts_live_connections() {
 /// shutdown closes those still open.
 #[test]
 fn worker_threads_share_the_port_the_bound_and_the_shutdown() {
-    let svc = services("tcp", 2, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "least_connection",
-        "workers: 3\nmax_sessions: 40",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("tcp", 2, "least_connection", "workers: 3\nmax_sessions: 40");
     let core = tcp_core(&rt, "v");
     let b = Arc::clone(core.balancer());
     let active = |m| b.counters(m).map_or(0, |c| c.active());
@@ -269,8 +221,7 @@ fn worker_threads_share_the_port_the_bound_and_the_shutdown() {
 #[test]
 fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
     let svc = services("tcp", 2, "[::1]");
-    let rt = start(&config("tcp", "[::1]:0", "dest_ip_hash", "", &refs(&svc)));
-    let vs = bound(&rt, "v");
+    let (_rt, vs) = start_over("tcp", "[::1]:0", "dest_ip_hash", "", &svc);
     let first = tcp_ask(vs, b"six").expect("answer");
     assert_eq!(first.body, b"six");
     for _ in 0..5 {
@@ -278,14 +229,8 @@ fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
     }
     // On a wildcard bind the accepted socket's local address is the key.
     let svc4 = services("tcp", 3, "127.0.0.1");
-    let rt4 = start(&config(
-        "tcp",
-        "0.0.0.0:0",
-        "dest_ip_hash",
-        "",
-        &refs(&svc4),
-    ));
-    let port = bound(&rt4, "v").port();
+    let (_rt4, vs4) = start_over("tcp", "0.0.0.0:0", "dest_ip_hash", "", &svc4);
+    let port = vs4.port();
     let mut by_dst = HashMap::new();
     for i in 1..=12u8 {
         let dst: SocketAddr = format!("127.0.0.{i}:{port}").parse().expect("addr");
@@ -303,15 +248,7 @@ fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
 
 #[test]
 fn proxy_v2_header_precedes_the_stream() {
-    let svc = services("tcp", 1, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "round_robin",
-        "send_proxy: v2",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (_rt, vs) = start_loopback("tcp", 1, "round_robin", "send_proxy: v2");
     let from: SocketAddr = "127.0.0.7:0".parse().expect("addr");
     let sock =
         socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
@@ -325,9 +262,7 @@ fn proxy_v2_header_precedes_the_stream() {
 
 #[test]
 fn http_url_hash_affinity_and_round_robin_fallback() {
-    let svc = services("tcp", 3, "127.0.0.1");
-    let rt = start(&config("http", "127.0.0.1:0", "url_hash", "", &refs(&svc)));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("http", 3, "url_hash", "");
     let mut by_url = HashMap::new();
     for i in 0..15 {
         let req = format!("GET /obj/{i} HTTP/1.1\r\nHost: cache\r\n\r\n");
@@ -368,15 +303,7 @@ fn http_url_hash_affinity_and_round_robin_fallback() {
 
 #[test]
 fn http_head_cut_short_by_eof_or_timeout_falls_back() {
-    let svc = services("tcp", 2, "127.0.0.1");
-    let rt = start(&config(
-        "http",
-        "127.0.0.1:0",
-        "domain_hash",
-        "idle_timeout: 300ms",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("http", 2, "domain_hash", "idle_timeout: 300ms");
     // The client half-closes mid-head: what came is forwarded to a fallback service.
     let a = tcp_ask(vs, b"GET /x HTTP/1.1\r\nHost: exa").expect("answer");
     assert_eq!(a.body, b"GET /x HTTP/1.1\r\nHost: exa");
@@ -399,90 +326,56 @@ fn http_head_cut_short_by_eof_or_timeout_falls_back() {
     );
 }
 
+/// The service answering `request(k)` for each key `k` in `0..12`, one connection each.
+fn service_per_key(vs: SocketAddr, request: impl Fn(u32) -> String) -> Vec<String> {
+    (0..12)
+        .map(|k| tcp_ask(vs, request(k).as_bytes()).expect("answer").service)
+        .collect()
+}
+
 #[test]
 fn http_domain_and_token_keys() {
     let svc = services("tcp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "http",
-        "127.0.0.1:0",
-        "domain_hash",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
-    let mut by_host = HashMap::new();
-    for h in 0..12 {
-        let req = format!("GET /{h} HTTP/1.1\r\nHost: site{h}.example\r\n\r\n");
-        by_host.insert(h, tcp_ask(vs, req.as_bytes()).expect("answer").service);
-    }
-    assert!(by_host.values().collect::<HashSet<_>>().len() >= 2);
-    for h in 0..12 {
-        let req = format!("POST /other HTTP/1.1\r\nHost: SITE{h}.example\r\n\r\n");
-        assert_eq!(
-            tcp_ask(vs, req.as_bytes()).expect("answer").service,
-            by_host[&h]
-        );
-    }
-    let rt2 = start(&config(
+    let (_rt, vs) = start_over("http", "127.0.0.1:0", "domain_hash", "", &svc);
+    let by_host = service_per_key(vs, |h| {
+        format!("GET /{h} HTTP/1.1\r\nHost: site{h}.example\r\n\r\n")
+    });
+    assert!(by_host.iter().collect::<HashSet<_>>().len() >= 2);
+    let again = service_per_key(vs, |h| {
+        format!("POST /other HTTP/1.1\r\nHost: SITE{h}.example\r\n\r\n")
+    });
+    assert_eq!(
+        again, by_host,
+        "the same host, in any case, the same service"
+    );
+    let (_rt2, vs2) = start_over(
         "http",
         "127.0.0.1:0",
         "token",
         "token: { header: X-Tenant }",
-        &refs(&svc),
-    ));
-    let vs2 = bound(&rt2, "v");
-    let mut by_tenant = HashMap::new();
-    for t in 0..12 {
-        let req = format!("GET /a HTTP/1.1\r\nX-Tenant: t{t}\r\n\r\n");
-        by_tenant.insert(t, tcp_ask(vs2, req.as_bytes()).expect("answer").service);
-    }
-    for t in 0..12 {
-        let req = format!("GET /b HTTP/1.1\r\nHost: z\r\nX-Tenant: t{t}\r\n\r\n");
-        assert_eq!(
-            tcp_ask(vs2, req.as_bytes()).expect("answer").service,
-            by_tenant[&t]
-        );
-    }
+        &svc,
+    );
+    let by_tenant = service_per_key(vs2, |t| {
+        format!("GET /a HTTP/1.1\r\nX-Tenant: t{t}\r\n\r\n")
+    });
+    let again = service_per_key(vs2, |t| {
+        format!("GET /b HTTP/1.1\r\nHost: z\r\nX-Tenant: t{t}\r\n\r\n")
+    });
+    assert_eq!(again, by_tenant, "the same tenant, the same service");
 }
 
 #[test]
 fn tcp_token_on_payload_bytes() {
-    let svc = services("tcp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "token",
-        "token: { offset: 2, length: 3 }",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
-    let mut by_tok = HashMap::new();
-    for t in 0..12 {
-        let p = format!("..{t:03}-payload");
-        by_tok.insert(t, tcp_ask(vs, p.as_bytes()).expect("answer").service);
-    }
-    assert!(by_tok.values().collect::<HashSet<_>>().len() >= 2);
-    for t in 0..12 {
-        let p = format!("xx{t:03}");
-        assert_eq!(
-            tcp_ask(vs, p.as_bytes()).expect("answer").service,
-            by_tok[&t]
-        );
-    }
+    let (_rt, vs) = start_loopback("tcp", 3, "token", "token: { offset: 2, length: 3 }");
+    let by_tok = service_per_key(vs, |t| format!("..{t:03}-payload"));
+    assert!(by_tok.iter().collect::<HashSet<_>>().len() >= 2);
+    let again = service_per_key(vs, |t| format!("xx{t:03}"));
+    assert_eq!(again, by_tok, "the same token, the same service");
 }
 
 #[test]
 fn two_instances_choose_the_same_service_per_connection() {
-    let svc = services("tcp", 4, "127.0.0.1");
-    let yaml = config(
-        "tcp",
-        "127.0.0.1:0",
-        "source_ip_source_port_hash",
-        "",
-        &refs(&svc),
-    );
-    let (rt1, rt2) = (start(&yaml), start(&yaml));
-    let (v1, v2) = (bound(&rt1, "v"), bound(&rt2, "v"));
+    let [(_rt1, v1), (_rt2, v2)] = start_pair("tcp", 4, "source_ip_source_port_hash");
     let mut used = HashSet::new();
     for _ in 0..16 {
         // The same client address and port toward both instances (a mirrored connection).
@@ -501,15 +394,7 @@ fn two_instances_choose_the_same_service_per_connection() {
 fn idle_tcp_connection_holds_no_buffer_of_its_own() {
     // Indirect check of the memory rule: 200 idle connections do not grow the process by
     // more than ~4 KiB each (measured precisely by bench/tcp.sh).
-    let svc = services("tcp", 1, "127.0.0.1");
-    let rt = start(&config(
-        "tcp",
-        "127.0.0.1:0",
-        "round_robin",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("tcp", 1, "round_robin", "");
     let core = tcp_core(&rt, "v");
     let mut conns = Vec::new();
     for _ in 0..200 {

@@ -25,15 +25,7 @@ fn udp_core(
 
 #[test]
 fn round_robin_spreads_sessions_and_relays_from_the_vserver_address() {
-    let svc = services("udp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "udp",
-        "127.0.0.1:0",
-        "round_robin",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("udp", 3, "round_robin", "");
     let mut per: HashMap<String, usize> = HashMap::new();
     // Clients are kept open so that no two share a source port (one session each).
     let mut clients = Vec::new();
@@ -63,15 +55,7 @@ fn round_robin_spreads_sessions_and_relays_from_the_vserver_address() {
 /// in order.
 #[test]
 fn bursts_larger_than_a_batch_are_all_relayed_in_order() {
-    let svc = services("udp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "udp",
-        "127.0.0.1:0",
-        "round_robin",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("udp", 3, "round_robin", "");
     let clients: Vec<_> = (0..50).map(|_| udp_client("127.0.0.1")).collect();
     for round in 0..4 {
         for (i, c) in clients.iter().enumerate() {
@@ -99,14 +83,7 @@ fn bursts_larger_than_a_batch_are_all_relayed_in_order() {
 #[test]
 fn a_session_keeps_its_service_and_counts_traffic() {
     let svc = services("udp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "udp",
-        "127.0.0.1:0",
-        "round_robin",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_over("udp", "127.0.0.1:0", "round_robin", "", &svc);
     let c = udp_client("127.0.0.1");
     let first = udp_ask(&c, vs, b"x").expect("answer").0.service;
     for _ in 0..20 {
@@ -124,15 +101,7 @@ fn a_session_keeps_its_service_and_counts_traffic() {
 
 #[test]
 fn source_ip_hash_is_per_client_ip_and_fails_over_when_down() {
-    let svc = services("udp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "udp",
-        "127.0.0.1:0",
-        "source_ip_hash",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("udp", 3, "source_ip_hash", "");
     let c1 = udp_client("127.0.0.1");
     let c2 = udp_client("127.0.0.1");
     let s1 = udp_ask(&c1, vs, b"a").expect("answer").0.service;
@@ -158,15 +127,7 @@ fn source_ip_hash_is_per_client_ip_and_fails_over_when_down() {
 
 #[test]
 fn idle_sessions_expire() {
-    let svc = services("udp", 2, "127.0.0.1");
-    let rt = start(&config(
-        "udp",
-        "127.0.0.1:0",
-        "round_robin",
-        "idle_timeout: 150ms",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("udp", 2, "round_robin", "idle_timeout: 150ms");
     let core = udp_core(&rt, "v");
     let c = udp_client("127.0.0.1");
     let first = udp_ask(&c, vs, b"a").expect("answer").0.service;
@@ -190,15 +151,12 @@ fn idle_sessions_expire() {
 
 #[test]
 fn a_full_table_refuses_new_sessions_and_counts_them() {
-    let svc = services("udp", 2, "127.0.0.1");
-    let rt = start(&config(
+    let (rt, vs) = start_loopback(
         "udp",
-        "127.0.0.1:0",
+        2,
         "round_robin",
         "max_sessions: 2\nidle_timeout: 300ms",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    );
     let core = udp_core(&rt, "v");
     let (a, b, c) = (
         udp_client("127.0.0.1"),
@@ -221,14 +179,7 @@ fn a_full_table_refuses_new_sessions_and_counts_them() {
 #[test]
 fn ipv6_sessions() {
     let svc = services("udp", 2, "[::1]");
-    let rt = start(&config(
-        "udp",
-        "[::1]:0",
-        "source_ip_source_port_hash",
-        "",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (_rt, vs) = start_over("udp", "[::1]:0", "source_ip_source_port_hash", "", &svc);
     assert!(vs.is_ipv6());
     let mut seen = HashSet::new();
     for _ in 0..20 {
@@ -249,8 +200,8 @@ fn ipv6_sessions() {
 #[test]
 fn wildcard_bind_answers_from_the_address_reached_and_hashes_it() {
     let svc = services("udp", 3, "127.0.0.1");
-    let rt = start(&config("udp", "0.0.0.0:0", "dest_ip_hash", "", &refs(&svc)));
-    let port = bound(&rt, "v").port();
+    let (_rt, vs) = start_over("udp", "0.0.0.0:0", "dest_ip_hash", "", &svc);
+    let port = vs.port();
     let c = udp_client("127.0.0.1");
     let mut by_dst = HashMap::new();
     for i in 1..=12u8 {
@@ -277,15 +228,7 @@ fn wildcard_bind_answers_from_the_address_reached_and_hashes_it() {
 
 #[test]
 fn token_on_the_payload_chooses_per_datagram() {
-    let svc = services("udp", 3, "127.0.0.1");
-    let rt = start(&config(
-        "udp",
-        "127.0.0.1:0",
-        "token",
-        "token: { offset: 0, length: 4 }",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (rt, vs) = start_loopback("udp", 3, "token", "token: { offset: 0, length: 4 }");
     let c = udp_client("127.0.0.1");
     let mut by_token = HashMap::new();
     for t in 0..12 {
@@ -317,15 +260,7 @@ fn token_on_the_payload_chooses_per_datagram() {
 
 #[test]
 fn proxy_v2_header_carries_the_client_address() {
-    let svc = services("udp", 2, "127.0.0.1");
-    let rt = start(&config(
-        "udp",
-        "127.0.0.1:0",
-        "round_robin",
-        "send_proxy: v2",
-        &refs(&svc),
-    ));
-    let vs = bound(&rt, "v");
+    let (_rt, vs) = start_loopback("udp", 2, "round_robin", "send_proxy: v2");
     for _ in 0..4 {
         let c = udp_client("127.0.0.1");
         let me = c.local_addr().expect("addr");
@@ -347,16 +282,7 @@ fn proxy_v2_header_carries_the_client_address() {
 /// SPEC §2 rule 7 / issue 6: two instances with one config pick the same service per flow.
 #[test]
 fn two_instances_agree_per_flow() {
-    let svc = services("udp", 4, "127.0.0.1");
-    let yaml = config(
-        "udp",
-        "127.0.0.1:0",
-        "source_ip_source_port_hash",
-        "",
-        &refs(&svc),
-    );
-    let (rt1, rt2) = (start(&yaml), start(&yaml));
-    let (v1, v2) = (bound(&rt1, "v"), bound(&rt2, "v"));
+    let [(_rt1, v1), (_rt2, v2)] = start_pair("udp", 4, "source_ip_source_port_hash");
     let mut used = HashSet::new();
     for _ in 0..24 {
         let c = udp_client("127.0.0.1");

@@ -151,6 +151,53 @@ pub fn bound(rt: &fulcrum::proxy::Runtime, vserver: &str) -> SocketAddr {
     rt.vserver(vserver).expect("vserver").bound[0]
 }
 
+/// fulcrum running [`config`]'s vserver `v` over `svc`, and the address `v` bound.
+pub fn start_over(
+    protocol: &str,
+    bind: &str,
+    method: &str,
+    extra: &str,
+    svc: &[(String, SocketAddr)],
+) -> (fulcrum::proxy::Runtime, SocketAddr) {
+    let rt = start(&config(protocol, bind, method, extra, &refs(svc)));
+    let vs = bound(&rt, "v");
+    (rt, vs)
+}
+
+/// [`start_over`] `n` fresh services on 127.0.0.1 (UDP ones for a `udp` vserver, TCP ones
+/// for `tcp` and `http`), the vserver bound to 127.0.0.1:0.
+pub fn start_loopback(
+    protocol: &str,
+    n: usize,
+    method: &str,
+    extra: &str,
+) -> (fulcrum::proxy::Runtime, SocketAddr) {
+    let kind = if protocol == "udp" { "udp" } else { "tcp" };
+    start_over(
+        protocol,
+        "127.0.0.1:0",
+        method,
+        extra,
+        &services(kind, n, "127.0.0.1"),
+    )
+}
+
+/// Two fulcrum instances started from one [`start_loopback`] config (over the same `n`
+/// services): a mirrored pair, each with the address its vserver `v` bound.
+pub fn start_pair(
+    protocol: &str,
+    n: usize,
+    method: &str,
+) -> [(fulcrum::proxy::Runtime, SocketAddr); 2] {
+    let kind = if protocol == "udp" { "udp" } else { "tcp" };
+    let svc = services(kind, n, "127.0.0.1");
+    let yaml = config(protocol, "127.0.0.1:0", method, "", &refs(&svc));
+    [start(&yaml), start(&yaml)].map(|rt| {
+        let vs = bound(&rt, "v");
+        (rt, vs)
+    })
+}
+
 /// A UDP client on `ip:0` with the answer timeout.
 pub fn udp_client(ip: &str) -> UdpSocket {
     let c = UdpSocket::bind(format!("{ip}:0")).expect("bind client");
