@@ -27,60 +27,79 @@ struct Golden {
     to_host: Option<&'static str>,
 }
 
+/// The Call-ID of the RFC 3665 call from pc33.atlanta.example.com (several fixtures).
+const ATLANTA_CALL: &str = "a84b4c76e66710@pc33.atlanta.example.com";
+/// That call's UAC Via, and the proxy's Via stacked above it on the responses.
+const UAC_VIA: ViaParts = (
+    "UDP",
+    "pc33.atlanta.example.com",
+    Some(5060),
+    "z9hG4bK776asdhds",
+);
+const PROXY_VIA: ViaParts = (
+    "UDP",
+    "192.0.2.1",
+    Some(5060),
+    "z9hG4bK-fc-0123456789abcdef",
+);
+
+/// What a request scans to unless its entry says otherwise: Max-Forwards 70, no body. Every
+/// entry of [`GOLDEN`] names its own `file`, `start`, `call_id`, `cseq`, `vias` and `to_host`.
+const REQUEST: Golden = Golden {
+    file: "",
+    start: "",
+    call_id: "",
+    cseq: None,
+    vias: &[],
+    max_forwards: Some(70),
+    content_length: Some(0),
+    body_len: 0,
+    to_host: None,
+};
+/// A response: no Max-Forwards (and, where an entry does not say otherwise, no body).
+const RESPONSE: Golden = Golden {
+    max_forwards: None,
+    ..REQUEST
+};
+
 const GOLDEN: &[Golden] = &[
     Golden {
         file: "invite.sip",
         start: "INVITE sip:bob@biloxi.example.com",
-        call_id: "a84b4c76e66710@pc33.atlanta.example.com",
+        call_id: ATLANTA_CALL,
         cseq: Some((314159, "INVITE")),
-        vias: &[(
-            "UDP",
-            "pc33.atlanta.example.com",
-            Some(5060),
-            "z9hG4bK776asdhds",
-        )],
-        max_forwards: Some(70),
+        vias: &[UAC_VIA],
         content_length: Some(149),
         body_len: 149,
         to_host: Some("biloxi.example.com"),
+        ..REQUEST
     },
     Golden {
         file: "ack.sip",
         start: "ACK sip:bob@192.0.2.4",
-        call_id: "a84b4c76e66710@pc33.atlanta.example.com",
+        call_id: ATLANTA_CALL,
         cseq: Some((314159, "ACK")),
         vias: &[("UDP", "pc33.atlanta.example.com", None, "z9hG4bKnashds9")],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("biloxi.example.com"),
+        ..REQUEST
     },
     Golden {
         file: "bye.sip",
         start: "BYE sip:alice@pc33.atlanta.example.com",
-        call_id: "a84b4c76e66710@pc33.atlanta.example.com",
+        call_id: ATLANTA_CALL,
         cseq: Some((231, "BYE")),
         vias: &[("UDP", "192.0.2.4", None, "z9hG4bKnashds10")],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("atlanta.example.com"),
+        ..REQUEST
     },
     Golden {
         file: "cancel.sip",
         start: "CANCEL sip:bob@biloxi.example.com",
-        call_id: "a84b4c76e66710@pc33.atlanta.example.com",
+        call_id: ATLANTA_CALL,
         cseq: Some((314159, "CANCEL")),
-        vias: &[(
-            "UDP",
-            "pc33.atlanta.example.com",
-            Some(5060),
-            "z9hG4bK776asdhds",
-        )],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
+        vias: &[UAC_VIA],
         to_host: Some("biloxi.example.com"),
+        ..REQUEST
     },
     Golden {
         file: "options.sip",
@@ -93,10 +112,8 @@ const GOLDEN: &[Golden] = &[
             None,
             "z9hG4bKhjhs8ass877",
         )],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("chicago.example.com"),
+        ..REQUEST
     },
     Golden {
         file: "register.sip",
@@ -109,58 +126,28 @@ const GOLDEN: &[Golden] = &[
             Some(5060),
             "z9hG4bKnashds7",
         )],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("biloxi.example.com"),
+        ..REQUEST
     },
     Golden {
         file: "response_180.sip",
         start: "180",
-        call_id: "a84b4c76e66710@pc33.atlanta.example.com",
+        call_id: ATLANTA_CALL,
         cseq: Some((314159, "INVITE")),
-        vias: &[
-            (
-                "UDP",
-                "192.0.2.1",
-                Some(5060),
-                "z9hG4bK-fc-0123456789abcdef",
-            ),
-            (
-                "UDP",
-                "pc33.atlanta.example.com",
-                Some(5060),
-                "z9hG4bK776asdhds",
-            ),
-        ],
-        max_forwards: None,
-        content_length: Some(0),
-        body_len: 0,
+        vias: &[PROXY_VIA, UAC_VIA],
         to_host: Some("biloxi.example.com"),
+        ..RESPONSE
     },
     Golden {
         file: "response_200.sip",
         start: "200",
-        call_id: "a84b4c76e66710@pc33.atlanta.example.com",
+        call_id: ATLANTA_CALL,
         cseq: Some((314159, "INVITE")),
-        vias: &[
-            (
-                "UDP",
-                "192.0.2.1",
-                Some(5060),
-                "z9hG4bK-fc-0123456789abcdef",
-            ),
-            (
-                "UDP",
-                "pc33.atlanta.example.com",
-                Some(5060),
-                "z9hG4bK776asdhds",
-            ),
-        ],
-        max_forwards: None,
+        vias: &[PROXY_VIA, UAC_VIA],
         content_length: Some(140),
         body_len: 140,
         to_host: Some("biloxi.example.com"),
+        ..RESPONSE
     },
     Golden {
         file: "compact.sip",
@@ -168,10 +155,8 @@ const GOLDEN: &[Golden] = &[
         call_id: "compact-call-1@192.0.2.10",
         cseq: Some((1, "INVITE")),
         vias: &[("UDP", "192.0.2.10", Some(5062), "z9hG4bKcompact1")],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("Biloxi.Example.com"),
+        ..REQUEST
     },
     Golden {
         file: "folded.sip",
@@ -179,10 +164,8 @@ const GOLDEN: &[Golden] = &[
         call_id: "folded-1@pc33.atlanta.example.com",
         cseq: Some((9, "OPTIONS")),
         vias: &[("UDP", "pc33.atlanta.example.com", None, "z9hG4bKfolded1")],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("chicago.example.com"),
+        ..REQUEST
     },
     Golden {
         file: "multi_via.sip",
@@ -195,10 +178,8 @@ const GOLDEN: &[Golden] = &[
             ("UDP", "2001:db8::5", Some(5080), "z9hG4bKp3"),
             ("UDP", "client.example.com", None, "z9hG4bKp4"),
         ],
-        max_forwards: None,
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("example.com"),
+        ..RESPONSE
     },
     Golden {
         file: "ipv6.sip",
@@ -206,10 +187,8 @@ const GOLDEN: &[Golden] = &[
         call_id: "SSG9559905523997077@hlau_4100",
         cseq: Some((98176, "REGISTER")),
         vias: &[("UDP", "2001:db8::9:1", None, "z9hG4bKas3-111")],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("example.com"),
+        ..REQUEST
     },
     Golden {
         file: "rfc4475_wsinv.sip",
@@ -232,10 +211,8 @@ const GOLDEN: &[Golden] = &[
         call_id: "lwsdisp.1234abcd@funky.example.com",
         cseq: Some((60, "OPTIONS")),
         vias: &[("UDP", "funky.example.com", None, "z9hG4bKkdjuw")],
-        max_forwards: Some(70),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("example.com"),
+        ..REQUEST
     },
     Golden {
         file: "rfc4475_dblreq.sip",
@@ -244,9 +221,8 @@ const GOLDEN: &[Golden] = &[
         cseq: Some((8, "REGISTER")),
         vias: &[("UDP", "192.0.2.125", None, "z9hG4bKkdjuw23492")],
         max_forwards: Some(8),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("example.com"),
+        ..REQUEST
     },
     Golden {
         file: "rfc4475_mismatch01.sip",
@@ -255,9 +231,8 @@ const GOLDEN: &[Golden] = &[
         cseq: Some((8, "INVITE")),
         vias: &[("UDP", "host.example.com", None, "z9hG4bKkdjuw")],
         max_forwards: Some(6),
-        content_length: Some(0),
-        body_len: 0,
         to_host: Some("example.com"),
+        ..REQUEST
     },
 ];
 
@@ -311,7 +286,7 @@ fn golden_broken() {
     for (file, err) in BROKEN {
         assert_eq!(scan(&fixture(file)).err(), Some(*err), "{file}");
     }
-    assert!(scan(&fixture("binary.sip")).is_err());
+    assert!(scan(&fixture("binary.sip")).is_err(), "binary.sip");
 }
 
 #[test]
