@@ -44,6 +44,12 @@ fn yaml(ports: &[u16], token: &str, monitor: &str, slow: &str, method: &str) -> 
     y
 }
 
+/// Ops running `yaml` (see [`yaml`]), with no file to reload from.
+fn start(yaml: &str) -> Arc<Ops> {
+    let cfg = config::from_str("t.yaml", yaml).expect("valid");
+    Ops::start(cfg, None).expect("start")
+}
+
 const FAST: &str = "interval: 300ms, timeout: 200ms, failures_to_down: 2, successes_to_up: 2";
 
 fn get(ops: &Ops, path: &str) -> Value {
@@ -94,9 +100,7 @@ fn monitor_marks_down_then_up_with_slow_start() {
     let mut uas: Vec<Uas> = (0..2).map(|_| Uas::start(any()).expect("uas")).collect();
     let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
     let slow = "    slow_start: { new_service_request_rate: 5, unit: per_second, increment_interval: 0s }\n";
-    let cfg = config::from_str("t.yaml", &yaml(&ports, "null", FAST, slow, "round_robin"))
-        .expect("valid");
-    let ops = Ops::start(cfg, None).expect("start");
+    let ops = start(&yaml(&ports, "null", FAST, slow, "round_robin"));
     wait_for("s1 confirmed UP", Duration::from_secs(5), || {
         (service(&get(&ops, "/status"), "s1")["monitor"]["state"] == "UP").then_some(())
     });
@@ -150,18 +154,13 @@ fn monitor_marks_down_then_up_with_slow_start() {
 fn disable_drains_established_calls() {
     let uas: Vec<Uas> = (0..2).map(|_| Uas::start(any()).expect("uas")).collect();
     let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
-    let cfg = config::from_str(
-        "t.yaml",
-        &yaml(
-            &ports,
-            "null",
-            "interval: 1s, timeout: 500ms, failures_to_down: 3, successes_to_up: 1",
-            "",
-            "call_id_hash",
-        ),
-    )
-    .expect("valid");
-    let ops = Ops::start(cfg, None).expect("start");
+    let ops = start(&yaml(
+        &ports,
+        "null",
+        "interval: 1s, timeout: 500ms, failures_to_down: 3, successes_to_up: 1",
+        "",
+        "call_id_hash",
+    ));
     let mut uac = Uac::new(any(), proxy_addr(&ops), "drain").expect("uac");
     let tag = establish(&mut uac, "call-before");
     let owner = (0..2)
@@ -220,12 +219,7 @@ fn disable_drains_established_calls() {
 #[test]
 fn admin_requires_the_token_when_set() {
     let uas = Uas::start(any()).expect("uas");
-    let cfg = config::from_str(
-        "t.yaml",
-        &yaml(&[uas.addr.port()], "s3cret", FAST, "", "round_robin"),
-    )
-    .expect("valid");
-    let ops = Ops::start(cfg, None).expect("start");
+    let ops = start(&yaml(&[uas.addr.port()], "s3cret", FAST, "", "round_robin"));
     for (method, path) in [
         ("GET", "/status"),
         ("GET", "/metrics"),
@@ -516,12 +510,7 @@ fn metrics_parse_and_cover_the_proxy() {
     );
     assert!(parse_prometheus("# TYPE x counter\nx{a=\"b} 1\n").is_err());
     let uas = Uas::start(any()).expect("uas");
-    let cfg = config::from_str(
-        "t.yaml",
-        &yaml(&[uas.addr.port()], "null", FAST, "", "call_id_hash"),
-    )
-    .expect("valid");
-    let ops = Ops::start(cfg, None).expect("start");
+    let ops = start(&yaml(&[uas.addr.port()], "null", FAST, "", "call_id_hash"));
     let mut uac = Uac::new(any(), proxy_addr(&ops), "metrics").expect("uac");
     uac.call(Duration::from_secs(2)).expect("call");
     uac.send_raw(b"garbage\r\n\r\n").expect("send");
@@ -582,12 +571,7 @@ fn metrics_parse_and_cover_the_proxy() {
 #[test]
 fn drain_refuses_new_calls_and_waits_for_established_ones() {
     let uas = Uas::start(any()).expect("uas");
-    let cfg = config::from_str(
-        "t.yaml",
-        &yaml(&[uas.addr.port()], "null", FAST, "", "call_id_hash"),
-    )
-    .expect("valid");
-    let ops = Ops::start(cfg, None).expect("start");
+    let ops = start(&yaml(&[uas.addr.port()], "null", FAST, "", "call_id_hash"));
     let mut uac = Uac::new(any(), proxy_addr(&ops), "term").expect("uac");
     let tag = establish(&mut uac, "in-flight");
     let ops2 = Arc::clone(&ops);
