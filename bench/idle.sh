@@ -11,10 +11,7 @@
 # session sockets; more than ~28,000 UDP sessions would also need a wider
 # net.ipv4.ip_local_port_range than the default 32768-60999 (one ephemeral port per session).
 # Usage: [N=50000] bench/idle.sh        (needs gcc; CAP_SYS_RESOURCE to go past the hard limit)
-set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PEERS=${PEERS:-$ROOT/../shared/bench/peers}
-[ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
+. "$(dirname "$0")/lib.sh"
 WANT=${N:-50000}
 if prlimit --pid $$ --nofile=200000:200000 2>/dev/null; then
   echo "open-file limit raised to 200000"
@@ -26,13 +23,7 @@ LIMIT=$(ulimit -Hn)
 SPARE=200   # descriptors fulcrum uses besides sessions (listeners, epoll, logs, tokio)
 UDP_N=$(( WANT < LIMIT - SPARE ? WANT : LIMIT - SPARE ))
 TCP_N=$(( WANT < (LIMIT - SPARE) / 2 ? WANT : (LIMIT - SPARE) / 2 ))
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-(cd "$ROOT" && cargo build --release -q --bin fulcrum --bin fulcrum-load) || exit 1
-FUL=$ROOT/target/release/fulcrum; LOAD=$ROOT/target/release/fulcrum-load
+build_fulcrum
 gcc -O2 -o "$TMP/udp_echo" "$PEERS/tools/udp_echo.c" || exit 1
 E1=${E1:-17101}; B1=${B1:-18181}; FU=${FU:-16200}; FT=${FT:-19200}
 cat > "$TMP/idle.yaml" <<YAML
@@ -51,7 +42,6 @@ vservers:
   - { name: t, protocol: tcp, bind: [127.0.0.1:$FT], method: source_ip_hash, idle_timeout: 600s,
       max_sessions: 100000, services: [b1, b2, b3] }
 YAML
-rss() { awk '/^VmRSS/{print $2}' "/proc/$1/status"; }
 # RSS once it has stopped growing (two equal samples 0.2 s apart, at most 10 s).
 settled() { local prev=0 r; for _ in $(seq 1 50); do r=$(rss "$1"); [ "$r" = "$prev" ] && break; prev=$r; sleep 0.2; done; echo "$r"; }
 # measure KIND N LOADMODE PORT: start fulcrum, open N flows, print RSS growth per flow.

@@ -4,23 +4,11 @@
 # free ports), wrk -t2 -cCONNS through each, keep-alive ("ka") and `Connection: close`
 # ("close"). Then idle-connection memory: N connections opened and held, RSS growth / N.
 # Usage: DUR=10 CONNS=64 IDLE=8000 bench/tcp.sh   (needs nginx, haproxy, wrk)
-set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PEERS=${PEERS:-$ROOT/../shared/bench/peers}
-[ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
+. "$(dirname "$0")/lib.sh"
 DUR=${DUR:-10}; CONNS=${CONNS:-64}; IDLE=${IDLE:-8000}
 B1=${B1:-18081}; HA=${HA:-19000}; FU=${FU:-19100}
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-(cd "$ROOT" && cargo build --release -q --bin fulcrum --bin fulcrum-load) || exit 1
-FUL=$ROOT/target/release/fulcrum; LOAD=$ROOT/target/release/fulcrum-load
-sed -e "s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/; s#/tmp/peers-nginx-backends#$TMP/backends#g" \
-  "$PEERS/nginx/nginx-backends.conf" > "$TMP/backends.conf"
-sed -e "s/127.0.0.1:9000/127.0.0.1:$HA/; s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/; s#/tmp/peers-haproxy#$TMP/haproxy#g" \
-  "$PEERS/haproxy/haproxy.cfg" > "$TMP/haproxy.cfg"
+build_fulcrum
+tcp_peer_configs
 cat > "$TMP/tcp.yaml" <<YAML
 admin: { listen: null }
 logging: { level: warn }
@@ -55,7 +43,6 @@ done
 kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
 "$FUL" run --config "$TMP/tcp.yaml" --drain-timeout 0s > "$TMP/fulcrum2.log" 2>&1 & FPID=$!; PIDS+=($FPID)
 sleep 1
-rss() { awk '/^VmRSS/{print $2}' /proc/$1/status; }
 r0=$(rss $FPID)
 "$LOAD" tcp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & PIDS+=($!)
 for _ in $(seq 1 300); do grep -q ready= "$TMP/idle.out" && break; sleep 0.1; done

@@ -4,23 +4,12 @@
 # `source_ip_hash`, HAProxy `mode tcp` from the peers), `wrk -t2 -cCONNS -dDURs` per target,
 # keep-alive and `Connection: close`. Prints req/s and p99 per target and the load average.
 # Usage: DUR=10 ROUNDS=3 bench/tcp_ab.sh OLD_BINARY NEW_BINARY   (needs nginx, haproxy, wrk)
-set -u
+. "$(dirname "$0")/lib.sh"
 [ $# -eq 2 ] || { echo "usage: $0 FULCRUM_A FULCRUM_B" >&2; exit 2; }
 FA=$1; FB=$2
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PEERS=${PEERS:-$ROOT/../shared/bench/peers}
-[ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
 DUR=${DUR:-10}; CONNS=${CONNS:-64}; ROUNDS=${ROUNDS:-2}
 B1=${B1:-18081}; HA=${HA:-19000}; PA=${PA:-19100}; PB=${PB:-19200}
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-sed -e "s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/; s#/tmp/peers-nginx-backends#$TMP/backends#g" \
-  "$PEERS/nginx/nginx-backends.conf" > "$TMP/backends.conf"
-sed -e "s/127.0.0.1:9000/127.0.0.1:$HA/; s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/; s#/tmp/peers-haproxy#$TMP/haproxy#g" \
-  "$PEERS/haproxy/haproxy.cfg" > "$TMP/haproxy.cfg"
+tcp_peer_configs
 yaml() { cat <<YAML
 admin: { listen: null }
 logging: { level: error }

@@ -4,18 +4,9 @@
 # (fulcrum's own `fulcrum-load udp`, closed loop, SOCKS sockets from 127.0.1.x, one datagram
 # in flight each). Then idle-session memory: N sessions opened and held, RSS growth / N.
 # Usage: DUR=10 SOCKS=256 SIZE=64 WORKERS=1 IDLE=15000 bench/udp.sh   (needs gcc, nginx + libnginx-mod-stream)
-set -u
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PEERS=${PEERS:-$ROOT/../shared/bench/peers}
-[ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
+. "$(dirname "$0")/lib.sh"
 DUR=${DUR:-10}; SOCKS=${SOCKS:-256}; SIZE=${SIZE:-64}; WORKERS=${WORKERS:-1}; IDLE=${IDLE:-15000}
-TMP=$(mktemp -d)
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-(cd "$ROOT" && cargo build --release -q --bin fulcrum --bin fulcrum-load) || exit 1
-FUL=$ROOT/target/release/fulcrum; LOAD=$ROOT/target/release/fulcrum-load
+build_fulcrum
 gcc -O2 -o "$TMP/udp_echo" "$PEERS/tools/udp_echo.c" || exit 1
 # Ports apart from the peers' defaults (other benchmarks may hold those on a shared box).
 E1=${E1:-17001}; NG=${NG:-16000}; FU=${FU:-16100}
@@ -50,7 +41,6 @@ awk -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v f="${RPS[fulcrum]}" -v pn="${P
 kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
 "$FUL" run --config "$TMP/udp.yaml" > "$TMP/fulcrum2.log" 2>&1 & FPID=$!; PIDS+=($FPID)   # no wrapper: RSS of fulcrum itself
 sleep 1
-rss() { awk '/^VmRSS/{print $2}' /proc/$1/status; }
 r0=$(rss $FPID)
 "$LOAD" udp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & LPID=$!; PIDS+=($LPID)
 for _ in $(seq 1 300); do grep -q ready= "$TMP/idle.out" && break; sleep 0.1; done

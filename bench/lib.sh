@@ -1,0 +1,31 @@
+# Prelude shared by the bench/*.sh peer comparisons (idle, udp, tcp, tcp_ab); sourced, not run:
+#   . "$(dirname "$0")/lib.sh"
+# Sets ROOT (this crate), PEERS (the peers' configs and tools: $PEERS if set and present, else
+# ../shared/bench/peers beside the crate, else /work/shared/bench/peers), TMP (a fresh
+# directory, removed on exit) and PIDS (the processes the script started: add each with
+# `PIDS+=($!)`). On exit they get TERM, then KILL 0.3 s later; INT and TERM exit with 130
+# through the same trap. Defines build_fulcrum (release build of fulcrum and fulcrum-load,
+# sets FUL and LOAD), tcp_peer_configs (the peers' nginx backends and HAProxy moved to ports
+# B1..B1+2 and HA, written to $TMP/backends.conf and $TMP/haproxy.cfg) and rss PID (VmRSS, KiB).
+set -u
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PEERS=${PEERS:-$ROOT/../shared/bench/peers}
+[ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
+TMP=$(mktemp -d)
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+build_fulcrum() {
+  (cd "$ROOT" && cargo build --release -q --bin fulcrum --bin fulcrum-load) || exit 1
+  FUL=$ROOT/target/release/fulcrum; LOAD=$ROOT/target/release/fulcrum-load
+}
+
+tcp_peer_configs() {
+  local backends="s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/"
+  sed -e "$backends; s#/tmp/peers-nginx-backends#$TMP/backends#g" "$PEERS/nginx/nginx-backends.conf" > "$TMP/backends.conf"
+  sed -e "s/127.0.0.1:9000/127.0.0.1:$HA/; $backends; s#/tmp/peers-haproxy#$TMP/haproxy#g" "$PEERS/haproxy/haproxy.cfg" > "$TMP/haproxy.cfg"
+}
+
+rss() { awk '/^VmRSS/{print $2}' "/proc/$1/status"; }
