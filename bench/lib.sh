@@ -6,7 +6,9 @@
 # `PIDS+=($!)`). On exit they get TERM, then KILL 0.3 s later; INT and TERM exit with 130
 # through the same trap. Defines build_fulcrum (release build of fulcrum and fulcrum-load,
 # sets FUL and LOAD), tcp_peer_configs (the peers' nginx backends and HAProxy moved to ports
-# B1..B1+2 and HA, written to $TMP/backends.conf and $TMP/haproxy.cfg) and rss PID (VmRSS, KiB).
+# B1..B1+2 and HA, written to $TMP/backends.conf and $TMP/haproxy.cfg), rss PID (VmRSS, KiB),
+# busy_ticks (CPU ticks the machine spent busy) and tree_ticks PID... (CPU ticks of processes
+# and their descendants).
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PEERS=${PEERS:-$ROOT/../shared/bench/peers}
@@ -29,3 +31,15 @@ tcp_peer_configs() {
 }
 
 rss() { awk '/^VmRSS/{print $2}' "/proc/$1/status"; }
+
+# CPU accounting (clock ticks): busy ticks of the whole machine, and utime + stime of processes
+# with their descendants (the timeout wrappers' children included).
+busy_ticks() { awk '/^cpu /{print $2 + $3 + $4 + $7 + $8}' /proc/stat; }
+tree_ticks() {
+  local t=0 p c
+  for p in "$@"; do
+    [ -r "/proc/$p/stat" ] && t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+    for c in $(pgrep -P "$p" 2>/dev/null); do t=$((t + $(tree_ticks "$c"))); done
+  done
+  echo "$t"
+}

@@ -20,8 +20,8 @@ vservers:
   - { name: t, protocol: tcp, bind: [127.0.0.1:$FU], method: source_ip_hash, max_sessions: 100000,
       services: [b1, b2, b3] }
 YAML
-timeout 900 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & PIDS+=($!)
-timeout 900 haproxy -db -f "$TMP/haproxy.cfg" > "$TMP/haproxy.log" 2>&1 & PIDS+=($!)
+timeout 900 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & BPID=$!; PIDS+=($BPID)
+timeout 900 haproxy -db -f "$TMP/haproxy.cfg" > "$TMP/haproxy.log" 2>&1 & HPID=$!; PIDS+=($HPID)
 "$FUL" run --config "$TMP/tcp.yaml" > "$TMP/fulcrum.log" 2>&1 & FPID=$!; PIDS+=($FPID)
 sleep 1
 echo "# tcp: wrk -t2 -c$CONNS -d${DUR}s --latency"
@@ -29,12 +29,18 @@ declare -A R
 for mode in ka close; do
   hdr=(); [ $mode = close ] && hdr=(-H "Connection: close")
   for tgt in direct haproxy fulcrum; do
-    case $tgt in direct) port=$B1;; haproxy) port=$HA;; fulcrum) port=$FU;; esac
+    case $tgt in direct) port=$B1; proxy=();; haproxy) port=$HA; proxy=($HPID);; fulcrum) port=$FU; proxy=($FPID);; esac
+    b0=$(busy_ticks); s0=$(tree_ticks "$BPID"); p0=$(tree_ticks "${proxy[@]}")
     out=$(timeout $((DUR + 30)) wrk -t2 -c"$CONNS" -d"${DUR}s" --latency "${hdr[@]}" "http://127.0.0.1:$port/" 2>&1)
+    b1=$(busy_ticks); s1=$(tree_ticks "$BPID"); p1=$(tree_ticks "${proxy[@]}")
     rps=$(awk '/Requests\/sec/{print $2}' <<<"$out"); p99=$(awk '/^ +99%/{print $2}' <<<"$out")
     se=$(grep -o "Socket errors:.*" <<<"$out" || echo "socket errors: none")
     R[$tgt.$mode]=$rps
-    echo "$mode $tgt req_s=$rps p99=$p99 $se"
+    # CPU per request (µs): the whole machine, the proxy, the nginx backends, the rest (wrk).
+    cpu=$(awk -v b=$((b1 - b0)) -v sv=$((s1 - s0)) -v p=$((p1 - p0)) -v hz="$(getconf CLK_TCK)" -v n="$rps" -v d="$DUR" 'BEGIN{
+      r = n * d; if (r == 0) r = 1; k = 1e6 / hz / r
+      printf "cpu_us_per_req=%.2f proxy=%.2f backends=%.2f rest=%.2f", b * k, p * k, sv * k, (b - p - sv) * k }')
+    echo "$mode $tgt req_s=$rps p99=$p99 $se $cpu"
   done
   awk -v d="${R[direct.$mode]}" -v h="${R[haproxy.$mode]}" -v f="${R[fulcrum.$mode]}" -v m=$mode 'BEGIN{
     printf "%s ratio to direct: fulcrum %.2f, haproxy %.2f; fulcrum/haproxy %.2fx\n", m, f/d, h/d, f/h }'

@@ -29,10 +29,20 @@ timeout 900 nginx -c "$TMP/nginx-udp.conf" > "$TMP/nginx.log" 2>&1 & NPID=$!; PI
 sleep 1
 echo "# udp: sockets=$SOCKS size=$SIZE dur=${DUR}s fulcrum workers=$WORKERS"
 declare -A RPS P99
+ECHOS=("${PIDS[@]:0:3}")
+HZ=$(getconf CLK_TCK)
 for tgt in direct nginx fulcrum; do
-  case $tgt in direct) port=$E1;; nginx) port=$NG;; fulcrum) port=$FU;; esac
+  case $tgt in direct) port=$E1; proxy=();; nginx) port=$NG; proxy=($NPID);; fulcrum) port=$FU; proxy=($FPID);; esac
+  b0=$(busy_ticks); e0=$(tree_ticks "${ECHOS[@]}"); p0=$(tree_ticks "${proxy[@]}")
   line=$("$LOAD" udp 127.0.0.1:$port --sockets "$SOCKS" --secs "$DUR" --size "$SIZE")
-  echo "$tgt $line"
+  b1=$(busy_ticks); e1=$(tree_ticks "${ECHOS[@]}"); p1=$(tree_ticks "${proxy[@]}")
+  rps=$(sed -n 's/.*rps=\([0-9]*\).*/\1/p' <<<"$line")
+  # CPU per round trip (µs): the whole machine, the proxy, the echo services, the rest (the load
+  # generator and whatever else ran).
+  cpu=$(awk -v b=$((b1 - b0)) -v e=$((e1 - e0)) -v p=$((p1 - p0)) -v hz="$HZ" -v n="$rps" -v d="$DUR" 'BEGIN{
+    rt = n * d; if (rt == 0) rt = 1; k = 1e6 / hz / rt
+    printf "cpu_us_per_rt=%.2f proxy=%.2f echo=%.2f rest=%.2f", b * k, p * k, e * k, (b - p - e) * k }')
+  echo "$tgt $line $cpu"
   RPS[$tgt]=$(sed -n 's/.*rps=\([0-9]*\).*/\1/p' <<<"$line"); P99[$tgt]=$(sed -n 's/.*p99_us=\([0-9]*\).*/\1/p' <<<"$line")
 done
 awk -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v f="${RPS[fulcrum]}" -v pn="${P99[nginx]}" -v pf="${P99[fulcrum]}" 'BEGIN{
