@@ -29,7 +29,7 @@ use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
 use arc_swap::ArcSwap;
 use nix::sys::socket::{MsgFlags, recv};
-use socket2::SockRef;
+use socket2::{Domain, Protocol as SockProtocol, SockRef, Socket, Type};
 use std::cell::RefCell;
 use std::io;
 use std::net::{Shutdown, SocketAddr};
@@ -38,7 +38,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::Interest;
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpStream};
 
 /// How long a connect to a service may take before the next member is tried. Short: a
 /// service that does not answer a SYN within it is as good as down for this client.
@@ -495,29 +495,47 @@ async fn connect_any(
     }
 }
 
+/// Connect to `service` without the `getsockopt(SO_ERROR)` that tokio's connect makes after
+/// every connect: the socket is non-blocking from birth, and once epoll reports it the outcome
+/// is in the readiness itself (a failed connect is reported with EPOLLERR / EPOLLHUP). Only a
+/// failure reads the socket error, for the log. One system call less per connection (issue 6:
+/// 20.0 against HAProxy's 17.9 per `Connection: close` request).
 async fn connect(
     service: SocketAddr,
     client: SocketAddr,
     transparent: bool,
 ) -> io::Result<TcpStream> {
-    let s = if service.is_ipv4() {
-        TcpSocket::new_v4()?
-    } else {
-        TcpSocket::new_v6()?
-    };
+    let domain = Domain::for_address(service);
+    let s = Socket::new(domain, Type::STREAM.nonblocking(), Some(SockProtocol::TCP))?;
     if transparent {
         // The service sees the client's own address; its replies must route back through
         // this host (the firewall-pool deployment this mode exists for).
-        let r = SockRef::from(&s);
         if service.is_ipv4() {
-            r.set_ip_transparent_v4(true)?;
+            s.set_ip_transparent_v4(true)?;
         } else {
-            r.set_ip_transparent_v6(true)?;
+            s.set_ip_transparent_v6(true)?;
         }
-        s.set_reuseaddr(true)?;
-        s.bind(SocketAddr::new(client.ip().to_canonical(), client.port()))?;
+        s.set_reuse_address(true)?;
+        s.bind(&SocketAddr::new(client.ip().to_canonical(), client.port()).into())?;
     }
-    s.connect(service).await
+    match s.connect(&service.into()) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc_einprogress()) => {}
+        Err(e) => return Err(e),
+    }
+    let stream = TcpStream::from_std(std::net::TcpStream::from(s))?;
+    let ready = stream.ready(Interest::WRITABLE | Interest::ERROR).await?;
+    if ready.is_error() || ready.is_write_closed() {
+        return Err(stream
+            .take_error()?
+            .unwrap_or_else(|| io::Error::from(io::ErrorKind::ConnectionRefused)));
+    }
+    Ok(stream)
+}
+
+/// EINPROGRESS: a non-blocking connect under way.
+fn libc_einprogress() -> i32 {
+    nix::errno::Errno::EINPROGRESS as i32
 }
 
 /// Write all of `data` to `to` (used for the prefix and for a pending remainder).
