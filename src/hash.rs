@@ -70,10 +70,16 @@ pub fn service_identity_hash(hash_id: Option<&str>, addr: &SocketAddr) -> u64 {
 /// Used where a cheap, full-avalanche mix of already-uniform 64-bit values is enough; every
 /// output bit depends on every input bit.
 #[inline]
-pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+pub fn mix64(z: u64) -> u64 {
+    let z = mix64_head(z);
     z ^ (z >> 31)
+}
+
+/// The first two rounds of [`mix64`] (everything but its last `z ^= z >> 31`).
+#[inline]
+fn mix64_head(z: u64) -> u64 {
+    let z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb)
 }
 
 /// The CARP combination of a key hash and a service hash: [`mix64`] of `key ^ service` without
@@ -90,9 +96,7 @@ pub fn mix64(mut z: u64) -> u64 {
 /// about one key in two million at n = 1000; the golden file's 1,000 keys did not change.
 #[inline]
 pub fn carp_combine(key_hash: u64, service_hash: u64) -> u64 {
-    let z = key_hash ^ service_hash;
-    let z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb)
+    mix64_head(key_hash ^ service_hash)
 }
 
 /// Position of ring point number `finger` of a service on the jarh ring: xxh3-64 with
