@@ -550,3 +550,116 @@ fn sip_tcp_reload_sends_requests_queued_for_a_removed_service_elsewhere() {
     );
     ops.shutdown();
 }
+
+/// A removed service that stopped reading while fulcrum was writing to it: the blocked write
+/// gives way to the reload (before, the link's task waited on the write forever and the
+/// requests queued behind it were never handed back).
+#[test]
+fn sip_tcp_reload_retires_a_service_that_stopped_reading() {
+    let live = [TcpUas::start()];
+    // Accepts the connection and never reads from it.
+    let stuck = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let stuck_addr = stuck.local_addr().expect("addr");
+    let held = std::thread::spawn(move || stuck.accept().map(|(s, _)| s));
+    let file = File::new(
+        "reload-sip-tcp-not-reading",
+        &config(
+            "sip-tcp",
+            "127.0.0.1:0",
+            "round_robin",
+            "",
+            &[("stuck", stuck_addr)],
+        ),
+    );
+    let ops = file.start();
+    let client = TcpStream::connect(addr(&ops)).expect("connect");
+    let local = client.local_addr().expect("local");
+    let mut reader = client.try_clone().expect("clone");
+    // Answers are read on a thread (bounded by the read timeout) and passed on.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = reader.set_read_timeout(Some(std::time::Duration::from_secs(20)));
+        let mut buf = Vec::new();
+        while let Some(m) = read_message(&mut reader, &mut buf) {
+            let scanned = fulcrum::sip::scan(&m).ok().map(|s| {
+                (
+                    s.status_code(),
+                    s.call_id().map(|c| String::from_utf8_lossy(c).into_owned()),
+                )
+            });
+            if tx.send(scanned).is_err() {
+                return;
+            }
+        }
+    });
+    // Requests until the first 503: the service queue is full, so the write to `stuck` is
+    // blocked (bounded: 100 000 requests or 30 s).
+    let mut writer = client;
+    writer
+        .set_write_timeout(Some(std::time::Duration::from_secs(2)))
+        .expect("timeout");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut full = false;
+    for n in 0..100_000u32 {
+        if std::time::Instant::now() > deadline {
+            break;
+        }
+        let req = request("OPTIONS", &format!("b-{n}@tcp"), local, &format!("b{n}"));
+        if writer.write_all(req.as_bytes()).is_err() {
+            break;
+        }
+        if n % 256 == 0
+            && rx
+                .try_iter()
+                .any(|a| a.is_some_and(|(c, _)| c == Some(503)))
+        {
+            full = true;
+            break;
+        }
+    }
+    assert!(full, "the service queue never filled");
+    assert_eq!(
+        tcp_counters(&ops, |c| c.services_retired.load(Ordering::Relaxed)),
+        0
+    );
+
+    file.reload(
+        &ops,
+        &config(
+            "sip-tcp",
+            "127.0.0.1:0",
+            "round_robin",
+            "",
+            &[("s0", live[0].addr)],
+        ),
+    );
+    assert!(
+        wait_until(ANSWER, || tcp_counters(&ops, |c| c
+            .services_retired
+            .load(Ordering::Relaxed))
+            == 1),
+        "the link of the removed service was not retired"
+    );
+    // What was queued behind the blocked write went to the service that replaced it (so
+    // many answers at once may close this client as a slow reader), and new requests too.
+    assert!(wait_until(ANSWER, || tcp_counters(&ops, |c| c
+        .requests_rerouted
+        .load(Ordering::Relaxed))
+        >= 1));
+    drop(writer);
+    // The re-routed burst can fill the new service's queue for a moment (503): ask again,
+    // bounded, until it is through.
+    let mut fresh = SipClient::connect(addr(&ops));
+    let mut code = None;
+    for i in 0..50 {
+        code = fresh.ask("OPTIONS", &format!("after-{i}@tcp"));
+        if code == Some(200) {
+            assert_eq!(owners(&live, &format!("after-{i}@tcp")), [0]);
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(code, Some(200), "no 200 after the reload");
+    ops.shutdown();
+    drop(held);
+}

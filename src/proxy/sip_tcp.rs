@@ -551,12 +551,9 @@ async fn service_loop(
     // Set after a failed connect: keep probing (with backoff) until the service answers,
     // so a service marked DOWN by this path comes back without waiting for traffic.
     let mut down = false;
-    loop {
+    'link: loop {
         if link.is_retired() {
-            // Refuse late senders first, so nothing is left behind in the queue.
-            rx.close();
-            shared.redispatch_queued(&link, pending.take(), &mut rx);
-            bump(&shared.counters.services_retired);
+            retire(&shared, &link, pending.take(), &mut rx);
             return;
         }
         if pending.is_none() && !down {
@@ -629,64 +626,105 @@ async fn service_loop(
         let mut reader = tokio::spawn(async move {
             read_messages(&reader_shared, read, origin, addr, dst, &reply_tx).await;
         });
-        if let Some(b) = pending.take()
-            && write.write_all(&b).await.is_err()
-        {
-            reader.abort();
-            continue;
+        if let Some(b) = pending.take() {
+            match write_unless_retired(&mut write, &b, &link).await {
+                Wrote::Done => {}
+                // Retired: the top of the loop hands the queue back.
+                Wrote::Failed | Wrote::Retired => {
+                    reader.abort();
+                    continue;
+                }
+            }
         }
-        let retired = loop {
-            tokio::select! {
+        // The connection ends when it fails (then reconnect) or when the link is retired,
+        // between two messages or in the middle of a write.
+        let retired_mid_write = loop {
+            let wrote = tokio::select! {
                 msg = rx.recv() => match msg {
-                    Some(b) => {
-                        if write.write_all(&b).await.is_err() {
-                            break false;
-                        }
-                    }
+                    Some(b) => write_unless_retired(&mut write, &b, &link).await,
                     None => {
                         reader.abort();
                         return;
                     }
                 },
-                Some(b) = reply_rx.recv() => {
-                    if write.write_all(&b).await.is_err() {
-                        break false;
-                    }
+                Some(b) = reply_rx.recv() => write_unless_retired(&mut write, &b, &link).await,
+                _ = &mut reader => Wrote::Failed,
+                () = link.retired() => break false,
+            };
+            match wrote {
+                Wrote::Done => {}
+                Wrote::Retired => break true,
+                Wrote::Failed => {
+                    reader.abort();
+                    continue 'link;
                 }
-                _ = &mut reader => break false,
-                () = link.retired() => break true,
             }
         };
-        if retired {
-            rx.close();
-            shared.redispatch_queued(&link, None, &mut rx);
-            bump(&shared.counters.services_retired);
-            // What the service still sends (responses to requests already written, its
-            // in-dialog requests) is relayed for a while, and clients' responses to those
-            // requests reach it; nothing new is written to it.
-            shared.draining.insert(addr, drain_tx.clone());
-            let drain = async {
-                loop {
-                    tokio::select! {
-                        Some(b) = reply_rx.recv() => {
-                            if write.write_all(&b).await.is_err() {
-                                return;
-                            }
-                        }
-                        _ = &mut reader => return,
-                    }
-                }
-            };
-            let _ = tokio::time::timeout(RETIRED_DRAIN, drain).await;
-            shared
-                .draining
-                .remove_if(&addr, |_, tx| tx.same_channel(&drain_tx));
+        retire(&shared, &link, None, &mut rx);
+        if retired_mid_write {
+            // The service stopped reading: the connection holds part of a message, so
+            // nothing more can go on it; it is closed without a drain.
             reader.abort();
-            let _ = write.shutdown().await;
-            tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
             return;
         }
+        // What the service still sends (responses to requests already written, its
+        // in-dialog requests) is relayed for a while, and clients' responses to those
+        // requests reach it; nothing new is written to it.
+        shared.draining.insert(addr, drain_tx.clone());
+        let drain = async {
+            loop {
+                tokio::select! {
+                    Some(b) = reply_rx.recv() => {
+                        if write.write_all(&b).await.is_err() {
+                            return;
+                        }
+                    }
+                    _ = &mut reader => return,
+                }
+            }
+        };
+        let _ = tokio::time::timeout(RETIRED_DRAIN, drain).await;
+        shared
+            .draining
+            .remove_if(&addr, |_, tx| tx.same_channel(&drain_tx));
         reader.abort();
+        let _ = write.shutdown().await;
+        tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
+        return;
+    }
+}
+
+/// Hand a retired link's queue (and `pending`) back to the current core and count it;
+/// late senders are refused first, so nothing is left behind in the queue.
+fn retire(
+    shared: &TcpShared,
+    link: &ServiceLink,
+    pending: Option<Bytes>,
+    rx: &mut mpsc::Receiver<Bytes>,
+) {
+    rx.close();
+    shared.redispatch_queued(link, pending, rx);
+    bump(&shared.counters.services_retired);
+}
+
+/// Outcome of one write toward a service.
+enum Wrote {
+    Done,
+    Failed,
+    /// The link was retired while the write waited (the service is not reading).
+    Retired,
+}
+
+/// Write `b` whole, unless the link is retired first: a removed service that stopped reading
+/// must not hold its task (and the requests queued behind the write) forever.
+async fn write_unless_retired(
+    write: &mut tokio::net::tcp::OwnedWriteHalf,
+    b: &[u8],
+    link: &ServiceLink,
+) -> Wrote {
+    tokio::select! {
+        r = write.write_all(b) => if r.is_ok() { Wrote::Done } else { Wrote::Failed },
+        () = link.retired() => Wrote::Retired,
     }
 }
 
