@@ -43,7 +43,7 @@ for tgt in direct nginx fulcrum; do
     rt = n * d; if (rt == 0) rt = 1; k = 1e6 / hz / rt
     printf "cpu_us_per_rt=%.2f proxy=%.2f echo=%.2f rest=%.2f", b * k, p * k, e * k, (b - p - e) * k }')
   echo "$tgt $line $cpu"
-  RPS[$tgt]=$(sed -n 's/.*rps=\([0-9]*\).*/\1/p' <<<"$line"); P99[$tgt]=$(sed -n 's/.*p99_us=\([0-9]*\).*/\1/p' <<<"$line")
+  RPS[$tgt]=$rps; P99[$tgt]=$(sed -n 's/.*p99_us=\([0-9]*\).*/\1/p' <<<"$line")
 done
 awk -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v f="${RPS[fulcrum]}" -v pn="${P99[nginx]}" -v pf="${P99[fulcrum]}" 'BEGIN{
   printf "ratio to direct: fulcrum %.2f, nginx %.2f; fulcrum/nginx %.2fx; p99 fulcrum %d us vs nginx %d us\n", f/d, n/d, f/n, pf, pn }'

@@ -69,10 +69,12 @@ fn parse() -> Result<Args, String> {
     Ok(a)
 }
 
+/// Source address of flow `i`: 127.k.x.y, 50,000 flows per k (so flows never share an
+/// address and port, up to 12.5 million of them).
 fn source_ip(i: usize) -> IpAddr {
     IpAddr::V4(Ipv4Addr::new(
         127,
-        0,
+        (i / 50_000 % 250) as u8,
         1 + (i / 250 % 200) as u8,
         1 + (i % 250) as u8,
     ))

@@ -520,7 +520,7 @@ async fn connect(
     }
     match s.connect(&service.into()) {
         Ok(()) => {}
-        Err(e) if e.raw_os_error() == Some(libc_einprogress()) => {}
+        Err(e) if e.raw_os_error() == Some(nix::errno::Errno::EINPROGRESS as i32) => {}
         Err(e) => return Err(e),
     }
     let stream = TcpStream::from_std(std::net::TcpStream::from(s))?;
@@ -531,11 +531,6 @@ async fn connect(
             .unwrap_or_else(|| io::Error::from(io::ErrorKind::ConnectionRefused)));
     }
     Ok(stream)
-}
-
-/// EINPROGRESS: a non-blocking connect under way.
-fn libc_einprogress() -> i32 {
-    nix::errno::Errno::EINPROGRESS as i32
 }
 
 /// Write all of `data` to `to` (used for the prefix and for a pending remainder).
