@@ -632,6 +632,8 @@ impl Worker {
                     continue;
                 }
             };
+            // The vserver's shared counters are updated once per batch.
+            let (mut datagrams, mut bytes) = (0u64, 0u64);
             for k in 0..n {
                 let Some(&Inbound { len, client, local }) = self.inbound.get(k) else {
                     break;
@@ -640,13 +642,15 @@ impl Worker {
                     bump(&self.core.counters.recv_errors);
                     continue;
                 };
-                bump(&self.core.counters.datagrams_in);
-                self.core
-                    .counters
-                    .bytes_in
-                    .fetch_add(len as u64, Ordering::Relaxed);
+                datagrams += 1;
+                bytes += len as u64;
                 self.client_datagram(li, k, len, client, local, now);
             }
+            let counters = &self.core.counters;
+            counters
+                .datagrams_in
+                .fetch_add(datagrams, Ordering::Relaxed);
+            counters.bytes_in.fetch_add(bytes, Ordering::Relaxed);
             handled += n;
             // A short batch: the queue was empty (a later datagram raises a new edge).
             if n < BATCH {
@@ -841,6 +845,7 @@ impl Worker {
                     continue;
                 }
             };
+            let mut bytes = 0u64;
             for (i, &len) in lens.iter().take(k).enumerate() {
                 self.replies.push(Reply {
                     listener,
@@ -850,9 +855,11 @@ impl Worker {
                     len,
                 });
                 self.table.touch(id, len, false, now);
-                if let Some(c) = self.core.balancer.counters(member) {
-                    c.record_traffic(len as u64, 1, now);
-                }
+                bytes += len as u64;
+            }
+            // One update of the member's shared counters per batch, not per datagram.
+            if let Some(c) = self.core.balancer.counters(member) {
+                c.record_traffic(bytes, k as u64, now);
             }
             handled += k;
             // A short batch: the socket is drained (a later reply raises a new edge).
