@@ -401,20 +401,18 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     }
     live.member = counters;
     let _ = upstream.set_nodelay(true);
-    // The PROXY header and the bytes already read go first, in one write.
-    // No allocation when there is nothing to send first (the common plain-tcp case).
-    let mut prefix = if core.send_proxy || !first.is_empty() {
-        Vec::with_capacity(MAX_V2_LEN + first.len())
-    } else {
-        Vec::new()
-    };
-    if core.send_proxy {
+    // The PROXY header and the bytes already read go first, in one write; without a header
+    // the bytes already read are written as they are.
+    let prefix = if core.send_proxy {
         let mut hdr = [0u8; MAX_V2_LEN];
         let n = proxy_protocol::encode_v2(peer, local, Transport::Stream, &mut hdr);
-        prefix.extend_from_slice(&hdr[..n]);
-    }
-    prefix.extend_from_slice(&first);
-    drop(first);
+        let mut p = Vec::with_capacity(n + first.len());
+        p.extend_from_slice(&hdr[..n]);
+        p.extend_from_slice(&first);
+        p
+    } else {
+        first
+    };
     if !prefix.is_empty() {
         if write_all(&upstream, &prefix).await.is_err() {
             bump(&core.counters.service_errors);
