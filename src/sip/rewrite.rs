@@ -397,9 +397,9 @@ pub fn forward_request<B: BufMut>(
     let via_idx = msg.via_index().ok_or(RewriteError::NoVia)?;
     // The scan's parsed top Via, unless the first Via header has no value at all (the scan
     // then takes the next header's; a request's top Via must be in the first header).
-    let top = CommaValues::new(buf, via_idx.value)
-        .next()
-        .and_then(|_| msg.top_via())
+    let top = msg
+        .top_via()
+        .filter(|v| v.span.start >= via_idx.value.start && v.span.end <= via_idx.value.end)
         .ok_or(RewriteError::BadVia)?;
 
     let mut edits = Edits::new();
@@ -870,6 +870,21 @@ Content-Length: 0\r\n\r\n";
         let mut again = Vec::new();
         forward_request(&m, &rw(&l), &mut again).unwrap();
         assert_eq!(out, again);
+    }
+
+    /// A request's top Via must be in its first Via header: an empty first header is refused,
+    /// though the scan's top Via then comes from the next one.
+    #[test]
+    fn forward_refuses_an_empty_first_via_header() {
+        let l = local();
+        let req = b"OPTIONS sip:x SIP/2.0\r\nVia: ,\r\nVia: SIP/2.0/UDP a:1;branch=z9hG4bK1\r\nCall-ID: c\r\nCSeq: 1 OPTIONS\r\nContent-Length: 0\r\n\r\n";
+        let m = scan(req).unwrap();
+        assert!(m.top_via().is_some());
+        let mut out = Vec::new();
+        assert_eq!(
+            forward_request(&m, &rw(&l), &mut out),
+            Err(RewriteError::BadVia)
+        );
     }
 
     /// The branch is a pure function of the request and our address: every instance, and every
