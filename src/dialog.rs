@@ -48,6 +48,14 @@ pub enum Pin {
     Refused,
 }
 
+/// What [`DialogTable::migrate_to`] did with the dialogs that have not ended, by new member.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Migration {
+    pub open: Vec<u32>,
+    /// Not migrated: the new table was full.
+    pub refused_open: Vec<u32>,
+}
+
 /// Bounded, lock-striped Call-ID affinity table with idle expiry.
 #[derive(Debug)]
 pub struct DialogTable {
@@ -152,15 +160,17 @@ impl DialogTable {
 
     /// Copy every live entry into `into` (a table built for a reloaded member list),
     /// renumbering members with `map`; entries whose member has no new index (its service
-    /// left the vserver) are dropped. Returns the new member of each migrated dialog that
-    /// has not ended, so the caller can count it as load there.
+    /// left the vserver) are dropped. Returns, by new member, the dialogs that have not ended:
+    /// those migrated (to count as load there) and those `into` had no room for (a caller
+    /// whose counters carry over closes them).
     pub fn migrate_to(
         &self,
         into: &DialogTable,
         now_ms: u64,
         map: impl Fn(u32) -> Option<u32>,
-    ) -> Vec<u32> {
+    ) -> Migration {
         let mut open = Vec::new();
+        let mut refused_open = Vec::new();
         for e in self.map.iter() {
             if e.is_expired(now_ms, self.idle_ms) {
                 continue;
@@ -171,6 +181,9 @@ impl DialogTable {
             let ended = e.ended.load(Ordering::Relaxed);
             if into.map.len() >= into.max_entries {
                 into.refused.fetch_add(1, Ordering::Relaxed);
+                if !ended {
+                    refused_open.push(member);
+                }
                 continue;
             }
             into.map.insert(
@@ -185,7 +198,7 @@ impl DialogTable {
                 open.push(member);
             }
         }
-        open
+        Migration { open, refused_open }
     }
 
     pub fn len(&self) -> usize {
@@ -214,11 +227,31 @@ mod tests {
         old.end(3, 0);
         let new = DialogTable::new(10, 1000);
         // Member 0 removed; 1 -> 0, 2 -> 1.
-        let open = old.migrate_to(&new, 10, |m| m.checked_sub(1));
-        assert_eq!(open, vec![0]);
+        let moved = old.migrate_to(&new, 10, |m| m.checked_sub(1));
+        assert_eq!(moved.open, vec![0]);
+        assert!(moved.refused_open.is_empty());
         assert_eq!(new.get(1, 10), None);
         assert_eq!(new.get(2, 10), Some(0));
         assert_eq!(new.get(3, 10), Some(1), "ended dialogs keep lingering");
+    }
+
+    #[test]
+    fn migration_reports_open_dialogs_the_new_table_had_no_room_for() {
+        let old = DialogTable::new(10, 1000);
+        for (call, member) in [(1, 0), (2, 1), (3, 1)] {
+            old.put(call, member, 0);
+        }
+        let new = DialogTable::new(1, 1000);
+        let moved = old.migrate_to(&new, 10, Some);
+        assert_eq!(moved.open.len(), 1);
+        let mut all: Vec<u32> = moved
+            .open
+            .iter()
+            .chain(&moved.refused_open)
+            .copied()
+            .collect();
+        all.sort_unstable();
+        assert_eq!(all, vec![0, 1, 1]);
     }
 
     #[test]

@@ -646,3 +646,27 @@ fn sip_tcp_reload_retires_a_service_that_stopped_reading() {
     ops.shutdown();
     drop(held);
 }
+
+/// A reload that lowers `max_sessions` keeps only as many dialogs as the new table holds;
+/// the others are no longer counted as load (the sip-tcp counters carry over a reload).
+#[test]
+fn sip_tcp_reload_to_a_smaller_dialog_table_counts_only_the_kept_dialogs() {
+    let uas = [TcpUas::start()];
+    let file = File::new(
+        "reload-sip-tcp-fewer-dialogs",
+        &sip_tcp(&uas, &[0], "round_robin", "max_sessions: 10"),
+    );
+    let ops = file.start();
+    let mut client = SipClient::connect(addr(&ops));
+    for i in 0..4 {
+        assert_eq!(client.ask("INVITE", &format!("d{i}@tcp")), Some(200));
+    }
+    assert_eq!(active(&ops, "s0"), 4);
+    file.reload(&ops, &sip_tcp(&uas, &[0], "round_robin", "max_sessions: 2"));
+    assert_eq!(
+        active(&ops, "s0"),
+        2,
+        "dialogs the new table refused are closed"
+    );
+    ops.shutdown();
+}

@@ -116,7 +116,7 @@ fn migrate_dialogs(
     old_names: &[String],
     new_names: &[String],
     now: crate::stats::Nanos,
-) -> Vec<u32> {
+) -> crate::dialog::Migration {
     old.dialogs()
         .migrate_to(new.dialogs(), now / 1_000_000, |m| {
             let n = old_names.get(m as usize)?;
@@ -275,7 +275,9 @@ impl Runtime {
         let added = settle(&balancer, &old_names, health_of, now);
         let new_names = names_of(&balancer);
         let core = Arc::new(sip_core(config, v, &old, &balancer));
-        let open = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+        // A fresh balancer: what moved is counted as load again (what did not was never
+        // counted there).
+        let open = migrate_dialogs(&old, &core, &old_names, &new_names, now).open;
         for m in &open {
             if let Some(c) = balancer.counters(*m as usize) {
                 c.open();
@@ -329,7 +331,14 @@ impl Runtime {
         let core = Arc::new(sip_core(config, v, &old, &balancer));
         // Expired dialogs are not migrated: close their count first, or it would stay.
         old.sweep(now);
-        let kept = migrate_dialogs(&old, &core, &old_names, &new_names, now).len();
+        let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+        // The counters carry over: a dialog the new table had no room for is closed there.
+        for m in &moved.refused_open {
+            if let Some(c) = balancer.counters(*m as usize) {
+                c.close();
+            }
+        }
+        let kept = moved.open.len();
         shared.install(Install {
             core: Arc::clone(&core),
             max_clients: v.max_sessions,
