@@ -9,16 +9,47 @@ use std::net::{SocketAddr, UdpSocket};
 /// at net.core.rmem_max, which is fine.
 pub const UDP_BUFFER_BYTES: usize = 4 << 20;
 
-fn udp_socket(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
-    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+/// A socket of `ty` for `addr` with the options every listener here shares: IPv6-only for an
+/// IPv6 address (a [::] bind must not also take the IPv4 wildcard: the config may bind both),
+/// SO_REUSEADDR, and SO_REUSEPORT when asked. Not bound yet.
+fn listener_socket(
+    addr: SocketAddr,
+    ty: Type,
+    protocol: Protocol,
+    reuse_port: bool,
+) -> io::Result<Socket> {
+    let socket = Socket::new(Domain::for_address(addr), ty, Some(protocol))?;
     if addr.is_ipv6() {
-        // A [::] bind must not also take the IPv4 wildcard: the config may bind both.
         socket.set_only_v6(true)?;
     }
     socket.set_reuse_address(true)?;
     if reuse_port {
         socket.set_reuse_port(true)?;
     }
+    Ok(socket)
+}
+
+/// `count` (at least 1) sockets made by `make` on one address with SO_REUSEPORT: port 0 is
+/// resolved by the first bind and reused for the others.
+fn reuse_port_group(
+    addr: SocketAddr,
+    count: usize,
+    make: impl Fn(SocketAddr) -> io::Result<Socket>,
+) -> io::Result<Vec<Socket>> {
+    let first = make(addr)?;
+    let bound = first
+        .local_addr()?
+        .as_socket()
+        .ok_or_else(|| io::Error::other("bound socket has no IP address"))?;
+    let mut out = vec![first];
+    for _ in 1..count.max(1) {
+        out.push(make(bound)?);
+    }
+    Ok(out)
+}
+
+fn udp_socket(addr: SocketAddr) -> io::Result<Socket> {
+    let socket = listener_socket(addr, Type::DGRAM, Protocol::UDP, true)?;
     // Best effort: an unprivileged process may be capped lower, which is not an error.
     let _ = socket.set_recv_buffer_size(UDP_BUFFER_BYTES);
     let _ = socket.set_send_buffer_size(UDP_BUFFER_BYTES);
@@ -30,52 +61,35 @@ fn udp_socket(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
 /// one and the kernel keeps every flow (4-tuple) on one socket: messages of one call are
 /// never reordered between workers. Port 0 is resolved by the first bind and reused.
 pub fn bind_udp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<UdpSocket>> {
-    let count = count.max(1);
-    let first = udp_socket(addr, true)?;
-    let bound = first
-        .local_addr()?
-        .as_socket()
-        .ok_or_else(|| io::Error::other("bound socket has no IP address"))?;
-    let mut out = vec![UdpSocket::from(first)];
-    for _ in 1..count {
-        out.push(UdpSocket::from(udp_socket(bound, true)?));
-    }
-    Ok(out)
+    Ok(reuse_port_group(addr, count, udp_socket)?
+        .into_iter()
+        .map(UdpSocket::from)
+        .collect())
 }
 
-fn tcp_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<std::net::TcpListener> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    if addr.is_ipv6() {
-        socket.set_only_v6(true)?;
-    }
-    socket.set_reuse_address(true)?;
-    if reuse_port {
-        socket.set_reuse_port(true)?;
-    }
+fn tcp_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
+    let socket = listener_socket(addr, Type::STREAM, Protocol::TCP, reuse_port)?;
     socket.bind(&addr.into())?;
     // Bursts of short connections (HTTP with `Connection: close`) must not be dropped by
     // the kernel before the accept loop runs; the kernel caps it at somaxconn.
     socket.listen(4096)?;
     socket.set_nonblocking(true)?;
-    Ok(socket.into())
+    Ok(socket)
 }
 
 /// A TCP listener (SO_REUSEADDR, IPv6-only for [::] binds), non-blocking for tokio.
 pub fn bind_tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
-    tcp_listener(addr, false)
+    tcp_listener(addr, false).map(Into::into)
 }
 
 /// `count` TCP listeners on the same address with SO_REUSEPORT, one per worker thread: the
 /// kernel spreads incoming connections over them, and each connection lives on the thread
 /// that accepted it. Port 0 is resolved by the first bind and reused.
 pub fn bind_tcp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<std::net::TcpListener>> {
-    let first = tcp_listener(addr, true)?;
-    let bound = first.local_addr()?;
-    let mut out = vec![first];
-    for _ in 1..count.max(1) {
-        out.push(tcp_listener(bound, true)?);
-    }
-    Ok(out)
+    Ok(reuse_port_group(addr, count, |a| tcp_listener(a, true))?
+        .into_iter()
+        .map(Into::into)
+        .collect())
 }
 
 /// Number of worker sockets for `configured` (0 = one per core).
