@@ -296,6 +296,15 @@ impl TcpShared {
     /// now (a failed member is DOWN and a removed one absent, so the ranking passes it
     /// over). With none, it is counted lost and its client gets fulcrum's 503.
     fn redispatch(&self, link: &ServiceLink, bytes: Bytes) {
+        // A client's response to the service's in-dialog request cannot be chosen again:
+        // it goes to the service's draining connection if there is one.
+        if bytes.starts_with(b"SIP/2.0 ") {
+            match self.draining.get(&link.addr).map(|t| t.clone()) {
+                Some(tx) if tx.try_send(bytes).is_ok() => {}
+                _ => bump(&self.counters.responses_no_client),
+            }
+            return;
+        }
         let g = self.current.load();
         let failed = g.index_of(link);
         let sent = match g.core.rechoose(&bytes, link.addr, self.now()) {
