@@ -320,15 +320,13 @@ pub fn start(
 struct Listener {
     sock: MioUdp,
     bound: SocketAddr,
-    /// Bound to a wildcard: the local address of each datagram comes from IP_PKTINFO /
-    /// IPV6_PKTINFO, and replies name it as their source.
-    pktinfo: bool,
-    /// recvmmsg headers (with room for the packet info when `pktinfo`).
+    /// recvmmsg headers (with room for the packet info when `tx_pktinfo` is set).
     rx: MultiHeaders<SockaddrStorage>,
     /// sendmmsg headers without control data.
     tx_plain: MultiHeaders<SockaddrStorage>,
-    /// sendmmsg headers with room for exactly one packet info of the listener's family
-    /// (`pktinfo` listeners only). Every send through them carries one.
+    /// Set when bound to a wildcard: the local address of each datagram comes from
+    /// IP_PKTINFO / IPV6_PKTINFO, and replies name it as their source through these sendmmsg
+    /// headers, with room for exactly one packet info of the listener's family.
     tx_pktinfo: Option<MultiHeaders<SockaddrStorage>>,
 }
 
@@ -434,7 +432,6 @@ pub fn run_worker(socks: Vec<UdpSocket>, cell: UdpCell, epoch: Instant, stop: Ar
         listeners.push(Listener {
             sock,
             bound,
-            pktinfo,
             rx: rx_headers(bound, pktinfo),
             tx_plain: MultiHeaders::preallocate(BATCH, None),
             tx_pktinfo: pktinfo
@@ -600,7 +597,7 @@ impl Worker {
                     }
                 }
             }
-            pktinfo_lost |= l.pktinfo && !seen;
+            pktinfo_lost |= l.tx_pktinfo.is_some() && !seen;
             inbound.push(Inbound {
                 len: msg.bytes,
                 client: msg.address.as_ref().and_then(socket_addr),
@@ -610,7 +607,7 @@ impl Worker {
         // The kernel writes each header's control length back; one that came without a
         // packet info would leave no room for the next: start the headers afresh.
         if pktinfo_lost {
-            l.rx = rx_headers(l.bound, l.pktinfo);
+            l.rx = rx_headers(l.bound, l.tx_pktinfo.is_some());
         }
         Ok(inbound.len())
     }
