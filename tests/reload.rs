@@ -263,6 +263,11 @@ fn sip_tcp(uas: &[TcpUas], members: &[usize], method: &str, extra: &str) -> Stri
     config("sip-tcp", "127.0.0.1:0", method, extra, &refs(&services))
 }
 
+/// A sip-tcp vserver (round robin) in front of one service `name` at `at`.
+fn sip_tcp_one(name: &str, at: SocketAddr) -> String {
+    config("sip-tcp", "127.0.0.1:0", "round_robin", "", &[(name, at)])
+}
+
 fn tcp_counters<T>(ops: &Ops, f: impl Fn(&fulcrum::proxy::sip_tcp::TcpCounters) -> T) -> T {
     ops.with_vservers(|vs, _| match &vs[0].data {
         DataPath::SipTcp(_, shared) => f(&shared.counters),
@@ -489,16 +494,7 @@ fn hanging_service() -> (socket2::Socket, Vec<TcpStream>, SocketAddr) {
 fn sip_tcp_reload_sends_requests_queued_for_a_removed_service_elsewhere() {
     let live = [TcpUas::start()];
     let (_listener, _held, stuck) = hanging_service();
-    let file = File::new(
-        "reload-sip-tcp-queued",
-        &config(
-            "sip-tcp",
-            "127.0.0.1:0",
-            "round_robin",
-            "",
-            &[("stuck", stuck)],
-        ),
-    );
+    let file = File::new("reload-sip-tcp-queued", &sip_tcp_one("stuck", stuck));
     let ops = file.start();
     let mut client = SipClient::connect(addr(&ops));
     // Two requests wait for the connection to `stuck`, which does not complete.
@@ -520,16 +516,7 @@ fn sip_tcp_reload_sends_requests_queued_for_a_removed_service_elsewhere() {
     };
     assert!(wait_until(ANSWER, || forwarded() == 2));
 
-    file.reload(
-        &ops,
-        &config(
-            "sip-tcp",
-            "127.0.0.1:0",
-            "round_robin",
-            "",
-            &[("s0", live[0].addr)],
-        ),
-    );
+    file.reload(&ops, &sip_tcp_one("s0", live[0].addr));
     // Both are answered by the service that replaced it, well before the connect timeout.
     for _ in 0..2 {
         let resp = read_message(&mut client.stream, &mut client.buf).expect("answered");
@@ -563,13 +550,7 @@ fn sip_tcp_reload_retires_a_service_that_stopped_reading() {
     let held = std::thread::spawn(move || stuck.accept().map(|(s, _)| s));
     let file = File::new(
         "reload-sip-tcp-not-reading",
-        &config(
-            "sip-tcp",
-            "127.0.0.1:0",
-            "round_robin",
-            "",
-            &[("stuck", stuck_addr)],
-        ),
+        &sip_tcp_one("stuck", stuck_addr),
     );
     let ops = file.start();
     // Requests until the service queue is full, so the write to `stuck` is blocked
@@ -606,16 +587,7 @@ fn sip_tcp_reload_retires_a_service_that_stopped_reading() {
         0
     );
 
-    file.reload(
-        &ops,
-        &config(
-            "sip-tcp",
-            "127.0.0.1:0",
-            "round_robin",
-            "",
-            &[("s0", live[0].addr)],
-        ),
-    );
+    file.reload(&ops, &sip_tcp_one("s0", live[0].addr));
     assert!(
         wait_until(ANSWER, || tcp_counters(&ops, |c| c
             .services_retired
