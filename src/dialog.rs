@@ -201,6 +201,11 @@ impl DialogTable {
         Migration { open, refused_open }
     }
 
+    /// How long a dialog may stay idle before it expires.
+    pub fn idle(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(self.idle_ms)
+    }
+
     pub fn len(&self) -> usize {
         self.map.len()
     }

@@ -594,3 +594,42 @@ fn drain_refuses_new_calls_and_waits_for_established_ones() {
     assert_eq!(left, 0, "drain ended when the last dialog ended");
     ops.shutdown();
 }
+
+/// A reload that shortens the idle timeout also shortens how often dialogs are swept: an
+/// idle dialog is gone about one (new) idle timeout later, not at the old sweep cadence.
+#[test]
+fn reload_to_a_shorter_idle_timeout_expires_dialogs_on_the_new_timeout() {
+    let uas = Uas::start(any()).expect("uas");
+    let dir = std::env::temp_dir().join(format!("fulcrum-reload-idle-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    let path = dir.join("f.yaml");
+    let long = yaml(
+        &[uas.addr.port()],
+        "null",
+        FAST,
+        "    idle_timeout: 600s\n",
+        "round_robin",
+    );
+    std::fs::write(&path, &long).expect("write");
+    let ops = Ops::start(config::load(&path).expect("valid"), Some(path.clone())).expect("start");
+    std::fs::write(
+        &path,
+        long.replace("idle_timeout: 600s", "idle_timeout: 1s"),
+    )
+    .expect("write");
+    let r = router::handle(&ops, &Request::new("POST", "/reload"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let mut uac = Uac::new(any(), proxy_addr(&ops), "idle").expect("uac");
+    establish(&mut uac, "idle-call");
+    assert_eq!(service(&get(&ops, "/status"), "s0")["active"], 1);
+    let started = Instant::now();
+    wait_for("the idle dialog to expire", Duration::from_secs(4), || {
+        (service(&get(&ops, "/status"), "s0")["active"] == 0).then_some(())
+    });
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "expired before its idle timeout"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    ops.shutdown();
+}

@@ -173,6 +173,12 @@ impl SipCore {
         &self.local
     }
 
+    /// How often [`SipCore::sweep`] should run: often enough that the dialog table reflects
+    /// the idle timeout within ~10%.
+    pub fn sweep_interval(&self) -> Duration {
+        (self.dialogs.idle() / 10).clamp(Duration::from_millis(100), Duration::from_secs(10))
+    }
+
     /// Expire idle dialogs; each expired dialog stops counting toward its member's load.
     pub fn sweep(&self, now: Nanos) -> usize {
         let balancer = &self.balancer;

@@ -737,12 +737,6 @@ async fn write_unless_retired(
     }
 }
 
-/// How often dialogs are expired: often enough that the table reflects the idle timeout
-/// within ~10%.
-fn sweep_interval(idle: Duration) -> Duration {
-    (idle / 10).clamp(Duration::from_millis(100), Duration::from_secs(10))
-}
-
 /// Start a sip-tcp vserver on the runtime's tokio runtime.
 pub fn start(
     ctx: &mut StartCtx<'_>,
@@ -791,8 +785,8 @@ pub fn start(
     let sweeper = Arc::clone(&shared);
     ctx.tokio.spawn(async move {
         loop {
-            let idle = sweeper.current.load().idle;
-            tokio::time::sleep(sweep_interval(idle)).await;
+            let every = sweeper.core().sweep_interval();
+            tokio::time::sleep(every).await;
             if sweeper.stop.load(Ordering::Relaxed) {
                 return;
             }

@@ -116,9 +116,7 @@ pub fn start(
             .spawn(move || run_worker(socket, cell, epoch, stop, POLL))?;
         ctx.threads.push(t);
     }
-    // Dialog expiry: often enough that the table reflects the idle timeout within ~10%.
-    let sweep_every =
-        (v.idle_timeout / 10).clamp(Duration::from_millis(100), Duration::from_secs(10));
+    // Dialog expiry, in whatever core is current (a reload may change the idle timeout).
     let (cell2, stop, epoch) = (Arc::clone(&cell), Arc::clone(ctx.stop), ctx.epoch);
     let t = std::thread::Builder::new()
         .name(format!("{}-sweep", v.name))
@@ -126,8 +124,9 @@ pub fn start(
             let mut last = Instant::now();
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(POLL);
-                if last.elapsed() >= sweep_every {
-                    cell2.load().sweep(elapsed_nanos(epoch));
+                let core = cell2.load();
+                if last.elapsed() >= core.sweep_interval() {
+                    core.sweep(elapsed_nanos(epoch));
                     last = Instant::now();
                 }
             }
