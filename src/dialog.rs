@@ -54,6 +54,23 @@ pub struct Migration {
     pub open: Vec<u32>,
     /// Not migrated: the new table was full.
     pub refused_open: Vec<u32>,
+    /// The dialogs (ended or not) the new table had no room for, sorted: the catch-up pass
+    /// leaves them out, as they were refused and reported once already.
+    pub refused_keys: Vec<u64>,
+}
+
+/// What [`DialogTable::catch_up_to`] changed in the new table, by new member.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct CatchUp {
+    /// Dialogs pinned in the old table after the migration, now pinned here too.
+    pub opened: Vec<u32>,
+    /// Dialogs migrated open that ended in the old table afterwards, now ended here too (by
+    /// the member this table had them on).
+    pub ended: Vec<u32>,
+    /// Dialogs the old table moved to another member afterwards: (from, to).
+    pub moved: Vec<(u32, u32)>,
+    /// Dialogs pinned in the old table after the migration that this table had no room for.
+    pub refused_open: Vec<u32>,
 }
 
 /// Bounded, lock-striped Call-ID affinity table with idle expiry.
@@ -171,6 +188,7 @@ impl DialogTable {
     ) -> Migration {
         let mut open = Vec::new();
         let mut refused_open = Vec::new();
+        let mut refused_keys = Vec::new();
         for e in self.map.iter() {
             if e.is_expired(now_ms, self.idle_ms) {
                 continue;
@@ -181,6 +199,7 @@ impl DialogTable {
             let ended = e.ended.load(Ordering::Relaxed);
             if into.map.len() >= into.max_entries {
                 into.refused.fetch_add(1, Ordering::Relaxed);
+                refused_keys.push(*e.key());
                 if !ended {
                     refused_open.push(member);
                 }
@@ -198,7 +217,76 @@ impl DialogTable {
                 open.push(member);
             }
         }
-        Migration { open, refused_open }
+        refused_keys.sort_unstable();
+        Migration {
+            open,
+            refused_open,
+            refused_keys,
+        }
+    }
+
+    /// The second pass of a migration, run once the new table is the one in use: what the old
+    /// table's users did between [`DialogTable::migrate_to`] and the switch (pins, ends, moves)
+    /// is carried into `into`. An entry `into` already holds is changed only where the old
+    /// one is newer: an end always carries (a dialog that ended stays ended), a move only when
+    /// the old entry was seen after the new one (traffic on the new table wins). `first` is
+    /// what the migration did: the dialogs it refused are not looked at again.
+    pub fn catch_up_to(
+        &self,
+        into: &DialogTable,
+        first: &Migration,
+        now_ms: u64,
+        map: impl Fn(u32) -> Option<u32>,
+    ) -> CatchUp {
+        let mut done = CatchUp::default();
+        for e in self.map.iter() {
+            if e.is_expired(now_ms, self.idle_ms)
+                || first.refused_keys.binary_search(e.key()).is_ok()
+            {
+                continue;
+            }
+            let Some(member) = map(e.member) else {
+                continue;
+            };
+            let ended = e.ended.load(Ordering::Relaxed);
+            let seen = e.last_seen_ms.load(Ordering::Relaxed);
+            if let Some(mut n) = into.map.get_mut(e.key()) {
+                if n.ended.load(Ordering::Relaxed) {
+                    continue;
+                }
+                if ended {
+                    n.ended.store(true, Ordering::Relaxed);
+                    n.last_seen_ms.store(seen, Ordering::Relaxed);
+                    done.ended.push(n.member);
+                } else if seen > n.last_seen_ms.load(Ordering::Relaxed) {
+                    n.last_seen_ms.store(seen, Ordering::Relaxed);
+                    let from = std::mem::replace(&mut n.member, member);
+                    if from != member {
+                        done.moved.push((from, member));
+                    }
+                }
+                continue;
+            }
+            if into.map.len() >= into.max_entries {
+                into.refused.fetch_add(1, Ordering::Relaxed);
+                if !ended {
+                    done.refused_open.push(member);
+                }
+                continue;
+            }
+            into.map.insert(
+                *e.key(),
+                Entry {
+                    member,
+                    last_seen_ms: AtomicU64::new(seen),
+                    ended: AtomicBool::new(ended),
+                },
+            );
+            if !ended {
+                done.opened.push(member);
+            }
+        }
+        done
     }
 
     /// How long a dialog may stay idle before it expires.
@@ -257,6 +345,65 @@ mod tests {
             .collect();
         all.sort_unstable();
         assert_eq!(all, vec![0, 1, 1]);
+    }
+
+    /// What happens in the old table between the migration and the switch is carried over
+    /// by the catch-up pass; what happened in the new table since is not undone.
+    #[test]
+    fn catch_up_carries_pins_ends_and_moves_made_after_the_migration() {
+        let old = DialogTable::new(10, 1000);
+        old.put(1, 0, 0); // stays as it is
+        old.put(2, 0, 0); // ends in the old table after the migration
+        old.put(3, 0, 0); // moves in the old table after the migration
+        old.put(4, 0, 0); // moves in the new table after the switch
+        let new = DialogTable::new(10, 1000);
+        let first = old.migrate_to(&new, 10, Some);
+        assert_eq!(first.open, vec![0; 4]);
+        // Between the migration and the switch, on the old table:
+        old.put(5, 1, 20);
+        old.end(2, 21);
+        old.put(3, 1, 22);
+        old.put(6, 0, 23);
+        old.end(6, 24);
+        // After the switch, on the new table:
+        new.put(4, 1, 30);
+        let done = old.catch_up_to(&new, &first, 40, Some);
+        assert_eq!(done.opened, vec![1]);
+        assert_eq!(done.ended, vec![0]);
+        assert_eq!(done.moved, vec![(0, 1)]);
+        assert!(done.refused_open.is_empty());
+        assert_eq!(new.get(5, 40), Some(1));
+        assert_eq!(new.get(3, 40), Some(1));
+        assert_eq!(new.get(4, 40), Some(1), "the new table's own move is kept");
+        assert_eq!(new.get(1, 40), Some(0));
+        assert_eq!(new.end(2, 40), None, "already ended");
+        assert_eq!(
+            new.end(6, 40),
+            None,
+            "pinned and ended meanwhile: lingers, ended"
+        );
+        assert_eq!(new.get(6, 40), Some(0));
+        // A second catch-up finds nothing more to do.
+        assert_eq!(old.catch_up_to(&new, &first, 41, Some), CatchUp::default());
+    }
+
+    #[test]
+    fn catch_up_reports_pins_the_new_table_has_no_room_for() {
+        let old = DialogTable::new(10, 1000);
+        old.put(1, 0, 0);
+        old.put(2, 1, 0);
+        let new = DialogTable::new(1, 1000);
+        let first = old.migrate_to(&new, 0, Some);
+        assert_eq!(first.refused_keys.len(), 1, "one of the two had no room");
+        old.put(3, 2, 5);
+        let done = old.catch_up_to(&new, &first, 6, Some);
+        assert_eq!(
+            done.refused_open,
+            vec![2],
+            "only the later pin; the first is not reported twice"
+        );
+        assert!(done.opened.is_empty());
+        assert_eq!(new.refused(), 2);
     }
 
     #[test]

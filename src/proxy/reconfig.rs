@@ -18,7 +18,10 @@
 //! member, and swapped in atomically (workers load the core per datagram). Dialog affinity
 //! of surviving services is migrated (members renumbered by service name) and counted as
 //! load again; members added by the reload enter slow start. Dialogs pinned to a removed
-//! service are dropped: their next in-dialog request is routed by the method.
+//! service are dropped: their next in-dialog request is routed by the method. The workers
+//! keep using the old core until the swap, so once it is done a catch-up pass carries what
+//! they did to dialogs meanwhile (new pins, ends, moves) into the new table: without it a
+//! call set up during a reload lost its affinity, and its load was never closed.
 //!
 //! # sip-tcp
 //! The listener, the client connections and the Via identity stay. A new [`SipCore`] is
@@ -46,6 +49,7 @@ use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol, Vserver};
 use arc_swap::ArcSwap;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// What a rebuild changed.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -117,14 +121,48 @@ fn migrate_dialogs(
     new_names: &[String],
     now: crate::stats::Nanos,
 ) -> crate::dialog::Migration {
-    old.dialogs()
-        .migrate_to(new.dialogs(), now / 1_000_000, |m| {
-            let n = old_names.get(m as usize)?;
-            new_names
-                .iter()
-                .position(|x| x == n)
-                .and_then(|p| u32::try_from(p).ok())
-        })
+    old.dialogs().migrate_to(
+        new.dialogs(),
+        now / 1_000_000,
+        renumber(old_names, new_names),
+    )
+}
+
+/// How long the old core's users are given to finish what they began before the switch
+/// (one datagram or message: microseconds) before the catch-up pass reads the old table.
+const SETTLE: Duration = Duration::from_millis(2);
+
+/// After the switch: carry into the new table what the old core's users did to dialogs
+/// between the migration and the switch (see [`crate::dialog::DialogTable::catch_up_to`]).
+fn catch_up_dialogs(
+    old: &SipCore,
+    new: &SipCore,
+    first: &crate::dialog::Migration,
+    old_names: &[String],
+    new_names: &[String],
+    now: crate::stats::Nanos,
+) -> crate::dialog::CatchUp {
+    std::thread::sleep(SETTLE);
+    old.dialogs().catch_up_to(
+        new.dialogs(),
+        first,
+        now / 1_000_000,
+        renumber(old_names, new_names),
+    )
+}
+
+/// Old member index -> new member index, by service name (`None`: the service left).
+fn renumber<'a>(
+    old_names: &'a [String],
+    new_names: &'a [String],
+) -> impl Fn(u32) -> Option<u32> + 'a {
+    |m| {
+        let n = old_names.get(m as usize)?;
+        new_names
+            .iter()
+            .position(|x| x == n)
+            .and_then(|p| u32::try_from(p).ok())
+    }
 }
 
 /// The vserver `name` of the new config (when its protocol passes `fits`), the running
@@ -277,16 +315,34 @@ impl Runtime {
         let core = Arc::new(sip_core(config, v, &old, &balancer));
         // A fresh balancer: what moved is counted as load again (what did not was never
         // counted there).
-        let open = migrate_dialogs(&old, &core, &old_names, &new_names, now).open;
-        for m in &open {
+        let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+        let open = &first.open;
+        for m in open {
             if let Some(c) = balancer.counters(*m as usize) {
                 c.open();
             }
         }
         cell.store(Arc::clone(&core));
+        // This balancer counted only what the first pass migrated.
+        let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, self.now());
+        let count = |m: u32, open: bool| {
+            if let Some(c) = balancer.counters(m as usize) {
+                if open { c.open() } else { c.close() }
+            }
+        };
+        for &m in &late.opened {
+            count(m, true);
+        }
+        for &m in &late.ended {
+            count(m, false);
+        }
+        for &(from, to) in &late.moved {
+            count(from, false);
+            count(to, true);
+        }
         let handle = &mut self.vservers[slot];
         let r = Rebuilt {
-            dialogs_kept: open.len(),
+            dialogs_kept: (open.len() + late.opened.len()).saturating_sub(late.ended.len()),
             ..rebuilt(&old_names, &balancer, &added)
         };
         handle.balancer = balancer;
@@ -338,12 +394,20 @@ impl Runtime {
                 c.close();
             }
         }
-        let kept = moved.open.len();
         shared.install(Install {
             core: Arc::clone(&core),
             max_clients: v.max_sessions,
             idle: v.idle_timeout,
         });
+        // The shared counters already follow what the old core did meanwhile (pins, ends,
+        // moves); only a pin the new table had no room for must stop counting.
+        let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, self.now());
+        for m in &late.refused_open {
+            if let Some(c) = balancer.counters(*m as usize) {
+                c.close();
+            }
+        }
+        let kept = (moved.open.len() + late.opened.len()).saturating_sub(late.ended.len());
         let handle = &mut self.vservers[slot];
         let r = Rebuilt {
             dialogs_kept: kept,
