@@ -2,9 +2,10 @@
 //!
 //! Every UDP session owns a socket and every TCP connection two, so the default soft limit
 //! (often 1024) would cap a vserver far below its `max_sessions`. The soft limit is raised
-//! to the hard limit once per process, and the result logged; a vserver whose
-//! `max_sessions` cannot fit in the result says so at start.
+//! to the hard limit once per process, and the result logged; when the vservers'
+//! `max_sessions` together cannot fit in the result, the start says so.
 
+use crate::config::{Protocol, Vserver};
 use nix::sys::resource::{Resource, getrlimit, setrlimit};
 use std::sync::OnceLock;
 
@@ -35,20 +36,54 @@ pub fn raise_nofile_limit() -> Option<u64> {
     })
 }
 
-/// Raise the limit, and warn when `max_sessions` sessions of `fds_each` descriptors cannot
-/// all be open under it (the ones beyond fail to open and are counted as socket errors).
-pub fn check_capacity(vserver: &str, max_sessions: usize, fds_each: u64) {
+/// Descriptors vserver `v` holds at its `max_sessions`: one per UDP session and per sip-tcp
+/// client connection, two per TCP / HTTP connection (client and service side); sip-udp holds
+/// only its worker sockets.
+pub fn fds_at_max(v: &Vserver) -> u64 {
+    let each = match v.protocol {
+        Protocol::Udp | Protocol::SipTcp => 1,
+        Protocol::Tcp | Protocol::Http => 2,
+        Protocol::SipUdp => 0,
+    };
+    (v.max_sessions as u64).saturating_mul(each)
+}
+
+/// Raise the limit, and warn when the vservers at their `max_sessions` together need more
+/// descriptors than it allows (sessions beyond fail to open and are counted as socket
+/// errors). One warning for the process, as the limit is the process's: the vservers draw
+/// on it together.
+pub fn check_capacity(vservers: &[Vserver]) {
     let Some(limit) = raise_nofile_limit() else {
         return;
     };
-    let need = (max_sessions as u64).saturating_mul(fds_each);
+    let need: u64 = vservers.iter().map(fds_at_max).fold(0, u64::saturating_add);
     if need > limit {
+        let each: Vec<String> = vservers
+            .iter()
+            .filter(|v| fds_at_max(v) > 0)
+            .map(|v| format!("{}={}", v.name, fds_at_max(v)))
+            .collect();
         tracing::warn!(
-            vserver,
-            max_sessions,
             open_file_limit = limit,
-            about = limit / fds_each.max(1),
-            "max_sessions needs more descriptors than the open-file limit allows: sessions beyond `about` will fail to open"
+            needed = need,
+            by_vserver = %each.join(" "),
+            "the vservers' max_sessions need more descriptors than the open-file limit allows: sessions beyond it will fail to open"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn descriptors_per_protocol() {
+        let cfg = crate::config::from_str(
+            "t.yaml",
+            "services:\n  - { name: s, address: 127.0.0.1:9, protocol: udp }\n  - { name: t, address: 127.0.0.1:9, protocol: tcp }\nvservers:\n  - { name: u, protocol: udp, bind: [127.0.0.1:0], method: round_robin, max_sessions: 10, services: [s] }\n  - { name: c, protocol: tcp, bind: [127.0.0.1:0], method: round_robin, max_sessions: 10, services: [t] }\n",
+        )
+        .expect("valid");
+        let needs: Vec<u64> = cfg.vservers.iter().map(fds_at_max).collect();
+        assert_eq!(needs, vec![10, 20]);
     }
 }

@@ -117,6 +117,7 @@ impl Runtime {
             tcp_cells: Vec::new(),
             tokio: Some(tokio),
         };
+        super::fd_limit::check_capacity(&config.vservers);
         for v in &config.vservers {
             if let Err(e) = rt.start_vserver(config, v) {
                 rt.stop_all();

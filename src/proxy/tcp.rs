@@ -236,7 +236,6 @@ pub fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
-    crate::proxy::fd_limit::check_capacity(&v.name, v.max_sessions, 2);
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_tcp_workers(v, workers)?;

@@ -282,7 +282,6 @@ pub fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
-    crate::proxy::fd_limit::check_capacity(&v.name, v.max_sessions, 1);
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_udp(v, workers)?;
     let core = Arc::new(UdpCore::new(config, v));
