@@ -171,7 +171,7 @@ impl TcpCore {
     /// True when a connection's local address matters: the key uses it (`dest_ip_hash`,
     /// `source_dest_ip_hash`) or a PROXY header carries it.
     pub fn needs_local(&self) -> bool {
-        self.send_proxy || matches!(self.method, Method::DestIpHash | Method::SourceDestIpHash)
+        self.send_proxy || key::reads_local(self.method)
     }
 
     /// What must be read before choosing.
