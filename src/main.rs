@@ -179,8 +179,10 @@ fn init_tracing(cli_format: Option<CliLogFormat>, config: Option<&Config>) -> an
         Some(CliLogFormat::Text) => false,
         None => config.is_some_and(|c| c.logging.format == LogFormat::Json),
     };
+    // Colours only for a person at a terminal: a file, a pipe or journald gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if json {
         builder.json().init();

@@ -1,0 +1,143 @@
+//! Firewall pools across processes (issue 6): two `fulcrum run` processes started from one
+//! config choose the same service for the same flow, over UDP and TCP. Separate processes,
+//! not two runtimes in this one, so nothing process-wide (a seeded hasher, a static) can make
+//! them agree by accident. Synchronised on the processes' log lines, with deadlines.
+
+mod common;
+
+use common::*;
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// A `fulcrum run` child process over a config file of its own; killed when dropped.
+struct Fulcrum {
+    child: Child,
+    dir: PathBuf,
+    /// The address its vserver bound (from its `listening` log line).
+    addr: SocketAddr,
+}
+
+impl Fulcrum {
+    fn start(tag: &str, yaml: &str) -> Fulcrum {
+        let dir = std::env::temp_dir().join(format!("fulcrum-proc-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp dir");
+        let path = dir.join("f.yaml");
+        std::fs::write(&path, yaml).expect("write config");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+            .args(["run", "--drain-timeout", "0s", "--config"])
+            .arg(&path)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn fulcrum");
+        let stderr = child.stderr.take().expect("stderr");
+        let (tx, rx) = mpsc::channel();
+        // Drains stderr for the process's whole life, so logging never blocks it.
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let addr = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = rx.recv_timeout(left).unwrap_or_else(|_| {
+                let _ = child.kill();
+                panic!("{tag}: no `listening` log line")
+            });
+            assert!(
+                !line.contains('\u{1b}'),
+                "log to a pipe is plain text: {line:?}"
+            );
+            if let Some(a) = bound_in(&line) {
+                break a;
+            }
+        };
+        Fulcrum { child, dir, addr }
+    }
+}
+
+impl Drop for Fulcrum {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The first address of a `listening ... bound=[A, B]` log line.
+fn bound_in(line: &str) -> Option<SocketAddr> {
+    if !line.contains("listening") {
+        return None;
+    }
+    let rest = &line[line.find("bound=[")? + "bound=[".len()..];
+    let list = &rest[..rest.find(']')?];
+    list.split(", ").next()?.parse().ok()
+}
+
+/// Two processes over one config of `protocol` vserver `v` with `n` services, `method`.
+fn pair(protocol: &str, n: usize, method: &str) -> [Fulcrum; 2] {
+    let kind = if protocol == "udp" { "udp" } else { "tcp" };
+    // The services' threads live as long as this test process.
+    let svc = services(kind, n, "127.0.0.1");
+    let yaml = config(protocol, "127.0.0.1:0", method, "", &refs(&svc));
+    [
+        Fulcrum::start(&format!("{protocol}-a"), &yaml),
+        Fulcrum::start(&format!("{protocol}-b"), &yaml),
+    ]
+}
+
+#[test]
+fn two_processes_choose_the_same_service_per_udp_flow() {
+    let [a, b] = pair("udp", 4, "source_ip_source_port_hash");
+    assert_ne!(a.addr, b.addr);
+    let mut used = HashSet::new();
+    for _ in 0..24 {
+        // One client socket toward both: the same flow key (source address and port).
+        let c = udp_client("127.0.0.1");
+        let x = udp_ask(&c, a.addr, b"m").expect("answer via a").0.service;
+        let y = udp_ask(&c, b.addr, b"m").expect("answer via b").0.service;
+        assert_eq!(x, y, "flow {:?}", c.local_addr());
+        used.insert(x);
+    }
+    assert!(used.len() >= 3, "flows spread: {used:?}");
+}
+
+#[test]
+fn two_processes_choose_the_same_service_per_tcp_connection() {
+    let [a, b] = pair("tcp", 4, "source_ip_source_port_hash");
+    let mut used = HashSet::new();
+    for _ in 0..16 {
+        // The same client address and port toward both (a mirrored connection).
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
+        let from = probe.local_addr().expect("addr");
+        drop(probe);
+        let x = tcp_ask_from(a.addr, Some(from), b"m")
+            .expect("answer via a")
+            .service;
+        let y = tcp_ask_from(b.addr, Some(from), b"m")
+            .expect("answer via b")
+            .service;
+        assert_eq!(x, y, "{from}");
+        used.insert(x);
+    }
+    assert!(used.len() >= 3, "connections spread: {used:?}");
+}
+
+#[test]
+fn bound_address_is_read_from_the_listening_line() {
+    assert_eq!(
+        bound_in(
+            "2026-11-30T03:21:42Z  INFO fulcrum: listening vserver=u bound=[127.0.0.1:46579, [::1]:46580]"
+        ),
+        Some("127.0.0.1:46579".parse().expect("addr"))
+    );
+    assert_eq!(bound_in("udp vserver started bind=[127.0.0.1:1]"), None);
+}
