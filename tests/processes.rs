@@ -7,12 +7,9 @@ mod common;
 
 use common::*;
 use std::collections::HashSet;
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::Child;
 
 /// A `fulcrum run` child process over a config file of its own; killed when dropped.
 struct Fulcrum {
@@ -20,6 +17,8 @@ struct Fulcrum {
     dir: PathBuf,
     /// The address its vserver bound (from its `listening` log line).
     addr: SocketAddr,
+    /// Its stderr lines: kept, so its stderr stays open (read) while it runs.
+    _log: std::sync::mpsc::Receiver<String>,
 }
 
 impl Fulcrum {
@@ -28,39 +27,19 @@ impl Fulcrum {
         std::fs::create_dir_all(&dir).expect("tmp dir");
         let path = dir.join("f.yaml");
         std::fs::write(&path, yaml).expect("write config");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
-            .args(["run", "--drain-timeout", "0s", "--config"])
-            .arg(&path)
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("spawn fulcrum");
-        let stderr = child.stderr.take().expect("stderr");
-        let (tx, rx) = mpsc::channel();
-        // Drains stderr for the process's whole life, so logging never blocks it.
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let addr = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let line = rx.recv_timeout(left).unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!("{tag}: no `listening` log line")
-            });
-            assert!(
-                !line.contains('\u{1b}'),
-                "log to a pipe is plain text: {line:?}"
-            );
-            if let Some(a) = bound_in(&line) {
-                break a;
-            }
-        };
-        Fulcrum { child, dir, addr }
+        let (child, rx) = spawn_fulcrum(&path, "0s");
+        let line = expect_line(&rx, "listening");
+        assert!(
+            !line.contains('\u{1b}'),
+            "log to a pipe is plain text: {line:?}"
+        );
+        let addr = bound_in(&line).unwrap_or_else(|| panic!("{tag}: no address in {line:?}"));
+        Fulcrum {
+            child,
+            dir,
+            addr,
+            _log: rx,
+        }
     }
 }
 

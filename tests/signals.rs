@@ -2,9 +2,10 @@
 //! process keeps running), SIGTERM drains and exits 0. Synchronised on log lines, with
 //! deadlines.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+mod common;
+
+use common::{expect_line, spawn_fulcrum};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 fn signal(child: &Child, sig: &str) {
@@ -16,19 +17,6 @@ fn signal(child: &Child, sig: &str) {
     assert!(ok, "kill {sig}");
 }
 
-/// Wait for a stderr line containing `needle`.
-fn expect_line(lines: &mpsc::Receiver<String>, needle: &str) -> String {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let left = deadline.saturating_duration_since(std::time::Instant::now());
-        match lines.recv_timeout(left) {
-            Ok(l) if l.contains(needle) => return l,
-            Ok(_) => {}
-            Err(_) => panic!("no log line containing `{needle}`"),
-        }
-    }
-}
-
 #[test]
 fn sighup_reloads_and_sigterm_exits_zero() {
     let dir = std::env::temp_dir().join(format!("fulcrum-signals-{}", std::process::id()));
@@ -36,24 +24,7 @@ fn sighup_reloads_and_sigterm_exits_zero() {
     let path = dir.join("f.yaml");
     let good = "admin: { listen: null }\nservices:\n  - { name: s0, address: 127.0.0.1:9, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: [127.0.0.1:0], method: round_robin, workers: 1, services: [s0] }\n";
     std::fs::write(&path, good).expect("write");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
-        .args(["run", "--drain-timeout", "2s", "--config"])
-        .arg(&path)
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn fulcrum");
-    let stderr = child.stderr.take().expect("stderr");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let (mut child, rx) = spawn_fulcrum(&path, "2s");
     expect_line(&rx, "listening");
 
     std::fs::write(&path, "services: [").expect("write bad");

@@ -6,10 +6,13 @@
 pub mod sip_tcp;
 
 use fulcrum::proxy::proxy_protocol::decode_v2;
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// How long a client waits for an answer that must come.
@@ -271,4 +274,42 @@ pub fn services(kind: &str, n: usize, ip: &str) -> Vec<(String, SocketAddr)> {
 /// Borrowed view of [`services`] for [`config`].
 pub fn refs(s: &[(String, SocketAddr)]) -> Vec<(&str, SocketAddr)> {
     s.iter().map(|(n, a)| (n.as_str(), *a)).collect()
+}
+
+/// `fulcrum run --drain-timeout DRAIN --config CONFIG` as a child process (`RUST_LOG=info`),
+/// with its stderr lines; a thread reads them for the process's whole life, so its logging
+/// never blocks.
+pub fn spawn_fulcrum(config: &Path, drain: &str) -> (Child, mpsc::Receiver<String>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .args(["run", "--drain-timeout", drain, "--config"])
+        .arg(config)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn fulcrum");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    (child, rx)
+}
+
+/// Wait (at most 10 s) for a log line containing `needle`.
+pub fn expect_line(lines: &mpsc::Receiver<String>, needle: &str) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(l) if l.contains(needle) => return l,
+            Ok(_) => {}
+            Err(_) => panic!("no log line containing `{needle}`"),
+        }
+    }
 }
