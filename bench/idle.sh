@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Idle memory: RSS growth of fulcrum per idle UDP session and per idle TCP connection.
-# One config with a `udp` vserver (3 UDP echo services) and a `tcp` vserver (3 TCP services
-# that accept and hold, `fulcrum-load tcp-sink`); for each, a fresh fulcrum, N flows opened
+# Idle memory: RSS growth of fulcrum per idle UDP session, per idle TCP connection and per
+# idle SIP-over-TCP client. One config with a `udp` vserver (3 UDP echo services), a `tcp`
+# vserver (3 TCP services that accept and hold, `fulcrum-load tcp-sink`) and a `sip-tcp`
+# vserver (clients that connect and stay silent); for each, a fresh fulcrum, N flows opened
 # by `fulcrum-load udp-idle` / `tcp-idle` (one source address 127.0.x.y per flow), then
 # VmRSS from /proc/PID/status before and after, sampled until it stops growing (<= 10 s).
 # The script first tries to raise the open-file hard limit to 200,000 (needs
@@ -25,7 +26,7 @@ UDP_N=$(( WANT < LIMIT - SPARE ? WANT : LIMIT - SPARE ))
 TCP_N=$(( WANT < (LIMIT - SPARE) / 2 ? WANT : (LIMIT - SPARE) / 2 ))
 build_fulcrum
 gcc -O2 -o "$TMP/udp_echo" "$PEERS/tools/udp_echo.c" || exit 1
-E1=${E1:-17101}; B1=${B1:-18181}; FU=${FU:-16200}; FT=${FT:-19200}
+E1=${E1:-17101}; B1=${B1:-18181}; FU=${FU:-16200}; FT=${FT:-19200}; FS=${FS:-15200}
 cat > "$TMP/idle.yaml" <<YAML
 admin: { listen: null }
 logging: { level: info }
@@ -36,11 +37,14 @@ services:
   - { name: b1, address: 127.0.0.1:$B1, protocol: tcp }
   - { name: b2, address: 127.0.0.1:$((B1 + 1)), protocol: tcp }
   - { name: b3, address: 127.0.0.1:$((B1 + 2)), protocol: tcp }
+  - { name: p1, address: 127.0.0.1:$((B1 + 3)), protocol: sip-tcp }
 vservers:
   - { name: u, protocol: udp, bind: [127.0.0.1:$FU], method: source_ip_hash, workers: 2,
       idle_timeout: 600s, max_sessions: 100000, services: [e1, e2, e3] }
   - { name: t, protocol: tcp, bind: [127.0.0.1:$FT], method: source_ip_hash, idle_timeout: 600s,
       max_sessions: 100000, services: [b1, b2, b3] }
+  - { name: s, protocol: sip-tcp, bind: [127.0.0.1:$FS], idle_timeout: 600s, max_sessions: 100000,
+      services: [p1] }
 YAML
 # RSS once it has stopped growing (two equal samples 0.2 s apart, at most 10 s).
 settled() { local prev=0 r; for _ in $(seq 1 50); do r=$(rss "$1"); [ "$r" = "$prev" ] && break; prev=$r; sleep 0.2; done; echo "$r"; }
@@ -58,12 +62,15 @@ measure() {
   ready=$(sed -n 's/.*ready=\([0-9]*\).*/\1/p' "$TMP/$kind.out")
   echo "$kind: flows=$n ready=${ready:-0} fulcrum_fds=$(ls /proc/$fpid/fd | wc -l) rss_before_kib=$r0 rss_after_kib=$r1 per_flow_bytes=$(( (r1 - r0) * 1024 / ${ready:-1} ))"
   grep -m1 -o '"open-file limit[^"]*"\|open-file limit.*' "$TMP/fulcrum-$kind.log" | head -1 | sed "s/^/$kind fulcrum log: /"
-  grep -i "max_sessions needs" "$TMP/fulcrum-$kind.log" | sed "s/^/$kind fulcrum log: /"
+  grep -i "max_sessions need" "$TMP/fulcrum-$kind.log" | sed "s/^/$kind fulcrum log: /"
+  [ "${ready:-0}" = 0 ] && { echo "$kind: load generator said:"; cat "$TMP/$kind.out"; }
   kill -KILL $lpid $fpid 2>/dev/null; wait $lpid $fpid 2>/dev/null
 }
-echo "# idle: open-file limit $LIMIT; udp sessions $UDP_N, tcp connections $TCP_N (wanted $WANT)"
+echo "# idle: open-file limit $LIMIT; udp sessions $UDP_N, tcp connections $TCP_N, sip-tcp clients $UDP_N (wanted $WANT)"
 for port in $E1 $((E1 + 1)) $((E1 + 2)); do timeout -s KILL 300 "$TMP/udp_echo" 127.0.0.1 $port & PIDS+=($!); done
 for port in $B1 $((B1 + 1)) $((B1 + 2)); do "$LOAD" tcp-sink 127.0.0.1:$port --sockets "$TCP_N" --secs 240 > /dev/null & PIDS+=($!); done
 sleep 0.5
 measure udp "$UDP_N" udp-idle $FU
 measure tcp "$TCP_N" tcp-idle $FT
+# sip-tcp: idle client connections (one descriptor each; no service connection until a request).
+measure sip-tcp "$UDP_N" tcp-idle $FS

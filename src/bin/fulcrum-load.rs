@@ -113,6 +113,9 @@ fn tcp_idle(target: SocketAddr, n: usize, secs: u64) -> std::io::Result<()> {
     let mut held = Vec::with_capacity(n);
     for i in 0..n {
         let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+        // An earlier run's connections from this address and port may linger in TIME_WAIT;
+        // toward another target (or port) the connection is a different one.
+        s.set_reuse_address(true)?;
         s.bind(&SocketAddr::new(source_ip(i), IDLE_PORT).into())?;
         s.connect(&target.into())?;
         held.push(s);

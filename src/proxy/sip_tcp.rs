@@ -405,6 +405,11 @@ impl TcpShared {
     }
 }
 
+thread_local! {
+    /// Where a message is rewritten before it is copied into its queue: one per thread.
+    static OUT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(4096));
+}
+
 /// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
 /// idle timeout or a framing error. `reply` carries pongs and fulcrum's own replies.
 async fn read_messages(
@@ -415,8 +420,10 @@ async fn read_messages(
     dst: SocketAddr,
     reply: &mpsc::Sender<Bytes>,
 ) {
-    let mut buf = BytesMut::with_capacity(4096);
-    let mut out = Vec::with_capacity(4096);
+    // The connection's own buffer holds bytes only while a message is incomplete: an idle
+    // connection (a registered phone between requests) holds none. Rewritten messages are
+    // built in a per-thread buffer and copied out.
+    let mut buf = BytesMut::new();
     loop {
         // Frame everything already buffered (several messages may arrive in one read).
         loop {
@@ -424,13 +431,12 @@ async fn read_messages(
                 Ok(frame) => {
                     let len = frame.len();
                     match frame {
-                        Frame::Message { .. } => {
+                        Frame::Message { .. } => OUT.with_borrow_mut(|out| {
                             let now = shared.now();
                             let g = shared.current.load();
-                            let action =
-                                g.core.handle(&buf[..len], origin, src, dst, now, &mut out);
-                            shared.dispatch(&g, action, &out, origin, reply);
-                        }
+                            let action = g.core.handle(&buf[..len], origin, src, dst, now, out);
+                            shared.dispatch(&g, action, out, origin, reply);
+                        }),
                         Frame::Ping => {
                             bump(&shared.counters.keepalive_pings);
                             let _ = reply.try_send(Bytes::from_static(PONG));
@@ -449,11 +455,19 @@ async fn read_messages(
                 }
             }
         }
-        if buf.capacity() - buf.len() < 1024 {
-            buf.reserve(4096);
+        if buf.is_empty() && buf.capacity() > 0 {
+            buf = BytesMut::new();
         }
         let idle = shared.current.load().idle;
-        match tokio::time::timeout(idle, read.read_buf(&mut buf)).await {
+        let read_more = async {
+            // Wait with no buffer; take one once bytes are there.
+            read.readable().await?;
+            if buf.capacity() - buf.len() < 1024 {
+                buf.reserve(4096);
+            }
+            read.read_buf(&mut buf).await
+        };
+        match tokio::time::timeout(idle, read_more).await {
             Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return,
             Ok(Ok(_)) => {}
         }
