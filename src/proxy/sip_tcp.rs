@@ -458,18 +458,30 @@ async fn read_messages(
         if buf.is_empty() && buf.capacity() > 0 {
             buf = BytesMut::new();
         }
+        // Wait with no buffer; take one once bytes are there.
         let idle = shared.current.load().idle;
-        let read_more = async {
-            // Wait with no buffer; take one once bytes are there.
-            read.readable().await?;
-            if buf.capacity() - buf.len() < 1024 {
-                buf.reserve(4096);
-            }
-            read.read_buf(&mut buf).await
+        match tokio::time::timeout(idle, read.readable()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) | Err(_) => return,
+        }
+        if buf.capacity() - buf.len() < 1024 {
+            buf.reserve(4096);
+        }
+        // One read attempt, never a wait with the buffer held: a readiness can be stale (a
+        // fresh connection starts out readable), and then the attempt clears it and the loop
+        // waits again without the buffer. A short read clears it too (the receive queue is
+        // empty), so a burst costs one `recv`.
+        let attempt = {
+            let mut read_buf = std::pin::pin!(read.read_buf(&mut buf));
+            std::future::poll_fn(|cx| std::task::Poll::Ready(read_buf.as_mut().poll(cx))).await
         };
-        match tokio::time::timeout(idle, read_more).await {
-            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => return,
-            Ok(Ok(_)) => {}
+        match attempt {
+            std::task::Poll::Ready(Ok(0) | Err(_)) => return,
+            std::task::Poll::Ready(Ok(_)) => {}
+            // Also what the read says once this task has used up its scheduling budget (the
+            // readiness is then still set, and `readable` would not wait): give the thread
+            // back before trying again, or a busy connection would spin on it.
+            std::task::Poll::Pending => tokio::task::yield_now().await,
         }
         if shared.stop.load(Ordering::Relaxed) {
             return;
