@@ -57,6 +57,8 @@ pub struct Migration {
     /// The dialogs (ended or not) the new table had no room for, sorted: the catch-up pass
     /// leaves them out, as they were refused and reported once already.
     pub refused_keys: Vec<u64>,
+    /// The dialogs copied, sorted: the catch-up pass tells them from dialogs pinned later.
+    pub copied_keys: Vec<u64>,
 }
 
 /// What [`DialogTable::catch_up_to`] changed in the new table, by new member.
@@ -71,6 +73,10 @@ pub struct CatchUp {
     pub moved: Vec<(u32, u32)>,
     /// Dialogs pinned in the old table after the migration that this table had no room for.
     pub refused_open: Vec<u32>,
+    /// Dialogs pinned in the old table after the migration and, before the catch-up, pinned
+    /// here too by the new table's own traffic (which this table keeps), by the old table's
+    /// member: each was pinned, and counted, twice.
+    pub doubled: Vec<u32>,
 }
 
 /// Bounded, lock-striped Call-ID affinity table with idle expiry.
@@ -189,6 +195,7 @@ impl DialogTable {
         let mut open = Vec::new();
         let mut refused_open = Vec::new();
         let mut refused_keys = Vec::new();
+        let mut copied_keys = Vec::new();
         for e in self.map.iter() {
             if e.is_expired(now_ms, self.idle_ms) {
                 continue;
@@ -213,15 +220,18 @@ impl DialogTable {
                     ended: AtomicBool::new(ended),
                 },
             );
+            copied_keys.push(*e.key());
             if !ended {
                 open.push(member);
             }
         }
         refused_keys.sort_unstable();
+        copied_keys.sort_unstable();
         Migration {
             open,
             refused_open,
             refused_keys,
+            copied_keys,
         }
     }
 
@@ -230,7 +240,9 @@ impl DialogTable {
     /// is carried into `into`. An entry `into` already holds is changed only where the old
     /// one is newer: an end always carries (a dialog that ended stays ended), a move only when
     /// the old entry was seen after the new one (traffic on the new table wins). `first` is
-    /// what the migration did: the dialogs it refused are not looked at again.
+    /// what the migration did: the dialogs it refused are not looked at again, and a dialog it
+    /// did not copy but `into` holds was pinned there by the new table's traffic. Run once,
+    /// after the switch.
     pub fn catch_up_to(
         &self,
         into: &DialogTable,
@@ -250,40 +262,49 @@ impl DialogTable {
             };
             let ended = e.ended.load(Ordering::Relaxed);
             let seen = e.last_seen_ms.load(Ordering::Relaxed);
-            if let Some(mut n) = into.map.get_mut(e.key()) {
-                if n.ended.load(Ordering::Relaxed) {
-                    continue;
-                }
-                if ended {
-                    n.ended.store(true, Ordering::Relaxed);
-                    n.last_seen_ms.store(seen, Ordering::Relaxed);
-                    done.ended.push(n.member);
-                } else if seen > n.last_seen_ms.load(Ordering::Relaxed) {
-                    n.last_seen_ms.store(seen, Ordering::Relaxed);
-                    let from = std::mem::replace(&mut n.member, member);
-                    if from != member {
-                        done.moved.push((from, member));
+            let copied = first.copied_keys.binary_search(e.key()).is_ok();
+            // Read before the entry is locked: `len` locks every shard of `into`.
+            let full = into.map.len() >= into.max_entries;
+            match into.map.entry(*e.key()) {
+                dashmap::Entry::Occupied(mut n) if copied => {
+                    let n = n.get_mut();
+                    if n.ended.load(Ordering::Relaxed) {
+                        continue;
+                    }
+                    if ended {
+                        n.ended.store(true, Ordering::Relaxed);
+                        n.last_seen_ms.store(seen, Ordering::Relaxed);
+                        done.ended.push(n.member);
+                    } else if seen > n.last_seen_ms.load(Ordering::Relaxed) {
+                        n.last_seen_ms.store(seen, Ordering::Relaxed);
+                        let from = std::mem::replace(&mut n.member, member);
+                        if from != member {
+                            done.moved.push((from, member));
+                        }
                     }
                 }
-                continue;
-            }
-            if into.map.len() >= into.max_entries {
-                into.refused.fetch_add(1, Ordering::Relaxed);
-                if !ended {
-                    done.refused_open.push(member);
+                dashmap::Entry::Occupied(_) => {
+                    // Pinned on both sides after the migration: this table's pin stands.
+                    if !ended {
+                        done.doubled.push(member);
+                    }
                 }
-                continue;
-            }
-            into.map.insert(
-                *e.key(),
-                Entry {
-                    member,
-                    last_seen_ms: AtomicU64::new(seen),
-                    ended: AtomicBool::new(ended),
-                },
-            );
-            if !ended {
-                done.opened.push(member);
+                dashmap::Entry::Vacant(_) if full => {
+                    into.refused.fetch_add(1, Ordering::Relaxed);
+                    if !ended {
+                        done.refused_open.push(member);
+                    }
+                }
+                dashmap::Entry::Vacant(v) => {
+                    v.insert(Entry {
+                        member,
+                        last_seen_ms: AtomicU64::new(seen),
+                        ended: AtomicBool::new(ended),
+                    });
+                    if !ended {
+                        done.opened.push(member);
+                    }
+                }
             }
         }
         done
@@ -383,8 +404,22 @@ mod tests {
             "pinned and ended meanwhile: lingers, ended"
         );
         assert_eq!(new.get(6, 40), Some(0));
-        // A second catch-up finds nothing more to do.
-        assert_eq!(old.catch_up_to(&new, &first, 41, Some), CatchUp::default());
+        assert!(done.doubled.is_empty());
+    }
+
+    /// A dialog pinned in the old table after the migration whose next request reached the
+    /// new table first (and was pinned there) is reported as pinned twice; the new pin stays.
+    #[test]
+    fn catch_up_reports_dialogs_pinned_on_both_sides() {
+        let old = DialogTable::new(10, 1000);
+        let new = DialogTable::new(10, 1000);
+        let first = old.migrate_to(&new, 0, Some);
+        old.put(7, 1, 5);
+        new.put(7, 2, 6);
+        let done = old.catch_up_to(&new, &first, 7, Some);
+        assert_eq!(done.doubled, vec![1]);
+        assert!(done.opened.is_empty() && done.moved.is_empty() && done.ended.is_empty());
+        assert_eq!(new.get(7, 7), Some(2));
     }
 
     #[test]

@@ -323,7 +323,8 @@ impl Runtime {
             }
         }
         cell.store(Arc::clone(&core));
-        // This balancer counted only what the first pass migrated.
+        // This balancer counted only what the first pass migrated, and what the new core
+        // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
         let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, self.now());
         let count = |m: u32, open: bool| {
             if let Some(c) = balancer.counters(m as usize) {
@@ -400,9 +401,10 @@ impl Runtime {
             idle: v.idle_timeout,
         });
         // The shared counters already follow what the old core did meanwhile (pins, ends,
-        // moves); only a pin the new table had no room for must stop counting.
+        // moves); what must stop counting is a pin the new table had no room for, and the old
+        // core's pin of a dialog the new core pinned again (its next request came first).
         let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, self.now());
-        for m in &late.refused_open {
+        for m in late.refused_open.iter().chain(&late.doubled) {
             if let Some(c) = balancer.counters(*m as usize) {
                 c.close();
             }
