@@ -17,7 +17,7 @@ struct Fulcrum {
     dir: PathBuf,
     /// The address its vserver bound (from its `listening` log line).
     addr: SocketAddr,
-    /// Its stderr lines: kept, so its stderr stays open (read) while it runs.
+    /// Its stderr lines, read for as long as it runs.
     _log: std::sync::mpsc::Receiver<String>,
 }
 
@@ -28,18 +28,20 @@ impl Fulcrum {
         let path = dir.join("f.yaml");
         std::fs::write(&path, yaml).expect("write config");
         let (child, rx) = spawn_fulcrum(&path, "0s");
-        let line = expect_line(&rx, "listening");
+        // Guarded from here on: a failed start below still kills the child.
+        let mut f = Fulcrum {
+            child,
+            dir,
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            _log: rx,
+        };
+        let line = expect_line(&f._log, "listening");
         assert!(
             !line.contains('\u{1b}'),
             "log to a pipe is plain text: {line:?}"
         );
-        let addr = bound_in(&line).unwrap_or_else(|| panic!("{tag}: no address in {line:?}"));
-        Fulcrum {
-            child,
-            dir,
-            addr,
-            _log: rx,
-        }
+        f.addr = bound_in(&line).unwrap_or_else(|| panic!("{tag}: no address in {line:?}"));
+        f
     }
 }
 

@@ -642,3 +642,30 @@ fn sip_tcp_reload_to_a_smaller_dialog_table_counts_only_the_kept_dialogs() {
     );
     ops.shutdown();
 }
+
+/// A reload to a shorter idle timeout is followed by the dialog sweeper at once: an idle
+/// dialog is gone about one (new) idle timeout later, not after the old sweep interval.
+#[test]
+fn sip_tcp_reload_to_a_shorter_idle_timeout_expires_dialogs_on_the_new_timeout() {
+    let uas = [TcpUas::start()];
+    let file = File::new(
+        "reload-sip-tcp-idle",
+        &sip_tcp(&uas, &[0], "round_robin", "idle_timeout: 600s"),
+    );
+    let ops = file.start();
+    file.reload(
+        &ops,
+        &sip_tcp(&uas, &[0], "round_robin", "idle_timeout: 1s"),
+    );
+    let mut client = SipClient::connect(addr(&ops));
+    assert_eq!(client.ask("INVITE", "idle@tcp"), Some(200));
+    assert_eq!(active(&ops, "s0"), 1);
+    let started = std::time::Instant::now();
+    assert!(
+        wait_until(std::time::Duration::from_secs(4), || active(&ops, "s0")
+            == 0),
+        "the idle dialog did not expire"
+    );
+    assert!(started.elapsed() >= std::time::Duration::from_millis(900));
+    ops.shutdown();
+}

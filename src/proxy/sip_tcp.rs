@@ -30,7 +30,7 @@ use crate::proxy::runtime::{
     DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
 use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
-use crate::proxy::{LogLimiter, bump, elapsed_nanos};
+use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
 use crate::sip::{Frame, FrameError, Transport, next_frame};
 use arc_swap::ArcSwap;
@@ -808,15 +808,20 @@ pub fn start(
         ctx.tokio.spawn(accept_loop(Arc::clone(&shared), l));
     }
     // Dialog expiry, as on UDP, in whatever core is current (with its idle timeout).
+    // Looked at every POLL, so a reload to a shorter timeout is followed at once.
     let sweeper = Arc::clone(&shared);
     ctx.tokio.spawn(async move {
+        let mut last = tokio::time::Instant::now();
         loop {
-            let every = sweeper.core().sweep_interval();
-            tokio::time::sleep(every).await;
+            tokio::time::sleep(POLL).await;
             if sweeper.stop.load(Ordering::Relaxed) {
                 return;
             }
-            sweeper.core().sweep(sweeper.now());
+            let core = sweeper.core();
+            if last.elapsed() >= core.sweep_interval() {
+                core.sweep(sweeper.now());
+                last = tokio::time::Instant::now();
+            }
         }
     });
     tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), "sip-tcp vserver started");
