@@ -5,28 +5,36 @@
 //!    most 2^22). A key lands in slot `key_hash >> (64 - b)`. A power of two (rather than a prime
 //!    with a modulo) keeps the key-to-slot map unchanged when a service is added without crossing
 //!    a power of two, so a config change re-ranks nothing it does not have to.
-//! 2. Slots are grouped in cells of `next_pow2(fingers) / 8` slots; each cell ranks every service
-//!    by the carp score (`carp` module, weights included) of its start point, so that when `M`
-//!    doubles, cell `2c` keeps old cell `c`'s ranking. Ranking about `8 x N` cells rather than
-//!    `M` slots is what keeps the build near 35 ms at n = 1000 (ranking every slot took 1 s);
-//!    the caps still balance at slot resolution.
-//! 3. Caps: `floor(share_i + 1/4 + r_i)` slots with `r_i` in [0, 1) fixed by the service hash
+//! 2. Bids: each service places `8 x fingers x weight` bids, points in the key space with a
+//!    32-bit score, all fixed by its id alone (see `Bids`); a slot's candidates are the bids that
+//!    fall in it (about 8), best score first. This ranks each slot on its own, like rendezvous
+//!    hashing per slot, for `8 x M` hashes instead of `N x M` (ranking every slot over every
+//!    service took 0.8 s at n = 1000).
+//! 3. Cells: slots are also grouped in cells of `next_pow2(fingers) / 8` slots; each cell ranks
+//!    every service by the carp score (`carp` module, weights included) of its start point, so
+//!    that when `M` doubles, cell `2c` keeps old cell `c`'s ranking. Cells give the failover
+//!    order and the fallback for slots whose bidders are all full.
+//! 4. Caps: `floor(share_i + 1/4 + r_i)` slots with `r_i` in [0, 1) fixed by the service hash
 //!    (see `caps` for why), raised where needed to cover `M`.
-//! 4. The all-UP table hands slots out in descending score order: candidate pairs (cell, service)
-//!    from each cell's top `CELL_CANDIDATES` (8) services, best score first, each filling the cell's
-//!    remaining slots up to the service's cap; slots whose candidates are all full walk further
-//!    down their cell's ranking to the first service with room.
-//! 5. The health-adjusted table is derived from the all-UP table: slots of UP services stay where
-//!    they are; the slots of DOWN services are handed out the same way among UP services, with
-//!    caps recomputed for the UP set (never below the all-UP caps). So a service going DOWN moves
-//!    only its own keys, and its return restores the all-UP table exactly.
+//! 5. The all-UP table is the capped stable matching, rank first: in round `r` every slot still
+//!    free offers itself to its `r`-th best bidder, and each service accepts its offers by
+//!    descending bid score up to its cap (so a service keeps every slot it bids best in unless
+//!    those alone exceed its cap). Slots whose bidders are exhausted or full are handed out by
+//!    their cells' rankings (`assign`: the pairs (cell, service) from each cell's top 8
+//!    services in descending carp score, each up to the service's cap, then further down).
+//! 6. The health-adjusted table is derived from the all-UP table: slots of UP services stay where
+//!    they are; the slots of DOWN services are handed out by their cells' rankings the same way
+//!    among UP services, with caps recomputed for the UP set (never below the all-UP caps). So a
+//!    service going DOWN moves only its own keys, and its return restores the all-UP table
+//!    exactly.
 //!
 //! Caveat (issue 3): because of the caps, a slot's owner is not always the first UP service in
 //! its ranking: a next-ranked service already at its capped share is passed over. And adding a
-//! service to the config moves some slots between existing services (the services that lose a
-//! slot to the newcomer take back slots they had overflowed to others, which cascades); health
-//! changes never do. The ranking reported for a key is the all-UP owner first, then the
-//! remaining services in the carp order of its cell.
+//! service to the config moves some slots between existing services (a service that loses a
+//! slot to the newcomer and had to leave slots it bid best in to others takes one back, which
+//! cascades; about 2.9x the ideal movement at n = 1000, see `docs/hashing.md`); health changes
+//! never do. The ranking reported for a key is the all-UP owner first, then the remaining
+//! services in the carp order of its cell.
 //!
 //! Lookup: one shift and one table read, plus an UP check.
 
@@ -199,12 +207,13 @@ impl Prac {
         let all_caps = caps(&scorer, weights, |_| true, slots);
         let mut owners = vec![0u32; slots];
         if n > 0 {
-            let all: Vec<usize> = (0..slots).collect();
             let mut held = vec![0usize; n];
+            let bids = Bids::new(&scorer.ids, weights, fingers, &geo);
+            let left = bids.fill(&all_caps, &mut held, &mut owners);
             assign(
                 &scorer,
                 &geo,
-                &all,
+                &left,
                 &all_caps,
                 &mut held,
                 &|_| true,
@@ -347,6 +356,208 @@ impl Prac {
             .map(|c| c as f64 / self.geo.slots as f64)
             .collect()
     }
+}
+
+/// Bids per finger and unit of weight: a service places `BIDS_PER_FINGER x fingers x weight`
+/// bids in the key space, about 8 per slot in all (see `Bids`).
+const BIDS_PER_FINGER: u64 = 8;
+
+/// Most bids placed (8M: about 60 ms of build at fingers 1024, n = 1000); beyond, every
+/// service's bid count is halved until the total fits. Only when `fingers x total weight`
+/// exceeds 2^20 (e.g. more than 1024 services of weight 1 at fingers 1024); the service count
+/// that crosses it reshuffles the table once.
+const MAX_BIDS: u64 = 1 << 23;
+
+/// Most regions the bids are placed in (see `Bids`).
+const MAX_REGIONS: u64 = 64;
+
+/// Seed of the bid positions and scores: ASCII "fulcrumB".
+const BID_SEED: u64 = 0x6675_6c63_7275_6d42;
+
+/// The bids of every service, placed in the key space. Bid `j` of service `i` in region `r`
+/// (the key space cut in `regions` equal parts) sits at
+/// `r x 2^64 / regions + (h >> log2(regions))` with `h = mix64(id_i ^ mix64((r << 32 | j) ^
+/// BID_SEED))` and scores `h mod 2^32`. A bid keeps its point whatever the table size and
+/// whatever the other services, so adding a service adds its bids and changes no one else's:
+/// a slot's first candidate changes only where the newcomer's bid beats the old best
+/// (rendezvous hashing per slot, at `8 x M` hashes instead of `N x M`). Placing region by region
+/// keeps the rows being written in cache.
+struct Bids<'a> {
+    ids: &'a [u64],
+    geo: &'a Geometry,
+    /// Regions and their log2.
+    regions: u64,
+    region_bits: u32,
+    /// `per_region[i]`: bids of service i in each region.
+    per_region: Vec<usize>,
+}
+
+impl<'a> Bids<'a> {
+    fn new(ids: &'a [u64], weights: &[u32], fingers: u32, geo: &'a Geometry) -> Bids<'a> {
+        let per_unit = BIDS_PER_FINGER * u64::from(fingers.max(1));
+        let regions = (1u64 << per_unit.trailing_zeros()).min(MAX_REGIONS);
+        let weight = |i: usize| u64::from(weights.get(i).copied().unwrap_or(1).max(1));
+        let total: u64 = (0..ids.len()).map(|i| per_unit * weight(i)).sum();
+        let mut halve = 0u32;
+        while (total >> halve) > MAX_BIDS {
+            halve += 1;
+        }
+        let per_region = (0..ids.len())
+            .map(|i| ((per_unit / regions * weight(i)) >> halve).max(1) as usize)
+            .collect();
+        Bids {
+            ids,
+            geo,
+            regions,
+            region_bits: regions.trailing_zeros(),
+            per_region,
+        }
+    }
+
+    /// Calls `f(slot, bid)` for every bid, `bid = score << 32 | (service + 1)` (never 0).
+    fn each(&self, mut f: impl FnMut(usize, u64)) {
+        let most = self.per_region.iter().copied().max().unwrap_or(0) as u64;
+        let mut keys = Vec::with_capacity(most as usize);
+        for r in 0..self.regions {
+            keys.clear();
+            keys.extend((0..most).map(|j| crate::hash::mix64((r << 32 | j) ^ BID_SEED)));
+            let base = if self.region_bits == 0 {
+                0
+            } else {
+                r << (64 - self.region_bits)
+            };
+            for (i, id) in self.ids.iter().enumerate() {
+                let count = self.per_region.get(i).copied().unwrap_or(0);
+                for k in &keys[..count.min(keys.len())] {
+                    let h = crate::hash::mix64(id ^ k);
+                    f(
+                        self.geo.slot(base | (h >> self.region_bits)),
+                        (h << 32) | (i as u64 + 1),
+                    );
+                }
+            }
+        }
+    }
+
+    /// The capped fill, rank first: in round `r` every slot still free proposes to its `r`-th
+    /// best bidder, and each service accepts its proposals by descending bid score up to its
+    /// room. This is the stable matching in which a slot prefers its better bids and a service
+    /// prefers slots where it ranks higher, then higher scores: a service keeps every slot it
+    /// ranks first in unless those alone exceed its cap. Round 0 needs only each slot's best
+    /// bid; the few slots it leaves free get their full bid lists from a second pass over the
+    /// bids. Returns the slots left when their bidders are exhausted or full (ascending), for
+    /// the cell walk of `assign`.
+    fn fill(&self, caps: &[usize], held: &mut [usize], owners: &mut [u32]) -> Vec<usize> {
+        let slots = self.geo.slots;
+        let mut best = vec![0u64; slots];
+        self.each(|s, bid| {
+            if let Some(b) = best.get_mut(s) {
+                *b = (*b).max(bid);
+            }
+        });
+        let mut left: Vec<usize> = (0..slots).filter(|s| best[*s] == 0).collect();
+        let round0 = best
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| **b != 0)
+            .map(|(s, b)| (*b, s as u32));
+        let rejected = accept(round0, caps, held, owners);
+        if rejected.is_empty() {
+            return left;
+        }
+        // Full bid lists of the slots round 0 left free, best first.
+        let mut wanted = vec![false; slots];
+        for s in &rejected {
+            wanted[*s as usize] = true;
+        }
+        let mut deep: Vec<(u32, u64)> = Vec::new();
+        self.each(|s, bid| {
+            if wanted.get(s).copied().unwrap_or(false) {
+                deep.push((s as u32, bid));
+            }
+        });
+        deep.sort_unstable_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
+        // Per free slot: (slot, next index into `deep`, end of its list).
+        let mut free: Vec<(u32, usize, usize)> = Vec::with_capacity(rejected.len());
+        let mut at = 0usize;
+        while at < deep.len() {
+            let slot = deep[at].0;
+            let end = at + deep[at..].iter().take_while(|d| d.0 == slot).count();
+            free.push((slot, at + 1, end));
+            at = end;
+        }
+        while !free.is_empty() {
+            left.extend(free.iter().filter(|f| f.1 >= f.2).map(|f| f.0 as usize));
+            free.retain(|f| f.1 < f.2);
+            let rejected = accept(
+                free.iter().map(|(slot, at, _)| (deep[*at].1, *slot)),
+                caps,
+                held,
+                owners,
+            );
+            for s in &rejected {
+                wanted[*s as usize] = false;
+            }
+            for s in &free {
+                wanted[s.0 as usize] = !wanted[s.0 as usize];
+            }
+            // `wanted` is now true exactly for the slots rejected this round.
+            free.retain(|f| wanted[f.0 as usize]);
+            free.iter_mut().for_each(|f| f.1 += 1);
+        }
+        left.sort_unstable();
+        left
+    }
+}
+
+/// One round of the rank-first fill: a proposal `(bid, slot)` goes to the bid's service, which
+/// accepts its best ones (by descending score, then higher slot) up to its room
+/// `caps[i] - held[i]`. Returns the rejected slots.
+fn accept(
+    proposals: impl Iterator<Item = (u64, u32)> + Clone,
+    caps: &[usize],
+    held: &mut [usize],
+    owners: &mut [u32],
+) -> Vec<u32> {
+    let n = held.len();
+    // Bids carry `service + 1` in their low half; anything else is dropped (never happens).
+    let service = |bid: u64| {
+        let i = ((bid & 0xffff_ffff) as usize).wrapping_sub(1);
+        (i < n).then_some(i)
+    };
+    // Counting sort by service; an entry is `score << 32 | slot`.
+    let mut start = vec![0usize; n + 1];
+    for i in proposals.clone().filter_map(|(bid, _)| service(bid)) {
+        start[i + 1] += 1;
+    }
+    for i in 0..n {
+        start[i + 1] += start[i];
+    }
+    let mut next = start.clone();
+    let mut by_service = vec![0u64; start[n]];
+    for (bid, slot) in proposals {
+        if let Some(i) = service(bid) {
+            by_service[next[i]] = (bid & !0xffff_ffff) | u64::from(slot);
+            next[i] += 1;
+        }
+    }
+    let mut rejected = Vec::new();
+    for i in 0..n {
+        let group = &mut by_service[start[i]..start[i + 1]];
+        let room = caps.get(i).copied().unwrap_or(0).saturating_sub(held[i]);
+        if group.len() > room {
+            if room > 0 {
+                group.select_nth_unstable_by(room - 1, |a, b| b.cmp(a));
+            }
+            rejected.extend(group[room..].iter().map(|e| *e as u32));
+        }
+        let take = room.min(group.len());
+        for e in &group[..take] {
+            owners[(*e & 0xffff_ffff) as usize] = i as u32;
+        }
+        held[i] += take;
+    }
+    rejected
 }
 
 /// Candidates kept per cell before falling back to a full pass over the services.

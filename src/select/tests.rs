@@ -187,8 +187,9 @@ fn prac_add_moves_few_foreign_keys() {
     let moved = before.iter().zip(&after).filter(|(b, a)| b != a).count();
     let ideal = ks.len() / 41;
     // prac's capped table cascades a few slots between existing services when one is added
-    // (measured 2.25x the ideal here; BENCHMARKS.md has n = 1000). This guards against worse.
-    assert!(moved < ideal * 3, "moved {moved} ideal {ideal}");
+    // (measured 1.44x the ideal here with the bid-ranked fill, 2.25x with the cell-ranked one
+    // before it; BENCHMARKS.md has n = 1000). This guards against going back.
+    assert!(moved < ideal * 2, "moved {moved} ideal {ideal}");
 }
 
 #[test]
