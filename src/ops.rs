@@ -249,6 +249,8 @@ impl Ops {
             board.set_placements(health::placements(
                 rt.vservers().iter().map(|v| v.balancer()),
             ));
+            // A rebuild may raise max_sessions: warn again if the total no longer fits.
+            crate::proxy::fd_limit::check_capacity(&new.vservers);
             // Request rates are indexed by member position, which a rebuild may change.
             *self.rates.lock().unwrap_or_else(|e| e.into_inner()) = RateSample::default();
         }
