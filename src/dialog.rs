@@ -204,25 +204,21 @@ impl DialogTable {
                 continue;
             };
             let ended = e.ended.load(Ordering::Relaxed);
-            if into.map.len() >= into.max_entries {
-                into.refused.fetch_add(1, Ordering::Relaxed);
-                refused_keys.push(*e.key());
-                if !ended {
-                    refused_open.push(member);
+            let seen = e.last_seen_ms.load(Ordering::Relaxed);
+            let full = into.map.len() >= into.max_entries;
+            // A fresh table holds none of the old keys: every entry is vacant.
+            if let dashmap::Entry::Vacant(at) = into.map.entry(*e.key()) {
+                if into.adopt(at, full, member, seen, ended) {
+                    copied_keys.push(*e.key());
+                    if !ended {
+                        open.push(member);
+                    }
+                } else {
+                    refused_keys.push(*e.key());
+                    if !ended {
+                        refused_open.push(member);
+                    }
                 }
-                continue;
-            }
-            into.map.insert(
-                *e.key(),
-                Entry {
-                    member,
-                    last_seen_ms: AtomicU64::new(e.last_seen_ms.load(Ordering::Relaxed)),
-                    ended: AtomicBool::new(ended),
-                },
-            );
-            copied_keys.push(*e.key());
-            if !ended {
-                open.push(member);
             }
         }
         refused_keys.sort_unstable();
@@ -263,7 +259,6 @@ impl DialogTable {
             let ended = e.ended.load(Ordering::Relaxed);
             let seen = e.last_seen_ms.load(Ordering::Relaxed);
             let copied = first.copied_keys.binary_search(e.key()).is_ok();
-            // Read before the entry is locked: `len` locks every shard of `into`.
             let full = into.map.len() >= into.max_entries;
             match into.map.entry(*e.key()) {
                 dashmap::Entry::Occupied(mut n) if copied => {
@@ -289,25 +284,41 @@ impl DialogTable {
                         done.doubled.push(member);
                     }
                 }
-                dashmap::Entry::Vacant(_) if full => {
-                    into.refused.fetch_add(1, Ordering::Relaxed);
-                    if !ended {
+                dashmap::Entry::Vacant(at) => {
+                    if into.adopt(at, full, member, seen, ended) {
+                        if !ended {
+                            done.opened.push(member);
+                        }
+                    } else if !ended {
                         done.refused_open.push(member);
-                    }
-                }
-                dashmap::Entry::Vacant(v) => {
-                    v.insert(Entry {
-                        member,
-                        last_seen_ms: AtomicU64::new(seen),
-                        ended: AtomicBool::new(ended),
-                    });
-                    if !ended {
-                        done.opened.push(member);
                     }
                 }
             }
         }
         done
+    }
+
+    /// Put an old table's entry at a vacant key of this table, or, when the table is `full`
+    /// (read before the key was locked: `len` locks every shard), count it refused. True
+    /// when it was put.
+    fn adopt(
+        &self,
+        at: dashmap::mapref::entry::VacantEntry<'_, u64, Entry>,
+        full: bool,
+        member: u32,
+        seen: u64,
+        ended: bool,
+    ) -> bool {
+        if full {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        at.insert(Entry {
+            member,
+            last_seen_ms: AtomicU64::new(seen),
+            ended: AtomicBool::new(ended),
+        });
+        true
     }
 
     /// How long a dialog may stay idle before it expires.
