@@ -79,6 +79,13 @@ pub struct CatchUp {
     pub doubled: Vec<u32>,
 }
 
+impl CatchUp {
+    /// Open dialogs the two passes carried over, `first` being the migration.
+    pub fn kept(&self, first: &Migration) -> usize {
+        (first.open.len() + self.opened.len()).saturating_sub(self.ended.len())
+    }
+}
+
 /// Bounded, lock-striped Call-ID affinity table with idle expiry.
 #[derive(Debug)]
 pub struct DialogTable {

@@ -316,34 +316,26 @@ impl Runtime {
         // A fresh balancer: what moved is counted as load again (what did not was never
         // counted there).
         let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
-        let open = &first.open;
-        for m in open {
-            if let Some(c) = balancer.counters(*m as usize) {
-                c.open();
-            }
+        for &m in &first.open {
+            core.open(m);
         }
         cell.store(Arc::clone(&core));
         // This balancer counted only what the first pass migrated, and what the new core
         // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
         let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, self.now());
-        let count = |m: u32, open: bool| {
-            if let Some(c) = balancer.counters(m as usize) {
-                if open { c.open() } else { c.close() }
-            }
-        };
         for &m in &late.opened {
-            count(m, true);
+            core.open(m);
         }
         for &m in &late.ended {
-            count(m, false);
+            core.close(m);
         }
         for &(from, to) in &late.moved {
-            count(from, false);
-            count(to, true);
+            core.close(from);
+            core.open(to);
         }
         let handle = &mut self.vservers[slot];
         let r = Rebuilt {
-            dialogs_kept: (open.len() + late.opened.len()).saturating_sub(late.ended.len()),
+            dialogs_kept: late.kept(&first),
             ..rebuilt(&old_names, &balancer, &added)
         };
         handle.balancer = balancer;
@@ -390,10 +382,8 @@ impl Runtime {
         old.sweep(now);
         let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
         // The counters carry over: a dialog the new table had no room for is closed there.
-        for m in &moved.refused_open {
-            if let Some(c) = balancer.counters(*m as usize) {
-                c.close();
-            }
+        for &m in &moved.refused_open {
+            core.close(m);
         }
         shared.install(Install {
             core: Arc::clone(&core),
@@ -404,12 +394,10 @@ impl Runtime {
         // moves); what must stop counting is a pin the new table had no room for, and the old
         // core's pin of a dialog the new core pinned again (its next request came first).
         let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, self.now());
-        for m in late.refused_open.iter().chain(&late.doubled) {
-            if let Some(c) = balancer.counters(*m as usize) {
-                c.close();
-            }
+        for &m in late.refused_open.iter().chain(&late.doubled) {
+            core.close(m);
         }
-        let kept = (moved.open.len() + late.opened.len()).saturating_sub(late.ended.len());
+        let kept = late.kept(&moved);
         let handle = &mut self.vservers[slot];
         let r = Rebuilt {
             dialogs_kept: kept,

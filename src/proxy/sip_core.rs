@@ -181,12 +181,8 @@ impl SipCore {
 
     /// Expire idle dialogs; each expired dialog stops counting toward its member's load.
     pub fn sweep(&self, now: Nanos) -> usize {
-        let balancer = &self.balancer;
-        self.dialogs.sweep(now / 1_000_000, |member| {
-            if let Some(c) = balancer.counters(member as usize) {
-                c.close();
-            }
-        })
+        self.dialogs
+            .sweep(now / 1_000_000, |member| self.close(member))
     }
 
     /// The member whose address is `src` (datagrams: a service sends from its address).
@@ -420,13 +416,15 @@ impl SipCore {
         Some(choice.member)
     }
 
-    fn open(&self, member: u32) {
+    /// Count one more open dialog (or flow) on `member`.
+    pub(crate) fn open(&self, member: u32) {
         if let Some(c) = self.balancer.counters(member as usize) {
             c.open();
         }
     }
 
-    fn close(&self, member: u32) {
+    /// Count one open dialog fewer on `member`.
+    pub(crate) fn close(&self, member: u32) {
         if let Some(c) = self.balancer.counters(member as usize) {
             c.close();
         }

@@ -34,7 +34,7 @@ use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
 use crate::sip::{Frame, FrameError, Transport, next_frame};
 use arc_swap::ArcSwap;
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use dashmap::DashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -443,7 +443,7 @@ async fn read_messages(
                         }
                         Frame::Pong => {}
                     }
-                    let _ = buf.split_to(len.min(buf.len()));
+                    buf.advance(len.min(buf.len()));
                 }
                 Err(FrameError::Incomplete) => break,
                 Err(e) => {
