@@ -163,10 +163,12 @@ fn up_set(health: &[AtomicU8]) -> Vec<bool> {
         .collect()
 }
 
-impl Balancer {
-    /// Build the balancer of `vserver`; every member starts UP.
-    pub fn new(config: &Config, vserver: &Vserver) -> Balancer {
-        let members: Vec<MemberInfo> = vserver
+impl MemberInfo {
+    /// The members of `vserver`, in its order: what hashing sees of each service (identity:
+    /// `hash_id` or address; weight at least 1). The balancer and `simulate hash --config`
+    /// both start here.
+    pub fn of(config: &Config, vserver: &Vserver) -> Vec<MemberInfo> {
+        vserver
             .services
             .iter()
             .filter_map(|&i| config.services.get(i).map(|s| (i, s)))
@@ -177,15 +179,25 @@ impl Balancer {
                 max_clients: s.max_clients,
                 id_hash: hash::service_identity_hash(s.hash_id.as_deref(), &s.address),
             })
-            .collect();
+            .collect()
+    }
+
+    /// The member as the hash selectors take it.
+    pub fn select_member(&self) -> select::Member {
+        select::Member {
+            id_hash: self.id_hash,
+            weight: self.weight,
+        }
+    }
+}
+
+impl Balancer {
+    /// Build the balancer of `vserver`; every member starts UP.
+    pub fn new(config: &Config, vserver: &Vserver) -> Balancer {
+        let members = MemberInfo::of(config, vserver);
         let weights: Vec<u32> = members.iter().map(|m| m.weight).collect();
-        let select_members: Vec<select::Member> = members
-            .iter()
-            .map(|m| select::Member {
-                id_hash: m.id_hash,
-                weight: m.weight,
-            })
-            .collect();
+        let select_members: Vec<select::Member> =
+            members.iter().map(MemberInfo::select_member).collect();
         let up = vec![true; members.len()];
         let selector = HashSelector::build(
             config.lb.hash_algorithm,

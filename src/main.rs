@@ -133,12 +133,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config: path,
             drain_timeout,
         } => {
-            let cfg = match config::load(&path) {
+            let cfg = match load_or_report(&path) {
                 Ok(c) => c,
-                Err(e) => {
-                    eprintln!("{e}");
-                    return Ok(ExitCode::from(EXIT_INVALID));
-                }
+                Err(code) => return Ok(code),
             };
             init_tracing(cli.log_format, Some(&cfg))?;
             run_proxy(cfg, path, drain_timeout)?;
@@ -261,6 +258,15 @@ fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Res
     Ok(())
 }
 
+/// Load and validate the config at `path`; an invalid one is printed (file, line, field) and
+/// becomes the invalid-config exit code.
+fn load_or_report(path: &std::path::Path) -> Result<config::Config, ExitCode> {
+    config::load(path).map_err(|e| {
+        eprintln!("{e}");
+        ExitCode::from(EXIT_INVALID)
+    })
+}
+
 /// The vserver `simulate hash --config` reports on: the named one, else the only vserver with a
 /// hash method.
 fn pick_hash_vserver<'a>(
@@ -328,12 +334,9 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                 CliAlgorithm::Jarh => config::HashAlgorithm::Jarh,
             });
             let report = if let Some(path) = config_path {
-                let cfg = match config::load(&path) {
+                let cfg = match load_or_report(&path) {
                     Ok(c) => c,
-                    Err(e) => {
-                        eprintln!("{e}");
-                        return Ok(ExitCode::from(EXIT_INVALID));
-                    }
+                    Err(code) => return Ok(code),
                 };
                 let vs = pick_hash_vserver(&cfg, vserver.as_deref())?;
                 hash::simulate_config(

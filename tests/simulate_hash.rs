@@ -166,8 +166,8 @@ fn fulcrum(args: &[&str]) -> std::process::Output {
 }
 
 /// `simulate hash --config`: the vserver's own services, weights and hash_id identities, the
-/// config's algorithm; a weight-2 service gets about twice the share of a weight-1 one, and two
-/// services sharing a hash_id rank identically (the firewall legs of config/firewall.yaml).
+/// config's algorithm; a weight-2 service gets about twice the share of a weight-1 one, and a
+/// hash_id service keeps its keys under a new name and address but not under a new hash_id.
 #[test]
 fn simulate_hash_from_a_config() {
     let dir = std::env::temp_dir().join(format!("fulcrum-simcfg-{}", std::process::id()));
@@ -250,10 +250,35 @@ fn simulate_hash_from_a_config() {
         "40000",
         "--json",
     ]);
+    assert!(
+        out2.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out2.stderr)
+    );
     let v2: serde_json::Value = serde_json::from_slice(&out2.stdout).unwrap();
     for i in 0..3 {
         assert_eq!(v2["per_service"][i]["keys"], per[i]["keys"]);
     }
+    let rekeyed = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("fw-c", "fw-d");
+    let path3 = dir.join("rekeyed.yaml");
+    std::fs::write(&path3, rekeyed).unwrap();
+    let out3 = fulcrum(&[
+        "simulate",
+        "hash",
+        "--config",
+        path3.to_str().unwrap(),
+        "--keys",
+        "40000",
+        "--json",
+    ]);
+    assert!(out3.status.success());
+    let v3: serde_json::Value = serde_json::from_slice(&out3.stdout).unwrap();
+    assert!(
+        (0..3).any(|i| v3["per_service"][i]["keys"] != per[i]["keys"]),
+        "a new hash_id is a new identity"
+    );
 
     // A vserver that does not hash, an unknown one, and a bad file are clear errors.
     let out = fulcrum(&["simulate", "hash", "--config", p, "--vserver", "rr"]);

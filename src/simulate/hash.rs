@@ -24,8 +24,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::config::{Config, HashAlgorithm, Service, Vserver};
-use crate::hash::{address_identity, key_hash, mix64, service_hash, service_identity_hash};
+use crate::balancer::MemberInfo;
+use crate::config::{Config, HashAlgorithm, Vserver};
+use crate::hash::{address_identity, key_hash, mix64, service_hash};
 use crate::select::{HashSelector, Member};
 
 /// Inputs of one simulation.
@@ -171,29 +172,20 @@ pub fn simulate_config(
     keys: usize,
     seed: u64,
 ) -> HashReport {
-    let services: Vec<&Service> = vserver
-        .services
-        .iter()
-        .filter_map(|i| cfg.services.get(*i))
-        .collect();
-    let members: Vec<Member> = services
-        .iter()
-        .map(|s| Member {
-            id_hash: service_identity_hash(s.hash_id.as_deref(), &s.address),
-            weight: s.weight.max(1),
-        })
-        .collect();
+    let infos = MemberInfo::of(cfg, vserver);
+    let members: Vec<Member> = infos.iter().map(MemberInfo::select_member).collect();
     let key_hashes = synthetic_key_hashes(keys, seed);
     let (mut report, detail) = simulate_members(algorithm, fingers, &members, &key_hashes);
     report.per_service = Some(
-        services
+        infos
             .iter()
             .zip(detail)
-            .map(|(s, d)| ServiceShare {
-                name: s.name.clone(),
+            .filter_map(|(m, d)| Some((m, cfg.services.get(m.service)?, d)))
+            .map(|(m, s, d)| ServiceShare {
+                name: m.name.clone(),
                 address: s.address.to_string(),
                 hash_id: s.hash_id.clone(),
-                weight: s.weight.max(1),
+                weight: m.weight,
                 keys: d.keys,
                 expected_share: d.expected,
                 share: d.share,
