@@ -2,6 +2,9 @@
 //! socket), disable/drain, reload, /metrics, and the binary's signals.
 //! Synchronisation is by polling with deadlines, never by bare sleeps.
 
+mod common;
+
+use common::ConfigFile;
 use fulcrum::admin::router::{self, Request};
 use fulcrum::config;
 use fulcrum::ops::Ops;
@@ -280,12 +283,10 @@ fn http(addr: SocketAddr, req: &str) -> String {
 fn reload_adds_and_removes_services_keeping_established_calls() {
     let uas: Vec<Uas> = (0..3).map(|_| Uas::start(any()).expect("uas")).collect();
     let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
-    let dir = std::env::temp_dir().join(format!("fulcrum-reload-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let path = dir.join("f.yaml");
     let slow = "    slow_start: { new_service_request_rate: 5, unit: per_second, increment_interval: 0s }\n";
     let text = yaml(&ports[..2], "null", FAST, slow, "round_robin");
-    std::fs::write(&path, &text).expect("write");
+    let file = ConfigFile::new("reload", &text);
+    let path = file.path.clone();
     let ops = Ops::start(config::load(&path).expect("valid"), Some(path.clone())).expect("start");
     let mut uac = Uac::new(any(), proxy_addr(&ops), "reload").expect("uac");
     let tag = establish(&mut uac, "long-call");
@@ -374,7 +375,6 @@ fn reload_adds_and_removes_services_keeping_established_calls() {
     );
     // New calls still work after the reloads.
     uac.call(Duration::from_secs(2)).expect("call after reload");
-    let _ = std::fs::remove_dir_all(&dir);
     ops.shutdown();
 }
 
@@ -600,9 +600,6 @@ fn drain_refuses_new_calls_and_waits_for_established_ones() {
 #[test]
 fn reload_to_a_shorter_idle_timeout_expires_dialogs_on_the_new_timeout() {
     let uas = Uas::start(any()).expect("uas");
-    let dir = std::env::temp_dir().join(format!("fulcrum-reload-idle-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let path = dir.join("f.yaml");
     let long = yaml(
         &[uas.addr.port()],
         "null",
@@ -610,13 +607,10 @@ fn reload_to_a_shorter_idle_timeout_expires_dialogs_on_the_new_timeout() {
         "    idle_timeout: 600s\n",
         "round_robin",
     );
-    std::fs::write(&path, &long).expect("write");
-    let ops = Ops::start(config::load(&path).expect("valid"), Some(path.clone())).expect("start");
-    std::fs::write(
-        &path,
-        long.replace("idle_timeout: 600s", "idle_timeout: 1s"),
-    )
-    .expect("write");
+    let file = ConfigFile::new("reload-idle", &long);
+    let path = file.path.clone();
+    let ops = Ops::start(config::load(&path).expect("valid"), Some(path)).expect("start");
+    file.write(&long.replace("idle_timeout: 600s", "idle_timeout: 1s"));
     let r = router::handle(&ops, &Request::new("POST", "/reload"));
     assert_eq!(r.status, 200, "{}", r.body);
     let mut uac = Uac::new(any(), proxy_addr(&ops), "idle").expect("uac");
@@ -630,6 +624,5 @@ fn reload_to_a_shorter_idle_timeout_expires_dialogs_on_the_new_timeout() {
         started.elapsed() >= Duration::from_millis(900),
         "expired before its idle timeout"
     );
-    let _ = std::fs::remove_dir_all(&dir);
     ops.shutdown();
 }

@@ -8,13 +8,13 @@ mod common;
 use common::*;
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::Child;
 
 /// A `fulcrum run` child process over a config file of its own; killed when dropped.
 struct Fulcrum {
     child: Child,
-    dir: PathBuf,
+    /// Its config, removed after the child is killed (fields drop in order).
+    _file: ConfigFile,
     /// The address its vserver bound (from its `listening` log line).
     addr: SocketAddr,
     /// Its stderr lines, read for as long as it runs.
@@ -23,15 +23,12 @@ struct Fulcrum {
 
 impl Fulcrum {
     fn start(tag: &str, yaml: &str) -> Fulcrum {
-        let dir = std::env::temp_dir().join(format!("fulcrum-proc-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("tmp dir");
-        let path = dir.join("f.yaml");
-        std::fs::write(&path, yaml).expect("write config");
-        let (child, rx) = spawn_fulcrum(&path, "0s");
+        let file = ConfigFile::new(&format!("proc-{tag}"), yaml);
+        let (child, rx) = spawn_fulcrum(&file.path, "0s");
         // Guarded from here on: a failed start below still kills the child.
         let mut f = Fulcrum {
             child,
-            dir,
+            _file: file,
             addr: SocketAddr::from(([0, 0, 0, 0], 0)),
             _log: rx,
         };
@@ -49,7 +46,6 @@ impl Drop for Fulcrum {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

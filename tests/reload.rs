@@ -14,36 +14,25 @@ use fulcrum::ops::Ops;
 use fulcrum::proxy::DataPath;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A config file the test rewrites and reloads.
-struct File {
-    dir: PathBuf,
-    path: PathBuf,
-}
+struct File(ConfigFile);
 
 impl File {
     fn new(tag: &str, yaml: &str) -> File {
-        let dir = std::env::temp_dir().join(format!("fulcrum-{tag}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("tmp dir");
-        let path = dir.join("f.yaml");
-        std::fs::write(&path, yaml).expect("write");
-        File { dir, path }
+        File(ConfigFile::new(tag, yaml))
     }
 
     fn start(&self) -> Arc<Ops> {
-        Ops::start(
-            config::load(&self.path).expect("valid"),
-            Some(self.path.clone()),
-        )
-        .expect("start")
+        let path = &self.0.path;
+        Ops::start(config::load(path).expect("valid"), Some(path.clone())).expect("start")
     }
 
     /// Write `yaml` and reload it; the reload must apply as a rebuild of `v`.
     fn reload(&self, ops: &Ops, yaml: &str) {
-        std::fs::write(&self.path, yaml).expect("write");
+        self.0.write(yaml);
         let changes = ops
             .reload()
             .unwrap_or_else(|e| panic!("reload: {e}\n{yaml}"));
@@ -51,12 +40,6 @@ impl File {
             changes.iter().any(|c| c == "vservers.v rebuilt"),
             "{changes:?}"
         );
-    }
-}
-
-impl Drop for File {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -347,7 +330,7 @@ fn sip_tcp_reload_removes_a_service_over_post_reload() {
     sorted.sort();
     assert_eq!(sorted, [0, 1, 2]);
 
-    std::fs::write(&file.path, sip_tcp(&uas, &[0, 2], "round_robin", "")).expect("write");
+    file.0.write(&sip_tcp(&uas, &[0, 2], "round_robin", ""));
     let r = router::handle(&ops, &Request::new("POST", "/reload"));
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(r.body.contains("vservers.v rebuilt"), "{}", r.body);

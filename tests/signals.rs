@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{expect_line, spawn_fulcrum};
+use common::{ConfigFile, expect_line, spawn_fulcrum};
 use std::process::{Child, Command};
 use std::time::Duration;
 
@@ -19,19 +19,16 @@ fn signal(child: &Child, sig: &str) {
 
 #[test]
 fn sighup_reloads_and_sigterm_exits_zero() {
-    let dir = std::env::temp_dir().join(format!("fulcrum-signals-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("tmp dir");
-    let path = dir.join("f.yaml");
     let good = "admin: { listen: null }\nservices:\n  - { name: s0, address: 127.0.0.1:9, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: [127.0.0.1:0], method: round_robin, workers: 1, services: [s0] }\n";
-    std::fs::write(&path, good).expect("write");
-    let (mut child, rx) = spawn_fulcrum(&path, "2s");
+    let file = ConfigFile::new("signals", good);
+    let (mut child, rx) = spawn_fulcrum(&file.path, "2s");
     expect_line(&rx, "listening");
 
-    std::fs::write(&path, "services: [").expect("write bad");
+    file.write("services: [");
     signal(&child, "-HUP");
     expect_line(&rx, "reload refused");
 
-    std::fs::write(&path, good).expect("write good");
+    file.write(good);
     signal(&child, "-HUP");
     expect_line(&rx, "reloaded");
 
@@ -49,5 +46,4 @@ fn sighup_reloads_and_sigterm_exits_zero() {
         std::thread::sleep(Duration::from_millis(20));
     };
     assert!(status.success(), "exit status {status}");
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,11 +1,13 @@
 //! `simulate_hash` through the public API: small sizes always, issue 3's 1M-key measurement
 //! runs on demand (`cargo test --release --test simulate_hash -- --ignored --nocapture`).
 
-use std::time::Instant;
+mod common;
 
+use common::ConfigFile;
 use fulcrum::config::HashAlgorithm;
 use fulcrum::select::HashSelector;
 use fulcrum::simulate::hash::{HashSimParams, render_text, simulate_hash, synthetic_member};
+use std::time::Instant;
 
 #[test]
 fn small_simulation_of_each_algorithm() {
@@ -170,11 +172,8 @@ fn fulcrum(args: &[&str]) -> std::process::Output {
 /// hash_id service keeps its keys under a new name and address but not under a new hash_id.
 #[test]
 fn simulate_hash_from_a_config() {
-    let dir = std::env::temp_dir().join(format!("fulcrum-simcfg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("sim.yaml");
-    std::fs::write(
-        &path,
+    let file = ConfigFile::new(
+        "simcfg",
         "lb: { hash_algorithm: prac, hash_fingers: 64 }\n\
          services:\n\
          \x20 - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n\
@@ -183,9 +182,8 @@ fn simulate_hash_from_a_config() {
          vservers:\n\
          \x20 - { name: lb, protocol: sip-udp, bind: [127.0.0.1:5060], method: call_id_hash, services: [a, b, c] }\n\
          \x20 - { name: rr, protocol: sip-udp, bind: [127.0.0.1:5061], method: round_robin, services: [a, b] }\n",
-    )
-    .unwrap();
-    let p = path.to_str().unwrap();
+    );
+    let p = file.arg();
     let out = fulcrum(&[
         "simulate", "hash", "--config", p, "--keys", "40000", "--json",
     ]);
@@ -232,15 +230,14 @@ fn simulate_hash_from_a_config() {
 
     // The same identity gives the same choices: renaming or readdressing a hash_id service
     // changes nothing, its hash_id does.
-    let renamed = std::fs::read_to_string(&path)
+    let renamed = std::fs::read_to_string(&file.path)
         .unwrap()
         .replace(
             "name: c, address: 127.0.0.1:5073",
             "name: z, address: 127.0.0.1:6000",
         )
         .replace("[a, b, c]", "[a, b, z]");
-    let path2 = dir.join("renamed.yaml");
-    std::fs::write(&path2, renamed).unwrap();
+    let path2 = file.beside("renamed.yaml", &renamed);
     let out2 = fulcrum(&[
         "simulate",
         "hash",
@@ -259,11 +256,10 @@ fn simulate_hash_from_a_config() {
     for i in 0..3 {
         assert_eq!(v2["per_service"][i]["keys"], per[i]["keys"]);
     }
-    let rekeyed = std::fs::read_to_string(&path)
+    let rekeyed = std::fs::read_to_string(&file.path)
         .unwrap()
         .replace("fw-c", "fw-d");
-    let path3 = dir.join("rekeyed.yaml");
-    std::fs::write(&path3, rekeyed).unwrap();
+    let path3 = file.beside("rekeyed.yaml", &rekeyed);
     let out3 = fulcrum(&[
         "simulate",
         "hash",
@@ -287,10 +283,8 @@ fn simulate_hash_from_a_config() {
     assert!(err.contains("round_robin") && err.contains("lb"), "{err}");
     let out = fulcrum(&["simulate", "hash", "--config", p, "--vserver", "nope"]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("no vserver named \"nope\""));
-    std::fs::write(dir.join("bad.yaml"), "lb: { hash_fingers: 0 }\n").unwrap();
-    let bad = dir.join("bad.yaml");
+    let bad = file.beside("bad.yaml", "lb: { hash_fingers: 0 }\n");
     let out = fulcrum(&["simulate", "hash", "--config", bad.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad.yaml:1:"));
-    let _ = std::fs::remove_dir_all(&dir);
 }

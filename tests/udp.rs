@@ -1,7 +1,7 @@
 //! `udp` vserver over loopback: distribution, affinity, failover, session expiry, table
 //! limit, IPv6, IP_PKTINFO on a wildcard bind, per-datagram token sessions, PROXY v2, and
 //! the firewall-pool properties (two instances agree; an inside/outside sandwich keeps a
-//! flow and its reverse on one firewall).
+//! flow and its reverse on one firewall). Two `fulcrum run` processes: tests/processes.rs.
 
 mod common;
 
@@ -342,75 +342,4 @@ fn sandwich_keeps_a_flow_and_its_reverse_on_one_firewall() {
         used.insert(fw_in.to_string());
     }
     assert!(used.len() >= 2, "flows spread over the firewalls: {used:?}");
-}
-
-/// A UDP port free right now (bound, then released).
-fn free_udp_port() -> u16 {
-    let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
-    s.local_addr().expect("addr").port()
-}
-
-/// Kills a `fulcrum run` child when the test ends, however it ends.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The same with two `fulcrum run` processes (issue 6: mirrored instances).
-#[test]
-fn two_processes_agree_per_flow() {
-    let svc = services("udp", 4, "127.0.0.1");
-    let dir = std::env::temp_dir().join(format!("fulcrum-udp-two-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let mut targets = Vec::new();
-    let mut children = Vec::new();
-    for i in 0..2 {
-        let port = free_udp_port();
-        let yaml = config(
-            "udp",
-            &format!("127.0.0.1:{port}"),
-            "source_ip_source_port_hash",
-            "",
-            &refs(&svc),
-        );
-        let path = dir.join(format!("p{i}.yaml"));
-        std::fs::write(&path, yaml).expect("config");
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_fulcrum"))
-            .arg("run")
-            .arg("--config")
-            .arg(&path)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("fulcrum run");
-        children.push(Child(child));
-        targets.push(SocketAddr::from(([127, 0, 0, 1], port)));
-    }
-    // Ready when each answers (short read timeouts while the processes start).
-    let probe = udp_client("127.0.0.1");
-    probe
-        .set_read_timeout(Some(Duration::from_millis(100)))
-        .expect("timeout");
-    for t in &targets {
-        assert!(
-            wait_until(Duration::from_secs(10), || udp_ask(&probe, *t, b"up")
-                .is_some()),
-            "{t} answers"
-        );
-    }
-    let mut used = HashSet::new();
-    for _ in 0..24 {
-        let c = udp_client("127.0.0.1");
-        let a = udp_ask(&c, targets[0], b"m").expect("answer").0.service;
-        let b = udp_ask(&c, targets[1], b"m").expect("answer").0.service;
-        assert_eq!(a, b, "flow {:?}", c.local_addr());
-        used.insert(a);
-    }
-    assert!(used.len() >= 3);
-    drop(children);
-    let _ = std::fs::remove_dir_all(&dir);
 }

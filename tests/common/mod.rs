@@ -8,7 +8,7 @@ pub mod sip_tcp;
 use fulcrum::proxy::proxy_protocol::decode_v2;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, UdpSocket};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -311,5 +311,45 @@ pub fn expect_line(lines: &mpsc::Receiver<String>, needle: &str) -> String {
             Ok(_) => {}
             Err(_) => panic!("no log line containing `{needle}`"),
         }
+    }
+}
+
+/// A config file in a directory of its own under the temp dir (named by `tag` and the test
+/// process), removed when dropped, however the test ends.
+pub struct ConfigFile {
+    pub dir: PathBuf,
+    pub path: PathBuf,
+}
+
+impl ConfigFile {
+    pub fn new(tag: &str, yaml: &str) -> ConfigFile {
+        let dir = std::env::temp_dir().join(format!("fulcrum-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("tmp dir");
+        let path = dir.join("f.yaml");
+        std::fs::write(&path, yaml).expect("write config");
+        ConfigFile { dir, path }
+    }
+
+    /// Replace the file's text.
+    pub fn write(&self, yaml: &str) {
+        std::fs::write(&self.path, yaml).expect("write config");
+    }
+
+    /// Another file `name` beside it, holding `text`.
+    pub fn beside(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.dir.join(name);
+        std::fs::write(&p, text).expect("write file");
+        p
+    }
+
+    /// The path as the command line takes it.
+    pub fn arg(&self) -> &str {
+        self.path.to_str().expect("utf-8 temp path")
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
