@@ -51,8 +51,8 @@ settled() { local prev=0 r; for _ in $(seq 1 50); do r=$(rss "$1"); [ "$r" = "$p
 # measure KIND N LOADMODE PORT: start fulcrum, open N flows, print RSS growth per flow.
 measure() {
   local kind=$1 n=$2 mode=$3 port=$4 fpid lpid r0 r1 ready
-  # No `timeout` wrapper: $fpid is fulcrum itself (its RSS is read); cleanup kills it.
-  "$FUL" run --config "$TMP/idle.yaml" --drain-timeout 0s > "$TMP/fulcrum-$kind.log" 2>&1 & fpid=$!; PIDS+=($fpid)
+  # $fpid is fulcrum itself (its RSS is read), under a `timeout` wrapper.
+  start_fulcrum "$TMP/fulcrum-$kind.log" --config "$TMP/idle.yaml" --drain-timeout 0s; fpid=$FPID
   sleep 1
   r0=$(settled $fpid)
   # Holds its flows for 120 s at most (killed as soon as the figure is taken).
@@ -64,7 +64,8 @@ measure() {
   grep -m1 -o '"open-file limit[^"]*"\|open-file limit.*' "$TMP/fulcrum-$kind.log" | head -1 | sed "s/^/$kind fulcrum log: /"
   grep -i "max_sessions need" "$TMP/fulcrum-$kind.log" | sed "s/^/$kind fulcrum log: /"
   [ "${ready:-0}" = 0 ] && { echo "$kind: load generator said:"; cat "$TMP/$kind.out"; }
-  kill -KILL $lpid $fpid 2>/dev/null; wait $lpid $fpid 2>/dev/null
+  kill -KILL $lpid 2>/dev/null; wait $lpid 2>/dev/null
+  stop_fulcrum KILL
 }
 echo "# idle: open-file limit $LIMIT; udp sessions $UDP_N, tcp connections $TCP_N, sip-tcp clients $UDP_N (wanted $WANT)"
 for port in $E1 $((E1 + 1)) $((E1 + 2)); do timeout -s KILL 300 "$TMP/udp_echo" 127.0.0.1 $port & PIDS+=($!); done

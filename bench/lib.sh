@@ -6,7 +6,8 @@
 # `PIDS+=($!)`). On exit they get TERM, then KILL 0.3 s later; INT and TERM exit with 130
 # through the same trap. Defines build_fulcrum (release build of fulcrum and fulcrum-load,
 # sets FUL and LOAD), tcp_peer_configs (the peers' nginx backends and HAProxy moved to ports
-# B1..B1+2 and HA, written to $TMP/backends.conf and $TMP/haproxy.cfg), rss PID (VmRSS, KiB),
+# B1..B1+2 and HA, written to $TMP/backends.conf and $TMP/haproxy.cfg), start_fulcrum LOG
+# ARGS (fulcrum run under timeout; FPID) and stop_fulcrum, rss PID (VmRSS, KiB),
 # busy_ticks (CPU ticks the machine spent busy) and tree_ticks PID... (CPU ticks of processes
 # and their descendants).
 set -u
@@ -31,6 +32,25 @@ tcp_peer_configs() {
 }
 
 rss() { awk '/^VmRSS/{print $2}' "/proc/$1/status"; }
+
+# start_fulcrum LOG ARGS...: `fulcrum run ARGS` in the background under `timeout` (bounded
+# in time even if the exit trap never runs), output in LOG; sets FPID to fulcrum's own PID
+# (the wrapper's child), whose RSS and CPU ticks the scripts read.
+start_fulcrum() {
+  local log=$1 w i; shift
+  timeout -s KILL 900 "$FUL" run "$@" > "$log" 2>&1 & w=$!; PIDS+=($w)
+  FPID=
+  for i in $(seq 1 100); do FPID=$(pgrep -P "$w" | head -1); [ -n "$FPID" ] && break; sleep 0.05; done
+  [ -n "$FPID" ] || { echo "fulcrum did not start (log: $log)" >&2; exit 1; }
+  PIDS+=($FPID)
+}
+# stop_fulcrum [SIGNAL]: SIGTERM (or SIGNAL) to $FPID, then wait (at most 10 s) until it has
+# exited (it is the wrapper's child, not this shell's: `wait` cannot).
+stop_fulcrum() {
+  local i
+  kill "-${1:-TERM}" "$FPID" 2>/dev/null
+  for i in $(seq 1 200); do kill -0 "$FPID" 2>/dev/null || return 0; sleep 0.05; done
+}
 
 # CPU accounting (clock ticks): busy ticks of the whole machine, and utime + stime of processes
 # with their descendants (the timeout wrappers' children included).

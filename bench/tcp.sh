@@ -22,7 +22,7 @@ vservers:
 YAML
 timeout 900 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & BPID=$!; PIDS+=($BPID)
 timeout 900 haproxy -db -f "$TMP/haproxy.cfg" > "$TMP/haproxy.log" 2>&1 & HPID=$!; PIDS+=($HPID)
-"$FUL" run --config "$TMP/tcp.yaml" > "$TMP/fulcrum.log" 2>&1 & FPID=$!; PIDS+=($FPID)
+start_fulcrum "$TMP/fulcrum.log" --config "$TMP/tcp.yaml"
 sleep 1
 echo "# tcp: wrk -t2 -c$CONNS -d${DUR}s --latency"
 declare -A R
@@ -46,8 +46,8 @@ for mode in ka close; do
     printf "%s ratio to direct: fulcrum %.2f, haproxy %.2f; fulcrum/haproxy %.2fx\n", m, f/d, h/d, f/h }'
 done
 # Idle connections: a fresh fulcrum, N connections opened and held (each costs fulcrum 2 fds).
-kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
-"$FUL" run --config "$TMP/tcp.yaml" --drain-timeout 0s > "$TMP/fulcrum2.log" 2>&1 & FPID=$!; PIDS+=($FPID)
+stop_fulcrum
+start_fulcrum "$TMP/fulcrum2.log" --config "$TMP/tcp.yaml" --drain-timeout 0s
 sleep 1
 r0=$(rss $FPID)
 "$LOAD" tcp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & PIDS+=($!)

@@ -24,7 +24,7 @@ vservers:
   - { name: u, protocol: udp, bind: [127.0.0.1:$FU], method: source_ip_hash, workers: $WORKERS,
       idle_timeout: 600s, max_sessions: 100000, services: [e1, e2, e3] }
 YAML
-timeout 900 "$FUL" run --config "$TMP/udp.yaml" > "$TMP/fulcrum.log" 2>&1 & FPID=$!; PIDS+=($FPID)
+start_fulcrum "$TMP/fulcrum.log" --config "$TMP/udp.yaml"
 timeout 900 nginx -c "$TMP/nginx-udp.conf" > "$TMP/nginx.log" 2>&1 & NPID=$!; PIDS+=($NPID)
 sleep 1
 echo "# udp: sockets=$SOCKS size=$SIZE dur=${DUR}s fulcrum workers=$WORKERS"
@@ -48,8 +48,8 @@ done
 awk -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v f="${RPS[fulcrum]}" -v pn="${P99[nginx]}" -v pf="${P99[fulcrum]}" 'BEGIN{
   printf "ratio to direct: fulcrum %.2f, nginx %.2f; fulcrum/nginx %.2fx; p99 fulcrum %d us vs nginx %d us\n", f/d, n/d, f/n, pf, pn }'
 # Idle sessions: a fresh fulcrum, N flows opened and answered, then held.
-kill -TERM $FPID 2>/dev/null; wait $FPID 2>/dev/null
-"$FUL" run --config "$TMP/udp.yaml" > "$TMP/fulcrum2.log" 2>&1 & FPID=$!; PIDS+=($FPID)   # no wrapper: RSS of fulcrum itself
+stop_fulcrum
+start_fulcrum "$TMP/fulcrum2.log" --config "$TMP/udp.yaml"
 sleep 1
 r0=$(rss $FPID)
 "$LOAD" udp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & LPID=$!; PIDS+=($LPID)

@@ -362,7 +362,7 @@ impl Prac {
 /// bids in the key space, about 8 per slot in all (see `Bids`).
 const BIDS_PER_FINGER: u64 = 8;
 
-/// Most bids placed (8M: about 60 ms of build at fingers 1024, n = 1000); beyond, every
+/// Most bids placed (8M: about 75-80 ms of build at fingers 1024, n = 1000); beyond, every
 /// service's bid count is halved until the total fits. Only when `fingers x total weight`
 /// exceeds 2^20 (e.g. more than 1024 services of weight 1 at fingers 1024); the service count
 /// that crosses it reshuffles the table once.
