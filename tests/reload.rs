@@ -584,6 +584,13 @@ fn sip_tcp_reload_retires_a_service_that_stopped_reading() {
         .requests_rerouted
         .load(Ordering::Relaxed))
         >= 1));
+    assert!(
+        wait_until(ANSWER, || live[0]
+            .calls()
+            .iter()
+            .any(|(call, _)| call.starts_with("b-"))),
+        "no queued request reached the service that replaced the stuck one"
+    );
     drop(writer);
     // The re-routed burst can fill the new service's queue for a moment (503): ask again,
     // bounded, until it is through.
