@@ -495,13 +495,13 @@ impl<'a> Bids<'a> {
                 held,
                 owners,
             );
+            // Still free after this round: the slots rejected in it.
+            for f in &free {
+                wanted[f.0 as usize] = false;
+            }
             for s in &rejected {
-                wanted[*s as usize] = false;
+                wanted[*s as usize] = true;
             }
-            for s in &free {
-                wanted[s.0 as usize] = !wanted[s.0 as usize];
-            }
-            // `wanted` is now true exactly for the slots rejected this round.
             free.retain(|f| wanted[f.0 as usize]);
             free.iter_mut().for_each(|f| f.1 += 1);
         }
