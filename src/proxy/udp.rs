@@ -709,7 +709,7 @@ impl Worker {
         };
         match s.resource.send(&self.rx_buf[start..base + MAX_V2_LEN + n]) {
             Ok(_) => {
-                self.table.touch(id, n, true, now);
+                self.table.touch(id, 1, n as u64, true, now);
                 if let Some(c) = self.core.balancer.counters(member) {
                     c.record_traffic(n as u64, 1, now);
                 }
@@ -850,10 +850,11 @@ impl Worker {
                     slot: first + i,
                     len,
                 });
-                self.table.touch(id, len, false, now);
                 bytes += len as u64;
             }
-            // One update of the member's shared counters per batch, not per datagram.
+            // One update of the session and of the member's shared counters per batch, not
+            // per datagram.
+            self.table.touch(id, k as u64, bytes, false, now);
             if let Some(c) = self.core.balancer.counters(member) {
                 c.record_traffic(bytes, k as u64, now);
             }

@@ -166,16 +166,16 @@ impl<R> SessionTable<R> {
         (id, stale)
     }
 
-    /// A datagram from the client (`inbound`) or from the service was relayed.
-    pub fn touch(&mut self, id: SessionId, bytes: usize, inbound: bool, now: Nanos) {
+    /// `packets` datagrams (`bytes` in all) from the client (`inbound`) or from the service
+    /// were relayed.
+    pub fn touch(&mut self, id: SessionId, packets: u64, bytes: u64, inbound: bool, now: Nanos) {
         if let Some(s) = self.get_mut(id) {
             s.last_seen = s.last_seen.max(now);
-            let bytes = bytes as u64;
             if inbound {
-                s.packets_in = s.packets_in.saturating_add(1);
+                s.packets_in = s.packets_in.saturating_add(packets);
                 s.bytes_in = s.bytes_in.saturating_add(bytes);
             } else {
-                s.packets_out = s.packets_out.saturating_add(1);
+                s.packets_out = s.packets_out.saturating_add(packets);
                 s.bytes_out = s.bytes_out.saturating_add(bytes);
             }
         }
@@ -322,7 +322,7 @@ mod tests {
             None,
             "per-member keys are distinct"
         );
-        t.touch(id, 50, true, 1_000);
+        t.touch(id, 1, 50, true, 1_000);
         assert_eq!(t.find(&key(1, None), 2_000), Some(id), "touch refreshes");
         assert_eq!(t.expire(2_000, |_, _| panic!("not idle yet")), 0);
         let mut closed = Vec::new();
