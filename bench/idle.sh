@@ -46,8 +46,6 @@ vservers:
   - { name: s, protocol: sip-tcp, bind: [127.0.0.1:$FS], idle_timeout: 600s, max_sessions: 100000,
       services: [p1] }
 YAML
-# RSS once it has stopped growing (two equal samples 0.2 s apart, at most 10 s).
-settled() { local prev=0 r; for _ in $(seq 1 50); do r=$(rss "$1"); [ "$r" = "$prev" ] && break; prev=$r; sleep 0.2; done; echo "$r"; }
 # measure KIND N LOADMODE PORT: start fulcrum, open N flows, print RSS growth per flow.
 measure() {
   local kind=$1 n=$2 mode=$3 port=$4 fpid lpid r0 r1 ready
@@ -57,7 +55,7 @@ measure() {
   r0=$(settled $fpid)
   # Holds its flows for 120 s at most (killed as soon as the figure is taken).
   "$LOAD" "$mode" 127.0.0.1:$port --sockets "$n" --secs 120 > "$TMP/$kind.out" 2>&1 & lpid=$!; PIDS+=($lpid)
-  for _ in $(seq 1 600); do grep -q ready= "$TMP/$kind.out" && break; sleep 0.1; done
+  wait_ready "$TMP/$kind.out" 600
   r1=$(settled $fpid)
   ready=$(sed -n 's/.*ready=\([0-9]*\).*/\1/p' "$TMP/$kind.out")
   echo "$kind: flows=$n ready=${ready:-0} fulcrum_fds=$(ls /proc/$fpid/fd | wc -l) rss_before_kib=$r0 rss_after_kib=$r1 per_flow_bytes=$(( (r1 - r0) * 1024 / ${ready:-1} ))"

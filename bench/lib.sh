@@ -7,7 +7,8 @@
 # through the same trap. Defines build_fulcrum (release build of fulcrum and fulcrum-load,
 # sets FUL and LOAD), tcp_peer_configs (the peers' nginx backends and HAProxy moved to ports
 # B1..B1+2 and HA, written to $TMP/backends.conf and $TMP/haproxy.cfg), start_fulcrum LOG
-# ARGS (fulcrum run under timeout; FPID) and stop_fulcrum, rss PID (VmRSS, KiB),
+# ARGS (fulcrum run under timeout; FPID) and stop_fulcrum, rss PID (VmRSS, KiB), settled PID
+# (RSS once stable), wait_ready FILE,
 # busy_ticks (CPU ticks the machine spent busy) and tree_ticks PID... (CPU ticks of processes
 # and their descendants).
 set -u
@@ -32,6 +33,10 @@ tcp_peer_configs() {
 }
 
 rss() { awk '/^VmRSS/{print $2}' "/proc/$1/status"; }
+# settled PID: its RSS once it has stopped growing (two equal samples 0.2 s apart, at most 10 s).
+settled() { local prev=0 r; for _ in $(seq 1 50); do r=$(rss "$1"); [ "$r" = "$prev" ] && break; prev=$r; sleep 0.2; done; echo "$r"; }
+# wait_ready FILE [TENTHS]: until a load generator's output FILE says ready= (at most 30 s).
+wait_ready() { for _ in $(seq 1 "${2:-300}"); do grep -q ready= "$1" && break; sleep 0.1; done; }
 
 # start_fulcrum LOG ARGS...: `fulcrum run ARGS` in the background under `timeout` (bounded
 # in time even if the exit trap never runs), output in LOG; sets FPID to fulcrum's own PID

@@ -49,9 +49,9 @@ done
 stop_fulcrum
 start_fulcrum "$TMP/fulcrum2.log" --config "$TMP/tcp.yaml" --drain-timeout 0s
 sleep 1
-r0=$(rss $FPID)
+r0=$(settled $FPID)
 "$LOAD" tcp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & PIDS+=($!)
-for _ in $(seq 1 300); do grep -q ready= "$TMP/idle.out" && break; sleep 0.1; done
+wait_ready "$TMP/idle.out"
 # Wait until fulcrum has connected every one upstream (its RSS stops growing).
-prev=0; for _ in $(seq 1 50); do r1=$(rss $FPID); [ "$r1" = "$prev" ] && break; prev=$r1; sleep 0.2; done
+r1=$(settled $FPID)
 echo "idle connections: $(cat "$TMP/idle.out") rss_before_kib=$r0 rss_after_kib=$r1 per_connection_bytes=$(( (r1 - r0) * 1024 / IDLE ))"

@@ -51,8 +51,8 @@ awk -v d="${RPS[direct]}" -v n="${RPS[nginx]}" -v f="${RPS[fulcrum]}" -v pn="${P
 stop_fulcrum
 start_fulcrum "$TMP/fulcrum2.log" --config "$TMP/udp.yaml"
 sleep 1
-r0=$(rss $FPID)
+r0=$(settled $FPID)
 "$LOAD" udp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & LPID=$!; PIDS+=($LPID)
-for _ in $(seq 1 300); do grep -q ready= "$TMP/idle.out" && break; sleep 0.1; done
-r1=$(rss $FPID)
+wait_ready "$TMP/idle.out"
+r1=$(settled $FPID)
 echo "idle sessions: $(cat "$TMP/idle.out") rss_before_kib=$r0 rss_after_kib=$r1 per_session_bytes=$(( (r1 - r0) * 1024 / IDLE ))"
