@@ -22,9 +22,9 @@ struct Fulcrum {
 }
 
 impl Fulcrum {
-    fn start(tag: &str, yaml: &str) -> Fulcrum {
+    fn start(tag: &str, yaml: &str, env: &[(&str, &str)]) -> Fulcrum {
         let file = ConfigFile::new(&format!("proc-{tag}"), yaml);
-        let (child, rx) = spawn_fulcrum(&file.path, "0s");
+        let (child, rx) = spawn_fulcrum_env(&file.path, "0s", env);
         // Guarded from here on: a failed start below still kills the child.
         let mut f = Fulcrum {
             child,
@@ -59,15 +59,21 @@ fn bound_in(line: &str) -> Option<SocketAddr> {
     list.split(", ").next()?.parse().ok()
 }
 
-/// Two processes over one config of `protocol` vserver `v` with `n` services, `method`.
+/// Two processes over one config of `protocol` vserver `v` with `n` services, `method`. The
+/// second sends to services with one `send` per datagram (io_uring switched off), so the UDP
+/// test also checks that both send paths carry the same flows.
 fn pair(protocol: &str, n: usize, method: &str) -> [Fulcrum; 2] {
     let kind = if protocol == "udp" { "udp" } else { "tcp" };
     // The services' threads live as long as this test process.
     let svc = services(kind, n, "127.0.0.1");
     let yaml = config(protocol, "127.0.0.1:0", method, "", &refs(&svc));
     [
-        Fulcrum::start(&format!("{protocol}-a"), &yaml),
-        Fulcrum::start(&format!("{protocol}-b"), &yaml),
+        Fulcrum::start(&format!("{protocol}-a"), &yaml, &[]),
+        Fulcrum::start(
+            &format!("{protocol}-b"),
+            &yaml,
+            &[(fulcrum::uring::ENV_SWITCH, "off")],
+        ),
     ]
 }
 
@@ -75,6 +81,10 @@ fn pair(protocol: &str, n: usize, method: &str) -> [Fulcrum; 2] {
 fn two_processes_choose_the_same_service_per_udp_flow() {
     let [a, b] = pair("udp", 4, "source_ip_source_port_hash");
     assert_ne!(a.addr, b.addr);
+    // Each worker says how it sends; b was told to send plainly.
+    let plain = expect_line(&b._log, "udp worker ready");
+    assert!(plain.contains("io_uring=false"), "{plain}");
+    expect_line(&a._log, "udp worker ready");
     let mut used = HashSet::new();
     for _ in 0..24 {
         // One client socket toward both: the same flow key (source address and port).

@@ -13,9 +13,11 @@
 //! sessions' upstream sockets. The kernel keeps a client's flow on one worker socket, so a
 //! worker's table needs no lock; the `max_sessions` bound is shared through one atomic.
 //! Datagrams move in batches: a worker takes up to [`BATCH`] client datagrams per
-//! recvmmsg, reads a session's replies with one recvmmsg (a short count means the socket is
-//! drained, so no extra call to see EAGAIN), and sends the replies of one wake-up with one
-//! sendmmsg per listener and source address. The receive and reply buffers belong to the
+//! recvmmsg and hands them to their sessions' sockets with one io_uring submission
+//! ([`crate::uring`]; one `send` each where the kernel refuses io_uring), reads a session's
+//! replies with one recvmmsg (a short count means the socket is drained, so no extra call to
+//! see EAGAIN), and sends the replies of one wake-up with one sendmmsg per listener and
+//! source address. The receive and reply buffers belong to the
 //! worker: an idle session costs its table entry and a socket, no buffer.
 
 use crate::balancer::{Balancer, Health, KeyInput};
@@ -28,6 +30,7 @@ use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, UdpCell, VserverHa
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::session::{Admit, Session, SessionId, SessionKey, SessionTable};
 use crate::stats::Nanos;
+use crate::uring::SendBatch;
 use arc_swap::ArcSwap;
 use mio::net::UdpSocket as MioUdp;
 use mio::{Events, Interest, Poll, Token};
@@ -38,7 +41,7 @@ use nix::sys::socket::{
 use socket2::{Domain, Socket, Type};
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -361,6 +364,18 @@ struct Reply {
     len: usize,
 }
 
+/// A client datagram in receive-buffer bytes `start..end` (PROXY header included) for the
+/// socket of session `id`; `len` payload bytes are counted once it has gone.
+#[derive(Debug, Clone, Copy)]
+struct Forward {
+    id: SessionId,
+    member: usize,
+    fd: RawFd,
+    start: usize,
+    end: usize,
+    len: usize,
+}
+
 /// The IO state of one worker.
 struct Worker {
     /// The current core; a reload stores a rebuilt one, adopted at the next wake-up.
@@ -379,6 +394,11 @@ struct Worker {
     replies: Vec<Reply>,
     /// recvmmsg headers for session sockets (connected: the address is not used).
     session_rx: MultiHeaders<SockaddrStorage>,
+    /// Client datagrams of the current receive batch waiting to go to their sessions'
+    /// sockets, all in one [`SendBatch::send_all`] once the batch is decided.
+    forwards: Vec<Forward>,
+    sender: SendBatch,
+    send_results: Vec<io::Result<usize>>,
     /// Sockets not drained in their last turn (edge-triggered readiness will not repeat).
     again: Vec<Token>,
     ready: Vec<Token>,
@@ -448,10 +468,15 @@ pub fn run_worker(socks: Vec<UdpSocket>, cell: UdpCell, epoch: Instant, stop: Ar
         reply_buf: vec![0u8; BATCH * MAX_DATAGRAM],
         replies: Vec::with_capacity(BATCH),
         session_rx: MultiHeaders::preallocate(BATCH, None),
+        forwards: Vec::with_capacity(BATCH),
+        sender: SendBatch::new(),
+        send_results: Vec::with_capacity(BATCH),
         again: Vec::new(),
         ready: Vec::with_capacity(1024),
         log: LogLimiter::default(),
     };
+    // io_uring=true: a receive batch goes to the services' sockets in one system call.
+    tracing::info!(vserver = %w.core.name, io_uring = w.sender.uses_io_uring(), "udp worker ready");
     w.run(epoch, &stop);
 }
 
@@ -642,6 +667,8 @@ impl Worker {
                 bytes += len as u64;
                 self.client_datagram(li, k, len, client, local, now);
             }
+            // Before the next recvmmsg reuses the receive slots.
+            self.send_forwards(now);
             let counters = &self.core.counters;
             counters
                 .datagrams_in
@@ -684,6 +711,8 @@ impl Worker {
                 if let Some(old) = replace
                     && let Some(s) = self.table.remove(old)
                 {
+                    // Its socket closes below: what is queued for it goes first.
+                    self.send_forwards(now);
                     bump(&self.core.counters.sessions_rerouted);
                     close_session(&self.core, self.poll.registry(), s);
                 }
@@ -696,7 +725,7 @@ impl Worker {
         let Some(s) = self.table.get(id) else {
             return;
         };
-        let member = s.member as usize;
+        let (member, fd) = (s.member as usize, s.resource.as_raw_fd());
         // The PROXY header goes right before the payload already in the buffer.
         let start = if self.core.send_proxy {
             let mut hdr = [0u8; MAX_V2_LEN];
@@ -707,20 +736,52 @@ impl Worker {
         } else {
             base + MAX_V2_LEN
         };
-        match s.resource.send(&self.rx_buf[start..base + MAX_V2_LEN + n]) {
-            Ok(_) => {
-                self.table.touch(id, 1, n as u64, true, now);
-                if let Some(c) = self.core.balancer.counters(member) {
-                    c.record_traffic(n as u64, 1, now);
+        if self.forwards.len() >= BATCH {
+            self.send_forwards(now);
+        }
+        self.forwards.push(Forward {
+            id,
+            member,
+            fd,
+            start,
+            end: base + MAX_V2_LEN + n,
+            len: n,
+        });
+    }
+
+    /// Send the client datagrams queued by [`Worker::client_datagram`] to their sessions'
+    /// sockets, all in one system call where io_uring is available. Called before the
+    /// receive slots are reused and before any session socket is closed, so every queued
+    /// descriptor is still the session's own.
+    fn send_forwards(&mut self, now: Nanos) {
+        if self.forwards.is_empty() {
+            return;
+        }
+        let mut sends: [(RawFd, &[u8]); BATCH] = [(-1, &[]); BATCH];
+        let mut count = 0;
+        for (slot, f) in sends.iter_mut().zip(&self.forwards) {
+            *slot = (f.fd, self.rx_buf.get(f.start..f.end).unwrap_or_default());
+            count += 1;
+        }
+        self.sender
+            .send_all(&sends[..count], &mut self.send_results);
+        for (f, r) in self.forwards.iter().zip(&self.send_results) {
+            match r {
+                Ok(_) => {
+                    self.table.touch(f.id, 1, f.len as u64, true, now);
+                    if let Some(c) = self.core.balancer.counters(f.member) {
+                        c.record_traffic(f.len as u64, 1, now);
+                    }
                 }
-            }
-            Err(e) => {
-                bump(&self.core.counters.send_errors);
-                if self.log.allow(now) {
-                    tracing::warn!(vserver = %self.core.name, error = %e, "send to service failed");
+                Err(e) => {
+                    bump(&self.core.counters.send_errors);
+                    if self.log.allow(now) {
+                        tracing::warn!(vserver = %self.core.name, error = %e, "send to service failed");
+                    }
                 }
             }
         }
+        self.forwards.clear();
     }
 
     fn open_session(
@@ -757,6 +818,8 @@ impl Worker {
             self.table
                 .insert(key, member as u32, listener, MioUdp::from_std(sock), now);
         if let Some(s) = stale {
+            // Its socket closes now: what is queued for it goes first.
+            self.send_forwards(now);
             close_session(&self.core, self.poll.registry(), s);
         }
         // The token is the slot index, known only once the session is in the table.

@@ -280,10 +280,20 @@ pub fn refs(s: &[(String, SocketAddr)]) -> Vec<(&str, SocketAddr)> {
 /// with its stderr lines; a thread reads them for the process's whole life, so its logging
 /// never blocks.
 pub fn spawn_fulcrum(config: &Path, drain: &str) -> (Child, mpsc::Receiver<String>) {
+    spawn_fulcrum_env(config, drain, &[])
+}
+
+/// [`spawn_fulcrum`] with extra environment variables.
+pub fn spawn_fulcrum_env(
+    config: &Path,
+    drain: &str,
+    env: &[(&str, &str)],
+) -> (Child, mpsc::Receiver<String>) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
         .args(["run", "--drain-timeout", drain, "--config"])
         .arg(config)
         .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

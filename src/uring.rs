@@ -1,0 +1,225 @@
+//! Batched sends on many sockets in one system call (io_uring), with a plain `send` per
+//! socket where io_uring is not available. IO.
+//!
+//! The `udp` vserver forwards a recvmmsg batch of client datagrams to as many session
+//! sockets, one connected socket per session, so sendmmsg (one socket) cannot batch them.
+//! One `io_uring_enter` carrying every send of the batch replaces one `send` each: fewer
+//! system calls, and above all the worker is not switched out after each send to run the
+//! service the send just woke (measured: BENCHMARKS.md, "UDP: sends in one system call").
+//!
+//! This is the one module of the crate with `unsafe`: a submission names a buffer by
+//! address, and the kernel reads it later. [`SendBatch::send_all`] borrows every buffer for
+//! its whole call and returns only once the kernel has reported every submitted send
+//! complete; each send carries `MSG_DONTWAIT`, which makes io_uring finish it during the
+//! submitting call (a full socket buffer completes it with EAGAIN instead of parking it for
+//! a later retry), so no submitted send outlives the call.
+
+#![allow(unsafe_code)]
+
+use io_uring::{IoUring, opcode, types};
+use nix::sys::socket::{MsgFlags, send};
+use std::io;
+use std::os::fd::RawFd;
+
+/// Sends per ring submission at most (larger batches go in several submissions).
+const RING_ENTRIES: u32 = 64;
+
+/// Turns io_uring off (`FULCRUM_IO_URING=off`): every send is a plain `send`.
+pub const ENV_SWITCH: &str = "FULCRUM_IO_URING";
+
+/// Sends to many sockets at once: one io_uring submission per batch when the kernel allows
+/// io_uring, one `send` per socket otherwise.
+pub struct SendBatch {
+    ring: Option<IoUring>,
+}
+
+impl std::fmt::Debug for SendBatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SendBatch")
+            .field("io_uring", &self.ring.is_some())
+            .finish()
+    }
+}
+
+impl SendBatch {
+    /// A batch sender; io_uring when the kernel offers it (it may be missing, disabled by
+    /// `kernel.io_uring_disabled`, or refused by a seccomp filter) and [`ENV_SWITCH`] is not
+    /// `off`.
+    pub fn new() -> SendBatch {
+        let off = std::env::var(ENV_SWITCH).is_ok_and(|v| v == "off");
+        let ring = if off {
+            None
+        } else {
+            IoUring::new(RING_ENTRIES).ok()
+        };
+        SendBatch { ring }
+    }
+
+    /// A sender that always uses one `send` per socket.
+    pub fn plain() -> SendBatch {
+        SendBatch { ring: None }
+    }
+
+    /// True when sends go through io_uring.
+    pub fn uses_io_uring(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// Send `sends[i].1` on socket `sends[i].0`, without blocking; `results[i]` is the byte
+    /// count sent or the error. Returns once every send has completed.
+    pub fn send_all(&mut self, sends: &[(RawFd, &[u8])], results: &mut Vec<io::Result<usize>>) {
+        results.clear();
+        results.extend(sends.iter().map(|_| Err(io::ErrorKind::Other.into())));
+        let mut at = 0;
+        while at < sends.len() {
+            let chunk = &sends[at..sends.len().min(at + RING_ENTRIES as usize)];
+            let Some(ring) = self.ring.as_mut() else {
+                break;
+            };
+            match submit_chunk(ring, chunk, &mut results[at..at + chunk.len()]) {
+                Ok(()) => at += chunk.len(),
+                Err(e) => {
+                    // The ring is unusable (should not happen with a ring this size and every
+                    // completion reaped): from now on, plain sends. Whatever was submitted
+                    // completed inside the failed call (MSG_DONTWAIT); the rest of this
+                    // chunk is sent plainly below, which at worst sends a datagram twice.
+                    tracing::warn!(error = %e, "io_uring submission failed: plain sends from now on");
+                    self.ring = None;
+                }
+            }
+        }
+        for (i, (fd, buf)) in sends.iter().enumerate().skip(at) {
+            results[i] = send(*fd, buf, MsgFlags::MSG_DONTWAIT).map_err(io::Error::from);
+        }
+    }
+}
+
+impl Default for SendBatch {
+    fn default() -> SendBatch {
+        SendBatch::new()
+    }
+}
+
+/// Submit `chunk` (at most `RING_ENTRIES` sends) and wait for all its completions.
+fn submit_chunk(
+    ring: &mut IoUring,
+    chunk: &[(RawFd, &[u8])],
+    results: &mut [io::Result<usize>],
+) -> io::Result<()> {
+    {
+        let mut sq = ring.submission();
+        for (i, (fd, buf)) in chunk.iter().enumerate() {
+            let len = u32::try_from(buf.len()).unwrap_or(u32::MAX);
+            let entry = opcode::Send::new(types::Fd(*fd), buf.as_ptr(), len)
+                .flags(libc_msg_dontwait())
+                .build()
+                .user_data(i as u64);
+            // SAFETY: `buf` is borrowed from `chunk`, which outlives this function, and this
+            // function returns only after the completion of every entry pushed here has been
+            // reaped (the loop below), so the kernel never reads a freed buffer. The queue
+            // holds RING_ENTRIES entries, empty on entry (every earlier submission was reaped
+            // whole), and `chunk` has at most that many.
+            if unsafe { sq.push(&entry) }.is_err() {
+                return Err(io::Error::other("io_uring submission queue full"));
+            }
+        }
+    }
+    let mut done = 0;
+    while done < chunk.len() {
+        match ring.submit_and_wait(chunk.len() - done) {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+        for cqe in ring.completion() {
+            let i = cqe.user_data() as usize;
+            let r = cqe.result();
+            if let Some(slot) = results.get_mut(i) {
+                *slot = if r >= 0 {
+                    Ok(r as usize)
+                } else {
+                    Err(io::Error::from_raw_os_error(-r))
+                };
+            }
+            done += 1;
+        }
+    }
+    Ok(())
+}
+
+/// MSG_DONTWAIT as the flags word of a send entry.
+fn libc_msg_dontwait() -> i32 {
+    MsgFlags::MSG_DONTWAIT.bits()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::UdpSocket;
+    use std::os::fd::AsRawFd;
+
+    fn pair() -> (UdpSocket, UdpSocket) {
+        let rx = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let tx = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        tx.connect(rx.local_addr().expect("addr")).expect("connect");
+        rx.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+            .expect("timeout");
+        (tx, rx)
+    }
+
+    fn sends_reach_every_socket(mut batch: SendBatch) {
+        // More sockets than one ring submission holds, so the chunking is exercised.
+        let pairs: Vec<_> = (0..RING_ENTRIES as usize + 7).map(|_| pair()).collect();
+        let bodies: Vec<Vec<u8>> = (0..pairs.len())
+            .map(|i| format!("datagram {i}").into_bytes())
+            .collect();
+        let sends: Vec<(RawFd, &[u8])> = pairs
+            .iter()
+            .zip(&bodies)
+            .map(|((tx, _), b)| (tx.as_raw_fd(), b.as_slice()))
+            .collect();
+        let mut results = Vec::new();
+        batch.send_all(&sends, &mut results);
+        assert_eq!(results.len(), pairs.len());
+        for (i, ((_, rx), body)) in pairs.iter().zip(&bodies).enumerate() {
+            assert_eq!(results[i].as_ref().ok(), Some(&body.len()), "send {i}");
+            let mut buf = [0u8; 64];
+            let n = rx.recv(&mut buf).expect("datagram arrives");
+            assert_eq!(&buf[..n], body.as_slice());
+        }
+    }
+
+    #[test]
+    fn batched_sends_reach_every_socket() {
+        let batch = SendBatch::new();
+        // Where the kernel refuses io_uring this is the plain path, tested below anyway.
+        eprintln!("io_uring in use: {}", batch.uses_io_uring());
+        sends_reach_every_socket(batch);
+    }
+
+    #[test]
+    fn plain_sends_reach_every_socket() {
+        sends_reach_every_socket(SendBatch::plain());
+    }
+
+    #[test]
+    fn a_failing_send_is_reported_and_the_others_go() {
+        for batch in [SendBatch::new(), SendBatch::plain()] {
+            let mut batch = batch;
+            let (tx, rx) = pair();
+            // An unconnected socket cannot `send`: EDESTADDRREQ for its entry only.
+            let loose = UdpSocket::bind("127.0.0.1:0").expect("bind");
+            let sends = [
+                (loose.as_raw_fd(), &b"nowhere"[..]),
+                (tx.as_raw_fd(), &b"somewhere"[..]),
+            ];
+            let mut results = Vec::new();
+            batch.send_all(&sends, &mut results);
+            assert!(results[0].is_err(), "{:?}", results[0]);
+            assert_eq!(results[1].as_ref().ok(), Some(&9));
+            let mut buf = [0u8; 16];
+            let n = rx.recv(&mut buf).expect("datagram arrives");
+            assert_eq!(&buf[..n], b"somewhere");
+        }
+    }
+}
