@@ -55,6 +55,15 @@ impl SendBatch {
         SendBatch { ring }
     }
 
+    /// A sender over a ring of `entries` (a ring smaller than a chunk fails its submission:
+    /// the test of the fallback).
+    #[cfg(test)]
+    fn with_ring_entries(entries: u32) -> SendBatch {
+        SendBatch {
+            ring: IoUring::new(entries).ok(),
+        }
+    }
+
     /// A sender that always uses one `send` per socket.
     pub fn plain() -> SendBatch {
         SendBatch { ring: None }
@@ -66,30 +75,29 @@ impl SendBatch {
     }
 
     /// Send `sends[i].1` on socket `sends[i].0`, without blocking; `results[i]` is the byte
-    /// count sent or the error. Returns once every send has completed.
+    /// count sent (possibly short, for a stream socket) or the error. Returns once every
+    /// send has completed. Each send is made exactly once, also when the ring fails midway
+    /// (what it did not take is then sent with `send`), so a stream never gets bytes twice.
     pub fn send_all(&mut self, sends: &[(RawFd, &[u8])], results: &mut Vec<io::Result<usize>>) {
         results.clear();
         results.extend(sends.iter().map(|_| Err(io::ErrorKind::Other.into())));
-        let mut at = 0;
-        while at < sends.len() {
-            let chunk = &sends[at..sends.len().min(at + RING_ENTRIES as usize)];
-            let Some(ring) = self.ring.as_mut() else {
-                break;
-            };
-            match submit_chunk(ring, chunk, &mut results[at..at + chunk.len()]) {
-                Ok(()) => at += chunk.len(),
-                Err(e) => {
-                    // The ring is unusable (should not happen with a ring this size and every
-                    // completion reaped): from now on, plain sends. Whatever was submitted
-                    // completed inside the failed call (MSG_DONTWAIT); the rest of this
-                    // chunk is sent plainly below, which at worst sends a datagram twice.
-                    tracing::warn!(error = %e, "io_uring submission failed: plain sends from now on");
-                    self.ring = None;
+        for (c, chunk) in sends.chunks(RING_ENTRIES as usize).enumerate() {
+            let at = c * RING_ENTRIES as usize;
+            let out = &mut results[at..at + chunk.len()];
+            let mut done: u64 = 0;
+            if let Some(ring) = self.ring.as_mut()
+                && let Err(e) = submit_chunk(ring, chunk, out, &mut done)
+            {
+                // Should not happen with a ring this size and every completion reaped.
+                tracing::warn!(error = %e, "io_uring submission failed: plain sends from now on");
+                self.ring = None;
+            }
+            for (i, (fd, buf)) in chunk.iter().enumerate() {
+                if done & (1 << i) == 0 {
+                    out[i] = send(*fd, buf, MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL)
+                        .map_err(io::Error::from);
                 }
             }
-        }
-        for (i, (fd, buf)) in sends.iter().enumerate().skip(at) {
-            results[i] = send(*fd, buf, MsgFlags::MSG_DONTWAIT).map_err(io::Error::from);
         }
     }
 }
@@ -100,11 +108,15 @@ impl Default for SendBatch {
     }
 }
 
-/// Submit `chunk` (at most `RING_ENTRIES` sends) and wait for all its completions.
+/// Submit `chunk` (at most `RING_ENTRIES` sends) and wait for all its completions, setting
+/// bit `i` of `done` for each one reported. On an error, the entries without a bit were not
+/// taken by the kernel (io_uring_enter fails only when it consumed nothing, and a
+/// MSG_DONTWAIT send completes inside the call that consumed it).
 fn submit_chunk(
     ring: &mut IoUring,
     chunk: &[(RawFd, &[u8])],
     results: &mut [io::Result<usize>],
+    done: &mut u64,
 ) -> io::Result<()> {
     {
         let mut sq = ring.submission();
@@ -115,8 +127,9 @@ fn submit_chunk(
                 .build()
                 .user_data(i as u64);
             // SAFETY: `buf` is borrowed from `chunk`, which outlives this function, and this
-            // function returns only after the completion of every entry pushed here has been
-            // reaped (the loop below), so the kernel never reads a freed buffer. The queue
+            // function returns only after the completion of every entry the kernel took has
+            // been reaped (the loop below; an entry it did not take is never read, the ring
+            // being dropped on error), so the kernel never reads a freed buffer. The queue
             // holds RING_ENTRIES entries, empty on entry (every earlier submission was reaped
             // whole), and `chunk` has at most that many.
             if unsafe { sq.push(&entry) }.is_err() {
@@ -124,12 +137,13 @@ fn submit_chunk(
             }
         }
     }
-    let mut done = 0;
-    while done < chunk.len() {
-        match ring.submit_and_wait(chunk.len() - done) {
+    let mut count = 0;
+    let mut failed = None;
+    while count < chunk.len() {
+        match ring.submit_and_wait(chunk.len() - count) {
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
+            Err(e) => failed = Some(e),
         }
         for cqe in ring.completion() {
             let i = cqe.user_data() as usize;
@@ -140,8 +154,12 @@ fn submit_chunk(
                 } else {
                     Err(io::Error::from_raw_os_error(-r))
                 };
+                *done |= 1 << i;
             }
-            done += 1;
+            count += 1;
+        }
+        if let Some(e) = failed {
+            return Err(e);
         }
     }
     Ok(())
@@ -200,6 +218,28 @@ mod tests {
     #[test]
     fn plain_sends_reach_every_socket() {
         sends_reach_every_socket(SendBatch::plain());
+    }
+
+    #[test]
+    fn a_failed_submission_sends_each_datagram_once_and_plainly_from_then_on() {
+        // A one-entry ring cannot take a batch of three: nothing is submitted, all three go
+        // with `send`, none twice, and the sender gives the ring up.
+        let mut batch = SendBatch::with_ring_entries(1);
+        let pairs: Vec<_> = (0..3).map(|_| pair()).collect();
+        let sends: Vec<(RawFd, &[u8])> = pairs
+            .iter()
+            .map(|(tx, _)| (tx.as_raw_fd(), &b"once"[..]))
+            .collect();
+        let mut results = Vec::new();
+        batch.send_all(&sends, &mut results);
+        assert!(!batch.uses_io_uring());
+        for ((_, rx), r) in pairs.iter().zip(&results) {
+            assert_eq!(r.as_ref().ok(), Some(&4));
+            let mut buf = [0u8; 8];
+            assert_eq!(rx.recv(&mut buf).expect("arrives"), 4);
+            rx.set_nonblocking(true).expect("nonblocking");
+            assert!(rx.recv(&mut buf).is_err(), "sent twice");
+        }
     }
 
     #[test]
