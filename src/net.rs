@@ -74,6 +74,10 @@ fn tcp_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
     // the kernel before the accept loop runs; the kernel caps it at somaxconn.
     socket.listen(4096)?;
     socket.set_nonblocking(true)?;
+    // Accepted connections inherit TCP_NODELAY from their listener (Linux): one system call
+    // here instead of one per connection. A proxy forwards each read at once; Nagle would
+    // hold a small second write until the first is acknowledged.
+    socket.set_tcp_nodelay(true)?;
     Ok(socket)
 }
 
@@ -146,8 +150,9 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(100));
         let mut got = [0usize; 2];
         for (i, l) in ls.iter().enumerate() {
-            while l.accept().is_ok() {
+            while let Ok((c, _)) = l.accept() {
                 got[i] += 1;
+                assert!(c.nodelay().expect("nodelay"), "inherited from the listener");
             }
         }
         assert_eq!(got[0] + got[1], clients.len());

@@ -507,7 +507,7 @@ async fn serve_client(
     rx: mpsc::Receiver<Bytes>,
     tx: mpsc::Sender<Bytes>,
 ) {
-    let _ = stream.set_nodelay(true);
+    // TCP_NODELAY is inherited from the listener (`net::bind_tcp_listener`).
     let (read, write) = stream.into_split();
     let writer = tokio::spawn(write_messages(write, rx));
     read_messages(

@@ -378,7 +378,7 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     } else {
         SocketAddr::from(([0, 0, 0, 0], 0))
     };
-    let _ = client.set_nodelay(true);
+    // TCP_NODELAY is inherited from the listener (`net::bind_tcp_workers`).
     let first = match read_first(&core, &client).await {
         Ok(Some(b)) => b,
         // The client left before sending anything a member could be chosen for.
