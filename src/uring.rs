@@ -12,7 +12,9 @@
 //! its whole call and returns only once the kernel has reported every submitted send
 //! complete; each send carries `MSG_DONTWAIT`, which makes io_uring finish it during the
 //! submitting call (a full socket buffer completes it with EAGAIN instead of parking it for
-//! a later retry), so no submitted send outlives the call.
+//! a later retry), so no submitted send outlives the call. (A kernel that parked it anyway
+//! would make the call wait for buffer room, a delay, not a hazard: the call still returns
+//! only after every completion.)
 
 #![allow(unsafe_code)]
 
@@ -50,7 +52,7 @@ impl SendBatch {
         let ring = if off {
             None
         } else {
-            IoUring::new(RING_ENTRIES).ok()
+            IoUring::new(RING_ENTRIES).ok().filter(sends_supported)
         };
         SendBatch { ring }
     }
@@ -163,6 +165,13 @@ fn submit_chunk(
         }
     }
     Ok(())
+}
+
+/// True when the kernel knows IORING_OP_SEND (5.6 and later; a kernel too old to answer the
+/// probe does not either): on an older one every send would complete with EINVAL.
+fn sends_supported(ring: &IoUring) -> bool {
+    let mut probe = io_uring::Probe::new();
+    ring.submitter().register_probe(&mut probe).is_ok() && probe.is_supported(opcode::Send::CODE)
 }
 
 /// MSG_DONTWAIT as the flags word of a send entry.
