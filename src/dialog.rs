@@ -161,11 +161,6 @@ impl DialogTable {
         Some(e.member)
     }
 
-    /// Forget a dialog (e.g. its service was removed by reload).
-    pub fn remove(&self, call_hash: u64) {
-        self.map.remove(&call_hash);
-    }
-
     /// Drop entries idle for longer than the timeout, telling `expired` the member of each;
     /// returns how many were dropped.
     pub fn sweep(&self, now_ms: u64, mut expired: impl FnMut(u32)) -> usize {
@@ -181,11 +176,6 @@ impl DialogTable {
             keep
         });
         dropped
-    }
-
-    /// Drop every entry pinned to `member` (its service left the vserver).
-    pub fn forget_member(&self, member: u32) {
-        self.map.retain(|_, e| e.member != member);
     }
 
     /// Copy every live entry into `into` (a table built for a reloaded member list),
@@ -499,15 +489,5 @@ mod tests {
         let mut closed = 0;
         assert_eq!(t.sweep(2001 + ENDED_LINGER_MS, |_| closed += 1), 1);
         assert_eq!(closed, 0);
-    }
-
-    #[test]
-    fn forget_member() {
-        let t = DialogTable::new(10, 1000);
-        t.put(1, 0, 0);
-        t.put(2, 1, 0);
-        t.forget_member(0);
-        assert_eq!(t.get(1, 0), None);
-        assert_eq!(t.get(2, 0), Some(1));
     }
 }

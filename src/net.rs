@@ -69,15 +69,16 @@ pub fn bind_udp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<UdpSoc
 
 fn tcp_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
     let socket = listener_socket(addr, Type::STREAM, Protocol::TCP, reuse_port)?;
+    // Accepted connections inherit TCP_NODELAY from their listener (Linux): one system call
+    // here instead of one per connection. Set before `listen`, so that no connection is
+    // accepted without it. A proxy forwards each read at once; Nagle would hold a small
+    // second write until the first is acknowledged.
+    socket.set_tcp_nodelay(true)?;
     socket.bind(&addr.into())?;
     // Bursts of short connections (HTTP with `Connection: close`) must not be dropped by
     // the kernel before the accept loop runs; the kernel caps it at somaxconn.
     socket.listen(4096)?;
     socket.set_nonblocking(true)?;
-    // Accepted connections inherit TCP_NODELAY from their listener (Linux): one system call
-    // here instead of one per connection. A proxy forwards each read at once; Nagle would
-    // hold a small second write until the first is acknowledged.
-    socket.set_tcp_nodelay(true)?;
     Ok(socket)
 }
 

@@ -708,11 +708,14 @@ impl Worker {
                 member,
                 replace,
             } => {
+                if replace.is_some() {
+                    // Its socket closes below: what is queued for it goes first (and is
+                    // counted on it).
+                    self.send_forwards(now);
+                }
                 if let Some(old) = replace
                     && let Some(s) = self.table.remove(old)
                 {
-                    // Its socket closes below: what is queued for it goes first.
-                    self.send_forwards(now);
                     bump(&self.core.counters.sessions_rerouted);
                     close_session(&self.core, self.poll.registry(), s);
                 }

@@ -1,0 +1,44 @@
+//! The crate denies `unsafe_code` (src/lib.rs); the one module allowed to opt out is
+//! `src/uring.rs` (io_uring submissions name buffers by address), as README says. A second
+//! opt-out anywhere under src/ fails here, so the claim cannot drift.
+
+use std::path::{Path, PathBuf};
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read src") {
+        let path = entry.expect("entry").path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn only_uring_allows_unsafe_code() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    assert!(files.len() > 20, "found the sources: {}", files.len());
+    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("lib.rs");
+    assert!(
+        lib.contains("#![deny(unsafe_code)]"),
+        "lib.rs denies unsafe code"
+    );
+    let mut allowing: Vec<String> = files
+        .iter()
+        .filter(|f| {
+            let text = std::fs::read_to_string(f).expect("read");
+            text.contains("allow(unsafe_code)") || text.contains("expect(unsafe_code)")
+        })
+        .map(|f| {
+            f.strip_prefix(&src)
+                .unwrap_or(f)
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect();
+    allowing.sort();
+    assert_eq!(allowing, vec!["uring.rs".to_string()]);
+}
