@@ -125,6 +125,55 @@ fn source_ip_hash_is_per_client_ip_and_fails_over_when_down() {
     assert_eq!(udp_ask(&c3, vs, b"a").expect("answer").0.service, s1);
 }
 
+/// A burst that meets a failover: the sessions of a service gone DOWN are replaced in the
+/// middle of receive batches whose other datagrams are already queued for their sessions'
+/// sockets. Every datagram is still answered, in order, and only the DOWN service's flows move.
+#[test]
+fn a_burst_across_a_failover_is_relayed_whole() {
+    let (rt, vs) = start_loopback("udp", 3, "source_ip_source_port_hash", "");
+    let clients: Vec<_> = (0..40).map(|_| udp_client("127.0.0.1")).collect();
+    let home: Vec<String> = clients
+        .iter()
+        .map(|c| udp_ask(c, vs, b"hello").expect("answer").0.service)
+        .collect();
+    let down = home[0].clone();
+    let on_down = home.iter().filter(|s| **s == down).count();
+    assert_eq!(rt.set_health(&down, Health::Down), 1);
+    for round in 0..3 {
+        for (i, c) in clients.iter().enumerate() {
+            c.send_to(format!("c{i}-{round}").as_bytes(), vs)
+                .expect("send");
+        }
+    }
+    let mut buf = vec![0u8; 65_536];
+    for (i, c) in clients.iter().enumerate() {
+        let mut served = HashSet::new();
+        for round in 0..3 {
+            let (n, from) = c.recv_from(&mut buf).expect("answer");
+            assert_eq!(from, vs);
+            let a = parse_answer(&buf[..n]).expect("answer format");
+            assert_eq!(a.body, format!("c{i}-{round}").as_bytes(), "client {i}");
+            served.insert(a.service);
+        }
+        assert_eq!(served.len(), 1, "client {i}: one service for the flow");
+        let now = served.into_iter().next().unwrap_or_default();
+        if home[i] == down {
+            assert_ne!(now, down, "client {i} left the DOWN service");
+        } else {
+            assert_eq!(now, home[i], "client {i} stayed home");
+        }
+    }
+    let core = udp_core(&rt, "v");
+    assert_eq!(
+        core.counters.sessions_rerouted.load(Ordering::Relaxed),
+        on_down as u64
+    );
+    assert_eq!(core.counters.send_errors.load(Ordering::Relaxed), 0);
+    assert!(wait_until(ANSWER, || {
+        core.counters.datagrams_out.load(Ordering::Relaxed) == 40 + 120
+    }));
+}
+
 #[test]
 fn idle_sessions_expire() {
     let (rt, vs) = start_loopback("udp", 2, "round_robin", "idle_timeout: 150ms");
