@@ -53,24 +53,37 @@ fn round_robin_spreads_sessions_and_relays_from_the_vserver_address() {
 /// Many clients sending at once: more datagrams than one recvmmsg / sendmmsg batch and one
 /// wake-up budget. Every datagram is answered, from the vserver's address, each client's
 /// in order.
-#[test]
-fn bursts_larger_than_a_batch_are_all_relayed_in_order() {
-    let (rt, vs) = start_loopback("udp", 3, "round_robin", "");
-    let clients: Vec<_> = (0..50).map(|_| udp_client("127.0.0.1")).collect();
-    for round in 0..4 {
+/// Every client sends `rounds` datagrams (`c{i}-{round}`), all before any answer is read.
+fn burst(clients: &[std::net::UdpSocket], vs: SocketAddr, rounds: usize) {
+    for round in 0..rounds {
         for (i, c) in clients.iter().enumerate() {
             c.send_to(format!("c{i}-{round}").as_bytes(), vs)
                 .expect("send");
         }
     }
+}
+
+/// Client `i`'s answers to its burst: from the vserver's address, in the order sent.
+fn burst_answers(c: &std::net::UdpSocket, i: usize, vs: SocketAddr, rounds: usize) -> Vec<Answer> {
     let mut buf = vec![0u8; 65_536];
-    for (i, c) in clients.iter().enumerate() {
-        for round in 0..4 {
+    (0..rounds)
+        .map(|round| {
             let (n, from) = c.recv_from(&mut buf).expect("answer");
             assert_eq!(from, vs);
             let a = parse_answer(&buf[..n]).expect("answer format");
-            assert_eq!(a.body, format!("c{i}-{round}").as_bytes());
-        }
+            assert_eq!(a.body, format!("c{i}-{round}").as_bytes(), "client {i}");
+            a
+        })
+        .collect()
+}
+
+#[test]
+fn bursts_larger_than_a_batch_are_all_relayed_in_order() {
+    let (rt, vs) = start_loopback("udp", 3, "round_robin", "");
+    let clients: Vec<_> = (0..50).map(|_| udp_client("127.0.0.1")).collect();
+    burst(&clients, vs, 4);
+    for (i, c) in clients.iter().enumerate() {
+        burst_answers(c, i, vs, 4);
     }
     let core = udp_core(&rt, "v");
     assert_eq!(core.counters.datagrams_in.load(Ordering::Relaxed), 200);
@@ -139,22 +152,12 @@ fn a_burst_across_a_failover_is_relayed_whole() {
     let down = home[0].clone();
     let on_down = home.iter().filter(|s| **s == down).count();
     assert_eq!(rt.set_health(&down, Health::Down), 1);
-    for round in 0..3 {
-        for (i, c) in clients.iter().enumerate() {
-            c.send_to(format!("c{i}-{round}").as_bytes(), vs)
-                .expect("send");
-        }
-    }
-    let mut buf = vec![0u8; 65_536];
+    burst(&clients, vs, 3);
     for (i, c) in clients.iter().enumerate() {
-        let mut served = HashSet::new();
-        for round in 0..3 {
-            let (n, from) = c.recv_from(&mut buf).expect("answer");
-            assert_eq!(from, vs);
-            let a = parse_answer(&buf[..n]).expect("answer format");
-            assert_eq!(a.body, format!("c{i}-{round}").as_bytes(), "client {i}");
-            served.insert(a.service);
-        }
+        let served: HashSet<String> = burst_answers(c, i, vs, 3)
+            .into_iter()
+            .map(|a| a.service)
+            .collect();
         assert_eq!(served.len(), 1, "client {i}: one service for the flow");
         let now = served.into_iter().next().unwrap_or_default();
         if home[i] == down {
