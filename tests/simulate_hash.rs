@@ -167,6 +167,19 @@ fn fulcrum(args: &[&str]) -> std::process::Output {
         .expect("run fulcrum")
 }
 
+/// `simulate hash --config PATH --keys 40000 --json`: it succeeds; its JSON report.
+fn simulate_json(path: &str) -> serde_json::Value {
+    let out = fulcrum(&[
+        "simulate", "hash", "--config", path, "--keys", "40000", "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON report")
+}
+
 /// `simulate hash --config`: the vserver's own services, weights and hash_id identities, the
 /// config's algorithm; a weight-2 service gets about twice the share of a weight-1 one, and a
 /// hash_id service keeps its keys under a new name and address but not under a new hash_id.
@@ -184,15 +197,7 @@ fn simulate_hash_from_a_config() {
          \x20 - { name: rr, protocol: sip-udp, bind: [127.0.0.1:5061], method: round_robin, services: [a, b] }\n",
     );
     let p = file.arg();
-    let out = fulcrum(&[
-        "simulate", "hash", "--config", p, "--keys", "40000", "--json",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = simulate_json(p);
     assert_eq!(v["algorithm"], "prac");
     assert_eq!(v["fingers"], 64);
     assert_eq!(v["services"], 3);
@@ -238,21 +243,7 @@ fn simulate_hash_from_a_config() {
         )
         .replace("[a, b, c]", "[a, b, z]");
     let path2 = file.beside("renamed.yaml", &renamed);
-    let out2 = fulcrum(&[
-        "simulate",
-        "hash",
-        "--config",
-        path2.to_str().unwrap(),
-        "--keys",
-        "40000",
-        "--json",
-    ]);
-    assert!(
-        out2.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out2.stderr)
-    );
-    let v2: serde_json::Value = serde_json::from_slice(&out2.stdout).unwrap();
+    let v2 = simulate_json(path2.to_str().unwrap());
     for i in 0..3 {
         assert_eq!(v2["per_service"][i]["keys"], per[i]["keys"]);
     }
@@ -260,17 +251,7 @@ fn simulate_hash_from_a_config() {
         .unwrap()
         .replace("fw-c", "fw-d");
     let path3 = file.beside("rekeyed.yaml", &rekeyed);
-    let out3 = fulcrum(&[
-        "simulate",
-        "hash",
-        "--config",
-        path3.to_str().unwrap(),
-        "--keys",
-        "40000",
-        "--json",
-    ]);
-    assert!(out3.status.success());
-    let v3: serde_json::Value = serde_json::from_slice(&out3.stdout).unwrap();
+    let v3 = simulate_json(path3.to_str().unwrap());
     assert!(
         (0..3).any(|i| v3["per_service"][i]["keys"] != per[i]["keys"]),
         "a new hash_id is a new identity"
