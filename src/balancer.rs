@@ -11,7 +11,7 @@
 //! 3. Non-hash methods run through slow start, which withholds requests from new members
 //!    beyond their allowed rate; those requests go to the others by the same method.
 
-use crate::config::{Config, HashAlgorithm, Method, Vserver};
+use crate::config::{Config, Method, Vserver};
 use crate::hash;
 use crate::methods::{self, MethodState};
 use crate::select::{self, HashSelector};
@@ -122,8 +122,6 @@ pub struct MemberInfo {
 /// The balancer of one vserver. Shared by all workers (`&self` everywhere).
 pub struct Balancer {
     method: Method,
-    algorithm: HashAlgorithm,
-    fingers: u32,
     balance_factor: Option<u32>,
     members: Vec<MemberInfo>,
     weights: Vec<u32>,
@@ -220,8 +218,6 @@ impl Balancer {
             });
         Balancer {
             method: vserver.method,
-            algorithm: config.lb.hash_algorithm,
-            fingers: config.lb.hash_fingers,
             balance_factor: vserver.hash.hash_balance_factor,
             health: members
                 .iter()
@@ -328,16 +324,8 @@ impl Balancer {
     }
 
     fn rebuild_selector(&self) {
-        let select_members: Vec<select::Member> = self
-            .members
-            .iter()
-            .map(|m| select::Member {
-                id_hash: m.id_hash,
-                weight: m.weight,
-            })
-            .collect();
         let up = up_set(&self.health);
-        let built = HashSelector::build(self.algorithm, self.fingers, &select_members, &up);
+        let built = self.selector.load().with_up(&up);
         self.selector.store(Arc::new(built));
     }
 

@@ -92,6 +92,23 @@ fn measure_rebuild_times() {
                     times[0]
                 );
             }
+            // A health change: one service DOWN, from the all-UP selector (what the balancer
+            // does on UP/DOWN).
+            let whole = HashSelector::build(alg, fingers, &members, &all_up);
+            let mut times = Vec::new();
+            for _ in 0..5 {
+                let t = Instant::now();
+                let sel = whole.with_up(&one_down);
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+                std::hint::black_box(sel);
+            }
+            times.sort_by(f64::total_cmp);
+            println!(
+                "health change {} fingers {fingers} one down: median {:.1} ms (min {:.1})",
+                alg.name(),
+                times[2],
+                times[0]
+            );
         }
     }
 }

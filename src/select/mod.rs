@@ -36,7 +36,16 @@ enum Inner {
 #[derive(Debug, Clone)]
 pub struct HashSelector {
     algorithm: HashAlgorithm,
+    fingers: u32,
+    members: Vec<Member>,
     inner: Inner,
+}
+
+/// `up` for `n` services: a missing entry counts as not UP.
+fn up_of(n: usize, up: &[bool]) -> Vec<bool> {
+    (0..n)
+        .map(|i| up.get(i).copied().unwrap_or(false))
+        .collect()
 }
 
 impl HashSelector {
@@ -52,15 +61,34 @@ impl HashSelector {
     ) -> HashSelector {
         let ids: Vec<u64> = members.iter().map(|m| m.id_hash).collect();
         let weights: Vec<u32> = members.iter().map(|m| m.weight).collect();
-        let up: Vec<bool> = (0..members.len())
-            .map(|i| up.get(i).copied().unwrap_or(false))
-            .collect();
+        let up = up_of(members.len(), up);
         let inner = match algorithm {
             HashAlgorithm::Carp => Inner::Carp(carp::Carp::build(ids, &weights, up)),
             HashAlgorithm::Prac => Inner::Prac(prac::Prac::build(ids, &weights, fingers, up)),
             HashAlgorithm::Jarh => Inner::Jarh(jarh::Jarh::build(&ids, &weights, fingers, up)),
         };
-        HashSelector { algorithm, inner }
+        HashSelector {
+            algorithm,
+            fingers,
+            members: members.to_vec(),
+            inner,
+        }
+    }
+
+    /// The same selector for another UP set: equal to [`HashSelector::build`] with the same
+    /// algorithm, fingers and members and `up`. prac derives the new table from the all-UP
+    /// table it already holds (a health change does not fill the table anew); carp and jarh
+    /// are built again (cheap beside prac's fill).
+    pub fn with_up(&self, up: &[bool]) -> HashSelector {
+        match &self.inner {
+            Inner::Prac(p) => HashSelector {
+                algorithm: self.algorithm,
+                fingers: self.fingers,
+                members: self.members.clone(),
+                inner: Inner::Prac(p.with_up(up_of(self.members.len(), up))),
+            },
+            _ => HashSelector::build(self.algorithm, self.fingers, &self.members, up),
+        }
     }
 
     /// The algorithm this selector runs.

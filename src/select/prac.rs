@@ -80,12 +80,19 @@ impl Table {
 #[derive(Debug, Clone)]
 pub struct Prac {
     scorer: Scorer,
+    /// The configured weights (the caps of a derived UP set are computed from them).
+    weights: Vec<u32>,
     up: Vec<bool>,
     /// Every service UP: the table is the all-UP table, every hit is a first choice.
     all_up: bool,
     geo: Geometry,
     all_up_table: Table,
     table: Table,
+}
+
+/// Whether `n` services fit the u16 table.
+fn small_table(n: usize) -> bool {
+    n <= usize::from(u16::MAX) + 1
 }
 
 /// Table exponent for a service count and finger count.
@@ -202,7 +209,6 @@ impl Prac {
         let geo = Geometry::new(fingers, n);
         let slots = geo.slots;
         let scorer = Scorer::new(ids, weights);
-        let small = n <= usize::from(u16::MAX) + 1;
 
         let all_caps = caps(&scorer, weights, |_| true, slots);
         let mut owners = vec![0u32; slots];
@@ -220,12 +226,41 @@ impl Prac {
                 &mut owners,
             );
         }
-        let all_up_table = Table::from_owners(&owners, small);
+        let all_up_table = Table::from_owners(&owners, small_table(n));
+        Prac::derive(scorer, weights.to_vec(), geo, all_up_table, owners, up)
+    }
 
+    /// The same selector for another UP set: the health-adjusted table is derived again from
+    /// the all-UP table this one already holds (step 6), without ranking and filling the
+    /// table anew. Equal to `build` with the same members and `up`.
+    pub(crate) fn with_up(&self, up: Vec<bool>) -> Prac {
+        let owners: Vec<u32> = (0..self.geo.slots)
+            .map(|s| self.all_up_table.get(s) as u32)
+            .collect();
+        Prac::derive(
+            self.scorer.clone(),
+            self.weights.clone(),
+            self.geo,
+            self.all_up_table.clone(),
+            owners,
+            up,
+        )
+    }
+
+    /// Step 6: the table for `up` from the all-UP `owners` (consumed).
+    fn derive(
+        scorer: Scorer,
+        weights: Vec<u32>,
+        geo: Geometry,
+        all_up_table: Table,
+        mut owners: Vec<u32>,
+        up: Vec<bool>,
+    ) -> Prac {
+        let n = scorer.ids.len();
         let any_down = up.iter().any(|u| !*u);
         let any_up = up.iter().any(|u| *u);
         let table = if any_down && any_up {
-            let up_caps = caps(&scorer, weights, |i| up[i], slots);
+            let up_caps = caps(&scorer, &weights, |i| up[i], geo.slots);
             let mut held = vec![0usize; n];
             let mut orphans = Vec::new();
             for (s, o) in owners.iter().enumerate() {
@@ -245,13 +280,14 @@ impl Prac {
                 &|i| up[i],
                 &mut owners,
             );
-            Table::from_owners(&owners, small)
+            Table::from_owners(&owners, small_table(n))
         } else {
             all_up_table.clone()
         };
 
         Prac {
             scorer,
+            weights,
             all_up: !any_down,
             up,
             geo,

@@ -277,6 +277,27 @@ proptest! {
     }
 
     #[test]
+    fn with_up_equals_a_fresh_build((n, up, ws, fingers, ks) in arb_case()) {
+        // A health change derives the selector from the current one (prac reuses its all-UP
+        // table); it must choose exactly as a selector built from scratch for that UP set,
+        // from any earlier UP set (here: all UP, and the UP set itself back to all UP).
+        let m = weighted(&ws);
+        let all_up = vec![true; n];
+        for alg in ALGS {
+            let fresh = HashSelector::build(alg, fingers, &m, &up);
+            let derived = HashSelector::build(alg, fingers, &m, &all_up).with_up(&up);
+            let back = fresh.with_up(&all_up);
+            let whole = HashSelector::build(alg, fingers, &m, &all_up);
+            for k in &ks {
+                prop_assert_eq!(derived.pick(*k, |_| true), fresh.pick(*k, |_| true));
+                prop_assert_eq!(derived.ranking(*k), fresh.ranking(*k));
+                prop_assert_eq!(back.pick(*k, |_| true), whole.pick(*k, |_| true));
+            }
+            prop_assert_eq!(derived.exact_shares(), fresh.exact_shares());
+        }
+    }
+
+    #[test]
     fn prac_respects_eligibility((n, up, ws, fingers, ks) in arb_case()) {
         let m = weighted(&ws);
         let sel = HashSelector::build(HashAlgorithm::Prac, fingers, &m, &up);
