@@ -193,6 +193,9 @@ impl DialogTable {
         let mut refused_open = Vec::new();
         let mut refused_keys = Vec::new();
         let mut copied_keys = Vec::new();
+        // `into` is not in use yet: its size is counted here, not asked per entry (`len`
+        // locks every shard).
+        let mut held = into.map.len();
         for e in self.map.iter() {
             if e.is_expired(now_ms, self.idle_ms) {
                 continue;
@@ -202,10 +205,11 @@ impl DialogTable {
             };
             let ended = e.ended.load(Ordering::Relaxed);
             let seen = e.last_seen_ms.load(Ordering::Relaxed);
-            let full = into.map.len() >= into.max_entries;
+            let full = held >= into.max_entries;
             // A fresh table holds none of the old keys: every entry is vacant.
             if let dashmap::Entry::Vacant(at) = into.map.entry(*e.key()) {
                 if into.adopt(at, full, member, seen, ended) {
+                    held += 1;
                     copied_keys.push(*e.key());
                     if !ended {
                         open.push(member);
@@ -256,7 +260,9 @@ impl DialogTable {
             let ended = e.ended.load(Ordering::Relaxed);
             let seen = e.last_seen_ms.load(Ordering::Relaxed);
             let copied = first.copied_keys.binary_search(e.key()).is_ok();
-            let full = into.map.len() >= into.max_entries;
+            // `into` is live (workers insert meanwhile), so its size is asked, but only for a
+            // key it does not hold (`len` locks every shard; an entry it holds is not added).
+            let full = !into.map.contains_key(e.key()) && into.map.len() >= into.max_entries;
             match into.map.entry(*e.key()) {
                 dashmap::Entry::Occupied(mut n) if copied => {
                     let n = n.get_mut();

@@ -80,7 +80,8 @@ impl SendBatch {
     }
 
     /// A sender that always uses one `send` per socket.
-    pub fn plain() -> SendBatch {
+    #[cfg(test)]
+    fn plain() -> SendBatch {
         SendBatch { ring: None }
     }
 
@@ -141,7 +142,7 @@ fn submit_chunk(
         for (i, (fd, buf)) in chunk.iter().enumerate() {
             let len = u32::try_from(buf.len()).unwrap_or(u32::MAX);
             let entry = opcode::Send::new(types::Fd(*fd), buf.as_ptr(), len)
-                .flags(libc_msg_dontwait())
+                .flags(MsgFlags::MSG_DONTWAIT.bits())
                 .build()
                 .user_data(i as u64);
             // SAFETY: `buf` is borrowed from `chunk`, which outlives this function, and this
@@ -212,11 +213,6 @@ fn submit_chunk(
 fn sends_supported(ring: &IoUring) -> bool {
     let mut probe = io_uring::Probe::new();
     ring.submitter().register_probe(&mut probe).is_ok() && probe.is_supported(opcode::Send::CODE)
-}
-
-/// MSG_DONTWAIT as the flags word of a send entry.
-fn libc_msg_dontwait() -> i32 {
-    MsgFlags::MSG_DONTWAIT.bits()
 }
 
 #[cfg(test)]

@@ -48,18 +48,7 @@ impl Fulcrum {
     /// The first log line containing `needle`, among the lines already read or else the
     /// next ones (at most 10 s).
     fn line(&mut self, needle: &str) -> String {
-        if let Some(i) = self.seen.iter().position(|l| l.contains(needle)) {
-            return self.seen.remove(i);
-        }
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match self.log.recv_timeout(left) {
-                Ok(l) if l.contains(needle) => return l,
-                Ok(l) => self.seen.push(l),
-                Err(_) => panic!("no log line containing `{needle}`; read: {:?}", self.seen),
-            }
-        }
+        expect_line_keeping(&self.log, needle, &mut self.seen)
     }
 }
 
@@ -84,9 +73,8 @@ fn bound_in(line: &str) -> Option<SocketAddr> {
 /// second sends to services with one `send` per datagram (io_uring switched off), so the UDP
 /// test also checks that both send paths carry the same flows.
 fn pair(protocol: &str, n: usize, method: &str) -> [Fulcrum; 2] {
-    let kind = if protocol == "udp" { "udp" } else { "tcp" };
     // The services' threads live as long as this test process.
-    let svc = services(kind, n, "127.0.0.1");
+    let svc = services(protocol, n, "127.0.0.1");
     let yaml = config(protocol, "127.0.0.1:0", method, "", &refs(&svc));
     [
         Fulcrum::start(&format!("{protocol}-a"), &yaml, &[]),

@@ -39,7 +39,7 @@ pub fn raise_nofile_limit() -> Option<u64> {
 /// Descriptors vserver `v` holds at its `max_sessions`: one per UDP session and per sip-tcp
 /// client connection, two per TCP / HTTP connection (client and service side); sip-udp holds
 /// only its worker sockets.
-pub fn fds_at_max(v: &Vserver) -> u64 {
+fn fds_at_max(v: &Vserver) -> u64 {
     let each = match v.protocol {
         Protocol::Udp | Protocol::SipTcp => 1,
         Protocol::Tcp | Protocol::Http => 2,

@@ -151,18 +151,19 @@ fn catch_up_dialogs(
     )
 }
 
-/// Old member index -> new member index, by service name (`None`: the service left).
-fn renumber<'a>(
-    old_names: &'a [String],
-    new_names: &'a [String],
-) -> impl Fn(u32) -> Option<u32> + 'a {
-    |m| {
-        let n = old_names.get(m as usize)?;
-        new_names
-            .iter()
-            .position(|x| x == n)
-            .and_then(|p| u32::try_from(p).ok())
-    }
+/// Old member index -> new member index, by service name (`None`: the service left). The
+/// mapping is worked out once, not per dialog.
+fn renumber(old_names: &[String], new_names: &[String]) -> impl Fn(u32) -> Option<u32> + use<> {
+    let to: Vec<Option<u32>> = old_names
+        .iter()
+        .map(|n| {
+            new_names
+                .iter()
+                .position(|x| x == n)
+                .and_then(|p| u32::try_from(p).ok())
+        })
+        .collect();
+    move |m| to.get(m as usize).copied().flatten()
 }
 
 /// The vserver `name` of the new config (when its protocol passes `fits`), the running

@@ -32,7 +32,7 @@ use crate::proxy::runtime::{
 use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
 use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
-use crate::sip::{Frame, FrameError, Transport, next_frame};
+use crate::sip::{Frame, FrameError, Transport, next_frame, scan};
 use arc_swap::ArcSwap;
 use bytes::{Buf, Bytes, BytesMut};
 use dashmap::DashMap;
@@ -292,14 +292,19 @@ impl TcpShared {
         }
     }
 
+    /// The queue of the draining connection to a service a reload removed, if there is one.
+    fn draining_tx(&self, addr: SocketAddr) -> Option<mpsc::Sender<Bytes>> {
+        self.draining.get(&addr).map(|t| t.clone())
+    }
+
     /// Send a request that could not go over `link` to the member the current core chooses
     /// now (a failed member is DOWN and a removed one absent, so the ranking passes it
     /// over). With none, it is counted lost and its client gets fulcrum's 503.
     fn redispatch(&self, link: &ServiceLink, bytes: Bytes) {
         // A client's response to the service's in-dialog request cannot be chosen again:
         // it goes to the service's draining connection if there is one.
-        if bytes.starts_with(b"SIP/2.0 ") {
-            match self.draining.get(&link.addr).map(|t| t.clone()) {
+        if scan::is_response(&bytes) {
+            match self.draining_tx(link.addr) {
                 Some(tx) if tx.try_send(bytes).is_ok() => {}
                 _ => bump(&self.counters.responses_no_client),
             }
@@ -381,7 +386,7 @@ impl TcpShared {
                 if let Some(m) = g.core.member_of(addr) {
                     // A client's response to a service's in-dialog request.
                     self.to_service(g, m, bytes());
-                } else if let Some(tx) = self.draining.get(&addr).map(|t| t.clone()) {
+                } else if let Some(tx) = self.draining_tx(addr) {
                     // The same, toward a service a reload removed (its connection drains).
                     let _ = tx.try_send(bytes());
                 } else if let Some(id) = self.by_remote.get(&addr).map(|v| *v) {

@@ -739,9 +739,9 @@ impl Worker {
         } else {
             base + MAX_V2_LEN
         };
-        if self.forwards.len() >= BATCH {
-            self.send_forwards(now);
-        }
+        // One receive batch holds at most BATCH datagrams, and each batch is sent before the
+        // next is received.
+        debug_assert!(self.forwards.len() < BATCH);
         self.forwards.push(Forward {
             id,
             member,
@@ -761,11 +761,10 @@ impl Worker {
             return;
         }
         let mut sends: [(RawFd, &[u8]); BATCH] = [(-1, &[]); BATCH];
-        let mut count = 0;
         for (slot, f) in sends.iter_mut().zip(&self.forwards) {
             *slot = (f.fd, self.rx_buf.get(f.start..f.end).unwrap_or_default());
-            count += 1;
         }
+        let count = self.forwards.len().min(BATCH);
         self.sender
             .send_all(&sends[..count], &mut self.send_results);
         for (f, r) in self.forwards.iter().zip(&self.send_results) {
@@ -821,8 +820,8 @@ impl Worker {
             self.table
                 .insert(key, member as u32, listener, MioUdp::from_std(sock), now);
         if let Some(s) = stale {
-            // Its socket closes now: what is queued for it goes first.
-            self.send_forwards(now);
+            // Expired at `now`, which is the whole batch's time: nothing of this batch was
+            // queued for it, so its socket can close at once.
             close_session(&self.core, self.poll.registry(), s);
         }
         // The token is the slot index, known only once the session is in the table.

@@ -394,6 +394,13 @@ fn parse_start_line(line: &[u8]) -> Result<StartLine<'_>, ScanError> {
     Ok(StartLine::Request { method, uri })
 }
 
+/// Whether `buf` starts like a response (`SIP/2.0 ` then a status), without scanning it;
+/// the version is compared as [`scan`] does, case-insensitively.
+pub fn is_response(buf: &[u8]) -> bool {
+    buf.get(..8)
+        .is_some_and(|v| v.eq_ignore_ascii_case(b"SIP/2.0 "))
+}
+
 fn check_version(v: &[u8]) -> Result<(), ScanError> {
     if v.eq_ignore_ascii_case(b"SIP/2.0") {
         Ok(())
@@ -1233,6 +1240,15 @@ impl<'a> SipMsg<'a> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn is_response_reads_the_version_like_scan() {
+        assert!(super::is_response(b"SIP/2.0 200 OK\r\n"));
+        assert!(super::is_response(b"sip/2.0 180 Ringing\r\n"));
+        assert!(!super::is_response(b"INVITE sip:a@b SIP/2.0\r\n"));
+        assert!(!super::is_response(b"SIP/2.0"));
+        assert!(!super::is_response(b"SIP/3.0 200 OK\r\n"));
+    }
+
     use super::*;
 
     /// The byte-at-a-time definition `find_unquoted` must keep.

@@ -311,15 +311,29 @@ pub fn spawn_fulcrum_env(
     (child, rx)
 }
 
-/// Wait (at most 10 s) for a log line containing `needle`.
+/// Wait (at most 10 s) for a log line containing `needle`; the lines before it are dropped.
 pub fn expect_line(lines: &mpsc::Receiver<String>, needle: &str) -> String {
+    expect_line_keeping(lines, needle, &mut Vec::new())
+}
+
+/// [`expect_line`] over the lines `seen` keeps: the first of them containing `needle` is
+/// taken, else the next lines are read, and those before the one found are kept in `seen`
+/// (log lines of different threads come in no fixed order).
+pub fn expect_line_keeping(
+    lines: &mpsc::Receiver<String>,
+    needle: &str,
+    seen: &mut Vec<String>,
+) -> String {
+    if let Some(i) = seen.iter().position(|l| l.contains(needle)) {
+        return seen.remove(i);
+    }
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match lines.recv_timeout(left) {
             Ok(l) if l.contains(needle) => return l,
-            Ok(_) => {}
-            Err(_) => panic!("no log line containing `{needle}`"),
+            Ok(l) => seen.push(l),
+            Err(_) => panic!("no log line containing `{needle}`; read: {seen:?}"),
         }
     }
 }
