@@ -77,40 +77,36 @@ fn measure_rebuild_times() {
     ] {
         for fingers in [256u32, 1024] {
             for (label, up) in [("all up", &all_up), ("one down", &one_down)] {
-                let mut times = Vec::new();
-                for _ in 0..5 {
-                    let t = Instant::now();
-                    let sel = HashSelector::build(alg, fingers, &members, up);
-                    times.push(t.elapsed().as_secs_f64() * 1e3);
-                    std::hint::black_box(sel);
-                }
-                times.sort_by(f64::total_cmp);
+                let (median, min) =
+                    five_runs_ms(|| HashSelector::build(alg, fingers, &members, up));
                 println!(
-                    "build {} fingers {fingers} {label}: median {:.1} ms (min {:.1})",
-                    alg.name(),
-                    times[2],
-                    times[0]
+                    "build {} fingers {fingers} {label}: median {median:.1} ms (min {min:.1})",
+                    alg.name()
                 );
             }
             // A health change: one service DOWN, from the all-UP selector (what the balancer
             // does on UP/DOWN).
             let whole = HashSelector::build(alg, fingers, &members, &all_up);
-            let mut times = Vec::new();
-            for _ in 0..5 {
-                let t = Instant::now();
-                let sel = whole.with_up(&one_down);
-                times.push(t.elapsed().as_secs_f64() * 1e3);
-                std::hint::black_box(sel);
-            }
-            times.sort_by(f64::total_cmp);
+            let (median, min) = five_runs_ms(|| whole.with_up(&one_down));
             println!(
-                "health change {} fingers {fingers} one down: median {:.1} ms (min {:.1})",
-                alg.name(),
-                times[2],
-                times[0]
+                "health change {} fingers {fingers} one down: median {median:.1} ms (min {min:.1})",
+                alg.name()
             );
         }
     }
+}
+
+/// Wall time of five runs of `build`: (median, min) in ms.
+fn five_runs_ms(mut build: impl FnMut() -> HashSelector) -> (f64, f64) {
+    let mut times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(build());
+            t.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    times.sort_by(f64::total_cmp);
+    (times[2], times[0])
 }
 
 /// One table build at n = 1000, for `perf stat -e task-clock` (CPU time, insensitive to other
