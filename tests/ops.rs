@@ -145,6 +145,37 @@ fn monitor_marks_down_then_up_with_slow_start() {
             .body(r#"{"new_service_request_rate": 3, "unit": "percent"}"#),
     );
     assert_eq!(r.status, 409, "unit changes need a restart");
+    // `unit` / `increment_interval` of the wrong kind are refused, not ignored; the configured
+    // interval is accepted as the config writes it (`0s`, or whole seconds).
+    for (body, status) in [
+        (r#"{"new_service_request_rate": 3, "unit": 5}"#, 400),
+        (
+            r#"{"new_service_request_rate": 3, "increment_interval": true}"#,
+            400,
+        ),
+        (
+            r#"{"new_service_request_rate": 3, "increment_interval": 10}"#,
+            409,
+        ),
+        (
+            r#"{"new_service_request_rate": 3, "increment_interval": "10s"}"#,
+            409,
+        ),
+        (
+            r#"{"new_service_request_rate": 0, "increment_interval": 0}"#,
+            200,
+        ),
+        (
+            r#"{"new_service_request_rate": 0, "unit": "per_second", "increment_interval": "0s"}"#,
+            200,
+        ),
+    ] {
+        let r = router::handle(
+            &ops,
+            &Request::new("PUT", "/vservers/v/slow-start").body(body),
+        );
+        assert_eq!(r.status, status, "{body}: {}", r.body);
+    }
     assert!(
         service(&back, "s1")["monitor"]["response_time_us"]
             .as_u64()
@@ -215,6 +246,19 @@ fn disable_drains_established_calls() {
     assert_eq!(
         router::handle(&ops, &Request::new("POST", "/services/nope/disable")).status,
         404
+    );
+    // Names in the path are percent-decoded (`%73` is `s`); a broken escape is a 400.
+    assert_eq!(
+        router::handle(
+            &ops,
+            &Request::new("POST", &format!("/services/%73{owner}/enable"))
+        )
+        .status,
+        200
+    );
+    assert_eq!(
+        router::handle(&ops, &Request::new("POST", "/services/s%zz/enable")).status,
+        400
     );
     ops.shutdown();
 }

@@ -98,7 +98,18 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
         r.content_type = "application/json";
         return r;
     }
-    let segs: Vec<&str> = req.path.trim_matches('/').split('/').collect();
+    // Names are percent-decoded (RFC 3986 section 2.1), so `curl .../services/my%20svc/disable`
+    // reaches the service `my svc`.
+    let Some(decoded) = req
+        .path
+        .trim_matches('/')
+        .split('/')
+        .map(percent_decode)
+        .collect::<Option<Vec<String>>>()
+    else {
+        return Response::error(400, "bad percent-encoding in the path");
+    };
+    let segs: Vec<&str> = decoded.iter().map(String::as_str).collect();
     match (req.method.as_str(), segs.as_slice()) {
         ("GET", ["status"]) => Response::json(200, &status(ops)),
         ("GET", ["metrics"]) => Response {
@@ -131,6 +142,26 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
     }
 }
 
+/// `seg` with its `%XX` escapes decoded; `None` when an escape is malformed or the result is
+/// not UTF-8.
+fn percent_decode(seg: &str) -> Option<String> {
+    let bytes = seg.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        if b == b'%' {
+            let hex = bytes.get(i + 1..i + 3)?;
+            let hex = std::str::from_utf8(hex).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
     let Ok(v) = serde_json::from_slice::<Value>(body) else {
         return Response::error(400, "body must be JSON: {\"new_service_request_rate\": N}");
@@ -155,7 +186,12 @@ fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
             &format!("vserver `{name}` has no slow start configured"),
         );
     };
-    if let Some(u) = v.get("unit").and_then(Value::as_str) {
+    // `unit` and `increment_interval` may be given only as the configured values, written as
+    // the config file writes them.
+    if let Some(u) = v.get("unit") {
+        let Some(u) = u.as_str().filter(|u| ["per_second", "percent"].contains(u)) else {
+            return Response::error(400, "unit: `per_second` or `percent` is required");
+        };
         let cur = match params.unit {
             RateUnit::PerSecond => "per_second",
             RateUnit::Percent => "percent",
@@ -164,13 +200,24 @@ fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
             return Response::error(409, "changing the unit needs a config change and a restart");
         }
     }
-    if let Some(i) = v.get("increment_interval").and_then(Value::as_str)
-        && crate::config::parse_duration(i) != Some(params.increment_interval)
-    {
-        return Response::error(
-            409,
-            "changing increment_interval needs a config change and a restart",
-        );
+    if let Some(i) = v.get("increment_interval") {
+        let given = match i {
+            Value::String(s) => crate::config::parse_duration(s),
+            Value::Number(n) => n.as_u64().map(std::time::Duration::from_secs),
+            _ => None,
+        };
+        let Some(given) = given else {
+            return Response::error(
+                400,
+                "increment_interval: a duration such as `10s` (or whole seconds) is required",
+            );
+        };
+        if given != params.increment_interval {
+            return Response::error(
+                409,
+                "changing increment_interval needs a config change and a restart",
+            );
+        }
     }
     match ops.set_slow_start_rate(name, rate) {
         Some(true) => Response::json(
@@ -277,5 +324,19 @@ mod tests {
         assert!(authorized(Some("s3cret"), Some("bearer  s3cret ")));
         assert!(constant_time_eq(b"", b""));
         assert!(!constant_time_eq(b"a", b"ab"));
+    }
+
+    #[test]
+    fn path_segments_are_percent_decoded() {
+        assert_eq!(percent_decode("sip1").as_deref(), Some("sip1"));
+        assert_eq!(percent_decode("my%20svc").as_deref(), Some("my svc"));
+        assert_eq!(
+            percent_decode("we%22ird%5Cx").as_deref(),
+            Some("we\"ird\\x")
+        );
+        assert_eq!(percent_decode("caf%C3%A9").as_deref(), Some("café"));
+        for bad in ["%", "%2", "%zz", "%C3", "a%2"] {
+            assert_eq!(percent_decode(bad), None, "{bad}");
+        }
     }
 }

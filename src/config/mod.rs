@@ -110,11 +110,42 @@ pub fn from_str(file: &str, text: &str) -> Result<Config, ConfigError> {
 
 /// Read, parse and validate a config file.
 pub fn load(path: &Path) -> Result<Config, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+    let bytes = std::fs::read(path).map_err(|source| ConfigError::Io {
         path: path.to_owned(),
         source,
     })?;
-    from_str(&path.display().to_string(), &text)
+    let file = path.display().to_string();
+    match String::from_utf8(bytes) {
+        Ok(text) => from_str(&file, &text),
+        Err(e) => {
+            let bytes = e.as_bytes();
+            let valid = e.utf8_error().valid_up_to();
+            Err(ConfigError::Invalid {
+                file,
+                problems: vec![Problem {
+                    pos: position_of(bytes, valid),
+                    path: String::new(),
+                    message: "not valid UTF-8 (YAML files are UTF-8 text)".into(),
+                }],
+            })
+        }
+    }
+}
+
+/// Line and column (1-based, the column counted in characters) of byte `at` of `bytes`,
+/// whose first `at` bytes are valid UTF-8.
+fn position_of(bytes: &[u8], at: usize) -> yaml::Pos {
+    let before = bytes.get(..at).unwrap_or(bytes);
+    let line_start = before
+        .iter()
+        .rposition(|b| *b == b'\n')
+        .map_or(0, |p| p + 1);
+    let line = before.iter().filter(|b| **b == b'\n').count() + 1;
+    let col = std::str::from_utf8(&before[line_start..]).map_or(1, |s| s.chars().count() + 1);
+    yaml::Pos {
+        line: u32::try_from(line).unwrap_or(u32::MAX),
+        col: u32::try_from(col).unwrap_or(u32::MAX),
+    }
 }
 
 impl Config {
@@ -179,4 +210,23 @@ pub fn summary(cfg: &Config) -> Vec<String> {
             )
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file that is not UTF-8 is reported at the first bad byte, like any other problem.
+    #[test]
+    fn non_utf8_is_reported_with_its_position() {
+        let path =
+            std::env::temp_dir().join(format!("fulcrum-nonutf8-{}.yaml", std::process::id()));
+        std::fs::write(&path, b"lb:\n  hash_algorithm: c\xc3\xa9\xffrp\n").expect("write");
+        let e = load(&path).expect_err("invalid");
+        let _ = std::fs::remove_file(&path);
+        let p = e.problems();
+        assert_eq!(p.len(), 1, "{e}");
+        assert_eq!((p[0].pos.line, p[0].pos.col), (2, 21), "{e}");
+        assert!(e.to_string().contains(":2:21: not valid UTF-8"), "{e}");
+    }
 }

@@ -98,6 +98,10 @@ fn did_you_mean<'c>(word: &str, candidates: impl IntoIterator<Item = &'c str>) -
     }
 }
 
+/// Longest duration a config accepts, in seconds (about 31 years): far beyond any timer an
+/// operator means, short enough that no deadline computed from it overflows.
+const MAX_DURATION_S: i128 = 1_000_000_000;
+
 /// `5s`, `250ms`, `1m`, `1h`, `0`; a bare integer means seconds.
 pub fn parse_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
@@ -111,7 +115,7 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
         "h" => value * 3600.0,
         _ => return None,
     };
-    if !secs.is_finite() || !(0.0..=1e9).contains(&secs) {
+    if !secs.is_finite() || !(0.0..=MAX_DURATION_S as f64).contains(&secs) {
         return None;
     }
     Some(Duration::from_secs_f64(secs))
@@ -198,14 +202,22 @@ const MONITOR_TYPES: &[&str] = &["sip-options", "tcp-connect", "udp", "http"];
 fn declared_names(nodes: &[Node]) -> Vec<String> {
     nodes
         .iter()
-        .filter_map(|n| match &n.value {
-            Value::Map(entries) => entries.iter().find_map(|(k, v)| match &v.value {
-                Value::Str(s) if k.name == "name" => Some(s.clone()),
-                _ => None,
-            }),
-            _ => None,
-        })
+        .filter_map(|n| item_name(n).map(|(name, _)| name))
         .collect()
+}
+
+/// The `name` of a list item as [`Cx::string`] reads it (`name: 7` is the name "7"), with
+/// its position; `None` when the item has no name of a usable kind.
+fn item_name(node: &Node) -> Option<(String, Pos)> {
+    let Value::Map(entries) = &node.value else {
+        return None;
+    };
+    let (_, v) = entries.iter().find(|(k, _)| k.name == "name")?;
+    match &v.value {
+        Value::Str(s) => Some((s.clone(), v.pos)),
+        Value::Int(i) => Some((i.to_string(), v.pos)),
+        _ => None,
+    }
 }
 
 impl Cx {
@@ -344,7 +356,10 @@ impl Cx {
     fn duration(&mut self, node: &Node, path: &str, allow_zero: bool) -> Option<Duration> {
         let d = match &node.value {
             Value::Str(s) => parse_duration(s),
-            Value::Int(i) if *i >= 0 => u64::try_from(*i).ok().map(Duration::from_secs),
+            // The same bound as a written duration (`parse_duration`).
+            Value::Int(i) if (0..=MAX_DURATION_S).contains(i) => {
+                u64::try_from(*i).ok().map(Duration::from_secs)
+            }
             _ => None,
         };
         match d {
@@ -464,7 +479,7 @@ impl Cx {
         let vservers = self.named_list(vserver_nodes, "vservers", |cx, n, path| {
             cx.vserver(n, path, &service_refs, &services_declared)
         });
-        self.check_binds(&vservers);
+        self.check_binds(&vservers, admin.as_ref().and_then(|a| a.listen));
 
         Some(Config {
             lb: lb?,
@@ -488,18 +503,10 @@ impl Cx {
         for (i, node) in nodes.iter().enumerate() {
             let item_path = format!("{path}[{i}]");
             // Report duplicate names even when the item has other problems.
-            if let Value::Map(entries) = &node.value
-                && let Some((
-                    _,
-                    Node {
-                        value: Value::Str(name),
-                        pos,
-                    },
-                )) = entries.iter().find(|(k, _)| k.name == "name")
-            {
-                if let Some(first) = seen.get(name) {
+            if let Some((name, pos)) = item_name(node) {
+                if let Some(first) = seen.get(&name) {
                     self.problem(
-                        *pos,
+                        pos,
                         &format!("{item_path}.name"),
                         format!(
                             "duplicate name `{name}` (first defined at line {})",
@@ -507,11 +514,18 @@ impl Cx {
                         ),
                     );
                 } else {
-                    seen.insert(name.clone(), *pos);
+                    seen.insert(name, pos);
                 }
             }
-            if let Some(item) = one(self, node, &item_path) {
-                out.push((item, node.pos));
+            let before = self.problems.len();
+            match one(self, node, &item_path) {
+                Some(item) => out.push((item, node.pos)),
+                // Every converter reports why it gives up; should one ever not, the item must
+                // still not vanish from the config without a word.
+                None if self.problems.len() == before => {
+                    self.problem(node.pos, &item_path, "this item could not be read")
+                }
+                None => {}
             }
         }
         out
@@ -609,12 +623,19 @@ impl Cx {
         });
         let interval = self.duration_field(&f, path, "interval", Duration::from_secs(5), false);
         let timeout = self.duration_field(&f, path, "timeout", Duration::from_secs(2), false);
-        if let (Some(i), Some(t), Some(n)) = (interval, timeout, f.get("timeout"))
+        if let (Some(i), Some(t)) = (interval, timeout)
             && t > i
         {
+            // Reported where the operator can fix it: at the timeout when it was written, else
+            // at the interval that is shorter than the default timeout.
+            let (pos, field) = match (f.get("timeout"), f.get("interval")) {
+                (Some(n), _) => (n.pos, "timeout"),
+                (None, Some(n)) => (n.pos, "interval"),
+                (None, None) => (f.pos, "timeout"),
+            };
             self.problem(
-                n.pos,
-                &join(path, "timeout"),
+                pos,
+                &join(path, field),
                 format!("timeout ({t:?}) must not exceed interval ({i:?})"),
             );
         }
@@ -788,8 +809,14 @@ impl Cx {
             .filter(|k| f.get(k).is_some())
             .collect();
         match present.as_slice() {
-            ["header"] => self.opt_string(&f, path, "header").map(TokenRule::Header),
-            ["query"] => self.opt_string(&f, path, "query").map(TokenRule::Query),
+            ["header"] => self
+                .required(&f, path, "header")
+                .and_then(|n| self.string(n, &join(path, "header")))
+                .map(TokenRule::Header),
+            ["query"] => self
+                .required(&f, path, "query")
+                .and_then(|n| self.string(n, &join(path, "query")))
+                .map(TokenRule::Query),
             ["offset"] => {
                 let offset = self.int_field(&f, path, "offset", (0, 65_535), 0);
                 let length = match self.required(&f, path, "length") {
@@ -1124,8 +1151,14 @@ impl Cx {
 
     /// Two vservers may not listen on the same transport address (wildcards overlap
     /// every address of their family). Port 0 asks the kernel for a free port, so it never clashes.
-    fn check_binds(&mut self, vservers: &[(Vserver, Pos)]) {
-        let mut seen: Vec<(bool, SocketAddr, &str)> = Vec::new();
+    /// No two listeners on one transport address: vservers among themselves, and a TCP
+    /// vserver against the admin API's `listen` (which would otherwise fail only at start).
+    fn check_binds(&mut self, vservers: &[(Vserver, Pos)], admin: Option<SocketAddr>) {
+        let mut seen: Vec<(bool, SocketAddr, String)> = admin
+            .filter(|a| a.port() != 0)
+            .map(|a| (false, a, "the admin API (`admin.listen`)".to_owned()))
+            .into_iter()
+            .collect();
         for (i, (v, pos)) in vservers.iter().enumerate() {
             let is_udp = v.protocol.is_datagram();
             for addr in &v.bind {
@@ -1145,12 +1178,12 @@ impl Cx {
                         *pos,
                         &format!("vservers[{i}].bind"),
                         format!(
-                            "{addr} ({}) overlaps {other} of vserver `{owner}`",
+                            "{addr} ({}) overlaps {other} of {owner}",
                             if is_udp { "udp" } else { "tcp" }
                         ),
                     );
                 } else {
-                    seen.push((is_udp, *addr, v.name.as_str()));
+                    seen.push((is_udp, *addr, format!("vserver `{}`", v.name)));
                 }
             }
         }
@@ -1225,6 +1258,102 @@ mod tests {
         assert!(p.windows(2).all(|w| w[0] <= w[1]));
         assert!(p.iter().any(|x| x.path == "extra"));
         assert!(p.iter().any(|x| x.path == "lb.hash_fingers"));
+    }
+
+    /// Problems of `text`, as (line, path, message).
+    fn problems(text: &str) -> Vec<(u32, String, String)> {
+        from_str("t", text)
+            .expect_err("invalid")
+            .problems()
+            .iter()
+            .map(|p| (p.pos.line, p.path.clone(), p.message.clone()))
+            .collect()
+    }
+
+    /// A null token name is a problem of its own; before, the vserver vanished from a config
+    /// that `check` called valid.
+    #[test]
+    fn a_null_token_name_is_reported() {
+        for field in ["query", "header"] {
+            let text = format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: http }}\nvservers:\n  - name: web\n    protocol: http\n    bind: 127.0.0.1:8080\n    method: token\n    token: {{ {field}: null }}\n    services: [s1]\n"
+            );
+            let p = problems(&text);
+            assert_eq!(
+                p,
+                vec![(
+                    8,
+                    format!("vservers[0].token.{field}"),
+                    "expected a string, found null".to_owned()
+                )],
+                "{field}"
+            );
+        }
+    }
+
+    /// `name: 1` and `name: "1"` are the same name (both read as the string "1").
+    #[test]
+    fn numeric_names_count_as_duplicates() {
+        let text = "services:\n  - { name: 1, address: 127.0.0.1:5071, protocol: udp }\n  - { name: \"1\", address: 127.0.0.1:5072, protocol: udp }\nvservers:\n  - { name: 7, protocol: udp, bind: 127.0.0.1:5060, method: round_robin, services: [1] }\n  - { name: \"7\", protocol: udp, bind: 127.0.0.1:5061, method: round_robin, services: [\"1\"] }\n";
+        let p = problems(text);
+        assert!(
+            p.iter().any(|(l, path, m)| *l == 3
+                && path == "services[1].name"
+                && m.contains("duplicate")),
+            "{p:?}"
+        );
+        assert!(
+            p.iter().any(|(l, path, m)| *l == 6
+                && path == "vservers[1].name"
+                && m.contains("duplicate")),
+            "{p:?}"
+        );
+    }
+
+    /// The default timeout (2s) counts against a shorter interval, reported at the interval.
+    #[test]
+    fn a_default_timeout_longer_than_the_interval_is_reported() {
+        let text = format!(
+            "monitors:\n  - {{ name: m, type: tcp-connect, interval: 1s }}\n{}",
+            MINIMAL.replace("protocol: sip-udp }", "protocol: sip-udp, monitor: m }")
+        );
+        let p = problems(&text);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!((p[0].0, p[0].1.as_str()), (2, "monitors[0].interval"));
+        assert!(p[0].2.contains("must not exceed interval"), "{p:?}");
+    }
+
+    /// A bare integer duration has the same bound as a written one.
+    #[test]
+    fn integer_durations_are_bounded() {
+        let ok = MINIMAL.replace(
+            "services: [s1] }",
+            "services: [s1], idle_timeout: 1000000000 }",
+        );
+        assert!(from_str("t", &ok).is_ok());
+        let big = MINIMAL.replace(
+            "services: [s1] }",
+            "services: [s1], idle_timeout: 18446744073709551615 }",
+        );
+        let p = problems(&big);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].1, "vservers[0].idle_timeout");
+    }
+
+    /// A TCP vserver on the admin API's address is refused by `check`, not at start.
+    #[test]
+    fn a_tcp_bind_on_the_admin_address_is_reported() {
+        let tcp = MINIMAL
+            .replace("sip-udp", "sip-tcp")
+            .replace("127.0.0.1:5060", "0.0.0.0:9090");
+        let p = problems(&format!("admin: {{ listen: 127.0.0.1:9090 }}\n{tcp}"));
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].1, "vservers[0].bind");
+        assert!(p[0].2.contains("admin API"), "{p:?}");
+        // UDP on the same port, or the admin API switched off, is fine.
+        let udp = MINIMAL.replace("127.0.0.1:5060", "127.0.0.1:9090");
+        assert!(from_str("t", &udp).is_ok());
+        assert!(from_str("t", &format!("admin: {{ listen: null }}\n{tcp}")).is_ok());
     }
 
     #[test]

@@ -793,6 +793,13 @@ impl Worker {
         li: usize,
         now: Nanos,
     ) -> Option<SessionId> {
+        // The client's own expired session still holds a place in the vserver's bound until
+        // the next sweep; give it back first (`now` is the batch's time, so nothing of this
+        // batch was queued for it).
+        if let Some(s) = self.table.take_expired(&key, now) {
+            close_session(&self.core, self.poll.registry(), s);
+            bump(&self.core.counters.sessions_expired);
+        }
         if self.table.admit() == Admit::Full {
             bump(&self.core.counters.sessions_refused);
             if self.log.allow(now) {

@@ -101,6 +101,17 @@ impl<R> SessionTable<R> {
         self.slots.get_mut(id)?.as_mut()
     }
 
+    /// Remove `key`'s session when it has expired at `now` but was not swept yet, so that a
+    /// returning client does not find the vserver full of its own dead session. Returned for
+    /// the caller to close.
+    pub fn take_expired(&mut self, key: &SessionKey, now: Nanos) -> Option<Session<R>> {
+        let id = *self.by_key.get(key)?;
+        if self.find(key, now).is_some() {
+            return None;
+        }
+        self.remove(id)
+    }
+
     /// Reserve room for one more session of the vserver.
     pub fn admit(&self) -> Admit {
         let reserved = self
@@ -352,6 +363,25 @@ mod tests {
         assert_eq!(live.load(Ordering::Relaxed), 0);
         assert!(a.remove(id).is_none(), "double remove is harmless");
         assert_eq!(live.load(Ordering::Relaxed), 0);
+    }
+
+    /// A returning client whose session expired but was not swept gets its place back
+    /// before the bound is checked (max_sessions 1: it would otherwise be refused).
+    #[test]
+    fn an_expired_session_gives_its_place_back_to_its_client() {
+        let mut t = table(1);
+        assert_eq!(t.admit(), Admit::Reserved);
+        t.insert(key(1, None), 0, 0, 7, 0);
+        assert!(t.take_expired(&key(1, None), 1_000).is_none(), "still live");
+        assert!(
+            t.take_expired(&key(2, None), 5_000).is_none(),
+            "no such session"
+        );
+        assert_eq!(t.admit(), Admit::Full);
+        let stale = t.take_expired(&key(1, None), 1_001);
+        assert_eq!(stale.map(|s| s.resource), Some(7));
+        assert!(t.is_empty());
+        assert_eq!(t.admit(), Admit::Reserved, "its place is free again");
     }
 
     #[test]
