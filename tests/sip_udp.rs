@@ -636,7 +636,8 @@ fn malformed_datagrams_are_counted_and_never_stop_traffic() {
     let no_call_id = full.replace("Call-ID: trunc@test\r\n", "");
     let mut huge = full.replace("Content-Length: 0\r\n\r\n", "X-Pad: ");
     // 65 507 bytes: the largest UDP/IPv4 payload. Valid SIP, but with fulcrum's Via added it
-    // no longer fits in a datagram: it must fail alone (counted) without stalling others.
+    // no longer fits in a datagram: it is answered 513 (RFC 3261 §21.5.14) without stalling
+    // others.
     let tail = "\r\nContent-Length: 0\r\n\r\n";
     huge.push_str(&"a".repeat(65_507 - huge.len() - tail.len()));
     huge.push_str(tail);
@@ -665,6 +666,7 @@ fn malformed_datagrams_are_counted_and_never_stop_traffic() {
     let c = &core.counters;
     let counted = c.malformed.load(Ordering::Relaxed)
         + c.replies_400.load(Ordering::Relaxed)
+        + c.replies_513.load(Ordering::Relaxed)
         + c.not_ours.load(Ordering::Relaxed)
         + c.send_errors.load(Ordering::Relaxed);
     assert_eq!(
@@ -672,13 +674,15 @@ fn malformed_datagrams_are_counted_and_never_stop_traffic() {
         bad.len() as u64,
         "every bad datagram is counted once"
     );
-    // No Call-ID: 400 to the client (RFC 3261 §8.1.1 mandatory header missing) or dropped.
+    assert_eq!(c.replies_513.load(Ordering::Relaxed), 1, "the huge INVITE");
+    // No Call-ID: 400 to the client (RFC 3261 §8.1.1 mandatory header missing) or dropped;
+    // the huge INVITE: 513.
     lab.client.set_nonblocking(true).expect("nonblocking");
     let mut buf = vec![0u8; 65_536];
     while let Ok((n, _)) = lab.client.recv_from(&mut buf) {
         let r = String::from_utf8_lossy(&buf[..n]);
         assert!(
-            r.starts_with("SIP/2.0 400"),
+            r.starts_with("SIP/2.0 400") || r.starts_with("SIP/2.0 513"),
             "unexpected reply to bad input: {r}"
         );
     }

@@ -205,6 +205,7 @@ pub fn render(ops: &Ops) -> String {
                     ("not_ours", &c.not_ours),
                     ("loop", &c.loops),
                     ("unroutable", &c.unroutable),
+                    ("ack_not_forwarded", &c.acks_not_forwarded),
                 ] {
                     dropped.add(&[("vserver", n), ("reason", reason)], load(val));
                 }
@@ -212,6 +213,7 @@ pub fn render(ops: &Ops) -> String {
                     ("400", &c.replies_400),
                     ("483", &c.replies_483),
                     ("503", &c.replies_503),
+                    ("513", &c.replies_513),
                 ] {
                     replies.add(&[("vserver", n), ("code", code)], load(val));
                 }

@@ -12,8 +12,8 @@ use crate::hash;
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::proxy::bump;
 use crate::sip::{
-    self, Local, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, build_response,
-    forward_request, forward_response, reply_target, request_target,
+    self, Local, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, build_reply,
+    build_response, forward_request, forward_response, reply_target, request_target,
 };
 use crate::stats::Nanos;
 use std::net::SocketAddr;
@@ -24,6 +24,13 @@ use std::time::Duration;
 /// Retry-After of fulcrum's 503 (RFC 3261 §21.5.4): long enough for a monitor to bring a
 /// service back, short enough that clients do not give up on the vserver.
 pub const RETRY_AFTER_S: u32 = 5;
+
+/// The largest UDP payload over IPv4 (65,535 minus the IP and UDP headers).
+const MAX_UDP_PAYLOAD: usize = 65_507;
+
+/// Most bytes forwarding adds to a request: fulcrum's Via (IPv6 sent-by, branch, rport),
+/// Record-Route, `received` / `rport` on the client's Via and a Max-Forwards header.
+const MAX_GROWTH: usize = 512;
 
 /// Why a datagram was not forwarded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,10 +84,13 @@ pub struct SipCounters {
     pub replies_400: AtomicU64,
     pub replies_483: AtomicU64,
     pub replies_503: AtomicU64,
+    pub replies_513: AtomicU64,
     pub malformed: AtomicU64,
     pub not_ours: AtomicU64,
     pub loops: AtomicU64,
     pub unroutable: AtomicU64,
+    /// ACKs that could not be forwarded (no service, no hops left): never answered.
+    pub acks_not_forwarded: AtomicU64,
     pub send_errors: AtomicU64,
     pub recv_errors: AtomicU64,
 }
@@ -237,12 +247,13 @@ impl SipCore {
         if msg.is_request() {
             bump(&self.counters.requests_in);
             match origin {
-                Origin::Member(_) => self.request_from_service(&msg, src, out),
+                Origin::Member(_) => self.request_from_service(&msg, src, now, out),
                 Origin::Client { conn } => self.request_from_client(&msg, src, dst, conn, now, out),
             }
         } else {
             bump(&self.counters.responses_in);
-            self.response(&msg, out)
+            let from_member = matches!(origin, Origin::Member(_));
+            self.response(&msg, from_member, out)
         }
     }
 
@@ -255,9 +266,23 @@ impl SipCore {
         out: &mut Vec<u8>,
     ) -> Action {
         out.clear();
-        match build_response(msg, reply, out) {
-            Ok(()) => Action::Reply(reply_target(msg, src)),
-            Err(RewriteError::AckNotAnswered) => Action::Drop(DropReason::AckNotForwarded),
+        match build_reply(msg, reply, src, out) {
+            Ok(()) => {
+                // Counted once it exists: an ACK is never answered, a 400 that cannot be
+                // built is counted as malformed instead.
+                match reply.code {
+                    400 => bump(&self.counters.replies_400),
+                    483 => bump(&self.counters.replies_483),
+                    513 => bump(&self.counters.replies_513),
+                    503 => bump(&self.counters.replies_503),
+                    _ => {}
+                }
+                Action::Reply(reply_target(msg, src))
+            }
+            Err(RewriteError::AckNotAnswered) => {
+                bump(&self.counters.acks_not_forwarded);
+                Action::Drop(DropReason::AckNotForwarded)
+            }
             Err(_) => {
                 bump(&self.counters.malformed);
                 Action::Drop(DropReason::Malformed)
@@ -275,16 +300,18 @@ impl SipCore {
         out: &mut Vec<u8>,
     ) -> Action {
         if msg.missing_mandatory().is_some() {
-            bump(&self.counters.replies_400);
             return self.reply(msg, src, &Reply::BAD_REQUEST, out);
         }
         // Max-Forwards first: a looping request must not pin a dialog or take a slot.
         if msg.max_forwards() == Some(Some(0)) {
-            bump(&self.counters.replies_483);
             return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out);
         }
+        // A datagram that cannot grow by fulcrum's Via, Record-Route and received / rport
+        // without passing the largest UDP payload could not be sent on (RFC 3261 §21.5.14).
+        if conn.is_none() && msg.len() > MAX_UDP_PAYLOAD - MAX_GROWTH {
+            return self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out);
+        }
         let Some(member) = self.choose(msg, src, dst, now) else {
-            bump(&self.counters.replies_503);
             return self.reply(msg, src, &Reply::service_unavailable(RETRY_AFTER_S), out);
         };
         if member >= self.member_addrs.len() {
@@ -305,14 +332,8 @@ impl SipCore {
                 }
                 Action::ToMember(member)
             }
-            Err(RewriteError::TooManyHops) => {
-                bump(&self.counters.replies_483);
-                self.reply(msg, src, &Reply::TOO_MANY_HOPS, out)
-            }
-            Err(_) => {
-                bump(&self.counters.replies_400);
-                self.reply(msg, src, &Reply::BAD_REQUEST, out)
-            }
+            Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
+            Err(_) => self.reply(msg, src, &Reply::BAD_REQUEST, out),
         }
     }
 
@@ -358,7 +379,8 @@ impl SipCore {
             return Action::Drop(DropReason::Malformed);
         };
         bump(&self.counters.replies_503);
-        self.response(&reply, out)
+        // fulcrum's own reply, built from its own Via: as trusted as a service's.
+        self.response(&reply, true, out)
     }
 
     /// Dialog affinity first (an established call stays on its member while it is UP or
@@ -380,11 +402,8 @@ impl SipCore {
             && self.balancer.accepts_existing(m as usize)
         {
             self.balancer.count_affinity();
-            // BYE / CANCEL end the dialog: its member stops counting it as load.
-            if matches!(msg.method_kind(), SipMethod::Bye | SipMethod::Cancel)
-                && let Some(member) = self.dialogs.end(h, now_ms)
-            {
-                self.close(member);
+            if ends_dialog(msg) {
+                self.end_dialog(h, now_ms);
             }
             return Some(m as usize);
         }
@@ -402,7 +421,7 @@ impl SipCore {
             },
         };
         let choice = self.balancer.choose(key, now)?;
-        if let Some(h) = call_hash {
+        if let Some(h) = call_hash.filter(|_| pins_dialog(msg)) {
             let member = choice.member as u32;
             match self.dialogs.put(h, member, now_ms) {
                 Pin::New => self.open(member),
@@ -414,6 +433,16 @@ impl SipCore {
             }
         }
         Some(choice.member)
+    }
+
+    /// Whether a response routed by `route` goes to the host of a member (not to a client
+    /// connection, and not to a name).
+    fn is_member_host(&self, route: &sip::ResponseRoute<'_>) -> bool {
+        route.conn_id.is_none()
+            && route.target.socket_addr().is_some_and(|a| {
+                let ip = a.ip().to_canonical();
+                self.member_addrs.iter().any(|m| m.ip() == ip)
+            })
     }
 
     /// Count one more open dialog (or flow) on `member`.
@@ -430,10 +459,30 @@ impl SipCore {
         }
     }
 
+    /// The dialog of Call-ID hash `h` ended (BYE, or CANCEL of the initial INVITE): its member
+    /// stops counting it as load (the entry lingers for retransmissions and the ACK).
+    fn end_dialog(&self, h: u64, now_ms: u64) {
+        if let Some(member) = self.dialogs.end(h, now_ms) {
+            self.close(member);
+        }
+    }
+
     /// A request from a service toward a client (in-dialog: BYE, re-INVITE, NOTIFY...):
     /// routed by Route / Request-URI, never to ourselves.
-    fn request_from_service(&self, msg: &SipMsg<'_>, src: SocketAddr, out: &mut Vec<u8>) -> Action {
+    fn request_from_service(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
         bump(&self.counters.in_dialog_from_services);
+        // The service hanging up ends the dialog as the client's BYE would.
+        if ends_dialog(msg)
+            && let Some(h) = msg.call_id().map(hash::key_hash)
+        {
+            self.end_dialog(h, now / 1_000_000);
+        }
         let target = match request_target(msg, &self.local) {
             Ok(t) => t,
             Err(RewriteError::Loop) => {
@@ -465,10 +514,7 @@ impl SipCore {
                 bump(&self.counters.requests_forwarded);
                 Action::ToAddr(addr)
             }
-            Err(RewriteError::TooManyHops) => {
-                bump(&self.counters.replies_483);
-                self.reply(msg, src, &Reply::TOO_MANY_HOPS, out)
-            }
+            Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
             Err(_) => {
                 bump(&self.counters.malformed);
                 Action::Drop(DropReason::Malformed)
@@ -478,8 +524,19 @@ impl SipCore {
 
     /// A response: fulcrum's Via must be on top; it is removed and the response goes to
     /// the next Via (received / rport aware).
-    fn response(&self, msg: &SipMsg<'_>, out: &mut Vec<u8>) -> Action {
+    ///
+    /// Only a service's response may go anywhere its next Via says. A response from anyone
+    /// else can only answer a request a service sent through fulcrum (an in-dialog BYE
+    /// toward a client, say), so it may go only to a service's host: fulcrum's Via is easy
+    /// to forge, and honouring a forged one would relay arbitrary datagrams to any address
+    /// or inject them into another client's connection (SPEC section 4: never an open relay).
+    fn response(&self, msg: &SipMsg<'_>, from_member: bool, out: &mut Vec<u8>) -> Action {
         match forward_response(msg, &self.local, out) {
+            Ok(route) if !from_member && !self.is_member_host(&route) => {
+                out.clear();
+                bump(&self.counters.not_ours);
+                Action::Drop(DropReason::NotOurs)
+            }
             Ok(route) => match route.target.socket_addr() {
                 // Streams: the client connection named in our Via carries the response.
                 _ if route.conn_id.is_some() => {
@@ -509,6 +566,34 @@ impl SipCore {
                 bump(&self.counters.malformed);
                 Action::Drop(DropReason::Malformed)
             }
+        }
+    }
+}
+
+/// Whether a request ends its dialog: a BYE, or a CANCEL of the initial INVITE (no To tag; a
+/// CANCEL of a re-INVITE only ends that transaction, RFC 3261 §9.1, §14.1).
+fn ends_dialog(msg: &SipMsg<'_>) -> bool {
+    match msg.method_kind() {
+        SipMethod::Bye => true,
+        SipMethod::Cancel => msg.to_tag().is_none(),
+        _ => false,
+    }
+}
+
+/// Whether a request is pinned to the member it reached: the requests that create a dialog
+/// (INVITE, SUBSCRIBE, REFER; RFC 3261 §12, RFC 6665, RFC 3515), REGISTER (its refreshes
+/// reuse the Call-ID, §10.2.4, and belong on one registrar), and in-dialog requests (a To
+/// tag) whose dialog fulcrum has not seen, e.g. after a restart. Other requests (OPTIONS,
+/// MESSAGE, PUBLISH outside a dialog) open nothing: they would fill the dialog table and
+/// count as load for the whole idle timeout. A request ending a dialog, and an ACK, pins
+/// nothing.
+fn pins_dialog(msg: &SipMsg<'_>) -> bool {
+    match msg.method_kind() {
+        SipMethod::Invite | SipMethod::Register => true,
+        SipMethod::Ack | SipMethod::Bye | SipMethod::Cancel => false,
+        SipMethod::Options => msg.to_tag().is_some(),
+        SipMethod::Other => {
+            matches!(msg.method(), Some(b"SUBSCRIBE" | b"REFER")) || msg.to_tag().is_some()
         }
     }
 }
@@ -735,5 +820,169 @@ mod tests {
             handle(&c, &invite(&other, 70), CLIENT, &mut out),
             Action::ToMember(0)
         );
+    }
+
+    /// A message of `method` in dialog `call_id` (`to_tag` set when in-dialog), from `via`.
+    fn request(method: &str, call_id: &str, to_tag: Option<&str>, via: &str) -> String {
+        let to_tag = to_tag.map(|t| format!(";tag={t}")).unwrap_or_default();
+        format!(
+            "{method} sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP {via};branch=z9hG4bK{method}{call_id};rport\r\nMax-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>{to_tag}\r\nCall-ID: {call_id}\r\nCSeq: 2 {method}\r\nContent-Length: 0\r\n\r\n"
+        )
+    }
+
+    /// Open dialogs counted on the members.
+    fn open(c: &SipCore) -> u64 {
+        (0..c.member_count())
+            .map(|m| c.balancer().counters(m).map_or(0, |k| k.active()))
+            .sum()
+    }
+
+    /// Only requests that make (or belong to) a dialog are pinned and counted as load: an
+    /// OPTIONS flood with fresh Call-IDs fills nothing.
+    #[test]
+    fn only_dialog_requests_are_pinned() {
+        let c = core(false);
+        let mut out = Vec::new();
+        for i in 0..5 {
+            let opt = request("OPTIONS", &format!("o{i}"), None, "10.0.0.1:5062");
+            assert!(matches!(
+                handle(&c, &opt, CLIENT, &mut out),
+                Action::ToMember(_)
+            ));
+            let msg = request("MESSAGE", &format!("m{i}"), None, "10.0.0.1:5062");
+            assert!(matches!(
+                handle(&c, &msg, CLIENT, &mut out),
+                Action::ToMember(_)
+            ));
+        }
+        assert_eq!((c.dialogs().len(), open(&c)), (0, 0));
+        for (i, method) in ["INVITE", "SUBSCRIBE", "REFER", "REGISTER"]
+            .iter()
+            .enumerate()
+        {
+            let r = request(method, &format!("d{i}"), None, "10.0.0.1:5062");
+            assert!(matches!(
+                handle(&c, &r, CLIENT, &mut out),
+                Action::ToMember(_)
+            ));
+        }
+        // An in-dialog request of a dialog fulcrum has not seen (after a restart, say).
+        let info = request("INFO", "d9", Some("t9"), "10.0.0.1:5062");
+        assert!(matches!(
+            handle(&c, &info, CLIENT, &mut out),
+            Action::ToMember(_)
+        ));
+        assert_eq!((c.dialogs().len(), open(&c)), (5, 5));
+    }
+
+    /// A CANCEL of a re-INVITE (To tag) leaves the call established; a CANCEL of the initial
+    /// INVITE, and a BYE from either side, end it.
+    #[test]
+    fn cancel_of_a_reinvite_keeps_the_dialog_and_a_service_bye_ends_it() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let Action::ToMember(m) = handle(&c, &invite("call-1", 70), CLIENT, &mut out) else {
+            panic!("not forwarded")
+        };
+        assert_eq!(open(&c), 1);
+        let cancel_re = request("CANCEL", "call-1", Some("t1"), "10.0.0.1:5062");
+        assert_eq!(
+            handle(&c, &cancel_re, CLIENT, &mut out),
+            Action::ToMember(m)
+        );
+        assert_eq!(open(&c), 1, "re-INVITE cancelled, call still up");
+        // The service hangs up: routed to the client, and the call no longer counts.
+        let member = c.member_addr(m).expect("member").to_string();
+        let bye = request("BYE", "call-1", Some("f1"), &member)
+            .replace("sip:svc@example.com SIP", "sip:a@10.0.0.1:5062 SIP");
+        assert_eq!(
+            handle(&c, &bye, &member, &mut out),
+            Action::ToAddr("10.0.0.1:5062".parse().expect("addr"))
+        );
+        assert_eq!(open(&c), 0);
+        // The initial INVITE's CANCEL ends a call.
+        assert!(matches!(
+            handle(&c, &invite("call-2", 70), CLIENT, &mut out),
+            Action::ToMember(_)
+        ));
+        assert_eq!(open(&c), 1);
+        let cancel = request("CANCEL", "call-2", None, "10.0.0.1:5062");
+        assert!(matches!(
+            handle(&c, &cancel, CLIENT, &mut out),
+            Action::ToMember(_)
+        ));
+        assert_eq!(open(&c), 0);
+    }
+
+    /// A response from someone who is not a service goes only to a service's host: a forged
+    /// fulcrum Via cannot make fulcrum relay datagrams to any address.
+    #[test]
+    fn a_response_from_a_non_member_goes_only_to_a_service() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let ours = "SIP/2.0/UDP 127.0.0.1:5060;branch=z9hG4bK-fc-0000000000000000";
+        let forged = format!(
+            "SIP/2.0 200 OK\r\nVia: {ours}\r\nVia: SIP/2.0/UDP 198.51.100.66:9;branch=z9hG4bKx\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@y>;tag=2\r\nCall-ID: r\r\nCSeq: 1 OPTIONS\r\nContent-Length: 7\r\n\r\npayload"
+        );
+        assert_eq!(
+            handle(&c, &forged, CLIENT, &mut out),
+            Action::Drop(DropReason::NotOurs)
+        );
+        assert!(out.is_empty());
+        assert_eq!(c.counters.not_ours.load(Ordering::Relaxed), 1);
+        // The same from a service is its business (it answers a client's request).
+        assert_eq!(
+            handle(&c, &forged, "127.0.0.1:5071", &mut out),
+            Action::ToAddr("198.51.100.66:9".parse().expect("addr"))
+        );
+        // A client's response to a service's in-dialog request goes back to the service.
+        let answer = forged.replace("198.51.100.66:9", "127.0.0.1:5072");
+        assert_eq!(
+            handle(&c, &answer, CLIENT, &mut out),
+            Action::ToAddr("127.0.0.1:5072".parse().expect("addr"))
+        );
+    }
+
+    /// An ACK that cannot be forwarded is dropped and counted as such, never as a reply.
+    #[test]
+    fn an_unforwardable_ack_counts_no_reply() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let ack = invite("ack-1", 0).replace("INVITE", "ACK");
+        assert_eq!(
+            handle(&c, &ack, CLIENT, &mut out),
+            Action::Drop(DropReason::AckNotForwarded)
+        );
+        c.balancer().set_health(0, Health::Down, 0);
+        c.balancer().set_health(1, Health::Down, 0);
+        let ack = invite("ack-2", 70).replace("INVITE", "ACK");
+        assert_eq!(
+            handle(&c, &ack, CLIENT, &mut out),
+            Action::Drop(DropReason::AckNotForwarded)
+        );
+        assert_eq!(c.counters.acks_not_forwarded.load(Ordering::Relaxed), 2);
+        assert_eq!(c.counters.replies_483.load(Ordering::Relaxed), 0);
+        assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 0);
+    }
+
+    /// A datagram too large to carry fulcrum's additions is answered 513.
+    #[test]
+    fn an_oversized_datagram_request_is_answered_513() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let big = invite("big-1", 70).replace(
+            "Content-Length: 0\r\n\r\n",
+            &format!("Content-Length: 65200\r\n\r\n{}", "x".repeat(65_200)),
+        );
+        assert!(matches!(
+            handle(&c, &big, CLIENT, &mut out),
+            Action::Reply(_)
+        ));
+        assert_eq!(
+            crate::sip::scan(&out).expect("scan").status_code(),
+            Some(513)
+        );
+        assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
+        assert_eq!(c.dialogs().len(), 0, "nothing pinned");
     }
 }

@@ -30,16 +30,18 @@ pub fn run_worker(
     stop: Arc<AtomicBool>,
     poll: Duration,
 ) {
-    let core = cell.load_full();
+    // Only the name is kept: holding the first core would keep its dialog table alive, and
+    // count this worker's receive errors on it, after a reload replaced it.
+    let name = cell.load().name.clone();
     let dst = match socket.local_addr() {
         Ok(a) => a,
         Err(e) => {
-            tracing::error!(vserver = %core.name, error = %e, "worker socket has no address");
+            tracing::error!(vserver = %name, error = %e, "worker socket has no address");
             return;
         }
     };
     if let Err(e) = socket.set_read_timeout(Some(poll)) {
-        tracing::warn!(vserver = %core.name, error = %e, "cannot set read timeout");
+        tracing::warn!(vserver = %name, error = %e, "cannot set read timeout");
     }
     let mut buf = vec![0u8; 65_536];
     let mut out: Vec<u8> = Vec::with_capacity(65_536 + 1024);
@@ -59,10 +61,10 @@ pub fn run_worker(
             }
             Err(e) => {
                 // ICMP errors from an earlier send surface here (ECONNREFUSED); not fatal.
-                bump(&core.counters.recv_errors);
+                bump(&cell.load().counters.recv_errors);
                 let now = elapsed_nanos(epoch);
                 if recv_log.allow(now) {
-                    tracing::debug!(vserver = %core.name, error = %e, "receive error");
+                    tracing::debug!(vserver = %name, error = %e, "receive error");
                 }
                 continue;
             }

@@ -49,7 +49,7 @@ pub mod scan;
 pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, PONG, next_frame};
 pub use rewrite::{
     BRANCH_PREFIX, CONN_PARAM, DEFAULT_MAX_FORWARDS, Host, Local, Reply, RequestRewrite,
-    ResponseRoute, RewriteError, Target, Transport, build_response, forward_request,
+    ResponseRoute, RewriteError, Target, Transport, build_reply, build_response, forward_request,
     forward_response, reply_target, request_target, route_response,
 };
 pub use scan::{

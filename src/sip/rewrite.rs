@@ -318,6 +318,13 @@ impl Reply<'static> {
         retry_after_s: None,
     };
 
+    /// RFC 3261 §21.5.14: the request is larger than fulcrum can forward.
+    pub const MESSAGE_TOO_LARGE: Reply<'static> = Reply {
+        code: 513,
+        reason: "Message Too Large",
+        retry_after_s: None,
+    };
+
     /// 503 with Retry-After (RFC 3261 §21.5.4).
     pub const fn service_unavailable(retry_after_s: u32) -> Reply<'static> {
         Reply {
@@ -420,38 +427,11 @@ pub fn forward_request<B: BufMut>(
         None => false,
     };
 
-    // RFC 3581 §4: with `rport` the proxy MUST fill in the port and MUST add `received`;
-    // RFC 3261 §18.2.1: `received` whenever sent-by differs from the source address.
-    let src_ip = rw.src.ip().to_canonical();
-    let rport_wanted = top.rport.is_some() || rw.force_rport;
-    let host_differs = top.host_ip().map(|ip| ip.to_canonical()) != Some(src_ip);
-    if rport_wanted {
-        match top.rport_param {
-            Some(p) => edits.push(Edit {
-                start: p.start,
-                end: p.end,
-                ins: Ins::Rport(rw.src.port(), false),
-            }),
-            None => edits.push(Edit {
-                start: top.span.end,
-                end: top.span.end,
-                ins: Ins::Rport(rw.src.port(), true),
-            }),
-        }
-    }
-    if rport_wanted || host_differs {
-        match top.received_param {
-            Some(p) => edits.push(Edit {
-                start: p.start,
-                end: p.end,
-                ins: Ins::Received(src_ip, false),
-            }),
-            None => edits.push(Edit {
-                start: top.span.end,
-                end: top.span.end,
-                ins: Ins::Received(src_ip, true),
-            }),
-        }
+    for e in source_edits(&top, rw.src, rw.force_rport)
+        .into_iter()
+        .flatten()
+    {
+        edits.push(e);
     }
     if let Some(remove) = own_route_removal(msg, rw.local) {
         edits.push(Edit {
@@ -511,6 +491,74 @@ pub fn forward_request<B: BufMut>(
     Ok(n)
 }
 
+/// The edits of a request's top Via that record where it really came from (`src`):
+///
+/// - RFC 3581 §4: with `rport` (or `force_rport`) the port is filled in, and `received` added;
+/// - RFC 3261 §18.2.1: `received` when sent-by differs from the source address;
+/// - a `received` the sender wrote itself is always replaced by the real source address: the
+///   response is routed by it (§18.2.2), and honouring a forged one would send responses to
+///   any address the sender names.
+fn source_edits(top: &Via<'_>, src: SocketAddr, force_rport: bool) -> [Option<Edit>; 2] {
+    let src_ip = src.ip().to_canonical();
+    let rport_wanted = top.rport.is_some() || force_rport;
+    let host_differs = top.host_ip().map(|ip| ip.to_canonical()) != Some(src_ip);
+    let rport = rport_wanted.then(|| match top.rport_param {
+        Some(p) => Edit {
+            start: p.start,
+            end: p.end,
+            ins: Ins::Rport(src.port(), false),
+        },
+        None => Edit {
+            start: top.span.end,
+            end: top.span.end,
+            ins: Ins::Rport(src.port(), true),
+        },
+    });
+    let received = match top.received_param {
+        Some(p) => Some(Edit {
+            start: p.start,
+            end: p.end,
+            ins: Ins::Received(src_ip, false),
+        }),
+        None if rport_wanted || host_differs => Some(Edit {
+            start: top.span.end,
+            end: top.span.end,
+            ins: Ins::Received(src_ip, true),
+        }),
+        None => None,
+    };
+    [rport, received]
+}
+
+/// Write `buf[range]` with `edits` (inside the range, in order) applied.
+fn put_edited<B: BufMut>(out: &mut B, buf: &[u8], range: Span, edits: &[Edit]) {
+    let mut pos = range.start;
+    for e in edits {
+        if e.start < pos || e.end > range.end {
+            continue; // cannot happen for edits made from this range; skip rather than panic
+        }
+        out.put_slice(&buf[pos..e.start]);
+        put_ins(out, e.ins);
+        pos = e.end;
+    }
+    out.put_slice(&buf[pos..range.end]);
+}
+
+fn put_ins<B: BufMut>(out: &mut B, ins: Ins) {
+    match ins {
+        Ins::Nothing => {}
+        Ins::Rport(p, semi) => {
+            out.put_slice(if semi { b";rport=" } else { b"rport=" });
+            out.put_slice(dec(u64::from(p)).as_slice());
+        }
+        Ins::Received(ip, semi) => {
+            out.put_slice(if semi { b";received=" } else { b"received=" });
+            out.put_slice(ip_text(ip).as_slice());
+        }
+        Ins::Decimal(v) => out.put_slice(dec(u64::from(v)).as_slice()),
+    }
+}
+
 /// The bytes to cut so that the first value of a header disappears: the whole line when it is
 /// the only value, else the value and the separator up to the next value.
 fn first_value_removal(buf: &[u8], idx: Indexed) -> Option<Span> {
@@ -532,13 +580,17 @@ fn own_route_removal(msg: &SipMsg<'_>, local: &Local) -> Option<Span> {
     first_value_removal(msg.buf(), idx)
 }
 
-/// RFC 3261 §16.11: with a cookie branch, a hash of the received branch (so a retransmission,
-/// the CANCEL and the non-2xx ACK of an INVITE get the same branch); without one, a hash of
-/// top Via, To tag, From tag, Call-ID, CSeq number and Request-URI. Our own address is mixed
-/// in so that a request spiralling through fulcrum twice gets a new branch.
+/// RFC 3261 §16.11: with a cookie branch, a hash of the received branch and sent-by (so a
+/// retransmission, the CANCEL and the non-2xx ACK of an INVITE get the same branch, while two
+/// clients that happen to use one branch value stay two transactions, as §17.2.3 matches them
+/// by branch and sent-by); without one, a hash of top Via, To tag, From tag, Call-ID, CSeq
+/// number and Request-URI. Our own address is mixed in so that a request spiralling through
+/// fulcrum twice gets a new branch.
 fn branch_hash(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local) -> u64 {
     let mut h = local.branch_seed;
     if top.has_cookie() {
+        h = xxh3_64_with_seed(top.host, h);
+        h = xxh3_64_with_seed(&top.port.unwrap_or(0).to_le_bytes(), h);
         return xxh3_64_with_seed(top.branch.unwrap_or_default(), h);
     }
     h = xxh3_64_with_seed(top.raw, h);
@@ -633,6 +685,27 @@ pub fn build_response<B: BufMut>(
     reply: &Reply<'_>,
     out: &mut B,
 ) -> Result<(), RewriteError> {
+    build(msg, reply, None, out)
+}
+
+/// [`build_response`] for a request that arrived from `src`: its top Via records the real
+/// source as a proxy forwarding it would (`rport` filled in, `received` added or corrected;
+/// RFC 3581 §4, RFC 3261 §18.2.1), since fulcrum answers as the first hop.
+pub fn build_reply<B: BufMut>(
+    msg: &SipMsg<'_>,
+    reply: &Reply<'_>,
+    src: SocketAddr,
+    out: &mut B,
+) -> Result<(), RewriteError> {
+    build(msg, reply, Some(src), out)
+}
+
+fn build<B: BufMut>(
+    msg: &SipMsg<'_>,
+    reply: &Reply<'_>,
+    src: Option<SocketAddr>,
+    out: &mut B,
+) -> Result<(), RewriteError> {
     if !msg.is_request() {
         return Err(RewriteError::NotARequest);
     }
@@ -646,9 +719,21 @@ pub fn build_response<B: BufMut>(
     out.put_slice(b" ");
     out.put_slice(reply.reason.as_bytes());
     out.put_slice(b"\r\n");
+    let edits = src.map(|src| source_edits(&top, src, false));
     for h in msg.headers() {
-        if super::scan::HeaderName::classify(h.name) == super::scan::HeaderName::Via {
-            put_header(out, b"Via", h.value);
+        if super::scan::HeaderName::classify(h.name) != super::scan::HeaderName::Via {
+            continue;
+        }
+        match &edits {
+            // The header holding the top Via value: written with its edits.
+            Some(e) if h.value_span.start <= top.span.start && top.span.end <= h.value_span.end => {
+                let mut e: Vec<Edit> = e.iter().flatten().copied().collect();
+                e.sort_by_key(|e| (e.start, e.end));
+                out.put_slice(b"Via: ");
+                put_edited(out, buf, h.value_span, &e);
+                out.put_slice(b"\r\n");
+            }
+            _ => put_header(out, b"Via", h.value),
         }
     }
     if let Some(i) = msg.index_from() {
@@ -896,7 +981,72 @@ Content-Length: 0\r\n\r\n";
         forward_request(&scan(REQ).unwrap(), &rw(&l), &mut out).unwrap();
         let f = scan(&out).unwrap();
         let branch = String::from_utf8(f.top_via().unwrap().branch.unwrap().to_vec()).unwrap();
-        assert_eq!(branch, "z9hG4bK-fc-d49d770742bee8ed");
+        // Since 2026-12-01 sent-by is part of it (two clients reusing one branch value).
+        assert_eq!(branch, "z9hG4bK-fc-55fd0c1a06dac304");
+    }
+
+    fn top_branch(out: &[u8]) -> Vec<u8> {
+        scan(out)
+            .unwrap()
+            .top_via()
+            .unwrap()
+            .branch
+            .unwrap()
+            .to_vec()
+    }
+
+    /// Two clients that use one cookie branch value (simple tools, SIPp instances) stay two
+    /// transactions toward the service (RFC 3261 §17.2.3 matches branch and sent-by); one
+    /// client's retransmission, CANCEL and ACK keep the branch.
+    #[test]
+    fn the_branch_depends_on_sent_by() {
+        let l = local();
+        let other = String::from_utf8(REQ.to_vec())
+            .unwrap()
+            .replace("10.0.0.5:5062", "10.0.0.6:5062");
+        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        forward_request(&scan(REQ).unwrap(), &rw(&l), &mut a).unwrap();
+        forward_request(&scan(other.as_bytes()).unwrap(), &rw(&l), &mut b).unwrap();
+        assert_ne!(top_branch(&a), top_branch(&b));
+        let cancel = String::from_utf8(REQ.to_vec())
+            .unwrap()
+            .replace("INVITE", "CANCEL");
+        forward_request(&scan(cancel.as_bytes()).unwrap(), &rw(&l), &mut c).unwrap();
+        assert_eq!(top_branch(&a), top_branch(&c));
+    }
+
+    /// A `received` the client wrote itself never survives: the response is routed by it.
+    #[test]
+    fn a_forged_received_is_replaced_by_the_source() {
+        let l = local();
+        let req = b"OPTIONS sip:x SIP/2.0\r\nVia: SIP/2.0/UDP 198.51.100.7:5060;received=203.0.113.9;branch=z9hG4bKs\r\nCall-ID: c\r\nCSeq: 1 OPTIONS\r\nContent-Length: 0\r\n\r\n";
+        let mut out = Vec::new();
+        forward_request(&scan(req).unwrap(), &rw(&l), &mut out).unwrap();
+        let f = scan(&out).unwrap();
+        let client = f.vias().nth(1).unwrap();
+        assert_eq!(client.received, Some(&b"198.51.100.7"[..]));
+        assert!(!out.windows(11).any(|w| w == b"203.0.113.9"));
+    }
+
+    /// fulcrum's own replies fill in `rport` and correct `received` like a forwarded request.
+    #[test]
+    fn own_replies_record_the_source_on_the_top_via() {
+        let req = b"OPTIONS sip:x SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.5:5062;rport;received=203.0.113.9;branch=z9hG4bKm2, SIP/2.0/UDP 10.9.9.9;branch=z9hG4bKold\r\nVia: SIP/2.0/UDP 10.8.8.8;branch=z9hG4bKolder\r\nMax-Forwards: 0\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@x>\r\nCall-ID: c\r\nCSeq: 1 OPTIONS\r\nContent-Length: 0\r\n\r\n";
+        let m = scan(req).unwrap();
+        let mut out = Vec::new();
+        build_reply(&m, &Reply::TOO_MANY_HOPS, src(), &mut out).unwrap();
+        let r = scan(&out).unwrap();
+        let vias: Vec<_> = r.vias().collect();
+        assert_eq!(vias.len(), 3, "{}", String::from_utf8_lossy(&out));
+        assert_eq!(vias[0].rport, Some(Some(40000)));
+        assert_eq!(vias[0].received, Some(&b"198.51.100.7"[..]));
+        assert_eq!(vias[0].branch, Some(&b"z9hG4bKm2"[..]));
+        assert_eq!(vias[1].raw, b"SIP/2.0/UDP 10.9.9.9;branch=z9hG4bKold");
+        assert_eq!(vias[2].raw, b"SIP/2.0/UDP 10.8.8.8;branch=z9hG4bKolder");
+        // Without a source (a reply built from a forwarded request), Vias are copied as they are.
+        let mut plain = Vec::new();
+        build_response(&m, &Reply::TOO_MANY_HOPS, &mut plain).unwrap();
+        assert!(plain.windows(18).any(|w| w == b"rport;received=203"));
     }
 
     #[test]
