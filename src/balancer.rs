@@ -197,9 +197,10 @@ impl Balancer {
         let select_members: Vec<select::Member> =
             members.iter().map(MemberInfo::select_member).collect();
         let up = vec![true; members.len()];
-        let selector = HashSelector::build(
+        let selector = HashSelector::build_bounded(
             config.lb.hash_algorithm,
             config.lb.hash_fingers,
+            config.lb.prac_max_share,
             &select_members,
             &up,
         );

@@ -82,6 +82,10 @@ enum Simulate {
         /// with --config, else 256.
         #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
         fingers: Option<u32>,
+        /// prac's balance bound (1.005..=1.5): the largest share of a service over its fair
+        /// share. Default: the config's `lb.prac_max_share` with --config, else 1.005.
+        #[arg(long, value_parser = parse_max_share)]
+        prac_max_share: Option<config::PracMaxShare>,
         /// Use the services (addresses, hash_id, weights) of a vserver of this config.
         #[arg(long)]
         config: Option<PathBuf>,
@@ -110,6 +114,20 @@ enum CliAlgorithm {
     Carp,
     Prac,
     Jarh,
+}
+
+/// `--prac-max-share`: a ratio in the range `lb.prac_max_share` accepts.
+fn parse_max_share(s: &str) -> Result<config::PracMaxShare, String> {
+    s.parse::<f64>()
+        .ok()
+        .and_then(config::PracMaxShare::from_ratio)
+        .ok_or_else(|| {
+            format!(
+                "expected a number in {}..={}",
+                config::PracMaxShare::DEFAULT.ratio(),
+                config::PracMaxShare::MAX.ratio()
+            )
+        })
 }
 
 /// Exit status for an invalid config (SPEC section 9).
@@ -323,6 +341,7 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
             services,
             keys,
             fingers,
+            prac_max_share,
             config: config_path,
             vserver,
             seed,
@@ -334,10 +353,13 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                 CliAlgorithm::Jarh => config::HashAlgorithm::Jarh,
             });
             let report = if let Some(path) = config_path {
-                let cfg = match load_or_report(&path) {
+                let mut cfg = match load_or_report(&path) {
                     Ok(c) => c,
                     Err(code) => return Ok(code),
                 };
+                if let Some(m) = prac_max_share {
+                    cfg.lb.prac_max_share = m;
+                }
                 let vs = pick_hash_vserver(&cfg, vserver.as_deref())?;
                 hash::simulate_config(
                     &cfg,
@@ -355,6 +377,7 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                     services,
                     keys,
                     fingers: fingers.unwrap_or(256),
+                    prac_max_share: prac_max_share.unwrap_or(config::PracMaxShare::DEFAULT),
                     seed,
                 })
             };

@@ -17,6 +17,7 @@ fn small_simulation_of_each_algorithm() {
             services: 30,
             keys: 30_000,
             fingers: 128,
+            prac_max_share: fulcrum::config::PracMaxShare::DEFAULT,
             seed: 42,
         });
         assert_eq!(r.algorithm, name);
@@ -56,6 +57,7 @@ fn measure_issue3_targets() {
             services: 1000,
             keys: 1_000_000,
             fingers,
+            prac_max_share: fulcrum::config::PracMaxShare::DEFAULT,
             seed: 1,
         });
         println!("{}", serde_json::to_string(&r).unwrap());
@@ -132,7 +134,8 @@ fn one_build() {
 }
 
 /// prac's add disruption over a range of service counts (caps change at some counts and not at
-/// others, so one count alone can flatter or hurt). `FULCRUM_SWEEP=lo..hi`, default 996..1008.
+/// others, so one count alone can flatter or hurt). `FULCRUM_SWEEP=lo..hi`, default 996..1008;
+/// `FULCRUM_FINGERS`, `FULCRUM_MAX_SHARE` (lb.prac_max_share).
 #[test]
 #[ignore = "measurement run: use --release"]
 fn measure_prac_add_sweep() {
@@ -147,6 +150,12 @@ fn measure_prac_add_sweep() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(256);
+    // `FULCRUM_MAX_SHARE=1.05`: lb.prac_max_share (default 1.005).
+    let max_share = std::env::var("FULCRUM_MAX_SHARE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .and_then(fulcrum::config::PracMaxShare::from_ratio)
+        .unwrap_or(fulcrum::config::PracMaxShare::DEFAULT);
     let (mut sum, mut worst, mut foreign_sum, mut share_worst) = (0.0, 0.0f64, 0u64, 0.0f64);
     for n in lo..=hi {
         let r = simulate_hash(&HashSimParams {
@@ -154,6 +163,7 @@ fn measure_prac_add_sweep() {
             services: n,
             keys: 1_000_000,
             fingers,
+            prac_max_share: max_share,
             seed: 1,
         });
         println!(
@@ -167,10 +177,50 @@ fn measure_prac_add_sweep() {
     }
     let count = (hi + 1 - lo) as f64;
     println!(
-        "prac fingers {fingers} n {lo}..{hi}: mean add_moved_ratio {:.3}, worst {worst:.3}, mean worst-trial foreign {:.0}, worst share {share_worst:.4}",
+        "prac fingers {fingers} max share {} n {lo}..{hi}: mean add_moved_ratio {:.3}, worst {worst:.3}, mean worst-trial foreign {:.0}, worst share {share_worst:.4}",
+        max_share.ratio(),
         sum / count,
         foreign_sum as f64 / count
     );
+}
+
+/// `--prac-max-share` reaches the table (and the report), within its range only.
+#[test]
+fn simulate_hash_takes_the_prac_bound() {
+    let out = fulcrum(&[
+        "simulate",
+        "hash",
+        "--algorithm",
+        "prac",
+        "--services",
+        "300",
+        "--keys",
+        "20000",
+        "--prac-max-share",
+        "1.1",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    assert_eq!(v["prac_max_share"], 1.1);
+    let share = v["share_peak_to_mean"].as_f64().expect("share");
+    assert!(share > 1.01 && share <= 1.1, "{share}");
+    let out = fulcrum(&[
+        "simulate",
+        "hash",
+        "--algorithm",
+        "prac",
+        "--services",
+        "3",
+        "--prac-max-share",
+        "2",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("1.005..=1.5"));
 }
 
 fn fulcrum(args: &[&str]) -> std::process::Output {

@@ -24,6 +24,8 @@ pub struct LbParams {
     pub hash_algorithm: HashAlgorithm,
     /// 1..=1024, default 256 (prac and jarh table resolution).
     pub hash_fingers: u32,
+    /// prac's balance bound (default 1.005).
+    pub prac_max_share: PracMaxShare,
 }
 
 impl Default for LbParams {
@@ -31,7 +33,40 @@ impl Default for LbParams {
         LbParams {
             hash_algorithm: HashAlgorithm::Carp,
             hash_fingers: 256,
+            prac_max_share: PracMaxShare::DEFAULT,
         }
+    }
+}
+
+/// The largest share of the hash space one service may own in a prac table, as a multiple of
+/// its weighted share, kept in ten-thousandths (10_050 is 1.005). A looser bound leaves the
+/// table room to keep more slots where they are when a service is added (docs/hashing.md,
+/// "Balance against disruption").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PracMaxShare(u32);
+
+impl PracMaxShare {
+    /// The tightest bound offered, and the default.
+    pub const DEFAULT: PracMaxShare = PracMaxShare(10_050);
+    /// The loosest bound offered.
+    pub const MAX: PracMaxShare = PracMaxShare(15_000);
+
+    /// The bound for a ratio such as 1.05, rounded to ten-thousandths; `None` outside
+    /// `DEFAULT..=MAX`.
+    pub fn from_ratio(ratio: f64) -> Option<PracMaxShare> {
+        let e4 = (ratio * 10_000.0).round();
+        (e4.is_finite() && (f64::from(Self::DEFAULT.0)..=f64::from(Self::MAX.0)).contains(&e4))
+            .then_some(PracMaxShare(e4 as u32))
+    }
+
+    /// The bound as a ratio (1.005 for the default).
+    pub fn ratio(self) -> f64 {
+        f64::from(self.0) / 10_000.0
+    }
+
+    /// How much looser than the default the bound is (0.0 for the default).
+    pub fn slack(self) -> f64 {
+        f64::from(self.0.saturating_sub(Self::DEFAULT.0)) / 10_000.0
     }
 }
 

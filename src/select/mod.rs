@@ -14,7 +14,7 @@ pub mod jarh;
 pub mod prac;
 mod words;
 
-use crate::config::HashAlgorithm;
+use crate::config::{HashAlgorithm, PracMaxShare};
 
 /// One configured service as the hash algorithms see it, in config order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,6 +37,7 @@ enum Inner {
 pub struct HashSelector {
     algorithm: HashAlgorithm,
     fingers: u32,
+    max_share: PracMaxShare,
     members: Vec<Member>,
     inner: Inner,
 }
@@ -59,17 +60,32 @@ impl HashSelector {
         members: &[Member],
         up: &[bool],
     ) -> HashSelector {
+        HashSelector::build_bounded(algorithm, fingers, PracMaxShare::DEFAULT, members, up)
+    }
+
+    /// [`HashSelector::build`] with prac's balance bound `max_share` (`lb.prac_max_share`;
+    /// carp and jarh ignore it).
+    pub fn build_bounded(
+        algorithm: HashAlgorithm,
+        fingers: u32,
+        max_share: PracMaxShare,
+        members: &[Member],
+        up: &[bool],
+    ) -> HashSelector {
         let ids: Vec<u64> = members.iter().map(|m| m.id_hash).collect();
         let weights: Vec<u32> = members.iter().map(|m| m.weight).collect();
         let up = up_of(members.len(), up);
         let inner = match algorithm {
             HashAlgorithm::Carp => Inner::Carp(carp::Carp::build(ids, &weights, up)),
-            HashAlgorithm::Prac => Inner::Prac(prac::Prac::build(ids, &weights, fingers, up)),
+            HashAlgorithm::Prac => {
+                Inner::Prac(prac::Prac::build(ids, &weights, fingers, max_share, up))
+            }
             HashAlgorithm::Jarh => Inner::Jarh(jarh::Jarh::build(&ids, &weights, fingers, up)),
         };
         HashSelector {
             algorithm,
             fingers,
+            max_share,
             members: members.to_vec(),
             inner,
         }
@@ -84,10 +100,17 @@ impl HashSelector {
             Inner::Prac(p) => HashSelector {
                 algorithm: self.algorithm,
                 fingers: self.fingers,
+                max_share: self.max_share,
                 members: self.members.clone(),
                 inner: Inner::Prac(p.with_up(up_of(self.members.len(), up))),
             },
-            _ => HashSelector::build(self.algorithm, self.fingers, &self.members, up),
+            _ => HashSelector::build_bounded(
+                self.algorithm,
+                self.fingers,
+                self.max_share,
+                &self.members,
+                up,
+            ),
         }
     }
 

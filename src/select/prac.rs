@@ -39,6 +39,7 @@
 //! Lookup: one shift and one table read, plus an UP check.
 
 use super::carp::{Score, Scorer};
+use crate::config::PracMaxShare;
 
 /// Largest table exponent: 2^22 slots (1024 fingers x 4096 services; at most 32 MiB for the
 /// two u32 tables) bounds memory whatever `fingers x services` asks for.
@@ -82,6 +83,8 @@ pub struct Prac {
     scorer: Scorer,
     /// The configured weights (the caps of a derived UP set are computed from them).
     weights: Vec<u32>,
+    /// The balance bound the caps keep (`lb.prac_max_share`).
+    max_share: PracMaxShare,
     up: Vec<bool>,
     /// Every service UP: the table is the all-UP table, every hit is a first choice.
     all_up: bool,
@@ -161,9 +164,16 @@ const CAP_SEED: u64 = 0x6675_6c63_7275_6d43;
 /// newcomer's share needs anyway. The cap is below `share + 5/4`, so the largest share stays
 /// within 1.25 slots of the mean: under 0.5% for any service count, since the mean is at least
 /// `fingers` slots (fingers 256).
+///
+/// With a looser `max_share` than the default 1.005, each cap grows by `(max_share - 1.005) x
+/// share_i` slots, which keeps the largest share at or below `max_share` at `fingers` >= 256
+/// (the cap stays below `share x (max_share - 0.005) + 1.25`, and the share is at least 256
+/// slots) and lets fewer services sit at their cap, so fewer slots move between existing
+/// services when one is added (docs/hashing.md, "Balance against disruption").
 fn caps(
     scorer: &Scorer,
     weights: &[u32],
+    max_share: PracMaxShare,
     include: impl Fn(usize) -> bool,
     slots: usize,
 ) -> Vec<usize> {
@@ -185,7 +195,7 @@ fn caps(
                 return 0;
             }
             let share = slots as f64 * f64::from((*w).max(1)) / total as f64;
-            (share + 0.25 + offset(i)).floor() as usize
+            (share + 0.25 + max_share.slack() * share + offset(i)).floor() as usize
         })
         .collect();
     let mut order: Vec<usize> = (0..weights.len()).filter(|i| include(*i)).collect();
@@ -204,13 +214,19 @@ fn caps(
 }
 
 impl Prac {
-    pub(crate) fn build(ids: Vec<u64>, weights: &[u32], fingers: u32, up: Vec<bool>) -> Prac {
+    pub(crate) fn build(
+        ids: Vec<u64>,
+        weights: &[u32],
+        fingers: u32,
+        max_share: PracMaxShare,
+        up: Vec<bool>,
+    ) -> Prac {
         let n = ids.len();
         let geo = Geometry::new(fingers, n);
         let slots = geo.slots;
         let scorer = Scorer::new(ids, weights);
 
-        let all_caps = caps(&scorer, weights, |_| true, slots);
+        let all_caps = caps(&scorer, weights, max_share, |_| true, slots);
         let mut owners = vec![0u32; slots];
         if n > 0 {
             let mut held = vec![0usize; n];
@@ -227,7 +243,15 @@ impl Prac {
             );
         }
         let all_up_table = Table::from_owners(&owners, small_table(n));
-        Prac::derive(scorer, weights.to_vec(), geo, all_up_table, owners, up)
+        Prac::derive(
+            scorer,
+            weights.to_vec(),
+            max_share,
+            geo,
+            all_up_table,
+            owners,
+            up,
+        )
     }
 
     /// The same selector for another UP set: the health-adjusted table is derived again from
@@ -240,6 +264,7 @@ impl Prac {
         Prac::derive(
             self.scorer.clone(),
             self.weights.clone(),
+            self.max_share,
             self.geo,
             self.all_up_table.clone(),
             owners,
@@ -251,6 +276,7 @@ impl Prac {
     fn derive(
         scorer: Scorer,
         weights: Vec<u32>,
+        max_share: PracMaxShare,
         geo: Geometry,
         all_up_table: Table,
         mut owners: Vec<u32>,
@@ -260,7 +286,7 @@ impl Prac {
         let any_down = up.iter().any(|u| !*u);
         let any_up = up.iter().any(|u| *u);
         let table = if any_down && any_up {
-            let up_caps = caps(&scorer, &weights, |i| up[i], geo.slots);
+            let up_caps = caps(&scorer, &weights, max_share, |i| up[i], geo.slots);
             let mut held = vec![0usize; n];
             let mut orphans = Vec::new();
             for (s, o) in owners.iter().enumerate() {
@@ -288,6 +314,7 @@ impl Prac {
         Prac {
             scorer,
             weights,
+            max_share,
             all_up: !any_down,
             up,
             geo,

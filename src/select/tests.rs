@@ -207,6 +207,64 @@ fn prac_table_is_balanced_to_the_cap() {
     }
 }
 
+/// `lb.prac_max_share` trades balance for disruption: a looser bound keeps every share under
+/// it (weights included) and moves fewer keys between existing services when one is added;
+/// the default builds exactly the table `build` does.
+#[test]
+fn a_looser_prac_bound_moves_fewer_foreign_keys_within_the_bound() {
+    use crate::config::PracMaxShare;
+    let n = 300;
+    let mut m = members(n);
+    m[7].weight = 3;
+    let mut grown = m.clone();
+    grown.push(member(9_999, 1));
+    let ks = keys(200_000, 8);
+    let foreign = |bound: PracMaxShare| {
+        let build = |ms: &[Member]| {
+            HashSelector::build_bounded(HashAlgorithm::Prac, 256, bound, ms, &vec![true; ms.len()])
+        };
+        let (small, big) = (build(&m), build(&grown));
+        let shares = small.exact_shares().unwrap();
+        let total: u32 = m.iter().map(|x| x.weight).sum();
+        for (i, s) in shares.iter().enumerate() {
+            let fair = f64::from(m[i].weight) / f64::from(total);
+            assert!(
+                s / fair <= bound.ratio(),
+                "{bound:?}: service {i} at {}",
+                s / fair
+            );
+        }
+        owners(&small, &ks)
+            .iter()
+            .zip(owners(&big, &ks))
+            .filter(|(b, a)| *b != a && *a != Some(n))
+            .count()
+    };
+    let tight = foreign(PracMaxShare::DEFAULT);
+    let loose = foreign(PracMaxShare::from_ratio(1.10).unwrap());
+    assert!(tight > 0, "the default cascades a little");
+    assert!(
+        loose * 4 < tight,
+        "foreign moves: {loose} at 1.10, {tight} at 1.005"
+    );
+    assert_eq!(
+        owners(
+            &HashSelector::build_bounded(
+                HashAlgorithm::Prac,
+                256,
+                PracMaxShare::DEFAULT,
+                &m,
+                &vec![true; n]
+            ),
+            &ks
+        ),
+        owners(
+            &HashSelector::build(HashAlgorithm::Prac, 256, &m, &vec![true; n]),
+            &ks
+        )
+    );
+}
+
 fn arb_case() -> impl Strategy<Value = (usize, Vec<bool>, Vec<u32>, u32, Vec<u64>)> {
     (1usize..24).prop_flat_map(|n| {
         (

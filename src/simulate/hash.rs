@@ -25,7 +25,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::balancer::MemberInfo;
-use crate::config::{Config, HashAlgorithm, Vserver};
+use crate::config::{Config, HashAlgorithm, PracMaxShare, Vserver};
 use crate::hash::{address_identity, key_hash, mix64, service_hash};
 use crate::select::{HashSelector, Member};
 
@@ -36,6 +36,8 @@ pub struct HashSimParams {
     pub services: usize,
     pub keys: usize,
     pub fingers: u32,
+    /// prac's balance bound (`lb.prac_max_share`).
+    pub prac_max_share: PracMaxShare,
     pub seed: u64,
 }
 
@@ -46,6 +48,8 @@ pub struct HashReport {
     pub services: usize,
     pub keys: usize,
     pub fingers: u32,
+    /// prac's balance bound (`lb.prac_max_share`; carp and jarh ignore it).
+    pub prac_max_share: f64,
     /// Max keys on one service / mean keys per service.
     pub peak_to_mean: f64,
     /// Largest exact share of the hash space one service owns x N (carp: = peak_to_mean).
@@ -138,7 +142,7 @@ fn median_lookup_ns(sel: &HashSelector, keys: &[u64]) -> f64 {
 pub fn simulate_hash(p: &HashSimParams) -> HashReport {
     let members: Vec<Member> = (0..p.services).map(synthetic_member).collect();
     let keys = synthetic_key_hashes(p.keys, p.seed);
-    let (report, _) = simulate_members(p.algorithm, p.fingers, &members, &keys);
+    let (report, _) = simulate_members(p.algorithm, p.fingers, p.prac_max_share, &members, &keys);
     report
 }
 
@@ -175,7 +179,13 @@ pub fn simulate_config(
     let infos = MemberInfo::of(cfg, vserver);
     let members: Vec<Member> = infos.iter().map(MemberInfo::select_member).collect();
     let key_hashes = synthetic_key_hashes(keys, seed);
-    let (mut report, detail) = simulate_members(algorithm, fingers, &members, &key_hashes);
+    let (mut report, detail) = simulate_members(
+        algorithm,
+        fingers,
+        cfg.lb.prac_max_share,
+        &members,
+        &key_hashes,
+    );
     report.per_service = Some(
         infos
             .iter()
@@ -212,13 +222,14 @@ struct MemberShare {
 fn simulate_members(
     algorithm: HashAlgorithm,
     fingers: u32,
+    max_share: PracMaxShare,
     members: &[Member],
     keys: &[u64],
 ) -> (HashReport, Vec<MemberShare>) {
     let n = members.len();
     let k = keys.len();
     let all_up = vec![true; n];
-    let base = HashSelector::build(algorithm, fingers, members, &all_up);
+    let base = HashSelector::build_bounded(algorithm, fingers, max_share, members, &all_up);
     let before = owners(&base, keys);
     let total_weight: u64 = members.iter().map(|m| u64::from(m.weight.max(1))).sum();
     let expected = |i: usize| {
@@ -275,7 +286,7 @@ fn simulate_members(
         let victim = trial * n / t;
         let mut up = all_up.clone();
         up[victim] = false;
-        let down = HashSelector::build(algorithm, fingers, members, &up);
+        let down = HashSelector::build_bounded(algorithm, fingers, max_share, members, &up);
         let after = owners(&down, keys);
         let mut moved = 0u64;
         let mut foreign = 0u64;
@@ -291,7 +302,7 @@ fn simulate_members(
         if k > 0 && expected(victim) > 0.0 {
             remove_ratio_sum += (moved as f64 / k as f64) / expected(victim);
         }
-        let back = HashSelector::build(algorithm, fingers, members, &all_up);
+        let back = HashSelector::build_bounded(algorithm, fingers, max_share, members, &all_up);
         restore_exact &= owners(&back, keys) == before;
     }
 
@@ -303,7 +314,8 @@ fn simulate_members(
         let newcomer = synthetic_member(n + 1000 + trial);
         let ideal = f64::from(newcomer.weight) / (total_weight + u64::from(newcomer.weight)) as f64;
         grown.push(newcomer);
-        let sel = HashSelector::build(algorithm, fingers, &grown, &vec![true; n + 1]);
+        let sel =
+            HashSelector::build_bounded(algorithm, fingers, max_share, &grown, &vec![true; n + 1]);
         let after = owners(&sel, keys);
         let mut moved = 0u64;
         let mut foreign = 0u64;
@@ -327,6 +339,7 @@ fn simulate_members(
         services: n,
         keys: k,
         fingers,
+        prac_max_share: max_share.ratio(),
         peak_to_mean,
         share_peak_to_mean,
         remove_moved_ratio: per_trial(remove_ratio_sum),
@@ -345,9 +358,13 @@ fn simulate_members(
 pub fn render_text(r: &HashReport) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "algorithm {}  services {}  keys {}  fingers {}\n",
+        "algorithm {}  services {}  keys {}  fingers {}",
         r.algorithm, r.services, r.keys, r.fingers
     ));
+    if r.algorithm == "prac" {
+        s.push_str(&format!("  max share {}", r.prac_max_share));
+    }
+    s.push('\n');
     let rows: [(&str, String); 11] = [
         ("peak/mean keys", format!("{:.4}", r.peak_to_mean)),
         ("peak/mean share", format!("{:.4}", r.share_peak_to_mean)),
@@ -402,6 +419,7 @@ mod tests {
             services: 20,
             keys: 20_000,
             fingers: 64,
+            prac_max_share: crate::config::PracMaxShare::DEFAULT,
             seed: 7,
         })
     }
@@ -449,10 +467,12 @@ mod tests {
             "add_foreign_moved",
             "lookup_ns",
             "memory_bytes",
+            // Beyond the fields: prac's balance bound.
+            "prac_max_share",
         ] {
             assert!(obj.contains_key(f), "{f}");
         }
-        assert_eq!(obj.len(), 13);
+        assert_eq!(obj.len(), 14);
         assert!(render_text(&r).contains("jarh"));
     }
 
@@ -465,6 +485,7 @@ mod tests {
                     services,
                     keys,
                     fingers,
+                    prac_max_share: crate::config::PracMaxShare::DEFAULT,
                     seed: 1,
                 });
                 assert!(r.restore_exact);
