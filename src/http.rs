@@ -133,7 +133,20 @@ impl<'a> HttpHead<'a> {
     /// without port or brackets.
     pub fn target_host(&self) -> Option<&'a [u8]> {
         let t = self.target;
-        let sep = memchr::memmem::find(t, b"://")?;
+        // Absolute-form only: `scheme "://"` before any `/`, `?` or `#` (RFC 3986 §3.1); a
+        // `://` further on is inside an origin-form path or query (`/login?next=http://x/`)
+        // and must not override the Host header.
+        let sep = t
+            .iter()
+            .position(|&c| matches!(c, b':' | b'/' | b'?' | b'#'))?;
+        let scheme = &t[..sep];
+        let is_scheme = scheme.first().is_some_and(u8::is_ascii_alphabetic)
+            && scheme
+                .iter()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'+' | b'-' | b'.'));
+        if !is_scheme || !t[sep..].starts_with(b"://") {
+            return None;
+        }
         let rest = &t[sep + 3..];
         let end = rest
             .iter()
@@ -212,6 +225,25 @@ mod tests {
         assert_eq!(h.host(), Some(&b"2001:db8::1"[..]));
         let req = b"GET / HTTP/1.0\r\nHost: [::1]:80\r\n\r\n";
         assert_eq!(parse_head(req).unwrap().host(), Some(&b"::1"[..]));
+    }
+
+    /// A URL inside an origin-form target's query or path is not the request's host.
+    #[test]
+    fn only_an_absolute_target_overrides_the_host() {
+        for target in [
+            "/login?next=http://evil.test/x",
+            "/r/http://evil.test/",
+            "/p#x://evil.test",
+            "*",
+            "1http://evil.test/",
+        ] {
+            let req = format!("GET {target} HTTP/1.1\r\nHost: example.com\r\n\r\n");
+            let h = parse_head(req.as_bytes()).unwrap();
+            assert_eq!(h.target_host(), None, "{target}");
+            assert_eq!(h.host(), Some(&b"example.com"[..]), "{target}");
+        }
+        let req = b"GET HTTPS://Up.Example:8443/?u=http://evil.test/ HTTP/1.1\r\nHost: x\r\n\r\n";
+        assert_eq!(parse_head(req).unwrap().host(), Some(&b"Up.Example"[..]));
     }
 
     #[test]

@@ -149,7 +149,7 @@ fn default_idle_timeout(protocol: Protocol) -> Duration {
 }
 
 const TOP_FIELDS: &[&str] = &["lb", "admin", "logging", "monitors", "services", "vservers"];
-const LB_FIELDS: &[&str] = &["hash_algorithm", "hash_fingers"];
+const LB_FIELDS: &[&str] = &["hash_algorithm", "hash_fingers", "prac_max_share"];
 const ADMIN_FIELDS: &[&str] = &["listen", "token"];
 const LOGGING_FIELDS: &[&str] = &["format", "level"];
 const MONITOR_FIELDS: &[&str] = &[
@@ -538,9 +538,33 @@ impl Cx {
             Some(n) => self.choice(n, "lb.hash_algorithm", &HashAlgorithm::ALL),
         };
         let hash_fingers = self.int_field(&f, "lb", "hash_fingers", (1, 1024), 256);
+        let prac_max_share = match f.get("prac_max_share") {
+            None => Some(PracMaxShare::DEFAULT),
+            Some(n) => {
+                let ratio = match n.value {
+                    Value::Float(x) => Some(x),
+                    Value::Int(i) => Some(i as f64),
+                    _ => None,
+                };
+                let bound = ratio.and_then(PracMaxShare::from_ratio);
+                if bound.is_none() {
+                    self.problem(
+                        n.pos,
+                        "lb.prac_max_share",
+                        format!(
+                            "expected a number in {}..={} (the largest share of a service over its fair share)",
+                            PracMaxShare::DEFAULT.ratio(),
+                            PracMaxShare::MAX.ratio()
+                        ),
+                    );
+                }
+                bound
+            }
+        };
         Some(LbParams {
             hash_algorithm: hash_algorithm?,
             hash_fingers: u32::try_from(hash_fingers?).ok()?,
+            prac_max_share: prac_max_share?,
         })
     }
 
@@ -1081,6 +1105,22 @@ impl Cx {
                             format!("a header or query token needs protocol http, sip-udp or sip-tcp, not {}", p.name()),
                         );
                     }
+                    // A stream vserver reads at most this much before it chooses.
+                    if let TokenRule::Payload { offset, length } = rule
+                        && !p.is_datagram()
+                        && offset + length > crate::http::MAX_HEAD
+                    {
+                        self.problem(
+                            n.pos,
+                            &join(path, "token"),
+                            format!(
+                                "offset + length ({}) must not exceed {} on a {} vserver (the bytes read before choosing)",
+                                offset + length,
+                                crate::http::MAX_HEAD,
+                                p.name()
+                            ),
+                        );
+                    }
                 }
             }
             _ => {}
@@ -1338,6 +1378,40 @@ mod tests {
         let p = problems(&big);
         assert_eq!(p.len(), 1, "{p:?}");
         assert_eq!(p[0].1, "vservers[0].idle_timeout");
+    }
+
+    #[test]
+    fn prac_max_share_is_a_bounded_ratio() {
+        let with =
+            |v: &str| format!("lb: {{ hash_algorithm: prac, prac_max_share: {v} }}\n{MINIMAL}");
+        let c = from_str("t", &with("1.05")).expect("valid");
+        assert_eq!(c.lb.prac_max_share.ratio(), 1.05);
+        assert_eq!(c.lb.prac_max_share.slack(), 0.045);
+        assert_eq!(
+            from_str("t", MINIMAL).expect("valid").lb.prac_max_share,
+            PracMaxShare::DEFAULT
+        );
+        for bad in ["1.0", "1", "1.6", "-1.05", "fast", "null"] {
+            let p = problems(&with(bad));
+            assert_eq!(p.len(), 1, "{bad}: {p:?}");
+            assert_eq!((p[0].0, p[0].1.as_str()), (1, "lb.prac_max_share"), "{bad}");
+        }
+    }
+
+    /// A payload token beyond what a stream vserver reads first is refused (it could never
+    /// give a key); on udp the datagram holds it.
+    #[test]
+    fn a_payload_token_must_fit_the_first_bytes_on_streams() {
+        let cfg = |proto: &str, offset: usize| {
+            format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: {proto} }}\nvservers:\n  - {{ name: v, protocol: {proto}, bind: 127.0.0.1:5060, method: token, token: {{ offset: {offset}, length: 4 }}, services: [s1] }}\n"
+            )
+        };
+        assert!(from_str("t", &cfg("tcp", 16_380)).is_ok());
+        let p = problems(&cfg("tcp", 20_000));
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].1, "vservers[0].token");
+        assert!(from_str("t", &cfg("udp", 20_000)).is_ok());
     }
 
     /// A TCP vserver on the admin API's address is refused by `check`, not at start.

@@ -149,6 +149,20 @@ pub fn http_response(buf: &[u8], eof: bool) -> Result<Option<(u16, &[u8])>, Prob
                 .and_then(|h| std::str::from_utf8(h.value).ok())
                 .and_then(|v| v.trim().parse::<usize>().ok());
             let body = &buf[n..];
+            let chunked = resp.headers.iter().any(|h| {
+                h.name.eq_ignore_ascii_case("transfer-encoding")
+                    && std::str::from_utf8(h.value)
+                        .is_ok_and(|v| v.to_ascii_lowercase().contains("chunked"))
+            });
+            if chunked {
+                // The load is read from the body's first line: its first chunk's data is
+                // enough (RFC 9112 §7.1), and the chunk-size line must not pass for it.
+                return match first_chunk(body) {
+                    Some(data) => Ok(Some((code, data))),
+                    None if !eof => Ok(None),
+                    None => Ok(Some((code, &body[..0]))),
+                };
+            }
             match len {
                 Some(l) if body.len() >= l => Ok(Some((code, &body[..l]))),
                 Some(_) if !eof => Ok(None),
@@ -159,6 +173,17 @@ pub fn http_response(buf: &[u8], eof: bool) -> Result<Option<(u16, &[u8])>, Prob
         Ok(httparse::Status::Partial) if !eof => Ok(None),
         _ => Err(ProbeError::BadReply),
     }
+}
+
+/// The data of the first chunk of a chunked body, once it is complete (`hex-size[;ext] CRLF
+/// data CRLF`); `None` while incomplete or when the size line is not one.
+fn first_chunk(body: &[u8]) -> Option<&[u8]> {
+    let eol = memchr::memchr(b'\n', body)?;
+    let line = body[..eol].strip_suffix(b"\r").unwrap_or(&body[..eol]);
+    let size = line.split(|&b| b == b';').next().map(trim)?;
+    let size = usize::from_str_radix(std::str::from_utf8(size).ok()?, 16).ok()?;
+    let data = body.get(eol + 1..)?;
+    data.get(..size).filter(|_| data.len() >= size + 2)
 }
 
 fn unspecified_for(addr: SocketAddr) -> SocketAddr {
@@ -380,5 +405,19 @@ mod tests {
             Some(Some((503, &b"xx"[..])))
         );
         assert!(http_response(b"nonsense\r\n\r\n", true).is_err());
+        // A chunked body: the load is in the chunk's data, not its size line (0x4 bytes here).
+        let chunked =
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n250\n\r\n0\r\n\r\n";
+        let (code, body) = http_response(chunked, false)
+            .ok()
+            .flatten()
+            .expect("complete");
+        assert_eq!((code, body), (200, &b"250\n"[..]));
+        assert_eq!(body_load(body), Some(250));
+        assert_eq!(http_response(&chunked[..52], false).ok(), Some(None));
+        assert_eq!(
+            http_response(&chunked[..52], true).ok(),
+            Some(Some((200, &b""[..])))
+        );
     }
 }
