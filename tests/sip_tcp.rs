@@ -256,6 +256,27 @@ fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
         shared.counters.slow_clients_closed.load(Ordering::Relaxed),
         1
     );
+    // Disconnected means closed, although this client reads nothing: fulcrum's side of the
+    // socket is gone, not held by a writer blocked on it, so writing on finds it reset
+    // rather than blocking on a full window.
+    let until = Instant::now() + Duration::from_secs(10);
+    let kind = loop {
+        assert!(Instant::now() < until, "the connection is still open");
+        match lazy.write_all(request("OPTIONS", "after@x", local, "after").as_bytes()) {
+            Ok(()) => {}
+            Err(e) => break e.kind(),
+        }
+    };
+    assert!(
+        matches!(
+            kind,
+            std::io::ErrorKind::BrokenPipe
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::ConnectionAborted
+        ),
+        "the connection was not closed: {kind:?}"
+    );
+    assert_eq!(shared.clients(), 0);
     // Another client is served normally.
     let mut other = TcpStream::connect(proxy).expect("connect");
     let local2 = other.local_addr().expect("local");
@@ -264,6 +285,104 @@ fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
         .expect("write");
     let mut buf = Vec::new();
     assert!(read_message(&mut other, &mut buf).is_some());
+}
+
+/// A response from a client never reaches another client's connection, even one from the
+/// address a forged second Via names (only a service's in-dialog request may go there).
+#[test]
+fn a_client_cannot_inject_a_response_into_another_clients_connection() {
+    use fulcrum::proxy::runtime::DataPath;
+    let uas = TcpUas::start();
+    let (rt, proxy) = start(&[&uas]);
+    let shared = match &rt.vserver("v").expect("v").data {
+        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    };
+    let mut victim = TcpStream::connect(proxy).expect("connect");
+    let victim_addr = victim.local_addr().expect("local");
+    // The victim is known to fulcrum (its first request went through).
+    let mut buf = Vec::new();
+    victim
+        .write_all(request("OPTIONS", "v1@x", victim_addr, "v1").as_bytes())
+        .expect("write");
+    assert!(read_message(&mut victim, &mut buf).is_some());
+    let mut attacker = TcpStream::connect(proxy).expect("connect");
+    let forged = format!(
+        "SIP/2.0 200 OK\r\nVia: SIP/2.0/TCP {proxy};branch=z9hG4bK-fc-0000000000000000\r\nVia: SIP/2.0/TCP {victim_addr};branch=z9hG4bKx\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@y>;tag=2\r\nCall-ID: inj@x\r\nCSeq: 1 OPTIONS\r\nContent-Length: 8\r\n\r\nINJECTED"
+    );
+    attacker.write_all(forged.as_bytes()).expect("write");
+    // Synchronise on fulcrum having handled it: a keep-alive ping after it is answered.
+    attacker.write_all(b"\r\n\r\n").expect("ping");
+    let mut pong = [0u8; 2];
+    attacker.set_read_timeout(Some(WAIT)).expect("timeout");
+    attacker.read_exact(&mut pong).expect("pong");
+    // Dropped as a response with nowhere to go (its next Via is no service).
+    assert_eq!(
+        shared.counters.responses_no_client.load(Ordering::Relaxed),
+        1
+    );
+    // The victim gets its own next answer, and nothing injected before it.
+    victim
+        .write_all(request("OPTIONS", "v2@x", victim_addr, "v2").as_bytes())
+        .expect("write");
+    let next = read_message(&mut victim, &mut buf).expect("response");
+    let msg = sip::scan(&next).expect("scan");
+    assert_eq!(msg.call_id(), Some(&b"v2@x"[..]));
+}
+
+/// A "service" that accepts connections and closes them at once is as good as one that
+/// refuses them: it is marked DOWN and the requests are answered elsewhere, none swallowed.
+#[test]
+fn a_service_that_accepts_and_closes_is_marked_down_and_loses_no_request() {
+    use fulcrum::proxy::runtime::DataPath;
+    let closer = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let closer_addr = closer.local_addr().expect("addr");
+    closer.set_nonblocking(true).expect("nonblocking");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = std::sync::Arc::clone(&stop);
+    let closer_thread = std::thread::spawn(move || {
+        while !stop2.load(Ordering::Relaxed) {
+            match closer.accept() {
+                Ok((s, _)) => drop(s),
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    });
+    let good = TcpUas::start();
+    let y = format!(
+        "services:\n  - {{ name: bad, address: {closer_addr}, protocol: sip-tcp }}\n  - {{ name: good, address: {}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, method: round_robin, services: [bad, good] }}\n",
+        good.addr
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let proxy = rt.vserver("v").expect("v").bound[0];
+    let shared = match &rt.vserver("v").expect("v").data {
+        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    };
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    let mut buf = Vec::new();
+    for i in 0..20 {
+        client
+            .write_all(
+                request("OPTIONS", &format!("ac-{i}@x"), local, &format!("ac{i}")).as_bytes(),
+            )
+            .expect("write");
+        let resp = read_message(&mut client, &mut buf).expect("every request is answered");
+        let code = sip::scan(&resp).ok().and_then(|m| m.status_code());
+        assert_eq!(code, Some(200), "request {i}");
+    }
+    assert_eq!(shared.core().balancer().health(0), Some(Health::Down));
+    assert!(
+        shared
+            .counters
+            .service_connect_failures
+            .load(Ordering::Relaxed)
+            >= 1
+    );
+    stop.store(true, Ordering::Relaxed);
+    let _ = closer_thread.join();
 }
 
 #[test]
@@ -312,18 +431,20 @@ fn a_service_that_does_not_read_fills_its_queue_and_clients_hear_503() {
     let client = TcpStream::connect(proxy).expect("connect");
     let local = client.local_addr().expect("local");
     let mut reader = client.try_clone().expect("clone");
-    // Read on a thread until the first 503 (bounded by the read timeout).
+    // Read on a thread, handing over the first 503, and keep reading (bounded by the read
+    // timeout).
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         let mut buf = Vec::new();
+        let mut sent = false;
         while let Some(m) = read_message(&mut reader, &mut buf) {
             let code = sip::scan(&m).ok().and_then(|s| s.status_code());
-            if code == Some(503) {
-                let _ = tx.send(m);
-                return;
+            if code == Some(503) && !sent {
+                sent = tx.send(m).is_ok();
             }
         }
     });
+    let core = shared.core();
     // Bounded: at most 100 000 requests or 30 s, stopping at the first 503.
     let mut writer = client;
     writer
@@ -339,11 +460,18 @@ fn a_service_that_does_not_read_fills_its_queue_and_clients_hear_503() {
         if writer.write_all(req.as_bytes()).is_err() {
             break;
         }
-        if n % 256 == 0
-            && let Ok(m) = rx.try_recv()
-        {
-            answer = Some(m);
-            break;
+        if n % 256 == 0 {
+            if let Ok(m) = rx.try_recv() {
+                answer = Some(m);
+                break;
+            }
+            // At most 256 requests ahead of fulcrum: once the service's queue is full each
+            // one is answered 503 at once, and a client with thousands in flight would get
+            // them faster than it reads and be disconnected as not reading (right, but not
+            // what this test is about).
+            let handled =
+                || core.counters.requests_in.load(Ordering::Relaxed) + 256 >= u64::from(n);
+            common::wait_until(Duration::from_secs(5), handled);
         }
     }
     let answer = answer

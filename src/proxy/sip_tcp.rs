@@ -56,6 +56,24 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How long the connection of a member removed by a reload stays open for what the service
 /// still sends: 64·T1, the non-INVITE transaction timeout (RFC 3261 §17.1.2.2, Timer F).
 pub const RETIRED_DRAIN: Duration = Duration::from_secs(32);
+/// Longest message a service may send: twice a client's, since a response repeats the
+/// request's Vias and adds fulcrum's, and one client's large request must not cut the
+/// connection every client shares.
+pub const SERVICE_MAX_MESSAGE: usize = 2 * DEFAULT_MAX_MESSAGE;
+/// How long a started message may take to arrive whole (however slowly its bytes come): a
+/// client cannot hold a partial message's buffer for longer.
+pub const MESSAGE_DEADLINE: Duration = Duration::from_secs(10);
+/// How long what is queued toward a client that has stopped sending may take to be written.
+pub const CLIENT_FLUSH: Duration = Duration::from_secs(10);
+/// A service connection that ends this soon after it was made counts as a failed connect
+/// (a service that accepts and closes must not swallow requests while staying UP).
+const SHORT_LIVED: Duration = Duration::from_secs(1);
+/// Requests written on a service connection that has not answered yet, kept to be chosen
+/// again should it close first.
+const UNANSWERED_KEPT: usize = 256;
+/// TCP keepalive on service connections (which have no idle timeout): a peer that vanished
+/// is found within a few minutes.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
 /// Counters specific to the stream transport.
 #[derive(Debug, Default)]
@@ -84,7 +102,19 @@ pub struct TcpCounters {
 struct Client {
     tx: mpsc::Sender<Bytes>,
     remote: SocketAddr,
+    /// The client's task; aborting it ends its writer too (see [`AbortOnDrop`]).
     abort: tokio::task::AbortHandle,
+}
+
+/// A task that ends with its owner: a client's writer is owned by the client's reading task,
+/// so aborting that task (a client that does not read) takes the writer, the socket, the
+/// queue and the place in `max_sessions` with it.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The way to one member's connection task. A reload keeps the link of a member that stays
@@ -261,10 +291,12 @@ impl TcpShared {
             Err(mpsc::error::TrySendError::Full(_)) => {
                 let (abort, remote) = (c.abort.clone(), c.remote);
                 drop(c);
-                bump(&self.counters.slow_clients_closed);
-                tracing::info!(vserver = %self.name, %remote, "client does not read: disconnected");
-                self.forget_client(id, remote);
-                abort.abort();
+                // Counted once, by whoever removes it (two messages may find it full at once).
+                if self.forget_client(id, remote) {
+                    bump(&self.counters.slow_clients_closed);
+                    tracing::info!(vserver = %self.name, %remote, "client does not read: disconnected");
+                    abort.abort();
+                }
                 false
             }
             Err(mpsc::error::TrySendError::Closed(_)) => false,
@@ -351,11 +383,14 @@ impl TcpShared {
         }
     }
 
-    fn forget_client(&self, id: u64, remote: SocketAddr) {
-        if self.clients.remove(&id).is_some() {
+    /// Remove client `id` from the tables; true when this call removed it.
+    fn forget_client(&self, id: u64, remote: SocketAddr) -> bool {
+        let removed = self.clients.remove(&id).is_some();
+        if removed {
             self.counters.clients_open.fetch_sub(1, Ordering::Relaxed);
         }
         self.by_remote.remove_if(&remote, |_, v| *v == id);
+        removed
     }
 
     /// Carry out the decision `g`'s core made for a message that arrived from `origin`.
@@ -389,10 +424,17 @@ impl TcpShared {
                 } else if let Some(tx) = self.draining_tx(addr) {
                     // The same, toward a service a reload removed (its connection drains).
                     let _ = tx.try_send(bytes());
-                } else if let Some(id) = self.by_remote.get(&addr).map(|v| *v) {
-                    self.to_client(id, bytes());
-                } else if matches!(origin, Origin::Member(_)) {
-                    bump(&self.counters.in_dialog_no_client);
+                } else if let Origin::Member(_) = origin {
+                    // A service's in-dialog request toward a client: only over a live
+                    // connection from that client's address. Never for a message from a
+                    // client, which could otherwise be injected into another client's
+                    // connection.
+                    match self.by_remote.get(&addr).map(|v| *v) {
+                        Some(id) => {
+                            self.to_client(id, bytes());
+                        }
+                        None => bump(&self.counters.in_dialog_no_client),
+                    }
                 } else {
                     bump(&self.counters.responses_no_client);
                 }
@@ -416,7 +458,9 @@ thread_local! {
 }
 
 /// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
-/// idle timeout or a framing error. `reply` carries pongs and fulcrum's own replies.
+/// idle timeout (clients only: a service connection stays while the service keeps it), a
+/// message that takes longer than [`MESSAGE_DEADLINE`] to arrive, or a framing error.
+/// `reply` carries pongs and fulcrum's own replies.
 async fn read_messages(
     shared: &TcpShared,
     mut read: tokio::net::tcp::OwnedReadHalf,
@@ -424,19 +468,29 @@ async fn read_messages(
     src: SocketAddr,
     dst: SocketAddr,
     reply: &mpsc::Sender<Bytes>,
+    heard: Option<&AtomicBool>,
 ) {
+    let (max_message, is_client) = match origin {
+        Origin::Member(_) => (SERVICE_MAX_MESSAGE, false),
+        Origin::Client { .. } => (DEFAULT_MAX_MESSAGE, true),
+    };
     // The connection's own buffer holds bytes only while a message is incomplete: an idle
     // connection (a registered phone between requests) holds none. Rewritten messages are
     // built in a per-thread buffer and copied out.
     let mut buf = BytesMut::new();
+    // When the first bytes of the message now in `buf` arrived.
+    let mut started: Option<tokio::time::Instant> = None;
     loop {
         // Frame everything already buffered (several messages may arrive in one read).
         loop {
-            match next_frame(&buf, DEFAULT_MAX_MESSAGE) {
+            match next_frame(&buf, max_message) {
                 Ok(frame) => {
                     let len = frame.len();
                     match frame {
                         Frame::Message { .. } => OUT.with_borrow_mut(|out| {
+                            if let Some(h) = heard {
+                                h.store(true, Ordering::Relaxed);
+                            }
                             let now = shared.now();
                             let g = shared.current.load();
                             let action = g.core.handle(&buf[..len], origin, src, dst, now, out);
@@ -460,14 +514,38 @@ async fn read_messages(
                 }
             }
         }
-        if buf.is_empty() && buf.capacity() > 0 {
-            buf = BytesMut::new();
+        if buf.is_empty() {
+            started = None;
+            if buf.capacity() > 0 {
+                buf = BytesMut::new();
+            }
+        } else {
+            started.get_or_insert_with(tokio::time::Instant::now);
         }
-        // Wait with no buffer; take one once bytes are there.
-        let idle = shared.current.load().idle;
-        match tokio::time::timeout(idle, read.readable()).await {
+        // Wait with no buffer; take one once bytes are there. A client waits at most its
+        // idle timeout, and a partial message at most what is left of its deadline.
+        let now = tokio::time::Instant::now();
+        let mut until = is_client.then(|| now + shared.current.load().idle);
+        if let Some(t) = started {
+            let end = t + MESSAGE_DEADLINE;
+            until = Some(until.map_or(end, |u| u.min(end)));
+        }
+        let ready = match until {
+            Some(u) => tokio::time::timeout_at(u, read.readable()).await,
+            None => Ok(read.readable().await),
+        };
+        match ready {
             Ok(Ok(())) => {}
-            Ok(Err(_)) | Err(_) => return,
+            Ok(Err(_)) => return,
+            Err(_) => {
+                if started.is_some_and(|t| t.elapsed() >= MESSAGE_DEADLINE) {
+                    bump(&shared.counters.framing_errors);
+                    if shared.log.allow(shared.now()) {
+                        tracing::info!(vserver = %shared.name, %src, "closing stream: a message did not arrive whole in time");
+                    }
+                }
+                return;
+            }
         }
         if buf.capacity() - buf.len() < 1024 {
             buf.reserve(4096);
@@ -494,15 +572,42 @@ async fn read_messages(
     }
 }
 
+/// Most bytes gathered into one write toward a client.
+const WRITE_BATCH: usize = 64 * 1024;
+
+/// Write what is queued toward a client, everything already queued in one write (a client
+/// that sends a burst gets its answers in a few system calls, not one per message).
 async fn write_messages(mut write: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
+    let mut batch = BytesMut::new();
     while let Some(b) = rx.recv().await {
-        if write.write_all(&b).await.is_err() {
+        let result = match rx.try_recv() {
+            // The common case: one message, written from where it is.
+            Err(_) => write.write_all(&b).await,
+            Ok(next) => {
+                batch.clear();
+                batch.extend_from_slice(&b);
+                batch.extend_from_slice(&next);
+                while batch.len() < WRITE_BATCH {
+                    match rx.try_recv() {
+                        Ok(more) => batch.extend_from_slice(&more),
+                        Err(_) => break,
+                    }
+                }
+                write.write_all(&batch).await
+            }
+        };
+        if result.is_err() {
             return;
+        }
+        if batch.capacity() > WRITE_BATCH * 2 {
+            batch = BytesMut::new();
         }
     }
     let _ = write.shutdown().await;
 }
 
+/// Read a client's messages until it is done, then give what is queued toward it a bounded
+/// time to be written: a client that half-closed and does not read must not keep the socket.
 async fn serve_client(
     shared: Arc<TcpShared>,
     stream: TcpStream,
@@ -512,9 +617,10 @@ async fn serve_client(
     rx: mpsc::Receiver<Bytes>,
     tx: mpsc::Sender<Bytes>,
 ) {
-    // TCP_NODELAY is inherited from the listener (`net::bind_tcp_listener`).
+    // TCP_NODELAY is inherited from the listener (`net::bind_tcp_listener`). The writer is a
+    // task of its own, so a client's replies are written while its next requests are read.
     let (read, write) = stream.into_split();
-    let writer = tokio::spawn(write_messages(write, rx));
+    let mut writer = AbortOnDrop(tokio::spawn(write_messages(write, rx)));
     read_messages(
         &shared,
         read,
@@ -522,11 +628,13 @@ async fn serve_client(
         src,
         dst,
         &tx,
+        None,
     )
     .await;
     shared.forget_client(id, src);
     drop(tx);
-    let _ = writer.await;
+    // Dropping `writer` afterwards ends it if it has not finished.
+    let _ = tokio::time::timeout(CLIENT_FLUSH, &mut writer.0).await;
 }
 
 async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
@@ -555,15 +663,18 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
         let (tx, rx) = mpsc::channel(CLIENT_QUEUE);
         bump(&shared.counters.clients_accepted);
         shared.counters.clients_open.fetch_add(1, Ordering::Relaxed);
-        let task = tokio::spawn(serve_client(
-            Arc::clone(&shared),
-            stream,
-            id,
-            src,
-            dst,
-            rx,
-            tx.clone(),
-        ));
+        // The task starts serving once its entry is in the tables: one that ended before
+        // could not remove it, and the entry (and its count) would stay forever.
+        let (registered, wait_registered) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn({
+            let shared = Arc::clone(&shared);
+            let tx = tx.clone();
+            async move {
+                if wait_registered.await.is_ok() {
+                    serve_client(shared, stream, id, src, dst, rx, tx).await;
+                }
+            }
+        });
         shared.clients.insert(
             id,
             Client {
@@ -573,6 +684,7 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
             },
         );
         shared.by_remote.insert(src, id);
+        let _ = registered.send(());
     }
 }
 
@@ -613,46 +725,25 @@ async fn service_loop(
         let stream = match attempt {
             Ok(Ok(s)) => s,
             _ => {
-                bump(&shared.counters.service_connect_failures);
-                {
-                    let g = shared.current.load();
-                    if let Some(m) = g.index_of(&link) {
-                        let b = g.core.balancer();
-                        b.report_failure(m);
-                        down = true;
-                        // Checked against the current balancer: a reload may have built
-                        // one that starts this member UP again. A member the operator
-                        // took OUT_OF_SERVICE stays so.
-                        if b.health(m) == Some(Health::Up) {
-                            b.set_health(m, Health::Down, shared.now());
-                            tracing::warn!(vserver = %shared.name, service = %addr, "cannot connect: service marked DOWN");
-                        }
-                    }
-                }
-                // Requests queued for the dead service go to the next-ranked member.
-                shared.redispatch_queued(&link, pending.take(), &mut rx);
-                if shared.stop.load(Ordering::Relaxed) {
+                if connect_failed(&shared, &link, &mut pending, &mut rx, &mut backoff).await {
                     return;
                 }
-                tokio::select! {
-                    () = tokio::time::sleep(backoff) => {}
-                    () = link.retired() => {}
-                }
-                backoff = (backoff * 2).min(BACKOFF_MAX);
+                down = true;
                 continue;
             }
         };
-        if down {
-            down = false;
-            let g = shared.current.load();
-            if let Some(m) = g.index_of(&link)
-                && g.core.balancer().health(m) == Some(Health::Down)
-            {
-                g.core.balancer().set_health(m, Health::Up, shared.now());
-                tracing::info!(vserver = %shared.name, service = %addr, "connected again: service marked UP");
-            }
-        }
+        let connected_at = tokio::time::Instant::now();
+        // Kept until the connection proves itself (see SHORT_LIVED).
+        let failed_backoff = backoff;
         backoff = BACKOFF_MIN;
+        if let Err(e) = socket2::SockRef::from(&stream).set_tcp_keepalive(
+            &socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_IDLE),
+        ) && shared.log.allow(shared.now())
+        {
+            tracing::debug!(vserver = %shared.name, service = %addr, error = %e, "cannot set TCP keepalive");
+        }
         let _ = stream.set_nodelay(true);
         let dst = stream.local_addr().unwrap_or(addr);
         let (read, mut write) = stream.into_split();
@@ -663,44 +754,111 @@ async fn service_loop(
         // The core reads a member origin only to tell a service from a client, so the index
         // at connect time serves for the life of the connection.
         let origin = Origin::Member(shared.current.load().index_of(&link).unwrap_or(0));
+        // Set once the service has sent anything: until then the requests written on this
+        // connection are kept, and handed to the next-ranked members if it closes first.
+        let heard = Arc::new(AtomicBool::new(false));
+        let reader_heard = Arc::clone(&heard);
         let mut reader = tokio::spawn(async move {
-            read_messages(&reader_shared, read, origin, addr, dst, &reply_tx).await;
+            read_messages(
+                &reader_shared,
+                read,
+                origin,
+                addr,
+                dst,
+                &reply_tx,
+                Some(&reader_heard),
+            )
+            .await;
         });
-        if let Some(b) = pending.take() {
-            match write_unless_retired(&mut write, &b, &link).await {
-                Wrote::Done => {}
-                // Retired: the top of the loop hands the queue back.
-                Wrote::Failed | Wrote::Retired => {
-                    reader.abort();
-                    continue;
-                }
-            }
-        }
+        let mut unanswered: Vec<Bytes> = Vec::new();
         // The connection ends when it fails (then reconnect) or when the link is retired,
-        // between two messages or in the middle of a write.
+        // between two messages or in the middle of a write. A request whose write fails or is
+        // cut short is chosen again, never lost.
+        let mut first = pending.take();
+        let mut proven = false;
         let retired_mid_write = loop {
-            let wrote = tokio::select! {
-                msg = rx.recv() => match msg {
-                    Some(b) => write_unless_retired(&mut write, &b, &link).await,
-                    None => {
-                        reader.abort();
-                        return;
+            let (wrote, request) = if let Some(b) = first.take() {
+                (write_unless_retired(&mut write, &b, &link).await, Some(b))
+            } else {
+                tokio::select! {
+                    msg = rx.recv() => match msg {
+                        Some(b) => (write_unless_retired(&mut write, &b, &link).await, Some(b)),
+                        None => {
+                            reader.abort();
+                            return;
+                        }
+                    },
+                    Some(b) = reply_rx.recv() => (write_unless_retired(&mut write, &b, &link).await, None),
+                    _ = &mut reader => (Wrote::Failed, None),
+                    () = link.retired() => break None,
+                    () = tokio::time::sleep_until(connected_at + SHORT_LIVED), if !proven => {
+                        proven = true;
+                        if down {
+                            down = false;
+                            mark_up_again(&shared, &link);
+                        }
+                        (Wrote::Done, None)
                     }
-                },
-                Some(b) = reply_rx.recv() => write_unless_retired(&mut write, &b, &link).await,
-                _ = &mut reader => Wrote::Failed,
-                () = link.retired() => break false,
+                }
             };
             match wrote {
-                Wrote::Done => {}
-                Wrote::Retired => break true,
+                Wrote::Done => {
+                    if let Some(b) = request {
+                        if heard.load(Ordering::Relaxed) {
+                            unanswered = Vec::new();
+                        } else if unanswered.len() < UNANSWERED_KEPT {
+                            unanswered.push(b);
+                        }
+                    }
+                }
+                Wrote::Retired => break Some(request),
                 Wrote::Failed => {
                     reader.abort();
+                    pending = request;
+                    // Closed before answering anything: what it was given goes elsewhere
+                    // (after the member is marked DOWN, when it closed at once, so that the
+                    // choice passes it over).
+                    let unanswered = if heard.load(Ordering::Relaxed) {
+                        Vec::new()
+                    } else {
+                        std::mem::take(&mut unanswered)
+                    };
+                    let short_lived = connected_at.elapsed() < SHORT_LIVED;
+                    if short_lived {
+                        // Accepted and closed at once: as good as refused.
+                        backoff = failed_backoff;
+                        let g = shared.current.load();
+                        if let Some(m) = g.index_of(&link)
+                            && g.core.balancer().health(m) == Some(Health::Up)
+                        {
+                            g.core.balancer().set_health(m, Health::Down, shared.now());
+                            tracing::warn!(vserver = %shared.name, service = %addr, "connection closed at once: service marked DOWN");
+                        }
+                    }
+                    for b in unanswered {
+                        shared.redispatch(&link, b);
+                    }
+                    if short_lived {
+                        if connect_failed(&shared, &link, &mut pending, &mut rx, &mut backoff).await
+                        {
+                            return;
+                        }
+                        down = true;
+                    }
                     continue 'link;
                 }
             }
         };
-        retire(&shared, &link, None, &mut rx);
+        let retired_mid_write = match retired_mid_write {
+            Some(request) => {
+                retire(&shared, &link, request, &mut rx);
+                true
+            }
+            None => {
+                retire(&shared, &link, None, &mut rx);
+                false
+            }
+        };
         if retired_mid_write {
             // The service stopped reading: the connection holds part of a message, so
             // nothing more can go on it; it is closed without a drain.
@@ -731,6 +889,56 @@ async fn service_loop(
         let _ = write.shutdown().await;
         tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
         return;
+    }
+}
+
+/// A connect to `link`'s service failed (or the connection closed at once): count it, report
+/// it to the service's monitor, mark the service DOWN (a member the operator took
+/// OUT_OF_SERVICE stays so), hand `pending` and the queue to the next-ranked members, and
+/// wait out the backoff (doubled for next time). True when the vserver is stopping.
+async fn connect_failed(
+    shared: &TcpShared,
+    link: &ServiceLink,
+    pending: &mut Option<Bytes>,
+    rx: &mut mpsc::Receiver<Bytes>,
+    backoff: &mut Duration,
+) -> bool {
+    bump(&shared.counters.service_connect_failures);
+    {
+        let g = shared.current.load();
+        if let Some(m) = g.index_of(link) {
+            let b = g.core.balancer();
+            b.report_failure(m);
+            // Checked against the current balancer: a reload may have built one that starts
+            // this member UP again.
+            if b.health(m) == Some(Health::Up) {
+                b.set_health(m, Health::Down, shared.now());
+                tracing::warn!(vserver = %shared.name, service = %link.addr, "cannot connect: service marked DOWN");
+            }
+        }
+    }
+    // Requests queued for the dead service go to the next-ranked member.
+    shared.redispatch_queued(link, pending.take(), rx);
+    if shared.stop.load(Ordering::Relaxed) {
+        return true;
+    }
+    tokio::select! {
+        () = tokio::time::sleep(*backoff) => {}
+        () = link.retired() => {}
+    }
+    *backoff = (*backoff * 2).min(BACKOFF_MAX);
+    false
+}
+
+/// The service a failed connect marked DOWN has kept a connection for [`SHORT_LIVED`]: UP
+/// again (unless something else, such as its monitor, has set it otherwise meanwhile).
+fn mark_up_again(shared: &TcpShared, link: &ServiceLink) {
+    let g = shared.current.load();
+    if let Some(m) = g.index_of(link)
+        && g.core.balancer().health(m) == Some(Health::Down)
+    {
+        g.core.balancer().set_health(m, Health::Up, shared.now());
+        tracing::info!(vserver = %shared.name, service = %link.addr, "connected again: service marked UP");
     }
 }
 
