@@ -425,8 +425,32 @@ impl Balancer {
         now: Nanos,
         avoid: &dyn Fn(usize) -> bool,
     ) -> Option<Choice> {
+        self.choose_with(key, now, avoid, &|_| false)
+    }
+
+    /// Choose for a key whose flow may already be established on some members (`holds`):
+    /// such a member takes it whenever it still accepts existing flows (UP or draining),
+    /// even at its `max_clients` or above its bounded load, which the flow itself counts
+    /// toward. Used where one client's flows are chosen datagram by datagram (udp `token`
+    /// on the payload), so that a flow's own session does not push it off its service.
+    pub fn choose_holding(
+        &self,
+        key: KeyInput,
+        now: Nanos,
+        holds: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
+        self.choose_with(key, now, &|_| false, holds)
+    }
+
+    fn choose_with(
+        &self,
+        key: KeyInput,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+        holds: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
         let choice = if self.method.is_hash() {
-            self.choose_hash(key, now, avoid)
+            self.choose_hash(key, now, avoid, holds)
         } else {
             self.choose_method(self.method, now, avoid)
                 .map(|member| Choice {
@@ -450,11 +474,15 @@ impl Balancer {
         key: KeyInput,
         now: Nanos,
         avoid: &dyn Fn(usize) -> bool,
+        holds: &dyn Fn(usize) -> bool,
     ) -> Option<Choice> {
         match key {
             KeyInput::Hash(h) => {
                 let selector = self.selector.load();
-                if let Some((member, rank)) = selector.pick(h, |i| self.is_usable(i) && !avoid(i)) {
+                let eligible = |i: usize| {
+                    !avoid(i) && (self.is_usable(i) || holds(i) && self.accepts_existing(i))
+                };
+                if let Some((member, rank)) = selector.pick(h, eligible) {
                     let path = if rank == 0 {
                         Path::Hash
                     } else {

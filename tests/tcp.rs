@@ -169,6 +169,40 @@ fn connection_limit_refuses_and_least_connection_counts_live_connections() {
     assert!(tcp_ask(vs, b"again").is_ok());
 }
 
+/// A burst of connections, all chosen before any of their connects completes, still sees
+/// `max_clients`: each counts on its service from the moment it is chosen.
+#[test]
+fn max_clients_holds_for_a_burst_of_connections() {
+    let svc = services("tcp", 3, "127.0.0.1");
+    let text = config("tcp", "127.0.0.1:0", "least_connection", "", &refs(&svc))
+        .replace("protocol: tcp }", "protocol: tcp, max_clients: 1 }");
+    assert_eq!(text.matches("max_clients: 1").count(), 3, "{text}");
+    let rt = start(&text);
+    let vs = bound(&rt, "v");
+    // Ten connections at once, each sending before any is answered.
+    let mut conns: Vec<TcpStream> = (0..10)
+        .map(|_| TcpStream::connect(vs).expect("connect"))
+        .collect();
+    for (i, c) in conns.iter_mut().enumerate() {
+        c.write_all(format!("burst {i}").as_bytes()).expect("write");
+    }
+    let mut served = HashMap::new();
+    for c in &mut conns {
+        let _ = c.shutdown(Shutdown::Write);
+        c.set_read_timeout(Some(ANSWER)).expect("timeout");
+        let mut out = Vec::new();
+        let _ = c.read_to_end(&mut out);
+        if let Some(a) = parse_answer(&out) {
+            *served.entry(a.service).or_insert(0) += 1;
+        }
+    }
+    assert!(
+        served.values().all(|&n| n == 1) && served.len() <= 3,
+        "at most one connection per service: {served:?}"
+    );
+    assert!(!served.is_empty());
+}
+
 /// `workers: 3`: three threads, each with its own listener on the vserver's one port.
 /// Connections are served whichever thread accepted them, the connection bound and the
 /// services' live-connection counts (least_connection's input) see them all, and a

@@ -312,6 +312,50 @@ fn token_on_the_payload_chooses_per_datagram() {
     assert!(udp_ask(&c, vs, b"ab").is_some());
 }
 
+/// Per-datagram choice with `max_clients: 1`: a client's own session on its service does not
+/// count against it, so every datagram of the flow stays there (each counted once).
+#[test]
+fn a_token_flow_keeps_its_service_at_max_clients() {
+    let svc = services("udp", 3, "127.0.0.1");
+    let text = config(
+        "udp",
+        "127.0.0.1:0",
+        "token",
+        "token: { offset: 0, length: 4 }",
+        &refs(&svc),
+    )
+    .replace("protocol: udp }", "protocol: udp, max_clients: 1 }");
+    assert_eq!(text.matches("max_clients: 1").count(), 3, "{text}");
+    let rt = start(&text);
+    let vs = bound(&rt, "v");
+    let c = udp_client("127.0.0.1");
+    let first = udp_ask(&c, vs, b"tok1-0").expect("answer").0.service;
+    for i in 1..5 {
+        let p = format!("tok1-{i}");
+        assert_eq!(
+            udp_ask(&c, vs, p.as_bytes()).expect("answer").0.service,
+            first,
+            "datagram {i}"
+        );
+    }
+    let core = udp_core(&rt, "v");
+    assert_eq!(core.sessions(), 1);
+    let b = core.balancer();
+    use fulcrum::balancer::Path;
+    let counted: u64 = [
+        Path::Hash,
+        Path::NextRanked,
+        Path::Affinity,
+        Path::Method,
+        Path::FallbackLeastConnection,
+        Path::FallbackRoundRobin,
+    ]
+    .into_iter()
+    .map(|p| b.path_count(p))
+    .sum();
+    assert_eq!(counted, 5, "one selection per datagram");
+}
+
 #[test]
 fn proxy_v2_header_carries_the_client_address() {
     let (_rt, vs) = start_loopback("udp", 2, "round_robin", "send_proxy: v2");

@@ -360,6 +360,18 @@ impl Drop for Live<'_> {
     }
 }
 
+/// A connection counted open on a member while its connect is under way: given back when
+/// dropped (a failed connect, or the task ending meanwhile) unless taken over.
+struct Reserved<'a>(Option<&'a ServiceCounters>);
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.0 {
+            c.close();
+        }
+    }
+}
+
 async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     let mut live = Live {
         core: &core,
@@ -393,9 +405,9 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
         bump(&core.counters.no_service);
         return;
     };
+    // Already counted open on the member by `connect_any`.
     let counters = core.balancer.counters(member);
     if let Some(c) = counters {
-        c.open();
         c.record_request();
     }
     live.member = counters;
@@ -473,8 +485,20 @@ async fn connect_any(
             .balancer
             .choose_avoiding(key, core.now(), &|m| failed.contains(&m))?;
         let addr = core.member_addrs.get(choice.member).copied()?;
+        // Counted on the member from the moment it is chosen, not once connected: the
+        // connections of one burst, all chosen before any connect completes, must see each
+        // other (max_clients, least_connection, bounded loads). The caller's `Live` gives it
+        // back when the connection ends; a failed connect gives it back here.
+        let mut reserved = Reserved(core.balancer.counters(choice.member));
+        if let Some(c) = reserved.0 {
+            c.open();
+        }
         match tokio::time::timeout(CONNECT_TIMEOUT, connect(addr, client, core.transparent)).await {
-            Ok(Ok(s)) => return Some((s, choice.member)),
+            Ok(Ok(s)) => {
+                // Kept: the caller's `Live` owns it from here.
+                reserved.0 = None;
+                return Some((s, choice.member));
+            }
             Ok(Err(e)) => {
                 tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
             }
@@ -482,6 +506,7 @@ async fn connect_any(
                 tracing::debug!(vserver = %core.name, service = %addr, "connect timed out");
             }
         }
+        drop(reserved);
         bump(&core.counters.connect_failures);
         // Passive detection (SPEC §5): the service's monitor counts this as a failure.
         core.balancer.report_failure(choice.member);

@@ -203,12 +203,15 @@ impl UdpCore {
         self.member_addrs.get(member).copied()
     }
 
+    /// The member for a datagram; `holds(m)`: this flow already has a session on `m` (see
+    /// [`Balancer::choose_holding`]).
     fn choose(
         &self,
         payload: &[u8],
         client: SocketAddr,
         local: SocketAddr,
         now: Nanos,
+        holds: &dyn Fn(usize) -> bool,
     ) -> Option<usize> {
         let ctx = RequestCtx {
             src: client,
@@ -220,7 +223,9 @@ impl UdpCore {
             KeyOutcome::NoKey => KeyInput::NoKey,
             KeyOutcome::Unparseable => KeyInput::Unparseable,
         };
-        self.balancer.choose(key, now).map(|c| c.member)
+        self.balancer
+            .choose_holding(key, now, holds)
+            .map(|c| c.member)
     }
 
     /// Decide where a datagram from `client` to `local` goes. A session keeps its member
@@ -234,7 +239,17 @@ impl UdpCore {
         now: Nanos,
     ) -> Decision {
         let (key, chosen) = if self.per_datagram {
-            match self.choose(payload, client, local, now) {
+            // Each datagram is chosen for; the member already holding this client's session
+            // for the key keeps it (its own session must not count against it).
+            let holds = |m: usize| {
+                let key = SessionKey {
+                    client,
+                    local,
+                    member: u32::try_from(m).ok(),
+                };
+                table.find(&key, now).is_some()
+            };
+            match self.choose(payload, client, local, now, &holds) {
                 Some(m) => (
                     SessionKey {
                         client,
@@ -259,14 +274,17 @@ impl UdpCore {
         if let Some(id) = table.find(&key, now) {
             let member = table.get(id).map_or(0, |s| s.member as usize);
             if self.balancer.health(member) != Some(Health::Down) {
-                self.balancer.count_affinity();
+                // Per datagram, the choice above was counted already.
+                if chosen.is_none() {
+                    self.balancer.count_affinity();
+                }
                 return Decision::Existing(id);
             }
             replace = Some(id);
         }
         let member = match chosen {
             Some(m) => Some(m),
-            None => self.choose(payload, client, local, now),
+            None => self.choose(payload, client, local, now, &|_| false),
         };
         match member {
             Some(member) => Decision::New {
