@@ -169,6 +169,67 @@ fn connection_limit_refuses_and_least_connection_counts_live_connections() {
     assert!(tcp_ask(vs, b"again").is_ok());
 }
 
+/// A TCP service that answers each chunk it reads with `name` after `delay`.
+fn delayed_service(name: &'static str, delay: Duration) -> SocketAddr {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut c) = conn else { continue };
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 256];
+                while let Ok(n) = c.read(&mut buf) {
+                    if n == 0 {
+                        return;
+                    }
+                    std::thread::sleep(delay);
+                    if c.write_all(name.as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// least_response_time learns the services' response times from the traffic it relays
+/// (request to first byte back) and sends new connections to the quicker one.
+#[test]
+fn least_response_time_measures_the_relayed_traffic() {
+    let fast = delayed_service("fast", Duration::from_millis(1));
+    let slow = delayed_service("slow", Duration::from_millis(150));
+    let svc = vec![("fast".to_owned(), fast), ("slow".to_owned(), slow)];
+    let (rt, vs) = start_over("tcp", "127.0.0.1:0", "least_response_time", "", &svc);
+    let ask = || {
+        let mut c = TcpStream::connect(vs).expect("connect");
+        c.set_read_timeout(Some(ANSWER)).expect("timeout");
+        c.write_all(b"ping").expect("write");
+        let mut got = [0u8; 4];
+        c.read_exact(&mut got).expect("answer");
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    // Until both are measured every service is alike; afterwards the quick one wins.
+    let first: Vec<String> = (0..2).map(|_| ask()).collect();
+    assert!(
+        first.contains(&"fast".to_owned()) && first.contains(&"slow".to_owned()),
+        "{first:?}"
+    );
+    let core = tcp_core(&rt, "v");
+    let b = Arc::clone(core.balancer());
+    let time = |m: usize| b.counters(m).and_then(|c| c.response_time_us());
+    assert!(
+        wait_until(ANSWER, || time(0).is_some() && time(1).is_some()),
+        "both services measured: {:?} {:?}",
+        time(0),
+        time(1)
+    );
+    let times: Vec<u64> = (0..2).map(|m| time(m).unwrap_or(0)).collect();
+    assert!(times[0] < 50_000 && times[1] >= 140_000, "{times:?}");
+    let later: Vec<String> = (0..6).map(|_| ask()).collect();
+    assert!(later.iter().all(|s| s == "fast"), "{later:?}");
+}
+
 /// A burst of connections, all chosen before any of their connects completes, still sees
 /// `max_clients`: each counts on its service from the moment it is chosen.
 #[test]
@@ -186,6 +247,17 @@ fn max_clients_holds_for_a_burst_of_connections() {
     for (i, c) in conns.iter_mut().enumerate() {
         c.write_all(format!("burst {i}").as_bytes()).expect("write");
     }
+    // Every connection has been given a service or refused before any of them ends (an
+    // ending one frees its place, which a later one may then take).
+    let core = tcp_core(&rt, "v");
+    let b = Arc::clone(core.balancer());
+    let decided = || {
+        let active: u64 = (0..3)
+            .map(|m| b.counters(m).map_or(0, |c| c.active()))
+            .sum();
+        active + core.counters.no_service.load(Ordering::Relaxed) == 10
+    };
+    assert!(wait_until(ANSWER, decided), "all ten decided");
     let mut served = HashMap::new();
     for c in &mut conns {
         let _ = c.shutdown(Shutdown::Write);

@@ -312,6 +312,59 @@ fn token_on_the_payload_chooses_per_datagram() {
     assert!(udp_ask(&c, vs, b"ab").is_some());
 }
 
+/// A UDP service that answers every datagram with `name` after `delay`.
+fn delayed_udp_service(name: &'static str, delay: Duration) -> SocketAddr {
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let addr = s.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while let Ok((_, from)) = s.recv_from(&mut buf) {
+            std::thread::sleep(delay);
+            let _ = s.send_to(name.as_bytes(), from);
+        }
+    });
+    addr
+}
+
+/// least_response_time learns each service's response time from the sessions it relays
+/// (a client's datagram to the service's first reply) and gives new sessions to the quicker.
+#[test]
+fn least_response_time_measures_the_sessions() {
+    let fast = delayed_udp_service("fast", Duration::from_millis(1));
+    let slow = delayed_udp_service("slow", Duration::from_millis(100));
+    let svc = vec![("fast".to_owned(), fast), ("slow".to_owned(), slow)];
+    let (rt, vs) = start_over("udp", "127.0.0.1:0", "least_response_time", "", &svc);
+    let mut clients = Vec::new();
+    let mut ask = || {
+        let c = udp_client("127.0.0.1");
+        c.send_to(b"ping", vs).expect("send");
+        let mut buf = [0u8; 64];
+        let (n, _) = c.recv_from(&mut buf).expect("answer");
+        clients.push(c);
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    };
+    let first: Vec<String> = (0..2).map(|_| ask()).collect();
+    assert!(
+        first.contains(&"fast".to_owned()) && first.contains(&"slow".to_owned()),
+        "{first:?}"
+    );
+    let core = udp_core(&rt, "v");
+    let b = core.balancer();
+    let time = |m: usize| b.counters(m).and_then(|c| c.response_time_us());
+    assert!(
+        wait_until(ANSWER, || time(0).is_some() && time(1).is_some()),
+        "both services measured"
+    );
+    assert!(
+        time(0) < Some(50_000) && time(1) >= Some(90_000),
+        "{:?} {:?}",
+        time(0),
+        time(1)
+    );
+    let later: Vec<String> = (0..6).map(|_| ask()).collect();
+    assert!(later.iter().all(|s| s == "fast"), "{later:?}");
+}
+
 /// Per-datagram choice with `max_clients: 1`: a client's own session on its service does not
 /// count against it, so every datagram of the flow stays there (each counted once).
 #[test]

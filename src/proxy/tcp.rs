@@ -424,7 +424,8 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     } else {
         first
     };
-    if !prefix.is_empty() {
+    let wrote_first = !prefix.is_empty();
+    if wrote_first {
         if write_all(&upstream, &prefix).await.is_err() {
             bump(&core.counters.service_errors);
             return;
@@ -434,7 +435,9 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
             .fetch_add(prefix.len() as u64, Ordering::Relaxed);
     }
     drop(prefix);
-    relay(&core, &client, &upstream, counters).await;
+    // Bytes already went to the service: its answer to them is timed from now.
+    let asked_at = if wrote_first { core.now().max(1) } else { 0 };
+    relay(&core, &client, &upstream, counters, asked_at).await;
 }
 
 /// Read what the method needs before choosing: `Some(bytes)` (possibly incomplete after
@@ -582,16 +585,24 @@ async fn relay(
     client: &TcpStream,
     upstream: &TcpStream,
     counters: Option<&ServiceCounters>,
+    asked_at: Nanos,
 ) {
     let last = AtomicU64::new(core.now());
     let ended = AtomicBool::new(false);
+    // When the client's bytes now awaiting an answer went to the service (0: none awaits):
+    // the service's first bytes after them give one response time (least_response_time).
+    let asked = AtomicU64::new(asked_at);
     // The two directions are made inside the joining future, not before it: captured, they
     // would be stored twice in the connection's task (as captures and as the join's state).
     let (last, ended) = (&last, &ended);
+    let timing = Timing {
+        asked: &asked,
+        counters,
+    };
     let both = async move {
         tokio::try_join!(
-            pump(core, client, upstream, last, ended, counters, true),
-            pump(core, upstream, client, last, ended, counters, false),
+            pump(core, client, upstream, last, ended, timing, true),
+            pump(core, upstream, client, last, ended, timing, false),
         )
     };
     tokio::select! {
@@ -654,15 +665,45 @@ enum Step {
 
 /// One direction: `from` → `to`. On EOF from `from`, shut down the write side of `to` (the
 /// half-close is passed on) and finish; the other direction keeps flowing.
+/// The passive response-time measurement of one connection, shared by its two directions:
+/// a request is the client's bytes sent while no answer is awaited, its response time the
+/// wait for the service's next bytes (request to first byte, as an ADC measures it).
+#[derive(Clone, Copy)]
+struct Timing<'a> {
+    asked: &'a AtomicU64,
+    counters: Option<&'a ServiceCounters>,
+}
+
+impl Timing<'_> {
+    /// `n` bytes moved at `now`, from the client (`inbound`) or from the service.
+    fn moved(&self, inbound: bool, now: Nanos) {
+        let Some(c) = self.counters else {
+            return;
+        };
+        if inbound {
+            // Only the first bytes of a request start the clock.
+            let _ =
+                self.asked
+                    .compare_exchange(0, now.max(1), Ordering::Relaxed, Ordering::Relaxed);
+        } else {
+            let asked = self.asked.swap(0, Ordering::Relaxed);
+            if asked != 0 {
+                c.record_response_time(now.saturating_sub(asked) / 1_000);
+            }
+        }
+    }
+}
+
 async fn pump(
     core: &TcpCore,
     from: &TcpStream,
     to: &TcpStream,
     last: &AtomicU64,
     ended: &AtomicBool,
-    counters: Option<&ServiceCounters>,
+    timing: Timing<'_>,
     inbound: bool,
 ) -> Result<(), Side> {
+    let counters = timing.counters;
     let (from_side, to_side) = if inbound {
         (Side::Client, Side::Service)
     } else {
@@ -716,6 +757,7 @@ async fn pump(
         };
         let now = core.now();
         last.store(now, Ordering::Relaxed);
+        timing.moved(inbound, now);
         let total = if inbound {
             &core.counters.bytes_in
         } else {

@@ -944,9 +944,12 @@ impl Worker {
             }
             // One update of the session and of the member's shared counters per batch, not
             // per datagram.
-            self.table.touch(id, k as u64, bytes, false, now);
+            let answered_in = self.table.touch(id, k as u64, bytes, false, now);
             if let Some(c) = self.core.balancer.counters(member) {
                 c.record_traffic(bytes, k as u64, now);
+                if let Some(ns) = answered_in {
+                    c.record_response_time(ns / 1_000);
+                }
             }
             handled += k;
             // A short batch: the socket is drained (a later reply raises a new edge).

@@ -39,6 +39,8 @@ pub struct Session<R> {
     pub bytes_in: u64,
     pub packets_out: u64,
     pub bytes_out: u64,
+    /// When the client's datagrams now awaiting a reply were relayed (0: none awaits).
+    pub asked_at: Nanos,
     pub resource: R,
 }
 
@@ -159,6 +161,7 @@ impl<R> SessionTable<R> {
             bytes_in: 0,
             packets_out: 0,
             bytes_out: 0,
+            asked_at: 0,
             resource,
         };
         let id = match self.free.pop() {
@@ -178,17 +181,31 @@ impl<R> SessionTable<R> {
     }
 
     /// `packets` datagrams (`bytes` in all) from the client (`inbound`) or from the service
-    /// were relayed.
-    pub fn touch(&mut self, id: SessionId, packets: u64, bytes: u64, inbound: bool, now: Nanos) {
-        if let Some(s) = self.get_mut(id) {
-            s.last_seen = s.last_seen.max(now);
-            if inbound {
-                s.packets_in = s.packets_in.saturating_add(packets);
-                s.bytes_in = s.bytes_in.saturating_add(bytes);
-            } else {
-                s.packets_out = s.packets_out.saturating_add(packets);
-                s.bytes_out = s.bytes_out.saturating_add(bytes);
+    /// were relayed. Returns the service's response time when these are its first replies
+    /// since the client's datagrams it answers (request to first reply, for
+    /// least_response_time).
+    pub fn touch(
+        &mut self,
+        id: SessionId,
+        packets: u64,
+        bytes: u64,
+        inbound: bool,
+        now: Nanos,
+    ) -> Option<Nanos> {
+        let s = self.get_mut(id)?;
+        s.last_seen = s.last_seen.max(now);
+        if inbound {
+            s.packets_in = s.packets_in.saturating_add(packets);
+            s.bytes_in = s.bytes_in.saturating_add(bytes);
+            if s.asked_at == 0 {
+                s.asked_at = now.max(1);
             }
+            None
+        } else {
+            s.packets_out = s.packets_out.saturating_add(packets);
+            s.bytes_out = s.bytes_out.saturating_add(bytes);
+            let asked = std::mem::take(&mut s.asked_at);
+            (asked != 0).then(|| now.saturating_sub(asked))
         }
     }
 
@@ -363,6 +380,30 @@ mod tests {
         assert_eq!(live.load(Ordering::Relaxed), 0);
         assert!(a.remove(id).is_none(), "double remove is harmless");
         assert_eq!(live.load(Ordering::Relaxed), 0);
+    }
+
+    /// A session times its service: from the client's first datagram awaiting a reply to the
+    /// service's first reply.
+    #[test]
+    fn touch_measures_request_to_first_reply() {
+        let mut t = table(10);
+        t.admit();
+        let (id, _) = t.insert(key(1, None), 0, 0, 1, 0);
+        assert_eq!(t.touch(id, 1, 50, false, 100), None, "a reply to nothing");
+        assert_eq!(t.touch(id, 1, 50, true, 1_000), None);
+        assert_eq!(
+            t.touch(id, 1, 50, true, 1_200),
+            None,
+            "the first request starts the clock"
+        );
+        assert_eq!(t.touch(id, 2, 90, false, 1_700), Some(700));
+        assert_eq!(
+            t.touch(id, 1, 40, false, 1_800),
+            None,
+            "later replies answer nothing new"
+        );
+        assert_eq!(t.touch(id, 1, 50, true, 2_000), None);
+        assert_eq!(t.touch(id, 1, 40, false, 2_050), Some(50));
     }
 
     /// A returning client whose session expired but was not swept gets its place back
