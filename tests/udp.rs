@@ -394,18 +394,10 @@ fn a_token_flow_keeps_its_service_at_max_clients() {
     let core = udp_core(&rt, "v");
     assert_eq!(core.sessions(), 1);
     let b = core.balancer();
-    use fulcrum::balancer::Path;
-    let counted: u64 = [
-        Path::Hash,
-        Path::NextRanked,
-        Path::Affinity,
-        Path::Method,
-        Path::FallbackLeastConnection,
-        Path::FallbackRoundRobin,
-    ]
-    .into_iter()
-    .map(|p| b.path_count(p))
-    .sum();
+    let counted: u64 = fulcrum::balancer::Path::ALL
+        .into_iter()
+        .map(|p| b.path_count(p))
+        .sum();
     assert_eq!(counted, 5, "one selection per datagram");
 }
 
