@@ -44,6 +44,9 @@ pub struct Ops {
     path: Option<PathBuf>,
     rates: Mutex<RateSample>,
     reload_lock: Mutex<()>,
+    /// Set by [`Ops::drain`]: from then on nothing may undo the drain (enable a service,
+    /// reload and so restart monitors that would bring services UP again).
+    draining: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for Ops {
@@ -80,6 +83,7 @@ impl Ops {
             path,
             rates: Mutex::new(RateSample::default()),
             reload_lock: Mutex::new(()),
+            draining: std::sync::atomic::AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&ops);
         ops.tokio.spawn(async move {
@@ -166,6 +170,11 @@ impl Ops {
     }
 
     /// Operator disable / enable of a service in every vserver. `false` if unknown.
+    /// Whether a graceful stop has begun (see [`Ops::drain`]).
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     pub fn set_disabled(&self, service: &str, disabled: bool) -> bool {
         let ok = self.health.set_disabled(service, disabled);
         if ok {
@@ -204,6 +213,9 @@ impl Ops {
     /// Apply a validated config (the second half of [`Ops::reload`]).
     pub fn apply(&self, new: Config) -> Result<Vec<String>, ReloadError> {
         let _one_at_a_time = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if self.is_draining() {
+            return Err(ReloadError::ShutDown);
+        }
         let old = self.config();
         let plan = reload::plan(&old, &new).map_err(ReloadError::NeedsRestart)?;
         if self.runtime().is_none() {
@@ -267,6 +279,10 @@ impl Ops {
     /// connections continue), wait until none is active or `timeout` passes, then stop the
     /// workers. Returns the flows still active when it gave up.
     pub fn drain(&self, timeout: Duration) -> u64 {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
+        // A reload under way finishes before the monitors stop (none starts after this).
+        drop(self.reload_lock.lock().unwrap_or_else(|e| e.into_inner()));
         self.health.stop_monitors();
         let active = || {
             self.with_vservers(|vs, now| {

@@ -629,6 +629,18 @@ fn drain_refuses_new_calls_and_waits_for_established_ones() {
         .final_response(Duration::from_secs(2))
         .expect("answered");
     assert_eq!(code, 503, "new calls are refused while draining");
+    // Nothing undoes the drain: enabling a service or reloading is refused.
+    for (method, path) in [("POST", "/services/s0/enable"), ("POST", "/reload")] {
+        assert_eq!(
+            router::handle(&ops, &Request::new(method, path)).status,
+            503,
+            "{path}"
+        );
+    }
+    assert_eq!(
+        service(&get(&ops, "/status"), "s0")["state"],
+        "OUT_OF_SERVICE"
+    );
     assert_eq!(
         bye(&mut uac, "in-flight", &tag),
         200,

@@ -110,6 +110,10 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
         return Response::error(400, "bad percent-encoding in the path");
     };
     let segs: Vec<&str> = decoded.iter().map(String::as_str).collect();
+    // During a graceful stop every service is draining: nothing may bring one back.
+    if ops.is_draining() && matches!(req.method.as_str(), "POST" | "PUT") {
+        return Response::error(503, "the proxy is shutting down");
+    }
     match (req.method.as_str(), segs.as_slice()) {
         ("GET", ["status"]) => Response::json(200, &status(ops)),
         ("GET", ["metrics"]) => Response {

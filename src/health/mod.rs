@@ -307,11 +307,21 @@ impl HealthBoard {
                 tracing::debug!(service = name, monitor = %m.name, error = %e, "probe failed");
             }
         }
+        let passive = matches!(result, Err(probe::ProbeError::Passive));
         let transition = {
             let mut g = rec.lock();
             match g.as_mut() {
                 // A probe of a monitor replaced by reload meanwhile is ignored.
-                Some((cur, st)) if cur == m => st.observe(alive),
+                Some((cur, st)) if cur == m => {
+                    // Before its first probe result a service is UP unconfirmed, and one
+                    // failure would take it DOWN: only a probe may do that, never a report of
+                    // the data path alone (which then counts from the next probe on).
+                    if passive && st.phase() == state::Phase::Unconfirmed {
+                        None
+                    } else {
+                        st.observe(alive)
+                    }
+                }
                 _ => None,
             }
         };
@@ -406,6 +416,36 @@ mod tests {
         assert!(board.set_disabled("a", false));
         assert_eq!(b2.health(1), Some(Health::Up));
         assert!(!board.set_disabled("nope", true));
+    }
+
+    /// A report of the data path alone never takes down a service no probe has answered
+    /// yet (UP unconfirmed); once a probe has, it counts like a failed probe.
+    #[test]
+    fn a_passive_failure_waits_for_the_first_probe() {
+        let cfg = config();
+        let b1 = Arc::new(Balancer::new(&cfg, &cfg.vservers[0]));
+        let b2 = Arc::new(Balancer::new(&cfg, &cfg.vservers[1]));
+        let board = HealthBoard::new(&cfg, placements([&b1, &b2]), Instant::now());
+        let m = cfg.monitors[0].clone();
+        let passive = || Err(probe::ProbeError::Passive);
+        board.record("a", &m, passive());
+        assert_eq!(
+            b1.health(0),
+            Some(Health::Up),
+            "unconfirmed: not taken down"
+        );
+        board.record(
+            "a",
+            &m,
+            Ok(probe::ProbeReply {
+                rtt_us: 100,
+                status: None,
+                load: None,
+            }),
+        );
+        board.record("a", &m, passive());
+        board.record("a", &m, passive());
+        assert_eq!(b1.health(0), Some(Health::Down), "two failures of two");
     }
 
     #[test]
