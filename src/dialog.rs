@@ -149,6 +149,23 @@ impl DialogTable {
         Pin::New
     }
 
+    /// Pin a request that opens no dialog (OPTIONS, MESSAGE, PUBLISH) for the life of its
+    /// transaction only: an entry already ended, lingering [`ENDED_LINGER_MS`] (Timer F), so
+    /// that its retransmissions reach the same member, and never counted as load. Nothing
+    /// happens when the Call-ID is already in the table or the table is full.
+    pub fn linger(&self, call_hash: u64, member: u32, now_ms: u64) {
+        if self.map.len() >= self.max_entries {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let expire_at = now_ms.saturating_add(ENDED_LINGER_MS.min(self.idle_ms));
+        self.map.entry(call_hash).or_insert_with(|| Entry {
+            member,
+            last_seen_ms: AtomicU64::new(expire_at),
+            ended: AtomicBool::new(true),
+        });
+    }
+
     /// Mark a dialog ended (BYE / CANCEL): it keeps its pin for [`ENDED_LINGER_MS`], then
     /// expires. Returns its member the first time, so the caller stops counting its load.
     pub fn end(&self, call_hash: u64, now_ms: u64) -> Option<u32> {

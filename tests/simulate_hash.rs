@@ -223,6 +223,28 @@ fn simulate_hash_takes_the_prac_bound() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("1.005..=1.5"));
 }
 
+/// `lb.prac_max_share` holds for a light service beside a heavy one (its share is only a few
+/// dozen slots; these identities measured 1.0625 before its cap was clamped to the bound).
+#[test]
+fn the_prac_bound_holds_for_light_services() {
+    let file = ConfigFile::new(
+        "praclight",
+        "lb: { hash_algorithm: prac, prac_max_share: 1.05 }\n\
+         services:\n\
+         \x20 - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n\
+         \x20 - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n\
+         \x20 - { name: c, address: 127.0.0.1:5073, protocol: sip-udp, weight: 30 }\n\
+         vservers:\n\
+         \x20 - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, method: call_id_hash, services: [a, b, c] }\n",
+    );
+    let v = simulate_json(file.arg());
+    assert_eq!(v["prac_max_share"], 1.05);
+    for s in v["per_service"].as_array().expect("per service") {
+        let r = s["share_to_expected"].as_f64().expect("ratio");
+        assert!(r <= 1.05, "{}: {r}", s["name"]);
+    }
+}
+
 fn fulcrum(args: &[&str]) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_fulcrum"))
         .args(args)

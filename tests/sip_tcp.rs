@@ -385,6 +385,122 @@ fn a_service_that_accepts_and_closes_is_marked_down_and_loses_no_request() {
     let _ = closer_thread.join();
 }
 
+/// The message deadline times each message, not the connection: a client whose writes
+/// always end inside a message, but whose messages each complete at once, is served past the
+/// 10 s deadline (bounded: 11.5 s).
+#[test]
+fn steady_traffic_split_inside_messages_outlives_the_message_deadline() {
+    use fulcrum::proxy::runtime::DataPath;
+    let uas = TcpUas::start();
+    let (rt, proxy) = start(&[&uas]);
+    let shared = match &rt.vserver("v").expect("v").data {
+        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    };
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    let mut reader = client.try_clone().expect("clone");
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = std::sync::Arc::clone(&answered);
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        while read_message(&mut reader, &mut buf).is_some() {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    });
+    let start = Instant::now();
+    let mut tail = String::new();
+    let mut sent = 0;
+    while start.elapsed() < Duration::from_millis(11_500) {
+        let msg = request(
+            "OPTIONS",
+            &format!("steady-{sent}@x"),
+            local,
+            &format!("st{sent}"),
+        );
+        let cut = msg.len() - 20;
+        client
+            .write_all(format!("{tail}{}", &msg[..cut]).as_bytes())
+            .expect("write: the connection stays open");
+        tail = msg[cut..].to_owned();
+        sent += 1;
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    client.write_all(tail.as_bytes()).expect("last tail");
+    assert!(
+        common::wait_until(WAIT, || answered.load(Ordering::Relaxed) == sent),
+        "every request answered: {} of {sent}",
+        answered.load(Ordering::Relaxed)
+    );
+    assert_eq!(shared.counters.framing_errors.load(Ordering::Relaxed), 0);
+}
+
+/// A service that answers and then closes its connection is reconnected, not marked DOWN.
+#[test]
+fn a_service_that_answers_then_closes_stays_up() {
+    use fulcrum::proxy::runtime::DataPath;
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = l.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for conn in l.incoming() {
+            let Ok(mut stream) = conn else { continue };
+            let mut buf = Vec::new();
+            if let Some(m) = read_message(&mut stream, &mut buf) {
+                let msg = sip::scan(&m).expect("scan");
+                let ok = sip::Reply {
+                    code: 200,
+                    reason: "OK",
+                    retry_after_s: None,
+                };
+                let mut out = Vec::new();
+                if sip::build_response(&msg, &ok, &mut out).is_ok() {
+                    let _ = stream.write_all(&out);
+                }
+            }
+            // One answer per connection, then closed.
+        }
+    });
+    let y = format!(
+        "services:\n  - {{ name: once, address: {addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [once] }}\n"
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let proxy = rt.vserver("v").expect("v").bound[0];
+    let shared = match &rt.vserver("v").expect("v").data {
+        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    };
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    let mut buf = Vec::new();
+    for i in 0..5 {
+        client
+            .write_all(
+                request("OPTIONS", &format!("once-{i}@x"), local, &format!("on{i}")).as_bytes(),
+            )
+            .expect("write");
+        let resp = read_message(&mut client, &mut buf).expect("answered");
+        assert_eq!(
+            sip::scan(&resp).ok().and_then(|m| m.status_code()),
+            Some(200),
+            "request {i}"
+        );
+        // Its connection is gone before the next request (no race with the close).
+        assert!(common::wait_until(Duration::from_secs(2), || {
+            shared.core().balancer().health(0) == Some(Health::Up)
+        }));
+    }
+    assert_eq!(shared.core().balancer().health(0), Some(Health::Up));
+    assert_eq!(
+        shared
+            .counters
+            .service_connect_failures
+            .load(Ordering::Relaxed),
+        0,
+        "never taken for a refused connect"
+    );
+}
+
 #[test]
 fn a_request_no_service_can_take_after_a_failed_connect_is_answered_503() {
     let dead = common::closed_port("127.0.0.1");

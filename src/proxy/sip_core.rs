@@ -252,7 +252,14 @@ impl SipCore {
             }
         } else {
             bump(&self.counters.responses_in);
-            let from_member = matches!(origin, Origin::Member(_));
+            // On datagrams a service may answer from another port than the one it is
+            // configured on (fulcrum's Via asks for no rport, RFC 3261 §18.2.2): a response
+            // from a service's host is a service's.
+            let from_member = match origin {
+                Origin::Member(_) => true,
+                Origin::Client { conn: None } => self.is_member_ip(src),
+                Origin::Client { conn: Some(_) } => false,
+            };
             self.response(&msg, from_member, out)
         }
     }
@@ -421,7 +428,17 @@ impl SipCore {
             },
         };
         let choice = self.balancer.choose(key, now)?;
-        if let Some(h) = call_hash.filter(|_| pins_dialog(msg)) {
+        if let Some(h) = call_hash
+            && !pins_dialog(msg)
+        {
+            // No dialog: only its retransmissions follow it (a MESSAGE delivered twice by
+            // two services would be a duplicate the user sees), uncounted.
+            if !matches!(msg.method_kind(), SipMethod::Ack) {
+                self.dialogs.linger(h, choice.member as u32, now_ms);
+            }
+            return Some(choice.member);
+        }
+        if let Some(h) = call_hash {
             let member = choice.member as u32;
             match self.dialogs.put(h, member, now_ms) {
                 Pin::New => self.open(member),
@@ -435,14 +452,20 @@ impl SipCore {
         Some(choice.member)
     }
 
+    /// Whether `addr`'s IP is the IP of a member.
+    fn is_member_ip(&self, addr: SocketAddr) -> bool {
+        let ip = addr.ip().to_canonical();
+        self.member_addrs.iter().any(|m| m.ip() == ip)
+    }
+
     /// Whether a response routed by `route` goes to the host of a member (not to a client
     /// connection, and not to a name).
     fn is_member_host(&self, route: &sip::ResponseRoute<'_>) -> bool {
         route.conn_id.is_none()
-            && route.target.socket_addr().is_some_and(|a| {
-                let ip = a.ip().to_canonical();
-                self.member_addrs.iter().any(|m| m.ip() == ip)
-            })
+            && route
+                .target
+                .socket_addr()
+                .is_some_and(|a| self.is_member_ip(a))
     }
 
     /// Count one more open dialog (or flow) on `member`.
@@ -610,8 +633,14 @@ mod tests {
     const US: &str = "127.0.0.1:5060";
 
     fn core(record_route: bool) -> SipCore {
-        let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, services: [a, b] }\n";
-        let cfg = config::from_str("t", y).expect("config");
+        core_with(record_route, "call_id_hash")
+    }
+
+    fn core_with(record_route: bool, method: &str) -> SipCore {
+        let y = format!(
+            "services:\n  - {{ name: a, address: 127.0.0.1:5071, protocol: sip-udp }}\n  - {{ name: b, address: 127.0.0.1:5072, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-udp, bind: 127.0.0.1:5060, method: {method}, services: [a, b] }}\n"
+        );
+        let cfg = config::from_str("t", &y).expect("config");
         let v = &cfg.vservers[0];
         SipCore::new(SipParams {
             name: "v".into(),
@@ -837,25 +866,29 @@ mod tests {
             .sum()
     }
 
-    /// Only requests that make (or belong to) a dialog are pinned and counted as load: an
-    /// OPTIONS flood with fresh Call-IDs fills nothing.
+    /// Only requests that make (or belong to) a dialog are pinned for the dialog and counted
+    /// as load: other requests are pinned for their transaction only (their retransmissions
+    /// reach the same service, even under round robin), uncounted, and gone after Timer F.
     #[test]
     fn only_dialog_requests_are_pinned() {
-        let c = core(false);
+        let c = core_with(false, "round_robin");
         let mut out = Vec::new();
         for i in 0..5 {
             let opt = request("OPTIONS", &format!("o{i}"), None, "10.0.0.1:5062");
-            assert!(matches!(
-                handle(&c, &opt, CLIENT, &mut out),
-                Action::ToMember(_)
-            ));
+            let Action::ToMember(m) = handle(&c, &opt, CLIENT, &mut out) else {
+                panic!("not forwarded")
+            };
             let msg = request("MESSAGE", &format!("m{i}"), None, "10.0.0.1:5062");
-            assert!(matches!(
-                handle(&c, &msg, CLIENT, &mut out),
-                Action::ToMember(_)
-            ));
+            let Action::ToMember(k) = handle(&c, &msg, CLIENT, &mut out) else {
+                panic!("not forwarded")
+            };
+            // Retransmissions: the same services again, whatever round robin would pick.
+            assert_eq!(handle(&c, &opt, CLIENT, &mut out), Action::ToMember(m));
+            assert_eq!(handle(&c, &msg, CLIENT, &mut out), Action::ToMember(k));
         }
-        assert_eq!((c.dialogs().len(), open(&c)), (0, 0));
+        assert_eq!(open(&c), 0, "no load counted");
+        c.sweep(33_000_000_000);
+        assert_eq!(c.dialogs().len(), 0, "gone after Timer F");
         for (i, method) in ["INVITE", "SUBSCRIBE", "REFER", "REGISTER"]
             .iter()
             .enumerate()
@@ -933,6 +966,11 @@ mod tests {
         // The same from a service is its business (it answers a client's request).
         assert_eq!(
             handle(&c, &forged, "127.0.0.1:5071", &mut out),
+            Action::ToAddr("198.51.100.66:9".parse().expect("addr"))
+        );
+        // A service answering from another port of its host is still a service.
+        assert_eq!(
+            handle(&c, &forged, "127.0.0.1:6000", &mut out),
             Action::ToAddr("198.51.100.66:9".parse().expect("addr"))
         );
         // A client's response to a service's in-dialog request goes back to the service.

@@ -503,6 +503,9 @@ async fn read_messages(
                         Frame::Pong => {}
                     }
                     buf.advance(len.min(buf.len()));
+                    // The deadline times the message now at the front, not the first one
+                    // that was ever incomplete.
+                    started = None;
                 }
                 Err(FrameError::Incomplete) => break,
                 Err(e) => {
@@ -823,7 +826,10 @@ async fn service_loop(
                     } else {
                         std::mem::take(&mut unanswered)
                     };
-                    let short_lived = connected_at.elapsed() < SHORT_LIVED;
+                    // Closed at once and without a word: as good as refused. (A service
+                    // that answered, then closed, is only reconnected.)
+                    let short_lived =
+                        !heard.load(Ordering::Relaxed) && connected_at.elapsed() < SHORT_LIVED;
                     if short_lived {
                         // Accepted and closed at once: as good as refused.
                         backoff = failed_backoff;

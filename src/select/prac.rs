@@ -187,26 +187,54 @@ fn caps(
         let h = crate::hash::mix64(scorer.ids.get(i).copied().unwrap_or(0) ^ CAP_SEED);
         (h >> 11) as f64 / (1u64 << 53) as f64
     };
+    let share_of = |i: usize| {
+        let w = weights.get(i).copied().unwrap_or(1).max(1);
+        slots as f64 * f64::from(w) / total.max(1) as f64
+    };
+    // A looser bound is also kept for a service whose share is small (a light weight beside
+    // heavy ones): its cap never passes `max_share x share`, though never below the share
+    // itself (rounded up), which the caps need to cover the table. The default adds nothing.
+    let limit = |i: usize| {
+        if max_share.slack() > 0.0 {
+            let share = share_of(i);
+            ((max_share.ratio() * share).floor() as usize).max(share.ceil() as usize)
+        } else {
+            usize::MAX
+        }
+    };
     let mut caps: Vec<usize> = weights
         .iter()
         .enumerate()
-        .map(|(i, w)| {
+        .map(|(i, _)| {
             if !include(i) || total == 0 {
                 return 0;
             }
-            let share = slots as f64 * f64::from((*w).max(1)) / total as f64;
-            (share + 0.25 + max_share.slack() * share + offset(i)).floor() as usize
+            let share = share_of(i);
+            let cap = (share + 0.25 + max_share.slack() * share + offset(i)).floor() as usize;
+            cap.min(limit(i))
         })
         .collect();
     let mut order: Vec<usize> = (0..weights.len()).filter(|i| include(*i)).collect();
     order.sort_by(|a, b| offset(*b).total_cmp(&offset(*a)).then(a.cmp(b)));
     let mut sum: usize = caps.iter().sum();
-    'raise: while sum < slots && !order.is_empty() {
-        for i in &order {
-            caps[*i] += 1;
-            sum += 1;
-            if sum >= slots {
-                break 'raise;
+    // Raised where there is room under the limit first; past it only if nothing else can
+    // cover the table (cannot happen: the limits cover it).
+    for within_limit in [true, false] {
+        'raise: while sum < slots {
+            let mut raised = false;
+            for i in &order {
+                if within_limit && caps[*i] >= limit(*i) {
+                    continue;
+                }
+                caps[*i] += 1;
+                sum += 1;
+                raised = true;
+                if sum >= slots {
+                    break 'raise;
+                }
+            }
+            if !raised {
+                break;
             }
         }
     }

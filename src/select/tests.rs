@@ -240,6 +240,19 @@ fn a_looser_prac_bound_moves_fewer_foreign_keys_within_the_bound() {
             .filter(|(b, a)| *b != a && *a != Some(n))
             .count()
     };
+    // A light service beside heavy ones keeps the bound too (its share is few slots).
+    let mut light = members(3);
+    light[2].weight = 30;
+    let bound = PracMaxShare::from_ratio(1.05).unwrap();
+    let sel = HashSelector::build_bounded(HashAlgorithm::Prac, 256, bound, &light, &[true; 3]);
+    for (i, s) in sel.exact_shares().unwrap().iter().enumerate() {
+        let fair = f64::from(light[i].weight) / 32.0;
+        assert!(
+            s / fair <= 1.05,
+            "weights 1, 1, 30: service {i} at {}",
+            s / fair
+        );
+    }
     let tight = foreign(PracMaxShare::DEFAULT);
     let loose = foreign(PracMaxShare::from_ratio(1.10).unwrap());
     assert!(tight > 0, "the default cascades a little");
