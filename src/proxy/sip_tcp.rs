@@ -814,7 +814,15 @@ async fn service_loop(
                         }
                     }
                 }
-                Wrote::Retired => break Some(request),
+                Wrote::Retired => {
+                    // Closed without a drain: what the service never answered goes elsewhere.
+                    if !heard.load(Ordering::Relaxed) {
+                        for b in std::mem::take(&mut unanswered) {
+                            shared.redispatch(&link, b);
+                        }
+                    }
+                    break Some(request);
+                }
                 Wrote::Failed => {
                     reader.abort();
                     pending = request;
