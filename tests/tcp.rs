@@ -354,7 +354,7 @@ fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
 
 #[test]
 fn proxy_v2_header_precedes_the_stream() {
-    let (_rt, vs) = start_loopback("tcp", 1, "round_robin", "send_proxy: v2");
+    let (rt, vs) = start_loopback("tcp", 1, "round_robin", "send_proxy: v2");
     let from: SocketAddr = "127.0.0.7:0".parse().expect("addr");
     let sock =
         socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
@@ -364,6 +364,10 @@ fn proxy_v2_header_precedes_the_stream() {
     let a = tcp_ask_from(vs, Some(me), b"GET / HTTP/1.0\r\n\r\n").expect("answer");
     assert_eq!(a.proxy_src, me.to_string());
     assert_eq!(a.body, b"GET / HTTP/1.0\r\n\r\n");
+    // fulcrum's header is not the client's traffic.
+    let core = tcp_core(&rt, "v");
+    assert!(wait_until(ANSWER, || core.connections() == 0));
+    assert_eq!(core.counters.bytes_in.load(Ordering::Relaxed), 18);
 }
 
 #[test]

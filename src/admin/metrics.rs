@@ -237,6 +237,7 @@ pub fn render(ops: &Ops) -> String {
                     event("responses_no_client", &c.responses_no_client);
                     event("in_dialog_no_client", &c.in_dialog_no_client);
                     event("service_connect_failures", &c.service_connect_failures);
+                    event("service_connections_lost", &c.service_connections_lost);
                     event("service_queue_full", &c.service_queue_full);
                     event("requests_rerouted", &c.requests_rerouted);
                     event("requests_lost", &c.requests_lost);

@@ -87,6 +87,9 @@ pub struct TcpCounters {
     pub responses_no_client: AtomicU64,
     pub in_dialog_no_client: AtomicU64,
     pub service_connect_failures: AtomicU64,
+    /// Service connections that ended from the service's side (closed, reset, or a message
+    /// that does not frame); each is made again on the next request.
+    pub service_connections_lost: AtomicU64,
     pub service_queue_full: AtomicU64,
     /// Requests moved to the next-ranked member after their member's connection failed or
     /// a reload removed it.
@@ -792,7 +795,10 @@ async fn service_loop(
                         }
                     },
                     Some(b) = reply_rx.recv() => (write_unless_retired(&mut write, &b, &link).await, None),
-                    _ = &mut reader => (Wrote::Failed, None),
+                    _ = &mut reader => {
+                        bump(&shared.counters.service_connections_lost);
+                        (Wrote::Failed, None)
+                    }
                     () = link.retired() => break None,
                     () = tokio::time::sleep_until(connected_at + SHORT_LIVED), if !proven => {
                         proven = true;

@@ -414,6 +414,8 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     let _ = upstream.set_nodelay(true);
     // The PROXY header and the bytes already read go first, in one write; without a header
     // the bytes already read are written as they are.
+    // The client's own bytes among them: the PROXY header is fulcrum's, not traffic.
+    let first_len = first.len() as u64;
     let prefix = if core.send_proxy {
         let mut hdr = [0u8; MAX_V2_LEN];
         let n = proxy_protocol::encode_v2(peer, local, Transport::Stream, &mut hdr);
@@ -424,19 +426,25 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     } else {
         first
     };
-    let wrote_first = !prefix.is_empty();
-    if wrote_first {
+    if !prefix.is_empty() {
         if write_all(&upstream, &prefix).await.is_err() {
             bump(&core.counters.service_errors);
             return;
         }
-        core.counters
-            .bytes_in
-            .fetch_add(prefix.len() as u64, Ordering::Relaxed);
+        if first_len > 0 {
+            // Counted like relayed bytes: for the vserver and, for least_bandwidth and
+            // least_packets, for the service.
+            core.counters
+                .bytes_in
+                .fetch_add(first_len, Ordering::Relaxed);
+            if let Some(c) = counters {
+                c.record_traffic(first_len, 1, core.now());
+            }
+        }
     }
     drop(prefix);
-    // Bytes already went to the service: its answer to them is timed from now.
-    let asked_at = if wrote_first { core.now().max(1) } else { 0 };
+    // The client's bytes already went to the service: its answer to them is timed from now.
+    let asked_at = if first_len > 0 { core.now().max(1) } else { 0 };
     relay(&core, &client, &upstream, counters, asked_at).await;
 }
 
