@@ -15,6 +15,14 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+/// The shared state of the sip-tcp vserver `v` of `rt`.
+fn vserver_shared(rt: &Runtime) -> std::sync::Arc<fulcrum::proxy::sip_tcp::TcpShared> {
+    match &rt.vserver("v").expect("v").data {
+        fulcrum::proxy::runtime::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        _ => panic!("not a sip-tcp vserver"),
+    }
+}
+
 fn start(uas: &[&TcpUas]) -> (Runtime, SocketAddr) {
     let mut y = String::from("services:\n");
     for (i, u) in uas.iter().enumerate() {
@@ -194,10 +202,7 @@ fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
     }
     let b = rt.vserver("v").expect("v").balancer();
     assert_eq!(b.health(1), Some(Health::Down));
-    let shared = match &rt.vserver("v").expect("v").data {
-        fulcrum::proxy::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
-    };
+    let shared = vserver_shared(&rt);
     assert!(shared.counters.requests_rerouted.load(Ordering::Relaxed) >= 1);
     assert_eq!(shared.counters.requests_lost.load(Ordering::Relaxed), 0);
     // Now everything lands on the live service.
@@ -216,7 +221,6 @@ fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
 
 #[test]
 fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
-    use fulcrum::proxy::runtime::DataPath;
     let uas = TcpUas::start();
     let (rt, proxy) = start(&[&uas]);
     // A small receive buffer makes the kernel stop taking responses early.
@@ -226,10 +230,7 @@ fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
     sock.connect(&proxy.into()).expect("connect");
     let mut lazy: TcpStream = sock.into();
     let local = lazy.local_addr().expect("local");
-    let shared = match &rt.vserver("v").expect("v").data {
-        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
-    };
+    let shared = vserver_shared(&rt);
     // Send requests without ever reading the responses, until fulcrum gives up on us
     // (bounded: at most 200 000 requests or 30 s).
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -291,13 +292,9 @@ fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
 /// address a forged second Via names (only a service's in-dialog request may go there).
 #[test]
 fn a_client_cannot_inject_a_response_into_another_clients_connection() {
-    use fulcrum::proxy::runtime::DataPath;
     let uas = TcpUas::start();
     let (rt, proxy) = start(&[&uas]);
-    let shared = match &rt.vserver("v").expect("v").data {
-        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
-    };
+    let shared = vserver_shared(&rt);
     let mut victim = TcpStream::connect(proxy).expect("connect");
     let victim_addr = victim.local_addr().expect("local");
     // The victim is known to fulcrum (its first request went through).
@@ -334,7 +331,6 @@ fn a_client_cannot_inject_a_response_into_another_clients_connection() {
 /// refuses them: it is marked DOWN and the requests are answered elsewhere, none swallowed.
 #[test]
 fn a_service_that_accepts_and_closes_is_marked_down_and_loses_no_request() {
-    use fulcrum::proxy::runtime::DataPath;
     let closer = TcpListener::bind("127.0.0.1:0").expect("bind");
     let closer_addr = closer.local_addr().expect("addr");
     closer.set_nonblocking(true).expect("nonblocking");
@@ -356,10 +352,7 @@ fn a_service_that_accepts_and_closes_is_marked_down_and_loses_no_request() {
     let cfg = config::from_str("t", &y).expect("config");
     let rt = Runtime::start(&cfg).expect("start");
     let proxy = rt.vserver("v").expect("v").bound[0];
-    let shared = match &rt.vserver("v").expect("v").data {
-        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
-    };
+    let shared = vserver_shared(&rt);
     let mut client = TcpStream::connect(proxy).expect("connect");
     let local = client.local_addr().expect("local");
     let mut buf = Vec::new();
@@ -390,13 +383,9 @@ fn a_service_that_accepts_and_closes_is_marked_down_and_loses_no_request() {
 /// 10 s deadline (bounded: 11.5 s).
 #[test]
 fn steady_traffic_split_inside_messages_outlives_the_message_deadline() {
-    use fulcrum::proxy::runtime::DataPath;
     let uas = TcpUas::start();
     let (rt, proxy) = start(&[&uas]);
-    let shared = match &rt.vserver("v").expect("v").data {
-        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
-    };
+    let shared = vserver_shared(&rt);
     let mut client = TcpStream::connect(proxy).expect("connect");
     let local = client.local_addr().expect("local");
     let mut reader = client.try_clone().expect("clone");
@@ -438,7 +427,6 @@ fn steady_traffic_split_inside_messages_outlives_the_message_deadline() {
 /// A service that answers and then closes its connection is reconnected, not marked DOWN.
 #[test]
 fn a_service_that_answers_then_closes_stays_up() {
-    use fulcrum::proxy::runtime::DataPath;
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
     std::thread::spawn(move || {
@@ -466,10 +454,7 @@ fn a_service_that_answers_then_closes_stays_up() {
     let cfg = config::from_str("t", &y).expect("config");
     let rt = Runtime::start(&cfg).expect("start");
     let proxy = rt.vserver("v").expect("v").bound[0];
-    let shared = match &rt.vserver("v").expect("v").data {
-        DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
-    };
+    let shared = vserver_shared(&rt);
     let mut client = TcpStream::connect(proxy).expect("connect");
     let local = client.local_addr().expect("local");
     let mut buf = Vec::new();
@@ -530,10 +515,7 @@ fn a_request_no_service_can_take_after_a_failed_connect_is_answered_503() {
     assert_eq!(msg.status_code(), Some(503));
     assert!(msg.header(b"Retry-After").is_some());
     assert_eq!(msg.vias().count(), 1, "only the client's Via");
-    let shared = match &rt.vserver("v").expect("v").data {
-        fulcrum::proxy::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
-    };
+    let shared = vserver_shared(&rt);
     assert_eq!(shared.counters.requests_lost.load(Ordering::Relaxed), 1);
 }
 
@@ -549,10 +531,7 @@ fn a_service_that_does_not_read_fills_its_queue_and_clients_hear_503() {
     let cfg = config::from_str("t", &y).expect("config");
     let rt = Runtime::start(&cfg).expect("start");
     let proxy = rt.vserver("v").expect("v").bound[0];
-    let shared = match &rt.vserver("v").expect("v").data {
-        fulcrum::proxy::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
-    };
+    let shared = vserver_shared(&rt);
     let client = TcpStream::connect(proxy).expect("connect");
     let local = client.local_addr().expect("local");
     let mut reader = client.try_clone().expect("clone");

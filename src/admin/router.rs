@@ -196,11 +196,7 @@ fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
         let Some(u) = u.as_str().filter(|u| ["per_second", "percent"].contains(u)) else {
             return Response::error(400, "unit: `per_second` or `percent` is required");
         };
-        let cur = match params.unit {
-            RateUnit::PerSecond => "per_second",
-            RateUnit::Percent => "percent",
-        };
-        if u != cur {
+        if u != unit_name(params.unit) {
             return Response::error(409, "changing the unit needs a config change and a restart");
         }
     }

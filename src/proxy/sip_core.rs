@@ -428,26 +428,22 @@ impl SipCore {
             },
         };
         let choice = self.balancer.choose(key, now)?;
-        if let Some(h) = call_hash
-            && !pins_dialog(msg)
-        {
-            // No dialog: only its retransmissions follow it (a MESSAGE delivered twice by
-            // two services would be a duplicate the user sees), uncounted.
-            if !matches!(msg.method_kind(), SipMethod::Ack) {
-                self.dialogs.linger(h, choice.member as u32, now_ms);
-            }
-            return Some(choice.member);
-        }
-        if let Some(h) = call_hash {
-            let member = choice.member as u32;
-            match self.dialogs.put(h, member, now_ms) {
+        let member = choice.member as u32;
+        match call_hash {
+            Some(h) if pins_dialog(msg) => match self.dialogs.put(h, member, now_ms) {
                 Pin::New => self.open(member),
                 Pin::Moved(old) => {
                     self.close(old);
                     self.open(member);
                 }
                 Pin::Refreshed | Pin::Refused => {}
+            },
+            // No dialog: only its retransmissions follow it (a MESSAGE delivered twice by two
+            // services would be a duplicate the user sees), uncounted. An ACK has none.
+            Some(h) if msg.method_kind() != SipMethod::Ack => {
+                self.dialogs.linger(h, member, now_ms);
             }
+            _ => {}
         }
         Some(choice.member)
     }
@@ -614,8 +610,7 @@ fn pins_dialog(msg: &SipMsg<'_>) -> bool {
     match msg.method_kind() {
         SipMethod::Invite | SipMethod::Register => true,
         SipMethod::Ack | SipMethod::Bye | SipMethod::Cancel => false,
-        SipMethod::Options => msg.to_tag().is_some(),
-        SipMethod::Other => {
+        SipMethod::Options | SipMethod::Other => {
             matches!(msg.method(), Some(b"SUBSCRIBE" | b"REFER")) || msg.to_tag().is_some()
         }
     }

@@ -491,7 +491,7 @@ async fn read_messages(
                     let len = frame.len();
                     match frame {
                         Frame::Message { .. } => OUT.with_borrow_mut(|out| {
-                            if let Some(h) = heard {
+                            if let Some(h) = heard.filter(|h| !h.load(Ordering::Relaxed)) {
                                 h.store(true, Ordering::Relaxed);
                             }
                             let now = shared.now();
@@ -521,7 +521,7 @@ async fn read_messages(
             }
         }
         if buf.is_empty() {
-            started = None;
+            // (`started` was reset by the frame that emptied it.)
             if buf.capacity() > 0 {
                 buf = BytesMut::new();
             }
@@ -731,7 +731,16 @@ async fn service_loop(
         let stream = match attempt {
             Ok(Ok(s)) => s,
             _ => {
-                if connect_failed(&shared, &link, &mut pending, &mut rx, &mut backoff).await {
+                if connect_failed(
+                    &shared,
+                    &link,
+                    &mut pending,
+                    Vec::new(),
+                    &mut rx,
+                    &mut backoff,
+                )
+                .await
+                {
                     return;
                 }
                 down = true;
@@ -781,8 +790,11 @@ async fn service_loop(
         // between two messages or in the middle of a write. A request whose write fails or is
         // cut short is chosen again, never lost.
         let mut first = pending.take();
+        // Made once per connection, not per message: polled until it fires.
+        let proof = tokio::time::sleep_until(connected_at + SHORT_LIVED);
+        tokio::pin!(proof);
         let mut proven = false;
-        let retired_mid_write = loop {
+        let cut = loop {
             let (wrote, request) = if let Some(b) = first.take() {
                 (write_unless_retired(&mut write, &b, &link).await, Some(b))
             } else {
@@ -800,7 +812,7 @@ async fn service_loop(
                         (Wrote::Failed, None)
                     }
                     () = link.retired() => break None,
-                    () = tokio::time::sleep_until(connected_at + SHORT_LIVED), if !proven => {
+                    () = &mut proof, if !proven => {
                         proven = true;
                         if down {
                             down = false;
@@ -832,53 +844,43 @@ async fn service_loop(
                 Wrote::Failed => {
                     reader.abort();
                     pending = request;
-                    // Closed before answering anything: what it was given goes elsewhere
-                    // (after the member is marked DOWN, when it closed at once, so that the
-                    // choice passes it over).
-                    let unanswered = if heard.load(Ordering::Relaxed) {
+                    // Closed before answering anything: what it was given goes elsewhere.
+                    let heard = heard.load(Ordering::Relaxed);
+                    let unanswered = if heard {
                         Vec::new()
                     } else {
                         std::mem::take(&mut unanswered)
                     };
-                    // Closed at once and without a word: as good as refused. (A service
-                    // that answered, then closed, is only reconnected.)
-                    let short_lived =
-                        !heard.load(Ordering::Relaxed) && connected_at.elapsed() < SHORT_LIVED;
-                    if short_lived {
-                        // Accepted and closed at once: as good as refused.
+                    if !heard && connected_at.elapsed() < SHORT_LIVED {
+                        // Closed at once and without a word: as good as refused (marked
+                        // DOWN first, so that the choice for those requests passes it over).
+                        // A service that answered, then closed, is only reconnected.
                         backoff = failed_backoff;
-                        let g = shared.current.load();
-                        if let Some(m) = g.index_of(&link)
-                            && g.core.balancer().health(m) == Some(Health::Up)
-                        {
-                            g.core.balancer().set_health(m, Health::Down, shared.now());
-                            tracing::warn!(vserver = %shared.name, service = %addr, "connection closed at once: service marked DOWN");
-                        }
-                    }
-                    for b in unanswered {
-                        shared.redispatch(&link, b);
-                    }
-                    if short_lived {
-                        if connect_failed(&shared, &link, &mut pending, &mut rx, &mut backoff).await
+                        if connect_failed(
+                            &shared,
+                            &link,
+                            &mut pending,
+                            unanswered,
+                            &mut rx,
+                            &mut backoff,
+                        )
+                        .await
                         {
                             return;
                         }
                         down = true;
+                    } else {
+                        for b in unanswered {
+                            shared.redispatch(&link, b);
+                        }
                     }
                     continue 'link;
                 }
             }
         };
-        let retired_mid_write = match retired_mid_write {
-            Some(request) => {
-                retire(&shared, &link, request, &mut rx);
-                true
-            }
-            None => {
-                retire(&shared, &link, None, &mut rx);
-                false
-            }
-        };
+        // `Some(request)`: retired in the middle of writing `request`.
+        let retired_mid_write = cut.is_some();
+        retire(&shared, &link, cut.flatten(), &mut rx);
         if retired_mid_write {
             // The service stopped reading: the connection holds part of a message, so
             // nothing more can go on it; it is closed without a drain.
@@ -914,12 +916,14 @@ async fn service_loop(
 
 /// A connect to `link`'s service failed (or the connection closed at once): count it, report
 /// it to the service's monitor, mark the service DOWN (a member the operator took
-/// OUT_OF_SERVICE stays so), hand `pending` and the queue to the next-ranked members, and
-/// wait out the backoff (doubled for next time). True when the vserver is stopping.
+/// OUT_OF_SERVICE stays so), hand `unanswered` (written on a connection that closed at once),
+/// `pending` and the queue to the next-ranked members, and wait out the backoff (doubled for
+/// next time). True when the vserver is stopping.
 async fn connect_failed(
     shared: &TcpShared,
     link: &ServiceLink,
     pending: &mut Option<Bytes>,
+    unanswered: Vec<Bytes>,
     rx: &mut mpsc::Receiver<Bytes>,
     backoff: &mut Duration,
 ) -> bool {
@@ -937,7 +941,10 @@ async fn connect_failed(
             }
         }
     }
-    // Requests queued for the dead service go to the next-ranked member.
+    // Requests written to or queued for the dead service go to the next-ranked member.
+    for b in unanswered {
+        shared.redispatch(link, b);
+    }
     shared.redispatch_queued(link, pending.take(), rx);
     if shared.stop.load(Ordering::Relaxed) {
         return true;

@@ -360,18 +360,6 @@ impl Drop for Live<'_> {
     }
 }
 
-/// A connection counted open on a member while its connect is under way: given back when
-/// dropped (a failed connect, or the task ending meanwhile) unless taken over.
-struct Reserved<'a>(Option<&'a ServiceCounters>);
-
-impl Drop for Reserved<'_> {
-    fn drop(&mut self) {
-        if let Some(c) = self.0 {
-            c.close();
-        }
-    }
-}
-
 async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     let mut live = Live {
         core: &core,
@@ -401,16 +389,15 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
         }
     };
     let key = core.key_input(&first, peer, local);
-    let Some((upstream, member)) = connect_any(&core, key, peer).await else {
+    let Some(upstream) = connect_any(&core, key, peer, &mut live).await else {
         bump(&core.counters.no_service);
         return;
     };
-    // Already counted open on the member by `connect_any`.
-    let counters = core.balancer.counters(member);
+    // Counted open on its member by `connect_any` (`live` gives it back).
+    let counters = live.member;
     if let Some(c) = counters {
         c.record_request();
     }
-    live.member = counters;
     let _ = upstream.set_nodelay(true);
     // The PROXY header and the bytes already read go first, in one write; without a header
     // the bytes already read are written as they are.
@@ -485,11 +472,15 @@ async fn read_first(core: &TcpCore, client: &TcpStream) -> io::Result<Option<Vec
 
 /// Choose and connect; a member whose connect fails is passed over for this connection
 /// and the next one is tried, until one connects or none is left.
-async fn connect_any(
-    core: &TcpCore,
+/// Connect to the member the method chooses, trying the next ones on failure. The member
+/// tried is counted open in `live` from the moment it is chosen (see below), and stays so on
+/// success; `live` gives it back when the connection ends, or if the task ends meanwhile.
+async fn connect_any<'a>(
+    core: &'a TcpCore,
     key: KeyInput,
     client: SocketAddr,
-) -> Option<(TcpStream, usize)> {
+    live: &mut Live<'a>,
+) -> Option<TcpStream> {
     let mut failed: Vec<usize> = Vec::new();
     loop {
         let choice = core
@@ -498,18 +489,14 @@ async fn connect_any(
         let addr = core.member_addrs.get(choice.member).copied()?;
         // Counted on the member from the moment it is chosen, not once connected: the
         // connections of one burst, all chosen before any connect completes, must see each
-        // other (max_clients, least_connection, bounded loads). The caller's `Live` gives it
-        // back when the connection ends; a failed connect gives it back here.
-        let mut reserved = Reserved(core.balancer.counters(choice.member));
-        if let Some(c) = reserved.0 {
+        // other (max_clients, least_connection, bounded loads). A failed connect gives it
+        // back here.
+        live.member = core.balancer.counters(choice.member);
+        if let Some(c) = live.member {
             c.open();
         }
         match tokio::time::timeout(CONNECT_TIMEOUT, connect(addr, client, core.transparent)).await {
-            Ok(Ok(s)) => {
-                // Kept: the caller's `Live` owns it from here.
-                reserved.0 = None;
-                return Some((s, choice.member));
-            }
+            Ok(Ok(s)) => return Some(s),
             Ok(Err(e)) => {
                 tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
             }
@@ -517,7 +504,9 @@ async fn connect_any(
                 tracing::debug!(vserver = %core.name, service = %addr, "connect timed out");
             }
         }
-        drop(reserved);
+        if let Some(c) = live.member.take() {
+            c.close();
+        }
         bump(&core.counters.connect_failures);
         // Passive detection (SPEC §5): the service's monitor counts this as a failure.
         core.balancer.report_failure(choice.member);

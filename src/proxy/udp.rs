@@ -845,8 +845,8 @@ impl Worker {
             self.table
                 .insert(key, member as u32, listener, MioUdp::from_std(sock), now);
         if let Some(s) = stale {
-            // Expired at `now`, which is the whole batch's time: nothing of this batch was
-            // queued for it, so its socket can close at once.
+            // Not expected (`take_expired` above, and `decide` replaces a DOWN member's
+            // session before): closed rather than leaked.
             close_session(&self.core, self.poll.registry(), s);
         }
         // The token is the slot index, known only once the session is in the table.

@@ -217,25 +217,23 @@ fn caps(
     let mut order: Vec<usize> = (0..weights.len()).filter(|i| include(*i)).collect();
     order.sort_by(|a, b| offset(*b).total_cmp(&offset(*a)).then(a.cmp(b)));
     let mut sum: usize = caps.iter().sum();
-    // Raised where there is room under the limit first; past it only if nothing else can
-    // cover the table (cannot happen: the limits cover it).
-    for within_limit in [true, false] {
-        'raise: while sum < slots {
-            let mut raised = false;
-            for i in &order {
-                if within_limit && caps[*i] >= limit(*i) {
-                    continue;
-                }
-                caps[*i] += 1;
-                sum += 1;
-                raised = true;
-                if sum >= slots {
-                    break 'raise;
-                }
+    // Raised only where there is room under the limit: the limits cover the table, since
+    // each is at least the share rounded up (the `raised` check only guards the loop).
+    'raise: while sum < slots {
+        let mut raised = false;
+        for i in &order {
+            if caps[*i] >= limit(*i) {
+                continue;
             }
-            if !raised {
-                break;
+            caps[*i] += 1;
+            sum += 1;
+            raised = true;
+            if sum >= slots {
+                break 'raise;
             }
+        }
+        if !raised {
+            break;
         }
     }
     caps

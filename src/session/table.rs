@@ -136,9 +136,10 @@ impl<R> SessionTable<R> {
             });
     }
 
-    /// Store a session for a reservation obtained from [`SessionTable::admit`]. A stale
-    /// session under the same key (expired but not yet swept) is returned for the caller
-    /// to close.
+    /// Store a session for a reservation obtained from [`SessionTable::admit`]. The shell
+    /// takes an expired session of the key out first ([`SessionTable::take_expired`], so
+    /// that its place counts for the new one); any session still under the key is
+    /// returned for the caller to close.
     pub fn insert(
         &mut self,
         key: SessionKey,

@@ -381,7 +381,8 @@ impl Edits {
 
     fn sorted(&mut self) -> &[Edit] {
         let s = &mut self.list[..self.len];
-        s.sort_unstable_by_key(|e| (e.start, e.end));
+        // Stable: two parameters appended at one place keep the order they were pushed in.
+        s.sort_by_key(|e| (e.start, e.end));
         s
     }
 }
@@ -427,12 +428,7 @@ pub fn forward_request<B: BufMut>(
         None => false,
     };
 
-    for e in source_edits(&top, rw.src, rw.force_rport)
-        .into_iter()
-        .flatten()
-    {
-        edits.push(e);
-    }
+    source_edits(&top, rw.src, rw.force_rport, &mut edits);
     if let Some(remove) = own_route_removal(msg, rw.local) {
         edits.push(Edit {
             start: remove.start,
@@ -467,9 +463,67 @@ pub fn forward_request<B: BufMut>(
         put(out, dec(u64::from(DEFAULT_MAX_FORWARDS)).as_slice());
         put(out, b"\r\n");
     }
-    let mut pos = msg.headers_start();
-    for e in edits.sorted() {
-        if e.start < pos {
+    let rest = put_edited(
+        out,
+        buf,
+        Span::new(msg.headers_start(), msg.len()),
+        edits.sorted(),
+    );
+    Ok(n + rest)
+}
+
+/// The edits of a request's top Via that record where it really came from (`src`):
+///
+/// - RFC 3581 §4: with `rport` (or `force_rport`) the port is filled in, and `received` added;
+/// - RFC 3261 §18.2.1: `received` when sent-by differs from the source address;
+/// - a `received` the sender wrote itself is always replaced by the real source address: the
+///   response is routed by it (§18.2.2), and honouring a forged one would send responses to
+///   any address the sender names.
+fn source_edits(top: &Via<'_>, src: SocketAddr, force_rport: bool, edits: &mut Edits) {
+    let src_ip = src.ip().to_canonical();
+    let rport_wanted = top.rport.is_some() || force_rport;
+    let host_differs = top.host_ip().map(|ip| ip.to_canonical()) != Some(src_ip);
+    if rport_wanted {
+        let port = src.port();
+        edits.push(match top.rport_param {
+            Some(p) => Edit {
+                start: p.start,
+                end: p.end,
+                ins: Ins::Rport(port, false),
+            },
+            None => Edit {
+                start: top.span.end,
+                end: top.span.end,
+                ins: Ins::Rport(port, true),
+            },
+        });
+    }
+    if top.received_param.is_some() || rport_wanted || host_differs {
+        edits.push(match top.received_param {
+            Some(p) => Edit {
+                start: p.start,
+                end: p.end,
+                ins: Ins::Received(src_ip, false),
+            },
+            None => Edit {
+                start: top.span.end,
+                end: top.span.end,
+                ins: Ins::Received(src_ip, true),
+            },
+        });
+    }
+}
+
+/// Write `buf[range]` with `edits` (sorted, inside the range) applied; the bytes written.
+fn put_edited<B: BufMut>(out: &mut B, buf: &[u8], range: Span, edits: &[Edit]) -> usize {
+    let mut n = 0;
+    let mut put = |out: &mut B, s: &[u8]| {
+        out.put_slice(s);
+        n += s.len();
+    };
+    let mut pos = range.start;
+    for e in edits {
+        if e.start < pos || e.end > range.end {
             continue; // overlapping edits cannot happen; skip rather than panic
         }
         put(out, &buf[pos..e.start]);
@@ -487,76 +541,8 @@ pub fn forward_request<B: BufMut>(
         }
         pos = e.end;
     }
-    put(out, &buf[pos..msg.len()]);
-    Ok(n)
-}
-
-/// The edits of a request's top Via that record where it really came from (`src`):
-///
-/// - RFC 3581 §4: with `rport` (or `force_rport`) the port is filled in, and `received` added;
-/// - RFC 3261 §18.2.1: `received` when sent-by differs from the source address;
-/// - a `received` the sender wrote itself is always replaced by the real source address: the
-///   response is routed by it (§18.2.2), and honouring a forged one would send responses to
-///   any address the sender names.
-fn source_edits(top: &Via<'_>, src: SocketAddr, force_rport: bool) -> [Option<Edit>; 2] {
-    let src_ip = src.ip().to_canonical();
-    let rport_wanted = top.rport.is_some() || force_rport;
-    let host_differs = top.host_ip().map(|ip| ip.to_canonical()) != Some(src_ip);
-    let rport = rport_wanted.then(|| match top.rport_param {
-        Some(p) => Edit {
-            start: p.start,
-            end: p.end,
-            ins: Ins::Rport(src.port(), false),
-        },
-        None => Edit {
-            start: top.span.end,
-            end: top.span.end,
-            ins: Ins::Rport(src.port(), true),
-        },
-    });
-    let received = match top.received_param {
-        Some(p) => Some(Edit {
-            start: p.start,
-            end: p.end,
-            ins: Ins::Received(src_ip, false),
-        }),
-        None if rport_wanted || host_differs => Some(Edit {
-            start: top.span.end,
-            end: top.span.end,
-            ins: Ins::Received(src_ip, true),
-        }),
-        None => None,
-    };
-    [rport, received]
-}
-
-/// Write `buf[range]` with `edits` (inside the range, in order) applied.
-fn put_edited<B: BufMut>(out: &mut B, buf: &[u8], range: Span, edits: &[Edit]) {
-    let mut pos = range.start;
-    for e in edits {
-        if e.start < pos || e.end > range.end {
-            continue; // cannot happen for edits made from this range; skip rather than panic
-        }
-        out.put_slice(&buf[pos..e.start]);
-        put_ins(out, e.ins);
-        pos = e.end;
-    }
-    out.put_slice(&buf[pos..range.end]);
-}
-
-fn put_ins<B: BufMut>(out: &mut B, ins: Ins) {
-    match ins {
-        Ins::Nothing => {}
-        Ins::Rport(p, semi) => {
-            out.put_slice(if semi { b";rport=" } else { b"rport=" });
-            out.put_slice(dec(u64::from(p)).as_slice());
-        }
-        Ins::Received(ip, semi) => {
-            out.put_slice(if semi { b";received=" } else { b"received=" });
-            out.put_slice(ip_text(ip).as_slice());
-        }
-        Ins::Decimal(v) => out.put_slice(dec(u64::from(v)).as_slice()),
-    }
+    put(out, &buf[pos..range.end]);
+    n
 }
 
 /// The bytes to cut so that the first value of a header disappears: the whole line when it is
@@ -719,18 +705,20 @@ fn build<B: BufMut>(
     out.put_slice(b" ");
     out.put_slice(reply.reason.as_bytes());
     out.put_slice(b"\r\n");
-    let edits = src.map(|src| source_edits(&top, src, false));
+    let mut edits = src.map(|src| {
+        let mut e = Edits::new();
+        source_edits(&top, src, false, &mut e);
+        e
+    });
     for h in msg.headers() {
         if super::scan::HeaderName::classify(h.name) != super::scan::HeaderName::Via {
             continue;
         }
-        match &edits {
+        match &mut edits {
             // The header holding the top Via value: written with its edits.
             Some(e) if h.value_span.start <= top.span.start && top.span.end <= h.value_span.end => {
-                let mut e: Vec<Edit> = e.iter().flatten().copied().collect();
-                e.sort_by_key(|e| (e.start, e.end));
                 out.put_slice(b"Via: ");
-                put_edited(out, buf, h.value_span, &e);
+                put_edited(out, buf, h.value_span, e.sorted());
                 out.put_slice(b"\r\n");
             }
             _ => put_header(out, b"Via", h.value),
