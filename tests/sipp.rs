@@ -438,3 +438,45 @@ fn sipp_failover_new_calls_complete_and_others_do_not_move() {
     eprintln!("{moved_from_0} calls of the stopped UAS went to the others; no other call moved");
     rt.shutdown();
 }
+
+/// README's hand-run service, `sipp -sf config/sipp-uas.xml`, answers the `sip-options`
+/// monitor of config/fulcrum.yaml (SIPp's built-in `-sn uas` does not, and the monitor would
+/// mark it DOWN) and still takes calls through fulcrum.
+#[test]
+fn the_readme_uas_scenario_answers_options_and_calls() {
+    if !sipp_available() {
+        return;
+    }
+    let dir = Scratch::new("readme-uas");
+    let port = free_port(Transport::Udp);
+    let scenario = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/sipp-uas.xml");
+    let _uas = Proc::spawn(
+        "sipp readme uas",
+        Command::new("timeout")
+            .args(["-s", "KILL", "120", "sipp", "-sf"])
+            .arg(&scenario)
+            .args(["-i", "127.0.0.1", "-p"])
+            .arg(port.to_string())
+            .arg("-nostdin")
+            .current_dir(&dir.0),
+    );
+    wait_bound(Transport::Udp, port);
+    let target = SocketAddr::from(([127, 0, 0, 1], port));
+    let rt = tokio::runtime::Runtime::new().expect("tokio");
+    for _ in 0..3 {
+        let reply = rt
+            .block_on(fulcrum::health::probe::probe(
+                &config::MonitorKind::SipOptions {
+                    expect_codes: Vec::new(),
+                },
+                target,
+                config::Protocol::SipUdp,
+                Duration::from_secs(2),
+            ))
+            .expect("OPTIONS answered");
+        assert_eq!(reply.status, Some(200));
+    }
+    let (_fulcrum, proxy) = start_fulcrum(Transport::Udp, &[port]);
+    let (ok, failed) = run_uac(&dir, Transport::Udp, proxy, 20, 20, "readme");
+    assert_eq!((ok, failed), (20, 0));
+}
