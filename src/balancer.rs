@@ -117,6 +117,9 @@ pub struct MemberInfo {
     /// 0 = unlimited.
     pub max_clients: u32,
     pub id_hash: u64,
+    /// Removed from the vserver by a reload, kept only for the flows pinned to it: never
+    /// given a new flow, outside the hash ranking (see `docs/draining.md`).
+    pub draining: bool,
 }
 
 /// The balancer of one vserver. Shared by all workers (`&self` everywhere).
@@ -124,6 +127,10 @@ pub struct Balancer {
     method: Method,
     balance_factor: Option<u32>,
     members: Vec<MemberInfo>,
+    /// The members the hash selector ranks: the leading ones, those not draining (draining
+    /// members come last, [`MemberInfo::of`]). The selector is the one a config without the
+    /// draining members builds, so every instance chooses alike whatever it still drains.
+    serving: usize,
     weights: Vec<u32>,
     health: Vec<AtomicU8>,
     /// Shared with the balancer a reload rebuilds from this one, for the members both
@@ -154,8 +161,9 @@ impl std::fmt::Debug for Balancer {
     }
 }
 
-fn up_set(health: &[AtomicU8]) -> Vec<bool> {
-    health
+/// The UP set of the first `serving` members (those the selector ranks).
+fn up_set(health: &[AtomicU8], serving: usize) -> Vec<bool> {
+    health[..serving.min(health.len())]
         .iter()
         .map(|h| Health::from_u8(h.load(Ordering::Acquire)) == Health::Up)
         .collect()
@@ -165,17 +173,21 @@ impl MemberInfo {
     /// The members of `vserver`, in its order: what hashing sees of each service (identity:
     /// `hash_id` or address; weight at least 1). The balancer and `simulate hash --config`
     /// both start here.
+    /// Draining members (`vserver.draining`) follow the others.
     pub fn of(config: &Config, vserver: &Vserver) -> Vec<MemberInfo> {
+        let serving = vserver.services.len();
         vserver
-            .services
-            .iter()
-            .filter_map(|&i| config.services.get(i).map(|s| (i, s)))
-            .map(|(i, s)| MemberInfo {
+            .members()
+            .enumerate()
+            .map(|(k, i)| (i, k >= serving))
+            .filter_map(|(i, d)| config.services.get(i).map(|s| (i, s, d)))
+            .map(|(i, s, draining)| MemberInfo {
                 service: i,
                 name: s.name.clone(),
                 weight: s.weight.max(1),
                 max_clients: s.max_clients,
                 id_hash: hash::service_identity_hash(s.hash_id.as_deref(), &s.address),
+                draining,
             })
             .collect()
     }
@@ -193,10 +205,14 @@ impl Balancer {
     /// Build the balancer of `vserver`; every member starts UP.
     pub fn new(config: &Config, vserver: &Vserver) -> Balancer {
         let members = MemberInfo::of(config, vserver);
+        let serving = members.iter().take_while(|m| !m.draining).count();
         let weights: Vec<u32> = members.iter().map(|m| m.weight).collect();
-        let select_members: Vec<select::Member> =
-            members.iter().map(MemberInfo::select_member).collect();
-        let up = vec![true; members.len()];
+        let select_members: Vec<select::Member> = members[..serving]
+            .iter()
+            .map(MemberInfo::select_member)
+            .collect();
+        let up = vec![true; serving];
+        let passive_failures = members.iter().map(|_| AtomicU64::new(0)).collect();
         let selector = HashSelector::build_bounded(
             config.lb.hash_algorithm,
             config.lb.hash_fingers,
@@ -211,8 +227,9 @@ impl Balancer {
                 // Members present when the vserver starts are its base: with every member
                 // new there would be nobody to take the withheld requests. Members added by
                 // reload or returning from DOWN are new.
+                // Draining members take no new request: slow start never counts them.
                 let mut ss = SlowStart::new(Some(s));
-                for (i, m) in members.iter().enumerate() {
+                for (i, m) in members[..serving].iter().enumerate() {
                     ss.register(i, m.weight, true);
                 }
                 Mutex::new(ss)
@@ -229,6 +246,7 @@ impl Balancer {
                 .map(|_| Arc::new(ServiceCounters::new()))
                 .collect(),
             members,
+            serving,
             weights,
             selector: ArcSwap::from_pointee(selector),
             method_state: MethodState::new(&[]),
@@ -236,9 +254,7 @@ impl Balancer {
             slow_start_active: AtomicBool::new(false),
             control: Mutex::new(()),
             paths: Default::default(),
-            passive_failures: (0..vserver.services.len())
-                .map(|_| AtomicU64::new(0))
-                .collect(),
+            passive_failures,
         }
         .with_method_state()
     }
@@ -270,6 +286,11 @@ impl Balancer {
 
     pub fn members(&self) -> &[MemberInfo] {
         &self.members
+    }
+
+    /// Whether `member` drains: removed by a reload, kept for the flows pinned to it.
+    pub fn is_draining(&self, member: usize) -> bool {
+        self.members.get(member).is_some_and(|m| m.draining)
     }
 
     pub fn counters(&self, member: usize) -> Option<&ServiceCounters> {
@@ -325,7 +346,7 @@ impl Balancer {
     }
 
     fn rebuild_selector(&self) {
-        let up = up_set(&self.health);
+        let up = up_set(&self.health, self.serving);
         let built = self.selector.load().with_up(&up);
         self.selector.store(Arc::new(built));
     }
@@ -364,7 +385,8 @@ impl Balancer {
     }
 
     /// Whether an established flow (dialog, session, connection) pinned to `member` may
-    /// continue there: UP, or OUT_OF_SERVICE (the operator's graceful drain, SPEC §5).
+    /// continue there: UP, or OUT_OF_SERVICE (the operator's graceful drain), draining or
+    /// not; a DOWN member's flows go elsewhere.
     pub fn accepts_existing(&self, member: usize) -> bool {
         matches!(self.health(member), Some(Health::Up | Health::OutOfService))
     }
@@ -378,6 +400,9 @@ impl Balancer {
             return false;
         }
         let info = &self.members[member];
+        if info.draining {
+            return false;
+        }
         let active = self.counters[member].active();
         if info.max_clients > 0 && active >= u64::from(info.max_clients) {
             return false;
@@ -392,7 +417,7 @@ impl Balancer {
     /// (after taking it) stays within factor% of its weighted fair share of the UP members'
     /// total load (plus the new flow).
     fn is_overloaded(&self, member: usize, active: u64, factor: u32) -> bool {
-        let (total, weight_sum) = (0..self.members.len())
+        let (total, weight_sum) = (0..self.serving)
             .filter(|&i| self.health(i) == Some(Health::Up))
             .fold((0u128, 0u128), |(t, w), i| {
                 (

@@ -8,6 +8,7 @@
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
+//! - `drain`      PURE  services a reload removed, kept while their flows finish
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
 //! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
@@ -33,6 +34,7 @@ pub mod balancer;
 pub mod config;
 pub mod demo;
 pub mod dialog;
+pub mod drain;
 pub mod hash;
 pub mod health;
 pub mod http;

@@ -4,6 +4,7 @@
 
 use crate::balancer::Health;
 use crate::config::{self, Config};
+use crate::drain::{DrainEnd, Drains};
 use crate::health::{self, HealthBoard};
 use crate::proxy::{Runtime, VserverHandle};
 use crate::reload;
@@ -40,7 +41,11 @@ pub struct Ops {
     rt: Mutex<Option<Runtime>>,
     tokio: tokio::runtime::Handle,
     health: Arc<HealthBoard>,
+    /// The config as the file says (what a reload compares against).
     config: Mutex<Arc<Config>>,
+    /// Services removed by reloads that still carry flows, and the config the runtime runs:
+    /// the file's plus those (see [`crate::drain`]). Changed under `reload_lock`.
+    drains: Mutex<(Drains, Arc<Config>)>,
     path: Option<PathBuf>,
     rates: Mutex<RateSample>,
     reload_lock: Mutex<()>,
@@ -79,6 +84,7 @@ impl Ops {
             rt: Mutex::new(Some(rt)),
             tokio,
             health: board,
+            drains: Mutex::new((Drains::default(), Arc::new(config.clone()))),
             config: Mutex::new(Arc::new(config)),
             path,
             rates: Mutex::new(RateSample::default()),
@@ -92,6 +98,7 @@ impl Ops {
                 tick.tick().await;
                 let Some(ops) = weak.upgrade() else { return };
                 ops.sample_rates();
+                ops.end_drains();
             }
         });
         Ok(ops)
@@ -109,6 +116,24 @@ impl Ops {
     /// The running config.
     pub fn config(&self) -> Arc<Config> {
         Arc::clone(&self.config.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The config the runtime runs: the file's, with the services still draining.
+    pub fn running_config(&self) -> Arc<Config> {
+        Arc::clone(&self.drains().1)
+    }
+
+    /// The drain of `service` on `vserver`, when it drains there: (since, until) in the
+    /// runtime's clock.
+    pub fn drain_of(&self, vserver: &str, service: &str) -> Option<(u64, u64)> {
+        self.drains()
+            .0
+            .get(vserver, service)
+            .map(|d| (d.since, d.until))
+    }
+
+    fn drains(&self) -> MutexGuard<'_, (Drains, Arc<Config>)> {
+        self.drains.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The admin token in force (changes with reload).
@@ -221,8 +246,19 @@ impl Ops {
         if self.runtime().is_none() {
             return Err(ReloadError::ShutDown);
         }
+        // Members the new file drops start draining where flows are pinned to them.
+        let running = {
+            let mut g = self.drains();
+            let now = self.with_vservers(|_, now| now).unwrap_or(0);
+            let flows = |v: &str, s: &str| self.flows_of(v, s);
+            let before = Arc::clone(&g.1);
+            g.0.reloaded(&before, &new, &flows, now);
+            g.1 = Arc::new(g.0.effective(&new));
+            Arc::clone(&g.1)
+        };
         let new = Arc::new(new);
         *self.config.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&new);
+        let new = running;
         for (vs, rate) in &plan.slow_start_rates {
             self.set_slow_start_rate(vs, *rate);
         }
@@ -249,6 +285,13 @@ impl Ops {
                     .and_then(|h| h.balancer().slow_start())
                     .map(|s| s.rate());
                 let r = rt.rebuild(&new, vs, &health_of)?;
+                let draining: Vec<&str> = new
+                    .vservers
+                    .iter()
+                    .filter(|v| &v.name == vs)
+                    .flat_map(|v| v.draining.iter())
+                    .filter_map(|&i| new.services.get(i).map(|s| s.name.as_str()))
+                    .collect();
                 if rate_of(&old) == rate_of(&new)
                     && let Some(rate) = live_rate
                     && live_rate != rate_of(&new)
@@ -256,7 +299,7 @@ impl Ops {
                 {
                     h.balancer().set_slow_start_rate(rate, rt.now());
                 }
-                tracing::info!(vserver = %vs, added = ?r.added, removed = ?r.removed, dialogs_kept = r.dialogs_kept, "vserver rebuilt");
+                tracing::info!(vserver = %vs, added = ?r.added, removed = ?r.removed, draining = ?draining, dialogs_kept = r.dialogs_kept, "vserver rebuilt");
             }
             board.set_placements(health::placements(
                 rt.vservers().iter().map(|v| v.balancer()),
@@ -273,6 +316,76 @@ impl Ops {
         let changes = plan.describe();
         tracing::info!(changes = ?changes, "config reloaded");
         Ok(changes)
+    }
+
+    /// Flows pinned to member `service` of vserver `vserver` (0 when it is not a member).
+    fn flows_of(&self, vserver: &str, service: &str) -> u64 {
+        self.with_vservers(|vs, _| {
+            vs.iter()
+                .find(|v| v.name == vserver)
+                .and_then(|v| {
+                    let b = v.balancer();
+                    let m = b.members().iter().position(|m| m.name == service)?;
+                    b.counters(m).map(|c| c.active())
+                })
+                .unwrap_or(0)
+        })
+        .unwrap_or(0)
+    }
+
+    /// End the drains that are over (no flow left, or past `drain_timeout`): their vservers
+    /// are rebuilt without them, and on a timeout their remaining tcp / http connections
+    /// are closed. Called every second.
+    pub fn end_drains(&self) {
+        let _one_at_a_time = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        if self.is_draining() {
+            return;
+        }
+        let (finished, running, services_changed) = {
+            let mut g = self.drains();
+            if g.0.is_empty() {
+                return;
+            }
+            let now = self.with_vservers(|_, now| now).unwrap_or(0);
+            let flows = |v: &str, s: &str| self.flows_of(v, s);
+            let finished = g.0.finish(&flows, now);
+            if finished.is_empty() {
+                return;
+            }
+            let before = g.1.services.len();
+            g.1 = Arc::new(g.0.effective(&self.config()));
+            (finished, Arc::clone(&g.1), before != g.1.services.len())
+        };
+        let mut guard = self.runtime();
+        let Some(rt) = guard.as_mut() else { return };
+        let board = &self.health;
+        if services_changed {
+            board.sync_services(&running);
+        }
+        let health_of = |n: &str| board.service(n).map_or(Health::Up, |r| r.effective());
+        let mut rebuilt: Vec<&str> = Vec::new();
+        for f in &finished {
+            tracing::info!(vserver = %f.vserver, service = %f.service, end = ?f.end, "drain ended");
+            if f.end == DrainEnd::TimedOut {
+                rt.cut_flows(&f.vserver, &f.service);
+            }
+            if rebuilt.contains(&f.vserver.as_str()) {
+                continue;
+            }
+            rebuilt.push(&f.vserver);
+            if let Err(e) = rt.rebuild(&running, &f.vserver, &health_of) {
+                tracing::warn!(vserver = %f.vserver, error = %e, "rebuild after a drain failed");
+            }
+        }
+        board.set_placements(health::placements(
+            rt.vservers().iter().map(|v| v.balancer()),
+        ));
+        *self.rates.lock().unwrap_or_else(|e| e.into_inner()) = RateSample::default();
+        drop(guard);
+        if services_changed {
+            self.health.start_monitors(&running, &self.tokio);
+            self.health.apply_all();
+        }
     }
 
     /// Graceful stop: no new flows (every member OUT_OF_SERVICE; established dialogs and

@@ -16,6 +16,7 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// A config file the test rewrites and reloads.
 struct File(ConfigFile);
@@ -100,20 +101,35 @@ fn udp_reload_adds_and_removes_services_keeping_sessions() {
     }
     assert!(seen.contains("s1"), "{seen:?}");
 
-    // Remove s0: no new flow reaches it. Its session is closed; the client's next datagram
-    // is balanced afresh.
-    let only_s1 = config("udp", "127.0.0.1:0", "round_robin", slow, &[("s1", a1)]);
+    // Remove s0: no new flow reaches it, but it drains: the session established on it
+    // keeps going there (and its replies keep coming back) until the drain timeout.
+    let drain = format!("{slow}\ndrain_timeout: 2s");
+    let only_s1 = config("udp", "127.0.0.1:0", "round_robin", &drain, &[("s1", a1)]);
     file.reload(&ops, &only_s1);
+    assert_eq!(state(&ops, "s0").as_deref(), Some("DRAINING"));
     let before = hits(&h0);
     for i in 0..6 {
         let c = udp_client("127.0.0.1");
         let a = udp_ask(&c, vs, format!("m{i}").as_bytes()).expect("answer");
         assert_eq!(a.0.service, "s1");
     }
+    assert_eq!(hits(&h0), before, "a draining service gets no new flows");
+    assert_eq!(udp_ask(&old, vs, b"kept").expect("answer").0.service, "s0");
+    assert!(hits(&h1) >= 6);
+    // The drain times out: s0 leaves the vserver and the session is balanced afresh.
+    assert!(wait_until(Duration::from_secs(6), || state(&ops, "s0").is_none()));
     assert_eq!(udp_ask(&old, vs, b"moved").expect("answer").0.service, "s1");
-    assert_eq!(hits(&h0), before, "a removed service gets no new flows");
-    assert!(hits(&h1) >= 7);
     ops.shutdown();
+}
+
+/// The state `/status` gives `service` in the first vserver (`None`: not a member).
+fn state(ops: &Ops, service: &str) -> Option<String> {
+    let st = router::status(ops);
+    st["vservers"][0]["services"]
+        .as_array()?
+        .iter()
+        .find(|s| s["name"] == service)
+        .and_then(|s| s["state"].as_str().map(str::to_owned))
 }
 
 /// A connection through the vserver that has sent `payload` but not yet half-closed (the
@@ -335,15 +351,17 @@ fn sip_tcp_reload_removes_a_service_over_post_reload() {
     assert_eq!(r.status, 200, "{}", r.body);
     assert!(r.body.contains("vservers.v rebuilt"), "{}", r.body);
 
-    // The removed service's connection still relays what it sends for a while: its BYE
-    // for the call it carried reaches the client after the connection was retired.
-    assert!(wait_until(ANSWER, || tcp_counters(&ops, |c| c
-        .services_retired
-        .load(Ordering::Relaxed))
-        == 1));
-    let gone = calls[owner_of.iter().position(|&o| o == 1).expect("a call on s1")].clone();
-    let bye = format!(
-        "BYE sip:a@{};transport=tcp SIP/2.0\r\nVia: SIP/2.0/TCP {};branch=z9hG4bKgone\r\nMax-Forwards: 70\r\nFrom: <sip:svc@example.com>;tag=u1\r\nTo: <sip:a@client>;tag=a1\r\nCall-ID: {gone}\r\nCSeq: 9 BYE\r\nContent-Length: 0\r\n\r\n",
+    // s1 carries a call: it drains. Its connection stays (not retired) and relays what it
+    // sends: its in-dialog request for its call reaches the client, and the client's
+    // answer reaches it.
+    assert_eq!(state(&ops, "s1").as_deref(), Some("DRAINING"));
+    assert_eq!(
+        tcp_counters(&ops, |c| c.services_retired.load(Ordering::Relaxed)),
+        0
+    );
+    let kept = calls[owner_of.iter().position(|&o| o == 1).expect("a call on s1")].clone();
+    let info = format!(
+        "INFO sip:a@{};transport=tcp SIP/2.0\r\nVia: SIP/2.0/TCP {};branch=z9hG4bKkept\r\nMax-Forwards: 70\r\nFrom: <sip:svc@example.com>;tag=u1\r\nTo: <sip:a@client>;tag=a1\r\nCall-ID: {kept}\r\nCSeq: 9 INFO\r\nContent-Length: 0\r\n\r\n",
         client.local, uas[1].addr
     );
     uas[1]
@@ -352,53 +370,53 @@ fn sip_tcp_reload_removes_a_service_over_post_reload() {
         .expect("lock")
         .as_mut()
         .expect("fulcrum connected to s1")
-        .write_all(bye.as_bytes())
-        .expect("bye");
-    let got = read_message(&mut client.stream, &mut client.buf).expect("BYE reaches the client");
+        .write_all(info.as_bytes())
+        .expect("info");
+    let got = read_message(&mut client.stream, &mut client.buf).expect("INFO reaches the client");
     let msg = fulcrum::sip::scan(&got).expect("scan");
-    assert_eq!(msg.method(), Some(&b"BYE"[..]));
-    assert_eq!(msg.call_id(), Some(gone.as_bytes()));
-    // ... and the client's 200 to it reaches the removed service.
+    assert_eq!(msg.method(), Some(&b"INFO"[..]));
+    assert_eq!(msg.call_id(), Some(kept.as_bytes()));
     let mut ok = Vec::new();
     let reply = fulcrum::sip::Reply {
         code: 200,
         reason: "OK",
         retry_after_s: None,
     };
-    fulcrum::sip::build_response(&msg, &reply, &mut ok).expect("200 to the BYE");
+    fulcrum::sip::build_response(&msg, &reply, &mut ok).expect("200 to the INFO");
     client.stream.write_all(&ok).expect("write 200");
     assert!(
         wait_until(ANSWER, || uas[1]
-            .methods_of(&gone)
+            .methods_of(&kept)
             .contains(&"200".to_owned())),
         "{:?}",
-        uas[1].methods_of(&gone)
+        uas[1].methods_of(&kept)
     );
-    let s1_seen = uas[1].calls().len();
-
+    // Every call stays on its service, the draining one included.
     for (c, &o) in calls.iter().zip(&owner_of) {
         assert_eq!(client.ask("INFO", c), Some(200), "{c}");
-        if o == 1 {
-            // Its service left: the dialog is routed afresh, to a remaining service.
-            let now = owners(&uas, c);
-            assert_eq!(now.len(), 2, "{c}: {now:?}");
-            let removed = uas[1].methods_of(c);
-            assert!(!removed.contains(&"INFO".to_owned()), "{c}: {removed:?}");
-            let other = now.iter().copied().find(|&i| i != 1).unwrap_or(1);
-            assert_eq!(uas[other].methods_of(c), ["INFO"], "{c}");
-        } else {
-            assert_eq!(uas[o].methods_of(c), ["INVITE", "INFO"], "{c}");
-            assert_eq!(owners(&uas, c), [o], "{c}");
-        }
+        assert_eq!(owners(&uas, c), [o], "{c}");
+        assert_eq!(
+            uas[o].methods_of(c).last().map(String::as_str),
+            Some("INFO"),
+            "{c}"
+        );
     }
+    let s1_seen = uas[1].calls().len();
     for i in 0..8 {
         assert_eq!(client.ask("OPTIONS", &format!("after-{i}@tcp")), Some(200));
     }
     assert_eq!(
         uas[1].calls().len(),
         s1_seen,
-        "a removed service gets nothing new"
+        "a draining service gets nothing new: {:?}",
+        uas[1].calls()
     );
+    // Its call ends: the drain is over, the service leaves and its connection is retired.
+    assert_eq!(client.ask("BYE", &kept), Some(200));
+    assert!(wait_until(std::time::Duration::from_secs(5), || {
+        tcp_counters(&ops, |c| c.services_retired.load(Ordering::Relaxed)) == 1
+    }));
+    assert_eq!(state(&ops, "s1"), None);
     assert_eq!(
         tcp_counters(&ops, |c| c.requests_lost.load(Ordering::Relaxed)),
         0

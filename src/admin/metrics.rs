@@ -168,11 +168,14 @@ pub fn render(ops: &Ops) -> String {
                     packets.add(&l, c.packets_total());
                     active.add(&l, c.active());
                 }
-                let cur = b.health(mi);
+                // A draining member shows as DRAINING alone (its health is in /status).
+                let draining = b.is_draining(mi);
+                let cur = b.health(mi).filter(|_| !draining);
                 for h in [Health::Up, Health::Down, Health::OutOfService] {
                     let s = [l[0], l[1], ("state", h.name())];
                     state.add(&s, u8::from(cur == Some(h)));
                 }
+                state.add(&[l[0], l[1], ("state", "DRAINING")], u8::from(draining));
                 weight.add(&l, m.weight);
                 if let Some(st) = slow_state.as_ref().and_then(|s| s.status(mi)) {
                     slow.add(&l, st.rate);
@@ -264,6 +267,7 @@ pub fn render(ops: &Ops) -> String {
                     event("connect_failures", &c.connect_failures);
                     event("no_service", &c.no_service);
                     event("idle_timeouts", &c.idle_timeouts);
+                    event("drain_cuts", &c.drain_cuts);
                     event("first_bytes_timeouts", &c.first_bytes_timeouts);
                     event("heads_unparseable", &c.heads_unparseable);
                     event("client_errors", &c.client_errors);

@@ -264,9 +264,20 @@ pub fn status(ops: &Ops) -> Value {
                                     "since_s": now.saturating_sub(s.since) as f64 / 1e9,
                                 })
                             });
+                            let health = b.health(mi).map_or("?", |h| h.name());
+                            // Removed by a reload, kept for its flows (`active`) until they
+                            // end or the drain deadline.
+                            let drain = ops.drain_of(&v.name, &m.name).filter(|_| b.is_draining(mi)).map(|(since, until)| {
+                                json!({
+                                    "since_s": now.saturating_sub(since) as f64 / 1e9,
+                                    "deadline_in_s": until.saturating_sub(now) as f64 / 1e9,
+                                })
+                            });
                             json!({
                                 "name": m.name,
-                                "state": b.health(mi).map_or("?", |h| h.name()),
+                                "state": if b.is_draining(mi) { "DRAINING" } else { health },
+                                "health": health,
+                                "draining": drain,
                                 "weight": m.weight,
                                 "active": c.map_or(0, |c| c.active()),
                                 "requests_total": c.map_or(0, |c| c.requests_total()),

@@ -152,9 +152,8 @@ impl Config {
     /// Addresses of a vserver's services in member order, IPv4-mapped IPv6 folded to IPv4
     /// (so they compare equal to the source addresses the kernel reports).
     pub fn member_addrs(&self, v: &Vserver) -> Vec<std::net::SocketAddr> {
-        v.services
-            .iter()
-            .filter_map(|&i| self.services.get(i))
+        v.members()
+            .filter_map(|i| self.services.get(i))
             .map(|s| std::net::SocketAddr::new(s.address.ip().to_canonical(), s.address.port()))
             .collect()
     }

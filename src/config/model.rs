@@ -344,6 +344,14 @@ pub struct Vserver {
     pub record_route: bool,
     /// Idle timeout of sessions / connections / dialog affinity entries.
     pub idle_timeout: Duration,
+    /// How long a service removed from this vserver by a reload keeps the flows pinned to it
+    /// (draining) before they are cut or routed afresh. Defaults to `idle_timeout`.
+    pub drain_timeout: Duration,
+    /// Not read from YAML: services removed from this vserver by a reload that still carry
+    /// flows there (indices into [`Config::services`], not in `services`). The running proxy
+    /// keeps them as members at the end of the vserver's member list, where no new flow is
+    /// given to them (see `docs/draining.md`). Always empty in a config read from a file.
+    pub draining: Vec<usize>,
     /// Bound of the session / connection / dialog table.
     pub max_sessions: usize,
     /// IP_TRANSPARENT toward services (firewall pools).
@@ -352,6 +360,14 @@ pub struct Vserver {
     pub send_proxy: Option<ProxyProtocol>,
     /// Worker sockets (SO_REUSEPORT) for datagram vservers; 0 = one per core.
     pub workers: usize,
+}
+
+impl Vserver {
+    /// The vserver's members as the running proxy indexes them (indices into
+    /// [`Config::services`]): its `services`, then the services still draining there.
+    pub fn members(&self) -> impl Iterator<Item = usize> + '_ {
+        self.services.iter().chain(&self.draining).copied()
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -188,6 +188,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "advertise",
     "record_route",
     "idle_timeout",
+    "drain_timeout",
     "max_sessions",
     "transparent",
     "send_proxy",
@@ -961,6 +962,10 @@ impl Cx {
             (None, Some(p)) => Some(default_idle_timeout(p)),
             (None, None) => None,
         };
+        let drain_timeout = match f.get("drain_timeout") {
+            Some(n) => self.duration(n, &join(path, "drain_timeout"), true),
+            None => idle_timeout,
+        };
         let max_sessions = self.int_field(&f, path, "max_sessions", (1, 10_000_000), 100_000);
         let workers = self.int_field(&f, path, "workers", (0, 256), 0);
         let send_proxy = match f.get("send_proxy") {
@@ -1182,6 +1187,8 @@ impl Cx {
             advertise,
             record_route: record_route?,
             idle_timeout: idle_timeout?,
+            drain_timeout: drain_timeout?,
+            draining: Vec::new(),
             max_sessions: max_sessions? as usize,
             transparent: transparent?,
             send_proxy: send_proxy?,

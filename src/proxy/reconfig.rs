@@ -128,12 +128,35 @@ fn migrate_dialogs(
     )
 }
 
-/// How long the old core's users are given to finish what they began before the switch
-/// (one datagram or message: microseconds) before the catch-up pass reads the old table.
-const SETTLE: Duration = Duration::from_millis(2);
+/// The longest the hand-over waits for a user of the old core (a worker in the middle of
+/// one datagram or message: microseconds). Only a worker stalled this long (a stopped
+/// process, a debugger) is not waited for; the rebuild then warns and goes on.
+const HANDOVER_LIMIT: Duration = Duration::from_secs(2);
 
-/// After the switch: carry into the new table what the old core's users did to dialogs
-/// between the migration and the switch (see [`crate::dialog::DialogTable::catch_up_to`]).
+/// Wait until only the `baseline` references the rebuild itself holds keep `old`: every
+/// worker that loaded it before the switch has finished with it. After `ArcSwap::store`, a
+/// reader's guard of the old value is a counted reference (arc-swap settles its readers'
+/// debts when it swaps), so the count is exact. `false` if it gave up at `limit`.
+pub(super) fn wait_for_readers<T>(old: &Arc<T>, baseline: usize, limit: Duration) -> bool {
+    let start = std::time::Instant::now();
+    let mut spins = 0u32;
+    while Arc::strong_count(old) > baseline {
+        if start.elapsed() >= limit {
+            return false;
+        }
+        if spins < 64 {
+            spins += 1;
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+    true
+}
+
+/// After the switch, once no worker uses the old core: carry into the new table what the
+/// old core's users did to dialogs between the migration and the switch (see
+/// [`crate::dialog::DialogTable::catch_up_to`]).
 fn catch_up_dialogs(
     old: &SipCore,
     new: &SipCore,
@@ -142,7 +165,6 @@ fn catch_up_dialogs(
     new_names: &[String],
     now: crate::stats::Nanos,
 ) -> crate::dialog::CatchUp {
-    std::thread::sleep(SETTLE);
     old.dialogs().catch_up_to(
         new.dialogs(),
         first,
@@ -198,6 +220,16 @@ fn locate<'c, T>(
 }
 
 impl Runtime {
+    /// Cut the flows still open on member `service` of vserver `vserver` whose drain timed
+    /// out, where a rebuild without it would not: tcp / http connections finish on the core
+    /// they began with, so they are closed here. (A rebuild without the member ends the
+    /// others: dialogs and udp sessions are routed afresh, a sip-tcp link is retired.)
+    pub fn cut_flows(&self, vserver: &str, service: &str) {
+        if let Some((_, cell)) = self.tcp_cells.iter().find(|(n, _)| n == vserver) {
+            cell.load().cut(service);
+        }
+    }
+
     /// Rebuild vserver `name` from `config`, whatever its protocol (see the module doc).
     pub fn rebuild(
         &mut self,
@@ -321,6 +353,10 @@ impl Runtime {
             core.open(m);
         }
         cell.store(Arc::clone(&core));
+        // Held here: `old` and the handle's data path.
+        if !wait_for_readers(&old, 2, HANDOVER_LIMIT) {
+            tracing::warn!(vserver = %name, "a worker kept the old core past the hand-over limit");
+        }
         // This balancer counted only what the first pass migrated, and what the new core
         // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
         let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, self.now());
@@ -386,11 +422,16 @@ impl Runtime {
         for &m in &moved.refused_open {
             core.close(m);
         }
-        shared.install(Install {
+        let superseded = shared.install(Install {
             core: Arc::clone(&core),
             max_clients: v.max_sessions,
             idle: v.idle_timeout,
         });
+        // Held here only: the link set the workers read before the switch.
+        if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
+            tracing::warn!(vserver = %name, "a worker kept the old core past the hand-over limit");
+        }
+        drop(superseded);
         // The shared counters already follow what the old core did meanwhile (pins, ends,
         // moves); what must stop counting is a pin the new table had no room for, and the old
         // core's pin of a dialog the new core pinned again (its next request came first).

@@ -168,7 +168,7 @@ impl ServiceLink {
 /// The configuration one message is handled with: the core, and the link of each of its
 /// members (same index). Swapped whole, so a decision and the link it names always belong
 /// together.
-struct Generation {
+pub(crate) struct Generation {
     core: Arc<SipCore>,
     links: Vec<Arc<ServiceLink>>,
     max_clients: usize,
@@ -234,8 +234,10 @@ impl TcpShared {
 
     /// Make `next` the current generation: members of its balancer that were already
     /// members with the same address keep their link (and its connection), the others get
-    /// a new one; links of members that left are retired once `next` is current.
-    pub(crate) fn install(self: &Arc<Self>, next: Install) {
+    /// a new one; links of members that left are retired once `next` is current. Returns
+    /// the generation `next` replaced: once its count falls to one (the caller's), no worker
+    /// still handles a message with it.
+    pub(crate) fn install(self: &Arc<Self>, next: Install) -> Arc<Generation> {
         let old = self.current.load_full();
         let names: Vec<String> = next
             .core
@@ -282,6 +284,7 @@ impl TcpShared {
         for link in gone {
             link.retire();
         }
+        old
     }
 
     /// Queue `bytes` toward client `id`; a full queue disconnects that client only.

@@ -39,6 +39,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 /// How long a connect to a service may take before the next member is tried. Short: a
 /// service that does not answer a SYN within it is as good as down for this client.
@@ -65,6 +66,8 @@ pub struct TcpCounters {
     /// Connections closed because no member could take them (or all connects failed).
     pub no_service: AtomicU64,
     pub idle_timeouts: AtomicU64,
+    /// Connections closed because their service's drain timed out.
+    pub drain_cuts: AtomicU64,
     /// First bytes not complete in time / too large / not HTTP: balanced by the fallback.
     pub first_bytes_timeouts: AtomicU64,
     pub heads_unparseable: AtomicU64,
@@ -101,6 +104,9 @@ pub struct TcpCore {
     /// Open client connections; shared with the cores a reload builds from this one, so
     /// connections accepted before a reload still count toward `max_sessions`.
     live: Arc<AtomicUsize>,
+    /// Per member: raised when the member's drain times out, which closes the connections
+    /// still open on it. Shared by name with the cores a reload builds from this one.
+    cuts: Vec<Arc<watch::Sender<bool>>>,
     transparent: bool,
     send_proxy: bool,
     epoch: Instant,
@@ -132,9 +138,8 @@ impl TcpCore {
             hash_params: v.hash.clone(),
             balancer: Arc::new(Balancer::new(config, v)),
             member_addrs: v
-                .services
-                .iter()
-                .filter_map(|&i| config.services.get(i))
+                .members()
+                .filter_map(|i| config.services.get(i))
                 .map(|s| s.address)
                 .collect(),
             first,
@@ -142,6 +147,10 @@ impl TcpCore {
             first_timeout: FIRST_BYTES_TIMEOUT.min(v.idle_timeout),
             max_connections: v.max_sessions,
             live: Arc::new(AtomicUsize::new(0)),
+            cuts: v
+                .members()
+                .map(|_| Arc::new(watch::Sender::new(false)))
+                .collect(),
             transparent: v.transparent,
             send_proxy: v.send_proxy == Some(ProxyProtocol::V2),
             epoch,
@@ -156,7 +165,49 @@ impl TcpCore {
         let mut core = TcpCore::new(config, v, epoch);
         core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
         core.live = Arc::clone(&old.live);
+        let old_names = old.balancer.members();
+        for (m, cut) in core.balancer.members().iter().zip(core.cuts.iter_mut()) {
+            if let Some(j) = old_names.iter().position(|o| o.name == m.name)
+                && let Some(c) = old.cuts.get(j)
+            {
+                *cut = Arc::clone(c);
+            }
+        }
         core
+    }
+
+    /// Close the connections open on member `service` (its drain timed out). `false` when
+    /// it is not a member.
+    pub fn cut(&self, service: &str) -> bool {
+        let m = self
+            .balancer
+            .members()
+            .iter()
+            .position(|m| m.name == service);
+        match m.and_then(|m| self.cuts.get(m)) {
+            Some(c) => {
+                let open = m
+                    .and_then(|m| self.balancer.counters(m))
+                    .map_or(0, |c| c.active());
+                self.counters.drain_cuts.fetch_add(open, Ordering::Relaxed);
+                c.send_replace(true);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Resolves once member `m`'s connections are cut (never for an unknown member).
+    async fn cut_of(&self, m: Option<usize>) {
+        match m.and_then(|m| self.cuts.get(m)) {
+            Some(c) => {
+                let mut rx = c.subscribe();
+                if rx.wait_for(|cut| *cut).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+            None => std::future::pending().await,
+        }
     }
 
     pub fn balancer(&self) -> &Arc<Balancer> {
@@ -344,6 +395,8 @@ async fn accept_loop(cell: TcpCell, listener: TcpListener) {
 struct Live<'a> {
     core: &'a TcpCore,
     member: Option<&'a ServiceCounters>,
+    /// The member chosen (for its drain's cut).
+    index: Option<usize>,
 }
 
 impl Drop for Live<'_> {
@@ -364,6 +417,7 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     let mut live = Live {
         core: &core,
         member: None,
+        index: None,
     };
     // The local address costs a system call: asked only when the key or a PROXY header
     // uses it (the placeholder is never read otherwise, see `needs_local`).
@@ -395,6 +449,7 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     };
     // Counted open on its member by `connect_any` (`live` gives it back).
     let counters = live.member;
+    let member = live.index;
     if let Some(c) = counters {
         c.record_request();
     }
@@ -432,7 +487,10 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     drop(prefix);
     // The client's bytes already went to the service: its answer to them is timed from now.
     let asked_at = if first_len > 0 { core.now().max(1) } else { 0 };
-    relay(&core, &client, &upstream, counters, asked_at).await;
+    tokio::select! {
+        () = relay(&core, &client, &upstream, counters, asked_at) => {}
+        () = core.cut_of(member) => {}
+    }
 }
 
 /// Read what the method needs before choosing: `Some(bytes)` (possibly incomplete after
@@ -492,6 +550,7 @@ async fn connect_any<'a>(
         // other (max_clients, least_connection, bounded loads). A failed connect gives it
         // back here.
         live.member = core.balancer.counters(choice.member);
+        live.index = Some(choice.member);
         if let Some(c) = live.member {
             c.open();
         }

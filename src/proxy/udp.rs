@@ -134,9 +134,8 @@ fn nanos(d: Duration) -> Nanos {
 impl UdpCore {
     pub fn new(config: &Config, v: &Vserver) -> UdpCore {
         let member_addrs = v
-            .services
-            .iter()
-            .filter_map(|&i| config.services.get(i))
+            .members()
+            .filter_map(|i| config.services.get(i))
             .map(|s| s.address)
             .collect();
         UdpCore {
