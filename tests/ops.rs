@@ -5,6 +5,7 @@
 mod common;
 
 use common::ConfigFile;
+use common::strict_uas::StrictUas;
 use fulcrum::admin::router::{self, Request};
 use fulcrum::config;
 use fulcrum::ops::Ops;
@@ -186,7 +187,7 @@ fn monitor_marks_down_then_up_with_slow_start() {
 
 #[test]
 fn disable_drains_established_calls() {
-    let uas: Vec<Uas> = (0..2).map(|_| Uas::start(any()).expect("uas")).collect();
+    let uas: Vec<StrictUas> = (0..2).map(|i| StrictUas::udp(&format!("s{i}"))).collect();
     let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
     let ops = start(&yaml(
         &ports,
@@ -198,7 +199,7 @@ fn disable_drains_established_calls() {
     let mut uac = Uac::new(any(), proxy_addr(&ops), "drain").expect("uac");
     let tag = establish(&mut uac, "call-before");
     let owner = (0..2)
-        .find(|&i| !uas[i].log.methods_of("call-before").is_empty())
+        .find(|&i| !uas[i].methods_of("call-before").is_empty())
         .expect("some service took the call");
     let other = 1 - owner;
 
@@ -216,24 +217,22 @@ fn disable_drains_established_calls() {
         let id = format!("new-{n}");
         let t = establish(&mut uac, &id);
         assert!(
-            uas[owner].log.methods_of(&id).is_empty(),
+            uas[owner].methods_of(&id).is_empty(),
             "{id} went to the disabled service"
         );
         assert_eq!(bye(&mut uac, &id, &t), 200);
     }
-    assert!(
-        uas[other]
-            .log
-            .invites
-            .load(std::sync::atomic::Ordering::Relaxed)
-            >= 10
-    );
+    assert!(uas[other].counts().dialogs >= 10);
     // ...while the established call finishes where it started.
     assert_eq!(bye(&mut uac, "call-before", &tag), 200);
     assert_eq!(
-        uas[owner].log.methods_of("call-before"),
+        uas[owner].methods_of("call-before"),
         vec!["INVITE", "ACK", "BYE"]
     );
+    for u in &uas {
+        let c = u.counts();
+        assert_eq!((c.r481, c.stray_acks), (0, 0), "{}: {c:?}", u.name);
+    }
     let r = router::handle(
         &ops,
         &Request::new("POST", &format!("/services/s{owner}/enable")),
@@ -325,7 +324,7 @@ fn http(addr: SocketAddr, req: &str) -> String {
 
 #[test]
 fn reload_adds_and_removes_services_keeping_established_calls() {
-    let uas: Vec<Uas> = (0..3).map(|_| Uas::start(any()).expect("uas")).collect();
+    let uas: Vec<StrictUas> = (0..3).map(|i| StrictUas::udp(&format!("s{i}"))).collect();
     let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
     let slow = "    slow_start: { new_service_request_rate: 5, unit: per_second, increment_interval: 0s }\n";
     let text = yaml(&ports[..2], "null", FAST, slow, "round_robin");
@@ -335,7 +334,7 @@ fn reload_adds_and_removes_services_keeping_established_calls() {
     let mut uac = Uac::new(any(), proxy_addr(&ops), "reload").expect("uac");
     let tag = establish(&mut uac, "long-call");
     let owner = (0..2)
-        .find(|&i| !uas[i].log.methods_of("long-call").is_empty())
+        .find(|&i| !uas[i].methods_of("long-call").is_empty())
         .expect("a service took the call");
 
     // In place: new monitor timing, a new slow-start rate, a third service.
@@ -414,11 +413,16 @@ fn reload_adds_and_removes_services_keeping_established_calls() {
     // The call established before the reloads finishes on its service.
     assert_eq!(bye(&mut uac, "long-call", &tag), 200);
     assert_eq!(
-        uas[owner].log.methods_of("long-call"),
+        uas[owner].methods_of("long-call"),
         vec!["INVITE", "ACK", "BYE"]
     );
     // New calls still work after the reloads.
     uac.call(Duration::from_secs(2)).expect("call after reload");
+    // Strict services: no request reached a service outside its dialog.
+    for u in &uas {
+        let c = u.counts();
+        assert_eq!((c.r481, c.stray_acks), (0, 0), "{}: {c:?}", u.name);
+    }
     ops.shutdown();
 }
 

@@ -6,166 +6,20 @@
 //! `FULCRUM_REQUIRE_SIPP=1` (CI), where a missing SIPp is a failure. Every SIPp process runs
 //! with a deadline and is terminated when its guard drops, whatever the test outcome.
 
+mod common;
+
+use common::sipp::{Proc, Scratch, Transport, free_port, sipp_available, uac_counts, wait_bound};
 use fulcrum::balancer::Health;
 use fulcrum::config;
 use fulcrum::proxy::Runtime;
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{SocketAddr, TcpListener, UdpSocket};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
 
 /// Hard bound of one SIPp UAC run.
 const UAC_DEADLINE: Duration = Duration::from_secs(90);
-/// Bound of the wait for a UAS to bind its port.
-const UP_DEADLINE: Duration = Duration::from_secs(10);
-
-/// SIP transport of a run: SIPp's `-t` mode and fulcrum's protocol.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Transport {
-    Udp,
-    Tcp,
-}
-
-impl Transport {
-    /// SIPp transport mode: one socket (UDP) or one connection (TCP) per instance.
-    fn sipp_mode(self) -> &'static str {
-        match self {
-            Transport::Udp => "u1",
-            Transport::Tcp => "t1",
-        }
-    }
-
-    fn protocol(self) -> &'static str {
-        match self {
-            Transport::Udp => "sip-udp",
-            Transport::Tcp => "sip-tcp",
-        }
-    }
-}
-
-fn sipp_available() -> bool {
-    let found = std::env::var_os("PATH")
-        .map(|p| std::env::split_paths(&p).any(|d| d.join("sipp").is_file()))
-        .unwrap_or(false);
-    if found {
-        return true;
-    }
-    if std::env::var("FULCRUM_REQUIRE_SIPP").as_deref() == Ok("1") {
-        panic!(
-            "sipp is not on PATH and FULCRUM_REQUIRE_SIPP=1 (install Debian package sip-tester)"
-        );
-    }
-    eprintln!(
-        "SKIPPED: sipp is not on PATH (apt-get install sip-tester); set FULCRUM_REQUIRE_SIPP=1 to make this a failure"
-    );
-    false
-}
-
-/// A child process terminated (SIGTERM, then SIGKILL after a grace period) on drop.
-struct Proc {
-    child: Child,
-    name: String,
-}
-
-impl Proc {
-    fn spawn(name: &str, cmd: &mut Command) -> Proc {
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {name}: {e}"));
-        Proc {
-            child,
-            name: name.to_owned(),
-        }
-    }
-
-    /// Wait for exit up to `limit`; kill on timeout. Returns the exit code (None if killed).
-    fn wait_for(&mut self, limit: Duration) -> Option<i32> {
-        let deadline = Instant::now() + limit;
-        loop {
-            match self.child.try_wait() {
-                Ok(Some(st)) => return st.code(),
-                Ok(None) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-                _ => {
-                    eprintln!("{}: deadline passed, killing", self.name);
-                    let _ = self.child.kill();
-                    let _ = self.child.wait();
-                    return None;
-                }
-            }
-        }
-    }
-
-    /// SIGTERM (SIPp flushes its logs and exits), then SIGKILL after a grace period.
-    fn terminate(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
-        }
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let _ = self.wait_for(Duration::from_secs(5));
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.terminate();
-    }
-}
-
-/// A port free right now on 127.0.0.1 for `t` (bound and released). Ports come from the
-/// kernel's ephemeral range, so parallel tests do not collide by construction.
-fn free_port(t: Transport) -> u16 {
-    match t {
-        Transport::Udp => UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr()),
-        Transport::Tcp => TcpListener::bind("127.0.0.1:0").and_then(|s| s.local_addr()),
-    }
-    .expect("free port")
-    .port()
-}
-
-/// Poll until the SIPp process holds `port` (bound it, or listens on it), bounded.
-fn wait_bound(t: Transport, port: u16) {
-    let deadline = Instant::now() + UP_DEADLINE;
-    let free = || match t {
-        Transport::Udp => UdpSocket::bind(("127.0.0.1", port)).is_ok(),
-        Transport::Tcp => std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
-    };
-    while free() {
-        assert!(Instant::now() < deadline, "SIPp did not bind port {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Scratch {
-        let d = std::env::temp_dir().join(format!("fulcrum-sipp-{}-{tag}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("scratch dir");
-        Scratch(d)
-    }
-    fn path(&self, f: &str) -> PathBuf {
-        self.0.join(f)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        } else {
-            eprintln!("SIPp logs kept in {}", self.0.display());
-        }
-    }
-}
 
 fn start_uas(dir: &Scratch, t: Transport, port: u16, log: &str) -> Proc {
     let p = Proc::spawn(
@@ -227,22 +81,6 @@ fn run_uac(
         "SIPp UAC {tag} exit code (0 = every call successful); successful {ok}, failed {failed}"
     );
     (ok, failed)
-}
-
-/// SuccessfulCall(C) and FailedCall(C) from the last line of a SIPp stat file.
-fn uac_counts(stat: &Path) -> (u64, u64) {
-    let text = std::fs::read_to_string(stat).unwrap_or_default();
-    let mut lines = text.lines().filter(|l| !l.trim().is_empty());
-    let head: Vec<&str> = lines.next().unwrap_or("").split(';').collect();
-    let last: Vec<&str> = lines.next_back().unwrap_or("").split(';').collect();
-    let col = |name: &str| {
-        head.iter()
-            .position(|h| *h == name)
-            .and_then(|i| last.get(i))
-            .and_then(|v| v.trim().parse::<u64>().ok())
-            .unwrap_or_else(|| panic!("no {name} in {}", stat.display()))
-    };
-    (col("SuccessfulCall(C)"), col("FailedCall(C)"))
 }
 
 /// Call-ID → methods of the requests a UAS received, in order, from its `-trace_msg` log.

@@ -3,7 +3,10 @@
 //! wait with read timeouts (never bare sleeps).
 #![allow(dead_code)]
 
+pub mod churn;
 pub mod sip_tcp;
+pub mod sipp;
+pub mod strict_uas;
 
 use fulcrum::proxy::proxy_protocol::decode_v2;
 use std::io::{BufRead, BufReader, Read, Write};

@@ -1,0 +1,329 @@
+//! A strict SIP UAS for the tests, over UDP or TCP: it answers like a production callee and
+//! refuses what a production callee refuses, so a request fulcrum sends to the wrong service
+//! fails loudly instead of being answered 200 by a lenient peer.
+//!
+//! - INVITE outside a dialog: 100, 180 and 200, the 18x / 200 with a To tag of its own, a
+//!   Contact, and the request's Record-Route values echoed (RFC 3261 §12.1.1); the dialog
+//!   (Call-ID, its tag, the caller's tag; §12) is set up.
+//! - ACK: never answered (§17.1.1.3); one for no dialog of this UAS is counted as stray.
+//! - BYE and any other request with a To tag: 200 only within a dialog this UAS set up,
+//!   otherwise **481 Call/Transaction Does Not Exist** (§12.2.2, §15.1.2).
+//! - CANCEL: 200 when the INVITE it cancels reached this UAS (the 200 to it is already sent,
+//!   so the CANCEL has no effect, §9.2), otherwise 481.
+//! - OPTIONS and other requests outside a dialog: 200.
+//!
+//! Retransmission-safe: the To tag is derived from the UAS name, Call-ID and From tag, so a
+//! retransmitted INVITE gets the same answers (and sets up nothing new); an ended dialog is
+//! remembered, so a BYE retransmitted after its 200 gets 200 again.
+//!
+//! Why Rust and not a SIPp scenario: SIPp's UAS starts a scenario instance per new Call-ID,
+//! and a BYE for an unknown Call-ID can only reach an out-of-call scenario (`-oocsf`), which
+//! matches on Call-ID alone (not on the tags of RFC 3261 §12) and whose counts would have to
+//! be scraped from SIPp's screen dumps after the process ends. Here the dialog match is
+//! exact, the counters are read live in the test, and the UAS is bound before `start`
+//! returns (no readiness polling).
+//!
+//! The decision core ([`UasCore`]) is PURE: bytes in, responses out. [`StrictUas`] is the IO
+//! shell: one thread per UDP socket, or an accept thread plus one thread per TCP connection
+//! (Content-Length framing, responses on the connection the request came on; fulcrum keeps
+//! one long-lived connection per service).
+
+use super::sip_tcp::{Next, next_message};
+use fulcrum::sip::{self, HeaderName, SipMethod, SipMsg};
+use std::collections::HashMap;
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::io::Write;
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What one UAS has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Requests received (retransmissions included).
+    pub requests: u64,
+    /// Dialogs set up (first INVITE of each; retransmissions not counted).
+    pub dialogs: u64,
+    /// Dialogs ended by a BYE answered 200 (a retransmitted BYE is not counted again).
+    pub byes_ok: u64,
+    /// 481 Call/Transaction Does Not Exist sent.
+    pub r481: u64,
+    /// ACKs for no dialog of this UAS.
+    pub stray_acks: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Dialog {
+    Confirmed,
+    Ended,
+}
+
+/// Dialog identifier at the UAS (RFC 3261 §12): Call-ID, local tag, remote tag.
+type DialogId = (Vec<u8>, Vec<u8>, Vec<u8>);
+
+/// The decision core: one request in, the responses to send back out. PURE.
+#[derive(Debug)]
+pub struct UasCore {
+    name: String,
+    contact: String,
+    dialogs: HashMap<DialogId, Dialog>,
+    /// Call-ID → methods received, in order.
+    calls: HashMap<String, Vec<String>>,
+    counts: Counts,
+}
+
+impl UasCore {
+    /// A UAS called `name` whose Contact is `sip:name@at;transport=transport`.
+    pub fn new(name: &str, at: SocketAddr, transport: &str) -> UasCore {
+        UasCore {
+            name: name.to_owned(),
+            contact: format!("<sip:{name}@{at};transport={transport}>"),
+            dialogs: HashMap::new(),
+            calls: HashMap::new(),
+            counts: Counts::default(),
+        }
+    }
+
+    pub fn counts(&self) -> Counts {
+        self.counts
+    }
+
+    /// The methods received for one Call-ID, in order.
+    pub fn methods_of(&self, call_id: &str) -> Vec<String> {
+        self.calls.get(call_id).cloned().unwrap_or_default()
+    }
+
+    /// The tag this UAS gives the dialog of (Call-ID, From tag): stable across
+    /// retransmissions, different per UAS.
+    fn local_tag(&self, call_id: &[u8], from_tag: &[u8]) -> String {
+        let mut h = DefaultHasher::new();
+        (call_id, from_tag).hash(&mut h);
+        format!("{}-{:016x}", self.name, h.finish())
+    }
+
+    /// Handle one message; responses are ignored (this UAS sends no requests).
+    pub fn handle(&mut self, bytes: &[u8]) -> Vec<Vec<u8>> {
+        let Ok(msg) = sip::scan(bytes) else {
+            return Vec::new();
+        };
+        if !msg.is_request() {
+            return Vec::new();
+        }
+        self.counts.requests += 1;
+        let method = String::from_utf8_lossy(msg.method().unwrap_or(b"?")).into_owned();
+        let (Some(call_id), Some(from_tag), Some(_), Some(_)) =
+            (msg.call_id(), msg.from_tag(), msg.cseq(), msg.top_via())
+        else {
+            return match msg.method_kind() {
+                SipMethod::Ack => Vec::new(),
+                _ => vec![respond(&msg, 400, "Bad Request", None, None, false)],
+            };
+        };
+        self.calls
+            .entry(String::from_utf8_lossy(call_id).into_owned())
+            .or_default()
+            .push(method);
+        let tag = self.local_tag(call_id, from_tag);
+        let id: DialogId = (
+            call_id.to_vec(),
+            tag.clone().into_bytes(),
+            from_tag.to_vec(),
+        );
+        let state = match msg.to_tag() {
+            Some(t) if t == tag.as_bytes() => self.dialogs.get(&id).copied(),
+            _ => None,
+        };
+        let contact = Some(self.contact.as_str());
+        match (msg.method_kind(), msg.to_tag()) {
+            (SipMethod::Ack, _) => {
+                if state.is_none() {
+                    self.counts.stray_acks += 1;
+                }
+                Vec::new()
+            }
+            (SipMethod::Invite, None) => {
+                if let std::collections::hash_map::Entry::Vacant(e) = self.dialogs.entry(id) {
+                    e.insert(Dialog::Confirmed);
+                    self.counts.dialogs += 1;
+                }
+                vec![
+                    respond(&msg, 100, "Trying", None, None, false),
+                    respond(&msg, 180, "Ringing", Some(&tag), contact, true),
+                    respond(&msg, 200, "OK", Some(&tag), contact, true),
+                ]
+            }
+            (SipMethod::Cancel, _) => {
+                if self.dialogs.contains_key(&id) {
+                    vec![respond(&msg, 200, "OK", Some(&tag), None, false)]
+                } else {
+                    self.not_found(&msg)
+                }
+            }
+            (SipMethod::Bye, _) => match state {
+                Some(s) => {
+                    if s == Dialog::Confirmed {
+                        self.counts.byes_ok += 1;
+                        self.dialogs.insert(id, Dialog::Ended);
+                    }
+                    vec![respond(&msg, 200, "OK", None, None, false)]
+                }
+                None => self.not_found(&msg),
+            },
+            (_, Some(_)) => match state {
+                Some(Dialog::Confirmed) => vec![respond(&msg, 200, "OK", None, contact, false)],
+                _ => self.not_found(&msg),
+            },
+            (_, None) => vec![respond(&msg, 200, "OK", Some(&tag), None, false)],
+        }
+    }
+
+    fn not_found(&mut self, msg: &SipMsg<'_>) -> Vec<Vec<u8>> {
+        self.counts.r481 += 1;
+        vec![respond(
+            msg,
+            481,
+            "Call/Transaction Does Not Exist",
+            None,
+            None,
+            false,
+        )]
+    }
+}
+
+/// A response to `msg` (RFC 3261 §8.2.6.2): its Via values in order, From, To (with `tag`
+/// added when the request had none), Call-ID, CSeq; Record-Route echoed when `echo_rr`
+/// (§12.1.1), Contact when given, no body.
+fn respond(
+    msg: &SipMsg<'_>,
+    code: u16,
+    reason: &str,
+    tag: Option<&str>,
+    contact: Option<&str>,
+    echo_rr: bool,
+) -> Vec<u8> {
+    let mut out = format!("SIP/2.0 {code} {reason}\r\n").into_bytes();
+    let mut put = |name: &str, value: &[u8]| {
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    };
+    for h in msg.headers() {
+        match HeaderName::classify(h.name) {
+            HeaderName::Via => put("Via", h.value),
+            HeaderName::RecordRoute if echo_rr => put("Record-Route", h.value),
+            _ => {}
+        }
+    }
+    put("From", msg.from_header().unwrap_or_default());
+    let mut to = msg.to_header().unwrap_or_default().to_vec();
+    if let (Some(t), None) = (tag, msg.to_tag()) {
+        to.extend_from_slice(format!(";tag={t}").as_bytes());
+    }
+    put("To", &to);
+    put("Call-ID", msg.call_id().unwrap_or_default());
+    put("CSeq", msg.cseq_raw().unwrap_or_default());
+    if let Some(c) = contact {
+        put("Contact", c.as_bytes());
+    }
+    out.extend_from_slice(b"Content-Length: 0\r\n\r\n");
+    out
+}
+
+/// A running strict UAS (stops when dropped).
+pub struct StrictUas {
+    pub name: String,
+    pub addr: SocketAddr,
+    core: Arc<Mutex<UasCore>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl StrictUas {
+    /// A UAS over UDP on 127.0.0.1:0, answering each request to its source.
+    pub fn udp(name: &str) -> StrictUas {
+        let socket = UdpSocket::bind("127.0.0.1:0").expect("bind strict uas");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .expect("timeout");
+        let addr = socket.local_addr().expect("addr");
+        let uas = StrictUas::new(name, addr, "udp");
+        let (core, stop) = (Arc::clone(&uas.core), Arc::clone(&uas.stop));
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; 65_536];
+            while !stop.load(Ordering::Relaxed) {
+                let Ok((n, src)) = socket.recv_from(&mut buf) else {
+                    continue;
+                };
+                let out = core.lock().expect("uas core").handle(&buf[..n]);
+                for r in out {
+                    let _ = socket.send_to(&r, src);
+                }
+            }
+        });
+        uas
+    }
+
+    /// A UAS over TCP on 127.0.0.1:0: every accepted connection is read as a stream of
+    /// Content-Length framed messages and answered on the same connection.
+    pub fn tcp(name: &str) -> StrictUas {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind strict uas");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("addr");
+        let uas = StrictUas::new(name, addr, "tcp");
+        let (core, stop) = (Arc::clone(&uas.core), Arc::clone(&uas.stop));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let Ok((mut stream, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let _ = stream.set_nonblocking(false);
+                let (core, stop) = (Arc::clone(&core), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    let mut buf = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let bytes =
+                            match next_message(&mut stream, &mut buf, Duration::from_millis(200)) {
+                                Next::Message(b) => b,
+                                Next::Timeout => continue,
+                                Next::Closed => return,
+                            };
+                        let out = core.lock().expect("uas core").handle(&bytes);
+                        for r in out {
+                            if stream.write_all(&r).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        uas
+    }
+
+    fn new(name: &str, addr: SocketAddr, transport: &str) -> StrictUas {
+        StrictUas {
+            name: name.to_owned(),
+            addr,
+            core: Arc::new(Mutex::new(UasCore::new(name, addr, transport))),
+            stop: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    pub fn counts(&self) -> Counts {
+        self.core.lock().expect("uas core").counts()
+    }
+
+    /// The methods received for one Call-ID, in order.
+    pub fn methods_of(&self, call_id: &str) -> Vec<String> {
+        self.core.lock().expect("uas core").methods_of(call_id)
+    }
+}
+
+impl Drop for StrictUas {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
