@@ -450,3 +450,92 @@ impl Runtime {
         Ok(r)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sip::{Local, Transport};
+    use std::sync::mpsc;
+
+    fn core(config: &Config) -> Arc<SipCore> {
+        let v = &config.vservers[0];
+        let local = Local::from_addr("127.0.0.1:5060".parse().expect("addr"), Transport::Udp);
+        let balancer = Arc::new(Balancer::new(config, v));
+        Arc::new(SipCore::new(SipParams::of(config, v, local, balancer)))
+    }
+
+    fn invite(call_id: &str) -> String {
+        format!(
+            "INVITE sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bK{call_id}\r\nMax-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n"
+        )
+    }
+
+    /// A worker that loaded the old core just before the switch and is held in the middle of
+    /// its message: the hand-over waits for it, so the dialog it pins on the old core after
+    /// the switch reaches the new table (a fixed settle time lost it when the worker was
+    /// preempted for longer).
+    #[test]
+    fn the_hand_over_waits_for_a_worker_held_across_the_switch() {
+        let config = crate::config::from_str(
+            "t",
+            "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, services: [a, b] }\n",
+        )
+        .expect("config");
+        let (old, new) = (core(&config), core(&config));
+        let names = names_of(old.balancer());
+        let cell = Arc::new(ArcSwap::new(Arc::clone(&old)));
+        let (loaded_tx, loaded) = mpsc::channel();
+        let (go, go_rx) = mpsc::channel::<()>();
+        let worker = {
+            let cell = Arc::clone(&cell);
+            std::thread::spawn(move || {
+                let g = cell.load();
+                loaded_tx.send(()).expect("loaded");
+                go_rx.recv().expect("go");
+                let mut out = Vec::new();
+                g.handle_datagram(
+                    invite("held").as_bytes(),
+                    "192.0.2.10:5062".parse().expect("src"),
+                    "127.0.0.1:5060".parse().expect("dst"),
+                    0,
+                    &mut out,
+                );
+            })
+        };
+        loaded.recv().expect("worker loaded the old core");
+        let first = migrate_dialogs(&old, &new, &names, &names, 0);
+        cell.store(Arc::clone(&new));
+        let (done_tx, done) = mpsc::channel();
+        let switch = {
+            let (old, new, names) = (Arc::clone(&old), Arc::clone(&new), names.clone());
+            std::thread::spawn(move || {
+                // Held here: `old` in this thread and the test's own `old`.
+                let waited = wait_for_readers(&old, 2, Duration::from_secs(10));
+                let late = catch_up_dialogs(&old, &new, &first, &names, &names, 0);
+                done_tx.send(()).expect("done");
+                (waited, late)
+            })
+        };
+        // However long the worker is held, the catch-up does not run before it lets go.
+        assert!(
+            done.recv_timeout(Duration::from_millis(100)).is_err(),
+            "the catch-up ran while a worker still used the old core"
+        );
+        go.send(()).expect("go");
+        worker.join().expect("worker");
+        let (waited, late) = switch.join().expect("switch");
+        assert!(waited);
+        assert_eq!(late.opened.len(), 1, "{late:?}");
+        let h = crate::hash::key_hash(b"held");
+        assert!(new.dialogs().get(h, 0).is_some());
+    }
+
+    #[test]
+    fn the_hand_over_gives_up_at_its_limit() {
+        let old = Arc::new(0u8);
+        let reader = Arc::clone(&old);
+        assert!(!wait_for_readers(&old, 1, Duration::from_millis(20)));
+        drop(reader);
+        assert!(wait_for_readers(&old, 1, Duration::from_millis(20)));
+    }
+}
