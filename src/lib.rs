@@ -13,7 +13,7 @@
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
-//! - `net`        IO    SO_REUSEPORT worker sockets
+//! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
 //! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http), the runtime that starts vservers, in-place rebuild on reload
