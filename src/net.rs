@@ -13,9 +13,9 @@ pub const UDP_BUFFER_BYTES: usize = 4 << 20;
 /// How a vserver's listening sockets are set up, beyond their address.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ListenOptions {
-    /// IP_FREEBIND / IPV6_FREEBIND (ip(7), ipv6(7)): bind an address that is not on the host
-    /// (yet), such as a VIP a standby takes over later; packets reach the socket once the
-    /// address arrives.
+    /// IP_FREEBIND / IPV6_FREEBIND: bind an address that is not on the host (yet), such as
+    /// the VIP a standby takes over later (docs/deployment.md); packets reach the socket once
+    /// the address arrives.
     pub freebind: bool,
 }
 
@@ -224,7 +224,8 @@ mod tests {
         }
     }
 
-    /// net.ipv4.ip_nonlocal_bind = 1 lets every socket bind any address (ip(7)).
+    /// net.ipv4.ip_nonlocal_bind = 1 lets every socket bind any address, as freebind does
+    /// for one.
     fn nonlocal_bind_allowed() -> bool {
         std::fs::read_to_string("/proc/sys/net/ipv4/ip_nonlocal_bind")
             .is_ok_and(|v| v.trim() != "0")

@@ -22,7 +22,7 @@ fn start(yaml: &str) -> Result<fulcrum::proxy::Runtime, fulcrum::proxy::RuntimeE
     fulcrum::proxy::Runtime::start(&cfg)
 }
 
-/// net.ipv4.ip_nonlocal_bind = 1 lets every socket bind any address (ip(7)): then the
+/// net.ipv4.ip_nonlocal_bind = 1 lets every socket bind any address, as freebind does: then the
 /// refusal cannot be seen.
 fn nonlocal_bind_allowed(family: &str) -> bool {
     std::fs::read_to_string(format!("/proc/sys/net/{family}/ip_nonlocal_bind"))
