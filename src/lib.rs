@@ -14,10 +14,11 @@
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
-//! - `net`        IO    SO_REUSEPORT worker sockets
+//! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
 //! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http), the runtime that starts vservers, in-place rebuild on reload
+//! - `readiness`  PURE  whether the instance should get new traffic (`/readyz`): vserver facts + drain -> verdict
 //! - `reload`     PURE  what a reload changes in place, and what needs a restart
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
@@ -44,6 +45,7 @@ pub mod net;
 pub mod ops;
 pub mod peer;
 pub mod proxy;
+pub mod readiness;
 pub mod reload;
 pub mod select;
 pub mod session;

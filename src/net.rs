@@ -1,4 +1,5 @@
-//! Socket construction (socket2): SO_REUSEPORT worker sockets with large buffers. IO.
+//! Socket construction (socket2): SO_REUSEPORT worker sockets with large buffers, and
+//! IP_FREEBIND for addresses the host does not hold yet. IO.
 
 use socket2::{Domain, Protocol, Socket, Type};
 use std::io;
@@ -9,14 +10,24 @@ use std::net::{SocketAddr, UdpSocket};
 /// at net.core.rmem_max, which is fine.
 pub const UDP_BUFFER_BYTES: usize = 4 << 20;
 
+/// How a vserver's listening sockets are set up, beyond their address.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ListenOptions {
+    /// IP_FREEBIND / IPV6_FREEBIND: bind an address that is not on the host (yet), such as
+    /// the VIP a standby takes over later (docs/deployment.md); packets reach the socket once
+    /// the address arrives.
+    pub freebind: bool,
+}
+
 /// A socket of `ty` for `addr` with the options every listener here shares: IPv6-only for an
 /// IPv6 address (a [::] bind must not also take the IPv4 wildcard: the config may bind both),
-/// SO_REUSEADDR, and SO_REUSEPORT when asked. Not bound yet.
+/// SO_REUSEADDR, SO_REUSEPORT when asked, and `opts`. Not bound yet.
 fn listener_socket(
     addr: SocketAddr,
     ty: Type,
     protocol: Protocol,
     reuse_port: bool,
+    opts: ListenOptions,
 ) -> io::Result<Socket> {
     let socket = Socket::new(Domain::for_address(addr), ty, Some(protocol))?;
     if addr.is_ipv6() {
@@ -25,6 +36,13 @@ fn listener_socket(
     socket.set_reuse_address(true)?;
     if reuse_port {
         socket.set_reuse_port(true)?;
+    }
+    if opts.freebind {
+        if addr.is_ipv6() {
+            socket.set_freebind_v6(true)?;
+        } else {
+            socket.set_freebind_v4(true)?;
+        }
     }
     Ok(socket)
 }
@@ -48,8 +66,8 @@ fn reuse_port_group(
     Ok(out)
 }
 
-fn udp_socket(addr: SocketAddr) -> io::Result<Socket> {
-    let socket = listener_socket(addr, Type::DGRAM, Protocol::UDP, true)?;
+fn udp_socket(addr: SocketAddr, opts: ListenOptions) -> io::Result<Socket> {
+    let socket = listener_socket(addr, Type::DGRAM, Protocol::UDP, true, opts)?;
     // Best effort: an unprivileged process may be capped lower, which is not an error.
     let _ = socket.set_recv_buffer_size(UDP_BUFFER_BYTES);
     let _ = socket.set_send_buffer_size(UDP_BUFFER_BYTES);
@@ -60,15 +78,19 @@ fn udp_socket(addr: SocketAddr) -> io::Result<Socket> {
 /// `count` UDP sockets bound to the same address with SO_REUSEPORT, so each worker owns
 /// one and the kernel keeps every flow (4-tuple) on one socket: messages of one call are
 /// never reordered between workers. Port 0 is resolved by the first bind and reused.
-pub fn bind_udp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<UdpSocket>> {
-    Ok(reuse_port_group(addr, count, udp_socket)?
+pub fn bind_udp_workers(
+    addr: SocketAddr,
+    count: usize,
+    opts: ListenOptions,
+) -> io::Result<Vec<UdpSocket>> {
+    Ok(reuse_port_group(addr, count, |a| udp_socket(a, opts))?
         .into_iter()
         .map(UdpSocket::from)
         .collect())
 }
 
-fn tcp_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
-    let socket = listener_socket(addr, Type::STREAM, Protocol::TCP, reuse_port)?;
+fn tcp_listener(addr: SocketAddr, reuse_port: bool, opts: ListenOptions) -> io::Result<Socket> {
+    let socket = listener_socket(addr, Type::STREAM, Protocol::TCP, reuse_port, opts)?;
     // Accepted connections inherit TCP_NODELAY from their listener (Linux): one system call
     // here instead of one per connection. Set before `listen`, so that no connection is
     // accepted without it. A proxy forwards each read at once; Nagle would hold a small
@@ -83,18 +105,27 @@ fn tcp_listener(addr: SocketAddr, reuse_port: bool) -> io::Result<Socket> {
 }
 
 /// A TCP listener (SO_REUSEADDR, IPv6-only for [::] binds), non-blocking for tokio.
-pub fn bind_tcp_listener(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
-    tcp_listener(addr, false).map(Into::into)
+pub fn bind_tcp_listener(
+    addr: SocketAddr,
+    opts: ListenOptions,
+) -> io::Result<std::net::TcpListener> {
+    tcp_listener(addr, false, opts).map(Into::into)
 }
 
 /// `count` TCP listeners on the same address with SO_REUSEPORT, one per worker thread: the
 /// kernel spreads incoming connections over them, and each connection lives on the thread
 /// that accepted it. Port 0 is resolved by the first bind and reused.
-pub fn bind_tcp_workers(addr: SocketAddr, count: usize) -> io::Result<Vec<std::net::TcpListener>> {
-    Ok(reuse_port_group(addr, count, |a| tcp_listener(a, true))?
-        .into_iter()
-        .map(Into::into)
-        .collect())
+pub fn bind_tcp_workers(
+    addr: SocketAddr,
+    count: usize,
+    opts: ListenOptions,
+) -> io::Result<Vec<std::net::TcpListener>> {
+    Ok(
+        reuse_port_group(addr, count, |a| tcp_listener(a, true, opts))?
+            .into_iter()
+            .map(Into::into)
+            .collect(),
+    )
 }
 
 /// Number of worker sockets for `configured` (0 = one per core).
@@ -125,7 +156,12 @@ mod tests {
 
     #[test]
     fn workers_share_one_port() {
-        let socks = bind_udp_workers("127.0.0.1:0".parse().expect("addr"), 3).expect("bind");
+        let socks = bind_udp_workers(
+            "127.0.0.1:0".parse().expect("addr"),
+            3,
+            ListenOptions::default(),
+        )
+        .expect("bind");
         assert_eq!(socks.len(), 3);
         let port = socks[0].local_addr().expect("addr").port();
         assert_ne!(port, 0);
@@ -138,7 +174,12 @@ mod tests {
 
     #[test]
     fn tcp_workers_share_one_port_and_the_connections() {
-        let ls = bind_tcp_workers("127.0.0.1:0".parse().expect("addr"), 2).expect("bind");
+        let ls = bind_tcp_workers(
+            "127.0.0.1:0".parse().expect("addr"),
+            2,
+            ListenOptions::default(),
+        )
+        .expect("bind");
         assert_eq!(ls.len(), 2);
         let addr = ls[0].local_addr().expect("addr");
         assert_ne!(addr.port(), 0);
@@ -158,6 +199,36 @@ mod tests {
         }
         assert_eq!(got[0] + got[1], clients.len());
         assert!(got[0] > 0 && got[1] > 0, "{got:?}");
+    }
+
+    /// 192.0.2.1 is TEST-NET-1 (RFC 5737), on no host: binding it needs IP_FREEBIND. Nothing
+    /// is sent from the sockets.
+    #[test]
+    fn freebind_binds_an_address_the_host_does_not_hold() {
+        let addr: SocketAddr = "192.0.2.1:0".parse().expect("addr");
+        let free = ListenOptions { freebind: true };
+        let udp = bind_udp_workers(addr, 2, free).expect("udp with freebind");
+        assert_eq!(udp[0].local_addr().expect("addr").ip(), addr.ip());
+        let tcp = bind_tcp_listener(addr, free).expect("tcp with freebind");
+        assert_eq!(tcp.local_addr().expect("addr").ip(), addr.ip());
+        if nonlocal_bind_allowed() {
+            return;
+        }
+        let strict = ListenOptions::default();
+        for e in [
+            bind_udp_workers(addr, 1, strict).map(drop),
+            bind_tcp_workers(addr, 1, strict).map(drop),
+        ] {
+            let e = e.expect_err("not on this host");
+            assert_eq!(e.kind(), io::ErrorKind::AddrNotAvailable, "{e}");
+        }
+    }
+
+    /// net.ipv4.ip_nonlocal_bind = 1 lets every socket bind any address, as freebind does
+    /// for one.
+    fn nonlocal_bind_allowed() -> bool {
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_nonlocal_bind")
+            .is_ok_and(|v| v.trim() != "0")
     }
 
     #[test]

@@ -7,6 +7,7 @@ use crate::config::{self, Config};
 use crate::drain::{DrainEnd, Drains};
 use crate::health::{self, HealthBoard};
 use crate::proxy::{Runtime, VserverHandle};
+use crate::readiness::{self, Readiness, VserverFacts};
 use crate::reload;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -194,12 +195,23 @@ impl Ops {
         s.totals = totals;
     }
 
-    /// Operator disable / enable of a service in every vserver. `false` if unknown.
     /// Whether a graceful stop has begun (see [`Ops::drain`]).
     pub fn is_draining(&self) -> bool {
         self.draining.load(std::sync::atomic::Ordering::Acquire)
     }
 
+    /// Whether the proxy still runs its vservers (`false` once shut down).
+    pub fn is_serving(&self) -> bool {
+        self.runtime().is_some()
+    }
+
+    /// Whether this instance should get new traffic (`GET /readyz`; [`crate::readiness`]).
+    pub fn readiness(&self) -> Readiness {
+        let facts = self.with_vservers(|vs, _| vs.iter().map(vserver_facts).collect::<Vec<_>>());
+        readiness::readiness(facts.as_deref(), self.is_draining())
+    }
+
+    /// Operator disable / enable of a service in every vserver. `false` if unknown.
     pub fn set_disabled(&self, service: &str, disabled: bool) -> bool {
         let ok = self.health.set_disabled(service, disabled);
         if ok {
@@ -427,5 +439,18 @@ impl Ops {
         if let Some(rt) = rt {
             rt.shutdown();
         }
+    }
+}
+
+/// What readiness needs of a running vserver: usable services are UP ones (neither DOWN nor
+/// out of service).
+fn vserver_facts(v: &VserverHandle) -> VserverFacts {
+    let b = v.balancer();
+    VserverFacts {
+        name: v.name.clone(),
+        is_bound: !v.bound.is_empty(),
+        usable_services: (0..b.members().len())
+            .filter(|&m| b.health(m) == Some(Health::Up))
+            .count(),
     }
 }

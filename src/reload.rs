@@ -22,8 +22,8 @@
 //! # Needs a restart (the reload is refused and nothing changes)
 //! - `lb` (hash algorithm, fingers), `admin.listen`;
 //! - adding, removing, renaming or reordering vservers;
-//! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `transparent`, `send_proxy`
-//!   (its sockets, threads and Via identity).
+//! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `transparent`, `freebind`,
+//!   `send_proxy` (its sockets, threads and Via identity).
 
 use crate::config::{Config, Service, Vserver};
 
@@ -77,6 +77,7 @@ fn same_listener(a: &Vserver, b: &Vserver) -> bool {
         && a.workers == b.workers
         && a.advertise == b.advertise
         && a.transparent == b.transparent
+        && a.freebind == b.freebind
         && a.send_proxy == b.send_proxy
 }
 
@@ -115,7 +116,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
         }
         if !same_listener(a, b) {
             restart.push(format!(
-                "vservers.{}: bind, protocol, workers, advertise, transparent or send_proxy changed (the listener is only set up at start)",
+                "vservers.{}: bind, protocol, workers, advertise, transparent, freebind or send_proxy changed (the listener is only set up at start)",
                 a.name
             ));
             continue;
@@ -239,6 +240,11 @@ mod tests {
         new.vservers[0].workers = 7;
         let why = plan(&old, &new).expect_err("restart");
         assert!(why[0].contains("vservers.v: bind"), "{why:?}");
+        // IP_FREEBIND is set on the sockets before they bind.
+        let mut new = old.clone();
+        new.vservers[0].freebind = true;
+        let why = plan(&old, &new).expect_err("restart");
+        assert!(why[0].contains("freebind"), "{why:?}");
         let mut new = old.clone();
         new.lb.hash_fingers = 3;
         assert!(plan(&old, &new).is_err());

@@ -686,3 +686,78 @@ fn reload_to_a_shorter_idle_timeout_expires_dialogs_on_the_new_timeout() {
     );
     ops.shutdown();
 }
+
+fn readyz(ops: &Ops) -> (u16, Value) {
+    let r = router::handle(ops, &Request::new("GET", "/readyz"));
+    (
+        r.status,
+        serde_json::from_str(&r.body).expect("readyz is JSON"),
+    )
+}
+
+/// `/readyz` follows the usable services and the drain, `/healthz` the process; neither asks
+/// for the token, which is set here and never given.
+#[test]
+fn readyz_follows_usable_services_and_the_drain() {
+    let uas: Vec<Uas> = (0..2).map(|_| Uas::start(any()).expect("uas")).collect();
+    let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
+    let ops = start(&yaml(&ports, "s3cret", FAST, "", "call_id_hash"));
+    assert_eq!(readyz(&ops), (200, serde_json::json!({ "ready": true })));
+    assert_eq!(
+        router::handle(&ops, &Request::new("POST", "/readyz")).status,
+        405
+    );
+    let set = |action: &str| {
+        for s in ["s0", "s1"] {
+            let req = Request::new("POST", &format!("/services/{s}/{action}")).bearer("s3cret");
+            assert_eq!(router::handle(&ops, &req).status, 200, "{action} {s}");
+        }
+    };
+    set("disable");
+    let (code, body) = readyz(&ops);
+    assert_eq!(code, 503);
+    assert_eq!(
+        body["reasons"],
+        serde_json::json!(["vserver v: no usable service"])
+    );
+    set("enable");
+    wait_for("ready again", Duration::from_secs(5), || {
+        (readyz(&ops).0 == 200).then_some(())
+    });
+
+    // Over the socket: no token, the status line of each verdict.
+    let (addr, _task) = ops
+        .tokio()
+        .block_on(fulcrum::admin::serve(Arc::clone(&ops), any()))
+        .expect("admin listener");
+    let health = http(addr, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(
+        health.starts_with("HTTP/1.1 200") && health.ends_with("\r\n\r\nok\n"),
+        "{health}"
+    );
+    assert!(http(addr, "GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n").starts_with("HTTP/1.1 200"));
+
+    // A call keeps the drain going while readiness is checked.
+    let mut uac = Uac::new(any(), proxy_addr(&ops), "ready").expect("uac");
+    let tag = establish(&mut uac, "ready-call");
+    let ops2 = Arc::clone(&ops);
+    let drain = std::thread::spawn(move || ops2.drain(Duration::from_secs(10)));
+    let (_, body) = wait_for("not ready while draining", Duration::from_secs(5), || {
+        Some(readyz(&ops)).filter(|(code, _)| *code == 503)
+    });
+    assert_eq!(body["reasons"][0], "draining", "{body}");
+    let over_socket = http(addr, "GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert!(
+        over_socket.starts_with("HTTP/1.1 503 Service Unavailable"),
+        "{over_socket}"
+    );
+    assert!(over_socket.contains("\"draining\""), "{over_socket}");
+    assert!(http(addr, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").starts_with("HTTP/1.1 200"));
+    assert_eq!(bye(&mut uac, "ready-call", &tag), 200);
+    assert_eq!(drain.join().expect("drain thread"), 0);
+    ops.shutdown();
+    assert_eq!(
+        router::handle(&ops, &Request::new("GET", "/healthz")).status,
+        503
+    );
+}

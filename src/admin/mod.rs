@@ -75,6 +75,7 @@ async fn connection(ops: Arc<Ops>, mut conn: TcpStream) -> std::io::Result<()> {
         408 => "Request Timeout",
         409 => "Conflict",
         413 => "Payload Too Large",
+        503 => "Service Unavailable",
         _ => "Error",
     };
     let mut head = format!(

@@ -9,12 +9,17 @@
 //! | `POST /services/{name}/enable` | back to the monitor's state (UP when unmonitored) |
 //! | `PUT /vservers/{name}/slow-start` | body `{"new_service_request_rate": N}` (optionally with the configured `unit` / `increment_interval`) |
 //! | `POST /reload` | re-read the config file; 200 with the changes, 400 invalid, 409 needs restart |
+//! | `GET /healthz` | 200 `ok` while the proxy serves (liveness) |
+//! | `GET /readyz` | 200 when it should get new traffic, else 503 with the reasons ([`crate::readiness`]) |
 //!
-//! With `admin.token` set every route needs `Authorization: Bearer TOKEN` (compared in
-//! constant time), else 401.
+//! With `admin.token` set every route but the two probes needs `Authorization: Bearer TOKEN`
+//! (compared in constant time), else 401. The probes are asked by keepalived, BIRD or
+//! ExaBGP scripts, which hold no token, and say nothing but their verdict
+//! (docs/deployment.md).
 
 use crate::config::RateUnit;
 use crate::ops::{Ops, ReloadError};
+use crate::readiness::Readiness;
 use serde_json::{Value, json};
 
 /// An HTTP request as the router sees it.
@@ -68,6 +73,14 @@ impl Response {
     fn error(status: u16, msg: &str) -> Response {
         Response::json(status, &json!({ "error": msg }))
     }
+
+    fn text(status: u16, body: &str) -> Response {
+        Response {
+            status,
+            content_type: "text/plain; charset=utf-8",
+            body: format!("{body}\n"),
+        }
+    }
 }
 
 /// Equal strings, in time that depends only on their lengths.
@@ -93,6 +106,9 @@ fn authorized(expected: Option<&str>, header: Option<&str>) -> bool {
 
 /// Answer one request.
 pub fn handle(ops: &Ops, req: &Request) -> Response {
+    if let Some(r) = probe(ops, req) {
+        return r;
+    }
     if !authorized(ops.token().as_deref(), req.authorization.as_deref()) {
         let mut r = Response::error(401, "missing or wrong bearer token");
         r.content_type = "application/json";
@@ -143,6 +159,39 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
         | (_, ["services", _, "disable" | "enable"])
         | (_, ["vservers", _, "slow-start"]) => Response::error(405, "method not allowed"),
         _ => Response::error(404, "no such endpoint"),
+    }
+}
+
+/// `/healthz` and `/readyz`, answered before the token check; `None` for any other path.
+fn probe(ops: &Ops, req: &Request) -> Option<Response> {
+    let route = req.path.trim_matches('/');
+    if !matches!(route, "healthz" | "readyz") {
+        return None;
+    }
+    if req.method != "GET" {
+        return Some(Response::error(405, "method not allowed"));
+    }
+    Some(if route == "healthz" {
+        healthz(ops.is_serving())
+    } else {
+        readyz(&ops.readiness())
+    })
+}
+
+fn healthz(is_serving: bool) -> Response {
+    if is_serving {
+        Response::text(200, "ok")
+    } else {
+        Response::text(503, "stopped")
+    }
+}
+
+fn readyz(r: &Readiness) -> Response {
+    match r {
+        Readiness::Ready => Response::json(200, &json!({ "ready": true })),
+        Readiness::NotReady(reasons) => {
+            Response::json(503, &json!({ "ready": false, "reasons": reasons }))
+        }
     }
 }
 
@@ -335,6 +384,24 @@ mod tests {
         assert!(authorized(Some("s3cret"), Some("bearer  s3cret ")));
         assert!(constant_time_eq(b"", b""));
         assert!(!constant_time_eq(b"a", b"ab"));
+    }
+
+    #[test]
+    fn probes_render_their_verdict_only() {
+        assert_eq!(healthz(true), Response::text(200, "ok"));
+        assert_eq!(healthz(false).status, 503);
+        let ok = readyz(&Readiness::Ready);
+        assert_eq!((ok.status, ok.body.as_str()), (200, "{\"ready\":true}\n"));
+        let no = readyz(&Readiness::NotReady(vec![
+            "draining".to_owned(),
+            "vserver v: no usable service".to_owned(),
+        ]));
+        assert_eq!(no.status, 503);
+        let body: Value = serde_json::from_str(&no.body).expect("JSON");
+        assert_eq!(
+            body,
+            json!({ "ready": false, "reasons": ["draining", "vserver v: no usable service"] })
+        );
     }
 
     #[test]

@@ -356,6 +356,9 @@ pub struct Vserver {
     pub max_sessions: usize,
     /// IP_TRANSPARENT toward services (firewall pools).
     pub transparent: bool,
+    /// IP_FREEBIND on the listening sockets: bind addresses the host does not hold yet (a
+    /// standby's VIP; docs/deployment.md).
+    pub freebind: bool,
     /// Send a PROXY protocol header toward services.
     pub send_proxy: Option<ProxyProtocol>,
     /// Worker sockets (SO_REUSEPORT) for datagram vservers; 0 = one per core.

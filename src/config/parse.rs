@@ -191,6 +191,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "drain_timeout",
     "max_sessions",
     "transparent",
+    "freebind",
     "send_proxy",
     "workers",
 ];
@@ -957,6 +958,7 @@ impl Cx {
         }
         let record_route = self.bool_field(&f, path, "record_route", false);
         let transparent = self.bool_field(&f, path, "transparent", false);
+        let freebind = self.bool_field(&f, path, "freebind", false);
         let idle_timeout = match (f.get("idle_timeout"), protocol) {
             (Some(n), _) => self.duration(n, &join(path, "idle_timeout"), false),
             (None, Some(p)) => Some(default_idle_timeout(p)),
@@ -1191,6 +1193,7 @@ impl Cx {
             draining: Vec::new(),
             max_sessions: max_sessions? as usize,
             transparent: transparent?,
+            freebind: freebind?,
             send_proxy: send_proxy?,
             workers: workers? as usize,
         })
@@ -1435,6 +1438,29 @@ mod tests {
         let udp = MINIMAL.replace("127.0.0.1:5060", "127.0.0.1:9090");
         assert!(from_str("t", &udp).is_ok());
         assert!(from_str("t", &format!("admin: {{ listen: null }}\n{tcp}")).is_ok());
+    }
+
+    /// `freebind` is a bool of every protocol, off by default; a wrong type or a misspelling
+    /// is reported at its line and column.
+    #[test]
+    fn freebind_is_a_bool_off_by_default() {
+        assert!(!from_str("t", MINIMAL).expect("valid").vservers[0].freebind);
+        for proto in ["sip-udp", "sip-tcp", "udp", "tcp", "http"] {
+            let text = MINIMAL
+                .replace("sip-udp", proto)
+                .replace("services: [s1] }", "freebind: true, services: [s1] }");
+            let c = from_str("t", &text).unwrap_or_else(|e| panic!("{proto}: {e}"));
+            assert!(c.vservers[0].freebind, "{proto}");
+        }
+        let wrong = MINIMAL.replace("services: [s1] }", "freebind: yes please, services: [s1] }");
+        let e = from_str("t", &wrong).expect_err("invalid");
+        let p = &e.problems()[0];
+        assert_eq!((p.pos.line, p.pos.col), (4, 67), "{p:?}");
+        assert_eq!(p.path, "vservers[0].freebind");
+        assert!(p.message.contains("expected true or false"), "{p:?}");
+        let typo = MINIMAL.replace("services: [s1] }", "freebnd: true, services: [s1] }");
+        let p = problems(&typo);
+        assert!(p[0].2.contains("did you mean `freebind`"), "{p:?}");
     }
 
     #[test]

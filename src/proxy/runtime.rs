@@ -16,6 +16,12 @@ use std::time::{Duration, Instant};
 /// Why the runtime could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
+    /// EADDRNOTAVAIL without `freebind`: the most likely cause is a VIP this host does not
+    /// hold (yet), so the message names the field that allows it.
+    #[error(
+        "vserver `{vserver}`: cannot bind {addr}: address not available on this host (set `freebind: true` to bind an address this host does not hold yet, e.g. a standby's VIP)"
+    )]
+    NotOnHost { vserver: String, addr: SocketAddr },
     #[error("vserver `{vserver}`: cannot bind {addr}: {source}")]
     Bind {
         vserver: String,
@@ -222,7 +228,7 @@ pub(crate) fn bind_udp(
     bind_workers(
         v,
         workers,
-        net::bind_udp_workers,
+        |a, n| net::bind_udp_workers(a, n, listen_options(v)),
         std::net::UdpSocket::local_addr,
     )
 }
@@ -237,9 +243,30 @@ pub(crate) fn bind_tcp_workers(
     bind_workers(
         v,
         workers,
-        net::bind_tcp_workers,
+        |a, n| net::bind_tcp_workers(a, n, listen_options(v)),
         std::net::TcpListener::local_addr,
     )
+}
+
+fn listen_options(v: &Vserver) -> net::ListenOptions {
+    net::ListenOptions {
+        freebind: v.freebind,
+    }
+}
+
+/// The error for a failed bind of `addr` on `v`.
+fn bind_error(v: &Vserver, addr: SocketAddr, source: std::io::Error) -> RuntimeError {
+    if source.kind() == std::io::ErrorKind::AddrNotAvailable && !v.freebind {
+        return RuntimeError::NotOnHost {
+            vserver: v.name.clone(),
+            addr,
+        };
+    }
+    RuntimeError::Bind {
+        vserver: v.name.clone(),
+        addr,
+        source,
+    }
 }
 
 /// `bind(addr, workers)` on every bind address of `v`; the bound address of each is the first
@@ -253,11 +280,7 @@ fn bind_workers<S>(
     let mut per_addr = Vec::new();
     let mut bound = Vec::new();
     for addr in &v.bind {
-        let bind_err = |source| RuntimeError::Bind {
-            vserver: v.name.clone(),
-            addr: *addr,
-            source,
-        };
+        let bind_err = |source| bind_error(v, *addr, source);
         let socks = bind(*addr, workers).map_err(bind_err)?;
         let first = socks
             .first()
@@ -278,12 +301,8 @@ pub(crate) fn bind_tcp(
     let mut listeners = Vec::new();
     let mut bound = Vec::new();
     for addr in &v.bind {
-        let bind_err = |source| RuntimeError::Bind {
-            vserver: v.name.clone(),
-            addr: *addr,
-            source,
-        };
-        let l = net::bind_tcp_listener(*addr).map_err(bind_err)?;
+        let bind_err = |source| bind_error(v, *addr, source);
+        let l = net::bind_tcp_listener(*addr, listen_options(v)).map_err(bind_err)?;
         bound.push(l.local_addr().map_err(bind_err)?);
         listeners.push(tokio::net::TcpListener::from_std(l).map_err(bind_err)?);
     }
