@@ -450,7 +450,7 @@ fn vserver_facts(v: &VserverHandle) -> VserverFacts {
         name: v.name.clone(),
         is_bound: !v.bound.is_empty(),
         usable_services: (0..b.members().len())
-            .filter(|&m| b.health(m) == Some(Health::Up))
+            .filter(|&m| b.health(m) == Some(Health::Up) && !b.is_draining(m))
             .count(),
     }
 }
