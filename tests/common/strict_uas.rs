@@ -243,7 +243,13 @@ pub struct StrictUas {
 impl StrictUas {
     /// A UAS over UDP on 127.0.0.1:0, answering each request to its source.
     pub fn udp(name: &str) -> StrictUas {
-        let socket = UdpSocket::bind("127.0.0.1:0").expect("bind strict uas");
+        StrictUas::udp_on(name, SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// A UAS over UDP on `at` (port 0: any free port), answering each request to its
+    /// source.
+    pub fn udp_on(name: &str, at: SocketAddr) -> StrictUas {
+        let socket = UdpSocket::bind(at).expect("bind strict uas");
         socket
             .set_read_timeout(Some(Duration::from_millis(50)))
             .expect("timeout");
