@@ -22,6 +22,7 @@ fn benches(c: &mut Criterion) {
         record_route: true,
         force_rport: false,
         conn_id: None,
+        service: None,
     };
     let mut g = c.benchmark_group("sip_invite");
     g.bench_function("fulcrum_scan", |b| {

@@ -22,6 +22,7 @@ fn main() {
         record_route: true,
         force_rport: false,
         conn_id: None,
+        service: None,
     };
     let params = HashParams::default();
     let mut out = Vec::with_capacity(4096);

@@ -355,9 +355,10 @@ impl Balancer {
     pub fn set_slow_start_rate(&self, rate: u32, now: Nanos) -> bool {
         match &self.slow_start {
             Some(ss) => {
-                ss.lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .set_rate(rate, now);
+                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                ss.set_rate(rate, now);
+                self.slow_start_active
+                    .store(ss.is_active(), Ordering::Release);
                 true
             }
             None => false,
@@ -374,6 +375,8 @@ impl Balancer {
                     ss.add_service(m, info.weight, self.health(m) == Some(Health::Up), now);
                 }
             }
+            self.slow_start_active
+                .store(ss.is_active(), Ordering::Release);
         }
     }
 
@@ -554,11 +557,16 @@ impl Balancer {
             )
         };
         match &self.slow_start {
-            Some(ss) => ss
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .route(now, pick),
-            None => pick(&|_| true),
+            // While no member is new slow start has nothing to limit or count: its counters
+            // only matter as differences from the moment a member became new.
+            Some(ss) if self.slow_start_active.load(Ordering::Acquire) => {
+                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                let chosen = ss.route(now, pick);
+                self.slow_start_active
+                    .store(ss.is_active(), Ordering::Release);
+                chosen
+            }
+            _ => pick(&|_| true),
         }
     }
 }
@@ -713,5 +721,30 @@ mod tests {
             }
         }
         assert_eq!(to_new, 30);
+    }
+
+    #[test]
+    fn slow_start_is_locked_only_while_a_member_is_new() {
+        let b = balancer(
+            "least_connection",
+            "    slow_start: { new_service_request_rate: 2, unit: per_second, increment_interval: 0s }\n",
+            3,
+        );
+        assert!(!b.slow_start_active.load(Ordering::Acquire));
+        // A member added by reload is new at once: capped from its first second.
+        b.mark_added(&[2], 0);
+        assert!(b.slow_start_active.load(Ordering::Acquire));
+        let to_new = (0..90u64)
+            .filter(|i| {
+                b.choose(KeyInput::NoKey, i * 1_000_000_000 / 90)
+                    .map(|c| c.member)
+                    == Some(2)
+            })
+            .count();
+        assert_eq!(to_new, 2);
+        // Ending slow start lets the per-request path skip the lock again.
+        b.set_slow_start_rate(0, 1_000_000_000);
+        assert!(!b.slow_start_active.load(Ordering::Acquire));
+        assert!(b.slow_start().is_some_and(|s| !s.is_active()));
     }
 }

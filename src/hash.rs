@@ -17,6 +17,8 @@ pub const KEY_SEED: u64 = 0x6675_6c63_7275_6d4b;
 pub const SERVICE_SEED: u64 = 0x6675_6c63_7275_6d53;
 /// Seed of [`finger_hash`] (jarh ring points): the ASCII bytes "fulcrumF" as a big-endian u64.
 pub const FINGER_SEED: u64 = 0x6675_6c63_7275_6d46;
+/// Seed of [`service_digest`]: the ASCII bytes "fulcrumD" as a big-endian u64.
+pub const DIGEST_SEED: u64 = 0x6675_6c63_7275_6d44;
 
 /// Length of [`address_identity`].
 pub const ADDRESS_IDENTITY_LEN: usize = 19;
@@ -63,6 +65,13 @@ pub fn service_identity_hash(hash_id: Option<&str>, addr: &SocketAddr) -> u64 {
         Some(id) => service_hash(id.as_bytes()),
         None => service_hash(&address_identity(addr)),
     }
+}
+
+/// The digest of a service's identity hash written into fulcrum's Record-Route (`fc-svc`):
+/// a keyed hash of it, so the parameter names a configured service to any instance with the
+/// same services without giving its address or its position in the config.
+pub fn service_digest(identity_hash: u64) -> u64 {
+    xxh3_64_with_seed(&identity_hash.to_le_bytes(), DIGEST_SEED)
 }
 
 /// A bijective 64-bit finaliser (the splitmix64 / Stafford "mix13" output function).

@@ -11,9 +11,21 @@
 //!
 //! Scores are compared as exact fractions in integer arithmetic (`load / weight` by
 //! cross-multiplication), so the same counters always give the same choice on every machine.
-//! Ties are broken by rotating through the tied services with the state's cursor: a fixed
-//! "lowest index wins" rule would send every request to the first service while counters are
-//! equal (all idle at start, or a method whose counters only move once per second).
+//! Ties go to the tied service chosen least recently (lowest index among never-chosen ones): a
+//! fixed "lowest index wins" rule would send every request to the first service while counters
+//! are equal (all idle at start, or a method whose counters only move once per second).
+//!
+//! # Sharing among the services that remain eligible
+//! A service that is not eligible for one request (DOWN, at `max_clients`, or held back by slow
+//! start, see docs/slow_start.md) must leave the others sharing that request exactly as they
+//! would share it without it. Both tie-breaks are built for that:
+//! - round robin consumes the positions it skips, so the eligible services are served in their
+//!   own order of the weighted cycle, which is the cycle built for them alone;
+//! - the least-loaded methods rotate ties by *recency*, not by position: a rotation that starts
+//!   at a position (`cursor % n`, the first tied service from there) hands the turn of an
+//!   ineligible service to the one after it, which then takes twice its share of ties.
+//!   Recency only compares the candidates' own histories, so the remaining services win their
+//!   ties in the order they would win them alone.
 
 use std::cmp::Ordering as CmpOrdering;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,7 +40,12 @@ use crate::stats::{MAX_RESPONSE_TIME_US, Nanos, ServiceCounters};
 /// Services that are merely DOWN or capped stay in it and are skipped through `eligible`.
 #[derive(Debug)]
 pub struct MethodState {
+    /// Round robin: the position in `order`. The least-loaded methods: a clock that numbers
+    /// their picks (`last_chosen` holds its readings).
     cursor: AtomicU64,
+    /// Per service, the `cursor` reading of its last pick by a least-loaded method (0: never):
+    /// ties go to the smallest.
+    last_chosen: Box<[AtomicU64]>,
     /// One cycle of the smooth weighted order: service `i` appears `weights[i] / g` times
     /// (g = gcd of the weights), spread as evenly as possible.
     order: Box<[u32]>,
@@ -45,6 +62,7 @@ impl MethodState {
     pub fn new(weights: &[u32]) -> Self {
         MethodState {
             cursor: AtomicU64::new(0),
+            last_chosen: weights.iter().map(|_| AtomicU64::new(0)).collect(),
             order: smooth_order(weights).into_boxed_slice(),
             services: weights.len(),
         }
@@ -188,9 +206,58 @@ fn round_robin(state: &MethodState, n: usize, eligible: &impl Fn(usize) -> bool)
     found.map(|(idx, _)| idx)
 }
 
-/// The eligible service with the smallest score (primary, then secondary), ties rotated with
-/// the state's cursor.
+/// The eligible service with the smallest score (primary, then secondary); ties go to the
+/// tied service chosen least recently, then to the lowest index.
+///
+/// One pass over the services: each score is computed once. The winner's `last_chosen` is
+/// moved to a fresh clock reading with a compare-and-swap, so two workers racing for the same
+/// tie do not both take it: the loser scores again and takes the next one. After a few lost
+/// races the choice already made is used as is (a tie served twice perturbs the rotation,
+/// never correctness), as in [`round_robin`].
 fn least_by(
+    state: &MethodState,
+    n: usize,
+    eligible: &impl Fn(usize) -> bool,
+    score: impl Fn(usize) -> (Frac, Frac),
+) -> Option<usize> {
+    if state.last_chosen.len() != n {
+        return least_by_position(state, n, eligible, score);
+    }
+    let mut found = None;
+    for _ in 0..8 {
+        // (score, last chosen, index) of the best candidate so far.
+        let mut best: Option<((Frac, Frac), u64, usize)> = None;
+        for i in (0..n).filter(|&i| eligible(i)) {
+            let s = score(i);
+            let last = state.last_chosen[i].load(Ordering::Relaxed);
+            let better = match &best {
+                None => true,
+                Some((bs, blast, _)) => match cmp_score(&s, bs) {
+                    CmpOrdering::Less => true,
+                    CmpOrdering::Equal => last < *blast,
+                    CmpOrdering::Greater => false,
+                },
+            };
+            if better {
+                best = Some((s, last, i));
+            }
+        }
+        let (_, last, idx) = best?;
+        found = Some(idx);
+        let now_chosen = state.cursor.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+        if state.last_chosen[idx]
+            .compare_exchange(last, now_chosen, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            return found;
+        }
+    }
+    found
+}
+
+/// [`least_by`] for a state built for another service set (no recency to read): ties are
+/// rotated by position with the cursor.
+fn least_by_position(
     state: &MethodState,
     n: usize,
     eligible: &impl Fn(usize) -> bool,
@@ -396,6 +463,28 @@ mod tests {
             .filter_map(|_| pick(Method::LeastConnection, &st, &c, &[1, 1, 1], |_| true, 0))
             .collect();
         assert_eq!(picks, vec![0, 1, 2, 0, 1, 2]);
+    }
+
+    #[test]
+    fn an_ineligible_service_leaves_its_turns_to_all_the_others() {
+        // Service 2 may take only every third request (a new service held back by slow start,
+        // or one at max_clients); the other four share the rest evenly, as they would alone.
+        for method in NON_HASH {
+            let st = MethodState::new(&[1; 5]);
+            let c = counters(5);
+            let mut counts = [0u32; 5];
+            for k in 0..1200 {
+                if let Some(i) = pick(method, &st, &c, &[1; 5], |i| i != 2 || k % 3 == 0, 0) {
+                    counts[i] += 1;
+                }
+            }
+            let others = [counts[0], counts[1], counts[3], counts[4]];
+            let (lo, hi) = (others.iter().min(), others.iter().max());
+            assert!(
+                hi.zip(lo).is_some_and(|(h, l)| h - l <= 1),
+                "{method:?}: {counts:?}"
+            );
+        }
     }
 
     #[test]

@@ -13,9 +13,9 @@
 //!   record_route, idle_timeout or max_sessions changed is rebuilt behind its unchanged
 //!   sockets ([`crate::proxy::reconfig`]): dialogs, sessions and connections of surviving
 //!   services stay on them, added services enter slow start, removed services get no new
-//!   flows (their sip-udp / sip-tcp dialogs and udp sessions are routed afresh; their tcp /
-//!   http connections finish where they are; requests queued for a removed sip-tcp service
-//!   go to the service the new config chooses).
+//!   flows and drain while flows are pinned to them ([`crate::drain`], `docs/draining.md`;
+//!   requests queued for a removed sip-tcp service that does not drain go to the service
+//!   the new config chooses).
 //! - `logging` is ignored (the subscriber is set once).
 //! - services that belong to no vserver may be added, changed or removed freely.
 //!

@@ -1,4 +1,4 @@
-//! Reload churn under SIP load (issue 16): a SIPp UAC places calls that last ~1.5 s through a
+//! Reload churn under SIP load (docs/draining.md): a SIPp UAC places calls that last ~1.5 s through a
 //! `fulcrum run` child process while the config is reloaded every second, alternately
 //! removing and re-adding a fourth service. The services are strict UAS
 //! (`common::strict_uas`): a BYE that reaches a service that did not set its dialog up is

@@ -37,6 +37,7 @@ fn exercise(bytes: &[u8], src: SocketAddr) {
         record_route: true,
         force_rport: true,
         conn_id: Some(7),
+        service: None,
     };
     if forward_request(&m, &rw, &mut out).is_ok() {
         // Our output must scan again.
@@ -118,6 +119,7 @@ fn request_response_roundtrip_on_fixtures() {
             record_route: false,
             force_rport: true,
             conn_id: None,
+            service: None,
         };
         let mut fwd = Vec::new();
         forward_request(&m, &rw, &mut fwd).unwrap();

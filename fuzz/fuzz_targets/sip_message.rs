@@ -28,6 +28,7 @@ fuzz_target!(|data: &[u8]| {
             record_route: true,
             force_rport: data.len() % 2 == 0,
             conn_id: Some(data.len() as u64),
+            service: None,
         };
         if forward_request(m, &rw, &mut out).is_ok() {
             let again = scan(&out).expect("a forwarded request scans");

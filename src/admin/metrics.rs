@@ -200,6 +200,7 @@ pub fn render(ops: &Ops) -> String {
                     ("requests_forwarded", &c.requests_forwarded),
                     ("responses_forwarded", &c.responses_forwarded),
                     ("in_dialog_from_services", &c.in_dialog_from_services),
+                    ("routed_by_record_route", &c.routed_by_record_route),
                 ] {
                     sip_in.add(&[("vserver", n), ("kind", kind)], load(val));
                 }

@@ -81,6 +81,8 @@ pub struct SipCounters {
     pub requests_forwarded: AtomicU64,
     pub responses_forwarded: AtomicU64,
     pub in_dialog_from_services: AtomicU64,
+    /// In-dialog requests routed to the service their Route's `fc-svc` names.
+    pub routed_by_record_route: AtomicU64,
     pub replies_400: AtomicU64,
     pub replies_483: AtomicU64,
     pub replies_503: AtomicU64,
@@ -106,6 +108,8 @@ pub struct SipCore {
     dialogs: DialogTable,
     /// Address of each member (index = member index).
     member_addrs: Vec<SocketAddr>,
+    /// `fc-svc` digest of each member (index = member index).
+    digests: Vec<u64>,
     pub counters: SipCounters,
 }
 
@@ -155,7 +159,14 @@ impl SipParams {
 
 impl SipCore {
     pub fn new(p: SipParams) -> SipCore {
+        let digests = p
+            .balancer
+            .members()
+            .iter()
+            .map(|m| hash::service_digest(m.id_hash))
+            .collect();
         SipCore {
+            digests,
             name: p.name,
             local: p.local,
             record_route: p.record_route,
@@ -330,6 +341,7 @@ impl SipCore {
             record_route: self.record_route,
             force_rport: false,
             conn_id: conn,
+            service: self.digest_of(Some(member)),
         };
         match forward_request(msg, &rw, out) {
             Ok(_) => {
@@ -404,6 +416,18 @@ impl SipCore {
         // The scanner hands out the Call-ID without surrounding LWS, so this is also exactly the
         // call_id_hash key: hashed once, used for both.
         let call_hash = msg.call_id().map(hash::key_hash);
+        // The dialog's service named by our Record-Route (`fc-svc`), whichever instance set
+        // the dialog up: before the local table, which may not know the dialog.
+        if let Some(m) = self.routed_member(msg) {
+            self.balancer.count_affinity();
+            bump(&self.counters.routed_by_record_route);
+            if let Some(h) = call_hash
+                && ends_dialog(msg)
+            {
+                self.end_dialog(h, now_ms);
+            }
+            return Some(m);
+        }
         if let Some(h) = call_hash
             && let Some(m) = self.dialogs.get(h, now_ms)
             && self.balancer.accepts_existing(m as usize)
@@ -478,6 +502,26 @@ impl SipCore {
         }
     }
 
+    /// The member a request's top Route names through `fc-svc`, when it is one of ours and
+    /// still takes its established flows (UP, OUT_OF_SERVICE or draining; not DOWN). A value
+    /// no member has (forged, stale, another pool) names nothing: the caller chooses as usual.
+    fn routed_member(&self, msg: &SipMsg<'_>) -> Option<usize> {
+        let digest = sip::routed_service(msg, &self.local)?;
+        self.digests
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| **d == digest)
+            .map(|(m, _)| m)
+            .find(|&m| self.balancer.accepts_existing(m))
+    }
+
+    /// The `fc-svc` digest to write for `member` when Record-Route is on.
+    fn digest_of(&self, member: Option<usize>) -> Option<u64> {
+        self.record_route
+            .then(|| member.and_then(|m| self.digests.get(m).copied()))
+            .flatten()
+    }
+
     /// The dialog of Call-ID hash `h` ended (BYE, or CANCEL of the initial INVITE): its member
     /// stops counting it as load (the entry lingers for retransmissions and the ACK).
     fn end_dialog(&self, h: u64, now_ms: u64) {
@@ -527,6 +571,7 @@ impl SipCore {
             record_route: self.record_route,
             force_rport: false,
             conn_id: None,
+            service: self.digest_of(self.member_of(src)),
         };
         match forward_request(msg, &rw, out) {
             Ok(_) => {
@@ -1017,5 +1062,149 @@ mod tests {
         );
         assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
         assert_eq!(c.dialogs().len(), 0, "nothing pinned");
+    }
+}
+
+#[cfg(test)]
+mod record_route_service {
+    //! `fc-svc`: the dialog's service carried in fulcrum's Record-Route, so that any instance
+    //! with the same services routes the dialog's later requests to it.
+    use super::*;
+    use crate::balancer::Health;
+    use crate::config;
+    use crate::sip::{Local, Transport};
+    use std::sync::atomic::Ordering;
+
+    const US: &str = "127.0.0.1:5060";
+    const CLIENT: &str = "192.0.2.10:5062";
+
+    /// One instance: three services, Record-Route on.
+    fn instance() -> SipCore {
+        let cfg = config::from_str(
+            "t",
+            "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n  - { name: c, address: 127.0.0.1:5073, protocol: sip-udp, hash_id: fw-c }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, record_route: true, services: [a, b, c] }\n",
+        )
+        .expect("config");
+        let v = &cfg.vservers[0];
+        let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
+        SipCore::new(SipParams::of(
+            &cfg,
+            v,
+            local,
+            Arc::new(Balancer::new(&cfg, v)),
+        ))
+    }
+
+    fn send(c: &SipCore, text: &str) -> (Option<usize>, Vec<u8>) {
+        let mut out = Vec::new();
+        let a = c.handle_datagram(
+            text.as_bytes(),
+            CLIENT.parse().expect("src"),
+            US.parse().expect("dst"),
+            0,
+            &mut out,
+        );
+        match a {
+            Action::ToMember(m) => (Some(m), out),
+            _ => (None, out),
+        }
+    }
+
+    fn invite(call_id: &str) -> String {
+        format!(
+            "INVITE sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bK{call_id}\r\nMax-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n"
+        )
+    }
+
+    fn bye(call_id: &str, route: &str) -> String {
+        format!(
+            "BYE sip:svc@10.0.0.9 SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bKbye{call_id}\r\nRoute: {route}\r\nMax-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>;tag=s1\r\nCall-ID: {call_id}\r\nCSeq: 2 BYE\r\nContent-Length: 0\r\n\r\n"
+        )
+    }
+
+    /// The Record-Route value fulcrum wrote into a forwarded request.
+    fn record_route(out: &[u8]) -> String {
+        let msg = crate::sip::scan(out).expect("forwarded request scans");
+        String::from_utf8_lossy(msg.record_route().expect("Record-Route")).into_owned()
+    }
+
+    #[test]
+    fn record_route_names_the_chosen_service_by_digest_only() {
+        let c = instance();
+        let (m, out) = send(&c, &invite("rr-1"));
+        let m = m.expect("forwarded");
+        let rr = record_route(&out);
+        let id = c.balancer().members()[m].id_hash;
+        let want = format!(
+            "<sip:127.0.0.1:5060;lr;fc-svc={:016x}>",
+            hash::service_digest(id)
+        );
+        assert_eq!(rr, want);
+        // Neither the address nor the position of the service is in it.
+        assert!(!rr.contains(":507"), "{rr}");
+    }
+
+    /// A dialog set up on instance A while its first-ranked service was disabled there
+    /// reaches the same service through instance B, which has every service UP and would
+    /// hash the Call-ID elsewhere, and which never saw the dialog.
+    #[test]
+    fn another_instance_with_another_health_view_routes_the_dialog_to_its_service() {
+        let (a, b) = (instance(), instance());
+        for i in 0..40 {
+            let call = format!("cross-{i}");
+            // Where B's hash puts the call (every service UP there).
+            let ranked = send(&b, &invite(&call)).0.expect("b chooses");
+            // On A that service is disabled: A sets the dialog up on another one.
+            a.balancer().set_health(ranked, Health::OutOfService, 0);
+            let (on_a, out) = send(&a, &invite(&call));
+            a.balancer().set_health(ranked, Health::Up, 0);
+            let on_a = on_a.expect("a chooses another");
+            assert_ne!(on_a, ranked);
+            let fresh = instance();
+            let rr = record_route(&out);
+            // The dialog's BYE reaches B (which pinned the call elsewhere itself) and an
+            // instance that never saw the call: both follow the Route to A's choice.
+            assert_eq!(send(&b, &bye(&call, &rr)).0, Some(on_a), "{call}: {rr}");
+            assert_eq!(send(&fresh, &bye(&call, &rr)).0, Some(on_a), "{call}: {rr}");
+        }
+        assert_eq!(
+            b.counters.routed_by_record_route.load(Ordering::Relaxed),
+            40
+        );
+    }
+
+    #[test]
+    fn forged_stale_or_foreign_values_fall_back_to_the_normal_choice() {
+        let c = instance();
+        let normal = send(&c, &bye("fb-1", "<sip:10.9.9.9;lr>")).0;
+        assert!(normal.is_some());
+        for route in [
+            // A digest no member has.
+            "<sip:127.0.0.1:5060;lr;fc-svc=0123456789abcdef>".to_owned(),
+            // Not 16 hex digits.
+            "<sip:127.0.0.1:5060;lr;fc-svc=zz>".to_owned(),
+            "<sip:127.0.0.1:5060;lr;fc-svc=0123456789abcdef0>".to_owned(),
+        ] {
+            assert_eq!(send(&c, &bye("fb-1", &route)).0, normal, "{route}");
+        }
+        assert_eq!(c.counters.routed_by_record_route.load(Ordering::Relaxed), 0);
+        // A real digest, but in a Route that is not fulcrum's: not ours to follow.
+        let d = hash::service_digest(c.balancer().members()[2].id_hash);
+        let foreign = format!("<sip:10.9.9.9;lr;fc-svc={d:016x}>");
+        assert_eq!(send(&c, &bye("fb-1", &foreign)).0, normal);
+        assert_eq!(c.counters.routed_by_record_route.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn a_named_service_that_is_down_is_not_followed_but_a_disabled_one_is() {
+        let c = instance();
+        let d = hash::service_digest(c.balancer().members()[1].id_hash);
+        let route = format!("<sip:127.0.0.1:5060;lr;fc-svc={d:016x}>");
+        assert_eq!(send(&c, &bye("dn-1", &route)).0, Some(1));
+        c.balancer().set_health(1, Health::OutOfService, 0);
+        assert_eq!(send(&c, &bye("dn-2", &route)).0, Some(1));
+        c.balancer().set_health(1, Health::Down, 0);
+        let other = send(&c, &bye("dn-3", &route)).0;
+        assert!(other.is_some_and(|m| m != 1), "{other:?}");
     }
 }

@@ -24,7 +24,8 @@
 //!         sip::build_response(&msg, &Reply::BAD_REQUEST, &mut out).ok();
 //!     } else {
 //!         let rw = RequestRewrite { local: &local, src, record_route: true,
-//!                                   force_rport: false, conn_id: None };
+//!                                   force_rport: false, conn_id: None,
+//!                                   service: None };
 //!         match sip::forward_request(&msg, &rw, &mut out) {
 //!             Ok(_) => { /* send `out` to the service chosen from the key */ }
 //!             Err(RewriteError::TooManyHops) => {
@@ -49,8 +50,9 @@ pub mod scan;
 pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, PONG, next_frame};
 pub use rewrite::{
     BRANCH_PREFIX, CONN_PARAM, DEFAULT_MAX_FORWARDS, Host, Local, Reply, RequestRewrite,
-    ResponseRoute, RewriteError, Target, Transport, build_reply, build_response, forward_request,
-    forward_response, reply_target, request_target, route_response,
+    ResponseRoute, RewriteError, SERVICE_PARAM, Target, Transport, build_reply, build_response,
+    forward_request, forward_response, reply_target, request_target, route_response,
+    routed_service,
 };
 pub use scan::{
     CSeq, Header, HeaderName, Headers, MAX_HEADERS, NameAddr, ScanError, SipMethod, SipMsg, Span,

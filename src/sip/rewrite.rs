@@ -25,6 +25,12 @@ pub const BRANCH_PREFIX: &[u8] = b"z9hG4bK-fc-";
 /// response finds its connection without a per-transaction table.
 pub const CONN_PARAM: &[u8] = b"fc-conn";
 
+/// Record-Route URI parameter naming the service a dialog was set up on (a digest of its
+/// hashing identity, [`crate::hash::service_digest`]), so that any fulcrum instance with the
+/// same services routes the dialog's later requests to it without shared state (their top
+/// Route carries it back, RFC 3261 §12.1.1 / §16.12). See `docs/deployment.md`.
+pub const SERVICE_PARAM: &[u8] = b"fc-svc";
+
 /// Max-Forwards added when a request has none (RFC 3261 §16.6 step 3: "SHOULD be 70").
 pub const DEFAULT_MAX_FORWARDS: u32 = 70;
 
@@ -105,7 +111,7 @@ pub struct Local {
     aliases: Vec<SocketAddr>,
     /// `Via: SIP/2.0/UDP host:port;branch=` ready to copy.
     via_prefix: Vec<u8>,
-    /// `Record-Route: <sip:host:port;lr>\r\n` ready to copy.
+    /// `Record-Route: <sip:host:port;lr` ready to copy; `>\r\n` or `;fc-svc=..>\r\n` follows.
     rr_line: Vec<u8>,
     /// Our address hashed once: the seed of the branch hash.
     branch_seed: u64,
@@ -135,8 +141,7 @@ impl Local {
             Transport::Tcp => ";transport=tcp",
             Transport::Tls => ";transport=tls",
         };
-        let rr_line =
-            format!("Record-Route: <sip:{printable}:{port}{rr_param};lr>\r\n").into_bytes();
+        let rr_line = format!("Record-Route: <sip:{printable}:{port}{rr_param};lr").into_bytes();
         let branch_seed = xxh3_64_with_seed(bare.as_bytes(), SEED ^ u64::from(port));
         Local {
             branch_seed,
@@ -245,6 +250,9 @@ pub struct RequestRewrite<'l> {
     pub force_rport: bool,
     /// Client connection id written as `;fc-conn=<hex>` in our Via (stream transports).
     pub conn_id: Option<u64>,
+    /// With `record_route`: the chosen service's digest, written as `;fc-svc=<hex>` in the
+    /// Record-Route URI ([`SERVICE_PARAM`]).
+    pub service: Option<u64>,
 }
 
 /// A next hop: an address, or a name the shell must resolve (RFC 3263 is out of scope here).
@@ -457,6 +465,13 @@ pub fn forward_request<B: BufMut>(
     put(out, b"\r\n");
     if rw.record_route {
         put(out, &rw.local.rr_line);
+        if let Some(d) = rw.service {
+            put(out, b";");
+            put(out, SERVICE_PARAM);
+            put(out, b"=");
+            put(out, &hex16(d));
+        }
+        put(out, b">\r\n");
     }
     if !mf {
         put(out, b"Max-Forwards: ");
@@ -557,6 +572,20 @@ fn first_value_removal(buf: &[u8], idx: Indexed) -> Option<Span> {
 }
 
 /// The first Route value when it names fulcrum (RFC 3261 §16.4: "MUST remove that value").
+/// The service digest (`fc-svc`) in the request's top Route when that Route is fulcrum's: the
+/// service some fulcrum instance chose for the dialog. `None` without a Route, when the top
+/// Route is not fulcrum's (only the first value may name us, §16.4), or when it carries no
+/// well-formed digest (16 hex digits). The caller matches it against its own services only.
+pub fn routed_service(msg: &SipMsg<'_>, local: &Local) -> Option<u64> {
+    let uri = parse_uri(msg.route_uri()?)?;
+    if !local.is_local(uri.host, uri.port) {
+        return None;
+    }
+    uri.param(SERVICE_PARAM)
+        .filter(|v| v.len() == 16)
+        .and_then(parse_hex)
+}
+
 fn own_route_removal(msg: &SipMsg<'_>, local: &Local) -> Option<Span> {
     let idx = msg.route_index()?;
     let uri = parse_uri(msg.route_uri()?)?;
@@ -918,6 +947,7 @@ Content-Length: 0\r\n\r\n";
             record_route: false,
             force_rport: false,
             conn_id: None,
+            service: None,
         }
     }
 
@@ -1046,6 +1076,7 @@ Content-Length: 0\r\n\r\n";
         let r = RequestRewrite {
             record_route: true,
             conn_id: Some(0xabc),
+            service: None,
             ..rw(&l)
         };
         forward_request(&m, &r, &mut out).unwrap();
