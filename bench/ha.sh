@@ -6,12 +6,12 @@
 #                                                       -- services (3 SIPp UAS)
 # Each run: FLOWS UACs (half of them on ports the router hashes to A), RATE calls/s each, CALLS
 # calls each, held HOLD_MS; instance A gets SIGKILL at KILL_AT s; its nexthop is withdrawn after
-# its /readyz has failed 3 times 250 ms apart (a route announcer's `fall`). A call is lost when
+# its /readyz has failed FALL times INTERVAL s apart (a route announcer's `fall`). A call is lost when
 # its UAC counts it failed. The services are the tests' strict UAS (examples/strict_uas.rs):
 # a BYE for a dialog a service did not set up gets 481 (failing its call), an ACK is counted
 # as stray; both are reported.
 # Knobs: METHODS="call_id_hash round_robin" RRS="false true" FLOWS=4 RATE=10 CALLS=60
-# HOLD_MS=2000 KILL_AT=3 FUL=path/to/fulcrum UAS=path/to/strict_uas (default: release builds).
+# HOLD_MS=2000 KILL_AT=3 FALL=3 INTERVAL=0.25 FUL=path/to/fulcrum UAS=path/to/strict_uas (default: release builds).
 # Prints one table row per (method, record_route). Bounded: every process runs under
 # `timeout`; namespaces and processes are removed on any exit (trap).
 set -u
@@ -19,6 +19,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 METHODS=${METHODS:-call_id_hash round_robin}
 RRS=${RRS:-false true}
 FLOWS=${FLOWS:-4}; RATE=${RATE:-10}; CALLS=${CALLS:-60}; HOLD_MS=${HOLD_MS:-2000}; KILL_AT=${KILL_AT:-3}
+FALL=${FALL:-3}; INTERVAL=${INTERVAL:-0.25}
 [ "$(id -u)" = 0 ] || { echo "bench/ha.sh: needs root (network namespaces)" >&2; exit 1; }
 for t in ip curl sipp timeout sysctl; do command -v "$t" >/dev/null || { echo "bench/ha.sh: $t not found" >&2; exit 1; }; done
 if [ -z "${FUL:-}" ]; then
@@ -163,9 +164,9 @@ EOF
   sleep "$KILL_AT"
   pkill -KILL -P "$PID_a"; tk=$(date +%s.%N)
   fails=0
-  for i in $(seq 1 40); do
+  for i in $(seq 1 100); do
     if ready $A; then fails=0; else fails=$((fails + 1)); fi
-    [ $fails -ge 3 ] && break; sleep 0.25
+    [ $fails -ge "$FALL" ] && break; sleep "$INTERVAL"
   done
   ip -n "$(ns rtr)" route replace "$VIP/32" via $B; tw=$(date +%s.%N)
   for p in "${flows[@]}"; do wait "$p"; done
@@ -182,7 +183,7 @@ EOF
   teardown
 }
 
-echo "FLOWS=$FLOWS RATE=$RATE CALLS=$CALLS HOLD_MS=$HOLD_MS KILL_AT=$KILL_AT fulcrum=$FUL ($(cd "$ROOT" && git rev-parse --short HEAD))"
+echo "FLOWS=$FLOWS RATE=$RATE CALLS=$CALLS HOLD_MS=$HOLD_MS KILL_AT=$KILL_AT FALL=$FALL INTERVAL=$INTERVAL fulcrum=$FUL ($(cd "$ROOT" && git rev-parse --short HEAD))"
 echo "| method | record_route | calls | calls on flows to A / B | lost on A's / B's flows | lost | 481s / stray ACKs at the services | kill to withdrawal |"
 echo "|---|---|---|---|---|---|---|---|"
 for m in $METHODS; do for rr in $RRS; do one "$m" "$rr"; done; done
