@@ -119,9 +119,10 @@ sed -i "s/HOLD/$HOLD_MS/" "$TMP/uac.xml"
 one() {
   local method=$1 rr=$2 i p inst run=$TMP/$1-$2 fails tk tw
   mkdir -p "$run"; build
-  ip netns exec "$(ns svc)" timeout -s KILL 120 "$UAS" "$run/uas.txt" \
-    "s0=${SVC[0]}:5060" "s1=${SVC[1]}:5060" "s2=${SVC[2]}:5060" >/dev/null 2>&1 &
-  PIDS+=($!)
+  for i in 0 1 2; do
+    ip netns exec "$(ns svc)" timeout -s KILL 120 "$UAS" "s$i" "${SVC[$i]}:5060" udp 110 > "$run/uas-s$i.txt" 2>&1 &
+    PIDS+=($!)
+  done
   for inst in a b; do
     local addr=$A; [ $inst = b ] && addr=$B
     cat > "$run/$inst.yaml" <<EOF
@@ -170,9 +171,12 @@ EOF
   done
   ip -n "$(ns rtr)" route replace "$VIP/32" via $B; tw=$(date +%s.%N)
   for p in "${flows[@]}"; do wait "$p"; done
-  sleep 0.3   # the UAS rewrites its counts every 100 ms
-  local r481 stray
-  read -r r481 stray < <(awk '{r += $5; s += $6} END {print r + 0, s + 0}' "$run/uas.txt")
+  sleep 0.5   # each UAS prints its counts when they change, at most every 200 ms
+  local r481=0 stray=0 a b
+  for i in 0 1 2; do
+    read -r a b < <(grep '^counts ' "$run/uas-s$i.txt" | tail -1 | sed 's/.* r481=\([0-9]*\) stray_acks=\([0-9]*\).*/\1 \2/')
+    r481=$((r481 + ${a:-0})); stray=$((stray + ${b:-0}))
+  done
   local ok_a=0 f_a=0 ok_b=0 f_b=0 ok f
   for p in "${ports[@]}"; do
     read -r ok f < <(awk -F';' 'NR==1{for(i=1;i<=NF;i++){if($i=="SuccessfulCall(C)")s=i; if($i=="FailedCall(C)")x=i}} NF>1{o=$s; q=$x} END{print o+0, q+0}' "$run/uac-$p.csv")

@@ -1,51 +1,81 @@
-//! The tests' strict SIP UAS (tests/common/strict_uas.rs: 481 to a request for a dialog it
-//! did not set up) as a program, for bench/ha.sh: `strict_uas COUNTS NAME=ADDR...` runs one
-//! UDP UAS per NAME=ADDR and rewrites COUNTS every 100 ms with one line per UAS:
-//! `name requests dialogs byes_ok r481 stray_acks`. Runs until killed. IO.
-#![allow(dead_code)]
+//! The strict SIP UAS of the tests (`tests/common/strict_uas.rs`, included here by path so the
+//! logic lives in one place) as a standalone process, for `bench/churn.sh`: it answers 481 to
+//! a BYE for a dialog it did not set up, and prints its counts.
+//!
+//! `strict_uas NAME IP:PORT [udp|tcp] [SECONDS]` (defaults `udp`, `600`): binds IP:PORT, then
+//! prints `ready NAME ADDR`, a counts line whenever they changed (at most every 200 ms, so a
+//! SIGKILLed UAS leaves counts at most 200 ms old) and a final one on SIGTERM, SIGINT or after
+//! SECONDS:
+//!
+//! `counts name=s0 requests=R dialogs=D byes_ok=B r481=N stray_acks=A`
+//!
+//! (dialogs set up, dialogs ended by a BYE answered 200, 481s sent, ACKs for no dialog).
+//!
+//! `cargo build --release --example strict_uas && target/release/examples/strict_uas s0 127.0.0.1:5071`
 
+#[allow(dead_code)]
 #[path = "../tests/common/sip_tcp.rs"]
 mod sip_tcp;
+#[allow(dead_code)]
 #[path = "../tests/common/strict_uas.rs"]
 mod strict_uas;
 
+use std::io::Write;
+use std::net::SocketAddr;
 use std::time::Duration;
-use strict_uas::StrictUas;
+use strict_uas::{Counts, StrictUas};
+use tokio::signal::unix::{SignalKind, signal};
 
-fn main() {
-    let mut args = std::env::args().skip(1);
-    let Some(counts) = args.next() else {
-        eprintln!("usage: strict_uas COUNTS NAME=ADDR...");
-        std::process::exit(2);
+fn line(name: &str, c: Counts) -> String {
+    format!(
+        "counts name={name} requests={} dialogs={} byes_ok={} r481={} stray_acks={}",
+        c.requests, c.dialogs, c.byes_ok, c.r481, c.stray_acks
+    )
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let usage = "usage: strict_uas NAME IP:PORT [udp|tcp] [SECONDS]";
+    let (Some(name), Some(addr)) = (args.first(), args.get(1)) else {
+        anyhow::bail!(usage);
     };
-    let uas: Vec<StrictUas> = args
-        .map(|a| {
-            let (name, addr) = a.split_once('=').unwrap_or_else(|| {
-                eprintln!("strict_uas: `{a}` is not NAME=ADDR");
-                std::process::exit(2)
-            });
-            let addr = addr.parse().unwrap_or_else(|e| {
-                eprintln!("strict_uas: `{addr}`: {e}");
-                std::process::exit(2)
-            });
-            StrictUas::udp_on(name, addr)
-        })
-        .collect();
-    let tmp = format!("{counts}.tmp");
-    loop {
-        let text: String = uas
-            .iter()
-            .map(|u| {
-                let c = u.counts();
-                format!(
-                    "{} {} {} {} {} {}\n",
-                    u.name, c.requests, c.dialogs, c.byes_ok, c.r481, c.stray_acks
-                )
-            })
-            .collect();
-        if std::fs::write(&tmp, text).is_ok() {
-            let _ = std::fs::rename(&tmp, &counts);
+    let at: SocketAddr = addr.parse()?;
+    let seconds: u64 = args.get(3).map_or(Ok(600), |s| s.parse())?;
+    let uas = match args.get(2).map_or("udp", String::as_str) {
+        "udp" => StrictUas::udp_at(name, at),
+        "tcp" => StrictUas::tcp_at(name, at),
+        other => anyhow::bail!("transport `{other}`: {usage}"),
+    };
+    let mut out = std::io::stdout();
+    writeln!(out, "ready {name} {}", uas.addr)?;
+    out.flush()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let end = tokio::time::sleep(Duration::from_secs(seconds));
+        tokio::pin!(end);
+        let mut tick = tokio::time::interval(Duration::from_millis(200));
+        let mut last = Counts::default();
+        loop {
+            tokio::select! {
+                _ = term.recv() => break,
+                _ = int.recv() => break,
+                () = &mut end => break,
+                _ = tick.tick() => {
+                    let c = uas.counts();
+                    if c != last {
+                        last = c;
+                        writeln!(out, "{}", line(name, c))?;
+                        out.flush()?;
+                    }
+                }
+            }
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        writeln!(out, "{}", line(name, uas.counts()))?;
+        out.flush()?;
+        anyhow::Ok(())
+    })
 }

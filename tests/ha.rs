@@ -56,7 +56,7 @@ fn helper_ha_uas() {
     let out = PathBuf::from(std::env::var("FULCRUM_HA_COUNTS").expect("counts file"));
     let uas: Vec<StrictUas> = SERVICES
         .iter()
-        .map(|(n, a)| StrictUas::udp_on(n, a.parse().expect("service address")))
+        .map(|(n, a)| StrictUas::udp_at(n, a.parse().expect("service address")))
         .collect();
     let (tx, rx) = mpsc::channel::<()>();
     std::thread::spawn(move || {

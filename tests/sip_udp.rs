@@ -455,7 +455,7 @@ fn record_route_added_when_configured() {
     let got = lab.service_recv(0);
     let rr = headers(&got, "Record-Route");
     assert_eq!(rr.len(), 1, "{rr:?}");
-    assert_ours_naming_a_service(&rr[0], lab.proxy);
+    assert_ours_naming_a_service(rr[0], lab.proxy);
 }
 
 #[test]
@@ -722,7 +722,7 @@ fn ipv6_loopback_round_trip() {
         "{}",
         vias[1]
     );
-    assert_ours_naming_a_service(&header(&got, "Record-Route"), lab.proxy);
+    assert_ours_naming_a_service(header(&got, "Record-Route"), lab.proxy);
     lab.send_from_service(svc, &response_to(&got, "200 OK"));
     let back = lab.client_recv();
     assert_eq!(first_line(&back), "SIP/2.0 200 OK");

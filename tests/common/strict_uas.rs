@@ -27,6 +27,9 @@
 //! shell: one thread per UDP socket, or an accept thread plus one thread per TCP connection
 //! (Content-Length framing, responses on the connection the request came on; fulcrum keeps
 //! one long-lived connection per service).
+//!
+//! The same code runs as a standalone process in `examples/strict_uas.rs` (for
+//! `bench/churn.sh`), which includes this file by path.
 
 use super::sip_tcp::{Next, next_message};
 use fulcrum::sip::{self, HeaderName, SipMethod, SipMsg};
@@ -243,12 +246,11 @@ pub struct StrictUas {
 impl StrictUas {
     /// A UAS over UDP on 127.0.0.1:0, answering each request to its source.
     pub fn udp(name: &str) -> StrictUas {
-        StrictUas::udp_on(name, SocketAddr::from(([127, 0, 0, 1], 0)))
+        StrictUas::udp_at(name, SocketAddr::from(([127, 0, 0, 1], 0)))
     }
 
-    /// A UAS over UDP on `at` (port 0: any free port), answering each request to its
-    /// source.
-    pub fn udp_on(name: &str, at: SocketAddr) -> StrictUas {
+    /// A UAS over UDP on `at` (port 0: any), answering each request to its source.
+    pub fn udp_at(name: &str, at: SocketAddr) -> StrictUas {
         let socket = UdpSocket::bind(at).expect("bind strict uas");
         socket
             .set_read_timeout(Some(Duration::from_millis(50)))
@@ -274,7 +276,12 @@ impl StrictUas {
     /// A UAS over TCP on 127.0.0.1:0: every accepted connection is read as a stream of
     /// Content-Length framed messages and answered on the same connection.
     pub fn tcp(name: &str) -> StrictUas {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind strict uas");
+        StrictUas::tcp_at(name, SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// A UAS over TCP on `at` (port 0: any), as [`StrictUas::tcp`].
+    pub fn tcp_at(name: &str, at: SocketAddr) -> StrictUas {
+        let listener = TcpListener::bind(at).expect("bind strict uas");
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("addr");
         let uas = StrictUas::new(name, addr, "tcp");
