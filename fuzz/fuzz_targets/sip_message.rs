@@ -10,7 +10,7 @@ use fulcrum::http::parse_head;
 use fulcrum::key::{Payload, RequestCtx, extract};
 use fulcrum::sip::{
     Local, Reply, RequestRewrite, Transport, build_response, forward_request, forward_response,
-    next_frame, reply_target, request_target, scan,
+    next_frame, reply_target, request_target, routed_service, scan,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -28,7 +28,7 @@ fuzz_target!(|data: &[u8]| {
             record_route: true,
             force_rport: data.len() % 2 == 0,
             conn_id: Some(data.len() as u64),
-            service: None,
+            service: (data.len() % 3 == 0).then_some(0x0123_4567_89ab_cdef),
         };
         if forward_request(m, &rw, &mut out).is_ok() {
             let again = scan(&out).expect("a forwarded request scans");
@@ -43,6 +43,7 @@ fuzz_target!(|data: &[u8]| {
             scan(&out).expect("a forwarded response scans");
         }
         let _ = request_target(m, &local);
+        let _ = routed_service(m, &local);
         let _ = reply_target(m, src);
         let _ = m.vias().count();
         let _ = m.routes().count();
@@ -58,7 +59,10 @@ fuzz_target!(|data: &[u8]| {
     let rules = [
         TokenRule::Header("X-Tenant".into()),
         TokenRule::Query("sid".into()),
-        TokenRule::Payload { offset: 3, length: 8 },
+        TokenRule::Payload {
+            offset: 3,
+            length: 8,
+        },
     ];
     for payload in payloads {
         let ctx = RequestCtx { src, dst, payload };

@@ -435,6 +435,15 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
     })
 }
 
+/// Parses a scenario without running it: the number of requests its simulation makes
+/// (at most [`MAX_REQUESTS`]).
+pub fn check_scenario(yaml: &str) -> Result<u64, ScenarioError> {
+    let sc = parse(yaml)?;
+    let span = u128::from(sc.duration) + u128::from(sc.report_every);
+    let requests = u128::from(sc.offered_rate) * span / u128::from(NANOS_PER_SEC);
+    Ok(u64::try_from(requests).unwrap_or(u64::MAX))
+}
+
 /// Parses and runs a scenario.
 pub fn run_scenario(yaml: &str) -> Result<SimResult, ScenarioError> {
     let sc = parse(yaml)?;
