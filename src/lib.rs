@@ -3,12 +3,14 @@
 //! # Layout
 //! A pure decision core (no sockets, no clock, no randomness) inside an I/O shell.
 //!
+//! - `acl`        PURE  allow / deny CIDR lists of a vserver
 //! - `admin`      IO    admin HTTP API: socket-free router over `Ops`, tiny HTTP/1.1 server, /metrics
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
 //! - `drain`      PURE  services a reload removed, kept while their flows finish
+//! - `flood`      PURE  per-source new-request limits and bans in a fixed-size table
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
 //! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
@@ -30,12 +32,14 @@
 // Denied everywhere but in `uring`, which documents why its one block is sound.
 #![deny(unsafe_code)]
 
+pub mod acl;
 pub mod admin;
 pub mod balancer;
 pub mod config;
 pub mod demo;
 pub mod dialog;
 pub mod drain;
+pub mod flood;
 pub mod hash;
 pub mod health;
 pub mod http;

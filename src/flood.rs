@@ -1,0 +1,342 @@
+//! Flood control of a vserver: per source IP, more than `limit` new requests in `window`
+//! bans the source for `ban`. PURE: `now` is passed in, nothing reads the clock.
+//!
+//! # Bounded memory
+//! Sources are tracked in a fixed table allocated once ([`FloodTable::new`]: `slots`
+//! entries of 48 bytes, 16,384 by default, under 1 MiB per vserver) whatever the number of
+//! sources: a source hashes to a bucket of [`WAYS`] slots and takes the first free, expired
+//! or matching slot there, else evicts the slot of the bucket whose window began longest
+//! ago (never a banned one while its ban runs). Exact counts per tracked source, so a
+//! legitimate source is never banned for another's traffic (a count-min sketch would
+//! over-count under collisions and could ban an innocent source); under a flood from more
+//! sources than the table holds, sources are evicted and start counting again, so the table
+//! fails open (lets a source through) rather than closed. A source whose bucket is full of
+//! running bans is not tracked (let through, counted as `untracked`).
+//!
+//! The table is split into shards, each behind its own mutex, so workers checking sources
+//! that land in different shards do not wait for each other; a check is a hash, a lock and
+//! at most [`WAYS`] slot comparisons, without allocation. Only requests that would open a
+//! new flow are checked (SIP requests outside a dialog, new udp sessions, new tcp
+//! connections); established dialogs and sessions never are.
+
+use crate::stats::Nanos;
+use std::net::IpAddr;
+use std::sync::Mutex;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Slots per bucket: the probe length of a lookup.
+pub const WAYS: usize = 8;
+/// Shards of the table (each a mutex over its slots).
+const SHARDS: usize = 16;
+/// Seed of the source hash: "fulcrumB".
+const SEED: u64 = 0x6675_6c63_7275_6d42;
+
+/// The `flood:` parameters of a vserver.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FloodParams {
+    /// New requests a source may send in one window.
+    pub limit: u32,
+    pub window_ns: Nanos,
+    pub ban_ns: Nanos,
+}
+
+/// What a check decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Let through, counted.
+    Pass,
+    /// This request went over the limit: the source is banned from now on.
+    Banned,
+    /// The source is banned: drop.
+    Refused,
+    /// Let through uncounted: every slot of its bucket holds a running ban.
+    Untracked,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Slot {
+    /// 0 = empty.
+    ip: u128,
+    /// Family tag, so that `::a.b.c.d` and `a.b.c.d` never share a slot.
+    v6: bool,
+    used: bool,
+    window_start: Nanos,
+    count: u32,
+    /// Banned until (exclusive); 0 = not banned.
+    banned_until: Nanos,
+}
+
+impl Slot {
+    fn holds(&self, ip: u128, v6: bool) -> bool {
+        self.used && self.ip == ip && self.v6 == v6
+    }
+
+    fn is_banned(&self, now: Nanos) -> bool {
+        self.banned_until > now
+    }
+
+    /// Nothing left to remember at `now`: no running ban, window over.
+    fn is_stale(&self, now: Nanos, p: &FloodParams) -> bool {
+        !self.used || (!self.is_banned(now) && now.saturating_sub(self.window_start) >= p.window_ns)
+    }
+}
+
+/// A banned source, for the admin API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ban {
+    pub ip: IpAddr,
+    pub until: Nanos,
+}
+
+/// Per-source counts and bans of one vserver, in bounded memory.
+#[derive(Debug)]
+pub struct FloodTable {
+    params: FloodParams,
+    shards: Vec<Mutex<Vec<Slot>>>,
+    buckets_per_shard: usize,
+}
+
+fn key(ip: IpAddr) -> (u128, bool) {
+    match ip.to_canonical() {
+        IpAddr::V4(v4) => (u128::from(u32::from(v4)), false),
+        IpAddr::V6(v6) => (u128::from(v6), true),
+    }
+}
+
+fn ip_of(slot: &Slot) -> IpAddr {
+    if slot.v6 {
+        IpAddr::V6(slot.ip.into())
+    } else {
+        IpAddr::V4(u32::try_from(slot.ip).unwrap_or(0).into())
+    }
+}
+
+impl FloodTable {
+    /// A table of about `slots` entries (rounded up to whole buckets of every shard).
+    pub fn new(params: FloodParams, slots: usize) -> FloodTable {
+        let buckets_per_shard = slots.div_ceil(SHARDS * WAYS).max(1);
+        FloodTable {
+            params,
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(vec![Slot::default(); buckets_per_shard * WAYS]))
+                .collect(),
+            buckets_per_shard,
+        }
+    }
+
+    pub fn params(&self) -> FloodParams {
+        self.params
+    }
+
+    /// Slots in the table (its memory bound).
+    pub fn capacity(&self) -> usize {
+        SHARDS * self.buckets_per_shard * WAYS
+    }
+
+    /// Bytes of the table's slots.
+    pub fn memory_bytes(&self) -> usize {
+        self.capacity() * std::mem::size_of::<Slot>()
+    }
+
+    fn place(&self, ip: u128, v6: bool) -> (usize, usize) {
+        let h = xxh3_64_with_seed(&ip.to_le_bytes(), SEED ^ u64::from(v6));
+        let shard = (h as usize) % SHARDS;
+        let bucket = ((h >> 32) as usize) % self.buckets_per_shard;
+        (shard, bucket * WAYS)
+    }
+
+    /// Count one new request from `ip` at `now`.
+    pub fn check(&self, ip: IpAddr, now: Nanos) -> Verdict {
+        let p = &self.params;
+        let (ip, v6) = key(ip);
+        let (shard, at) = self.place(ip, v6);
+        let mut slots = self.shards[shard].lock().unwrap_or_else(|e| e.into_inner());
+        let bucket = &mut slots[at..at + WAYS];
+        let found = bucket.iter().position(|s| s.holds(ip, v6));
+        let i = match found {
+            Some(i) => i,
+            None => {
+                let free = bucket.iter().position(|s| s.is_stale(now, p)).or_else(|| {
+                    (0..WAYS)
+                        .filter(|&i| !bucket[i].is_banned(now))
+                        .min_by_key(|&i| bucket[i].window_start)
+                });
+                let Some(i) = free else {
+                    return Verdict::Untracked;
+                };
+                bucket[i] = Slot {
+                    ip,
+                    v6,
+                    used: true,
+                    window_start: now,
+                    count: 0,
+                    banned_until: 0,
+                };
+                i
+            }
+        };
+        let s = &mut bucket[i];
+        if s.is_banned(now) {
+            return Verdict::Refused;
+        }
+        if now.saturating_sub(s.window_start) >= p.window_ns {
+            s.window_start = now;
+            s.count = 0;
+        }
+        s.count = s.count.saturating_add(1);
+        if s.count > p.limit {
+            s.banned_until = now.saturating_add(p.ban_ns).max(1);
+            return Verdict::Banned;
+        }
+        Verdict::Pass
+    }
+
+    /// Whether `ip` is banned at `now` (without counting anything).
+    pub fn is_banned(&self, ip: IpAddr, now: Nanos) -> bool {
+        let (ip, v6) = key(ip);
+        let (shard, at) = self.place(ip, v6);
+        let slots = self.shards[shard].lock().unwrap_or_else(|e| e.into_inner());
+        slots[at..at + WAYS]
+            .iter()
+            .any(|s| s.holds(ip, v6) && s.is_banned(now))
+    }
+
+    /// Every source banned at `now`.
+    pub fn bans(&self, now: Nanos) -> Vec<Ban> {
+        let mut out = Vec::new();
+        for shard in &self.shards {
+            let slots = shard.lock().unwrap_or_else(|e| e.into_inner());
+            out.extend(
+                slots
+                    .iter()
+                    .filter(|s| s.used && s.is_banned(now))
+                    .map(|s| Ban {
+                        ip: ip_of(s),
+                        until: s.banned_until,
+                    }),
+            );
+        }
+        out.sort_by_key(|b| b.ip);
+        out
+    }
+
+    /// Lift the ban of `ip` (its count starts again). `false` if it was not banned.
+    pub fn unban(&self, ip: IpAddr, now: Nanos) -> bool {
+        let (ip, v6) = key(ip);
+        let (shard, at) = self.place(ip, v6);
+        let mut slots = self.shards[shard].lock().unwrap_or_else(|e| e.into_inner());
+        match slots[at..at + WAYS]
+            .iter_mut()
+            .find(|s| s.holds(ip, v6) && s.is_banned(now))
+        {
+            Some(s) => {
+                *s = Slot::default();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const S: Nanos = 1_000_000_000;
+
+    fn table(limit: u32) -> FloodTable {
+        FloodTable::new(
+            FloodParams {
+                limit,
+                window_ns: S,
+                ban_ns: 10 * S,
+            },
+            1024,
+        )
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().expect("ip")
+    }
+
+    #[test]
+    fn over_the_limit_in_a_window_bans_until_the_ban_ends() {
+        let t = table(3);
+        let a = ip("192.0.2.1");
+        for _ in 0..3 {
+            assert_eq!(t.check(a, 0), Verdict::Pass);
+        }
+        assert_eq!(t.check(a, 1), Verdict::Banned);
+        assert_eq!(t.check(a, S), Verdict::Refused);
+        assert!(t.is_banned(a, 5 * S));
+        assert_eq!(
+            t.bans(5 * S),
+            vec![Ban {
+                ip: a,
+                until: 1 + 10 * S
+            }]
+        );
+        // Another source is not touched; the same source as IPv4-mapped IPv6 is the same.
+        assert_eq!(t.check(ip("192.0.2.2"), S), Verdict::Pass);
+        assert_eq!(t.check(ip("::ffff:192.0.2.1"), S), Verdict::Refused);
+        // The ban ends: counting starts again.
+        assert_eq!(t.check(a, 10 * S + 1), Verdict::Pass);
+        assert!(t.bans(10 * S + 1).is_empty());
+    }
+
+    #[test]
+    fn the_window_restarts_and_a_ban_can_be_lifted() {
+        let t = table(2);
+        let a = ip("2001:db8::1");
+        assert_eq!(t.check(a, 0), Verdict::Pass);
+        assert_eq!(t.check(a, 0), Verdict::Pass);
+        // A new window: two more are fine.
+        assert_eq!(t.check(a, S), Verdict::Pass);
+        assert_eq!(t.check(a, S), Verdict::Pass);
+        assert_eq!(t.check(a, S), Verdict::Banned);
+        assert!(t.unban(a, S));
+        assert!(!t.unban(a, S));
+        assert_eq!(t.check(a, S), Verdict::Pass);
+    }
+
+    #[test]
+    fn memory_is_fixed_whatever_the_number_of_sources() {
+        let t = table(5);
+        let bytes = t.memory_bytes();
+        assert!(bytes < 64 * 1024, "{bytes}");
+        for i in 0..200_000u32 {
+            let _ = t.check(IpAddr::V4(i.into()), 0);
+        }
+        assert_eq!(t.memory_bytes(), bytes);
+        assert_eq!(t.capacity(), 1024);
+    }
+
+    proptest! {
+        /// Whatever other sources send (any number, any interleaving), a source that sends
+        /// at most `limit` new requests per window is never refused: tracking is exact for a
+        /// tracked source, and an evicted one only starts counting again.
+        #[test]
+        fn a_source_within_the_limit_is_never_refused(
+            others in proptest::collection::vec((any::<u32>(), 0u32..20), 0..400),
+            limit in 1u32..10,
+        ) {
+            let t = table(limit);
+            let me = ip("198.51.100.77");
+            let mut now = 0;
+            for (round, chunk) in others.chunks(20).enumerate() {
+                now = round as u64 * S;
+                for &(src, n) in chunk {
+                    for _ in 0..n {
+                        let _ = t.check(IpAddr::V4(src.into()), now);
+                    }
+                }
+                for _ in 0..limit {
+                    let v = t.check(me, now);
+                    prop_assert!(matches!(v, Verdict::Pass | Verdict::Untracked), "{v:?}");
+                }
+            }
+            prop_assert!(!t.is_banned(me, now));
+        }
+    }
+}
