@@ -453,6 +453,13 @@ impl SipCore {
         };
         let choice = self.balancer.choose(key, now)?;
         let member = choice.member as u32;
+        // A BYE (or CANCEL) of a dialog whose member no longer takes it (DOWN) goes elsewhere,
+        // and still ends the dialog: its member stops counting it now, not at the idle timeout.
+        if let Some(h) = call_hash
+            && ends_dialog(msg)
+        {
+            self.end_dialog(h, now_ms);
+        }
         match call_hash {
             Some(h) if pins_dialog(msg) => match self.dialogs.put(h, member, now_ms) {
                 Pin::New => self.open(member),
@@ -825,6 +832,32 @@ mod tests {
         assert_eq!(c.counters.not_ours.load(Ordering::Relaxed), 1);
         assert_eq!(c.counters.loops.load(Ordering::Relaxed), 1);
         assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 1);
+    }
+
+    /// A call whose service went DOWN: its BYE goes to another service and ends the dialog,
+    /// so the dead service's load count falls back (it stayed up for the idle timeout).
+    #[test]
+    fn a_bye_rerouted_from_a_down_member_ends_its_dialog() {
+        let c = core(false);
+        let mut out = Vec::new();
+        let Action::ToMember(m) = handle(&c, &invite("gone-1", 70), CLIENT, &mut out) else {
+            panic!("forwarded")
+        };
+        let active = |m: usize| c.balancer().counters(m).map_or(0, |k| k.active());
+        assert_eq!(active(m), 1);
+        c.balancer().set_health(m, Health::Down, 0);
+        let bye = invite("gone-1", 70)
+            .replace("INVITE sip", "BYE sip")
+            .replace("1 INVITE", "2 BYE")
+            .replace(
+                "To: <sip:svc@example.com>",
+                "To: <sip:svc@example.com>;tag=t1",
+            );
+        let Action::ToMember(other) = handle(&c, &bye, CLIENT, &mut out) else {
+            panic!("forwarded")
+        };
+        assert_ne!(other, m);
+        assert_eq!((active(m), active(other)), (0, 0));
     }
 
     #[test]
