@@ -2,7 +2,7 @@
 //! the key (already extracted and hashed) and `now`; the balancer reads per-member
 //! counters and health, and returns the member chosen and the path that chose it.
 //!
-//! Order of decision (SPEC §2, §3):
+//! Order of decision (docs/methods.md, docs/slow_start.md):
 //! 1. Hash methods rank members by the consistent-hash selector (built for the current UP
 //!    set, swapped in atomically on health change, so lookups never lock); the first
 //!    member that is UP, below `max_clients` and, with bounded loads, not overloaded wins.
@@ -21,7 +21,7 @@ use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Operational state of a member (SPEC §1).
+/// Operational state of a member (docs/config.md, Model).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Health {
     Up = 0,
@@ -324,7 +324,7 @@ impl Balancer {
     }
 
     /// Change a member's state. A change of the UP set rebuilds the hash selector aside and
-    /// swaps it in; DOWN→UP makes the member new for slow start (SPEC §3).
+    /// swaps it in; DOWN→UP makes the member new for slow start (docs/slow_start.md).
     pub fn set_health(&self, member: usize, health: Health, now: Nanos) {
         let Some(slot) = self.health.get(member) else {
             return;
@@ -351,7 +351,7 @@ impl Balancer {
         self.selector.store(Arc::new(built));
     }
 
-    /// Operator change of the slow-start rate (manual mode, SPEC §3).
+    /// Operator change of the slow-start rate (manual mode, docs/slow_start.md).
     pub fn set_slow_start_rate(&self, rate: u32, now: Nanos) -> bool {
         match &self.slow_start {
             Some(ss) => {
@@ -366,7 +366,7 @@ impl Balancer {
     }
 
     /// Members added by a reload: new for slow start from `now` if UP, else from when they
-    /// come UP (SPEC §3). [`Balancer::new`] treats every member as part of the base set.
+    /// come UP (docs/slow_start.md). [`Balancer::new`] treats every member as part of the base set.
     pub fn mark_added(&self, added: &[usize], now: Nanos) {
         if let Some(ss) = &self.slow_start {
             let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());

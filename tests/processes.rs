@@ -1,4 +1,4 @@
-//! Firewall pools across processes (issue 6): two `fulcrum run` processes started from one
+//! Firewall pools across processes (docs/methods.md, Determinism): two `fulcrum run` processes started from one
 //! config choose the same service for the same flow, over UDP and TCP. Separate processes,
 //! not two runtimes in this one, so nothing process-wide (a seeded hasher, a static) can make
 //! them agree by accident. Synchronised on the processes' log lines, with deadlines.

@@ -167,7 +167,7 @@ fn sipp_300_calls_through_fulcrum_keep_call_id_affinity_and_spread() {
     spread(Transport::Udp);
 }
 
-/// SIP over TCP (issue 8): the same 300 calls through a sip-tcp vserver, SIPp `-t t1`.
+/// SIP over TCP (docs/sip.md): the same 300 calls through a sip-tcp vserver, SIPp `-t t1`.
 #[test]
 fn sipp_300_calls_over_tcp_keep_call_id_affinity_and_spread() {
     spread(Transport::Tcp);
