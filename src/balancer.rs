@@ -17,6 +17,7 @@ use crate::methods::{self, MethodState};
 use crate::select::{self, HashSelector};
 use crate::slow_start::SlowStart;
 use crate::stats::{Nanos, ServiceCounters};
+use crate::sync::lock;
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -329,7 +330,7 @@ impl Balancer {
         let Some(slot) = self.health.get(member) else {
             return;
         };
-        let _guard = self.control.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = lock(&self.control);
         let old = Health::from_u8(slot.swap(health as u8, Ordering::AcqRel));
         if old == health {
             return;
@@ -337,7 +338,7 @@ impl Balancer {
         if (old == Health::Up) != (health == Health::Up) {
             self.rebuild_selector();
             if let Some(ss) = &self.slow_start {
-                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                let mut ss = lock(ss);
                 ss.set_up(member, health == Health::Up, now);
                 self.slow_start_active
                     .store(ss.is_active(), Ordering::Release);
@@ -355,7 +356,7 @@ impl Balancer {
     pub fn set_slow_start_rate(&self, rate: u32, now: Nanos) -> bool {
         match &self.slow_start {
             Some(ss) => {
-                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                let mut ss = lock(ss);
                 ss.set_rate(rate, now);
                 self.slow_start_active
                     .store(ss.is_active(), Ordering::Release);
@@ -369,7 +370,7 @@ impl Balancer {
     /// come UP (docs/slow_start.md). [`Balancer::new`] treats every member as part of the base set.
     pub fn mark_added(&self, added: &[usize], now: Nanos) {
         if let Some(ss) = &self.slow_start {
-            let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+            let mut ss = lock(ss);
             for &m in added {
                 if let Some(info) = self.members.get(m) {
                     ss.add_service(m, info.weight, self.health(m) == Some(Health::Up), now);
@@ -382,9 +383,7 @@ impl Balancer {
 
     /// Slow-start view for status pages.
     pub fn slow_start(&self) -> Option<SlowStart> {
-        self.slow_start
-            .as_ref()
-            .map(|ss| ss.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        self.slow_start.as_ref().map(|ss| lock(ss).clone())
     }
 
     /// Whether an established flow (dialog, session, connection) pinned to `member` may
@@ -560,7 +559,7 @@ impl Balancer {
             // While no member is new slow start has nothing to limit or count: its counters
             // only matter as differences from the moment a member became new.
             Some(ss) if self.slow_start_active.load(Ordering::Acquire) => {
-                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                let mut ss = lock(ss);
                 let chosen = ss.route(now, pick);
                 self.slow_start_active
                     .store(ss.is_active(), Ordering::Release);
