@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Calls lost to service churn under SIP load: fulcrum vs Kamailio, side by side, same load,
-# strict services (issue 16 item 4).
+# strict services (BENCHMARKS.md, "SIP: calls lost to service churn").
 #
 #   SIPp UAC (127.0.0.1:$BASE+10) -> proxy 127.0.0.1:$BASE (sip-udp)
 #     -> 4 strict UAS s0..s3 on 127.0.0.1:$BASE+11..14 (examples/strict_uas.rs)

@@ -2,7 +2,7 @@
 //! the key (already extracted and hashed) and `now`; the balancer reads per-member
 //! counters and health, and returns the member chosen and the path that chose it.
 //!
-//! Order of decision (SPEC §2, §3):
+//! Order of decision (docs/methods.md, docs/slow_start.md):
 //! 1. Hash methods rank members by the consistent-hash selector (built for the current UP
 //!    set, swapped in atomically on health change, so lookups never lock); the first
 //!    member that is UP, below `max_clients` and, with bounded loads, not overloaded wins.
@@ -17,11 +17,12 @@ use crate::methods::{self, MethodState};
 use crate::select::{self, HashSelector};
 use crate::slow_start::SlowStart;
 use crate::stats::{Nanos, ServiceCounters};
+use crate::sync::lock;
 use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// Operational state of a member (SPEC §1).
+/// Operational state of a member (docs/config.md, Model).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Health {
     Up = 0,
@@ -324,12 +325,12 @@ impl Balancer {
     }
 
     /// Change a member's state. A change of the UP set rebuilds the hash selector aside and
-    /// swaps it in; DOWN→UP makes the member new for slow start (SPEC §3).
+    /// swaps it in; DOWN→UP makes the member new for slow start (docs/slow_start.md).
     pub fn set_health(&self, member: usize, health: Health, now: Nanos) {
         let Some(slot) = self.health.get(member) else {
             return;
         };
-        let _guard = self.control.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = lock(&self.control);
         let old = Health::from_u8(slot.swap(health as u8, Ordering::AcqRel));
         if old == health {
             return;
@@ -337,7 +338,7 @@ impl Balancer {
         if (old == Health::Up) != (health == Health::Up) {
             self.rebuild_selector();
             if let Some(ss) = &self.slow_start {
-                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                let mut ss = lock(ss);
                 ss.set_up(member, health == Health::Up, now);
                 self.slow_start_active
                     .store(ss.is_active(), Ordering::Release);
@@ -351,11 +352,11 @@ impl Balancer {
         self.selector.store(Arc::new(built));
     }
 
-    /// Operator change of the slow-start rate (manual mode, SPEC §3).
+    /// Operator change of the slow-start rate (manual mode, docs/slow_start.md).
     pub fn set_slow_start_rate(&self, rate: u32, now: Nanos) -> bool {
         match &self.slow_start {
             Some(ss) => {
-                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                let mut ss = lock(ss);
                 ss.set_rate(rate, now);
                 self.slow_start_active
                     .store(ss.is_active(), Ordering::Release);
@@ -366,10 +367,10 @@ impl Balancer {
     }
 
     /// Members added by a reload: new for slow start from `now` if UP, else from when they
-    /// come UP (SPEC §3). [`Balancer::new`] treats every member as part of the base set.
+    /// come UP (docs/slow_start.md). [`Balancer::new`] treats every member as part of the base set.
     pub fn mark_added(&self, added: &[usize], now: Nanos) {
         if let Some(ss) = &self.slow_start {
-            let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+            let mut ss = lock(ss);
             for &m in added {
                 if let Some(info) = self.members.get(m) {
                     ss.add_service(m, info.weight, self.health(m) == Some(Health::Up), now);
@@ -382,9 +383,7 @@ impl Balancer {
 
     /// Slow-start view for status pages.
     pub fn slow_start(&self) -> Option<SlowStart> {
-        self.slow_start
-            .as_ref()
-            .map(|ss| ss.lock().unwrap_or_else(|e| e.into_inner()).clone())
+        self.slow_start.as_ref().map(|ss| lock(ss).clone())
     }
 
     /// Whether an established flow (dialog, session, connection) pinned to `member` may
@@ -560,7 +559,7 @@ impl Balancer {
             // While no member is new slow start has nothing to limit or count: its counters
             // only matter as differences from the moment a member became new.
             Some(ss) if self.slow_start_active.load(Ordering::Acquire) => {
-                let mut ss = ss.lock().unwrap_or_else(|e| e.into_inner());
+                let mut ss = lock(ss);
                 let chosen = ss.route(now, pick);
                 self.slow_start_active
                     .store(ss.is_active(), Ordering::Release);

@@ -1,6 +1,6 @@
 //! The fixed hash functions every consistent-hash decision rests on. PURE.
 //!
-//! SPEC section 2 rule 7 demands that the same config and the same UP set give the same choice
+//! Determinism (docs/methods.md) demands that the same config and the same UP set give the same choice
 //! in every process, on every machine, after every upgrade. So nothing here is randomly seeded:
 //! keys and service identities go through xxh3-64 (the `xxhash-rust` crate, a published,
 //! platform-independent algorithm) with the fixed seeds below, and the per-pair combination is a
@@ -31,7 +31,7 @@ pub fn key_hash(key: &[u8]) -> u64 {
 /// Hash of a service identity: xxh3-64 with [`SERVICE_SEED`].
 ///
 /// The identity is the service's `hash_id` bytes when configured, else [`address_identity`] of its
-/// address; never its name, so renaming a service does not move traffic (SPEC section 2 rule 1).
+/// address; never its name, so renaming a service does not move traffic (docs/methods.md, Selection).
 pub fn service_hash(identity: &[u8]) -> u64 {
     xxh3_64_with_seed(identity, SERVICE_SEED)
 }
@@ -94,8 +94,8 @@ fn mix64_head(z: u64) -> u64 {
 /// The CARP combination of a key hash and a service hash: [`mix64`] of `key ^ service` without
 /// its last step (`z ^= z >> 31`).
 ///
-/// The 1998 CARP draft's own 32-bit combine gives a peak/mean of 4 with IP:port members (issue 3
-/// measured it), so fulcrum keeps the draft's structure (combine two hashes, highest wins) with a
+/// The 1998 CARP draft's own 32-bit combine gives a peak/mean of 4 with IP:port members (measured
+/// while designing carp, docs/hashing.md), so fulcrum keeps the draft's structure (combine two hashes, highest wins) with a
 /// 64-bit mixer whose high bits avalanche fully: for a fixed key, the values over distinct
 /// services behave as independent uniform draws, which is what highest-random-weight hashing
 /// needs. The last xor-shift of `mix64` only re-mixes the low 33 bits from the high ones, so it

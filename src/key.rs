@@ -1,4 +1,4 @@
-//! Hash method → key, from a request context (SPEC §2, issue 3 "Key extraction"). PURE.
+//! Hash method → key, from a request context (docs/methods.md, Keys). PURE.
 //!
 //! A key borrows from the packet whenever the bytes can be hashed as they are; keys derived
 //! from addresses, and host names that need lowercasing, live in a small inline array.
@@ -93,7 +93,7 @@ impl std::fmt::Debug for Key<'_> {
     }
 }
 
-/// Result of key extraction; the fallbacks follow SPEC §2 rule 4.
+/// Result of key extraction; the fallbacks follow docs/methods.md, Fallbacks.
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyOutcome<'a> {
@@ -199,7 +199,7 @@ fn url_key<'a>(params: &HashParams, ctx: &RequestCtx<'a>) -> KeyOutcome<'a> {
 
 fn domain_key<'a>(params: &HashParams, ctx: &RequestCtx<'a>) -> KeyOutcome<'a> {
     let host = match ctx.payload {
-        // SPEC §2: the Request-URI host wins over the To host.
+        // The Request-URI host wins over the To host (docs/methods.md, Keys).
         Payload::Sip(m) => m
             .request_uri()
             .and_then(parse_uri)

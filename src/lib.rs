@@ -28,6 +28,7 @@
 //! - `sip`        PURE  zero-copy SIP scanner, stateless-proxy rewrite, TCP stream framing
 //! - `slow_start` PURE  slow-start state machine driven by injected time
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)
+//! - `sync`       PURE  `lock`: a mutex guard that recovers from poison (why it may)
 //! - `uring`      IO    batched sends on many sockets in one system call (io_uring); the only `unsafe`
 // Denied everywhere but in `uring`, which documents why its one block is sound.
 #![deny(unsafe_code)]
@@ -57,4 +58,5 @@ pub mod simulate;
 pub mod sip;
 pub mod slow_start;
 pub mod stats;
+mod sync;
 pub mod uring;

@@ -130,7 +130,7 @@ fn parse_max_share(s: &str) -> Result<config::PracMaxShare, String> {
         })
 }
 
-/// Exit status for an invalid config (SPEC section 9).
+/// Exit status for an invalid config (README.md, "Command line"; docs/config.md, Checking a file).
 const EXIT_INVALID: u8 = 2;
 
 fn main() -> ExitCode {

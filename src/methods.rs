@@ -1,4 +1,4 @@
-//! The non-hash load-balancing methods of SPEC §2, weighted, with deterministic tie-breaking. PURE.
+//! The non-hash load-balancing methods (docs/methods.md), weighted, with deterministic tie-breaking. PURE.
 //!
 //! [`pick`] chooses one service among those the caller marks eligible, reading the per-service
 //! [`ServiceCounters`] and the shared [`MethodState`]. It never reads the clock (`now` is passed
@@ -85,7 +85,7 @@ impl Default for MethodState {
     }
 }
 
-/// The method a hash method falls back to when it cannot choose (SPEC §2 rule 4):
+/// The method a hash method falls back to when it cannot choose (docs/methods.md, Fallbacks):
 /// `round_robin` for `url_hash` and `domain_hash`, `least_connection` for the other hash
 /// methods; a non-hash method is its own fallback.
 pub fn fallback(method: Method) -> Method {

@@ -4,6 +4,7 @@
 use socket2::{Domain, Protocol, Socket, Type};
 use std::io;
 use std::net::{SocketAddr, UdpSocket};
+use std::sync::Once;
 
 /// Receive / send buffer asked of the kernel for datagram sockets. SIP bursts (a REGISTER
 /// storm after an outage) overflow the default ~200 KiB quickly; the kernel caps the value
@@ -68,11 +69,30 @@ fn reuse_port_group(
 
 fn udp_socket(addr: SocketAddr, opts: ListenOptions) -> io::Result<Socket> {
     let socket = listener_socket(addr, Type::DGRAM, Protocol::UDP, true, opts)?;
-    // Best effort: an unprivileged process may be capped lower, which is not an error.
-    let _ = socket.set_recv_buffer_size(UDP_BUFFER_BYTES);
-    let _ = socket.set_send_buffer_size(UDP_BUFFER_BYTES);
+    // Best effort: the socket works with the default buffers, only bursts overflow sooner
+    // (the kernel caps a large value at net.core.rmem_max / wmem_max without an error).
+    if let Err(e) = socket.set_recv_buffer_size(UDP_BUFFER_BYTES) {
+        warn_buffer_once("SO_RCVBUF", &e);
+    }
+    if let Err(e) = socket.set_send_buffer_size(UDP_BUFFER_BYTES) {
+        warn_buffer_once("SO_SNDBUF", &e);
+    }
     socket.bind(&addr.into())?;
     Ok(socket)
+}
+
+/// Logs a failure to size a datagram socket's buffers once per process: every worker socket
+/// of every vserver would fail alike, and one line says what the operator needs to know.
+fn warn_buffer_once(option: &str, error: &io::Error) {
+    static WARNED: Once = Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            option,
+            bytes = UDP_BUFFER_BYTES,
+            %error,
+            "cannot set the UDP socket buffer size; keeping the system default (logged once)"
+        );
+    });
 }
 
 /// `count` UDP sockets bound to the same address with SO_REUSEPORT, so each worker owns

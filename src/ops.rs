@@ -9,6 +9,7 @@ use crate::health::{self, HealthBoard};
 use crate::proxy::{Runtime, VserverHandle};
 use crate::readiness::{self, Readiness, VserverFacts};
 use crate::reload;
+use crate::sync::lock;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -116,7 +117,7 @@ impl Ops {
 
     /// The running config.
     pub fn config(&self) -> Arc<Config> {
-        Arc::clone(&self.config.lock().unwrap_or_else(|e| e.into_inner()))
+        Arc::clone(&lock(&self.config))
     }
 
     /// The config the runtime runs: the file's, with the services still draining.
@@ -134,7 +135,7 @@ impl Ops {
     }
 
     fn drains(&self) -> MutexGuard<'_, (Drains, Arc<Config>)> {
-        self.drains.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.drains)
     }
 
     /// The admin token in force (changes with reload).
@@ -149,18 +150,12 @@ impl Ops {
     }
 
     fn runtime(&self) -> MutexGuard<'_, Option<Runtime>> {
-        self.rt.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.rt)
     }
 
     /// Requests per second of member `m` of vserver `v` over the last sampled second.
     pub fn request_rate(&self, v: usize, m: usize) -> f64 {
-        self.rates
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .rates
-            .get(&(v, m))
-            .copied()
-            .unwrap_or(0.0)
+        lock(&self.rates).rates.get(&(v, m)).copied().unwrap_or(0.0)
     }
 
     fn sample_rates(&self) {
@@ -179,7 +174,7 @@ impl Ops {
             })
             .unwrap_or_default();
         let now = Instant::now();
-        let mut s = self.rates.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&self.rates);
         if let Some(at) = s.at {
             let dt = now.duration_since(at).as_secs_f64().max(1e-3);
             let rates = totals
@@ -249,7 +244,7 @@ impl Ops {
 
     /// Apply a validated config (the second half of [`Ops::reload`]).
     pub fn apply(&self, new: Config) -> Result<Vec<String>, ReloadError> {
-        let _one_at_a_time = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _one_at_a_time = lock(&self.reload_lock);
         if self.is_draining() {
             return Err(ReloadError::ShutDown);
         }
@@ -269,7 +264,7 @@ impl Ops {
             Arc::clone(&g.1)
         };
         let new = Arc::new(new);
-        *self.config.lock().unwrap_or_else(|e| e.into_inner()) = Arc::clone(&new);
+        *lock(&self.config) = Arc::clone(&new);
         let new = running;
         for (vs, rate) in &plan.slow_start_rates {
             self.set_slow_start_rate(vs, *rate);
@@ -319,7 +314,7 @@ impl Ops {
             // A rebuild may raise max_sessions: warn again if the total no longer fits.
             crate::proxy::fd_limit::check_capacity(&new.vservers);
             // Request rates are indexed by member position, which a rebuild may change.
-            *self.rates.lock().unwrap_or_else(|e| e.into_inner()) = RateSample::default();
+            *lock(&self.rates) = RateSample::default();
         }
         if plan.monitors_changed || !plan.rebuild.is_empty() {
             self.health.start_monitors(&new, &self.tokio);
@@ -349,7 +344,7 @@ impl Ops {
     /// are rebuilt without them, and on a timeout their remaining tcp / http connections
     /// are closed. Called every second.
     pub fn end_drains(&self) {
-        let _one_at_a_time = self.reload_lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _one_at_a_time = lock(&self.reload_lock);
         if self.is_draining() {
             return;
         }
@@ -392,7 +387,7 @@ impl Ops {
         board.set_placements(health::placements(
             rt.vservers().iter().map(|v| v.balancer()),
         ));
-        *self.rates.lock().unwrap_or_else(|e| e.into_inner()) = RateSample::default();
+        *lock(&self.rates) = RateSample::default();
         drop(guard);
         if services_changed {
             self.health.start_monitors(&running, &self.tokio);
@@ -407,7 +402,7 @@ impl Ops {
         self.draining
             .store(true, std::sync::atomic::Ordering::Release);
         // A reload under way finishes before the monitors stop (none starts after this).
-        drop(self.reload_lock.lock().unwrap_or_else(|e| e.into_inner()));
+        drop(lock(&self.reload_lock));
         self.health.stop_monitors();
         let active = || {
             self.with_vservers(|vs, now| {

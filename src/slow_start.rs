@@ -1,4 +1,4 @@
-//! Slow start (SPEC §3): the per-vserver state machine that limits how many requests a "new"
+//! Slow start (docs/slow_start.md): the per-vserver state machine that limits how many requests a "new"
 //! service receives, driven by injected time. PURE.
 //!
 //! A service becomes new when it is added to the vserver or goes from DOWN to UP. While new it
@@ -27,10 +27,10 @@
 //! 2. `per_second`: the actual request rate — the service's full share of the requests the
 //!    vserver received over the interval, `vserver rate × weight / UP weight` — is below the next
 //!    rate → leaves ([`ExitReason::BelowRate`]). This is how the rate "never grows beyond the
-//!    full share": in the SPEC table (100 req/s, five services) the rate reaches 20 at 40 s, and
+//!    full share": in the reference table (docs/slow_start.md; 100 req/s, five services) the rate reaches 20 at 40 s, and
 //!    at 50 s the next rate 24 would exceed the share 20, so the service leaves at 50 s.
 //!    `percent`: the percentage of the finished interval was 100 or more, i.e. it already
-//!    received a full share → leaves ([`ExitReason::FullShare`]). In the SPEC example (step 25,
+//!    received a full share → leaves ([`ExitReason::FullShare`]). In the percent example (step 25,
 //!    interval 5 s) p is 100 over 15–20 s, the service takes its full share there without limit,
 //!    and slow start ends at 20 s — the same pattern as `per_second`, where the rate equals the
 //!    full share over 40–50 s and the service leaves at 50 s;
@@ -89,9 +89,9 @@ pub struct NewServiceStatus {
 /// Largest service index tracked: a bound on the memory a bogus index could make it allocate.
 pub const MAX_SERVICES: usize = 1 << 16;
 
-/// Number of increases after which a service leaves slow start (SPEC §3).
+/// Number of increases after which a service leaves slow start (docs/slow_start.md, Leaving slow start).
 pub const MAX_INCREASES: u32 = 200;
-/// Consecutive intervals without traffic after which a service leaves slow start (SPEC §3).
+/// Consecutive intervals without traffic after which a service leaves slow start (docs/slow_start.md, Leaving slow start).
 pub const IDLE_INTERVALS: u32 = 3;
 
 #[derive(Debug, Clone)]

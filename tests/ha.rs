@@ -1,4 +1,4 @@
-//! Two fulcrum instances behind an ECMP route act as one (SPEC §10.2, docs/deployment.md
+//! Two fulcrum instances behind an ECMP route act as one (docs/deployment.md
 //! "Active/active with ECMP"), in network namespaces the test builds:
 //!
 //! ```text
@@ -654,7 +654,7 @@ fn ha_kill_one_instance_under_load() {
 /// Cross view: s0 is disabled on A only. Calls are set up through A (the route names A
 /// alone), so A places none on s0; then the route moves to B before their ACKs, and B, where
 /// s0 is UP and which never saw these dialogs, must send ACK and BYE to the service that
-/// holds each dialog (`fc-svc` in fulcrum's Record-Route, SPEC §10.2): hashing the Call-ID
+/// holds each dialog (`fc-svc` in fulcrum's Record-Route, docs/sip.md): hashing the Call-ID
 /// again over B's view would pick s0 for about a third of them, which answers 481.
 #[test]
 fn ha_in_dialog_requests_follow_fc_svc_across_health_views() {

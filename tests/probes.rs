@@ -58,9 +58,12 @@ async fn udp_send_expect() {
         probe(&kind(b"other", b"pong"), addr, Protocol::Udp, T).await,
         Err(ProbeError::Mismatch)
     ));
+    // A dead port that stays reserved: the socket holds it (so nothing else can be given it)
+    // but, connected to another peer, receives nothing from the probe, which then fails as
+    // on a closed port.
     let dead = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    dead.connect("127.0.0.1:9").await.expect("connect");
     let dead_addr = dead.local_addr().expect("addr");
-    drop(dead);
     assert!(
         probe(&kind(b"ping", b"pong"), dead_addr, Protocol::Udp, T)
             .await

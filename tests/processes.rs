@@ -1,5 +1,6 @@
-//! Firewall pools across processes (issue 6): two `fulcrum run` processes started from one
-//! config choose the same service for the same flow, over UDP and TCP. Separate processes,
+//! Firewall pools across processes (docs/methods.md, Determinism): two `fulcrum run`
+//! processes started from one config choose the same service for the same flow, over UDP and
+//! TCP. Separate processes,
 //! not two runtimes in this one, so nothing process-wide (a seeded hasher, a static) can make
 //! them agree by accident. Synchronised on the processes' log lines, with deadlines.
 
@@ -118,9 +119,7 @@ fn two_processes_choose_the_same_service_per_tcp_connection() {
     let mut used = HashSet::new();
     for _ in 0..16 {
         // The same client address and port toward both (a mirrored connection).
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
-        let from = probe.local_addr().expect("addr");
-        drop(probe);
+        let (_reserved, from) = reserved_client_addr("127.0.0.1");
         let x = tcp_ask_from(a.addr, Some(from), b"m")
             .expect("answer via a")
             .service;

@@ -1,4 +1,5 @@
-//! `simulate_hash` through the public API: small sizes always, issue 3's 1M-key measurement
+//! `simulate_hash` through the public API: small sizes always, the 1M-key measurement of
+//! docs/hashing.md, Targets,
 //! runs on demand (`cargo test --release --test simulate_hash -- --ignored --nocapture`).
 
 mod common;
@@ -30,10 +31,10 @@ fn small_simulation_of_each_algorithm() {
     }
 }
 
-/// Issue 3's target runs: n = 1000, 1M keys. `FULCRUM_SIM=prac:1024` runs one configuration.
+/// The target runs (docs/hashing.md, Targets): n = 1000, 1M keys. `FULCRUM_SIM=prac:1024` runs one configuration.
 #[test]
 #[ignore = "measurement run: use --release"]
-fn measure_issue3_targets() {
+fn measure_hash_targets() {
     let runs: Vec<(HashAlgorithm, u32)> = match std::env::var("FULCRUM_SIM") {
         Ok(spec) => spec
             .split(',')
@@ -64,7 +65,7 @@ fn measure_issue3_targets() {
     }
 }
 
-/// Table build and health-change rebuild times at n = 1000 (issue 3: <= 50 ms).
+/// Table build and health-change rebuild times at n = 1000 (docs/hashing.md, Targets: <= 50 ms).
 #[test]
 #[ignore = "measurement run: use --release"]
 fn measure_rebuild_times() {

@@ -190,7 +190,7 @@ fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
     let local = client.local_addr().expect("local");
     let mut buf = Vec::new();
     // Requests that hash to the dead service are moved to the next-ranked one when its
-    // connect fails (issue 8), so every request is answered, none lost.
+    // connect fails (docs/sip.md, SIP over TCP), so every request is answered, none lost.
     for i in 0..20 {
         client
             .write_all(request("OPTIONS", &format!("c{i}@x"), local, &format!("b{i}")).as_bytes())

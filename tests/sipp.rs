@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::sipp::{Proc, Scratch, Transport, free_port, sipp_available, uac_counts, wait_bound};
+use common::sipp::{Proc, Scratch, Transport, sipp_available, spawn_listening, uac_counts};
 use fulcrum::balancer::Health;
 use fulcrum::config;
 use fulcrum::proxy::Runtime;
@@ -21,30 +21,29 @@ use std::time::Duration;
 /// Hard bound of one SIPp UAC run.
 const UAC_DEADLINE: Duration = Duration::from_secs(90);
 
-fn start_uas(dir: &Scratch, t: Transport, port: u16, log: &str) -> Proc {
-    let p = Proc::spawn(
-        &format!("sipp uas :{port}"),
-        Command::new("timeout")
-            .args([
-                "-s",
-                "KILL",
-                "300",
-                "sipp",
-                "-sn",
-                "uas",
-                "-t",
-                t.sipp_mode(),
-                "-i",
-                "127.0.0.1",
-                "-p",
-            ])
-            .arg(port.to_string())
-            .args(["-nostdin", "-trace_msg", "-message_file"])
-            .arg(dir.path(log))
-            .current_dir(&dir.0),
-    );
-    wait_bound(t, port);
-    p
+/// A SIPp UAS on a port of its own (see [`spawn_listening`]), logging what it receives.
+fn start_uas(dir: &Scratch, t: Transport, log: &str) -> (Proc, u16) {
+    spawn_listening("sipp uas", t, |port| {
+        let mut cmd = Command::new("timeout");
+        cmd.args([
+            "-s",
+            "KILL",
+            "300",
+            "sipp",
+            "-sn",
+            "uas",
+            "-t",
+            t.sipp_mode(),
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .args(["-nostdin", "-trace_msg", "-message_file"])
+        .arg(dir.path(log))
+        .current_dir(&dir.0);
+        cmd
+    })
 }
 
 /// Run a SIPp UAC to completion: `calls` calls at `rate` per second with Call-IDs
@@ -65,8 +64,9 @@ fn run_uac(
             .arg(UAC_DEADLINE.as_secs().to_string())
             .args(["sipp", "-sn", "uac", "-t", t.sipp_mode()])
             .arg(proxy.to_string())
-            .args(["-i", "127.0.0.1", "-p"])
-            .arg(free_port(t).to_string())
+            // No `-p`: SIPp binds its own port (the first free one from 5060 up, trying the
+            // next when a bind fails), so no port is released here for it to take.
+            .args(["-i", "127.0.0.1"])
             .args(["-r", &rate.to_string(), "-m", &calls.to_string()])
             .args(["-nostdin", "-cid_str", "fo-%u@sipp", "-timeout", "60s"])
             .args(["-recv_timeout", "10000", "-trace_stat", "-stf"])
@@ -116,13 +116,15 @@ fn received_requests(log: &Path) -> BTreeMap<String, Vec<String>> {
     calls
 }
 
-/// fulcrum in front of `ports` with `call_id_hash`.
+/// fulcrum in front of `ports` with `call_id_hash`. Each service hashes by a fixed `hash_id`
+/// (`uas<i>`), not by its port, so a Call-ID ranks the services the same whichever ports the
+/// UAS hold, in every instance (docs/methods.md, Determinism).
 fn start_fulcrum(t: Transport, ports: &[u16]) -> (Runtime, SocketAddr) {
     let proto = t.protocol();
     let mut y = String::from("admin: { listen: null }\nservices:\n");
     for (i, p) in ports.iter().enumerate() {
         y.push_str(&format!(
-            "  - {{ name: uas{i}, address: 127.0.0.1:{p}, protocol: {proto} }}\n"
+            "  - {{ name: uas{i}, address: 127.0.0.1:{p}, protocol: {proto}, hash_id: uas{i} }}\n"
         ));
     }
     let names: Vec<String> = (0..ports.len()).map(|i| format!("uas{i}")).collect();
@@ -167,7 +169,7 @@ fn sipp_300_calls_through_fulcrum_keep_call_id_affinity_and_spread() {
     spread(Transport::Udp);
 }
 
-/// SIP over TCP (issue 8): the same 300 calls through a sip-tcp vserver, SIPp `-t t1`.
+/// SIP over TCP (docs/sip.md): the same 300 calls through a sip-tcp vserver, SIPp `-t t1`.
 #[test]
 fn sipp_300_calls_over_tcp_keep_call_id_affinity_and_spread() {
     spread(Transport::Tcp);
@@ -178,12 +180,9 @@ fn spread(t: Transport) {
         return;
     }
     let dir = Scratch::new(&format!("spread-{t:?}"));
-    let ports: Vec<u16> = (0..3).map(|_| free_port(t)).collect();
-    let mut uas: Vec<Proc> = ports
-        .iter()
-        .enumerate()
-        .map(|(i, &p)| start_uas(&dir, t, p, &format!("uas{i}.msg")))
-        .collect();
+    let (mut uas, ports): (Vec<Proc>, Vec<u16>) = (0..3)
+        .map(|i| start_uas(&dir, t, &format!("uas{i}.msg")))
+        .unzip();
     let (rt, proxy) = start_fulcrum(t, &ports);
     let calls = 300;
     let (ok, failed) = run_uac(&dir, t, proxy, calls, 150, "spread");
@@ -218,16 +217,13 @@ fn sipp_failover_new_calls_complete_and_others_do_not_move() {
         return;
     }
     let dir = Scratch::new("failover");
-    let ports: Vec<u16> = (0..3).map(|_| free_port(Transport::Udp)).collect();
     let calls = 150;
-    let (rt, proxy) = start_fulcrum(Transport::Udp, &ports);
 
     // Phase 1: all three UAS up.
-    let mut uas: Vec<Proc> = ports
-        .iter()
-        .enumerate()
-        .map(|(i, &p)| start_uas(&dir, Transport::Udp, p, &format!("p1-uas{i}.msg")))
-        .collect();
+    let (mut uas, ports): (Vec<Proc>, Vec<u16>) = (0..3)
+        .map(|i| start_uas(&dir, Transport::Udp, &format!("p1-uas{i}.msg")))
+        .unzip();
+    let (rt, proxy) = start_fulcrum(Transport::Udp, &ports);
     assert_eq!(
         run_uac(&dir, Transport::Udp, proxy, calls, 150, "p1"),
         (u64::from(calls), 0)
@@ -246,15 +242,19 @@ fn sipp_failover_new_calls_complete_and_others_do_not_move() {
         "UAS 0 had no calls: test proves nothing"
     );
 
-    // Phase 2: UAS 0 stays stopped and its service is DOWN; the same Call-IDs again.
+    // Phase 2: UAS 0 stays stopped and its service is DOWN; the same Call-IDs again. UAS 1
+    // and 2 start afresh on ports of their own (taking back the ports phase 1 released could
+    // race with any other process), behind a second fulcrum: with the same `hash_id`s it
+    // ranks every Call-ID as the first one did.
     drop(uas);
+    rt.shutdown();
+    let (_uas, mut ports): (Vec<Proc>, Vec<u16>) = (1..3)
+        .map(|i| start_uas(&dir, Transport::Udp, &format!("p2-uas{i}.msg")))
+        .unzip();
+    // UAS 0's address is never used: its service is DOWN.
+    ports.insert(0, ports[0]);
+    let (rt, proxy) = start_fulcrum(Transport::Udp, &ports);
     assert_eq!(rt.set_health("uas0", Health::Down), 1);
-    let _uas: Vec<Proc> = ports
-        .iter()
-        .enumerate()
-        .skip(1)
-        .map(|(i, &p)| start_uas(&dir, Transport::Udp, p, &format!("p2-uas{i}.msg")))
-        .collect();
     assert_eq!(
         run_uac(&dir, Transport::Udp, proxy, calls, 150, "p2"),
         (u64::from(calls), 0)
@@ -286,19 +286,17 @@ fn the_readme_uas_scenario_answers_options_and_calls() {
         return;
     }
     let dir = Scratch::new("readme-uas");
-    let port = free_port(Transport::Udp);
     let scenario = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/sipp-uas.xml");
-    let _uas = Proc::spawn(
-        "sipp readme uas",
-        Command::new("timeout")
-            .args(["-s", "KILL", "120", "sipp", "-sf"])
+    let (_uas, port) = spawn_listening("sipp readme uas", Transport::Udp, |port| {
+        let mut cmd = Command::new("timeout");
+        cmd.args(["-s", "KILL", "120", "sipp", "-sf"])
             .arg(&scenario)
             .args(["-i", "127.0.0.1", "-p"])
             .arg(port.to_string())
             .arg("-nostdin")
-            .current_dir(&dir.0),
-    );
-    wait_bound(Transport::Udp, port);
+            .current_dir(&dir.0);
+        cmd
+    });
     let target = SocketAddr::from(([127, 0, 0, 1], port));
     let rt = tokio::runtime::Runtime::new().expect("tokio");
     for _ in 0..3 {
@@ -317,4 +315,44 @@ fn the_readme_uas_scenario_answers_options_and_calls() {
     let (_fulcrum, proxy) = start_fulcrum(Transport::Udp, &[port]);
     let (ok, failed) = run_uac(&dir, Transport::Udp, proxy, 20, 20, "readme");
     assert_eq!((ok, failed), (20, 0));
+}
+
+/// A port another process took before SIPp could bind it: SIPp exits, and `spawn_listening`
+/// starts it again on another port instead of mistaking the other holder for SIPp.
+#[test]
+fn sipp_on_a_taken_port_is_started_again_on_another() {
+    if !sipp_available() {
+        return;
+    }
+    let dir = Scratch::new("taken-port");
+    let taken = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let taken_port = taken.local_addr().expect("addr").port();
+    let starts = std::cell::Cell::new(0u32);
+    let (_uas, port) = spawn_listening("sipp uas", Transport::Udp, |candidate| {
+        starts.set(starts.get() + 1);
+        // The first start is given the taken port, as if it had been taken in the meantime.
+        let port = if starts.get() == 1 {
+            taken_port
+        } else {
+            candidate
+        };
+        let mut cmd = Command::new("timeout");
+        cmd.args([
+            "-s",
+            "KILL",
+            "60",
+            "sipp",
+            "-sn",
+            "uas",
+            "-i",
+            "127.0.0.1",
+            "-p",
+        ])
+        .arg(port.to_string())
+        .arg("-nostdin")
+        .current_dir(&dir.0);
+        cmd
+    });
+    assert_eq!(starts.get(), 2, "SIPp started again once");
+    assert_ne!(port, taken_port);
 }

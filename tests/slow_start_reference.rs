@@ -1,4 +1,4 @@
-//! The SPEC §3 reference figures, reproduced by running the fixture scenarios through the real
+//! The reference figures of docs/slow_start.md, reproduced by running the fixture scenarios through the real
 //! methods and slow-start code (`fulcrum simulate slow-start`).
 
 use fulcrum::simulate::slow_start::{
@@ -23,7 +23,7 @@ fn assert_rows(r: &SimResult, services: &[&str], expected: &[(f64, &[f64])], tol
                 .unwrap_or_else(|| panic!("no rate for {name} at t={t}\n{}", render_table(r)));
             assert!(
                 (got - want).abs() <= tolerance,
-                "{name} at t={t}: got {got}, SPEC says {want}\n{}",
+                "{name} at t={t}: got {got}, docs/slow_start.md says {want}\n{}",
                 render_table(r)
             );
         }
@@ -34,7 +34,7 @@ fn assert_rows(r: &SimResult, services: &[&str], expected: &[(f64, &[f64])], tol
 fn manual_mode_table() {
     let r = run("fixtures/slowstart/manual.yaml");
     let services = ["Service1", "Service2", "Service3", "Service4"];
-    // SPEC §3: rate 10 (Service3 added), 20, 40 (Service4 added), 0 (slow start ended).
+    // docs/slow_start.md, Reference figures: rate 10 (Service3 added), 20, 40 (Service4 added), 0 (slow start ended).
     let expected: &[(f64, &[f64])] = &[
         (10.0, &[115.0, 115.0, 10.0, 0.0]),
         (20.0, &[110.0, 110.0, 20.0, 0.0]),
@@ -79,7 +79,7 @@ fn automatic_per_second_table() {
 
 /// The percent example at 100 req/s. Over a 5 s row one request is 0.2 req/s, and the exact
 /// shares (29.41 requests for the new service in the first 5 s) are not whole numbers, so at
-/// this offered rate the rows can only be within one request of the SPEC's ≈ figures; the
+/// this offered rate the rows can only be within one request of the documented ≈ figures; the
 /// scaled run below shows the accounting itself is exact.
 #[test]
 fn automatic_percent_example() {
@@ -166,7 +166,7 @@ fn committed_plot_is_current() {
 
 /// Slow start is the same for every non-hash method: with connections held for a second (so the
 /// new service, with none open, is what least_connection and friends would flood), every method
-/// still reproduces both SPEC tables.
+/// still reproduces both reference tables.
 #[test]
 fn every_method_reproduces_the_tables() {
     let auto = std::fs::read_to_string(format!(

@@ -355,12 +355,7 @@ fn ipv6_and_dest_ip_hash_on_the_accepted_address() {
 #[test]
 fn proxy_v2_header_precedes_the_stream() {
     let (rt, vs) = start_loopback("tcp", 1, "round_robin", "send_proxy: v2");
-    let from: SocketAddr = "127.0.0.7:0".parse().expect("addr");
-    let sock =
-        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
-    sock.bind(&from.into()).expect("bind");
-    let me = sock.local_addr().expect("addr").as_socket().expect("ip");
-    drop(sock);
+    let (_reserved, me) = reserved_client_addr("127.0.0.7");
     let a = tcp_ask_from(vs, Some(me), b"GET / HTTP/1.0\r\n\r\n").expect("answer");
     assert_eq!(a.proxy_src, me.to_string());
     assert_eq!(a.body, b"GET / HTTP/1.0\r\n\r\n");
@@ -489,9 +484,7 @@ fn two_instances_choose_the_same_service_per_connection() {
     let mut used = HashSet::new();
     for _ in 0..16 {
         // The same client address and port toward both instances (a mirrored connection).
-        let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
-        let from = probe.local_addr().expect("addr");
-        drop(probe);
+        let (_reserved, from) = reserved_client_addr("127.0.0.1");
         let a = tcp_ask_from(v1, Some(from), b"m").expect("answer").service;
         let b = tcp_ask_from(v2, Some(from), b"m").expect("answer").service;
         assert_eq!(a, b, "{from}");

@@ -422,7 +422,7 @@ fn proxy_v2_header_carries_the_client_address() {
     }
 }
 
-/// SPEC §2 rule 7 / issue 6: two instances with one config pick the same service per flow.
+/// Determinism (docs/methods.md): two instances with one config pick the same service per flow.
 #[test]
 fn two_instances_agree_per_flow() {
     let [(_rt1, v1), (_rt2, v2)] = start_pair("udp", 4, "source_ip_source_port_hash");

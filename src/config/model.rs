@@ -1,4 +1,4 @@
-//! The validated configuration model (SPEC sections 1-8). PURE.
+//! The validated configuration model (docs/config.md; fields in README.md, "Configuration reference"). PURE.
 //!
 //! These types are what the rest of fulcrum consumes; they are produced only by
 //! [`crate::config::parse`], which checks every field, so a value of these types is
@@ -70,7 +70,7 @@ impl PracMaxShare {
     }
 }
 
-/// Consistent-hash algorithm (SPEC section 2).
+/// Consistent-hash algorithm (docs/hashing.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HashAlgorithm {
     Carp,
@@ -126,7 +126,7 @@ pub enum LogFormat {
     Json,
 }
 
-/// A health monitor (SPEC section 5).
+/// A health monitor (README.md, "Health monitors").
 #[derive(Debug, Clone, PartialEq)]
 pub struct Monitor {
     pub name: String,
@@ -195,7 +195,7 @@ impl Protocol {
     }
 }
 
-/// One backend endpoint (SPEC section 1).
+/// One backend endpoint (docs/config.md, Model).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Service {
     pub name: String,
@@ -211,7 +211,7 @@ pub struct Service {
     pub hash_id: Option<String>,
 }
 
-/// Load-balancing method (SPEC section 2).
+/// Load-balancing method (docs/methods.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Method {
     RoundRobin,
@@ -317,7 +317,7 @@ pub enum RateUnit {
     Percent,
 }
 
-/// Slow start parameters of a vserver (SPEC section 3).
+/// Slow start parameters of a vserver (docs/slow_start.md).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SlowStart {
     /// 0 = no slow start.
@@ -327,7 +327,7 @@ pub struct SlowStart {
     pub increment_interval: Duration,
 }
 
-/// One listener (SPEC section 1).
+/// One listener (docs/config.md, Model).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Vserver {
     pub name: String,

@@ -140,7 +140,7 @@ fn is_contiguous_mask(mask: Ipv4Addr) -> bool {
 
 fn default_idle_timeout(protocol: Protocol) -> Duration {
     match protocol {
-        // Dialog affinity lives as long as a long call (issue 5 default: 1 h).
+        // Dialog affinity lives as long as a long call (docs/config.md, Defaults worth a reason).
         Protocol::SipUdp | Protocol::SipTcp => Duration::from_secs(3600),
         // nginx stream / Envoy UDP proxy default idle timeouts are about a minute.
         Protocol::Udp => Duration::from_secs(60),
@@ -1139,7 +1139,7 @@ impl Cx {
                 n.pos,
                 &join(path, "slow_start"),
                 format!(
-                    "slow start applies to non-hash methods only, not {} (SPEC section 3)",
+                    "slow start applies to non-hash methods only, not {} (docs/slow_start.md)",
                     m.name()
                 ),
             );

@@ -24,6 +24,7 @@ pub mod state;
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Monitor, Protocol};
 use crate::stats::Nanos;
+use crate::sync::lock;
 use state::{HealthState, Phase, Thresholds, Transition};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -78,7 +79,7 @@ impl ServiceHealth {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Monitor, HealthState)>> {
-        self.monitor.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.monitor)
     }
 
     /// The state the balancers should hold: disabled wins, then the monitor.
@@ -130,7 +131,7 @@ impl HealthBoard {
     /// removed ones are dropped, a service whose monitor definition is unchanged keeps its
     /// state; a changed or new monitor starts UP, unconfirmed.
     pub fn sync_services(&self, config: &Config) {
-        let mut map = self.services.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = lock(&self.services);
         let mut next = HashMap::new();
         for s in &config.services {
             let mon = s.monitor.and_then(|i| config.monitors.get(i)).cloned();
@@ -160,30 +161,20 @@ impl HealthBoard {
 
     /// Replace where services sit (after a reload changed memberships).
     pub fn set_placements(&self, placements: Placements) {
-        *self.placements.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(placements);
+        *lock(&self.placements) = Arc::new(placements);
     }
 
     fn placements(&self) -> Arc<Placements> {
-        Arc::clone(&self.placements.lock().unwrap_or_else(|e| e.into_inner()))
+        Arc::clone(&lock(&self.placements))
     }
 
     pub fn service(&self, name: &str) -> Option<Arc<ServiceHealth>> {
-        self.services
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(name)
-            .cloned()
+        lock(&self.services).get(name).cloned()
     }
 
     /// Every service record, sorted by name.
     pub fn services(&self) -> Vec<Arc<ServiceHealth>> {
-        let mut v: Vec<_> = self
-            .services
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
-            .collect();
+        let mut v: Vec<_> = lock(&self.services).values().cloned().collect();
         v.sort_by(|a, b| a.name.cmp(&b.name));
         v
     }
@@ -235,17 +226,12 @@ impl HealthBoard {
             };
             tasks.push(tokio.spawn(async move { board.run_monitor(target, m).await }));
         }
-        *self.tasks.lock().unwrap_or_else(|e| e.into_inner()) = tasks;
+        *lock(&self.tasks) = tasks;
     }
 
     /// Stop every probe task.
     pub fn stop_monitors(&self) {
-        for t in self
-            .tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
+        for t in lock(&self.tasks).drain(..) {
             t.abort();
         }
     }

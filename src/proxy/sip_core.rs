@@ -600,7 +600,7 @@ impl SipCore {
     /// else can only answer a request a service sent through fulcrum (an in-dialog BYE
     /// toward a client, say), so it may go only to a service's host: fulcrum's Via is easy
     /// to forge, and honouring a forged one would relay arbitrary datagrams to any address
-    /// or inject them into another client's connection (SPEC section 4: never an open relay).
+    /// or inject them into another client's connection (docs/sip.md, Never an open relay).
     fn response(&self, msg: &SipMsg<'_>, from_member: bool, out: &mut Vec<u8>) -> Action {
         match forward_response(msg, &self.local, out) {
             Ok(route) if !from_member && !self.is_member_host(&route) => {

@@ -567,7 +567,7 @@ async fn connect_any<'a>(
             c.close();
         }
         bump(&core.counters.connect_failures);
-        // Passive detection (SPEC §5): the service's monitor counts this as a failure.
+        // Passive detection (README.md, "Health monitors"): the service's monitor counts this as a failure.
         core.balancer.report_failure(choice.member);
         failed.push(choice.member);
         if failed.len() >= core.member_addrs.len() {
@@ -579,8 +579,8 @@ async fn connect_any<'a>(
 /// Connect to `service` without the `getsockopt(SO_ERROR)` that tokio's connect makes after
 /// every connect: the socket is non-blocking from birth, and once epoll reports it the outcome
 /// is in the readiness itself (a failed connect is reported with EPOLLERR / EPOLLHUP). Only a
-/// failure reads the socket error, for the log. One system call less per connection (issue 6:
-/// 20.0 against HAProxy's 17.9 per `Connection: close` request).
+/// failure reads the socket error, for the log. One system call less per connection (BENCHMARKS.md,
+/// TCP: 20.0 against HAProxy's 17.9 per `Connection: close` request).
 async fn connect(
     service: SocketAddr,
     client: SocketAddr,

@@ -1,11 +1,11 @@
-//! Consistent-hash selection: `carp`, `prac`, `jarh` (SPEC section 2). PURE.
+//! Consistent-hash selection: `carp`, `prac`, `jarh` (docs/hashing.md). PURE.
 //!
 //! Every algorithm reduces to a ranking of the configured services for a key; health and
 //! eligibility (max_clients, bounded loads) filter that ranking from the outside. A
 //! [`HashSelector`] is immutable once built from (algorithm, fingers, members, UP set): a health
 //! or config change builds a new one aside and the caller swaps it in (ArcSwap), so lookups never
 //! wait for a rebuild. The result is a pure function of those inputs, so every instance with the
-//! same config and UP set chooses the same service (SPEC section 2 rule 7).
+//! same config and UP set chooses the same service (docs/methods.md, Determinism).
 //!
 //! Constructions are documented in each submodule and in `docs/hashing.md`.
 
@@ -120,7 +120,7 @@ impl HashSelector {
     }
 
     /// First service for this key that is UP and for which `eligible(i)` holds, following the
-    /// algorithm's ranking (SPEC section 2 rules 1-5). Returns the service index and its position
+    /// algorithm's ranking (docs/methods.md, Selection). Returns the service index and its position
     /// in [`HashSelector::ranking`] (0 = first choice), so metrics can tell "hash" from
     /// "next-ranked". `None` when no UP eligible service exists.
     ///

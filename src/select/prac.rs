@@ -28,7 +28,7 @@
 //!    service going DOWN moves only its own keys, and its return restores the all-UP table
 //!    exactly.
 //!
-//! Caveat (issue 3): because of the caps, a slot's owner is not always the first UP service in
+//! Caveat (docs/hashing.md, "Caveat: capped shares"): because of the caps, a slot's owner is not always the first UP service in
 //! its ranking: a next-ranked service already at its capped share is passed over. And adding a
 //! service to the config moves some slots between existing services (a service that loses a
 //! slot to the newcomer and had to leave slots it bid best in to others takes one back, which

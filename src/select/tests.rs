@@ -35,7 +35,7 @@ fn owners(sel: &HashSelector, keys: &[u64]) -> Vec<Option<usize>> {
         .collect()
 }
 
-/// SPEC section 2 rule 2, the S1/S2/S3 worked example, with each algorithm's own ranking.
+/// The failover order's S1/S2/S3 example (docs/methods.md, Selection), with each algorithm's own ranking.
 /// Returns whether the example held exactly for this key.
 fn worked_example_holds(alg: HashAlgorithm, key: u64) -> bool {
     let m = members(3);
@@ -194,8 +194,8 @@ fn prac_add_moves_few_foreign_keys() {
 
 #[test]
 fn prac_table_is_balanced_to_the_cap() {
-    // A cap is below share + 5/4 slots, at every service count (the share target of issue 3
-    // must not hold at one count only).
+    // A cap is below share + 5/4 slots, at every service count (the share target of
+    // docs/hashing.md, Targets, must not hold at one count only).
     for n in 30usize..70 {
         let sel = HashSelector::build(HashAlgorithm::Prac, 64, &members(n), &vec![true; n]);
         let shares = sel.exact_shares().unwrap();

@@ -25,7 +25,7 @@
 //!
 //! # Timeline
 //! The simulation starts one report window before t=0, with the initial services only, so the
-//! first row (t=0) shows the steady state before any event, as in the SPEC tables. Events at
+//! first row (t=0) shows the steady state before any event, as in the reference tables of docs/slow_start.md. Events at
 //! time `at` apply before the requests at that instant. Rows are emitted at t = 0,
 //! `report_every`, 2×`report_every`, ... up to `duration`; each gives the mean rate over the
 //! window ending at t. A row's `rates` map holds every service of the scenario (0 while it is

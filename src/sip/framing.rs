@@ -1,4 +1,4 @@
-//! Where one SIP message ends on a byte stream (SIP over TCP, issue 8). PURE.
+//! Where one SIP message ends on a byte stream (SIP over TCP, RFC 3261 §18.3; docs/sip.md). PURE.
 //!
 //! [`next_frame`] looks at the front of a connection's read buffer and says how many bytes
 //! form the next unit: a message (framed by Content-Length, mandatory on streams, RFC 3261

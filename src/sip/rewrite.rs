@@ -21,7 +21,7 @@ use super::scan::{
 /// a response be recognised as ours without transaction state.
 pub const BRANCH_PREFIX: &[u8] = b"z9hG4bK-fc-";
 
-/// Via parameter carrying the client connection id on stream transports (issue 8), so a
+/// Via parameter carrying the client connection id on stream transports (docs/sip.md, SIP over TCP), so a
 /// response finds its connection without a per-transaction table.
 pub const CONN_PARAM: &[u8] = b"fc-conn";
 

@@ -112,6 +112,31 @@ pub fn closed_port(ip: &str) -> SocketAddr {
     local
 }
 
+/// A client address on `ip` reserved while the returned socket lives: a TCP socket bound to
+/// `ip:0` with SO_REUSEADDR that never listens. [`tcp_ask_from`] binds its connection beside it
+/// (SO_REUSEADDR on both and neither listening, which Linux allows for an explicit port).
+/// Meanwhile no other socket is given the port: a port-0 bind and a connect's automatic bind
+/// both skip a port some socket is bound to, whereas a port bound and released at once is
+/// free for either to take before the test uses it.
+pub fn reserved_client_addr(ip: &str) -> (socket2::Socket, SocketAddr) {
+    let ip: std::net::IpAddr = ip.parse().expect("ip");
+    let addr = SocketAddr::new(ip, 0);
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )
+    .expect("socket");
+    s.set_reuse_address(true).expect("SO_REUSEADDR");
+    s.bind(&addr.into()).expect("bind");
+    let local = s
+        .local_addr()
+        .ok()
+        .and_then(|a| a.as_socket())
+        .expect("addr");
+    (s, local)
+}
+
 /// A config with one vserver `v` over `services` (name, address).
 pub fn config(
     protocol: &str,

@@ -10,6 +10,9 @@ use std::time::{Duration, Instant};
 /// Bound of the wait for a SIPp UAS to bind its port.
 pub const UP_DEADLINE: Duration = Duration::from_secs(10);
 
+/// Candidate ports tried before a listening SIPp is given up on.
+const BIND_ATTEMPTS: usize = 8;
+
 /// SIP transport of a run: SIPp's `-t` mode and fulcrum's protocol.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
@@ -72,6 +75,16 @@ impl Proc {
         }
     }
 
+    /// Process id of the child (`timeout`, whose child is SIPp).
+    pub fn id(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// True once the child has exited.
+    pub fn has_exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
     /// Wait for exit up to `limit`; kill on timeout. Returns the exit code (None if killed).
     pub fn wait_for(&mut self, limit: Duration) -> Option<i32> {
         let deadline = Instant::now() + limit;
@@ -109,28 +122,102 @@ impl Drop for Proc {
     }
 }
 
-/// A port free right now on 127.0.0.1 for `t` (bound and released). Ports come from the
-/// kernel's ephemeral range, so parallel tests do not collide by construction.
-pub fn free_port(t: Transport) -> u16 {
+/// A port free on 127.0.0.1 for `t` a moment ago (bound to port 0, then released): only a
+/// candidate, since another process may take it before SIPp does; [`spawn_listening`] copes
+/// with that.
+fn candidate_port(t: Transport) -> u16 {
     match t {
         Transport::Udp => UdpSocket::bind("127.0.0.1:0").and_then(|s| s.local_addr()),
         Transport::Tcp => TcpListener::bind("127.0.0.1:0").and_then(|s| s.local_addr()),
     }
-    .expect("free port")
+    .expect("candidate port")
     .port()
 }
 
-/// Poll until the SIPp process holds `port` (bound it, or listens on it), bounded.
-pub fn wait_bound(t: Transport, port: u16) {
-    let deadline = Instant::now() + UP_DEADLINE;
-    let free = || match t {
-        Transport::Udp => UdpSocket::bind(("127.0.0.1", port)).is_ok(),
-        Transport::Tcp => std::net::TcpStream::connect(("127.0.0.1", port)).is_err(),
-    };
-    while free() {
-        assert!(Instant::now() < deadline, "SIPp did not bind port {port}");
-        std::thread::sleep(Duration::from_millis(20));
+/// Start a SIPp that listens on a port of its own (`command(port)` builds its command line
+/// with `-p port`) and return it with that port, once SIPp holds it.
+///
+/// Why this cannot race: the port is a [`candidate_port`], which another process may take
+/// before SIPp binds it. SIPp then fails its own bind ("Unable to bind main socket, errno =
+/// 98") and exits; that exit is seen here and SIPp is started again on a new candidate. The
+/// port is handed out only once SIPp itself holds it: the socket bound to it (UDP, or TCP in
+/// LISTEN) is among the open files of SIPp's process, read from /proc. A port that is merely
+/// busy (which is all a bind or connect attempt can tell) proves nothing, since its holder
+/// may be the process that took it first.
+pub fn spawn_listening(name: &str, t: Transport, command: impl Fn(u16) -> Command) -> (Proc, u16) {
+    for _ in 0..BIND_ATTEMPTS {
+        let port = candidate_port(t);
+        let mut proc = Proc::spawn(&format!("{name} :{port}"), &mut command(port));
+        let deadline = Instant::now() + UP_DEADLINE;
+        loop {
+            if holds_port(proc.id(), t, port) {
+                return (proc, port);
+            }
+            if proc.has_exited() {
+                eprintln!("{name}: SIPp exited before holding port {port}; another port");
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name}: SIPp did not bind port {port}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
+    panic!("{name}: SIPp could not bind any of {BIND_ATTEMPTS} ports");
+}
+
+/// True when a process in the tree under `root` holds the socket bound to `port` on `t` (a
+/// UDP socket, or a listening TCP one).
+fn holds_port(root: u32, t: Transport, port: u16) -> bool {
+    let table = match t {
+        Transport::Udp => "/proc/net/udp",
+        Transport::Tcp => "/proc/net/tcp",
+    };
+    let text = std::fs::read_to_string(table).unwrap_or_default();
+    // Columns: sl local_address rem_address st ... inode (10th).
+    let sockets: Vec<String> = text
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let local_port = u16::from_str_radix(cols.get(1)?.rsplit(':').next()?, 16).ok()?;
+            let bound = t == Transport::Udp || cols.get(3) == Some(&"0A");
+            let inode = cols.get(9)?;
+            (local_port == port && bound).then(|| format!("socket:[{inode}]"))
+        })
+        .collect();
+    if sockets.is_empty() {
+        return false;
+    }
+    process_tree(root).into_iter().any(|pid| {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|fds| {
+                fds.flatten().any(|fd| {
+                    std::fs::read_link(fd.path()).is_ok_and(|target| {
+                        sockets.iter().any(|s| target.as_os_str() == s.as_str())
+                    })
+                })
+            })
+            .unwrap_or(false)
+    })
+}
+
+/// `root` and its descendants (`timeout` runs SIPp as its child).
+fn process_tree(root: u32) -> Vec<u32> {
+    let mut tree = vec![root];
+    let mut next = 0;
+    while let Some(&pid) = tree.get(next) {
+        next += 1;
+        let children =
+            std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        tree.extend(
+            children
+                .split_whitespace()
+                .filter_map(|c| c.parse::<u32>().ok()),
+        );
+    }
+    tree
 }
 
 pub struct Scratch(pub PathBuf);
@@ -233,8 +320,9 @@ impl Uac {
                     t.sipp_mode(),
                 ])
                 .arg(proxy.to_string())
-                .args(["-i", "127.0.0.1", "-p"])
-                .arg(free_port(t).to_string())
+                // No `-p`: SIPp binds its own port (the first free one from 5060 up, trying
+                // the next when a bind fails), so no port is released here for it to take.
+                .args(["-i", "127.0.0.1"])
                 .args(["-r", &load.rate_per_s.to_string()])
                 .args(["-m", &load.calls.to_string()])
                 .args(["-d", &load.hold_ms.to_string()])
