@@ -112,9 +112,23 @@ fn main() {
         for st in ["180 Ringing", "200 OK"] {
             black_box(core.handle_datagram(&response(&fwd, st), svc, dst, now, &mut out));
         }
-        let ack = request("ACK", n, &format!("z9hG4bK-a{n}"), ";tag=uas1", "1 ACK", false);
+        let ack = request(
+            "ACK",
+            n,
+            &format!("z9hG4bK-a{n}"),
+            ";tag=uas1",
+            "1 ACK",
+            false,
+        );
         black_box(core.handle_datagram(&ack, client, dst, now, &mut out));
-        let bye = request("BYE", n, &format!("z9hG4bK-b{n}"), ";tag=uas1", "2 BYE", false);
+        let bye = request(
+            "BYE",
+            n,
+            &format!("z9hG4bK-b{n}"),
+            ";tag=uas1",
+            "2 BYE",
+            false,
+        );
         black_box(core.handle_datagram(&bye, client, dst, now, &mut out));
         let fwd = out.clone();
         black_box(core.handle_datagram(&response(&fwd, "200 OK"), svc, dst, now, &mut out));

@@ -150,7 +150,7 @@ impl FloodTable {
         let p = &self.params;
         let (ip, v6) = key(ip);
         let (shard, at) = self.place(ip, v6);
-        let mut slots = self.shards[shard].lock().unwrap_or_else(|e| e.into_inner());
+        let mut slots = crate::sync::lock(&self.shards[shard]);
         let bucket = &mut slots[at..at + WAYS];
         let found = bucket.iter().position(|s| s.holds(ip, v6));
         let i = match found {
@@ -195,7 +195,7 @@ impl FloodTable {
     pub fn is_banned(&self, ip: IpAddr, now: Nanos) -> bool {
         let (ip, v6) = key(ip);
         let (shard, at) = self.place(ip, v6);
-        let slots = self.shards[shard].lock().unwrap_or_else(|e| e.into_inner());
+        let slots = crate::sync::lock(&self.shards[shard]);
         slots[at..at + WAYS]
             .iter()
             .any(|s| s.holds(ip, v6) && s.is_banned(now))
@@ -205,7 +205,7 @@ impl FloodTable {
     pub fn bans(&self, now: Nanos) -> Vec<Ban> {
         let mut out = Vec::new();
         for shard in &self.shards {
-            let slots = shard.lock().unwrap_or_else(|e| e.into_inner());
+            let slots = crate::sync::lock(shard);
             out.extend(
                 slots
                     .iter()
@@ -224,7 +224,7 @@ impl FloodTable {
     pub fn unban(&self, ip: IpAddr, now: Nanos) -> bool {
         let (ip, v6) = key(ip);
         let (shard, at) = self.place(ip, v6);
-        let mut slots = self.shards[shard].lock().unwrap_or_else(|e| e.into_inner());
+        let mut slots = crate::sync::lock(&self.shards[shard]);
         match slots[at..at + WAYS]
             .iter_mut()
             .find(|s| s.holds(ip, v6) && s.is_banned(now))
