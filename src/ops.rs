@@ -255,9 +255,16 @@ impl Ops {
         }
         // Members the new file drops start draining where flows are pinned to them.
         let running = {
+            // Read under the runtime's lock, then released: the drains' lock is never held
+            // while the runtime's is taken (the status page takes them the other way round).
+            let (counts, now) = self.flow_counts();
+            let flows = |v: &str, s: &str| {
+                counts
+                    .get(&(v.to_owned(), s.to_owned()))
+                    .copied()
+                    .unwrap_or(0)
+            };
             let mut g = self.drains();
-            let now = self.with_vservers(|_, now| now).unwrap_or(0);
-            let flows = |v: &str, s: &str| self.flows_of(v, s);
             let before = Arc::clone(&g.1);
             g.0.reloaded(&before, &new, &flows, now);
             g.1 = Arc::new(g.0.effective(&new));
@@ -325,19 +332,20 @@ impl Ops {
         Ok(changes)
     }
 
-    /// Flows pinned to member `service` of vserver `vserver` (0 when it is not a member).
-    fn flows_of(&self, vserver: &str, service: &str) -> u64 {
-        self.with_vservers(|vs, _| {
-            vs.iter()
-                .find(|v| v.name == vserver)
-                .and_then(|v| {
-                    let b = v.balancer();
-                    let m = b.members().iter().position(|m| m.name == service)?;
-                    b.counters(m).map(|c| c.active())
-                })
-                .unwrap_or(0)
+    /// Flows pinned to each member, by (vserver, service), and the runtime's `now`.
+    fn flow_counts(&self) -> (HashMap<(String, String), u64>, u64) {
+        self.with_vservers(|vs, now| {
+            let mut counts = HashMap::new();
+            for v in vs {
+                let b = v.balancer();
+                for (m, info) in b.members().iter().enumerate() {
+                    let active = b.counters(m).map_or(0, |c| c.active());
+                    counts.insert((v.name.clone(), info.name.clone()), active);
+                }
+            }
+            (counts, now)
         })
-        .unwrap_or(0)
+        .unwrap_or_default()
     }
 
     /// End the drains that are over (no flow left, or past `drain_timeout`): their vservers
@@ -348,13 +356,18 @@ impl Ops {
         if self.is_draining() {
             return;
         }
+        if self.drains().0.is_empty() {
+            return;
+        }
         let (finished, running, services_changed) = {
+            let (counts, now) = self.flow_counts();
+            let flows = |v: &str, s: &str| {
+                counts
+                    .get(&(v.to_owned(), s.to_owned()))
+                    .copied()
+                    .unwrap_or(0)
+            };
             let mut g = self.drains();
-            if g.0.is_empty() {
-                return;
-            }
-            let now = self.with_vservers(|_, now| now).unwrap_or(0);
-            let flows = |v: &str, s: &str| self.flows_of(v, s);
             let finished = g.0.finish(&flows, now);
             if finished.is_empty() {
                 return;
