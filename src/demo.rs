@@ -14,6 +14,7 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 /// Demo knobs.
@@ -59,8 +60,9 @@ fn demo_yaml(ports: &[u16]) -> String {
     y
 }
 
-/// Run the demo, printing the live table to stdout. `stop` ends it early (Ctrl-C).
-pub fn run(opts: DemoOptions, stop: Arc<AtomicBool>) -> anyhow::Result<DemoReport> {
+/// Run the demo, printing the live table to stdout. A message on `stop` ends it early
+/// (Ctrl-C), at once rather than at the next line of the table.
+pub fn run(opts: DemoOptions, stop: Receiver<()>) -> anyhow::Result<DemoReport> {
     let any: SocketAddr = "127.0.0.1:0".parse()?;
     let mut uas: Vec<Uas> = (0..3).map(|_| Uas::start(any)).collect::<Result<_, _>>()?;
     let ports: Vec<u16> = uas.iter().map(|u| u.addr.port()).collect();
@@ -95,6 +97,8 @@ pub fn run(opts: DemoOptions, stop: Arc<AtomicBool>) -> anyhow::Result<DemoRepor
         handles.push(std::thread::spawn(move || {
             let start = Instant::now();
             let mut n = 0u64;
+            // Looked at between two calls (each turn is a call, paced to the rate, not a
+            // timer that only watches the flag): the join below waits at most one call.
             while !load_stop.load(Ordering::Relaxed) {
                 let due = start + Duration::from_secs_f64(n as f64 / per_thread);
                 if let Some(wait) = due.checked_duration_since(Instant::now()) {
@@ -116,10 +120,14 @@ pub fn run(opts: DemoOptions, stop: Arc<AtomicBool>) -> anyhow::Result<DemoRepor
     let mut last: Vec<u64> = vec![0; uas.len()];
     let mut tick = start;
     let mut last_state = b.health(1);
-    while start.elapsed() < opts.duration && !stop.load(Ordering::Relaxed) {
+    while start.elapsed() < opts.duration {
         tick += Duration::from_secs(1);
-        if let Some(wait) = tick.checked_duration_since(Instant::now()) {
-            std::thread::sleep(wait);
+        let wait = tick.saturating_duration_since(Instant::now());
+        match stop.recv_timeout(wait) {
+            Ok(()) => break,
+            Err(RecvTimeoutError::Timeout) => {}
+            // Nobody can ask for a stop any more: pace the table by the clock alone.
+            Err(RecvTimeoutError::Disconnected) => std::thread::sleep(wait),
         }
         let t = start.elapsed();
         if !went_down && t >= down_at {

@@ -7,7 +7,6 @@ use fulcrum::config::{self, Config, LogFormat};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -162,11 +161,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Simulate { what } => simulate(what),
         Command::Demo { duration, rate } => {
             init_tracing(cli.log_format, None)?;
-            let stop = Arc::new(AtomicBool::new(false));
-            let stop2 = Arc::clone(&stop);
+            let (stop_tx, stop) = std::sync::mpsc::channel();
             std::thread::spawn(move || {
                 if wait_for_signal().is_ok() {
-                    stop2.store(true, Ordering::Relaxed);
+                    let _ = stop_tx.send(());
                 }
             });
             let report = fulcrum::demo::run(fulcrum::demo::DemoOptions { duration, rate }, stop)?;

@@ -6,6 +6,7 @@ use crate::balancer::Health;
 use crate::config::{self, Config};
 use crate::drain::{DrainEnd, Drains};
 use crate::health::{self, HealthBoard};
+use crate::proxy::shutdown::Signal;
 use crate::proxy::{Runtime, VserverHandle};
 use crate::readiness::{self, Readiness, VserverFacts};
 use crate::reload;
@@ -54,6 +55,8 @@ pub struct Ops {
     /// Set by [`Ops::drain`]: from then on nothing may undo the drain (enable a service,
     /// reload and so restart monitors that would bring services UP again).
     draining: std::sync::atomic::AtomicBool,
+    /// Raised when the runtime shuts down (see [`Ops::shutdown_signal`]).
+    signal: Signal,
 }
 
 impl std::fmt::Debug for Ops {
@@ -78,6 +81,8 @@ impl Ops {
                 vserver: String::new(),
                 problem: "no async runtime".into(),
             })?;
+        let signal = rt.shutdown_signal();
+        let jobs = rt.task_group("operator jobs");
         let placements = health::placements(rt.vservers().iter().map(|v| v.balancer()));
         let board = HealthBoard::new(&config, placements, rt.epoch());
         board.apply_all();
@@ -92,18 +97,30 @@ impl Ops {
             rates: Mutex::new(RateSample::default()),
             reload_lock: Mutex::new(()),
             draining: std::sync::atomic::AtomicBool::new(false),
+            signal: signal.clone(),
         });
         let weak = Arc::downgrade(&ops);
+        let (mut signal, guard) = (signal, jobs.guard());
         ops.tokio.spawn(async move {
+            let _guard = guard;
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
-                tick.tick().await;
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = signal.recv() => return,
+                }
                 let Some(ops) = weak.upgrade() else { return };
                 ops.sample_rates();
                 ops.end_drains();
             }
         });
         Ok(ops)
+    }
+
+    /// Raised when the proxy shuts down ([`Ops::shutdown`]): tasks started on [`Ops::tokio`]
+    /// (the admin API) end on it.
+    pub fn shutdown_signal(&self) -> Signal {
+        self.signal.clone()
     }
 
     /// The tokio runtime monitors and the admin API run on.
@@ -433,6 +450,10 @@ impl Ops {
         };
         let deadline = Instant::now() + timeout;
         let mut left = active();
+        // A timer, not a signal: this runs on the caller's thread (the signal thread in
+        // `main`), not in async code, and the counts are plain atomics the data paths update
+        // as flows end; a notification there would add a lock or a wake-up to every flow's end
+        // on the data path, to save a look every 50 ms during the one graceful stop.
         while left > 0 && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
             left = active();
@@ -440,7 +461,9 @@ impl Ops {
         left
     }
 
-    /// Stop everything. Call from outside the tokio runtime (the signal thread or main).
+    /// Stop everything: raise the shutdown signal and return once the tasks that heed it
+    /// have finished (bounded; see [`Runtime::shutdown`]). Call from outside the tokio
+    /// runtime (the signal thread or main).
     pub fn shutdown(&self) {
         self.health.stop_monitors();
         let rt = self.runtime().take();

@@ -45,6 +45,8 @@ pub struct Uas {
     pub addr: SocketAddr,
     pub log: Arc<UasLog>,
     stop: Arc<AtomicBool>,
+    /// A clone of the socket, to end the thread's blocking receive on [`Uas::stop`].
+    wake: Option<UdpSocket>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -52,7 +54,7 @@ impl Uas {
     /// Start a UAS on `bind` (port 0 for any).
     pub fn start(bind: SocketAddr) -> io::Result<Uas> {
         let socket = UdpSocket::bind(bind)?;
-        socket.set_read_timeout(Some(Duration::from_millis(50)))?;
+        let wake = socket.try_clone()?;
         let addr = socket.local_addr()?;
         let log = Arc::new(UasLog::default());
         let stop = Arc::new(AtomicBool::new(false));
@@ -64,13 +66,19 @@ impl Uas {
             addr,
             log,
             stop,
+            wake: Some(wake),
             thread: Some(thread),
         })
     }
 
     /// Stop answering (the socket closes: later datagrams get ICMP port unreachable).
     pub fn stop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.store(true, Ordering::Release);
+        // Wakes the blocking receive (Linux does so on an unconnected UDP socket too, and
+        // reports ENOTCONN); the clone then closes, so the socket closes with the thread.
+        if let Some(s) = self.wake.take() {
+            let _ = socket2::SockRef::from(&s).shutdown(std::net::Shutdown::Read);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -86,7 +94,7 @@ impl Drop for Uas {
 fn uas_loop(socket: &UdpSocket, log: &UasLog, stop: &AtomicBool) {
     let mut buf = vec![0u8; 65_536];
     let mut out = Vec::with_capacity(2048);
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.load(Ordering::Acquire) {
         let Ok((n, src)) = socket.recv_from(&mut buf) else {
             continue;
         };

@@ -22,8 +22,8 @@ const MAX_BODY: usize = 64 * 1024;
 /// A client has this long to send its request.
 const READ_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Bind `addr` and serve the admin API on `ops`' runtime. Returns the bound address and
-/// the server task.
+/// Bind `addr` and serve the admin API on `ops`' runtime until the proxy shuts down
+/// ([`Ops::shutdown_signal`]). Returns the bound address and the server task.
 pub async fn serve(
     ops: Arc<Ops>,
     addr: SocketAddr,
@@ -33,9 +33,14 @@ pub async fn serve(
     if !local.ip().is_loopback() {
         tracing::warn!(%local, "admin API listens beyond loopback");
     }
+    let mut signal = ops.shutdown_signal();
     let task = tokio::spawn(async move {
         loop {
-            let (conn, peer) = match listener.accept().await {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                () = signal.recv() => return,
+            };
+            let (conn, peer) = match accepted {
                 Ok(c) => c,
                 Err(e) => {
                     tracing::debug!(error = %e, "admin accept failed");

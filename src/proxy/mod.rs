@@ -4,6 +4,7 @@ pub mod fd_limit;
 pub mod proxy_protocol;
 pub mod reconfig;
 pub mod runtime;
+pub mod shutdown;
 pub mod sip_core;
 pub mod sip_tcp;
 pub mod sip_udp;
@@ -17,7 +18,8 @@ use crate::stats::Nanos;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-/// How often a blocked worker checks for shutdown.
+/// How often the dialog sweepers look at the current core's sweep interval (a reload may
+/// shorten it). Shutdown does not wait on it: see [`shutdown`].
 pub const POLL: Duration = Duration::from_millis(100);
 
 /// Count one event.

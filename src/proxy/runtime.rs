@@ -3,13 +3,13 @@
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol, Vserver};
 use crate::net;
+use crate::proxy::shutdown::{Shutdown, Signal};
 use crate::proxy::sip_core::SipCore;
 use crate::proxy::sip_udp;
 use crate::sip::{Local, Transport};
 use crate::stats::Nanos;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -61,11 +61,12 @@ impl VserverHandle {
     }
 }
 
-/// What a data path needs from the runtime to start: the clock epoch, the stop flag its
-/// threads watch, a place to register its threads, and the tokio runtime for async paths.
+/// What a data path needs from the runtime to start: the clock epoch, the shutdown its
+/// tasks await and its threads watch, a place to register its threads, and the tokio
+/// runtime for async paths.
 pub struct StartCtx<'a> {
     pub epoch: Instant,
-    pub stop: &'a Arc<AtomicBool>,
+    pub shutdown: &'a Shutdown,
     pub threads: &'a mut Vec<JoinHandle<()>>,
     pub tokio: &'a tokio::runtime::Handle,
     /// Swappable cores of sip-udp vservers, for reload (see `proxy::reconfig`).
@@ -85,10 +86,14 @@ pub type UdpCell = Arc<arc_swap::ArcSwap<crate::proxy::udp::UdpCore>>;
 /// The current core of a tcp / http vserver; the accept loops load it per connection.
 pub type TcpCell = Arc<arc_swap::ArcSwap<crate::proxy::tcp::TcpCore>>;
 
+/// How long a shutdown waits for async handlers to finish (and then for what is left on
+/// the async runtime) before it logs them and ends them.
+pub const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
+
 /// All running vservers of one config.
 pub struct Runtime {
     epoch: Instant,
-    stop: Arc<AtomicBool>,
+    shutdown: Shutdown,
     pub(super) vservers: Vec<VserverHandle>,
     threads: Vec<JoinHandle<()>>,
     pub(super) sip_cells: Vec<(String, SipUdpCell)>,
@@ -115,7 +120,7 @@ impl Runtime {
             .build()?;
         let mut rt = Runtime {
             epoch: Instant::now(),
-            stop: Arc::new(AtomicBool::new(false)),
+            shutdown: Shutdown::new(),
             vservers: Vec::new(),
             threads: Vec::new(),
             sip_cells: Vec::new(),
@@ -166,6 +171,17 @@ impl Runtime {
         n
     }
 
+    /// The shutdown signal, for async tasks started beside the runtime (the admin API and
+    /// the operator's periodic jobs): it is raised when the runtime shuts down.
+    pub fn shutdown_signal(&self) -> Signal {
+        self.shutdown.signal()
+    }
+
+    /// A group of tasks started beside the runtime that [`Runtime::shutdown`] waits for.
+    pub fn task_group(&self, name: &str) -> crate::proxy::shutdown::TaskGroup {
+        self.shutdown.group(name)
+    }
+
     /// The tokio runtime of async paths, monitors and the admin API.
     pub fn tokio(&self) -> Option<&tokio::runtime::Handle> {
         self.tokio.as_ref().map(|t| t.handle())
@@ -180,7 +196,7 @@ impl Runtime {
         };
         let mut ctx = StartCtx {
             epoch: self.epoch,
-            stop: &self.stop,
+            shutdown: &self.shutdown,
             threads: &mut self.threads,
             tokio: &tokio,
             sip_cells: &mut self.sip_cells,
@@ -197,17 +213,26 @@ impl Runtime {
         Ok(())
     }
 
+    /// Raise the shutdown, wait (bounded) for the tasks that heed it, join the worker threads
+    /// (woken by the raise), then end what is left on the async runtime.
     fn stop_all(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        if self.tokio.is_none() {
+            return;
+        }
+        self.shutdown.raise();
+        let left = self.shutdown.wait(SHUTDOWN_WAIT);
+        if !left.is_empty() {
+            tracing::warn!(unfinished = ?left, wait = ?SHUTDOWN_WAIT, "tasks still running at shutdown: ended with the runtime");
+        }
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
         if let Some(t) = self.tokio.take() {
-            t.shutdown_timeout(Duration::from_secs(5));
+            t.shutdown_timeout(SHUTDOWN_WAIT);
         }
     }
 
-    /// Stop every worker and wait for them.
+    /// Stop every worker and wait for them (async handlers for at most [`SHUTDOWN_WAIT`]).
     pub fn shutdown(mut self) {
         self.stop_all();
     }

@@ -29,6 +29,7 @@ use crate::config::{Config, Vserver};
 use crate::proxy::runtime::{
     DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
+use crate::proxy::shutdown::{Signal, TaskGroup, TaskGuard};
 use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
 use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
@@ -194,7 +195,11 @@ pub struct TcpShared {
     draining: DashMap<SocketAddr, mpsc::Sender<Bytes>>,
     next_conn: AtomicU64,
     epoch: Instant,
-    stop: Arc<AtomicBool>,
+    /// Client connections and service links: the shutdown waits for them.
+    tasks: TaskGroup,
+    /// Service links' tasks (current and retired ones still draining), for the shutdown to
+    /// end; finished ones are pruned at each install.
+    link_tasks: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
     log: LogLimiter,
     /// Where the links of added members run.
     tokio: tokio::runtime::Handle,
@@ -278,8 +283,20 @@ impl TcpShared {
             max_clients: next.max_clients,
             idle: next.idle,
         }));
-        for (link, rx) in fresh {
-            self.tokio.spawn(service_loop(Arc::clone(self), link, rx));
+        {
+            let mut tasks = self.link_tasks.lock().unwrap_or_else(|e| e.into_inner());
+            tasks.retain(|t| !t.is_finished());
+            for (link, rx) in fresh {
+                let guard = self.tasks.guard();
+                let task = self.tokio.spawn({
+                    let shared = Arc::clone(self);
+                    async move {
+                        let _guard = guard;
+                        service_loop(shared, link, rx).await;
+                    }
+                });
+                tasks.push(task.abort_handle());
+            }
         }
         for link in gone {
             link.retire();
@@ -575,9 +592,6 @@ async fn read_messages(
             // back before trying again, or a busy connection would spin on it.
             std::task::Poll::Pending => tokio::task::yield_now().await,
         }
-        if shared.stop.load(Ordering::Relaxed) {
-            return;
-        }
     }
 }
 
@@ -658,9 +672,6 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
                 continue;
             }
         };
-        if shared.stop.load(Ordering::Relaxed) {
-            return;
-        }
         if shared.clients.len() >= shared.current.load().max_clients {
             bump(&shared.counters.clients_refused);
             drop(stream);
@@ -678,7 +689,9 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
         let task = tokio::spawn({
             let shared = Arc::clone(&shared);
             let tx = tx.clone();
+            let guard = shared.tasks.guard();
             async move {
+                let _guard = guard;
                 if wait_registered.await.is_ok() {
                     serve_client(shared, stream, id, src, dst, rx, tx).await;
                 }
@@ -734,7 +747,7 @@ async fn service_loop(
         let stream = match attempt {
             Ok(Ok(s)) => s,
             _ => {
-                if connect_failed(
+                connect_failed(
                     &shared,
                     &link,
                     &mut pending,
@@ -742,10 +755,7 @@ async fn service_loop(
                     &mut rx,
                     &mut backoff,
                 )
-                .await
-                {
-                    return;
-                }
+                .await;
                 down = true;
                 continue;
             }
@@ -776,7 +786,8 @@ async fn service_loop(
         // connection are kept, and handed to the next-ranked members if it closes first.
         let heard = Arc::new(AtomicBool::new(false));
         let reader_heard = Arc::clone(&heard);
-        let mut reader = tokio::spawn(async move {
+        // Ends with this task too: a shutdown aborts the link's task, not its reader.
+        let mut reader = AbortOnDrop(tokio::spawn(async move {
             read_messages(
                 &reader_shared,
                 read,
@@ -787,7 +798,7 @@ async fn service_loop(
                 Some(&reader_heard),
             )
             .await;
-        });
+        }));
         let mut unanswered: Vec<Bytes> = Vec::new();
         // The connection ends when it fails (then reconnect) or when the link is retired,
         // between two messages or in the middle of a write. A request whose write fails or is
@@ -805,12 +816,12 @@ async fn service_loop(
                     msg = rx.recv() => match msg {
                         Some(b) => (write_unless_retired(&mut write, &b, &link).await, Some(b)),
                         None => {
-                            reader.abort();
+                            reader.0.abort();
                             return;
                         }
                     },
                     Some(b) = reply_rx.recv() => (write_unless_retired(&mut write, &b, &link).await, None),
-                    _ = &mut reader => {
+                    _ = &mut reader.0 => {
                         bump(&shared.counters.service_connections_lost);
                         (Wrote::Failed, None)
                     }
@@ -845,7 +856,7 @@ async fn service_loop(
                     break Some(request);
                 }
                 Wrote::Failed => {
-                    reader.abort();
+                    reader.0.abort();
                     pending = request;
                     // Closed before answering anything: what it was given goes elsewhere.
                     let heard = heard.load(Ordering::Relaxed);
@@ -859,7 +870,7 @@ async fn service_loop(
                         // DOWN first, so that the choice for those requests passes it over).
                         // A service that answered, then closed, is only reconnected.
                         backoff = failed_backoff;
-                        if connect_failed(
+                        connect_failed(
                             &shared,
                             &link,
                             &mut pending,
@@ -867,10 +878,7 @@ async fn service_loop(
                             &mut rx,
                             &mut backoff,
                         )
-                        .await
-                        {
-                            return;
-                        }
+                        .await;
                         down = true;
                     } else {
                         for b in unanswered {
@@ -887,7 +895,7 @@ async fn service_loop(
         if retired_mid_write {
             // The service stopped reading: the connection holds part of a message, so
             // nothing more can go on it; it is closed without a drain.
-            reader.abort();
+            reader.0.abort();
             return;
         }
         // What the service still sends (responses to requests already written, its
@@ -902,7 +910,7 @@ async fn service_loop(
                             return;
                         }
                     }
-                    _ = &mut reader => return,
+                    _ = &mut reader.0 => return,
                 }
             }
         };
@@ -910,7 +918,7 @@ async fn service_loop(
         shared
             .draining
             .remove_if(&addr, |_, tx| tx.same_channel(&drain_tx));
-        reader.abort();
+        reader.0.abort();
         let _ = write.shutdown().await;
         tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
         return;
@@ -921,7 +929,7 @@ async fn service_loop(
 /// it to the service's monitor, mark the service DOWN (a member the operator took
 /// OUT_OF_SERVICE stays so), hand `unanswered` (written on a connection that closed at once),
 /// `pending` and the queue to the next-ranked members, and wait out the backoff (doubled for
-/// next time). True when the vserver is stopping.
+/// next time).
 async fn connect_failed(
     shared: &TcpShared,
     link: &ServiceLink,
@@ -929,7 +937,7 @@ async fn connect_failed(
     unanswered: Vec<Bytes>,
     rx: &mut mpsc::Receiver<Bytes>,
     backoff: &mut Duration,
-) -> bool {
+) {
     bump(&shared.counters.service_connect_failures);
     {
         let g = shared.current.load();
@@ -949,15 +957,11 @@ async fn connect_failed(
         shared.redispatch(link, b);
     }
     shared.redispatch_queued(link, pending.take(), rx);
-    if shared.stop.load(Ordering::Relaxed) {
-        return true;
-    }
     tokio::select! {
         () = tokio::time::sleep(*backoff) => {}
         () = link.retired() => {}
     }
     *backoff = (*backoff * 2).min(BACKOFF_MAX);
-    false
 }
 
 /// The service a failed connect marked DOWN has kept a connection for [`SHORT_LIVED`]: UP
@@ -1006,6 +1010,54 @@ async fn write_unless_retired(
     }
 }
 
+/// The vserver's own task: its accept loops and dialog sweeper until the shutdown signal,
+/// then the end of every client connection and service link (aborted, so that no
+/// connection's read or write loop has to look at the signal on its data path).
+async fn run_vserver(
+    shared: Arc<TcpShared>,
+    listeners: Vec<TcpListener>,
+    mut signal: Signal,
+    _guard: TaskGuard,
+) {
+    let accepts: Vec<AbortOnDrop> = listeners
+        .into_iter()
+        .map(|l| AbortOnDrop(tokio::spawn(accept_loop(Arc::clone(&shared), l))))
+        .collect();
+    // Dialog expiry, as on UDP, in whatever core is current (with its idle timeout).
+    // Looked at every POLL, so a reload to a shorter timeout is followed at once.
+    let sweep = async {
+        let mut last = tokio::time::Instant::now();
+        loop {
+            tokio::time::sleep(POLL).await;
+            let core = shared.core();
+            if last.elapsed() >= core.sweep_interval() {
+                core.sweep(shared.now());
+                last = tokio::time::Instant::now();
+            }
+        }
+    };
+    tokio::select! {
+        () = signal.recv() => {}
+        () = sweep => {}
+    }
+    // No client is accepted after this, so none escapes the aborts below.
+    for mut a in accepts {
+        a.0.abort();
+        let _ = (&mut a.0).await;
+    }
+    for c in shared.clients.iter() {
+        c.abort.abort();
+    }
+    for t in shared
+        .link_tasks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .drain(..)
+    {
+        t.abort();
+    }
+}
+
 /// Start a sip-tcp vserver on the runtime's tokio runtime.
 pub fn start(
     ctx: &mut StartCtx<'_>,
@@ -1037,7 +1089,8 @@ pub fn start(
         draining: DashMap::new(),
         next_conn: AtomicU64::new(1),
         epoch: ctx.epoch,
-        stop: Arc::clone(ctx.stop),
+        tasks: ctx.shutdown.group(format!("sip-tcp vserver `{}`", v.name)),
+        link_tasks: std::sync::Mutex::new(Vec::new()),
         log: LogLimiter::default(),
         tokio: ctx.tokio.clone(),
     });
@@ -1047,26 +1100,12 @@ pub fn start(
         max_clients: v.max_sessions,
         idle: v.idle_timeout,
     });
-    for l in listeners {
-        ctx.tokio.spawn(accept_loop(Arc::clone(&shared), l));
-    }
-    // Dialog expiry, as on UDP, in whatever core is current (with its idle timeout).
-    // Looked at every POLL, so a reload to a shorter timeout is followed at once.
-    let sweeper = Arc::clone(&shared);
-    ctx.tokio.spawn(async move {
-        let mut last = tokio::time::Instant::now();
-        loop {
-            tokio::time::sleep(POLL).await;
-            if sweeper.stop.load(Ordering::Relaxed) {
-                return;
-            }
-            let core = sweeper.core();
-            if last.elapsed() >= core.sweep_interval() {
-                core.sweep(sweeper.now());
-                last = tokio::time::Instant::now();
-            }
-        }
-    });
+    ctx.tokio.spawn(run_vserver(
+        Arc::clone(&shared),
+        listeners,
+        ctx.shutdown.signal(),
+        shared.tasks.guard(),
+    ));
     tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), "sip-tcp vserver started");
     Ok(VserverHandle {
         name: v.name.clone(),

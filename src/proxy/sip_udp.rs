@@ -9,6 +9,7 @@ use crate::net;
 use crate::proxy::runtime::{
     DataPath, RuntimeError, SipUdpCell, StartCtx, VserverHandle, bind_udp, local_identity,
 };
+use crate::proxy::shutdown::Shutdown;
 use crate::proxy::sip_core::SipParams;
 use crate::proxy::sip_core::{Action, SipCore};
 use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
@@ -16,20 +17,15 @@ use crate::sip::Transport;
 use std::net::UdpSocket;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// The receive loop of one worker socket. Runs until `stop` is set (checked at least every
-/// `poll` interval). Errors are counted and never end the loop.
+/// The receive loop of one worker socket. Runs until `stop` is set; the socket blocks in
+/// `recv_from` without a timeout, so whoever sets `stop` must also end that call (see
+/// [`wake_on_shutdown`]). Errors are counted and never end the loop.
 ///
 /// The vserver's core is loaded from `cell` per datagram, so a reload that rebuilds it
 /// (`proxy::reconfig`) takes effect at the next datagram without touching the socket.
-pub fn run_worker(
-    socket: UdpSocket,
-    cell: SipUdpCell,
-    epoch: Instant,
-    stop: Arc<AtomicBool>,
-    poll: Duration,
-) {
+pub fn run_worker(socket: UdpSocket, cell: SipUdpCell, epoch: Instant, stop: Arc<AtomicBool>) {
     // Only the name is kept: holding the first core would keep its dialog table alive, and
     // count this worker's receive errors on it, after a reload replaced it.
     let name = cell.load().name.clone();
@@ -40,16 +36,15 @@ pub fn run_worker(
             return;
         }
     };
-    if let Err(e) = socket.set_read_timeout(Some(poll)) {
-        tracing::warn!(vserver = %name, error = %e, "cannot set read timeout");
-    }
     let mut buf = vec![0u8; 65_536];
     let mut out: Vec<u8> = Vec::with_capacity(65_536 + 1024);
     let recv_log = LogLimiter::default();
     let send_log = LogLimiter::default();
     let drop_log = LogLimiter::default();
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.load(Ordering::Acquire) {
         let (n, src) = match socket.recv_from(&mut buf) {
+            // The wake-up of the shutdown (a receive on a shut-down socket), not a datagram.
+            Ok((0, _)) if stop.load(Ordering::Acquire) => break,
             Ok(r) => r,
             Err(e)
                 if matches!(
@@ -59,6 +54,8 @@ pub fn run_worker(
             {
                 continue;
             }
+            // The wake-up of the shutdown, not a receive error.
+            Err(_) if stop.load(Ordering::Acquire) => break,
             Err(e) => {
                 // ICMP errors from an earlier send surface here (ECONNREFUSED); not fatal.
                 bump(&cell.load().counters.recv_errors);
@@ -94,6 +91,19 @@ pub fn run_worker(
     }
 }
 
+/// End a worker's blocking `recv_from` when the runtime shuts down: `shutdown(SHUT_RD)` on
+/// a clone of its socket wakes the call (Linux does so even on an unconnected UDP socket,
+/// and then reports ENOTCONN, which is expected here), and every later receive returns at
+/// once, so the worker sees the flag. No timer wakes an idle worker, and the receive path
+/// makes no extra system call.
+fn wake_on_shutdown(shutdown: &Shutdown, socket: &UdpSocket) -> Result<(), RuntimeError> {
+    let clone = socket.try_clone()?;
+    shutdown.on_raise(move || {
+        let _ = socket2::SockRef::from(&clone).shutdown(std::net::Shutdown::Read);
+    });
+    Ok(())
+}
+
 /// Start a sip-udp vserver: worker threads with SO_REUSEPORT sockets, and a dialog sweeper.
 pub fn start(
     ctx: &mut StartCtx<'_>,
@@ -110,22 +120,23 @@ pub fn start(
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
     ctx.sip_cells.push((v.name.clone(), Arc::clone(&cell)));
     for (i, socket) in sockets.into_iter().enumerate() {
+        wake_on_shutdown(ctx.shutdown, &socket)?;
         let cell = Arc::clone(&cell);
-        let stop = Arc::clone(ctx.stop);
+        let stop = ctx.shutdown.flag();
         let epoch = ctx.epoch;
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || run_worker(socket, cell, epoch, stop, POLL))?;
+            .spawn(move || run_worker(socket, cell, epoch, stop))?;
         ctx.threads.push(t);
     }
-    // Dialog expiry, in whatever core is current (a reload may change the idle timeout).
-    let (cell2, stop, epoch) = (Arc::clone(&cell), Arc::clone(ctx.stop), ctx.epoch);
+    // Dialog expiry, in whatever core is current (a reload may change the idle timeout, so
+    // the interval is looked at every POLL); the shutdown ends the sleep at once.
+    let (cell2, sleeper, epoch) = (Arc::clone(&cell), ctx.shutdown.sleeper(), ctx.epoch);
     let t = std::thread::Builder::new()
         .name(format!("{}-sweep", v.name))
         .spawn(move || {
             let mut last = Instant::now();
-            while !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(POLL);
+            while !sleeper.sleep(POLL) {
                 let core = cell2.load();
                 if last.elapsed() >= core.sweep_interval() {
                     core.sweep(elapsed_nanos(epoch));
@@ -148,4 +159,28 @@ pub fn start(
         balancer: Arc::clone(core.balancer()),
         data: DataPath::SipUdp(core),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn shutdown_ends_a_blocking_receive() {
+        let socket = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let shutdown = Shutdown::new();
+        wake_on_shutdown(&shutdown, &socket).expect("clone");
+        let (done_tx, done) = std::sync::mpsc::channel();
+        let t = std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            let r = socket.recv_from(&mut buf).map(|(n, _)| n);
+            let _ = done_tx.send(());
+            r
+        });
+        shutdown.raise();
+        done.recv_timeout(Duration::from_secs(5))
+            .expect("the receive returned");
+        let _ = t.join().expect("thread");
+    }
 }

@@ -25,6 +25,7 @@ use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::runtime::{
     DataPath, RuntimeError, StartCtx, TcpCell, VserverHandle, bind_tcp_workers,
 };
+use crate::proxy::shutdown::Signal;
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
 use arc_swap::ArcSwap;
@@ -275,9 +276,6 @@ impl TcpCore {
     }
 }
 
-/// How often an idle worker thread looks at the runtime's stop flag.
-const STOP_POLL: Duration = Duration::from_millis(100);
-
 /// Start a tcp / http vserver: `workers` threads (one per core by default), each with its
 /// own single-threaded tokio runtime and its own SO_REUSEPORT listener on every bind
 /// address. The kernel spreads incoming connections over the listeners, and a connection
@@ -318,10 +316,10 @@ pub fn start(
                 .collect::<Result<Vec<_>, _>>()?
         };
         let cell = Arc::clone(&cell);
-        let stop = Arc::clone(ctx.stop);
+        let signal = ctx.shutdown.signal();
         let thread = std::thread::Builder::new()
             .name("fulcrum-tcp".into())
-            .spawn(move || worker(rt, cell, listeners, &stop))?;
+            .spawn(move || worker(rt, cell, listeners, signal))?;
         ctx.threads.push(thread);
     }
     ctx.tcp_cells.push((v.name.clone(), cell));
@@ -336,21 +334,26 @@ pub fn start(
 }
 
 /// One worker thread: its accept loops and the connections they accept, until the
-/// runtime's stop flag is raised; the connections still open then are closed with it.
+/// runtime's shutdown signal; the connections still open then are closed with it.
+///
+/// The worker owns every task of its runtime, so it alone awaits the signal: returning from
+/// `block_on` and dropping the runtime ends the accept loops and the connections at their
+/// next await (their sockets close as they drop), and the runtime's join of this thread is
+/// the wait for them. A connection's copy loop never looks at the signal itself: that would
+/// add a shared lock to every wake-up of the data path.
 fn worker(
     rt: tokio::runtime::Runtime,
     cell: TcpCell,
     listeners: Vec<TcpListener>,
-    stop: &AtomicBool,
+    mut signal: Signal,
 ) {
     rt.block_on(async {
         for l in listeners {
             tokio::spawn(accept_loop(Arc::clone(&cell), l));
         }
-        while !stop.load(Ordering::Relaxed) {
-            tokio::time::sleep(STOP_POLL).await;
-        }
+        signal.recv().await;
     });
+    drop(rt);
 }
 
 async fn accept_loop(cell: TcpCell, listener: TcpListener) {

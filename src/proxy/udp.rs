@@ -60,8 +60,12 @@ const BATCH: usize = 32;
 /// header and the payload leave in one send without copying the payload.
 const SLOT: usize = MAX_V2_LEN + MAX_DATAGRAM;
 
-/// How often a worker checks for shutdown when idle.
+/// Longest wait of an idle worker: how soon it adopts a core a reload stored (and closes
+/// the sessions of removed members). Shutdown does not wait on it: [`WAKE`] ends the wait.
 const POLL: Duration = Duration::from_millis(100);
+
+/// The token of a worker's mio `Waker`, woken when the runtime shuts down.
+const WAKE: Token = Token(usize::MAX);
 
 /// Counters of one udp vserver (all workers).
 #[derive(Debug, Default)]
@@ -317,12 +321,20 @@ pub fn start(
         }
     }
     for (i, set) in sets.into_iter().enumerate() {
+        // Made here, so the shutdown can wake the worker's poll from the moment it exists.
+        let poll = Poll::new()?;
+        let waker = mio::Waker::new(poll.registry(), WAKE)?;
+        ctx.shutdown.on_raise(move || {
+            if let Err(e) = waker.wake() {
+                tracing::warn!(error = %e, "cannot wake a udp worker: it stops at its next wake-up");
+            }
+        });
         let cell = Arc::clone(&cell);
-        let stop = Arc::clone(ctx.stop);
+        let stop = ctx.shutdown.flag();
         let epoch = ctx.epoch;
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || run_worker(set, cell, epoch, stop))?;
+            .spawn(move || run_worker(set, poll, cell, epoch, stop))?;
         ctx.threads.push(t);
     }
     tracing::info!(vserver = %v.name, bind = ?bound, workers, method = v.method.name(), "udp vserver started");
@@ -422,16 +434,16 @@ struct Worker {
     log: LogLimiter,
 }
 
-/// The receive loop of one worker. Runs until `stop`; errors are counted, never fatal.
-pub fn run_worker(socks: Vec<UdpSocket>, cell: UdpCell, epoch: Instant, stop: Arc<AtomicBool>) {
+/// The receive loop of one worker over `poll` (which holds the [`WAKE`] waker). Runs until
+/// `stop`, which is set before the waker is woken; errors are counted, never fatal.
+pub fn run_worker(
+    socks: Vec<UdpSocket>,
+    poll: Poll,
+    cell: UdpCell,
+    epoch: Instant,
+    stop: Arc<AtomicBool>,
+) {
     let core = cell.load_full();
-    let poll = match Poll::new() {
-        Ok(p) => p,
-        Err(e) => {
-            tracing::error!(vserver = %core.name, error = %e, "cannot create poll");
-            return;
-        }
-    };
     let mut listeners = Vec::new();
     for s in socks {
         let bound = match s.local_addr() {
@@ -534,7 +546,7 @@ impl Worker {
         let mut events = Events::with_capacity(1024);
         let mut sweep_every = self.sweep_every();
         let mut next_sweep = elapsed_nanos(epoch).saturating_add(sweep_every);
-        while !stop.load(Ordering::Relaxed) {
+        while !stop.load(Ordering::Acquire) {
             let timeout = if self.again.is_empty() {
                 let until_sweep = next_sweep.saturating_sub(elapsed_nanos(epoch));
                 Duration::from_nanos(until_sweep).min(POLL)
@@ -557,7 +569,7 @@ impl Worker {
             let mut ready = std::mem::take(&mut self.ready);
             ready.clear();
             ready.append(&mut self.again);
-            ready.extend(events.iter().map(|e| e.token()));
+            ready.extend(events.iter().map(|e| e.token()).filter(|&t| t != WAKE));
             for &token in &ready {
                 let drained = if token.0 < self.base() {
                     self.drain_clients(token.0, now)
