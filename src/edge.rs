@@ -107,6 +107,16 @@ impl Edge {
         }
     }
 
+    /// Whether nothing is checked (no lists, no flood control).
+    pub fn is_open(&self) -> bool {
+        self.open
+    }
+
+    /// Whether flood control is on (callers skip finding out whether a request is new).
+    pub fn has_flood(&self) -> bool {
+        self.flood.is_some()
+    }
+
     /// Sources banned at `now`.
     pub fn bans(&self, now: Nanos) -> Vec<Ban> {
         self.flood.as_ref().map_or_else(Vec::new, |t| t.bans(now))

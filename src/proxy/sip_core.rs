@@ -45,6 +45,10 @@ pub enum DropReason {
     Unroutable,
     /// An ACK that could not be forwarded (ACKs are never answered).
     AckNotForwarded,
+    /// From a source the vserver's access lists refuse (counted in its edge counters).
+    Acl,
+    /// A new request from a source banned by flood control (counted there too).
+    Flood,
 }
 
 /// Where a message came from.
@@ -110,6 +114,8 @@ pub struct SipCore {
     member_addrs: Vec<SocketAddr>,
     /// `fc-svc` digest of each member (index = member index).
     digests: Vec<u64>,
+    /// Access lists and flood control ([`SipCore::with_edge`]; open by default).
+    edge: crate::edge::Edge,
     pub counters: SipCounters,
 }
 
@@ -167,6 +173,7 @@ impl SipCore {
             .collect();
         SipCore {
             digests,
+            edge: crate::edge::Edge::default(),
             name: p.name,
             local: p.local,
             record_route: p.record_route,
@@ -184,6 +191,16 @@ impl SipCore {
 
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
+    }
+
+    /// The core with the vserver's access lists and flood control.
+    pub fn with_edge(mut self, edge: crate::edge::Edge) -> SipCore {
+        self.edge = edge;
+        self
+    }
+
+    pub fn edge(&self) -> &crate::edge::Edge {
+        &self.edge
     }
 
     pub fn dialogs(&self) -> &DialogTable {
@@ -248,6 +265,14 @@ impl SipCore {
         out: &mut Vec<u8>,
     ) -> Action {
         out.clear();
+        // The access lists, before anything is parsed; a service's traffic is never checked.
+        if matches!(origin, Origin::Client { .. })
+            && !self.edge.is_open()
+            && !self.is_member_ip(src)
+            && !self.edge.admits(src.ip())
+        {
+            return Action::Drop(DropReason::Acl);
+        }
         let msg = match sip::scan(buf) {
             Ok(m) => m,
             Err(_) => {
@@ -328,6 +353,12 @@ impl SipCore {
         // without passing the largest UDP payload could not be sent on (RFC 3261 §21.5.14).
         if conn.is_none() && msg.len() > MAX_UDP_PAYLOAD - MAX_GROWTH {
             return self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out);
+        }
+        if self.edge.has_flood()
+            && self.is_new_flow(msg, now)
+            && !self.edge.admits_new(src.ip(), now)
+        {
+            return Action::Drop(DropReason::Flood);
         }
         let Some(member) = self.choose(msg, src, dst, now) else {
             return self.reply(msg, src, &Reply::service_unavailable(RETRY_AFTER_S), out);
@@ -480,7 +511,7 @@ impl SipCore {
     }
 
     /// Whether `addr`'s IP is the IP of a member.
-    fn is_member_ip(&self, addr: SocketAddr) -> bool {
+    pub(crate) fn is_member_ip(&self, addr: SocketAddr) -> bool {
         let ip = addr.ip().to_canonical();
         self.member_addrs.iter().any(|m| m.ip() == ip)
     }
@@ -520,6 +551,21 @@ impl SipCore {
             .filter(|(_, d)| **d == digest)
             .map(|(m, _)| m)
             .find(|&m| self.balancer.accepts_existing(m))
+    }
+
+    /// Whether a request from a client would open a new flow (flood control counts those):
+    /// outside any dialog (no To tag), not a CANCEL or ACK of a transaction, and not a
+    /// retransmission of a request already pinned (its Call-ID is in the table).
+    fn is_new_flow(&self, msg: &SipMsg<'_>, now: Nanos) -> bool {
+        if msg.to_tag().is_some() || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel)
+        {
+            return false;
+        }
+        msg.call_id().is_none_or(|c| {
+            self.dialogs
+                .get(hash::key_hash(c), now / 1_000_000)
+                .is_none()
+        })
     }
 
     /// The `fc-svc` digest to write for `member` when Record-Route is on.
