@@ -195,6 +195,7 @@ fn edge_status(e: &crate::edge::Edge, now: u64) -> Value {
         "bans_total": n(&c.bans),
         "banned_now": e.bans(now).len(),
         "flood_untracked": n(&c.untracked),
+        "flood_memory_bytes": e.flood_memory_bytes(),
     })
 }
 
