@@ -13,8 +13,8 @@ use bytes::BufMut;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::scan::{
-    CommaValues, Indexed, SipMethod, SipMsg, Span, Via, parse_ip, parse_name_addr, parse_uri,
-    parse_via,
+    CommaValues, HeaderName, Indexed, MAX_HEADERS, SipMethod, SipMsg, Span, Via, parse_ip,
+    parse_name_addr, parse_uri, parse_via,
 };
 
 /// Branch prefix of fulcrum's Via: the RFC 3261 §8.1.1.7 magic cookie plus a marker that lets
@@ -69,6 +69,11 @@ pub enum RewriteError {
     /// The next hop is fulcrum itself.
     #[error("request routed to ourselves")]
     Loop,
+    /// What fulcrum would send has more header lines than its own scanner takes
+    /// ([`MAX_HEADERS`]): the answer could never come back through fulcrum. Answer 513
+    /// (RFC 3261 §21.5.14) to a request; drop a reply.
+    #[error("more than {MAX_HEADERS} header lines after rewriting")]
+    TooManyHeaders,
 }
 
 /// Transport fulcrum writes into its Via and Record-Route.
@@ -326,6 +331,29 @@ impl Reply<'static> {
         retry_after_s: None,
     };
 
+    /// RFC 3261 §16.3 step 5, §21.4.15: a Proxy-Require option tag fulcrum does not support;
+    /// the reply lists the tags in Unsupported (every Proxy-Require value, as received).
+    pub const BAD_EXTENSION: Reply<'static> = Reply {
+        code: 420,
+        reason: "Bad Extension",
+        retry_after_s: None,
+    };
+
+    /// RFC 3261 §21.5.2; RFC 4475 §3.1.2.18 prefers it at a proxy for an unknown method whose
+    /// CSeq names another.
+    pub const NOT_IMPLEMENTED: Reply<'static> = Reply {
+        code: 501,
+        reason: "Not Implemented",
+        retry_after_s: None,
+    };
+
+    /// RFC 3261 §21.5.6 (RFC 4475 §3.1.2.16): a SIP version other than 2.0.
+    pub const VERSION_NOT_SUPPORTED: Reply<'static> = Reply {
+        code: 505,
+        reason: "Version Not Supported",
+        retry_after_s: None,
+    };
+
     /// RFC 3261 §21.5.14: the request is larger than fulcrum can forward.
     pub const MESSAGE_TOO_LARGE: Reply<'static> = Reply {
         code: 513,
@@ -435,6 +463,12 @@ pub fn forward_request<B: BufMut>(
         Some(None) => return Err(RewriteError::BadMaxForwards),
         None => false,
     };
+    // Every line added here must still fit what fulcrum's own scanner takes, or the answer
+    // (which carries the same headers) could not come back through fulcrum.
+    let added = 1 + usize::from(rw.record_route) + usize::from(!mf);
+    if msg.header_count() + added > MAX_HEADERS {
+        return Err(RewriteError::TooManyHeaders);
+    }
 
     source_edits(&top, rw.src, rw.force_rport, &mut edits);
     if let Some(remove) = own_route_removal(msg, rw.local) {
@@ -728,24 +762,52 @@ fn build<B: BufMut>(
         return Err(RewriteError::AckNotAnswered);
     }
     let buf = msg.buf();
-    let top = msg.top_via().ok_or(RewriteError::NoVia)?;
+    // Without any Via the reply cannot be matched; a Via that does not parse (RFC 4475
+    // §3.1.2.16 has `SIP/7.0/UDP`) is copied as it is, without received / rport.
+    msg.via_index().ok_or(RewriteError::NoVia)?;
+    let top = msg.top_via();
+    let with_unsupported = reply.code == 420;
+    // From, To, Call-ID, CSeq, Retry-After, Content-Length besides the copied lines: counted
+    // exactly only when the request is near the limit.
+    if msg.header_count() + 6 > MAX_HEADERS {
+        let copied = msg
+            .headers()
+            .filter(|h| match HeaderName::classify(h.name) {
+                HeaderName::Via => true,
+                HeaderName::ProxyRequire => with_unsupported,
+                _ => false,
+            })
+            .count();
+        if copied + 6 > MAX_HEADERS {
+            return Err(RewriteError::TooManyHeaders);
+        }
+    }
     out.put_slice(b"SIP/2.0 ");
     out.put_slice(dec(u64::from(reply.code.clamp(100, 699))).as_slice());
     out.put_slice(b" ");
     out.put_slice(reply.reason.as_bytes());
     out.put_slice(b"\r\n");
-    let mut edits = src.map(|src| {
-        let mut e = Edits::new();
-        source_edits(&top, src, false, &mut e);
-        e
-    });
+    let mut edits = match (src, &top) {
+        (Some(src), Some(top)) => {
+            let mut e = Edits::new();
+            source_edits(top, src, false, &mut e);
+            Some((e, top.span))
+        }
+        _ => None,
+    };
     for h in msg.headers() {
-        if super::scan::HeaderName::classify(h.name) != super::scan::HeaderName::Via {
-            continue;
+        match HeaderName::classify(h.name) {
+            HeaderName::Via => {}
+            // RFC 3261 §16.3 step 5: the tags the proxy does not support.
+            HeaderName::ProxyRequire if with_unsupported => {
+                put_header(out, b"Unsupported", h.value);
+                continue;
+            }
+            _ => continue,
         }
         match &mut edits {
             // The header holding the top Via value: written with its edits.
-            Some(e) if h.value_span.start <= top.span.start && top.span.end <= h.value_span.end => {
+            Some((e, top)) if h.value_span.start <= top.start && top.end <= h.value_span.end => {
                 out.put_slice(b"Via: ");
                 put_edited(out, buf, h.value_span, e.sorted());
                 out.put_slice(b"\r\n");
@@ -763,7 +825,7 @@ fn build<B: BufMut>(
         if msg.to_tag().is_none() {
             let mut h = xxh3_64_with_seed(msg.call_id().unwrap_or_default(), SEED);
             h = xxh3_64_with_seed(msg.from_tag().unwrap_or_default(), h);
-            h = xxh3_64_with_seed(top.branch.unwrap_or_default(), h);
+            h = xxh3_64_with_seed(top.and_then(|t| t.branch).unwrap_or_default(), h);
             out.put_slice(b";tag=fc");
             out.put_slice(&hex16(h));
         }
