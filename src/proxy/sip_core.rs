@@ -1183,6 +1183,52 @@ mod tests {
         assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 0);
     }
 
+    /// The fuzz finding: an INVITE of 255 header lines scans, but forwarded with fulcrum's Via
+    /// and Record-Route it would have 257, which fulcrum itself would refuse when the answer
+    /// came back. It is answered 513 (RFC 3261 §21.5.14) and nothing is forwarded; with 254
+    /// lines it is forwarded and the forwarded request scans.
+    #[test]
+    fn a_request_fulcrum_could_not_take_back_is_answered_513() {
+        let c = core(true);
+        let mut out = Vec::new();
+        let padded = |lines: usize| {
+            let base = invite("hdr-1", 70);
+            let n = base.matches("\r\n").count() - 2;
+            let pad: String = (0..lines - n).map(|i| format!("X-Pad: {i}\r\n")).collect();
+            base.replace(
+                "Content-Length: 0\r\n",
+                &format!("{pad}Content-Length: 0\r\n"),
+            )
+        };
+        let big = padded(255);
+        assert_eq!(
+            crate::sip::scan(big.as_bytes())
+                .expect("scans")
+                .header_count(),
+            255
+        );
+        assert!(matches!(
+            handle(&c, &big, CLIENT, &mut out),
+            Action::Reply(_)
+        ));
+        assert_eq!(
+            crate::sip::scan(&out).expect("scan").status_code(),
+            Some(513)
+        );
+        assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
+        let fits = padded(254);
+        assert!(matches!(
+            handle(&c, &fits, CLIENT, &mut out),
+            Action::ToMember(_)
+        ));
+        assert_eq!(
+            crate::sip::scan(&out)
+                .expect("forwarded scans")
+                .header_count(),
+            256
+        );
+    }
+
     /// A datagram too large to carry fulcrum's additions is answered 513.
     #[test]
     fn an_oversized_datagram_request_is_answered_513() {
