@@ -298,3 +298,198 @@ pub fn render(ops: &Ops) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::balancer::Health;
+    use std::sync::Arc;
+
+    /// The golden exposition, `fixtures/golden/metrics.prom`: [`render`] over [`GOLDEN_CONFIG`]
+    /// with every counter set by [`fill`]. Regenerate (only for a deliberate change of the
+    /// exposition) with `FULCRUM_BLESS=1 cargo test --lib admin::metrics`.
+    const GOLDEN: &str = "fixtures/golden/metrics.prom";
+
+    /// One vserver per data path; `m1`'s monitor would first probe half an hour after start.
+    const GOLDEN_CONFIG: &str = "admin: { listen: null }
+monitors:
+  - { name: opt, type: sip-options, interval: 1h, timeout: 1s }
+services:
+  - { name: a1, address: 127.0.0.1:9, protocol: udp }
+  - { name: a2, address: 127.0.0.1:10, protocol: udp, weight: 2 }
+  - { name: a3, address: 127.0.0.1:15, protocol: udp }
+  - { name: t1, address: 127.0.0.1:11, protocol: tcp }
+  - { name: m1, address: 127.0.0.1:12, protocol: sip-udp, monitor: opt, weight: 3 }
+  - { name: s2, address: 127.0.0.1:13, protocol: sip-udp }
+  - { name: k1, address: 127.0.0.1:14, protocol: sip-tcp }
+vservers:
+  - { name: vu, protocol: udp, bind: [127.0.0.1:0], method: round_robin, drain_timeout: 1h, services: [a1, a2, a3] }
+  - { name: vt, protocol: tcp, bind: [127.0.0.1:0], method: round_robin, services: [t1] }
+  - name: vs
+    protocol: sip-udp
+    bind: [127.0.0.1:0]
+    method: round_robin
+    slow_start: { new_service_request_rate: 7, unit: per_second, increment_interval: 0s }
+    services: [m1, s2]
+  - { name: vk, protocol: sip-tcp, bind: [127.0.0.1:0], method: round_robin, services: [k1] }
+";
+
+    /// Store `base`, `base + 1`, ... into `counters`, so a series reading the wrong counter
+    /// shows in the golden file.
+    fn store(counters: &[&AtomicU64], base: u64) {
+        for (i, c) in counters.iter().enumerate() {
+            c.store(base + i as u64, Ordering::Relaxed);
+        }
+    }
+
+    fn fill_sip(c: &crate::proxy::sip_core::SipCounters, base: u64) {
+        store(
+            &[
+                &c.requests_in,
+                &c.responses_in,
+                &c.requests_forwarded,
+                &c.responses_forwarded,
+                &c.in_dialog_from_services,
+                &c.routed_by_record_route,
+                &c.replies_400,
+                &c.replies_483,
+                &c.replies_503,
+                &c.replies_513,
+                &c.malformed,
+                &c.not_ours,
+                &c.loops,
+                &c.unroutable,
+                &c.acks_not_forwarded,
+                &c.send_errors,
+                &c.recv_errors,
+            ],
+            base,
+        );
+    }
+
+    fn fill_transport(data: &DataPath, base: u64) {
+        match data {
+            DataPath::SipUdp(_) => {}
+            DataPath::SipTcp(_, shared) => {
+                let c = &shared.counters;
+                store(
+                    &[
+                        &c.clients_accepted,
+                        &c.clients_refused,
+                        &c.slow_clients_closed,
+                        &c.framing_errors,
+                        &c.keepalive_pings,
+                        &c.responses_no_client,
+                        &c.in_dialog_no_client,
+                        &c.service_connect_failures,
+                        &c.service_connections_lost,
+                        &c.service_queue_full,
+                        &c.requests_rerouted,
+                        &c.requests_lost,
+                        &c.services_retired,
+                    ],
+                    base,
+                );
+            }
+            DataPath::Udp(core) => {
+                let c = &core.counters;
+                store(
+                    &[
+                        &c.datagrams_in,
+                        &c.datagrams_out,
+                        &c.sessions_created,
+                        &c.sessions_expired,
+                        &c.sessions_refused,
+                        &c.sessions_rerouted,
+                        &c.no_service,
+                        &c.socket_errors,
+                        &c.service_errors,
+                        &c.recv_errors,
+                        &c.send_errors,
+                    ],
+                    base,
+                );
+            }
+            DataPath::Tcp(core) => {
+                let c = &core.counters;
+                store(
+                    &[
+                        &c.accepted,
+                        &c.refused,
+                        &c.connect_failures,
+                        &c.no_service,
+                        &c.idle_timeouts,
+                        &c.drain_cuts,
+                        &c.first_bytes_timeouts,
+                        &c.heads_unparseable,
+                        &c.client_errors,
+                        &c.service_errors,
+                        &c.accept_errors,
+                    ],
+                    base,
+                );
+            }
+        }
+    }
+
+    /// Distinct values in every counter [`render`] reads; `a2` disabled, `a3` draining (a
+    /// reload dropped it while it held a flow), `s2` new in slow start.
+    fn fill(ops: &Ops) {
+        assert!(ops.set_disabled("a2", true));
+        ops.with_vservers(|vs, _| vs[0].balancer().counters(2).expect("a3").open());
+        let without_a3 = GOLDEN_CONFIG.replace("[a1, a2, a3]", "[a1, a2]");
+        let cfg = crate::config::from_str("golden.yaml", &without_a3).expect("valid");
+        ops.apply(cfg).expect("reload");
+        ops.with_vservers(|vs, now| {
+            for (vi, v) in vs.iter().enumerate() {
+                let base = 1000 * (vi as u64 + 1);
+                let b = v.balancer();
+                for mi in 0..b.members().len() {
+                    let c = b.counters(mi).expect("counters");
+                    for _ in 0..=(vi + mi) {
+                        c.record_request();
+                        c.open();
+                    }
+                    c.record_traffic(base + 10 * mi as u64, 3 + mi as u64, now);
+                }
+                for _ in 0..vi {
+                    b.count_affinity();
+                }
+                if v.name == "vs" {
+                    b.set_health(1, Health::Down, now);
+                    b.set_health(1, Health::Up, now);
+                }
+                if let DataPath::SipUdp(core) | DataPath::SipTcp(core, _) = &v.data {
+                    fill_sip(&core.counters, base + 100);
+                }
+                fill_transport(&v.data, base + 200);
+            }
+        })
+        .expect("running");
+        for (i, s) in ops.health().services().iter().enumerate() {
+            let i = i as u64;
+            store(&[&s.probes_ok, &s.probes_failed], 10 * i + 1);
+            s.rtt_sum_us.store(1_234_567 * (i + 1), Ordering::Relaxed);
+        }
+    }
+
+    #[test]
+    fn exposition_matches_the_golden_file() {
+        let interval_ms = 3_600_000;
+        assert!(crate::health::state::first_probe_delay_ms("m1", interval_ms) > 600_000);
+        let cfg = crate::config::from_str("golden.yaml", GOLDEN_CONFIG).expect("valid");
+        let ops: Arc<Ops> = Ops::start(cfg, None).expect("start");
+        fill(&ops);
+        let got = render(&ops);
+        ops.shutdown();
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(GOLDEN);
+        if std::env::var_os("FULCRUM_BLESS").is_some() {
+            std::fs::write(&path, &got).expect("write golden file");
+        }
+        let want = std::fs::read_to_string(&path).expect("golden file present");
+        for (n, (g, w)) in got.lines().zip(want.lines()).enumerate() {
+            assert_eq!(g, w, "golden line {} differs", n + 1);
+        }
+        assert_eq!(got, want);
+    }
+}
