@@ -974,6 +974,8 @@ impl Cx {
         })
     }
 
+    /// A vserver: its fields read group by group, its services resolved, then the
+    /// cross-field rules ([`Cx::vserver_rules`], [`Cx::members_fit`]) over what was read.
     fn vserver(
         &mut self,
         node: &Node,
@@ -982,56 +984,97 @@ impl Cx {
         services_declared: &[String],
     ) -> Option<Vserver> {
         let f = self.fields(node, path, VSERVER_FIELDS)?;
+        let v = self.vserver_fields(&f, path);
+        let (members, listed_ok) = self.members(&f, path, services, services_declared);
+        let members_fit = self.members_fit(v.protocol, services, &members);
+        self.vserver_rules(&f, path, &v);
+        let members = members.iter().map(|m| m.index).collect();
+        v.build((listed_ok && members_fit).then_some(members))
+    }
+
+    /// Every field of a vserver but `services`, each read on its own (defaults may depend
+    /// on the protocol).
+    fn vserver_fields(&mut self, f: &Fields, path: &str) -> VserverFields {
         let name = self
-            .required(&f, path, "name")
+            .required(f, path, "name")
             .and_then(|n| self.string(n, &join(path, "name")));
         let protocol = self
-            .required(&f, path, "protocol")
+            .required(f, path, "protocol")
             .and_then(|n| self.choice(n, &join(path, "protocol"), &Protocol::ALL));
         let bind = self
-            .required(&f, path, "bind")
+            .required(f, path, "bind")
             .and_then(|n| self.bind_list(n, &join(path, "bind")));
-        let method_node = f.get("method");
-        let method = match (method_node, protocol) {
+        let method = match (f.get("method"), protocol) {
             (Some(n), _) => self.choice(n, &join(path, "method"), &Method::ALL),
             (None, Some(p)) if p.is_sip() => Some(Method::CallIdHash),
             (None, _) => Some(Method::LeastConnection),
         };
-        let hash_length = self.int_field(&f, path, "hash_length", (1, 4096), 80);
-        let netmask = match f.get("netmask") {
-            None => Some(Ipv4Addr::BROADCAST),
-            Some(n) => {
-                let p = join(path, "netmask");
-                self.string(n, &p)
-                    .and_then(|s| match s.parse::<Ipv4Addr>() {
-                        Ok(m) if is_contiguous_mask(m) => Some(m),
-                        _ => {
-                            self.problem(
-                                n.pos,
-                                &p,
-                                format!("`{s}` is not an IPv4 netmask such as 255.255.255.0"),
-                            );
-                            None
-                        }
-                    })
-            }
-        };
-        let v6_len = self.int_field(&f, path, "v6_netmask_len", (0, 128), 128);
-        let token = match f.get("token") {
+        let (idle_timeout, drain_timeout) = self.timeouts(f, path, protocol);
+        VserverFields {
+            name,
+            protocol,
+            bind,
+            method,
+            hash: self.hash_fields(f, path),
+            slow_start: self.optional(f, path, "slow_start", Cx::slow_start),
+            advertise: self.advertise(f, path),
+            record_route: self.bool_field(f, path, "record_route", false),
+            idle_timeout,
+            drain_timeout,
+            edge: self.edge_fields(f, path),
+            options: self.proxy_options(f, path),
+        }
+    }
+
+    /// An optional field read by `read`: `Some(None)` when absent, `None` when bad.
+    fn optional<T>(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        name: &str,
+        read: impl FnOnce(&mut Cx, &Node, &str) -> Option<T>,
+    ) -> Option<Option<T>> {
+        match f.get(name) {
             None => Some(None),
-            Some(n) => self.token_rule(n, &join(path, "token")).map(Some),
+            Some(n) => read(self, n, &join(path, name)).map(Some),
+        }
+    }
+
+    /// `hash_length`, `netmask`, `v6_netmask_len`, `token` and `hash_balance_factor`.
+    fn hash_fields(&mut self, f: &Fields, path: &str) -> HashFields {
+        HashFields {
+            hash_length: self.int_field(f, path, "hash_length", (1, 4096), 80),
+            netmask: self.netmask(f, path),
+            v6_netmask_len: self.int_field(f, path, "v6_netmask_len", (0, 128), 128),
+            token: self.optional(f, path, "token", Cx::token_rule),
+            hash_balance_factor: self.optional(f, path, "hash_balance_factor", |cx, n, p| {
+                cx.int_in(n, p, 100, 10_000).map(|v| v as u32)
+            }),
+        }
+    }
+
+    fn netmask(&mut self, f: &Fields, path: &str) -> Option<Ipv4Addr> {
+        let Some(n) = f.get("netmask") else {
+            return Some(Ipv4Addr::BROADCAST);
         };
-        let balance = match f.get("hash_balance_factor") {
-            None => Some(None),
-            Some(n) => self
-                .int_in(n, &join(path, "hash_balance_factor"), 100, 10_000)
-                .map(|v| Some(v as u32)),
-        };
-        let slow_start = match f.get("slow_start") {
-            None => Some(None),
-            Some(n) => self.slow_start(n, &join(path, "slow_start")).map(Some),
-        };
-        let advertise = self.opt_string(&f, path, "advertise");
+        let p = join(path, "netmask");
+        self.string(n, &p)
+            .and_then(|s| match s.parse::<Ipv4Addr>() {
+                Ok(m) if is_contiguous_mask(m) => Some(m),
+                _ => {
+                    self.problem(
+                        n.pos,
+                        &p,
+                        format!("`{s}` is not an IPv4 netmask such as 255.255.255.0"),
+                    );
+                    None
+                }
+            })
+    }
+
+    /// `advertise`, reported (and kept) when it is not HOST:PORT.
+    fn advertise(&mut self, f: &Fields, path: &str) -> Option<String> {
+        let advertise = self.opt_string(f, path, "advertise");
         if let (Some(a), Some(n)) = (&advertise, f.get("advertise"))
             && !is_host_port(a)
         {
@@ -1041,21 +1084,31 @@ impl Cx {
                 format!("`{a}` is not HOST:PORT (IPv6 as [ADDR]:PORT)"),
             );
         }
-        let record_route = self.bool_field(&f, path, "record_route", false);
-        let transparent = self.bool_field(&f, path, "transparent", false);
-        let freebind = self.bool_field(&f, path, "freebind", false);
+        advertise
+    }
+
+    /// `idle_timeout` (its default depends on the protocol) and `drain_timeout` (by
+    /// default the idle timeout).
+    fn timeouts(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> (Option<Duration>, Option<Duration>) {
         let idle_timeout = match (f.get("idle_timeout"), protocol) {
             (Some(n), _) => self.duration(n, &join(path, "idle_timeout"), false),
             (None, Some(p)) => Some(default_idle_timeout(p)),
             (None, None) => None,
         };
-        let edge = self.edge_fields(&f, path);
         let drain_timeout = match f.get("drain_timeout") {
             Some(n) => self.duration(n, &join(path, "drain_timeout"), true),
             None => idle_timeout,
         };
-        let max_sessions = self.int_field(&f, path, "max_sessions", (1, 10_000_000), 100_000);
-        let workers = self.int_field(&f, path, "workers", (0, 256), 0);
+        (idle_timeout, drain_timeout)
+    }
+
+    /// `max_sessions`, `workers`, `transparent`, `freebind` and `send_proxy`.
+    fn proxy_options(&mut self, f: &Fields, path: &str) -> ProxyOptions {
         let send_proxy = match f.get("send_proxy") {
             None => Some(None),
             Some(Node {
@@ -1065,107 +1118,166 @@ impl Cx {
                 .choice(n, &join(path, "send_proxy"), &[("v2", ProxyProtocol::V2)])
                 .map(Some),
         };
+        ProxyOptions {
+            max_sessions: self.int_field(f, path, "max_sessions", (1, 10_000_000), 100_000),
+            workers: self.int_field(f, path, "workers", (0, 256), 0),
+            transparent: self.bool_field(f, path, "transparent", false),
+            freebind: self.bool_field(f, path, "freebind", false),
+            send_proxy,
+        }
+    }
 
-        // Services: names must resolve, appear once, and speak the vserver's protocol.
-        let mut members = Vec::new();
-        let mut members_ok = true;
-        if let Some(list) = self.required(&f, path, "services") {
-            let sp = join(path, "services");
-            let items = self.seq(list, &sp);
-            if items.is_empty() {
-                self.problem(list.pos, &sp, "at least one service is required");
-                members_ok = false;
-            }
-            for (i, item) in items.iter().enumerate() {
-                let ip = format!("{sp}[{i}]");
-                let Some(sname) = self.string(item, &ip) else {
-                    members_ok = false;
-                    continue;
-                };
-                match services.iter().position(|(n, _)| *n == sname) {
-                    None if services_declared.contains(&sname) => members_ok = false,
-                    None => {
-                        let hint =
-                            did_you_mean(&sname, services_declared.iter().map(String::as_str));
-                        self.problem(item.pos, &ip, format!("unknown service `{sname}`{hint}"));
-                        members_ok = false;
-                    }
-                    Some(idx) if members.contains(&idx) => {
-                        self.problem(item.pos, &ip, format!("service `{sname}` is listed twice"));
-                        members_ok = false;
-                    }
-                    Some(idx) => {
-                        let svc = services[idx].1;
-                        if let Some(p) = protocol
-                            && !protocols_fit(p, svc.protocol)
-                        {
-                            self.problem(
-                                item.pos,
-                                &ip,
-                                format!(
-                                    "service `{sname}` speaks {}, which a {} vserver cannot forward to",
-                                    svc.protocol.name(),
-                                    p.name()
-                                ),
-                            );
-                            members_ok = false;
-                        }
-                        // Two members with one hashing identity would tie on every key.
-                        let ident = |s: &Service| {
-                            s.hash_id.clone().unwrap_or_else(|| s.address.to_string())
-                        };
-                        if let Some(&other) = members
-                            .iter()
-                            .find(|&&o| ident(services[o].1) == ident(svc))
-                        {
-                            self.problem(
-                                item.pos,
-                                &ip,
-                                format!(
-                                    "service `{sname}` hashes like `{}` (same address or hash_id); give one a distinct hash_id",
-                                    services[other].0
-                                ),
-                            );
-                            members_ok = false;
-                        }
-                        members.push(idx);
-                    }
+    /// The vserver's `services` resolved by name: each must be declared and listed once.
+    /// The flag is false when one was not (its problem reported).
+    fn members(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+    ) -> (Vec<Member>, bool) {
+        let mut members: Vec<Member> = Vec::new();
+        let mut ok = true;
+        let Some(list) = self.required(f, path, "services") else {
+            return (members, ok);
+        };
+        let sp = join(path, "services");
+        let items = self.seq(list, &sp);
+        if items.is_empty() {
+            self.problem(list.pos, &sp, "at least one service is required");
+            ok = false;
+        }
+        for (i, item) in items.iter().enumerate() {
+            let ip = format!("{sp}[{i}]");
+            let Some(sname) = self.string(item, &ip) else {
+                ok = false;
+                continue;
+            };
+            match services.iter().position(|(n, _)| *n == sname) {
+                None if services_declared.contains(&sname) => ok = false,
+                None => {
+                    let hint = did_you_mean(&sname, services_declared.iter().map(String::as_str));
+                    self.problem(item.pos, &ip, format!("unknown service `{sname}`{hint}"));
+                    ok = false;
                 }
+                Some(idx) if members.iter().any(|m| m.index == idx) => {
+                    self.problem(item.pos, &ip, format!("service `{sname}` is listed twice"));
+                    ok = false;
+                }
+                Some(index) => members.push(Member {
+                    index,
+                    pos: item.pos,
+                    path: ip,
+                }),
             }
         }
+        (members, ok)
+    }
 
-        // Method / parameter / protocol fit.
-        if let (Some(m), Some(p), Some(n)) = (method, protocol, method_node) {
-            let mp = join(path, "method");
-            if m == Method::CallIdHash && !p.is_sip() {
-                self.problem(
-                    n.pos,
-                    &mp,
-                    format!(
-                        "call_id_hash needs a SIP vserver (sip-udp or sip-tcp), not {}",
-                        p.name()
-                    ),
-                );
-            }
-            if matches!(m, Method::UrlHash | Method::DomainHash)
-                && !matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
+    /// Members must speak the vserver's protocol, and hash apart: two members with one
+    /// hashing identity would tie on every key. False when one does not (reported).
+    fn members_fit(
+        &mut self,
+        protocol: Option<Protocol>,
+        services: &[(&str, &Service)],
+        members: &[Member],
+    ) -> bool {
+        let ident = |s: &Service| s.hash_id.clone().unwrap_or_else(|| s.address.to_string());
+        let mut ok = true;
+        for (k, m) in members.iter().enumerate() {
+            let (sname, svc) = services[m.index];
+            if let Some(p) = protocol
+                && !protocols_fit(p, svc.protocol)
             {
                 self.problem(
-                    n.pos,
-                    &mp,
+                    m.pos,
+                    &m.path,
                     format!(
-                        "{} needs a request URL: use protocol http, sip-udp or sip-tcp, not {}",
-                        m.name(),
+                        "service `{sname}` speaks {}, which a {} vserver cannot forward to",
+                        svc.protocol.name(),
                         p.name()
                     ),
                 );
+                ok = false;
+            }
+            if let Some(other) = members[..k]
+                .iter()
+                .find(|o| ident(services[o.index].1) == ident(svc))
+            {
+                self.problem(
+                    m.pos,
+                    &m.path,
+                    format!(
+                        "service `{sname}` hashes like `{}` (same address or hash_id); give one a distinct hash_id",
+                        services[other.index].0
+                    ),
+                );
+                ok = false;
             }
         }
-        match (
-            method,
-            token.as_ref().and_then(|t| t.as_ref()),
-            f.get("token"),
-        ) {
+        ok
+    }
+
+    /// The cross-field rules over a vserver's fields as read: method against protocol, the
+    /// token rule against method and protocol, slow start against method, and the fields
+    /// that apply to some methods or protocols only. Each is reported at the field to change.
+    fn vserver_rules(&mut self, f: &Fields, path: &str, v: &VserverFields) {
+        if let (Some(m), Some(p), Some(n)) = (v.method, v.protocol, f.get("method")) {
+            self.method_fits_protocol(n, &join(path, "method"), m, p);
+        }
+        let token = v.hash.token.as_ref().and_then(|t| t.as_ref());
+        self.token_fits(f, path, (v.method, v.protocol), token);
+        if let (Some(m), Some(Some(_)), Some(n)) = (v.method, &v.slow_start, f.get("slow_start"))
+            && m.is_hash()
+        {
+            self.problem(
+                n.pos,
+                &join(path, "slow_start"),
+                format!(
+                    "slow start applies to non-hash methods only, not {} (docs/slow_start.md)",
+                    m.name()
+                ),
+            );
+        }
+        self.fields_apply(f, path, v.method, v.protocol);
+    }
+
+    /// Methods that read a Call-ID or a request URL need a protocol that has one.
+    fn method_fits_protocol(&mut self, n: &Node, mp: &str, m: Method, p: Protocol) {
+        if m == Method::CallIdHash && !p.is_sip() {
+            self.problem(
+                n.pos,
+                mp,
+                format!(
+                    "call_id_hash needs a SIP vserver (sip-udp or sip-tcp), not {}",
+                    p.name()
+                ),
+            );
+        }
+        if matches!(m, Method::UrlHash | Method::DomainHash)
+            && !matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
+        {
+            self.problem(
+                n.pos,
+                mp,
+                format!(
+                    "{} needs a request URL: use protocol http, sip-udp or sip-tcp, not {}",
+                    m.name(),
+                    p.name()
+                ),
+            );
+        }
+    }
+
+    /// Method token needs a `token` rule, and only method token takes one.
+    fn token_fits(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        (method, protocol): (Option<Method>, Option<Protocol>),
+        token: Option<&TokenRule>,
+    ) {
+        match (method, token, f.get("token")) {
             (Some(Method::Token), None, None) => {
                 self.problem(
                     f.pos,
@@ -1182,54 +1294,62 @@ impl Cx {
             }
             (Some(Method::Token), Some(rule), Some(n)) => {
                 if let Some(p) = protocol {
-                    let fits = match rule {
-                        TokenRule::Header(_) => {
-                            matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
-                        }
-                        TokenRule::Query(_) => {
-                            matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
-                        }
-                        TokenRule::Payload { .. } => true,
-                    };
-                    if !fits {
-                        self.problem(
-                            n.pos,
-                            &join(path, "token"),
-                            format!("a header or query token needs protocol http, sip-udp or sip-tcp, not {}", p.name()),
-                        );
-                    }
-                    // A stream vserver reads at most this much before it chooses.
-                    if let TokenRule::Payload { offset, length } = rule
-                        && !p.is_datagram()
-                        && offset + length > crate::http::MAX_HEAD
-                    {
-                        self.problem(
-                            n.pos,
-                            &join(path, "token"),
-                            format!(
-                                "offset + length ({}) must not exceed {} on a {} vserver (the bytes read before choosing)",
-                                offset + length,
-                                crate::http::MAX_HEAD,
-                                p.name()
-                            ),
-                        );
-                    }
+                    self.token_fits_protocol(n, &join(path, "token"), rule, p);
                 }
             }
             _ => {}
         }
-        if let (Some(m), Some(Some(_)), Some(n)) = (method, &slow_start, f.get("slow_start"))
-            && m.is_hash()
-        {
+    }
+
+    /// A header or query token needs a protocol with headers; a payload token on a stream
+    /// must lie within the bytes read before choosing.
+    fn token_fits_protocol(&mut self, n: &Node, tp: &str, rule: &TokenRule, p: Protocol) {
+        let fits = match rule {
+            TokenRule::Header(_) => {
+                matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
+            }
+            TokenRule::Query(_) => {
+                matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
+            }
+            TokenRule::Payload { .. } => true,
+        };
+        if !fits {
             self.problem(
                 n.pos,
-                &join(path, "slow_start"),
+                tp,
                 format!(
-                    "slow start applies to non-hash methods only, not {} (docs/slow_start.md)",
-                    m.name()
+                    "a header or query token needs protocol http, sip-udp or sip-tcp, not {}",
+                    p.name()
                 ),
             );
         }
+        // A stream vserver reads at most this much before it chooses.
+        if let TokenRule::Payload { offset, length } = rule
+            && !p.is_datagram()
+            && offset + length > crate::http::MAX_HEAD
+        {
+            self.problem(
+                n.pos,
+                tp,
+                format!(
+                    "offset + length ({}) must not exceed {} on a {} vserver (the bytes read before choosing)",
+                    offset + length,
+                    crate::http::MAX_HEAD,
+                    p.name()
+                ),
+            );
+        }
+    }
+
+    /// Hash parameters apply to hash methods only; `advertise` and `record_route` to SIP
+    /// vservers only.
+    fn fields_apply(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        method: Option<Method>,
+        protocol: Option<Protocol>,
+    ) {
         for field in [
             "hash_length",
             "netmask",
@@ -1257,36 +1377,6 @@ impl Cx {
                 );
             }
         }
-
-        let edge = edge?;
-        Some(Vserver {
-            name: name?,
-            protocol: protocol?,
-            bind: bind?,
-            method: method?,
-            hash: HashParams {
-                hash_length: hash_length? as usize,
-                netmask: netmask?,
-                v6_netmask_len: v6_len? as u8,
-                token: token?,
-                hash_balance_factor: balance?,
-            },
-            slow_start: slow_start?,
-            services: if members_ok { members } else { return None },
-            advertise,
-            record_route: record_route?,
-            idle_timeout: idle_timeout?,
-            drain_timeout: drain_timeout?,
-            draining: Vec::new(),
-            allow: edge.allow,
-            deny: edge.deny,
-            flood: edge.flood,
-            max_sessions: max_sessions? as usize,
-            transparent: transparent?,
-            freebind: freebind?,
-            send_proxy: send_proxy?,
-            workers: workers? as usize,
-        })
     }
 
     /// Two vservers may not listen on the same transport address (wildcards overlap
@@ -1330,7 +1420,85 @@ impl Cx {
     }
 }
 
-/// A vserver forwards to services of its own protocol; tcp and http are the same bytes.
+/// A vserver's fields as read, before the cross-field rules; a `None` is a value that was
+/// bad (and already reported).
+struct VserverFields {
+    name: Option<String>,
+    protocol: Option<Protocol>,
+    bind: Option<Vec<SocketAddr>>,
+    method: Option<Method>,
+    hash: HashFields,
+    slow_start: Option<Option<SlowStart>>,
+    advertise: Option<String>,
+    record_route: Option<bool>,
+    idle_timeout: Option<Duration>,
+    drain_timeout: Option<Duration>,
+    edge: Option<EdgeFields>,
+    options: ProxyOptions,
+}
+
+/// The hashing fields as read (`token` and `hash_balance_factor` are `Some(None)` when
+/// absent).
+struct HashFields {
+    hash_length: Option<i128>,
+    netmask: Option<Ipv4Addr>,
+    v6_netmask_len: Option<i128>,
+    token: Option<Option<TokenRule>>,
+    hash_balance_factor: Option<Option<u32>>,
+}
+
+/// The listener and forwarding options as read.
+struct ProxyOptions {
+    max_sessions: Option<i128>,
+    workers: Option<i128>,
+    transparent: Option<bool>,
+    freebind: Option<bool>,
+    send_proxy: Option<Option<ProxyProtocol>>,
+}
+
+/// A service a vserver lists: its index in the services, and where it is listed.
+struct Member {
+    index: usize,
+    pos: Pos,
+    path: String,
+}
+
+impl VserverFields {
+    /// The vserver, when every field was good and `members` is `Some`.
+    fn build(self, members: Option<Vec<usize>>) -> Option<Vserver> {
+        let (h, o) = (self.hash, self.options);
+        let edge = self.edge?;
+        Some(Vserver {
+            name: self.name?,
+            protocol: self.protocol?,
+            bind: self.bind?,
+            method: self.method?,
+            hash: HashParams {
+                hash_length: h.hash_length? as usize,
+                netmask: h.netmask?,
+                v6_netmask_len: h.v6_netmask_len? as u8,
+                token: h.token?,
+                hash_balance_factor: h.hash_balance_factor?,
+            },
+            slow_start: self.slow_start?,
+            services: members?,
+            advertise: self.advertise,
+            record_route: self.record_route?,
+            idle_timeout: self.idle_timeout?,
+            drain_timeout: self.drain_timeout?,
+            draining: Vec::new(),
+            allow: edge.allow,
+            deny: edge.deny,
+            flood: edge.flood,
+            max_sessions: o.max_sessions? as usize,
+            transparent: o.transparent?,
+            freebind: o.freebind?,
+            send_proxy: o.send_proxy?,
+            workers: o.workers? as usize,
+        })
+    }
+}
+
 /// A vserver's `allow`, `deny` and `flood`, parsed.
 struct EdgeFields {
     allow: Option<Vec<Cidr>>,
@@ -1338,6 +1506,7 @@ struct EdgeFields {
     flood: Option<FloodParams>,
 }
 
+/// A vserver forwards to services of its own protocol; tcp and http are the same bytes.
 fn protocols_fit(vserver: Protocol, service: Protocol) -> bool {
     vserver == service
         || matches!(
