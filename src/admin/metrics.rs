@@ -93,14 +93,16 @@ pub fn render(ops: &Ops) -> String {
         "counter",
         "Transport events of a vserver's data path (sessions, connections, refusals, errors).",
     );
+    let mut edge = EdgeFamilies::new();
     let health = ops.health();
-    ops.with_vservers(|vs, _now| {
+    ops.with_vservers(|vs, now| {
         for v in vs {
             services.add(v);
             add_selections(&mut paths, v);
             if let DataPath::SipUdp(core) | DataPath::SipTcp(core, _) = &v.data {
                 sip.add(&v.name, &core.counters);
             }
+            edge.add(&mut sip.dropped, v, now);
             add_transport_events(&mut events, v);
         }
     });
@@ -112,6 +114,7 @@ pub fn render(ops: &Ops) -> String {
     let families = (services.families().into_iter())
         .chain([&paths])
         .chain(sip.families())
+        .chain(edge.families())
         .chain([&events])
         .chain(monitors.families());
     for f in families {
@@ -291,7 +294,11 @@ impl SipFamilies {
         let codes = [
             ("400", &c.replies_400),
             ("483", &c.replies_483),
+            ("420", &c.replies_420),
+            ("483", &c.replies_483),
+            ("501", &c.replies_501),
             ("503", &c.replies_503),
+            ("505", &c.replies_505),
             ("513", &c.replies_513),
         ];
         add_each(&mut self.replies, n, "code", &codes);
@@ -301,6 +308,48 @@ impl SipFamilies {
 
     fn families(&self) -> [&Family; 4] {
         [&self.sip_in, &self.dropped, &self.replies, &self.io_err]
+    }
+}
+
+/// Edge protection of every vserver (docs/edge.md): drops by the access lists and flood
+/// control (in `fulcrum_dropped_total` beside the SIP reasons), bans started, sources banned.
+struct EdgeFamilies {
+    bans: Family,
+    banned: Family,
+}
+
+impl EdgeFamilies {
+    fn new() -> EdgeFamilies {
+        EdgeFamilies {
+            bans: Family::new(
+                "fulcrum_flood_bans_total",
+                "counter",
+                "Sources banned by flood control.",
+            ),
+            banned: Family::new(
+                "fulcrum_flood_banned_sources",
+                "gauge",
+                "Sources banned by flood control now.",
+            ),
+        }
+    }
+
+    fn add(&mut self, dropped: &mut Family, v: &VserverHandle, now: u64) {
+        let e = v.data.edge();
+        let c = e.counters();
+        let n = v.name.as_str();
+        add_each(
+            dropped,
+            n,
+            "reason",
+            &[("acl", &c.acl), ("flood", &c.flood)],
+        );
+        self.bans.add(&[("vserver", n)], load(&c.bans));
+        self.banned.add(&[("vserver", n)], e.bans(now).len());
+    }
+
+    fn families(&self) -> [&Family; 2] {
+        [&self.bans, &self.banned]
     }
 }
 
