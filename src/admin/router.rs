@@ -3,6 +3,7 @@
 //!
 //! | route | does |
 //! |---|---|
+//! | `GET /` | the dashboard: one self-contained HTML page, a live view of `/status` (`dashboard.html`) |
 //! | `GET /status` | JSON: vservers, services with state, weight, load, rates, slow start |
 //! | `GET /metrics` | Prometheus text format ([`super::metrics`]) |
 //! | `POST /services/{name}/disable` | OUT_OF_SERVICE: no new flows, established ones continue |
@@ -12,10 +13,11 @@
 //! | `GET /healthz` | 200 `ok` while the proxy serves (liveness) |
 //! | `GET /readyz` | 200 when it should get new traffic, else 503 with the reasons ([`crate::readiness`]) |
 //!
-//! With `admin.token` set every route but the two probes needs `Authorization: Bearer TOKEN`
-//! (compared in constant time), else 401. The probes are asked by keepalived, BIRD or
-//! ExaBGP scripts, which hold no token, and say nothing but their verdict
-//! (docs/deployment.md).
+//! With `admin.token` set every route but the two probes and the page needs
+//! `Authorization: Bearer TOKEN` (compared in constant time), else 401. The probes are asked by
+//! keepalived, BIRD or ExaBGP scripts, which hold no token, and say nothing but their verdict
+//! (docs/deployment.md). The page holds no data: the browser loads it, asks the operator for
+//! the token and sends it with every request of its own.
 
 use crate::config::RateUnit;
 use crate::ops::{Ops, ReloadError};
@@ -104,10 +106,16 @@ fn authorized(expected: Option<&str>, header: Option<&str>) -> bool {
     constant_time_eq(given.as_bytes(), expected.as_bytes())
 }
 
+/// The dashboard page, embedded at build time.
+pub const DASHBOARD_HTML: &str = include_str!("dashboard.html");
+
 /// Answer one request.
 pub fn handle(ops: &Ops, req: &Request) -> Response {
     if let Some(r) = probe(ops, req) {
         return r;
+    }
+    if req.path.trim_matches('/').is_empty() {
+        return dashboard(&req.method);
     }
     if !authorized(ops.token().as_deref(), req.authorization.as_deref()) {
         let mut r = Response::error(401, "missing or wrong bearer token");
@@ -176,6 +184,17 @@ fn probe(ops: &Ops, req: &Request) -> Option<Response> {
     } else {
         readyz(&ops.readiness())
     })
+}
+
+fn dashboard(method: &str) -> Response {
+    if method != "GET" {
+        return Response::error(405, "method not allowed");
+    }
+    Response {
+        status: 200,
+        content_type: "text/html; charset=utf-8",
+        body: DASHBOARD_HTML.to_owned(),
+    }
 }
 
 fn healthz(is_serving: bool) -> Response {
@@ -402,6 +421,21 @@ mod tests {
             body,
             json!({ "ready": false, "reasons": ["draining", "vserver v: no usable service"] })
         );
+    }
+
+    #[test]
+    fn dashboard_is_one_self_contained_page() {
+        let page = dashboard("GET");
+        assert_eq!(
+            (page.status, page.content_type),
+            (200, "text/html; charset=utf-8")
+        );
+        assert!(page.body.starts_with("<!doctype html>"));
+        // No asset from elsewhere: the admin API may run where nothing else is reachable.
+        for outside in ["https://", "<link", " src=", "@import", "url("] {
+            assert!(!page.body.contains(outside), "{outside}");
+        }
+        assert_eq!(dashboard("POST").status, 405);
     }
 
     #[test]
