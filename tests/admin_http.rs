@@ -224,6 +224,19 @@ fn dashboard_loads_without_a_token_and_the_server_stops_on_shutdown() {
     );
     assert!(body.contains("/status"));
 
+    // A change from another site's page is refused; from the page's own origin it is not.
+    let disable = |origin: &str| {
+        format!(
+            "POST /services/s0/disable HTTP/1.1\r\nHost: {addr}\r\nOrigin: {origin}\r\nAuthorization: Bearer s3cret\r\nContent-Length: 0\r\n\r\n"
+        )
+    };
+    s.write_all(disable("https://evil.example").as_bytes())
+        .expect("write");
+    assert_eq!(response(&mut s).expect("refused").0, 403);
+    s.write_all(disable(&format!("http://{addr}")).as_bytes())
+        .expect("write");
+    assert_eq!(response(&mut s).expect("applied").0, 200);
+
     // The kept-alive connection above, idle, is closed by the shutdown; the listener goes.
     ops.shutdown();
     s.set_read_timeout(Some(Duration::from_secs(5)))

@@ -156,14 +156,19 @@ async fn respond(
         Ok(Err(_)) => return closing(error(400, "bad request body")),
         Err(_) => return closing(error(408, "request timeout")),
     };
+    let text = |name: header::HeaderName| {
+        parts
+            .headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
     let request = Request {
         method: parts.method.as_str().to_owned(),
         path: parts.uri.path().to_owned(),
-        authorization: parts
-            .headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned),
+        authorization: text(header::AUTHORIZATION),
+        origin: text(header::ORIGIN),
+        host: text(header::HOST),
         body: body.to_vec(),
     };
     // Reload reads a file and restarts monitors: keep it off the async workers.

@@ -4,6 +4,7 @@
 //   FULCRUM_TOKEN      its admin token
 //   FULCRUM_CHROMIUM   the browser to launch
 //   FULCRUM_SCREENSHOT where to save the screenshot
+// and, when set, FULCRUM_SCREENSHOT_PHONE: where to save the page as a phone shows it.
 // Prints one line per step; exits non-zero at the first failed expectation.
 import { chromium } from "playwright-core";
 import { mkdtempSync, rmSync } from "node:fs";
@@ -122,6 +123,52 @@ try {
     [...document.querySelectorAll("input")].filter((i) => i.labels.length === 0).length);
   expect(unlabelled === 0, "every input has a label");
 
+  // Text contrast of at least 4.5:1 (WCAG 2.1, 1.4.3) for every text the page shows, in the
+  // light and the dark scheme, with a badge of every state shown for the check.
+  for (const colorScheme of ["light", "dark"]) {
+    await page.emulateMedia({ colorScheme });
+    const low = await page.evaluate(() => {
+      const sample = document.createElement("div");
+      sample.className = "panel";
+      for (const st of ["UP", "DOWN", "OUT_OF_SERVICE", "DRAINING", "other"]) {
+        const badge = document.createElement("span");
+        badge.className = "state st-" + st;
+        badge.textContent = st;
+        sample.append(badge);
+      }
+      document.querySelector("main").append(sample);
+      const rgb = (c) => (c.match(/[\d.]+/g) || []).map(Number);
+      const lum = ([r, g, b]) => {
+        const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+        return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+      };
+      const background = (e) => {
+        for (; e; e = e.parentElement) {
+          const c = rgb(getComputedStyle(e).backgroundColor);
+          if (c.length === 3 || c[3] > 0) return c.slice(0, 3);
+        }
+        return [255, 255, 255];
+      };
+      const bad = [];
+      let checked = 0;
+      for (const e of document.querySelectorAll("body *")) {
+        if (!e.offsetParent || ![...e.childNodes].some((n) => n.nodeType === 3 && n.textContent.trim())) continue;
+        const a = lum(rgb(getComputedStyle(e).color).slice(0, 3));
+        const b = lum(background(e));
+        const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+        checked += 1;
+        if (ratio < 4.5) bad.push(e.tagName + " '" + e.textContent.trim().slice(0, 30) + "' " + ratio.toFixed(2));
+      }
+      sample.remove();
+      return { bad, checked };
+    });
+    expect(low.checked > 40, "texts found to check: " + low.checked);
+    const bad = low.bad;
+    expect(bad.length === 0, colorScheme + ": contrast below 4.5:1: " + bad.join("; "));
+    step(colorScheme + " scheme: " + low.checked + " texts, contrast at least 4.5:1");
+  }
+  await page.emulateMedia({ colorScheme: "light" });
+
   // Let the sparklines fill a little, then the picture README shows.
   await until("traffic on the sparklines", async () =>
     (await page.locator('tr[data-service="s0"] polyline').getAttribute("points") || "").split(" ").length >= 15);
@@ -132,6 +179,9 @@ try {
   await page.setViewportSize({ width: 390, height: 844 });
   const overflow = await page.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
   expect(overflow <= 1, "no horizontal scrolling on a phone, overflow " + overflow);
+  if (process.env.FULCRUM_SCREENSHOT_PHONE) {
+    await page.screenshot({ path: process.env.FULCRUM_SCREENSHOT_PHONE, fullPage: true });
+  }
   step("readable at 390 px wide");
 
   expect(errors.length === 0, "no script errors: " + errors.join("; "));
