@@ -4,7 +4,7 @@
 //! A pure decision core (no sockets, no clock, no randomness) inside an I/O shell.
 //!
 //! - `acl`        PURE  allow / deny CIDR lists of a vserver
-//! - `admin`      IO    admin HTTP API: socket-free router over `Ops`, tiny HTTP/1.1 server, /metrics
+//! - `admin`      IO    admin HTTP API: socket-free router over `Ops`, hyper HTTP/1.1 server, /metrics, dashboard page
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback

@@ -311,8 +311,11 @@ fn get_with(ops: &Ops, token: &str) -> Value {
     serde_json::from_str(&r.body).expect("json")
 }
 
+/// One request on its own connection, read to its end: the server keeps connections alive, so
+/// the request asks it to close this one.
 fn http(addr: SocketAddr, req: &str) -> String {
     use std::io::{Read, Write};
+    let req = req.replacen("\r\n", "\r\nConnection: close\r\n", 1);
     let mut s = std::net::TcpStream::connect(addr).expect("connect admin");
     s.set_read_timeout(Some(Duration::from_secs(5)))
         .expect("timeout");

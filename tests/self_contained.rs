@@ -15,8 +15,9 @@ const ROOTS: &[&str] = &[
 ];
 /// Files at the top of the repository.
 const TOP_FILES: &[&str] = &["README.md", "BENCHMARKS.md", "Cargo.toml"];
-/// Build output and VCS data are not the repository's text.
-const SKIP_DIRS: &[&str] = &["target", ".git", "corpus", "artifacts"];
+/// Build output, VCS data and installed packages (the browser test's `node_modules`, ignored
+/// by git) are not the repository's text.
+const SKIP_DIRS: &[&str] = &["target", ".git", "corpus", "artifacts", "node_modules"];
 
 fn files(dir: &Path, out: &mut Vec<PathBuf>) {
     let Ok(entries) = std::fs::read_dir(dir) else {

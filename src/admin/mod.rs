@@ -1,32 +1,73 @@
-//! The admin HTTP API and `/metrics`. IO: [`serve`] is a small HTTP/1.1 server (one request
-//! per connection, bounded head and body) around the socket-free [`router`].
+//! The admin HTTP API, `/metrics` and the dashboard page. IO: [`serve`] carries the
+//! socket-free [`router`] over HTTP/1.1 (hyper), with keep-alive and bounds on everything a
+//! client controls: connections at once, head size, body size, and the time to send a request.
 //!
-//! A hand-written server rather than a framework: the API is five routes on loopback, and
-//! `httparse` (already used for the `http` data path) is all it needs.
+//! Limits ([`Limits::default`]): 256 connections at once (the next ones wait in the listen
+//! backlog until one ends: accepted late, never reset), a 16 KiB head (431 above it), a
+//! 64 KiB body (413 above it, from `Content-Length` before reading or while reading a chunked
+//! one), 10 s to send a request head (also the idle time allowed between two requests on a
+//! kept-alive connection) and 10 s to send its body (408).
 
 pub mod metrics;
 pub mod router;
 
 use crate::ops::Ops;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::{Body, Incoming};
+use hyper::header::{self, HeaderValue};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use router::{Request, Response};
+use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
-/// Largest request head.
-const MAX_HEAD: usize = 16 * 1024;
-/// Largest request body.
-const MAX_BODY: usize = 64 * 1024;
-/// A client has this long to send its request.
-const READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// The bounds [`serve_with`] holds every client to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections served at once; the next ones wait, unaccepted, in the listen backlog.
+    pub max_connections: usize,
+    /// Largest request head (request line and header fields), in bytes.
+    pub max_head_bytes: usize,
+    /// Largest request body, in bytes.
+    pub max_body_bytes: usize,
+    /// Time to send a request head, counted from the end of the previous response on a
+    /// kept-alive connection: also how long an idle connection stays open.
+    pub head_timeout: Duration,
+    /// Time to send a request body once its head has arrived.
+    pub body_timeout: Duration,
+}
 
-/// Bind `addr` and serve the admin API on `ops`' runtime until the proxy shuts down
-/// ([`Ops::shutdown_signal`]). Returns the bound address and the server task.
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_connections: 256,
+            max_head_bytes: 16 * 1024,
+            max_body_bytes: 64 * 1024,
+            head_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// [`serve_with`] with the default [`Limits`].
 pub async fn serve(
     ops: Arc<Ops>,
     addr: SocketAddr,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    serve_with(ops, addr, Limits::default()).await
+}
+
+/// Bind `addr` and serve the admin API on `ops`' runtime until the proxy shuts down
+/// ([`Ops::shutdown_signal`]): then it accepts no more connections, lets each open one finish
+/// the response it is writing and closes it. Returns the bound address and the server task.
+pub async fn serve_with(
+    ops: Arc<Ops>,
+    addr: SocketAddr,
+    limits: Limits,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
@@ -34,8 +75,15 @@ pub async fn serve(
         tracing::warn!(%local, "admin API listens beyond loopback");
     }
     let mut signal = ops.shutdown_signal();
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let task = tokio::spawn(async move {
         loop {
+            // A slot first, then accept: past the bound, connections queue in the kernel.
+            let slot = tokio::select! {
+                s = Arc::clone(&slots).acquire_owned() => s,
+                () = signal.recv() => return,
+            };
+            let Ok(slot) = slot else { return };
             let accepted = tokio::select! {
                 a = listener.accept() => a,
                 () = signal.recv() => return,
@@ -43,14 +91,16 @@ pub async fn serve(
             let (conn, peer) = match accepted {
                 Ok(c) => c,
                 Err(e) => {
+                    // Out of descriptors, typically: give the open connections time to end.
                     tracing::debug!(error = %e, "admin accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             };
-            let ops = Arc::clone(&ops);
+            let (ops, signal) = (Arc::clone(&ops), signal.clone());
             tokio::spawn(async move {
-                if let Err(e) = connection(ops, conn).await {
+                let _slot = slot;
+                if let Err(e) = connection(ops, limits, conn, signal).await {
                     tracing::debug!(%peer, error = %e, "admin connection");
                 }
             });
@@ -59,43 +109,114 @@ pub async fn serve(
     Ok((local, task))
 }
 
-async fn connection(ops: Arc<Ops>, mut conn: TcpStream) -> std::io::Result<()> {
-    let resp = match tokio::time::timeout(READ_TIMEOUT, read_request(&mut conn)).await {
-        Ok(Ok(Some(req))) => {
-            // Reload reads a file and restarts monitors: keep it off the async workers.
-            tokio::task::spawn_blocking(move || router::handle(&ops, &req))
-                .await
-                .unwrap_or_else(|_| error(500, "internal error"))
+async fn connection(
+    ops: Arc<Ops>,
+    limits: Limits,
+    conn: TcpStream,
+    mut signal: crate::proxy::shutdown::Signal,
+) -> hyper::Result<()> {
+    let service = hyper::service::service_fn(move |req| {
+        let ops = Arc::clone(&ops);
+        async move { Ok::<_, Infallible>(respond(ops, limits, req).await) }
+    });
+    let served = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.head_timeout)
+        .max_buf_size(limits.max_head_bytes.max(8192) * 2)
+        .max_header_size(limits.max_head_bytes)
+        .keep_alive(true)
+        .serve_connection(TokioIo::new(conn), service);
+    tokio::pin!(served);
+    tokio::select! {
+        r = served.as_mut() => r,
+        () = signal.recv() => {
+            served.as_mut().graceful_shutdown();
+            served.await
         }
-        Ok(Ok(None)) => error(400, "bad request"),
-        Ok(Err(e)) => return Err(e),
-        Err(_) => error(408, "request timeout"),
+    }
+}
+
+async fn respond(
+    ops: Arc<Ops>,
+    limits: Limits,
+    req: hyper::Request<Incoming>,
+) -> hyper::Response<Full<Bytes>> {
+    let (parts, body) = req.into_parts();
+    // A declared length over the bound is refused before any of it is read (nor a
+    // `100 Continue` sent, RFC 9110 section 10.1.1); `Limited` catches a chunked one.
+    if body.size_hint().lower() > limits.max_body_bytes as u64 {
+        return closing(error(413, "request body too large"));
+    }
+    let read = Limited::new(body, limits.max_body_bytes).collect();
+    let body = match tokio::time::timeout(limits.body_timeout, read).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) if e.is::<LengthLimitError>() => {
+            return closing(error(413, "request body too large"));
+        }
+        Ok(Err(_)) => return closing(error(400, "bad request body")),
+        Err(_) => return closing(error(408, "request timeout")),
     };
-    let reason = match resp.status {
-        200 => "OK",
-        400 => "Bad Request",
-        401 => "Unauthorized",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        408 => "Request Timeout",
-        409 => "Conflict",
-        413 => "Payload Too Large",
-        503 => "Service Unavailable",
-        _ => "Error",
+    let text = |name: header::HeaderName| {
+        parts
+            .headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
     };
-    let mut head = format!(
-        "HTTP/1.1 {} {reason}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
-        resp.status,
-        resp.content_type,
-        resp.body.len()
+    let request = Request {
+        method: parts.method.as_str().to_owned(),
+        path: parts.uri.path().to_owned(),
+        authorization: text(header::AUTHORIZATION),
+        origin: text(header::ORIGIN),
+        host: text(header::HOST),
+        body: body.to_vec(),
+    };
+    // Reload reads a file and restarts monitors: keep it off the async workers.
+    let resp = tokio::task::spawn_blocking(move || router::handle(&ops, &request))
+        .await
+        .unwrap_or_else(|_| error(500, "internal error"));
+    to_http(resp)
+}
+
+fn to_http(resp: Response) -> hyper::Response<Full<Bytes>> {
+    let html = resp.content_type.starts_with("text/html");
+    let mut r = hyper::Response::new(Full::new(Bytes::from(resp.body)));
+    *r.status_mut() = hyper::StatusCode::from_u16(resp.status)
+        .unwrap_or(hyper::StatusCode::INTERNAL_SERVER_ERROR);
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(resp.content_type),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
     );
     if resp.status == 401 {
-        head.push_str("WWW-Authenticate: Bearer\r\n");
+        h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     }
-    head.push_str("\r\n");
-    conn.write_all(head.as_bytes()).await?;
-    conn.write_all(resp.body.as_bytes()).await?;
-    conn.shutdown().await
+    if html {
+        // The page is self-contained: its inline script and style, and its own origin for
+        // the API; nothing else, and no framing by other sites (clickjacking the buttons).
+        h.insert(
+            header::CONTENT_SECURITY_POLICY,
+            HeaderValue::from_static(
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 connect-src 'self'; img-src 'self' data:; frame-ancestors 'none'; \
+                 base-uri 'none'; form-action 'none'",
+            ),
+        );
+    }
+    r
+}
+
+/// `resp`, and the connection closes after it: its request body may be left unread.
+fn closing(resp: Response) -> hyper::Response<Full<Bytes>> {
+    let mut r = to_http(resp);
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
 }
 
 fn error(status: u16, msg: &str) -> Response {
@@ -103,59 +224,5 @@ fn error(status: u16, msg: &str) -> Response {
         status,
         content_type: "application/json",
         body: format!("{}\n", serde_json::json!({ "error": msg })),
-    }
-}
-
-/// Read one request; `Ok(None)` for a malformed or oversized one.
-async fn read_request(conn: &mut TcpStream) -> std::io::Result<Option<Request>> {
-    let mut buf = Vec::with_capacity(1024);
-    loop {
-        let mut chunk = [0u8; 4096];
-        let n = conn.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(None);
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        let mut headers = [httparse::EMPTY_HEADER; 32];
-        let mut req = httparse::Request::new(&mut headers);
-        match req.parse(&buf) {
-            Ok(httparse::Status::Complete(head_len)) => {
-                let header = |name: &str| {
-                    req.headers
-                        .iter()
-                        .find(|h| h.name.eq_ignore_ascii_case(name))
-                        .and_then(|h| std::str::from_utf8(h.value).ok())
-                        .map(str::to_owned)
-                };
-                let len = match header("content-length").map(|v| v.trim().parse::<usize>()) {
-                    None => 0,
-                    Some(Ok(l)) if l <= MAX_BODY => l,
-                    Some(_) => return Ok(None),
-                };
-                let mut r = Request {
-                    method: req.method.unwrap_or("").to_owned(),
-                    path: req
-                        .path
-                        .unwrap_or("/")
-                        .split('?')
-                        .next()
-                        .unwrap_or("/")
-                        .to_owned(),
-                    authorization: header("authorization"),
-                    body: buf[head_len..].to_vec(),
-                };
-                while r.body.len() < len {
-                    let n = conn.read(&mut chunk).await?;
-                    if n == 0 {
-                        return Ok(None);
-                    }
-                    r.body.extend_from_slice(&chunk[..n]);
-                }
-                r.body.truncate(len);
-                return Ok(Some(r));
-            }
-            Ok(httparse::Status::Partial) if buf.len() < MAX_HEAD => {}
-            _ => return Ok(None),
-        }
     }
 }

@@ -3,6 +3,7 @@
 //!
 //! | route | does |
 //! |---|---|
+//! | `GET /` | the dashboard: one self-contained HTML page, a live view of `/status` (`dashboard.html`) |
 //! | `GET /status` | JSON: vservers, services with state, weight, load, rates, slow start |
 //! | `GET /metrics` | Prometheus text format ([`super::metrics`]) |
 //! | `POST /services/{name}/disable` | OUT_OF_SERVICE: no new flows, established ones continue |
@@ -12,10 +13,12 @@
 //! | `GET /healthz` | 200 `ok` while the proxy serves (liveness) |
 //! | `GET /readyz` | 200 when it should get new traffic, else 503 with the reasons ([`crate::readiness`]) |
 //!
-//! With `admin.token` set every route but the two probes needs `Authorization: Bearer TOKEN`
-//! (compared in constant time), else 401. The probes are asked by keepalived, BIRD or
-//! ExaBGP scripts, which hold no token, and say nothing but their verdict
-//! (docs/deployment.md).
+//! With `admin.token` set every route but the two probes and the page needs
+//! `Authorization: Bearer TOKEN` (compared in constant time), else 401. The probes are asked by
+//! keepalived, BIRD or ExaBGP scripts, which hold no token, and say nothing but their verdict
+//! (docs/deployment.md). A change sent by a browser from another site's page is refused (403)
+//! before the token is looked at. The page holds no data: the browser loads it, asks the operator for
+//! the token and sends it with every request of its own.
 
 use crate::config::RateUnit;
 use crate::ops::{Ops, ReloadError};
@@ -30,6 +33,10 @@ pub struct Request {
     pub path: String,
     /// Value of the `Authorization` header.
     pub authorization: Option<String>,
+    /// Values of the `Origin` and `Host` headers: a browser names the page that sent a
+    /// request in `Origin` (RFC 6454 section 7).
+    pub origin: Option<String>,
+    pub host: Option<String>,
     pub body: Vec<u8>,
 }
 
@@ -44,6 +51,13 @@ impl Request {
 
     pub fn bearer(mut self, token: &str) -> Request {
         self.authorization = Some(format!("Bearer {token}"));
+        self
+    }
+
+    /// As a browser sends it from a page of `origin` to the server named `host`.
+    pub fn from_page(mut self, origin: &str, host: &str) -> Request {
+        self.origin = Some(origin.to_owned());
+        self.host = Some(host.to_owned());
         self
     }
 
@@ -104,10 +118,19 @@ fn authorized(expected: Option<&str>, header: Option<&str>) -> bool {
     constant_time_eq(given.as_bytes(), expected.as_bytes())
 }
 
+/// The dashboard page, embedded at build time.
+pub const DASHBOARD_HTML: &str = include_str!("dashboard.html");
+
 /// Answer one request.
 pub fn handle(ops: &Ops, req: &Request) -> Response {
     if let Some(r) = probe(ops, req) {
         return r;
+    }
+    if req.path.trim_matches('/').is_empty() {
+        return dashboard(&req.method);
+    }
+    if is_cross_site_change(req) {
+        return Response::error(403, "a change from another site's page is refused");
     }
     if !authorized(ops.token().as_deref(), req.authorization.as_deref()) {
         let mut r = Response::error(401, "missing or wrong bearer token");
@@ -213,6 +236,36 @@ fn probe(ops: &Ops, req: &Request) -> Option<Response> {
     } else {
         readyz(&ops.readiness())
     })
+}
+
+/// A change (any method but GET and HEAD) a browser sends from a page of another origin than
+/// this server: a form on any web site can POST to a loopback admin API (cross-site request
+/// forgery), and without a token nothing else would stop it. Tools that are not browsers send
+/// no `Origin`; the dashboard's own requests carry this server's.
+fn is_cross_site_change(req: &Request) -> bool {
+    if matches!(req.method.as_str(), "GET" | "HEAD") {
+        return false;
+    }
+    let Some(origin) = req.origin.as_deref() else {
+        return false;
+    };
+    let own = req.host.as_deref().is_some_and(|host| {
+        ["http://", "https://"]
+            .iter()
+            .any(|scheme| origin.strip_prefix(scheme) == Some(host))
+    });
+    !own
+}
+
+fn dashboard(method: &str) -> Response {
+    if method != "GET" {
+        return Response::error(405, "method not allowed");
+    }
+    Response {
+        status: 200,
+        content_type: "text/html; charset=utf-8",
+        body: DASHBOARD_HTML.to_owned(),
+    }
 }
 
 fn healthz(is_serving: bool) -> Response {
@@ -440,6 +493,45 @@ mod tests {
             body,
             json!({ "ready": false, "reasons": ["draining", "vserver v: no usable service"] })
         );
+    }
+
+    #[test]
+    fn changes_from_other_sites_pages_are_told_apart() {
+        let post = Request::new("POST", "/services/s/disable");
+        assert!(!is_cross_site_change(&post), "curl: no Origin");
+        let own = post
+            .clone()
+            .from_page("http://127.0.0.1:9090", "127.0.0.1:9090");
+        assert!(!is_cross_site_change(&own));
+        for (origin, host) in [
+            ("https://evil.example", "127.0.0.1:9090"),
+            ("null", "127.0.0.1:9090"),
+            ("http://127.0.0.1:9091", "127.0.0.1:9090"),
+            ("http://127.0.0.1:9090.evil.example", "127.0.0.1:9090"),
+        ] {
+            let r = post.clone().from_page(origin, host);
+            assert!(is_cross_site_change(&r), "{origin}");
+        }
+        let read = Request::new("GET", "/status").from_page("https://evil.example", "x");
+        assert!(
+            !is_cross_site_change(&read),
+            "reads are the token's and CORS's business"
+        );
+    }
+
+    #[test]
+    fn dashboard_is_one_self_contained_page() {
+        let page = dashboard("GET");
+        assert_eq!(
+            (page.status, page.content_type),
+            (200, "text/html; charset=utf-8")
+        );
+        assert!(page.body.starts_with("<!doctype html>"));
+        // No asset from elsewhere: the admin API may run where nothing else is reachable.
+        for outside in ["https://", "<link", " src=", "@import", "url("] {
+            assert!(!page.body.contains(outside), "{outside}");
+        }
+        assert_eq!(dashboard("POST").status, 405);
     }
 
     #[test]
