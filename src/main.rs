@@ -240,6 +240,11 @@ fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Res
             .with_context(|| format!("admin API on {addr}"))?;
         tracing::info!(%bound, "admin API listening");
     }
+    // Every vserver is bound (start failed otherwise) and the admin API listens.
+    fulcrum::systemd::notify(fulcrum::systemd::State::Serving);
+    if let Some(every) = fulcrum::systemd::watchdog_interval() {
+        ops.start_watchdog(every);
+    }
     let signals = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -265,6 +270,7 @@ fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Res
         }
     })?;
     tracing::info!(drain_timeout = ?drain_timeout, "signal received: draining");
+    // The drain tells the service manager it is stopping.
     let left = ops.drain(drain_timeout);
     if left > 0 {
         tracing::warn!(flows = left, "drain timeout: closing remaining flows");
