@@ -2,7 +2,8 @@
 //! socket stands in for systemd, named by `NOTIFY_SOCKET`. READY once the vserver and the
 //! admin API listen; RELOADING (with MONOTONIC_USEC) then READY around each SIGHUP reload,
 //! refused or applied; STOPPING on SIGTERM; WATCHDOG keep-alives at half of `WATCHDOG_USEC`.
-//! Without `NOTIFY_SOCKET` nothing is sent. Synchronised on the messages, with deadlines.
+//! Without `NOTIFY_SOCKET` nothing is sent. Synchronised on the messages, with deadlines. Also
+//! `fulcrum --version`, the other face a package shows.
 
 mod common;
 
@@ -168,4 +169,19 @@ fn without_a_watchdog_only_state_changes_are_sent() {
     assert!(has(&stopping, "STOPPING=1"), "{stopping:?}");
     assert!(wait_exit(&mut child).success());
     assert_eq!(manager.watchdogs, 0);
+}
+
+/// `fulcrum --version` (what packaging/check-deb.sh runs on the packaged binary) prints the
+/// package version.
+#[test]
+fn version_flag_prints_the_package_version() {
+    let out = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .arg("--version")
+        .output()
+        .expect("run fulcrum --version");
+    assert!(out.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        format!("fulcrum {}", env!("CARGO_PKG_VERSION"))
+    );
 }
