@@ -226,6 +226,20 @@ fn wait_for_signal() -> anyhow::Result<()> {
 
 /// Run until SIGTERM / Ctrl-C: admin API, monitors, SIGHUP reload, then a graceful drain.
 fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    // Handlers first: a SIGHUP or SIGTERM right after the `listening` lines (or READY) must
+    // reload or drain, not kill the process with the default action.
+    let signals = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (mut int, mut term, mut hup) = {
+        let _in_runtime = signals.enter();
+        (
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::hangup())?,
+        )
+    };
     let admin_addr = cfg.admin.listen;
     let ops = fulcrum::ops::Ops::start(cfg, Some(path)).context("starting vservers")?;
     ops.with_vservers(|vs, _| {
@@ -245,16 +259,10 @@ fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Res
     if let Some(every) = fulcrum::systemd::watchdog_interval() {
         ops.start_watchdog(every);
     }
-    let signals = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
     signals.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut hup = signal(SignalKind::hangup())?;
         loop {
             tokio::select! {
-                r = tokio::signal::ctrl_c() => return r,
+                _ = int.recv() => return Ok::<(), anyhow::Error>(()),
                 _ = term.recv() => return Ok(()),
                 _ = hup.recv() => {
                     let ops = Arc::clone(&ops);
