@@ -179,9 +179,11 @@ impl FloodTable {
         if s.is_banned(now) {
             return Verdict::Refused;
         }
-        if now.saturating_sub(s.window_start) >= p.window_ns {
+        // A new window, or a ban that ran out: counting starts again.
+        if now.saturating_sub(s.window_start) >= p.window_ns || s.banned_until != 0 {
             s.window_start = now;
             s.count = 0;
+            s.banned_until = 0;
         }
         s.count = s.count.saturating_add(1);
         if s.count > p.limit {
@@ -283,6 +285,28 @@ mod tests {
         // The ban ends: counting starts again.
         assert_eq!(t.check(a, 10 * S + 1), Verdict::Pass);
         assert!(t.bans(10 * S + 1).is_empty());
+    }
+
+    /// A ban shorter than the window: when it ends, the source starts a fresh count (it was
+    /// banned again at once while its old window ran on).
+    #[test]
+    fn a_source_counts_afresh_once_its_ban_ends() {
+        let t = FloodTable::new(
+            FloodParams {
+                limit: 2,
+                window_ns: 30 * S,
+                ban_ns: S,
+            },
+            1024,
+        );
+        let a = ip("192.0.2.1");
+        assert_eq!(t.check(a, 0), Verdict::Pass);
+        assert_eq!(t.check(a, 0), Verdict::Pass);
+        assert_eq!(t.check(a, 0), Verdict::Banned);
+        assert_eq!(t.check(a, S / 2), Verdict::Refused);
+        assert_eq!(t.check(a, S), Verdict::Pass);
+        assert_eq!(t.check(a, S), Verdict::Pass);
+        assert_eq!(t.check(a, S), Verdict::Banned);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
 //! - `drain`      PURE  services a reload removed, kept while their flows finish
+//! - `edge`       PURE  a vserver's access lists, flood table and drop counters
 //! - `flood`      PURE  per-source new-request limits and bans in a fixed-size table
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
 //! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine
@@ -41,6 +42,7 @@ pub mod config;
 pub mod demo;
 pub mod dialog;
 pub mod drain;
+pub mod edge;
 pub mod flood;
 pub mod hash;
 pub mod health;

@@ -241,6 +241,32 @@ impl Ops {
         ok
     }
 
+    /// Sources banned by flood control now: (vserver, source, seconds left).
+    pub fn bans(&self) -> Vec<(String, std::net::IpAddr, f64)> {
+        self.with_vservers(|vs, now| {
+            vs.iter()
+                .flat_map(|v| {
+                    v.data.edge().bans(now).into_iter().map(move |b| {
+                        let left = b.until.saturating_sub(now) as f64 / 1e9;
+                        (v.name.clone(), b.ip, left)
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+
+    /// Lift the ban of `ip` in every vserver; the vservers where it was banned.
+    pub fn unban(&self, ip: std::net::IpAddr) -> Vec<String> {
+        self.with_vservers(|vs, now| {
+            vs.iter()
+                .filter(|v| v.data.edge().unban(ip, now))
+                .map(|v| v.name.clone())
+                .collect()
+        })
+        .unwrap_or_default()
+    }
+
     /// Change a vserver's slow-start rate. `None` when the vserver is unknown, `Some(false)`
     /// when it has no slow start.
     pub fn set_slow_start_rate(&self, vserver: &str, rate: u32) -> Option<bool> {

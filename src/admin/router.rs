@@ -149,6 +149,28 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
             }
         }
         ("PUT", ["vservers", name, "slow-start"]) => slow_start(ops, name, &req.body),
+        ("GET", ["bans"]) => {
+            let bans: Vec<Value> = ops
+                .bans()
+                .into_iter()
+                .map(|(v, ip, left)| json!({ "vserver": v, "source": ip.to_string(), "remaining_s": left }))
+                .collect();
+            Response::json(200, &json!({ "bans": bans }))
+        }
+        ("DELETE", ["bans", ip]) => match ip.parse::<std::net::IpAddr>() {
+            Ok(ip) => {
+                let lifted = ops.unban(ip);
+                if lifted.is_empty() {
+                    Response::error(404, &format!("{ip} is not banned"))
+                } else {
+                    Response::json(
+                        200,
+                        &json!({ "source": ip.to_string(), "lifted_in": lifted }),
+                    )
+                }
+            }
+            Err(_) => Response::error(400, &format!("`{ip}` is not an IP address")),
+        },
         ("POST", ["reload"]) => match ops.reload() {
             Ok(changes) => Response::json(200, &json!({ "reloaded": true, "changes": changes })),
             Err(e @ ReloadError::NeedsRestart(_)) => Response::error(409, &e.to_string()),
@@ -157,9 +179,24 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
         },
         (_, ["status" | "metrics" | "reload"])
         | (_, ["services", _, "disable" | "enable"])
-        | (_, ["vservers", _, "slow-start"]) => Response::error(405, "method not allowed"),
+        | (_, ["vservers", _, "slow-start"])
+        | (_, ["bans"])
+        | (_, ["bans", _]) => Response::error(405, "method not allowed"),
         _ => Response::error(404, "no such endpoint"),
     }
+}
+
+/// A vserver's edge protection in `/status`: drops by reason, bans.
+fn edge_status(e: &crate::edge::Edge, now: u64) -> Value {
+    let c = e.counters();
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    json!({
+        "dropped": { "acl": n(&c.acl), "flood": n(&c.flood) },
+        "bans_total": n(&c.bans),
+        "banned_now": e.bans(now).len(),
+        "flood_untracked": n(&c.untracked),
+        "flood_memory_bytes": e.flood_memory_bytes(),
+    })
 }
 
 /// `/healthz` and `/readyz`, answered before the token check; `None` for any other path.
@@ -348,6 +385,7 @@ pub fn status(ops: &Ops) -> Value {
                             "active": s.is_active(),
                         })),
                         "services": services,
+                        "edge": edge_status(v.data.edge(), now),
                     })
                 })
                 .collect::<Vec<_>>()

@@ -347,6 +347,12 @@ pub struct Vserver {
     /// How long a service removed from this vserver by a reload keeps the flows pinned to it
     /// (draining) before they are cut or routed afresh. Defaults to `idle_timeout`.
     pub drain_timeout: Duration,
+    /// `allow`: the networks whose clients may use the vserver (`None`: everyone).
+    pub allow: Option<Vec<crate::acl::Cidr>>,
+    /// `deny`: networks whose clients may not (deny wins over allow).
+    pub deny: Vec<crate::acl::Cidr>,
+    /// `flood`: per-source new-request limit and ban (`None`: off).
+    pub flood: Option<crate::flood::FloodParams>,
     /// Not read from YAML: services removed from this vserver by a reload that still carry
     /// flows there (indices into [`Config::services`], not in `services`). The running proxy
     /// keeps them as members at the end of the vserver's member list, where no new flow is
@@ -366,6 +372,16 @@ pub struct Vserver {
 }
 
 impl Vserver {
+    /// The vserver's edge protection (access lists and flood table), carrying over bans and
+    /// counters from `previous` (the vserver a reload replaces).
+    pub fn edge(&self, previous: Option<&crate::edge::Edge>) -> crate::edge::Edge {
+        crate::edge::Edge::new(
+            crate::acl::Acl::new(self.allow.clone(), self.deny.clone()),
+            self.flood,
+            previous,
+        )
+    }
+
     /// The vserver's members as the running proxy indexes them (indices into
     /// [`Config::services`]): its `services`, then the services still draining there.
     pub fn members(&self) -> impl Iterator<Item = usize> + '_ {

@@ -110,6 +110,7 @@ fn sip_core(config: &Config, v: &Vserver, old: &SipCore, balancer: &Arc<Balancer
         old.local().clone(),
         Arc::clone(balancer),
     ))
+    .with_edge(v.edge(Some(old.edge())))
 }
 
 /// Copy the live dialogs of `old` into `new`, renumbering members by service name; dialogs

@@ -44,6 +44,17 @@ pub enum DataPath {
     Tcp(Arc<crate::proxy::tcp::TcpCore>),
 }
 
+impl DataPath {
+    /// The vserver's access lists, flood table and drop counters.
+    pub fn edge(&self) -> &crate::edge::Edge {
+        match self {
+            DataPath::SipUdp(c) | DataPath::SipTcp(c, _) => c.edge(),
+            DataPath::Udp(c) => c.edge(),
+            DataPath::Tcp(c) => c.edge(),
+        }
+    }
+}
+
 /// A running vserver.
 #[derive(Debug)]
 pub struct VserverHandle {

@@ -45,6 +45,10 @@ pub enum DropReason {
     Unroutable,
     /// An ACK that could not be forwarded (ACKs are never answered).
     AckNotForwarded,
+    /// From a source the vserver's access lists refuse (counted in its edge counters).
+    Acl,
+    /// A new request from a source banned by flood control (counted there too).
+    Flood,
 }
 
 /// Where a message came from.
@@ -87,6 +91,12 @@ pub struct SipCounters {
     pub replies_483: AtomicU64,
     pub replies_503: AtomicU64,
     pub replies_513: AtomicU64,
+    /// 420 Bad Extension: a Proxy-Require fulcrum does not support (RFC 3261 §16.3 step 5).
+    pub replies_420: AtomicU64,
+    /// 501 Not Implemented: an unknown method whose CSeq names another (RFC 4475 §3.1.2.18).
+    pub replies_501: AtomicU64,
+    /// 505 Version Not Supported (RFC 4475 §3.1.2.16).
+    pub replies_505: AtomicU64,
     pub malformed: AtomicU64,
     pub not_ours: AtomicU64,
     pub loops: AtomicU64,
@@ -110,6 +120,8 @@ pub struct SipCore {
     member_addrs: Vec<SocketAddr>,
     /// `fc-svc` digest of each member (index = member index).
     digests: Vec<u64>,
+    /// Access lists and flood control ([`SipCore::with_edge`]; open by default).
+    edge: crate::edge::Edge,
     pub counters: SipCounters,
 }
 
@@ -167,6 +179,7 @@ impl SipCore {
             .collect();
         SipCore {
             digests,
+            edge: crate::edge::Edge::default(),
             name: p.name,
             local: p.local,
             record_route: p.record_route,
@@ -184,6 +197,16 @@ impl SipCore {
 
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
+    }
+
+    /// The core with the vserver's access lists and flood control.
+    pub fn with_edge(mut self, edge: crate::edge::Edge) -> SipCore {
+        self.edge = edge;
+        self
+    }
+
+    pub fn edge(&self) -> &crate::edge::Edge {
+        &self.edge
     }
 
     pub fn dialogs(&self) -> &DialogTable {
@@ -248,12 +271,17 @@ impl SipCore {
         out: &mut Vec<u8>,
     ) -> Action {
         out.clear();
+        // The access lists, before anything is parsed; a service's traffic is never checked.
+        if matches!(origin, Origin::Client { .. })
+            && !self.edge.is_open()
+            && !self.is_member_ip(src)
+            && !self.edge.admits(src.ip())
+        {
+            return Action::Drop(DropReason::Acl);
+        }
         let msg = match sip::scan(buf) {
             Ok(m) => m,
-            Err(_) => {
-                bump(&self.counters.malformed);
-                return Action::Drop(DropReason::Malformed);
-            }
+            Err(e) => return self.unscannable(buf, e, origin, src, out),
         };
         if msg.is_request() {
             bump(&self.counters.requests_in);
@@ -275,6 +303,48 @@ impl SipCore {
         }
     }
 
+    /// A message that does not scan. A client's request whose start line and headers are
+    /// sound is answered rather than dropped, so its sender learns why: 505 for another SIP
+    /// version (RFC 3261 §8.2.1 step 1 analogue for a proxy, RFC 4475 §3.1.2.16), 400 for a
+    /// Content-Length that is malformed, conflicting or larger than the datagram (RFC 3261
+    /// §18.3, RFC 4475 §3.1.2.2, §3.1.2.3, §3.3.9). A missing Content-Length is no error on a
+    /// datagram (§18.3) and never gets here. Everything else is dropped.
+    fn unscannable(
+        &self,
+        buf: &[u8],
+        e: sip::ScanError,
+        origin: Origin,
+        src: SocketAddr,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        let reply = match (origin, e) {
+            (Origin::Client { .. }, sip::ScanError::BadVersion) => Reply::VERSION_NOT_SUPPORTED,
+            // LWS in or around the Request-URI, trailing whitespace (RFC 4475 §3.1.2.8 to
+            // §3.1.2.10): a request, but not one fulcrum can forward byte for byte.
+            (
+                Origin::Client { .. },
+                sip::ScanError::BadContentLength | sip::ScanError::BadStartLine,
+            ) => Reply::BAD_REQUEST,
+            // On a stream the framing already checked Content-Length; an incomplete datagram
+            // is one whose Content-Length promises more than arrived.
+            (Origin::Client { conn: None }, sip::ScanError::Incomplete) => Reply::BAD_REQUEST,
+            _ => {
+                bump(&self.counters.malformed);
+                return Action::Drop(DropReason::Malformed);
+            }
+        };
+        match sip::scan_for_reply(buf) {
+            Ok(msg) if msg.is_request() && msg.via_header().is_some() => {
+                bump(&self.counters.requests_in);
+                self.reply(&msg, src, &reply, out)
+            }
+            _ => {
+                bump(&self.counters.malformed);
+                Action::Drop(DropReason::Malformed)
+            }
+        }
+    }
+
     /// A stateless reply to the request's sender (RFC 3261 §8.2.6, RFC 3581 §4).
     fn reply(
         &self,
@@ -290,6 +360,9 @@ impl SipCore {
                 // built is counted as malformed instead.
                 match reply.code {
                     400 => bump(&self.counters.replies_400),
+                    505 => bump(&self.counters.replies_505),
+                    420 => bump(&self.counters.replies_420),
+                    501 => bump(&self.counters.replies_501),
                     483 => bump(&self.counters.replies_483),
                     513 => bump(&self.counters.replies_513),
                     503 => bump(&self.counters.replies_503),
@@ -317,17 +390,30 @@ impl SipCore {
         now: Nanos,
         out: &mut Vec<u8>,
     ) -> Action {
-        if msg.missing_mandatory().is_some() {
-            return self.reply(msg, src, &Reply::BAD_REQUEST, out);
+        // RFC 3261 §16.3 in its order: syntax (step 1), Max-Forwards (step 3), Proxy-Require
+        // (step 5). Max-Forwards before anything is chosen: a looping request must not pin a
+        // dialog or take a slot.
+        if let Some(reply) = request_syntax_error(msg) {
+            return self.reply(msg, src, &reply, out);
         }
-        // Max-Forwards first: a looping request must not pin a dialog or take a slot.
         if msg.max_forwards() == Some(Some(0)) {
             return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out);
+        }
+        // fulcrum supports no option tag, so any Proxy-Require is refused (RFC 3261 §16.3
+        // step 5, which §16.11 keeps for stateless proxies; RFC 4475 §3.3.5).
+        if msg.proxy_require().is_some() {
+            return self.reply(msg, src, &Reply::BAD_EXTENSION, out);
         }
         // A datagram that cannot grow by fulcrum's Via, Record-Route and received / rport
         // without passing the largest UDP payload could not be sent on (RFC 3261 §21.5.14).
         if conn.is_none() && msg.len() > MAX_UDP_PAYLOAD - MAX_GROWTH {
             return self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out);
+        }
+        if self.edge.has_flood()
+            && self.is_new_flow(msg, now)
+            && !self.edge.admits_new(src.ip(), now)
+        {
+            return Action::Drop(DropReason::Flood);
         }
         let Some(member) = self.choose(msg, src, dst, now) else {
             return self.reply(msg, src, &Reply::service_unavailable(RETRY_AFTER_S), out);
@@ -344,6 +430,9 @@ impl SipCore {
             service: self.digest_of(Some(member)),
         };
         match forward_request(msg, &rw, out) {
+            Ok(n) if n > self.max_forwarded() => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
             Ok(_) => {
                 bump(&self.counters.requests_forwarded);
                 if let Some(c) = self.balancer.counters(member) {
@@ -352,7 +441,21 @@ impl SipCore {
                 Action::ToMember(member)
             }
             Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
+            Err(RewriteError::TooManyHeaders) => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
             Err(_) => self.reply(msg, src, &Reply::BAD_REQUEST, out),
+        }
+    }
+
+    /// The largest request fulcrum forwards: one it could take back itself, so that the
+    /// answer (carrying the same headers) passes it again. On datagrams the largest UDP
+    /// payload; on streams the frame limit of a client connection, the smaller of fulcrum's
+    /// two ([`crate::sip::DEFAULT_MAX_MESSAGE`]).
+    fn max_forwarded(&self) -> usize {
+        match self.local.transport() {
+            sip::Transport::Udp => MAX_UDP_PAYLOAD,
+            _ => sip::DEFAULT_MAX_MESSAGE,
         }
     }
 
@@ -480,7 +583,7 @@ impl SipCore {
     }
 
     /// Whether `addr`'s IP is the IP of a member.
-    fn is_member_ip(&self, addr: SocketAddr) -> bool {
+    pub(crate) fn is_member_ip(&self, addr: SocketAddr) -> bool {
         let ip = addr.ip().to_canonical();
         self.member_addrs.iter().any(|m| m.ip() == ip)
     }
@@ -520,6 +623,21 @@ impl SipCore {
             .filter(|(_, d)| **d == digest)
             .map(|(m, _)| m)
             .find(|&m| self.balancer.accepts_existing(m))
+    }
+
+    /// Whether a request from a client would open a new flow (flood control counts those):
+    /// outside any dialog (no To tag), not a CANCEL or ACK of a transaction, and not a
+    /// retransmission of a request already pinned (its Call-ID is in the table).
+    fn is_new_flow(&self, msg: &SipMsg<'_>, now: Nanos) -> bool {
+        if msg.to_tag().is_some() || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel)
+        {
+            return false;
+        }
+        msg.call_id().is_none_or(|c| {
+            self.dialogs
+                .get(hash::key_hash(c), now / 1_000_000)
+                .is_none()
+        })
     }
 
     /// The `fc-svc` digest to write for `member` when Record-Route is on.
@@ -581,11 +699,17 @@ impl SipCore {
             service: self.digest_of(self.member_of(src)),
         };
         match forward_request(msg, &rw, out) {
+            Ok(n) if n > self.max_forwarded() => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
             Ok(_) => {
                 bump(&self.counters.requests_forwarded);
                 Action::ToAddr(addr)
             }
             Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
+            Err(RewriteError::TooManyHeaders) => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
             Err(_) => {
                 bump(&self.counters.malformed);
                 Action::Drop(DropReason::Malformed)
@@ -639,6 +763,68 @@ impl SipCore {
             }
         }
     }
+}
+
+/// RFC 3261 §16.3 step 1 for a stateless proxy: the reply to a request a proxy cannot handle
+/// as sent, or `None`. Every check reads values the scan already indexed (Request-URI, CSeq,
+/// To, From), never the rest of the message: no second pass.
+fn request_syntax_error(msg: &SipMsg<'_>) -> Option<Reply<'static>> {
+    // Mandatory headers (§8.1.1), and each of Call-ID, CSeq, From, To, Max-Forwards once
+    // (RFC 4475 §3.3.8: the proxy cannot know which one the sender meant).
+    if msg.missing_mandatory().is_some() || msg.has_duplicate_header() {
+        return Some(Reply::BAD_REQUEST);
+    }
+    // To and From must be a name-addr or addr-spec around an absolute URI: an unbalanced
+    // quote hides the URI (RFC 4475 §3.1.2.6).
+    for v in [msg.to_header(), msg.from_header()] {
+        if !v
+            .and_then(sip::parse_name_addr)
+            .is_some_and(|na| is_absolute_uri(na.uri))
+        {
+            return Some(Reply::BAD_REQUEST);
+        }
+    }
+    let uri = msg.request_uri()?;
+    if !is_absolute_uri(uri) {
+        // §7.1 / §25.1: a bare absolute URI; `<sip:...>` is refused (RFC 4475 §3.1.2.7).
+        return Some(Reply::BAD_REQUEST);
+    }
+    // Escaped headers in a SIP Request-URI (RFC 4475 §3.1.2.11): a proxy may refuse the
+    // request or drop the headers, but must never forward them in the Request-URI. fulcrum
+    // refuses: it forwards the start line byte for byte, and a sender that put headers there
+    // has no request a downstream element could act on as meant (§19.1.5 makes them
+    // meaningful only when a URI is turned into a request).
+    if let Some(u) = sip::parse_uri(uri)
+        && !u.headers.is_empty()
+    {
+        return Some(Reply::BAD_REQUEST);
+    }
+    let method = msg.method()?;
+    let cseq = msg.cseq()?;
+    if cseq.method != method {
+        // §8.1.1.5: the CSeq method matches the request's. RFC 4475 §3.1.2.17 answers 400;
+        // §3.1.2.18 prefers 501 at a proxy when the start line's method is unknown.
+        return Some(if SipMethod::from_bytes(method) == SipMethod::Other {
+            Reply::NOT_IMPLEMENTED
+        } else {
+            Reply::BAD_REQUEST
+        });
+    }
+    None
+}
+
+/// RFC 3986 / RFC 3261 §25.1 `absoluteURI` shape: a scheme (ALPHA then ALPHA / DIGIT / `+` /
+/// `-` / `.`), a colon and something after it.
+fn is_absolute_uri(uri: &[u8]) -> bool {
+    let Some(colon) = memchr::memchr(b':', uri) else {
+        return false;
+    };
+    let scheme = &uri[..colon];
+    scheme.first().is_some_and(u8::is_ascii_alphabetic)
+        && scheme
+            .iter()
+            .all(|&c| c.is_ascii_alphanumeric() || matches!(c, b'+' | b'-' | b'.'))
+        && colon + 1 < uri.len()
 }
 
 /// Whether a request ends its dialog: a BYE, or a CANCEL of the initial INVITE (no To tag; a
@@ -1074,6 +1260,52 @@ mod tests {
         assert_eq!(c.counters.acks_not_forwarded.load(Ordering::Relaxed), 2);
         assert_eq!(c.counters.replies_483.load(Ordering::Relaxed), 0);
         assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 0);
+    }
+
+    /// The fuzz finding: an INVITE of 255 header lines scans, but forwarded with fulcrum's Via
+    /// and Record-Route it would have 257, which fulcrum itself would refuse when the answer
+    /// came back. It is answered 513 (RFC 3261 §21.5.14) and nothing is forwarded; with 254
+    /// lines it is forwarded and the forwarded request scans.
+    #[test]
+    fn a_request_fulcrum_could_not_take_back_is_answered_513() {
+        let c = core(true);
+        let mut out = Vec::new();
+        let padded = |lines: usize| {
+            let base = invite("hdr-1", 70);
+            let n = base.matches("\r\n").count() - 2;
+            let pad: String = (0..lines - n).map(|i| format!("X-Pad: {i}\r\n")).collect();
+            base.replace(
+                "Content-Length: 0\r\n",
+                &format!("{pad}Content-Length: 0\r\n"),
+            )
+        };
+        let big = padded(255);
+        assert_eq!(
+            crate::sip::scan(big.as_bytes())
+                .expect("scans")
+                .header_count(),
+            255
+        );
+        assert!(matches!(
+            handle(&c, &big, CLIENT, &mut out),
+            Action::Reply(_)
+        ));
+        assert_eq!(
+            crate::sip::scan(&out).expect("scan").status_code(),
+            Some(513)
+        );
+        assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
+        let fits = padded(254);
+        assert!(matches!(
+            handle(&c, &fits, CLIENT, &mut out),
+            Action::ToMember(_)
+        ));
+        assert_eq!(
+            crate::sip::scan(&out)
+                .expect("forwarded scans")
+                .header_count(),
+            256
+        );
     }
 
     /// A datagram too large to carry fulcrum's additions is answered 513.

@@ -672,6 +672,16 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
                 continue;
             }
         };
+        {
+            // The access lists, before anything is read (a service's own connection is
+            // never refused by them).
+            let g = shared.current.load();
+            let core = &g.core;
+            if !core.is_member_ip(src) && !core.edge().admits(src.ip()) {
+                drop(stream);
+                continue;
+            }
+        }
         if shared.clients.len() >= shared.current.load().max_clients {
             bump(&shared.counters.clients_refused);
             drop(stream);
@@ -1068,12 +1078,10 @@ pub fn start(
     let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Tcp)?;
     let balancer = Arc::new(crate::balancer::Balancer::new(config, v));
-    let core = Arc::new(SipCore::new(SipParams::of(
-        config,
-        v,
-        local,
-        Arc::clone(&balancer),
-    )));
+    let core = Arc::new(
+        SipCore::new(SipParams::of(config, v, local, Arc::clone(&balancer)))
+            .with_edge(v.edge(None)),
+    );
     let empty = Generation {
         core: Arc::clone(&core),
         links: Vec::new(),

@@ -116,7 +116,8 @@ pub fn start(
     let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Udp)?;
     let balancer = Arc::new(Balancer::new(config, v));
-    let core = Arc::new(SipCore::new(SipParams::of(config, v, local, balancer)));
+    let core =
+        Arc::new(SipCore::new(SipParams::of(config, v, local, balancer)).with_edge(v.edge(None)));
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
     ctx.sip_cells.push((v.name.clone(), Arc::clone(&cell)));
     for (i, socket) in sockets.into_iter().enumerate() {

@@ -108,6 +108,8 @@ pub struct TcpCore {
     /// Per member: raised when the member's drain times out, which closes the connections
     /// still open on it. Shared by name with the cores a reload builds from this one.
     cuts: Vec<Arc<watch::Sender<bool>>>,
+    /// Access lists and flood control, checked per accepted connection.
+    edge: crate::edge::Edge,
     transparent: bool,
     send_proxy: bool,
     epoch: Instant,
@@ -152,6 +154,7 @@ impl TcpCore {
                 .members()
                 .map(|_| Arc::new(watch::Sender::new(false)))
                 .collect(),
+            edge: v.edge(None),
             transparent: v.transparent,
             send_proxy: v.send_proxy == Some(ProxyProtocol::V2),
             epoch,
@@ -166,6 +169,7 @@ impl TcpCore {
         let mut core = TcpCore::new(config, v, epoch);
         core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
         core.live = Arc::clone(&old.live);
+        core.edge = v.edge(Some(&old.edge));
         let old_names = old.balancer.members();
         for (m, cut) in core.balancer.members().iter().zip(core.cuts.iter_mut()) {
             if let Some(j) = old_names.iter().position(|o| o.name == m.name)
@@ -213,6 +217,10 @@ impl TcpCore {
 
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
+    }
+
+    pub fn edge(&self) -> &crate::edge::Edge {
+        &self.edge
     }
 
     /// Open client connections.
@@ -366,6 +374,11 @@ async fn accept_loop(cell: TcpCell, listener: TcpListener) {
         match accepted {
             Ok((stream, peer)) => {
                 bump(&core.counters.accepted);
+                // Every connection is a new flow: the access lists, then flood control; a
+                // refused one is closed at once (dropped).
+                if !core.edge.admits(peer.ip()) || !core.edge.admits_new(peer.ip(), core.now()) {
+                    continue;
+                }
                 let reserved = core
                     .live
                     .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {

@@ -120,6 +120,8 @@ pub struct UdpCore {
     live: Arc<AtomicUsize>,
     transparent: bool,
     send_proxy: bool,
+    /// Access lists (every client datagram) and flood control (new sessions).
+    edge: crate::edge::Edge,
     pub counters: UdpCounters,
 }
 
@@ -155,6 +157,7 @@ impl UdpCore {
             live: Arc::new(AtomicUsize::new(0)),
             transparent: v.transparent,
             send_proxy: v.send_proxy == Some(ProxyProtocol::V2),
+            edge: v.edge(None),
             counters: UdpCounters::default(),
         }
     }
@@ -166,7 +169,12 @@ impl UdpCore {
         let mut core = UdpCore::new(config, v);
         core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
         core.live = Arc::clone(&old.live);
+        core.edge = v.edge(Some(&old.edge));
         core
+    }
+
+    pub fn edge(&self) -> &crate::edge::Edge {
+        &self.edge
     }
 
     /// Where a session toward member `m` of `old` goes in this core: the member with the
@@ -726,10 +734,19 @@ impl Worker {
         let Some(payload) = self.rx_buf.get(base + MAX_V2_LEN..base + MAX_V2_LEN + n) else {
             return;
         };
+        // The access lists, before anything is read of the datagram.
+        if !self.core.edge.admits(client.ip()) {
+            return;
+        }
         let id = match self.core.decide(&self.table, payload, client, local, now) {
             Decision::Existing(id) => id,
             Decision::NoService => {
                 bump(&self.core.counters.no_service);
+                return;
+            }
+            // A new session is a new flow (flood control); one replacing a session whose
+            // service went DOWN is the same flow.
+            Decision::New { replace: None, .. } if !self.core.edge.admits_new(client.ip(), now) => {
                 return;
             }
             Decision::New {

@@ -56,5 +56,5 @@ pub use rewrite::{
 };
 pub use scan::{
     CSeq, Header, HeaderName, Headers, MAX_HEADERS, NameAddr, ScanError, SipMethod, SipMsg, Span,
-    StartLine, Uri, Via, Vias, parse_ip, parse_name_addr, parse_uri, scan,
+    StartLine, Uri, Via, Vias, parse_ip, parse_name_addr, parse_uri, scan, scan_for_reply,
 };

@@ -13,8 +13,8 @@ use bytes::BufMut;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::scan::{
-    CommaValues, Indexed, SipMethod, SipMsg, Span, Via, parse_ip, parse_name_addr, parse_uri,
-    parse_via,
+    CommaValues, HeaderName, Indexed, MAX_HEADERS, SipMethod, SipMsg, Span, Via, parse_ip,
+    parse_name_addr, parse_uri, parse_via,
 };
 
 /// Branch prefix of fulcrum's Via: the RFC 3261 §8.1.1.7 magic cookie plus a marker that lets
@@ -69,6 +69,11 @@ pub enum RewriteError {
     /// The next hop is fulcrum itself.
     #[error("request routed to ourselves")]
     Loop,
+    /// What fulcrum would send has more header lines than its own scanner takes
+    /// ([`MAX_HEADERS`]): the answer could never come back through fulcrum. Answer 513
+    /// (RFC 3261 §21.5.14) to a request; drop a reply.
+    #[error("more than {MAX_HEADERS} header lines after rewriting")]
+    TooManyHeaders,
 }
 
 /// Transport fulcrum writes into its Via and Record-Route.
@@ -326,6 +331,29 @@ impl Reply<'static> {
         retry_after_s: None,
     };
 
+    /// RFC 3261 §16.3 step 5, §21.4.15: a Proxy-Require option tag fulcrum does not support;
+    /// the reply lists the tags in Unsupported (every Proxy-Require value, as received).
+    pub const BAD_EXTENSION: Reply<'static> = Reply {
+        code: 420,
+        reason: "Bad Extension",
+        retry_after_s: None,
+    };
+
+    /// RFC 3261 §21.5.2; RFC 4475 §3.1.2.18 prefers it at a proxy for an unknown method whose
+    /// CSeq names another.
+    pub const NOT_IMPLEMENTED: Reply<'static> = Reply {
+        code: 501,
+        reason: "Not Implemented",
+        retry_after_s: None,
+    };
+
+    /// RFC 3261 §21.5.6 (RFC 4475 §3.1.2.16): a SIP version other than 2.0.
+    pub const VERSION_NOT_SUPPORTED: Reply<'static> = Reply {
+        code: 505,
+        reason: "Version Not Supported",
+        retry_after_s: None,
+    };
+
     /// RFC 3261 §21.5.14: the request is larger than fulcrum can forward.
     pub const MESSAGE_TOO_LARGE: Reply<'static> = Reply {
         code: 513,
@@ -435,6 +463,12 @@ pub fn forward_request<B: BufMut>(
         Some(None) => return Err(RewriteError::BadMaxForwards),
         None => false,
     };
+    // Every line added here must still fit what fulcrum's own scanner takes, or the answer
+    // (which carries the same headers) could not come back through fulcrum.
+    let added = 1 + usize::from(rw.record_route) + usize::from(!mf);
+    if msg.header_count() + added > MAX_HEADERS {
+        return Err(RewriteError::TooManyHeaders);
+    }
 
     source_edits(&top, rw.src, rw.force_rport, &mut edits);
     if let Some(remove) = own_route_removal(msg, rw.local) {
@@ -728,24 +762,53 @@ fn build<B: BufMut>(
         return Err(RewriteError::AckNotAnswered);
     }
     let buf = msg.buf();
-    let top = msg.top_via().ok_or(RewriteError::NoVia)?;
+    // Without any Via the reply cannot be matched; a Via that does not parse (RFC 4475
+    // §3.1.2.16 has `SIP/7.0/UDP`) is copied as it is, without received / rport.
+    msg.via_index().ok_or(RewriteError::NoVia)?;
+    let top = msg.top_via();
+    let with_unsupported = reply.code == 420;
+    // From, To, Call-ID, CSeq, Content-Length (and Retry-After) besides the copied lines:
+    // counted exactly only when the request is near the limit.
+    let own = 5 + usize::from(reply.retry_after_s.is_some());
+    if msg.header_count() + own > MAX_HEADERS {
+        let copied = msg
+            .headers()
+            .filter(|h| match HeaderName::classify(h.name) {
+                HeaderName::Via => true,
+                HeaderName::ProxyRequire => with_unsupported,
+                _ => false,
+            })
+            .count();
+        if copied + own > MAX_HEADERS {
+            return Err(RewriteError::TooManyHeaders);
+        }
+    }
     out.put_slice(b"SIP/2.0 ");
     out.put_slice(dec(u64::from(reply.code.clamp(100, 699))).as_slice());
     out.put_slice(b" ");
     out.put_slice(reply.reason.as_bytes());
     out.put_slice(b"\r\n");
-    let mut edits = src.map(|src| {
-        let mut e = Edits::new();
-        source_edits(&top, src, false, &mut e);
-        e
-    });
+    let mut edits = match (src, &top) {
+        (Some(src), Some(top)) => {
+            let mut e = Edits::new();
+            source_edits(top, src, false, &mut e);
+            Some((e, top.span))
+        }
+        _ => None,
+    };
     for h in msg.headers() {
-        if super::scan::HeaderName::classify(h.name) != super::scan::HeaderName::Via {
-            continue;
+        match HeaderName::classify(h.name) {
+            HeaderName::Via => {}
+            // RFC 3261 §16.3 step 5: the tags the proxy does not support.
+            HeaderName::ProxyRequire if with_unsupported => {
+                put_header(out, b"Unsupported", h.value);
+                continue;
+            }
+            _ => continue,
         }
         match &mut edits {
             // The header holding the top Via value: written with its edits.
-            Some(e) if h.value_span.start <= top.span.start && top.span.end <= h.value_span.end => {
+            Some((e, top)) if h.value_span.start <= top.start && top.end <= h.value_span.end => {
                 out.put_slice(b"Via: ");
                 put_edited(out, buf, h.value_span, e.sorted());
                 out.put_slice(b"\r\n");
@@ -763,7 +826,7 @@ fn build<B: BufMut>(
         if msg.to_tag().is_none() {
             let mut h = xxh3_64_with_seed(msg.call_id().unwrap_or_default(), SEED);
             h = xxh3_64_with_seed(msg.from_tag().unwrap_or_default(), h);
-            h = xxh3_64_with_seed(top.branch.unwrap_or_default(), h);
+            h = xxh3_64_with_seed(top.and_then(|t| t.branch).unwrap_or_default(), h);
             out.put_slice(b";tag=fc");
             out.put_slice(&hex16(h));
         }
@@ -939,6 +1002,133 @@ To: <sip:bob@example.com>\r\n\
 Call-ID: cid-1\r\n\
 CSeq: 1 INVITE\r\n\
 Content-Length: 0\r\n\r\n";
+
+    /// `REQ` padded with `X-Pad` lines to `lines` header lines in all.
+    fn with_header_lines(lines: usize) -> Vec<u8> {
+        let mut m = REQ[..REQ.len() - 2].to_vec();
+        for i in 0..lines - 7 {
+            m.extend_from_slice(format!("X-Pad: {i}\r\n").as_bytes());
+        }
+        m.extend_from_slice(b"\r\n");
+        m
+    }
+
+    /// The fuzz finding: a request of 255 header lines scans, but with fulcrum's Via and
+    /// Record-Route it would have 257, more than fulcrum takes back; it is refused (513 at the
+    /// core) and whatever is forwarded scans and frames again, as do replies and forwarded
+    /// responses at the limit.
+    #[test]
+    fn nothing_forwarded_that_fulcrum_could_not_take_back() {
+        use crate::sip::framing::{DEFAULT_MAX_MESSAGE, Frame, next_frame};
+        let l = local();
+        for lines in [MAX_HEADERS - 2, MAX_HEADERS - 1, MAX_HEADERS] {
+            let m = with_header_lines(lines);
+            let msg = scan(&m).expect("scans");
+            assert_eq!(msg.header_count(), lines);
+            for record_route in [false, true] {
+                let mut out = Vec::new();
+                let r = RequestRewrite {
+                    record_route,
+                    ..rw(&l)
+                };
+                match forward_request(&msg, &r, &mut out) {
+                    Ok(n) => {
+                        assert!(lines + 1 + usize::from(record_route) <= MAX_HEADERS);
+                        let again = scan(&out).expect("a forwarded request scans");
+                        assert_eq!(again.header_count(), lines + 1 + usize::from(record_route));
+                        assert_eq!(
+                            next_frame(&out, DEFAULT_MAX_MESSAGE),
+                            Ok(Frame::Message {
+                                len: n,
+                                header_len: n
+                            })
+                        );
+                    }
+                    Err(e) => {
+                        assert_eq!(e, RewriteError::TooManyHeaders);
+                        assert!(lines + 1 + usize::from(record_route) > MAX_HEADERS);
+                    }
+                }
+            }
+            // fulcrum's own reply to it scans.
+            let mut out = Vec::new();
+            build_reply(&msg, &Reply::MESSAGE_TOO_LARGE, src(), &mut out).expect("reply");
+            scan(&out).expect("a reply scans");
+        }
+        // A reply that would copy more lines than the scanner takes is not built: 252 Via
+        // lines and the four other headers a reply copies are 256 lines; with the reply's
+        // Content-Length they would be 257.
+        let mut vias = b"OPTIONS sip:bob@example.com SIP/2.0\r\n".to_vec();
+        for i in 0..MAX_HEADERS - 4 {
+            vias.extend_from_slice(format!("Via: SIP/2.0/UDP 10.0.0.{i}\r\n").as_bytes());
+        }
+        vias.extend_from_slice(
+            b"From: <sip:a@x>;tag=1\r\nTo: <sip:b@y>\r\nCall-ID: c\r\nCSeq: 1 OPTIONS\r\n\r\n",
+        );
+        let msg = scan(&vias).expect("scans");
+        let mut out = Vec::new();
+        assert_eq!(
+            build_response(&msg, &Reply::BAD_REQUEST, &mut out),
+            Err(RewriteError::TooManyHeaders)
+        );
+        // One Via fewer fits exactly.
+        let fewer = vias.splitn(3, |&c| c == b'\n').collect::<Vec<_>>();
+        let fewer = [fewer[0], b"\n", fewer[2]].concat();
+        let msg = scan(&fewer).expect("scans");
+        out.clear();
+        build_response(&msg, &Reply::BAD_REQUEST, &mut out).expect("fits");
+        assert_eq!(
+            scan(&out).expect("a reply scans").header_count(),
+            MAX_HEADERS
+        );
+        // A response at the limit, fulcrum's Via on top: forwarded, it scans and frames.
+        let mut resp = format!(
+            "SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP 192.0.2.1:5060;branch={}0123456789abcdef\r\nVia: SIP/2.0/UDP 10.0.0.5:5062;branch=z9hG4bKabc\r\n",
+            std::str::from_utf8(BRANCH_PREFIX).expect("ascii")
+        )
+        .into_bytes();
+        for i in 0..MAX_HEADERS - 3 {
+            resp.extend_from_slice(format!("X-Pad: {i}\r\n").as_bytes());
+        }
+        resp.extend_from_slice(b"Content-Length: 2\r\n\r\nok");
+        let msg = scan(&resp).expect("scans");
+        assert_eq!(msg.header_count(), MAX_HEADERS);
+        let mut out = Vec::new();
+        forward_response(&msg, &l, &mut out).expect("ours");
+        assert_eq!(
+            scan(&out)
+                .expect("a forwarded response scans")
+                .header_count(),
+            MAX_HEADERS - 1
+        );
+        assert!(matches!(
+            next_frame(&out, DEFAULT_MAX_MESSAGE),
+            Ok(Frame::Message { len, .. }) if len == out.len()
+        ));
+    }
+
+    /// RFC 4475 §3.2.1: `branch=z9hG4bK` alone is no RFC 3261 branch; two unrelated requests
+    /// from one host carrying it get different branches (the RFC 2543 derivation).
+    #[test]
+    fn a_bare_cookie_branch_is_derived_like_rfc_2543() {
+        let l = local();
+        let bare = |cid: &str| {
+            String::from_utf8_lossy(REQ)
+                .replace("branch=z9hG4bKabc", "branch=z9hG4bK")
+                .replace("cid-1", cid)
+        };
+        let (a, b) = (bare("one"), bare("two"));
+        let (ma, mb) = (scan(a.as_bytes()).unwrap(), scan(b.as_bytes()).unwrap());
+        assert!(!ma.top_via().unwrap().has_cookie());
+        let (ta, tb) = (ma.top_via().unwrap(), mb.top_via().unwrap());
+        assert_ne!(branch_hash(&ma, &ta, &l), branch_hash(&mb, &tb, &l));
+        // A retransmission keeps its branch.
+        let again = scan(a.as_bytes()).unwrap();
+        assert_eq!(
+            branch_hash(&ma, &ta, &l),
+            branch_hash(&again, &again.top_via().unwrap(), &l)
+        );
+    }
 
     fn rw(l: &Local) -> RequestRewrite<'_> {
         RequestRewrite {

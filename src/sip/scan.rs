@@ -108,6 +108,8 @@ pub enum HeaderName {
     Route,
     RecordRoute,
     Contact,
+    /// RFC 3261 §20.29: option tags a proxy must support (§16.3 step 5).
+    ProxyRequire,
     Other,
 }
 
@@ -135,6 +137,7 @@ impl HeaderName {
             7 if eq(b"contact") => HeaderName::Contact,
             12 if eq(b"max-forwards") => HeaderName::MaxForwards,
             12 if eq(b"record-route") => HeaderName::RecordRoute,
+            13 if eq(b"proxy-require") => HeaderName::ProxyRequire,
             14 if eq(b"content-length") => HeaderName::ContentLength,
             _ => HeaderName::Other,
         }
@@ -191,6 +194,10 @@ pub struct SipMsg<'a> {
     route: Option<Indexed>,
     record_route: Option<Indexed>,
     contact: Option<Indexed>,
+    proxy_require: Option<Indexed>,
+    /// A header that RFC 3261 §7.3.1 / §20 allows once (Call-ID, CSeq, From, To,
+    /// Max-Forwards) appeared twice: the request is ambiguous (RFC 4475 §3.3.8).
+    has_duplicate: bool,
     /// The first Via value, parsed once at the end of the scan (every message on the proxy
     /// path needs it, some twice).
     top_via: Option<Via<'a>>,
@@ -201,6 +208,20 @@ pub struct SipMsg<'a> {
 /// With a Content-Length the message ends after that many body bytes and anything beyond is
 /// ignored (RFC 3261 §18.3); without one the body is the rest of the buffer (datagram rule).
 pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
+    scan_with(buf, false)
+}
+
+/// [`scan`] for a message that is to be answered, not forwarded: a Content-Length that is
+/// malformed, conflicting or larger than the buffer is ignored (the body is the rest of the
+/// buffer) and any `SIP/x.y` version is taken, so that fulcrum can still answer 400 or 505
+/// (RFC 3261 §16.3 step 1, §18.3; RFC 4475 §3.1.2.2, §3.1.2.3, §3.1.2.16). Only on the error
+/// path: the message it returns must never be forwarded.
+pub fn scan_for_reply(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
+    scan_with(buf, true)
+}
+
+#[inline]
+fn scan_with(buf: &[u8], for_reply: bool) -> Result<SipMsg<'_>, ScanError> {
     let mut pos = 0;
     while buf.len() >= pos + 2 && &buf[pos..pos + 2] == b"\r\n" {
         pos += 2;
@@ -210,7 +231,12 @@ pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
         None => return Err(ScanError::Incomplete),
     };
     let sl_content = Span::new(pos, trim_cr(buf, pos, sl_end));
-    let start = parse_start_line(sl_content.of(buf))?;
+    let start = match parse_start_line(sl_content.of(buf)) {
+        Err(ScanError::BadVersion | ScanError::BadStartLine) if for_reply => {
+            parse_request_line_loosely(sl_content.of(buf))?
+        }
+        r => r?,
+    };
     let start_line = sl_content;
     let headers_start = sl_end + 1;
 
@@ -232,6 +258,8 @@ pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
         route: None,
         record_route: None,
         contact: None,
+        proxy_require: None,
+        has_duplicate: false,
         top_via: None,
     };
 
@@ -252,14 +280,18 @@ pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
         };
         match HeaderName::classify(h.name) {
             HeaderName::Via => set_first(&mut msg.via, idx),
-            HeaderName::CallId => set_first(&mut msg.call_id, idx),
-            HeaderName::From => set_first(&mut msg.from, idx),
-            HeaderName::To => set_first(&mut msg.to, idx),
-            HeaderName::CSeq => set_first(&mut msg.cseq, idx),
-            HeaderName::MaxForwards => set_first(&mut msg.max_forwards, idx),
+            HeaderName::CallId => set_once(&mut msg.call_id, idx, &mut msg.has_duplicate),
+            HeaderName::From => set_once(&mut msg.from, idx, &mut msg.has_duplicate),
+            HeaderName::To => set_once(&mut msg.to, idx, &mut msg.has_duplicate),
+            HeaderName::CSeq => set_once(&mut msg.cseq, idx, &mut msg.has_duplicate),
+            HeaderName::MaxForwards => {
+                set_once(&mut msg.max_forwards, idx, &mut msg.has_duplicate);
+            }
+            HeaderName::ProxyRequire => set_first(&mut msg.proxy_require, idx),
             HeaderName::Route => set_first(&mut msg.route, idx),
             HeaderName::RecordRoute => set_first(&mut msg.record_route, idx),
             HeaderName::Contact => set_first(&mut msg.contact, idx),
+            HeaderName::ContentLength if for_reply => {}
             HeaderName::ContentLength => {
                 let n = parse_decimal(h.value).ok_or(ScanError::BadContentLength)?;
                 match msg.content_length {
@@ -284,6 +316,16 @@ pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
     msg.body = Span::new(body_start, body_end);
     msg.top_via = msg.parse_top_via();
     Ok(msg)
+}
+
+/// Index a header allowed once; a second one only raises `dup` (no extra pass).
+#[inline]
+fn set_once(slot: &mut Option<Indexed>, idx: Indexed, dup: &mut bool) {
+    if slot.is_none() {
+        *slot = Some(idx);
+    } else {
+        *dup = true;
+    }
 }
 
 #[inline]
@@ -392,6 +434,35 @@ fn parse_start_line(line: &[u8]) -> Result<StartLine<'_>, ScanError> {
     }
     check_version(&line[sp2 + 1..])?;
     Ok(StartLine::Request { method, uri })
+}
+
+/// A Request-Line read only to answer it (400 or 505): a method token, then anything, then a
+/// last word `SIP/...`; extra or trailing whitespace is tolerated (RFC 4475 §3.1.2.8 to
+/// §3.1.2.10, §3.1.2.16). Never used for a message that is forwarded.
+fn parse_request_line_loosely(line: &[u8]) -> Result<StartLine<'_>, ScanError> {
+    let line = trim_lws(line);
+    if line
+        .get(..4)
+        .is_some_and(|v| v.eq_ignore_ascii_case(b"SIP/"))
+    {
+        return Err(ScanError::BadStartLine);
+    }
+    let sp1 = memchr(b' ', line).ok_or(ScanError::BadStartLine)?;
+    let sp2 = memchr::memrchr(b' ', line).ok_or(ScanError::BadStartLine)?;
+    let method = &line[..sp1];
+    let version = &line[sp2 + 1..];
+    if method.is_empty()
+        || !method.iter().all(|&c| is_token_char(c))
+        || !version
+            .get(..4)
+            .is_some_and(|v| v.eq_ignore_ascii_case(b"SIP/"))
+    {
+        return Err(ScanError::BadStartLine);
+    }
+    Ok(StartLine::Request {
+        method,
+        uri: trim_lws(&line[sp1..sp2]),
+    })
 }
 
 /// Whether `buf` starts like a response (`SIP/2.0 ` then a status), without scanning it;
@@ -591,9 +662,12 @@ impl Via<'_> {
         parse_ip(self.host)
     }
 
-    /// `true` when the branch carries the RFC 3261 magic cookie (§8.1.1.7).
+    /// `true` when the branch is an RFC 3261 branch (§8.1.1.7): the magic cookie followed by
+    /// an id. A bare cookie is no transaction id at all (RFC 4475 §3.2.1): such a request is
+    /// handled as an RFC 2543 one.
     pub fn has_cookie(&self) -> bool {
-        self.branch.is_some_and(|b| b.starts_with(b"z9hG4bK"))
+        self.branch
+            .is_some_and(|b| b.len() > 7 && b.starts_with(b"z9hG4bK"))
     }
 }
 
@@ -1213,6 +1287,17 @@ impl<'a> SipMsg<'a> {
             return Some("CSeq");
         }
         None
+    }
+
+    /// Whether Call-ID, CSeq, From, To or Max-Forwards appears more than once (RFC 4475
+    /// §3.3.8: answer 400; a proxy cannot tell which one the sender meant).
+    pub fn has_duplicate_header(&self) -> bool {
+        self.has_duplicate
+    }
+
+    /// Raw value of the first Proxy-Require header (RFC 3261 §20.29).
+    pub fn proxy_require(&self) -> Option<&'a [u8]> {
+        self.proxy_require.map(|h| h.value.of(self.buf))
     }
 
     pub(crate) fn via_index(&self) -> Option<Indexed> {
