@@ -24,11 +24,9 @@ done
 
 contents=$(dpkg-deb -c "$deb")
 echo "$contents"
-for path in ./usr/bin/fulcrum ./lib/systemd/system/fulcrum.service ./etc/fulcrum/fulcrum.yaml \
+for path in ./usr/bin/fulcrum ./usr/lib/systemd/system/fulcrum.service ./etc/fulcrum/fulcrum.yaml \
   ./usr/share/doc/fulcrum/README.md; do
-  # The unit may sit under /lib or /usr/lib, depending on cargo-deb's and Debian's merged-/usr.
-  alt=${path/#.\/lib\//.\/usr\/lib\/}
-  grep -qE " ($path|$alt)\$" <<<"$contents" || { echo "check-deb: $path not in the package" >&2; exit 1; }
+  grep -qE " $path\$" <<<"$contents" || { echo "check-deb: $path not in the package" >&2; exit 1; }
 done
 dpkg-deb --ctrl-tarfile "$deb" | tar -tf - | grep -qx './conffiles' ||
   { echo "check-deb: no conffiles" >&2; exit 1; }
