@@ -30,6 +30,7 @@
 //! - `slow_start` PURE  slow-start state machine driven by injected time
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)
 //! - `sync`       PURE  `lock`: a mutex guard that recovers from poison (why it may)
+//! - `systemd`    PURE  service-manager notify messages (READY, RELOADING, STOPPING, watchdog); IO edge sends them
 //! - `uring`      IO    batched sends on many sockets in one system call (io_uring); the only `unsafe`
 // Denied everywhere but in `uring`, which documents why its one block is sound.
 #![deny(unsafe_code)]
@@ -61,4 +62,5 @@ pub mod sip;
 pub mod slow_start;
 pub mod stats;
 mod sync;
+pub mod systemd;
 pub mod uring;

@@ -226,6 +226,20 @@ fn wait_for_signal() -> anyhow::Result<()> {
 
 /// Run until SIGTERM / Ctrl-C: admin API, monitors, SIGHUP reload, then a graceful drain.
 fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    // Handlers first: a SIGHUP or SIGTERM right after the `listening` lines (or READY) must
+    // reload or drain, not kill the process with the default action.
+    let signals = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (mut int, mut term, mut hup) = {
+        let _in_runtime = signals.enter();
+        (
+            signal(SignalKind::interrupt())?,
+            signal(SignalKind::terminate())?,
+            signal(SignalKind::hangup())?,
+        )
+    };
     let admin_addr = cfg.admin.listen;
     let ops = fulcrum::ops::Ops::start(cfg, Some(path)).context("starting vservers")?;
     ops.with_vservers(|vs, _| {
@@ -240,16 +254,15 @@ fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Res
             .with_context(|| format!("admin API on {addr}"))?;
         tracing::info!(%bound, "admin API listening");
     }
-    let signals = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    // Every vserver is bound (start failed otherwise) and the admin API listens.
+    fulcrum::systemd::notify(fulcrum::systemd::State::Serving);
+    if let Some(every) = fulcrum::systemd::watchdog_interval() {
+        ops.start_watchdog(every);
+    }
     signals.block_on(async {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut hup = signal(SignalKind::hangup())?;
         loop {
             tokio::select! {
-                r = tokio::signal::ctrl_c() => return r,
+                _ = int.recv() => return Ok::<(), anyhow::Error>(()),
                 _ = term.recv() => return Ok(()),
                 _ = hup.recv() => {
                     let ops = Arc::clone(&ops);
@@ -265,6 +278,7 @@ fn run_proxy(cfg: Config, path: PathBuf, drain_timeout: Duration) -> anyhow::Res
         }
     })?;
     tracing::info!(drain_timeout = ?drain_timeout, "signal received: draining");
+    // The drain tells the service manager it is stopping.
     let left = ops.drain(drain_timeout);
     if left > 0 {
         tracing::warn!(flows = left, "drain timeout: closing remaining flows");

@@ -11,6 +11,7 @@ use crate::proxy::{Runtime, VserverHandle};
 use crate::readiness::{self, Readiness, VserverFacts};
 use crate::reload;
 use crate::sync::lock;
+use crate::systemd;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -279,15 +280,32 @@ impl Ops {
 
     /// Re-read the config file and apply it (see [`crate::reload`] for what applies in
     /// place). A file that does not validate, or that needs a restart, changes nothing.
+    ///
+    /// The service manager hears RELOADING before and READY after, whatever the outcome (a
+    /// refused reload leaves the proxy serving as before); both under the reload lock, so a
+    /// drain's STOPPING ([`Ops::drain`]) never comes between them, and none once draining.
     pub fn reload(&self) -> Result<Vec<String>, ReloadError> {
         let path = self.path.as_ref().ok_or(ReloadError::NoFile)?;
-        let new = config::load(path)?;
-        self.apply(new)
+        let _one_at_a_time = lock(&self.reload_lock);
+        if self.is_draining() {
+            return Err(ReloadError::ShutDown);
+        }
+        systemd::notify(systemd::reloading_now());
+        let applied = config::load(path)
+            .map_err(ReloadError::from)
+            .and_then(|new| self.apply_locked(new));
+        systemd::notify(systemd::State::Serving);
+        applied
     }
 
     /// Apply a validated config (the second half of [`Ops::reload`]).
     pub fn apply(&self, new: Config) -> Result<Vec<String>, ReloadError> {
         let _one_at_a_time = lock(&self.reload_lock);
+        self.apply_locked(new)
+    }
+
+    /// [`Ops::apply`] with the reload lock held.
+    fn apply_locked(&self, new: Config) -> Result<Vec<String>, ReloadError> {
         if self.is_draining() {
             return Err(ReloadError::ShutDown);
         }
@@ -451,14 +469,46 @@ impl Ops {
         }
     }
 
+    /// Pet the service manager's watchdog every `every` for as long as the proxy serves: a
+    /// task on the runtime that also runs the admin API and the monitors, so a wedged runtime
+    /// or a shut-down proxy stops the keep-alives and the manager steps in.
+    pub fn start_watchdog(self: &Arc<Self>, every: Duration) {
+        let Some(guard) = self
+            .runtime()
+            .as_ref()
+            .map(|rt| rt.task_group("watchdog").guard())
+        else {
+            return;
+        };
+        let weak = Arc::downgrade(self);
+        let mut signal = self.shutdown_signal();
+        self.tokio.spawn(async move {
+            let _guard = guard;
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = signal.recv() => return,
+                }
+                let Some(ops) = weak.upgrade() else { return };
+                if !ops.is_serving() {
+                    return;
+                }
+                systemd::notify(systemd::State::Alive);
+            }
+        });
+    }
+
     /// Graceful stop: no new flows (every member OUT_OF_SERVICE; established dialogs and
     /// connections continue), wait until none is active or `timeout` passes, then stop the
     /// workers. Returns the flows still active when it gave up.
     pub fn drain(&self, timeout: Duration) -> u64 {
         self.draining
             .store(true, std::sync::atomic::Ordering::Release);
-        // A reload under way finishes before the monitors stop (none starts after this).
+        // A reload under way finishes before the monitors stop (none starts after this), and
+        // its READY reaches the service manager before this STOPPING.
         drop(lock(&self.reload_lock));
+        systemd::notify(systemd::State::Stopping);
         self.health.stop_monitors();
         let active = || {
             self.with_vservers(|vs, now| {

@@ -11,7 +11,17 @@ use std::path::{Path, PathBuf};
 
 /// Trees that hold comments, messages or docs.
 const ROOTS: &[&str] = &[
-    "src", "tests", "benches", "bench", "fuzz", "examples", "config", "fixtures", "docs", ".ci",
+    "src",
+    "tests",
+    "benches",
+    "bench",
+    "fuzz",
+    "examples",
+    "config",
+    "fixtures",
+    "docs",
+    ".ci",
+    "packaging",
 ];
 /// Files at the top of the repository.
 const TOP_FILES: &[&str] = &["README.md", "BENCHMARKS.md", "Cargo.toml"];
