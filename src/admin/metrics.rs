@@ -293,7 +293,6 @@ impl SipFamilies {
         add_each(&mut self.dropped, n, "reason", &reasons);
         let codes = [
             ("400", &c.replies_400),
-            ("483", &c.replies_483),
             ("420", &c.replies_420),
             ("483", &c.replies_483),
             ("501", &c.replies_501),

@@ -777,10 +777,7 @@ fn request_syntax_error(msg: &SipMsg<'_>) -> Option<Reply<'static>> {
     // To and From must be a name-addr or addr-spec around an absolute URI: an unbalanced
     // quote hides the URI (RFC 4475 §3.1.2.6).
     for v in [msg.to_header(), msg.from_header()] {
-        if !v
-            .and_then(sip::parse_name_addr)
-            .is_some_and(|na| is_absolute_uri(na.uri))
-        {
+        if !v.is_some_and(names_an_absolute_uri) {
             return Some(Reply::BAD_REQUEST);
         }
     }
@@ -794,9 +791,7 @@ fn request_syntax_error(msg: &SipMsg<'_>) -> Option<Reply<'static>> {
     // refuses: it forwards the start line byte for byte, and a sender that put headers there
     // has no request a downstream element could act on as meant (§19.1.5 makes them
     // meaningful only when a URI is turned into a request).
-    if let Some(u) = sip::parse_uri(uri)
-        && !u.headers.is_empty()
-    {
+    if sip_uri_has_headers(uri) {
         return Some(Reply::BAD_REQUEST);
     }
     let method = msg.method()?;
@@ -811,6 +806,41 @@ fn request_syntax_error(msg: &SipMsg<'_>) -> Option<Reply<'static>> {
         });
     }
     None
+}
+
+/// Whether a To / From value holds an absolute URI, as [`sip::parse_name_addr`] splits it:
+/// without a double quote (nearly every message) the URI is between the first `<` and the
+/// next `>`, or, with no `<`, everything before the first `;`; only a value with a quoted
+/// display name needs the full parse. Two memchr instead of a parse on the per-request path.
+fn names_an_absolute_uri(v: &[u8]) -> bool {
+    if memchr::memchr(b'"', v).is_some() {
+        return sip::parse_name_addr(v).is_some_and(|na| is_absolute_uri(na.uri));
+    }
+    let uri = match memchr::memchr(b'<', v) {
+        Some(lt) => match memchr::memchr(b'>', &v[lt..]) {
+            Some(gt) => &v[lt + 1..lt + gt],
+            None => return false,
+        },
+        None => &v[..memchr::memchr(b';', v).unwrap_or(v.len())],
+    };
+    is_absolute_uri(uri.trim_ascii())
+}
+
+/// Whether a `sip:` / `sips:` URI carries `?headers` (RFC 3261 §19.1.1): a non-empty part
+/// after a `?` that follows the last `@` (the user part may itself hold `?`), as
+/// [`sip::parse_uri`] reads it, without the parse.
+fn sip_uri_has_headers(uri: &[u8]) -> bool {
+    let is_sip = uri
+        .get(..4)
+        .is_some_and(|s| s.eq_ignore_ascii_case(b"sip:"))
+        || uri
+            .get(..5)
+            .is_some_and(|s| s.eq_ignore_ascii_case(b"sips:"));
+    if !is_sip {
+        return false;
+    }
+    let host_part = memchr::memrchr(b'@', uri).map_or(uri, |at| &uri[at + 1..]);
+    memchr::memchr(b'?', host_part).is_some_and(|q| q + 1 < host_part.len())
 }
 
 /// RFC 3986 / RFC 3261 §25.1 `absoluteURI` shape: a scheme (ALPHA then ALPHA / DIGIT / `+` /
