@@ -2,7 +2,8 @@
 //! playwright-core (tests/dashboard/drive.mjs, installed by `npm ci --prefix tests/dashboard`).
 //! The proxy runs here with three SIP services behind a token and manual slow start, under a
 //! little traffic; the script logs in, disables and re-enables a service, raises the slow-start
-//! rate and saves docs/dashboard.png.
+//! rate and saves a screenshot (target/dashboard.png; with FULCRUM_BLESS=1, README's
+//! docs/dashboard.png).
 //!
 //! Without chromium, node or playwright-core the test says why and passes, unless
 //! `FULCRUM_REQUIRE_BROWSER=1` (CI, which installs them) makes that a failure.
@@ -112,7 +113,14 @@ fn dashboard_in_headless_chromium() {
     let stop = Arc::new(AtomicBool::new(false));
     let load = traffic(proxy, Arc::clone(&stop));
 
-    let shot = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/dashboard.png");
+    // The screenshot goes to target/ on every run (a test run leaves the tree as it was);
+    // `FULCRUM_BLESS=1` writes README's docs/dashboard.png instead.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let shot = if std::env::var_os("FULCRUM_BLESS").is_some() {
+        root.join("docs/dashboard.png")
+    } else {
+        root.join("target/dashboard.png")
+    };
     let out = Command::new("node")
         .arg(dir.join("drive.mjs"))
         .env("FULCRUM_ADMIN", format!("http://{admin}"))
