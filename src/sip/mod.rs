@@ -43,9 +43,9 @@
 //! }
 //! ```
 
-pub mod framing;
-pub mod rewrite;
-pub mod scan;
+pub(crate) mod framing;
+pub(crate) mod rewrite;
+pub(crate) mod scan;
 
 pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, PONG, next_frame};
 pub use rewrite::{

@@ -145,7 +145,7 @@ impl HeaderName {
 }
 
 /// `true` when two header names denote the same header, compact forms included.
-pub fn same_header(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same_header(a: &[u8], b: &[u8]) -> bool {
     if a.eq_ignore_ascii_case(b) {
         return true;
     }
@@ -467,7 +467,7 @@ fn parse_request_line_loosely(line: &[u8]) -> Result<StartLine<'_>, ScanError> {
 
 /// Whether `buf` starts like a response (`SIP/2.0 ` then a status), without scanning it;
 /// the version is compared as [`scan`] does, case-insensitively.
-pub fn is_response(buf: &[u8]) -> bool {
+pub(crate) fn is_response(buf: &[u8]) -> bool {
     buf.get(..8)
         .is_some_and(|v| v.eq_ignore_ascii_case(b"SIP/2.0 "))
 }
