@@ -80,7 +80,13 @@ impl Drains {
     /// vserver's `drain_timeout` is not zero (a drain already running keeps its deadline);
     /// a draining service that `new` lists again is revived; drains of vservers `new` lacks
     /// end.
-    pub(crate) fn reloaded(&mut self, running: &Config, new: &Config, flows: FlowsOf<'_>, now: Nanos) {
+    pub(crate) fn reloaded(
+        &mut self,
+        running: &Config,
+        new: &Config,
+        flows: FlowsOf<'_>,
+        now: Nanos,
+    ) {
         let mut next = Vec::new();
         for v in &running.vservers {
             let Some(nv) = new.vservers.iter().find(|n| n.name == v.name) else {

@@ -13,10 +13,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-fn udp_core(
-    rt: &fulcrum::proxy::Runtime,
-    name: &str,
-) -> std::sync::Arc<fulcrum::proxy::UdpCore> {
+fn udp_core(rt: &fulcrum::proxy::Runtime, name: &str) -> std::sync::Arc<fulcrum::proxy::UdpCore> {
     match &rt.vserver(name).expect("vserver").data {
         DataPath::Udp(c) => std::sync::Arc::clone(c),
         other => panic!("not udp: {other:?}"),

@@ -11,8 +11,8 @@ pub(crate) mod sip_udp;
 pub(crate) mod tcp;
 pub(crate) mod udp;
 
-pub use reconfig::Rebuilt;
 pub use fd_limit::raise_nofile_limit;
+pub use reconfig::Rebuilt;
 pub use runtime::{DataPath, Runtime, RuntimeError, VserverHandle};
 pub use sip_tcp::{TcpCounters, TcpShared};
 pub use tcp::TcpCore;

@@ -25,7 +25,12 @@ use std::time::Instant;
 ///
 /// The vserver's core is loaded from `cell` per datagram, so a reload that rebuilds it
 /// (`proxy::reconfig`) takes effect at the next datagram without touching the socket.
-pub(crate) fn run_worker(socket: UdpSocket, cell: SipUdpCell, epoch: Instant, stop: Arc<AtomicBool>) {
+pub(crate) fn run_worker(
+    socket: UdpSocket,
+    cell: SipUdpCell,
+    epoch: Instant,
+    stop: Arc<AtomicBool>,
+) {
     // Only the name is kept: holding the first core would keep its dialog table alive, and
     // count this worker's receive errors on it, after a reload replaced it.
     let name = cell.load().name.clone();
