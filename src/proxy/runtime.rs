@@ -62,13 +62,35 @@ pub struct VserverHandle {
     pub protocol: Protocol,
     /// The addresses actually bound (port 0 resolved).
     pub bound: Vec<SocketAddr>,
-    pub balancer: Arc<Balancer>,
+    balancer: Arc<Balancer>,
     pub data: DataPath,
 }
 
 impl VserverHandle {
+    pub(crate) fn new(
+        name: String,
+        protocol: Protocol,
+        bound: Vec<SocketAddr>,
+        balancer: Arc<Balancer>,
+        data: DataPath,
+    ) -> VserverHandle {
+        VserverHandle {
+            name,
+            protocol,
+            bound,
+            balancer,
+            data,
+        }
+    }
+
+    /// The current balancer (a reload rebuilding the vserver swaps it).
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
+    }
+
+    /// Swap in the balancer of a vserver rebuilt in place.
+    pub(crate) fn set_balancer(&mut self, balancer: Arc<Balancer>) {
+        self.balancer = balancer;
     }
 }
 

@@ -1115,11 +1115,11 @@ pub(crate) fn start(
         shared.tasks.guard(),
     ));
     tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), "sip-tcp vserver started");
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        v.protocol,
         bound,
         balancer,
-        data: DataPath::SipTcp(core, shared),
-    })
+        DataPath::SipTcp(core, shared),
+    ))
 }

@@ -158,13 +158,13 @@ pub(crate) fn start(
         method = v.method.name(),
         "sip-udp vserver started"
     );
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        v.protocol,
         bound,
-        balancer: Arc::clone(core.balancer()),
-        data: DataPath::SipUdp(core),
-    })
+        Arc::clone(core.balancer()),
+        DataPath::SipUdp(core),
+    ))
 }
 
 #[cfg(test)]

@@ -332,13 +332,13 @@ pub(crate) fn start(
     }
     ctx.tcp_cells.push((v.name.clone(), cell));
     tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), workers, "tcp vserver started");
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        v.protocol,
         bound,
-        balancer: Arc::clone(core.balancer()),
-        data: DataPath::Tcp(core),
-    })
+        Arc::clone(core.balancer()),
+        DataPath::Tcp(core),
+    ))
 }
 
 /// One worker thread: its accept loops and the connections they accept, until the

@@ -346,13 +346,13 @@ pub(crate) fn start(
         ctx.threads.push(t);
     }
     tracing::info!(vserver = %v.name, bind = ?bound, workers, method = v.method.name(), "udp vserver started");
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        v.protocol,
         bound,
-        balancer: Arc::clone(core.balancer()),
-        data: DataPath::Udp(core),
-    })
+        Arc::clone(core.balancer()),
+        DataPath::Udp(core),
+    ))
 }
 
 /// A worker's listening socket.
