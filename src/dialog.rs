@@ -33,7 +33,7 @@ impl Entry {
 
 /// How long an ended dialog keeps its pin: 64×T1 = 32 s, the lifetime of a non-INVITE
 /// transaction (RFC 3261 §17.1.2.2), so retransmitted BYEs and their ACKs still follow it.
-pub const ENDED_LINGER_MS: u64 = 32_000;
+pub(crate) const ENDED_LINGER_MS: u64 = 32_000;
 
 /// What [`DialogTable::put`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

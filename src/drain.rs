@@ -20,7 +20,7 @@ use crate::stats::Nanos;
 
 /// One service draining from one vserver.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Drain {
+pub(crate) struct Drain {
     pub vserver: String,
     pub service: Service,
     /// The service's monitor, from the config it was removed from.
@@ -33,7 +33,7 @@ pub struct Drain {
 
 /// Why a drain ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DrainEnd {
+pub(crate) enum DrainEnd {
     /// No flow was left.
     Empty,
     /// `drain_timeout` passed with flows left (they are cut).
@@ -42,7 +42,7 @@ pub enum DrainEnd {
 
 /// A drain that is over.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Finished {
+pub(crate) struct Finished {
     pub vserver: String,
     pub service: String,
     pub end: DrainEnd,
@@ -50,24 +50,25 @@ pub struct Finished {
 
 /// Every running drain.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Drains {
+pub(crate) struct Drains {
     list: Vec<Drain>,
 }
 
 /// Flows still pinned to service `service` of vserver `vserver` in the running proxy.
-pub type FlowsOf<'a> = &'a dyn Fn(&str, &str) -> u64;
+pub(crate) type FlowsOf<'a> = &'a dyn Fn(&str, &str) -> u64;
 
 impl Drains {
-    pub fn list(&self) -> &[Drain] {
+    #[cfg(test)]
+    pub(crate) fn list(&self) -> &[Drain] {
         &self.list
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.list.is_empty()
     }
 
     /// The drain of `service` on `vserver`, if it drains there.
-    pub fn get(&self, vserver: &str, service: &str) -> Option<&Drain> {
+    pub(crate) fn get(&self, vserver: &str, service: &str) -> Option<&Drain> {
         self.list
             .iter()
             .find(|d| d.vserver == vserver && d.service.name == service)
@@ -79,7 +80,13 @@ impl Drains {
     /// vserver's `drain_timeout` is not zero (a drain already running keeps its deadline);
     /// a draining service that `new` lists again is revived; drains of vservers `new` lacks
     /// end.
-    pub fn reloaded(&mut self, running: &Config, new: &Config, flows: FlowsOf<'_>, now: Nanos) {
+    pub(crate) fn reloaded(
+        &mut self,
+        running: &Config,
+        new: &Config,
+        flows: FlowsOf<'_>,
+        now: Nanos,
+    ) {
         let mut next = Vec::new();
         for v in &running.vservers {
             let Some(nv) = new.vservers.iter().find(|n| n.name == v.name) else {
@@ -112,7 +119,7 @@ impl Drains {
     }
 
     /// Take out the drains that are over at `now`: no flow left, or past their deadline.
-    pub fn finish(&mut self, flows: FlowsOf<'_>, now: Nanos) -> Vec<Finished> {
+    pub(crate) fn finish(&mut self, flows: FlowsOf<'_>, now: Nanos) -> Vec<Finished> {
         let mut done = Vec::new();
         self.list.retain(|d| {
             let end = if flows(&d.vserver, &d.service.name) == 0 {
@@ -137,7 +144,7 @@ impl Drains {
     /// same address is taken from `file`; one it no longer has is added with its old
     /// definition and monitor. A drain whose service `file` defines at another address
     /// cannot be kept (one name, two services) and is left out.
-    pub fn effective(&self, file: &Config) -> Config {
+    pub(crate) fn effective(&self, file: &Config) -> Config {
         let mut c = file.clone();
         for d in &self.list {
             let Some(vi) = c.vservers.iter().position(|v| v.name == d.vserver) else {

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Slots of a vserver's flood table (see [`crate::flood`]: under 1 MiB).
-pub const FLOOD_SLOTS: usize = 16_384;
+pub(crate) const FLOOD_SLOTS: usize = 16_384;
 
 /// Drops and bans of one vserver, kept across reloads that keep its edge settings.
 #[derive(Debug, Default)]

@@ -25,7 +25,7 @@ use std::sync::Mutex;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Slots per bucket: the probe length of a lookup.
-pub const WAYS: usize = 8;
+pub(crate) const WAYS: usize = 8;
 /// Shards of the table (each a mutex over its slots).
 const SHARDS: usize = 16;
 /// Seed of the source hash: "fulcrumB".
@@ -42,7 +42,7 @@ pub struct FloodParams {
 
 /// What a check decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     /// Let through, counted.
     Pass,
     /// This request went over the limit: the source is banned from now on.
@@ -90,7 +90,7 @@ pub struct Ban {
 
 /// Per-source counts and bans of one vserver, in bounded memory.
 #[derive(Debug)]
-pub struct FloodTable {
+pub(crate) struct FloodTable {
     params: FloodParams,
     shards: Vec<Mutex<Vec<Slot>>>,
     buckets_per_shard: usize,
@@ -113,7 +113,7 @@ fn ip_of(slot: &Slot) -> IpAddr {
 
 impl FloodTable {
     /// A table of about `slots` entries (rounded up to whole buckets of every shard).
-    pub fn new(params: FloodParams, slots: usize) -> FloodTable {
+    pub(crate) fn new(params: FloodParams, slots: usize) -> FloodTable {
         let buckets_per_shard = slots.div_ceil(SHARDS * WAYS).max(1);
         FloodTable {
             params,
@@ -124,17 +124,17 @@ impl FloodTable {
         }
     }
 
-    pub fn params(&self) -> FloodParams {
+    pub(crate) fn params(&self) -> FloodParams {
         self.params
     }
 
     /// Slots in the table (its memory bound).
-    pub fn capacity(&self) -> usize {
+    pub(crate) fn capacity(&self) -> usize {
         SHARDS * self.buckets_per_shard * WAYS
     }
 
     /// Bytes of the table's slots.
-    pub fn memory_bytes(&self) -> usize {
+    pub(crate) fn memory_bytes(&self) -> usize {
         self.capacity() * std::mem::size_of::<Slot>()
     }
 
@@ -146,7 +146,7 @@ impl FloodTable {
     }
 
     /// Count one new request from `ip` at `now`.
-    pub fn check(&self, ip: IpAddr, now: Nanos) -> Verdict {
+    pub(crate) fn check(&self, ip: IpAddr, now: Nanos) -> Verdict {
         let p = &self.params;
         let (ip, v6) = key(ip);
         let (shard, at) = self.place(ip, v6);
@@ -194,7 +194,8 @@ impl FloodTable {
     }
 
     /// Whether `ip` is banned at `now` (without counting anything).
-    pub fn is_banned(&self, ip: IpAddr, now: Nanos) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_banned(&self, ip: IpAddr, now: Nanos) -> bool {
         let (ip, v6) = key(ip);
         let (shard, at) = self.place(ip, v6);
         let slots = crate::sync::lock(&self.shards[shard]);
@@ -204,7 +205,7 @@ impl FloodTable {
     }
 
     /// Every source banned at `now`.
-    pub fn bans(&self, now: Nanos) -> Vec<Ban> {
+    pub(crate) fn bans(&self, now: Nanos) -> Vec<Ban> {
         let mut out = Vec::new();
         for shard in &self.shards {
             let slots = crate::sync::lock(shard);
@@ -223,7 +224,7 @@ impl FloodTable {
     }
 
     /// Lift the ban of `ip` (its count starts again). `false` if it was not banned.
-    pub fn unban(&self, ip: IpAddr, now: Nanos) -> bool {
+    pub(crate) fn unban(&self, ip: IpAddr, now: Nanos) -> bool {
         let (ip, v6) = key(ip);
         let (shard, at) = self.place(ip, v6);
         let mut slots = crate::sync::lock(&self.shards[shard]);

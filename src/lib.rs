@@ -34,29 +34,31 @@
 //! - `uring`      IO    batched sends on many sockets in one system call (io_uring); the only `unsafe`
 // Denied everywhere but in `uring`, which documents why its one block is sound.
 #![deny(unsafe_code)]
+// Public means used by the binaries, benches, examples, fuzz targets or integration tests.
+#![warn(unreachable_pub)]
 
-pub mod acl;
+pub(crate) mod acl;
 pub mod admin;
 pub mod balancer;
 pub mod config;
 pub mod demo;
-pub mod dialog;
-pub mod drain;
-pub mod edge;
-pub mod flood;
+pub(crate) mod dialog;
+pub(crate) mod drain;
+pub(crate) mod edge;
+pub(crate) mod flood;
 pub mod hash;
 pub mod health;
 pub mod http;
 pub mod key;
 pub mod methods;
-pub mod net;
+pub(crate) mod net;
 pub mod ops;
 pub mod peer;
 pub mod proxy;
-pub mod readiness;
+pub(crate) mod readiness;
 pub mod reload;
 pub mod select;
-pub mod session;
+pub(crate) mod session;
 pub mod simulate;
 pub mod sip;
 pub mod slow_start;

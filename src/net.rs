@@ -9,11 +9,11 @@ use std::sync::Once;
 /// Receive / send buffer asked of the kernel for datagram sockets. SIP bursts (a REGISTER
 /// storm after an outage) overflow the default ~200 KiB quickly; the kernel caps the value
 /// at net.core.rmem_max, which is fine.
-pub const UDP_BUFFER_BYTES: usize = 4 << 20;
+pub(crate) const UDP_BUFFER_BYTES: usize = 4 << 20;
 
 /// How a vserver's listening sockets are set up, beyond their address.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ListenOptions {
+pub(crate) struct ListenOptions {
     /// IP_FREEBIND / IPV6_FREEBIND: bind an address that is not on the host (yet), such as
     /// the VIP a standby takes over later (docs/deployment.md); packets reach the socket once
     /// the address arrives.
@@ -98,7 +98,7 @@ fn warn_buffer_once(option: &str, error: &io::Error) {
 /// `count` UDP sockets bound to the same address with SO_REUSEPORT, so each worker owns
 /// one and the kernel keeps every flow (4-tuple) on one socket: messages of one call are
 /// never reordered between workers. Port 0 is resolved by the first bind and reused.
-pub fn bind_udp_workers(
+pub(crate) fn bind_udp_workers(
     addr: SocketAddr,
     count: usize,
     opts: ListenOptions,
@@ -125,7 +125,7 @@ fn tcp_listener(addr: SocketAddr, reuse_port: bool, opts: ListenOptions) -> io::
 }
 
 /// A TCP listener (SO_REUSEADDR, IPv6-only for [::] binds), non-blocking for tokio.
-pub fn bind_tcp_listener(
+pub(crate) fn bind_tcp_listener(
     addr: SocketAddr,
     opts: ListenOptions,
 ) -> io::Result<std::net::TcpListener> {
@@ -135,7 +135,7 @@ pub fn bind_tcp_listener(
 /// `count` TCP listeners on the same address with SO_REUSEPORT, one per worker thread: the
 /// kernel spreads incoming connections over them, and each connection lives on the thread
 /// that accepted it. Port 0 is resolved by the first bind and reused.
-pub fn bind_tcp_workers(
+pub(crate) fn bind_tcp_workers(
     addr: SocketAddr,
     count: usize,
     opts: ListenOptions,
@@ -149,7 +149,7 @@ pub fn bind_tcp_workers(
 }
 
 /// Number of worker sockets for `configured` (0 = one per core).
-pub fn worker_count(configured: usize) -> usize {
+pub(crate) fn worker_count(configured: usize) -> usize {
     if configured > 0 {
         configured
     } else {
@@ -159,7 +159,7 @@ pub fn worker_count(configured: usize) -> usize {
 
 /// The local address the kernel would use to reach `peer` (for Via when bound to a
 /// wildcard without `advertise`).
-pub fn local_ip_toward(peer: SocketAddr) -> io::Result<std::net::IpAddr> {
+pub(crate) fn local_ip_toward(peer: SocketAddr) -> io::Result<std::net::IpAddr> {
     let any: SocketAddr = if peer.is_ipv4() {
         "0.0.0.0:0".parse().map_err(io::Error::other)?
     } else {

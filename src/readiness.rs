@@ -9,7 +9,7 @@
 
 /// What readiness needs to know of one running vserver.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct VserverFacts {
+pub(crate) struct VserverFacts {
     pub name: String,
     /// It holds its listening sockets.
     pub is_bound: bool,
@@ -34,7 +34,7 @@ impl Readiness {
 /// The verdict for `vservers` (`None`: the proxy has stopped) while `is_draining` (a
 /// SIGTERM's graceful stop has begun: new flows get 503, so the instance must be taken out
 /// of rotation from its first moment).
-pub fn readiness(vservers: Option<&[VserverFacts]>, is_draining: bool) -> Readiness {
+pub(crate) fn readiness(vservers: Option<&[VserverFacts]>, is_draining: bool) -> Readiness {
     let mut reasons = Vec::new();
     if is_draining {
         reasons.push("draining".to_owned());

@@ -27,13 +27,23 @@
 
 use crate::config::{Config, Service, Vserver};
 
+/// What a reload does to `admin.token`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum TokenChange {
+    /// The same token (or none) before and after.
+    #[default]
+    Unchanged,
+    /// The new token; `None` when the new configuration removes it.
+    Set(Option<String>),
+}
+
 /// Changes an in-place reload applies.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Plan {
     /// Monitors or service→monitor assignments differ.
     pub monitors_changed: bool,
-    /// New admin token, when it differs.
-    pub token: Option<Option<String>>,
+    /// Whether the admin token changes, and to what.
+    pub token: TokenChange,
     /// (vserver, new rate) for every changed slow-start rate.
     pub slow_start_rates: Vec<(String, u32)>,
     /// Vservers rebuilt in place (services, weights, method, slow start or timeouts
@@ -48,7 +58,7 @@ impl Plan {
         if self.monitors_changed {
             v.push("monitors".to_owned());
         }
-        if self.token.is_some() {
+        if self.token != TokenChange::Unchanged {
             v.push("admin.token".to_owned());
         }
         for vs in &self.rebuild {
@@ -166,7 +176,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
         .collect();
     p.monitors_changed = old_mon != new_mon;
     if old.admin.token != new.admin.token {
-        p.token = Some(new.admin.token.clone());
+        p.token = TokenChange::Set(new.admin.token.clone());
     }
     Ok(p)
 }

@@ -267,7 +267,7 @@ fn sip_tcp_one(name: &str, at: SocketAddr) -> String {
     config("sip-tcp", "127.0.0.1:0", "round_robin", "", &[(name, at)])
 }
 
-fn tcp_counters<T>(ops: &Ops, f: impl Fn(&fulcrum::proxy::sip_tcp::TcpCounters) -> T) -> T {
+fn tcp_counters<T>(ops: &Ops, f: impl Fn(&fulcrum::proxy::TcpCounters) -> T) -> T {
     ops.with_vservers(|vs, _| match &vs[0].data {
         DataPath::SipTcp(_, shared) => f(&shared.counters),
         _ => panic!("not a sip-tcp vserver"),

@@ -16,9 +16,9 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// The shared state of the sip-tcp vserver `v` of `rt`.
-fn vserver_shared(rt: &Runtime) -> std::sync::Arc<fulcrum::proxy::sip_tcp::TcpShared> {
+fn vserver_shared(rt: &Runtime) -> std::sync::Arc<fulcrum::proxy::TcpShared> {
     match &rt.vserver("v").expect("v").data {
-        fulcrum::proxy::runtime::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
+        fulcrum::proxy::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
         _ => panic!("not a sip-tcp vserver"),
     }
 }

@@ -9,7 +9,7 @@ mod common;
 use fulcrum::balancer::{Health, KeyInput};
 use fulcrum::config;
 use fulcrum::hash;
-use fulcrum::proxy::runtime::DataPath;
+use fulcrum::proxy::DataPath;
 use fulcrum::proxy::sip_core::SipCore;
 use fulcrum::proxy::{Runtime, VserverHandle};
 use std::net::{SocketAddr, UdpSocket};

@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use fulcrum::balancer::Path;
-use fulcrum::proxy::runtime::DataPath;
+use fulcrum::proxy::DataPath;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-fn tcp_core(rt: &fulcrum::proxy::Runtime, name: &str) -> Arc<fulcrum::proxy::tcp::TcpCore> {
+fn tcp_core(rt: &fulcrum::proxy::Runtime, name: &str) -> Arc<fulcrum::proxy::TcpCore> {
     match &rt.vserver(name).expect("vserver").data {
         DataPath::Tcp(c) => Arc::clone(c),
         other => panic!("not tcp: {other:?}"),

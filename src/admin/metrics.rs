@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Escape a label value (backslash, double quote, newline).
-pub fn escape(v: &str) -> String {
+pub(crate) fn escape(v: &str) -> String {
     let mut s = String::with_capacity(v.len());
     for c in v.chars() {
         match c {
@@ -80,7 +80,7 @@ fn load(c: &AtomicU64) -> u64 {
 
 /// The whole exposition: per-service families, selection paths, SIP families, transport
 /// events, then monitors.
-pub fn render(ops: &Ops) -> String {
+pub(crate) fn render(ops: &Ops) -> String {
     let mut services = ServiceFamilies::new();
     let mut paths = Family::new(
         "fulcrum_selections_total",

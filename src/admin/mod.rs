@@ -8,7 +8,7 @@
 //! one), 10 s to send a request head (also the idle time allowed between two requests on a
 //! kept-alive connection) and 10 s to send its body (408).
 
-pub mod metrics;
+pub(crate) mod metrics;
 pub mod router;
 
 use crate::ops::Ops;

@@ -6,9 +6,9 @@
 //! path, and nothing is returned unless the whole file is valid, so a bad file can never
 //! half-apply.
 
-pub mod model;
-pub mod parse;
-pub mod yaml;
+pub(crate) mod model;
+pub(crate) mod parse;
+pub(crate) mod yaml;
 
 pub use model::*;
 pub use parse::{Problem, parse_duration};

@@ -22,7 +22,7 @@ pub struct Problem {
 }
 
 /// Convert a parsed YAML tree into a [`Config`], or every problem found (sorted by position).
-pub fn convert(root: &Node) -> Result<Config, Vec<Problem>> {
+pub(crate) fn convert(root: &Node) -> Result<Config, Vec<Problem>> {
     let mut cx = Cx::default();
     let config = cx.config(root);
     if cx.problems.is_empty() {

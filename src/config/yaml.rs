@@ -18,14 +18,14 @@ pub struct Pos {
 
 /// One YAML node with its position.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Node {
+pub(crate) struct Node {
     pub pos: Pos,
     pub value: Value,
 }
 
 /// The value of a node. Mappings keep source order and key positions.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Value {
+pub(crate) enum Value {
     Null,
     Bool(bool),
     Int(i128),
@@ -37,14 +37,14 @@ pub enum Value {
 
 /// A mapping key and its position.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Key {
+pub(crate) struct Key {
     pub pos: Pos,
     pub name: String,
 }
 
 impl Value {
     /// What the node is, for "expected X, found Y" messages.
-    pub fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             Value::Null => "null",
             Value::Bool(_) => "a boolean",
@@ -153,13 +153,13 @@ impl<'de> Visitor<'de> for RawVisitor {
 
 /// A YAML syntax error with its position.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SyntaxError {
+pub(crate) struct SyntaxError {
     pub pos: Pos,
     pub message: String,
 }
 
 /// Parse `text` into a located tree. An empty document is an empty mapping.
-pub fn parse(text: &str) -> Result<Node, SyntaxError> {
+pub(crate) fn parse(text: &str) -> Result<Node, SyntaxError> {
     if text.trim().is_empty() {
         return Ok(Node {
             pos: Pos { line: 1, col: 1 },

@@ -19,7 +19,7 @@
 //! being probed, so its monitored state is current when it is enabled again.
 
 pub mod probe;
-pub mod state;
+pub(crate) mod state;
 
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Monitor, Protocol};

@@ -12,7 +12,7 @@
 
 /// Threshold counts of a monitor (both >= 1; 0 is treated as 1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Thresholds {
+pub(crate) struct Thresholds {
     pub failures_to_down: u32,
     pub successes_to_up: u32,
 }
@@ -42,7 +42,7 @@ impl Phase {
 
 /// A change of the service's monitored state the shell must apply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transition {
+pub(crate) enum Transition {
     /// UP → DOWN.
     WentDown,
     /// DOWN → UP (slow start begins where the vserver has it).
@@ -51,7 +51,7 @@ pub enum Transition {
 
 /// Consecutive-result counting with hysteresis.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HealthState {
+pub(crate) struct HealthState {
     thresholds: Thresholds,
     phase: Phase,
     /// Consecutive failures while UP, consecutive successes while DOWN.
@@ -60,7 +60,7 @@ pub struct HealthState {
 
 impl HealthState {
     /// A fresh state: UP, unconfirmed.
-    pub fn new(thresholds: Thresholds) -> HealthState {
+    pub(crate) fn new(thresholds: Thresholds) -> HealthState {
         HealthState {
             thresholds: Thresholds {
                 failures_to_down: thresholds.failures_to_down.max(1),
@@ -71,16 +71,16 @@ impl HealthState {
         }
     }
 
-    pub fn phase(&self) -> Phase {
+    pub(crate) fn phase(&self) -> Phase {
         self.phase
     }
 
-    pub fn is_up(&self) -> bool {
+    pub(crate) fn is_up(&self) -> bool {
         self.phase.is_up()
     }
 
     /// Fold in one probe outcome; returns the transition it causes, if any.
-    pub fn observe(&mut self, alive: bool) -> Option<Transition> {
+    pub(crate) fn observe(&mut self, alive: bool) -> Option<Transition> {
         match (self.phase, alive) {
             (Phase::Unconfirmed, true) => {
                 self.phase = Phase::Up;
@@ -123,7 +123,7 @@ impl HealthState {
 /// Delay before a service's first probe: a fixed fraction of the interval derived from
 /// the service name, so monitors of many services do not fire in lockstep, and the same
 /// config gives the same schedule on every run (no per-process randomness).
-pub fn first_probe_delay_ms(service: &str, interval_ms: u64) -> u64 {
+pub(crate) fn first_probe_delay_ms(service: &str, interval_ms: u64) -> u64 {
     if interval_ms == 0 {
         return 0;
     }

@@ -52,7 +52,7 @@ fn fds_at_max(v: &Vserver) -> u64 {
 /// descriptors than it allows (sessions beyond fail to open and are counted as socket
 /// errors). One warning for the process, as the limit is the process's: the vservers draw
 /// on it together.
-pub fn check_capacity(vservers: &[Vserver]) {
+pub(crate) fn check_capacity(vservers: &[Vserver]) {
     let Some(limit) = raise_nofile_limit() else {
         return;
     };

@@ -1,18 +1,22 @@
 //! The data paths (IO shells around the pure core) and the runtime that starts them.
 
-pub mod fd_limit;
+pub(crate) mod fd_limit;
 pub mod proxy_protocol;
-pub mod reconfig;
-pub mod runtime;
-pub mod shutdown;
+pub(crate) mod reconfig;
+pub(crate) mod runtime;
+pub(crate) mod shutdown;
 pub mod sip_core;
-pub mod sip_tcp;
-pub mod sip_udp;
-pub mod tcp;
-pub mod udp;
+pub(crate) mod sip_tcp;
+pub(crate) mod sip_udp;
+pub(crate) mod tcp;
+pub(crate) mod udp;
 
+pub use fd_limit::raise_nofile_limit;
 pub use reconfig::Rebuilt;
 pub use runtime::{DataPath, Runtime, RuntimeError, VserverHandle};
+pub use sip_tcp::{TcpCounters, TcpShared};
+pub use tcp::TcpCore;
+pub use udp::UdpCore;
 
 use crate::stats::Nanos;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -319,7 +319,7 @@ impl Runtime {
         cell.store(Arc::clone(&core));
         let r = rebuilt(&old_names, balancer(&core), &added);
         let handle = &mut self.vservers[slot];
-        handle.balancer = Arc::clone(balancer(&core));
+        handle.set_balancer(Arc::clone(balancer(&core)));
         handle.data = wrap(core);
         r
     }
@@ -376,7 +376,7 @@ impl Runtime {
             dialogs_kept: late.kept(&first),
             ..rebuilt(&old_names, &balancer, &added)
         };
-        handle.balancer = balancer;
+        handle.set_balancer(balancer);
         handle.data = DataPath::SipUdp(core);
         Ok(r)
     }
@@ -446,7 +446,7 @@ impl Runtime {
             dialogs_kept: kept,
             ..rebuilt(&old_names, &balancer, &added)
         };
-        handle.balancer = balancer;
+        handle.set_balancer(balancer);
         handle.data = DataPath::SipTcp(core, shared);
         Ok(r)
     }

@@ -62,20 +62,42 @@ pub struct VserverHandle {
     pub protocol: Protocol,
     /// The addresses actually bound (port 0 resolved).
     pub bound: Vec<SocketAddr>,
-    pub balancer: Arc<Balancer>,
+    balancer: Arc<Balancer>,
     pub data: DataPath,
 }
 
 impl VserverHandle {
+    pub(crate) fn new(
+        name: String,
+        protocol: Protocol,
+        bound: Vec<SocketAddr>,
+        balancer: Arc<Balancer>,
+        data: DataPath,
+    ) -> VserverHandle {
+        VserverHandle {
+            name,
+            protocol,
+            bound,
+            balancer,
+            data,
+        }
+    }
+
+    /// The current balancer (a reload rebuilding the vserver swaps it).
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
+    }
+
+    /// Swap in the balancer of a vserver rebuilt in place.
+    pub(crate) fn set_balancer(&mut self, balancer: Arc<Balancer>) {
+        self.balancer = balancer;
     }
 }
 
 /// What a data path needs from the runtime to start: the clock epoch, the shutdown its
 /// tasks await and its threads watch, a place to register its threads, and the tokio
 /// runtime for async paths.
-pub struct StartCtx<'a> {
+pub(crate) struct StartCtx<'a> {
     pub epoch: Instant,
     pub shutdown: &'a Shutdown,
     pub threads: &'a mut Vec<JoinHandle<()>>,
@@ -89,17 +111,17 @@ pub struct StartCtx<'a> {
 }
 
 /// The current core of a sip-udp vserver; a reload stores a rebuilt one.
-pub type SipUdpCell = Arc<arc_swap::ArcSwap<SipCore>>;
+pub(crate) type SipUdpCell = Arc<arc_swap::ArcSwap<SipCore>>;
 
 /// The current core of a udp vserver; workers adopt a rebuilt one on their next wake-up.
-pub type UdpCell = Arc<arc_swap::ArcSwap<crate::proxy::udp::UdpCore>>;
+pub(crate) type UdpCell = Arc<arc_swap::ArcSwap<crate::proxy::udp::UdpCore>>;
 
 /// The current core of a tcp / http vserver; the accept loops load it per connection.
-pub type TcpCell = Arc<arc_swap::ArcSwap<crate::proxy::tcp::TcpCore>>;
+pub(crate) type TcpCell = Arc<arc_swap::ArcSwap<crate::proxy::tcp::TcpCore>>;
 
 /// How long a shutdown waits for async handlers to finish (and then for what is left on
 /// the async runtime) before it logs them and ends them.
-pub const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const SHUTDOWN_WAIT: Duration = Duration::from_secs(5);
 
 /// All running vservers of one config.
 pub struct Runtime {

@@ -21,7 +21,7 @@ use tokio::sync::watch;
 type Wake = Box<dyn FnOnce() + Send>;
 
 /// The owner's side: raise once, then wait for the guarded tasks.
-pub struct Shutdown {
+pub(crate) struct Shutdown {
     signal: watch::Sender<bool>,
     flag: Arc<AtomicBool>,
     inner: Arc<Inner>,
@@ -65,7 +65,7 @@ impl Default for Shutdown {
 }
 
 impl Shutdown {
-    pub fn new() -> Shutdown {
+    pub(crate) fn new() -> Shutdown {
         Shutdown {
             signal: watch::Sender::new(false),
             flag: Arc::new(AtomicBool::new(false)),
@@ -74,7 +74,7 @@ impl Shutdown {
     }
 
     /// The signal async tasks await.
-    pub fn signal(&self) -> Signal {
+    pub(crate) fn signal(&self) -> Signal {
         Signal {
             rx: self.signal.subscribe(),
         }
@@ -82,13 +82,13 @@ impl Shutdown {
 
     /// The flag a worker thread looks at between two blocking calls; pair it with
     /// [`Shutdown::on_raise`] so that the blocking call ends when it is set.
-    pub fn flag(&self) -> Arc<AtomicBool> {
+    pub(crate) fn flag(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.flag)
     }
 
     /// Run `wake` when shutdown is raised (at once if it already is): it ends a system call
     /// a worker thread blocks in, so the thread sees [`Shutdown::flag`] without a timer.
-    pub fn on_raise(&self, wake: impl FnOnce() + Send + 'static) {
+    pub(crate) fn on_raise(&self, wake: impl FnOnce() + Send + 'static) {
         let mut s = self.inner.lock();
         if s.raised {
             drop(s);
@@ -99,7 +99,7 @@ impl Shutdown {
     }
 
     /// A named group of tasks [`Shutdown::wait`] waits for.
-    pub fn group(&self, name: impl Into<String>) -> TaskGroup {
+    pub(crate) fn group(&self, name: impl Into<String>) -> TaskGroup {
         let g = Arc::new(Group {
             name: name.into(),
             live: AtomicUsize::new(0),
@@ -115,7 +115,7 @@ impl Shutdown {
 
     /// Raise the signal: async tasks' [`Signal::recv`] resolve, the flag is set, blocked
     /// threads are woken and sleeping ones return. Idempotent.
-    pub fn raise(&self) {
+    pub(crate) fn raise(&self) {
         self.flag.store(true, Ordering::Release);
         self.inner.raised.store(true, Ordering::Release);
         self.signal.send_replace(true);
@@ -130,24 +130,19 @@ impl Shutdown {
         }
     }
 
-    pub fn is_raised(&self) -> bool {
+    pub(crate) fn is_raised(&self) -> bool {
         self.flag.load(Ordering::Acquire)
     }
 
-    /// Sleep `d`, or less if shutdown is raised meanwhile: true when it is raised. For
-    /// threads that run a periodic job (no async runtime to await the signal on).
-    pub fn sleep(&self, d: Duration) -> bool {
-        sleep(&self.inner, d)
-    }
-
-    /// A handle on [`Shutdown::sleep`] for a thread.
-    pub fn sleeper(&self) -> Sleeper {
+    /// A handle for a thread that runs a periodic job (no async runtime to await the signal
+    /// on): [`Sleeper::sleep`] sleeps, or less if shutdown is raised meanwhile.
+    pub(crate) fn sleeper(&self) -> Sleeper {
         Sleeper(Arc::clone(&self.inner))
     }
 
     /// Block (not async: call from outside the tasks' runtime) until every guarded task has
     /// finished or `timeout` passes; the groups still running then, with their task counts.
-    pub fn wait(&self, timeout: Duration) -> Vec<(String, usize)> {
+    pub(crate) fn wait(&self, timeout: Duration) -> Vec<(String, usize)> {
         let deadline = Instant::now() + timeout;
         let mut s = self.inner.lock();
         loop {
@@ -186,11 +181,11 @@ fn sleep(inner: &Inner, d: Duration) -> bool {
 
 /// [`Shutdown::sleep`] for a thread that does not own the [`Shutdown`].
 #[derive(Clone)]
-pub struct Sleeper(Arc<Inner>);
+pub(crate) struct Sleeper(Arc<Inner>);
 
 impl Sleeper {
     /// Sleep `d`, or less if shutdown is raised meanwhile: true when it is raised.
-    pub fn sleep(&self, d: Duration) -> bool {
+    pub(crate) fn sleep(&self, d: Duration) -> bool {
         sleep(&self.0, d)
     }
 }

@@ -12,7 +12,7 @@ use crate::hash;
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::proxy::bump;
 use crate::sip::{
-    self, Local, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, build_reply,
+    self, Local, MaxForwards, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, build_reply,
     build_response, forward_request, forward_response, reply_target, request_target,
 };
 use crate::stats::Nanos;
@@ -396,7 +396,7 @@ impl SipCore {
         if let Some(reply) = request_syntax_error(msg) {
             return self.reply(msg, src, &reply, out);
         }
-        if msg.max_forwards() == Some(Some(0)) {
+        if msg.max_forwards() == MaxForwards::Value(0) {
             return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out);
         }
         // fulcrum supports no option tag, so any Proxy-Require is refused (RFC 3261 §16.3
@@ -949,7 +949,7 @@ mod tests {
         assert_eq!(vias[0].host, b"127.0.0.1");
         assert!(vias[0].branch.is_some_and(|b| b.starts_with(b"z9hG4bK")));
         assert_eq!(vias[1].received, Some(&b"192.0.2.10"[..]));
-        assert_eq!(msg.max_forwards(), Some(Some(69)));
+        assert_eq!(msg.max_forwards(), MaxForwards::Value(69));
         assert!(msg.record_route().is_some());
         // Same request again (a retransmission): same member, same bytes.
         let mut again = Vec::new();

@@ -46,26 +46,26 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc};
 
 /// Messages queued toward one client before it counts as not reading.
-pub const CLIENT_QUEUE: usize = 1024;
+pub(crate) const CLIENT_QUEUE: usize = 1024;
 /// Messages queued toward one service while its connection is (re)established.
-pub const SERVICE_QUEUE: usize = 8192;
+pub(crate) const SERVICE_QUEUE: usize = 8192;
 /// Connect timeout toward a service.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// First and last reconnect delay toward a service.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How long the connection of a member removed by a reload stays open for what the service
 /// still sends: 64·T1, the non-INVITE transaction timeout (RFC 3261 §17.1.2.2, Timer F).
-pub const RETIRED_DRAIN: Duration = Duration::from_secs(32);
+pub(crate) const RETIRED_DRAIN: Duration = Duration::from_secs(32);
 /// Longest message a service may send: twice a client's, since a response repeats the
 /// request's Vias and adds fulcrum's, and one client's large request must not cut the
 /// connection every client shares.
-pub const SERVICE_MAX_MESSAGE: usize = 2 * DEFAULT_MAX_MESSAGE;
+pub(crate) const SERVICE_MAX_MESSAGE: usize = 2 * DEFAULT_MAX_MESSAGE;
 /// How long a started message may take to arrive whole (however slowly its bytes come): a
 /// client cannot hold a partial message's buffer for longer.
-pub const MESSAGE_DEADLINE: Duration = Duration::from_secs(10);
+pub(crate) const MESSAGE_DEADLINE: Duration = Duration::from_secs(10);
 /// How long what is queued toward a client that has stopped sending may take to be written.
-pub const CLIENT_FLUSH: Duration = Duration::from_secs(10);
+pub(crate) const CLIENT_FLUSH: Duration = Duration::from_secs(10);
 /// A service connection that ends this soon after it was made counts as a failed connect
 /// (a service that accepts and closes must not swallow requests while staying UP).
 const SHORT_LIVED: Duration = Duration::from_secs(1);
@@ -1069,7 +1069,7 @@ async fn run_vserver(
 }
 
 /// Start a sip-tcp vserver on the runtime's tokio runtime.
-pub fn start(
+pub(crate) fn start(
     ctx: &mut StartCtx<'_>,
     config: &Config,
     v: &Vserver,
@@ -1115,11 +1115,11 @@ pub fn start(
         shared.tasks.guard(),
     ));
     tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), "sip-tcp vserver started");
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        v.protocol,
         bound,
         balancer,
-        data: DataPath::SipTcp(core, shared),
-    })
+        DataPath::SipTcp(core, shared),
+    ))
 }

@@ -25,7 +25,12 @@ use std::time::Instant;
 ///
 /// The vserver's core is loaded from `cell` per datagram, so a reload that rebuilds it
 /// (`proxy::reconfig`) takes effect at the next datagram without touching the socket.
-pub fn run_worker(socket: UdpSocket, cell: SipUdpCell, epoch: Instant, stop: Arc<AtomicBool>) {
+pub(crate) fn run_worker(
+    socket: UdpSocket,
+    cell: SipUdpCell,
+    epoch: Instant,
+    stop: Arc<AtomicBool>,
+) {
     // Only the name is kept: holding the first core would keep its dialog table alive, and
     // count this worker's receive errors on it, after a reload replaced it.
     let name = cell.load().name.clone();
@@ -105,7 +110,7 @@ fn wake_on_shutdown(shutdown: &Shutdown, socket: &UdpSocket) -> Result<(), Runti
 }
 
 /// Start a sip-udp vserver: worker threads with SO_REUSEPORT sockets, and a dialog sweeper.
-pub fn start(
+pub(crate) fn start(
     ctx: &mut StartCtx<'_>,
     config: &Config,
     v: &Vserver,
@@ -153,13 +158,13 @@ pub fn start(
         method = v.method.name(),
         "sip-udp vserver started"
     );
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        v.protocol,
         bound,
-        balancer: Arc::clone(core.balancer()),
-        data: DataPath::SipUdp(core),
-    })
+        Arc::clone(core.balancer()),
+        DataPath::SipUdp(core),
+    ))
 }
 
 #[cfg(test)]

@@ -44,11 +44,11 @@ use tokio::sync::watch;
 
 /// How long a connect to a service may take before the next member is tried. Short: a
 /// service that does not answer a SYN within it is as good as down for this client.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Longest wait for the first request head (or token bytes); a slower client is balanced
 /// without a key (fallback), not held. Never longer than the vserver's idle timeout.
-pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Scratch buffer per worker thread, shared by every connection that thread polls.
 const SCRATCH_BYTES: usize = 64 * 1024;
@@ -288,7 +288,7 @@ impl TcpCore {
 /// own single-threaded tokio runtime and its own SO_REUSEPORT listener on every bind
 /// address. The kernel spreads incoming connections over the listeners, and a connection
 /// lives on the thread that accepted it (no work stealing, no wake-ups across threads).
-pub fn start(
+pub(crate) fn start(
     ctx: &mut StartCtx<'_>,
     config: &Config,
     v: &Vserver,
@@ -332,13 +332,13 @@ pub fn start(
     }
     ctx.tcp_cells.push((v.name.clone(), cell));
     tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), workers, "tcp vserver started");
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        v.protocol,
         bound,
-        balancer: Arc::clone(core.balancer()),
-        data: DataPath::Tcp(core),
-    })
+        Arc::clone(core.balancer()),
+        DataPath::Tcp(core),
+    ))
 }
 
 /// One worker thread: its accept loops and the connections they accept, until the

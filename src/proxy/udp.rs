@@ -309,7 +309,7 @@ impl UdpCore {
 }
 
 /// Start a udp vserver: one worker thread per SO_REUSEPORT socket set.
-pub fn start(
+pub(crate) fn start(
     ctx: &mut StartCtx<'_>,
     config: &Config,
     v: &Vserver,
@@ -346,13 +346,13 @@ pub fn start(
         ctx.threads.push(t);
     }
     tracing::info!(vserver = %v.name, bind = ?bound, workers, method = v.method.name(), "udp vserver started");
-    Ok(VserverHandle {
-        name: v.name.clone(),
-        protocol: v.protocol,
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        v.protocol,
         bound,
-        balancer: Arc::clone(core.balancer()),
-        data: DataPath::Udp(core),
-    })
+        Arc::clone(core.balancer()),
+        DataPath::Udp(core),
+    ))
 }
 
 /// A worker's listening socket.
@@ -444,7 +444,7 @@ struct Worker {
 
 /// The receive loop of one worker over `poll` (which holds the [`WAKE`] waker). Runs until
 /// `stop`, which is set before the waker is woken; errors are counted, never fatal.
-pub fn run_worker(
+pub(crate) fn run_worker(
     socks: Vec<UdpSocket>,
     poll: Poll,
     cell: UdpCell,

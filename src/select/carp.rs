@@ -105,7 +105,7 @@ impl Scorer {
 
 /// The carp selector: service hashes, weights and the UP set.
 #[derive(Debug, Clone)]
-pub struct Carp {
+pub(crate) struct Carp {
     scorer: Scorer,
     up: Vec<bool>,
     all_up: bool,

@@ -139,7 +139,7 @@ enum Slots {
 
 /// The jarh selector.
 #[derive(Debug, Clone)]
-pub struct Jarh {
+pub(crate) struct Jarh {
     /// Number of slots `S`.
     slot_count: u64,
     slots: Slots,

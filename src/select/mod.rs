@@ -9,9 +9,9 @@
 //!
 //! Constructions are documented in each submodule and in `docs/hashing.md`.
 
-pub mod carp;
-pub mod jarh;
-pub mod prac;
+pub(crate) mod carp;
+pub(crate) mod jarh;
+pub(crate) mod prac;
 mod words;
 
 use crate::config::{HashAlgorithm, PracMaxShare};

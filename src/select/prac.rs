@@ -79,7 +79,7 @@ impl Table {
 
 /// The prac selector.
 #[derive(Debug, Clone)]
-pub struct Prac {
+pub(crate) struct Prac {
     scorer: Scorer,
     /// The configured weights (the caps of a derived UP set are computed from them).
     weights: Vec<u32>,

@@ -2,6 +2,6 @@
 //!
 //! - `table`  PURE  bounded UDP session table with idle expiry (`now` passed in)
 
-pub mod table;
+pub(crate) mod table;
 
-pub use table::{Admit, Session, SessionId, SessionKey, SessionTable};
+pub(crate) use table::{Admit, Session, SessionId, SessionKey, SessionTable};

@@ -24,7 +24,7 @@ pub struct SessionKey {
 }
 
 /// Index of a session in its table (stable while the session lives).
-pub type SessionId = usize;
+pub(crate) type SessionId = usize;
 
 /// One session.
 #[derive(Debug)]

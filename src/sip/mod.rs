@@ -43,9 +43,9 @@
 //! }
 //! ```
 
-pub mod framing;
-pub mod rewrite;
-pub mod scan;
+pub(crate) mod framing;
+pub(crate) mod rewrite;
+pub(crate) mod scan;
 
 pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, PONG, next_frame};
 pub use rewrite::{
@@ -55,6 +55,7 @@ pub use rewrite::{
     routed_service,
 };
 pub use scan::{
-    CSeq, Header, HeaderName, Headers, MAX_HEADERS, NameAddr, ScanError, SipMethod, SipMsg, Span,
-    StartLine, Uri, Via, Vias, parse_ip, parse_name_addr, parse_uri, scan, scan_for_reply,
+    CSeq, Header, HeaderName, Headers, MAX_HEADERS, MaxForwards, NameAddr, Rport, ScanError,
+    SipMethod, SipMsg, Span, StartLine, Uri, Via, Vias, parse_ip, parse_name_addr, parse_uri, scan,
+    scan_for_reply,
 };

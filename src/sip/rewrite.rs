@@ -13,8 +13,8 @@ use bytes::BufMut;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::scan::{
-    CommaValues, HeaderName, Indexed, MAX_HEADERS, SipMethod, SipMsg, Span, Via, parse_ip,
-    parse_name_addr, parse_uri, parse_via,
+    CommaValues, HeaderName, Indexed, MAX_HEADERS, MaxForwards, Rport, SipMethod, SipMsg, Span,
+    Via, parse_ip, parse_name_addr, parse_uri, parse_via,
 };
 
 /// Branch prefix of fulcrum's Via: the RFC 3261 §8.1.1.7 magic cookie plus a marker that lets
@@ -448,8 +448,8 @@ pub fn forward_request<B: BufMut>(
 
     let mut edits = Edits::new();
     let mf = match msg.max_forwards() {
-        Some(Some(0)) => return Err(RewriteError::TooManyHops),
-        Some(Some(n)) => {
+        MaxForwards::Value(0) => return Err(RewriteError::TooManyHops),
+        MaxForwards::Value(n) => {
             let idx = msg
                 .max_forwards_index()
                 .ok_or(RewriteError::BadMaxForwards)?;
@@ -460,8 +460,8 @@ pub fn forward_request<B: BufMut>(
             });
             true
         }
-        Some(None) => return Err(RewriteError::BadMaxForwards),
-        None => false,
+        MaxForwards::Bad => return Err(RewriteError::BadMaxForwards),
+        MaxForwards::Absent => false,
     };
     // Every line added here must still fit what fulcrum's own scanner takes, or the answer
     // (which carries the same headers) could not come back through fulcrum.
@@ -530,7 +530,7 @@ pub fn forward_request<B: BufMut>(
 ///   any address the sender names.
 fn source_edits(top: &Via<'_>, src: SocketAddr, force_rport: bool, edits: &mut Edits) {
     let src_ip = src.ip().to_canonical();
-    let rport_wanted = top.rport.is_some() || force_rport;
+    let rport_wanted = top.rport.is_present() || force_rport;
     let host_differs = top.host_ip().map(|ip| ip.to_canonical()) != Some(src_ip);
     if rport_wanted {
         let port = src.port();
@@ -694,7 +694,7 @@ fn route_and_cut<'a>(
         5060
     };
     let port = match next.rport {
-        Some(Some(p)) => p,
+        Rport::Filled(p) => p,
         _ => next.port.unwrap_or(default_port),
     };
     let target = match next.received.and_then(parse_ip) {
@@ -860,7 +860,7 @@ fn put_header<B: BufMut>(out: &mut B, name: &[u8], value: &[u8]) {
 /// `src` is kept, so a reply leaves a dual-stack socket as it arrived.
 pub fn reply_target(msg: &SipMsg<'_>, src: SocketAddr) -> SocketAddr {
     match msg.top_via() {
-        Some(v) if v.rport.is_none() => {
+        Some(v) if !v.rport.is_present() => {
             let default = if v.transport.eq_ignore_ascii_case(b"TLS") {
                 5061
             } else {
@@ -1246,7 +1246,7 @@ Content-Length: 0\r\n\r\n";
         let r = scan(&out).unwrap();
         let vias: Vec<_> = r.vias().collect();
         assert_eq!(vias.len(), 3, "{}", String::from_utf8_lossy(&out));
-        assert_eq!(vias[0].rport, Some(Some(40000)));
+        assert_eq!(vias[0].rport, Rport::Filled(40000));
         assert_eq!(vias[0].received, Some(&b"198.51.100.7"[..]));
         assert_eq!(vias[0].branch, Some(&b"z9hG4bKm2"[..]));
         assert_eq!(vias[1].raw, b"SIP/2.0/UDP 10.9.9.9;branch=z9hG4bKold");

@@ -145,7 +145,7 @@ impl HeaderName {
 }
 
 /// `true` when two header names denote the same header, compact forms included.
-pub fn same_header(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn same_header(a: &[u8], b: &[u8]) -> bool {
     if a.eq_ignore_ascii_case(b) {
         return true;
     }
@@ -467,7 +467,7 @@ fn parse_request_line_loosely(line: &[u8]) -> Result<StartLine<'_>, ScanError> {
 
 /// Whether `buf` starts like a response (`SIP/2.0 ` then a status), without scanning it;
 /// the version is compared as [`scan`] does, case-insensitively.
-pub fn is_response(buf: &[u8]) -> bool {
+pub(crate) fn is_response(buf: &[u8]) -> bool {
     buf.get(..8)
         .is_some_and(|v| v.eq_ignore_ascii_case(b"SIP/2.0 "))
 }
@@ -627,6 +627,45 @@ impl<'a> Iterator for Headers<'a> {
 }
 
 /// The parts of one Via value (RFC 3261 §20.42, RFC 3581 for `rport`).
+/// A Via's `rport` parameter (RFC 3581 §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rport {
+    /// No `rport`: replies go to the sent-by port.
+    Absent,
+    /// `;rport` without a value: the client asks for replies to its source port.
+    Requested,
+    /// `rport=n`, as filled in by a server or proxy.
+    Filled(u16),
+}
+
+impl Rport {
+    /// Whether the parameter is there at all, with or without a value.
+    pub fn is_present(self) -> bool {
+        self != Rport::Absent
+    }
+}
+
+/// A request's Max-Forwards header (RFC 3261 §8.1.1.6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaxForwards {
+    /// No Max-Forwards header.
+    Absent,
+    /// A value that fits a `u32`.
+    Value(u32),
+    /// A header whose value is not a decimal number that fits a `u32`.
+    Bad,
+}
+
+impl MaxForwards {
+    /// The value, when present and well formed.
+    pub fn value(self) -> Option<u32> {
+        match self {
+            MaxForwards::Value(n) => Some(n),
+            MaxForwards::Absent | MaxForwards::Bad => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Via<'a> {
     /// The whole via-parm, e.g. `SIP/2.0/UDP 10.0.0.1:5060;branch=z9hG4bK1`.
@@ -639,8 +678,8 @@ pub struct Via<'a> {
     pub branch: Option<&'a [u8]>,
     /// `received` value (brackets removed if a peer added them).
     pub received: Option<&'a [u8]>,
-    /// `None`: no rport; `Some(None)`: `;rport` requested; `Some(Some(p))`: filled in.
-    pub rport: Option<Option<u16>>,
+    /// The `rport` parameter (RFC 3581 §4).
+    pub rport: Rport,
     /// Range of the whole via-parm in the message buffer.
     pub span: Span,
     /// Range of the `rport[=n]` parameter (without the `;`).
@@ -755,7 +794,7 @@ pub(crate) fn parse_via<'a>(buf: &'a [u8], span: Span, extra: &[u8]) -> Option<V
         port,
         branch: None,
         received: None,
-        rport: None,
+        rport: Rport::Absent,
         span,
         rport_param: None,
         received_param: None,
@@ -801,10 +840,10 @@ pub(crate) fn parse_via<'a>(buf: &'a [u8], span: Span, extra: &[u8]) -> Option<V
             });
             via.received_param = Some(pspan);
         } else if name.eq_ignore_ascii_case(b"rport") {
-            via.rport = Some(match value {
-                Some(v) => Some(parse_port(v)?),
-                None => None,
-            });
+            via.rport = match value {
+                Some(v) => Rport::Filled(parse_port(v)?),
+                None => Rport::Requested,
+            };
             via.rport_param = Some(pspan);
         } else if !extra.is_empty() && name.eq_ignore_ascii_case(extra) {
             via.extra_param = vspan;
@@ -1160,10 +1199,15 @@ impl<'a> SipMsg<'a> {
         Some(CSeq { seq, method })
     }
 
-    /// Max-Forwards value; `None` when absent, `Some(None)` when malformed.
-    pub fn max_forwards(&self) -> Option<Option<u32>> {
-        let h = self.max_forwards?;
-        Some(parse_decimal(h.value.of(self.buf)).and_then(|n| u32::try_from(n).ok()))
+    /// The Max-Forwards header: absent, a value, or malformed.
+    pub fn max_forwards(&self) -> MaxForwards {
+        let Some(h) = self.max_forwards else {
+            return MaxForwards::Absent;
+        };
+        match parse_decimal(h.value.of(self.buf)).and_then(|n| u32::try_from(n).ok()) {
+            Some(n) => MaxForwards::Value(n),
+            None => MaxForwards::Bad,
+        }
     }
 
     /// Content-Length (compact `l`), when present.
@@ -1412,7 +1456,7 @@ v=0\n";
         );
         let cs = m.cseq().unwrap();
         assert_eq!((cs.seq, cs.method), (314159, &b"INVITE"[..]));
-        assert_eq!(m.max_forwards(), Some(Some(70)));
+        assert_eq!(m.max_forwards(), MaxForwards::Value(70));
         assert_eq!(m.content_length(), Some(4));
         assert_eq!(m.body(), b"v=0\n");
         assert_eq!(m.to_host(), Some(&b"Biloxi.Example.com"[..]));
@@ -1423,7 +1467,7 @@ v=0\n";
         assert_eq!(v.host, b"pc33.atlanta.example.com");
         assert_eq!(v.port, None);
         assert_eq!(v.branch, Some(&b"z9hG4bK776asdhds"[..]));
-        assert_eq!(v.rport, Some(None));
+        assert_eq!(v.rport, Rport::Requested);
         assert_eq!(m.missing_mandatory(), None);
         assert_eq!(m.header(b"content-type"), Some(&b"application/sdp"[..]));
         assert_eq!(m.len(), INVITE.len());
@@ -1448,7 +1492,7 @@ l: 0\r\n\r\n";
         assert_eq!(vias[0].host, b"2001:db8::1");
         assert_eq!(vias[0].port, Some(5062));
         assert_eq!(vias[0].received, Some(&b"2001:db8::9"[..]));
-        assert_eq!(vias[0].rport, Some(Some(7)));
+        assert_eq!(vias[0].rport, Rport::Filled(7));
         assert_eq!(vias[1].transport, b"TCP");
         assert_eq!(vias[1].host, b"host.example");
         assert_eq!(vias[1].port, Some(5099));

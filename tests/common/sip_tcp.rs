@@ -1,7 +1,7 @@
 //! SIP over TCP peers for the sip-tcp tests: a framed reader, a UAS that answers 200 and
 //! records what it saw, and a request builder.
 
-use fulcrum::sip::{self, Frame, Reply, framing::DEFAULT_MAX_MESSAGE, next_frame};
+use fulcrum::sip::{self, DEFAULT_MAX_MESSAGE, Frame, Reply, next_frame};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
