@@ -4,6 +4,7 @@
 use socket2::{Domain, Protocol, Socket, Type};
 use std::io;
 use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd;
 use std::sync::Once;
 
 /// Receive / send buffer asked of the kernel for datagram sockets. SIP bursts (a REGISTER
@@ -255,5 +256,48 @@ mod tests {
     fn local_ip_toward_loopback() {
         let ip = local_ip_toward("127.0.0.1:9".parse().expect("addr")).expect("route");
         assert!(ip.is_loopback());
+    }
+}
+
+/// `recv_from` on a blocking UDP socket that a shutdown may wake with `shutdown(SHUT_RD)`:
+/// Linux then returns 0 bytes and no sender address, which std's `UdpSocket::recv_from`
+/// asserts against (a panic in the worker). `None`: no sender, the wake-up.
+pub(crate) fn recv_from(
+    socket: &UdpSocket,
+    buf: &mut [u8],
+) -> io::Result<(usize, Option<SocketAddr>)> {
+    use nix::sys::socket::{SockaddrStorage, recvfrom};
+    let (n, from) = recvfrom::<SockaddrStorage>(socket.as_raw_fd(), buf)?;
+    let addr = from.and_then(|a| {
+        if let Some(v4) = a.as_sockaddr_in() {
+            Some(SocketAddr::V4((*v4).into()))
+        } else {
+            a.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into()))
+        }
+    });
+    Ok((n, addr))
+}
+
+#[cfg(test)]
+mod recv_tests {
+    use super::*;
+
+    /// A socket that has received, then is shut for reading (the shutdown's wake-up): the
+    /// next receive returns without a sender instead of panicking in std's address decoding.
+    #[test]
+    fn a_receive_after_shut_rd_has_no_sender_and_does_not_panic() {
+        let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        let c = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        c.send_to(b"x", s.local_addr().expect("addr"))
+            .expect("send");
+        let mut buf = [0u8; 16];
+        let (n, from) = recv_from(&s, &mut buf).expect("datagram");
+        assert_eq!((n, from), (1, Some(c.local_addr().expect("addr"))));
+        // Linux answers ENOTCONN on an unconnected UDP socket, and shuts it for reading.
+        let _ = socket2::SockRef::from(&s).shutdown(std::net::Shutdown::Read);
+        match recv_from(&s, &mut buf) {
+            Ok((0, None)) | Err(_) => {}
+            other => panic!("{other:?}"),
+        }
     }
 }

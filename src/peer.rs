@@ -95,7 +95,8 @@ fn uas_loop(socket: &UdpSocket, log: &UasLog, stop: &AtomicBool) {
     let mut buf = vec![0u8; 65_536];
     let mut out = Vec::with_capacity(2048);
     while !stop.load(Ordering::Acquire) {
-        let Ok((n, src)) = socket.recv_from(&mut buf) else {
+        // A shutdown wakes this receive with `SHUT_RD` (no sender): see `net::recv_from`.
+        let Ok((n, Some(src))) = crate::net::recv_from(socket, &mut buf) else {
             continue;
         };
         let Ok(msg) = sip::scan(&buf[..n]) else {

@@ -142,3 +142,25 @@ fn bound_address_is_read_from_the_listening_line() {
     );
     assert_eq!(bound_in("udp vserver started bind=[127.0.0.1:1]"), None);
 }
+
+/// README's first command, shortened: the demo runs its calls and its sip-udp workers end
+/// cleanly (a shutdown's wake-up of a blocking receive once panicked in std's address
+/// decoding, printing a backtrace per worker at the end of every demo).
+#[test]
+fn the_demo_completes_calls_and_ends_without_a_panic() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .args(["demo", "--duration", "3s"])
+        .output()
+        .expect("run the demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let done = stdout.lines().last().unwrap_or_default();
+    let completed: u64 = done
+        .strip_prefix("done: ")
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no summary line: {stdout}"));
+    assert!(completed > 100, "{done}");
+}

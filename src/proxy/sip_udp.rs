@@ -47,10 +47,12 @@ pub(crate) fn run_worker(
     let send_log = LogLimiter::default();
     let drop_log = LogLimiter::default();
     while !stop.load(Ordering::Acquire) {
-        let (n, src) = match socket.recv_from(&mut buf) {
-            // The wake-up of the shutdown (a receive on a shut-down socket), not a datagram.
-            Ok((0, _)) if stop.load(Ordering::Acquire) => break,
-            Ok(r) => r,
+        let (n, src) = match net::recv_from(&socket, &mut buf) {
+            Ok((n, Some(src))) => (n, src),
+            // The wake-up of the shutdown (a receive on a shut-down socket: no sender), not a
+            // datagram; nothing else arrives without a sender address.
+            Ok((_, None)) if stop.load(Ordering::Acquire) => break,
+            Ok((_, None)) => continue,
             Err(e)
                 if matches!(
                     e.kind(),
@@ -180,7 +182,7 @@ mod tests {
         let (done_tx, done) = std::sync::mpsc::channel();
         let t = std::thread::spawn(move || {
             let mut buf = [0u8; 64];
-            let r = socket.recv_from(&mut buf).map(|(n, _)| n);
+            let r = net::recv_from(&socket, &mut buf).map(|(n, _)| n);
             let _ = done_tx.send(());
             r
         });
