@@ -43,8 +43,6 @@ pub struct Edge {
     acl: Acl,
     flood: Option<Arc<FloodTable>>,
     counters: Arc<EdgeCounters>,
-    /// Nothing to check (no lists, no flood control).
-    open: bool,
 }
 
 impl Default for Edge {
@@ -62,7 +60,6 @@ impl Edge {
             _ => Arc::new(FloodTable::new(p, FLOOD_SLOTS)),
         });
         Edge {
-            open: acl.is_open() && table.is_none(),
             acl,
             flood: table,
             counters: previous.map_or_else(Default::default, |e| Arc::clone(&e.counters)),
@@ -76,7 +73,7 @@ impl Edge {
     /// Whether a datagram or connection from `src` may reach the vserver (the access
     /// lists); a refusal is counted.
     pub fn admits(&self, src: IpAddr) -> bool {
-        if self.open || self.acl.permits(src) {
+        if self.acl.permits(src) {
             return true;
         }
         self.counters.acl.fetch_add(1, Ordering::Relaxed);
@@ -107,9 +104,10 @@ impl Edge {
         }
     }
 
-    /// Whether nothing is checked (no lists, no flood control).
-    pub fn is_open(&self) -> bool {
-        self.open
+    /// Whether access lists are configured (without them [`Edge::admits`] lets everyone in,
+    /// and callers skip the work of exempting their services).
+    pub fn has_acl(&self) -> bool {
+        !self.acl.is_open()
     }
 
     /// Whether flood control is on (callers skip finding out whether a request is new).

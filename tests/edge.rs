@@ -118,10 +118,19 @@ fn a_denied_network_gets_nothing_through_on_any_protocol() {
     let mut denied = TcpStream::from(sock);
     denied.set_read_timeout(Some(ANSWER)).expect("timeout");
     let _ = denied.write_all(request("OPTIONS", "acl-3", from, "b1").as_bytes());
+    // Closed by fulcrum: end of stream (or a reset), never a read that merely timed out.
     let mut got = Vec::new();
+    let r = denied.read_to_end(&mut got);
+    assert!(got.is_empty(), "{got:?}");
+    let timed_out = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        )
+    };
     assert!(
-        matches!(denied.read_to_end(&mut got), Ok(0) | Err(_)),
-        "{got:?}"
+        !matches!(&r, Err(e) if timed_out(e)),
+        "the connection stayed open: {r:?}"
     );
     let mut ok = TcpStream::connect_timeout(&vs, ANSWER).expect("connect");
     ok.set_read_timeout(Some(ANSWER)).expect("timeout");
@@ -230,13 +239,14 @@ fn a_ban_lists_lifts_and_expires() {
     let ops = ops_of(&yaml);
     let vs = addr(&ops);
     let quick = Duration::from_millis(300);
-    for i in 0..3 {
+    let first = client("127.0.0.4", ANSWER);
+    assert!(udp_ask(&first, vs, b"n0").is_some());
+    for i in 1..3 {
         assert!(udp_ask(&client("127.0.0.4", ANSWER), vs, format!("n{i}").as_bytes()).is_some());
     }
     assert!(udp_ask(&client("127.0.0.4", quick), vs, b"fourth").is_none());
-    // An established session of the banned source goes on.
-    let kept = client("127.0.0.5", ANSWER);
-    assert!(udp_ask(&kept, vs, b"first").is_some());
+    // The banned source's established session goes on.
+    assert!(udp_ask(&first, vs, b"still").is_some());
     let bans = router::handle(&ops, &Request::new("GET", "/bans"));
     assert!(bans.body.contains("127.0.0.4"), "{}", bans.body);
     let lift = router::handle(&ops, &Request::new("DELETE", "/bans/127.0.0.4"));
@@ -262,10 +272,14 @@ fn a_ban_lists_lifts_and_expires() {
     ops.shutdown();
 }
 
-/// SIP requests from 20,000 source addresses, one each: the flood table's memory is what it
-/// was (fixed at start), nobody within the limit is banned, and a client still gets its answer.
+/// SIP requests from 20,000 source addresses, one each, more sources than the flood table
+/// has slots (16,384): flood control refuses none and bans none (each source is counted on
+/// its own, however full the table), they reach the service (a datagram or two may be lost
+/// to a socket buffer while other tests run; flood control's own drops are counted, and 0),
+/// and a client still gets its answer. The
+/// table's memory is fixed when the vserver starts (`flood::tests` checks the bound).
 #[test]
-fn many_sources_leave_the_tracking_memory_where_it_was() {
+fn more_sources_than_the_table_holds_are_all_let_through() {
     let uas = StrictUas::udp("u0");
     let yaml = config(
         "sip-udp",
@@ -276,27 +290,50 @@ fn many_sources_leave_the_tracking_memory_where_it_was() {
     );
     let ops = ops_of(&yaml);
     let vs = addr(&ops);
-    let before = edge_of(&ops)["flood_memory_bytes"].clone();
+    let bytes = edge_of(&ops)["flood_memory_bytes"].clone();
     assert!(
-        before.as_u64().is_some_and(|b| b > 0 && b < 1 << 20),
-        "{before}"
+        bytes.as_u64().is_some_and(|b| b > 0 && b < 1 << 20),
+        "{bytes}"
     );
+    let mut sent = 0u64;
     for i in 0..20_000u32 {
         let ip = format!("127.{}.{}.{}", 10 + i / 65_536, (i / 256) % 256, i % 256);
         let Ok(s) = UdpSocket::bind(format!("{ip}:0")) else {
             continue;
         };
         let from = s.local_addr().expect("addr");
-        let _ = s.send_to(options(&format!("many-{i}"), from).as_bytes(), vs);
+        if s.send_to(options(&format!("many-{i}"), from).as_bytes(), vs)
+            .is_ok()
+        {
+            sent += 1;
+        }
+        // In bursts the sockets' buffers hold (a lost datagram is not what this measures).
+        if sent.is_multiple_of(200) {
+            wait_until(Duration::from_secs(2), || {
+                uas.counts().requests >= sent - sent / 100
+            });
+        }
     }
+    assert!(
+        sent > 16_384,
+        "too few sources to overflow the table: {sent}"
+    );
+    assert!(
+        wait_until(Duration::from_secs(20), || uas.counts().requests
+            >= sent * 99 / 100),
+        "{} of {sent} reached the service; edge {}",
+        uas.counts().requests,
+        edge_of(&ops)
+    );
+    let edge = edge_of(&ops);
+    assert_eq!(edge["bans_total"], 0, "{edge}");
+    assert_eq!(edge["dropped"]["flood"], 0, "{edge}");
+    assert_eq!(edge["flood_memory_bytes"], bytes, "{edge}");
     let ok = client("127.0.0.1", ANSWER);
     let from = ok.local_addr().expect("addr");
     assert_eq!(
         sip_udp_ask(&ok, vs, &options("after-many", from)),
         Some(200)
     );
-    let edge = edge_of(&ops);
-    assert_eq!(edge["flood_memory_bytes"], before, "{edge}");
-    assert_eq!(edge["bans_total"], 0, "{edge}");
     ops.shutdown();
 }

@@ -273,7 +273,7 @@ impl SipCore {
         out.clear();
         // The access lists, before anything is parsed; a service's traffic is never checked.
         if matches!(origin, Origin::Client { .. })
-            && !self.edge.is_open()
+            && self.edge.has_acl()
             && !self.is_member_ip(src)
             && !self.edge.admits(src.ip())
         {
@@ -286,7 +286,7 @@ impl SipCore {
         if msg.is_request() {
             bump(&self.counters.requests_in);
             match origin {
-                Origin::Member(_) => self.request_from_service(&msg, src, now, out),
+                Origin::Member(m) => self.request_from_service(&msg, m, src, now, out),
                 Origin::Client { conn } => self.request_from_client(&msg, src, dst, conn, now, out),
             }
         } else {
@@ -396,8 +396,10 @@ impl SipCore {
         if let Some(reply) = request_syntax_error(msg) {
             return self.reply(msg, src, &reply, out);
         }
-        if msg.max_forwards() == MaxForwards::Value(0) {
-            return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out);
+        match msg.max_forwards() {
+            MaxForwards::Value(0) => return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
+            MaxForwards::Bad => return self.reply(msg, src, &Reply::BAD_REQUEST, out),
+            MaxForwards::Absent | MaxForwards::Value(_) => {}
         }
         // fulcrum supports no option tag, so any Proxy-Require is refused (RFC 3261 §16.3
         // step 5, which §16.11 keeps for stateless proxies; RFC 4475 §3.3.5).
@@ -406,7 +408,10 @@ impl SipCore {
         }
         // A datagram that cannot grow by fulcrum's Via, Record-Route and received / rport
         // without passing the largest UDP payload could not be sent on (RFC 3261 §21.5.14).
-        if conn.is_none() && msg.len() > MAX_UDP_PAYLOAD - MAX_GROWTH {
+        // Both limits are checked before a member is chosen (and the dialog pinned and
+        // counted there), so a refusal leaves nothing behind; `forward_request` checks the
+        // lines again as its own invariant.
+        if msg.len() > self.max_forwarded().saturating_sub(MAX_GROWTH) || !self.fits_lines(msg) {
             return self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out);
         }
         if self.edge.has_flood()
@@ -446,6 +451,15 @@ impl SipCore {
             }
             Err(_) => self.reply(msg, src, &Reply::BAD_REQUEST, out),
         }
+    }
+
+    /// Whether the forwarded request keeps within what fulcrum's scanner takes: the lines
+    /// [`forward_request`] adds (its Via, Record-Route when on, Max-Forwards when absent).
+    fn fits_lines(&self, msg: &SipMsg<'_>) -> bool {
+        let added = 1
+            + usize::from(self.record_route)
+            + usize::from(msg.max_forwards() == MaxForwards::Absent);
+        msg.header_count() + added <= sip::MAX_HEADERS
     }
 
     /// The largest request fulcrum forwards: one it could take back itself, so that the
@@ -524,10 +538,14 @@ impl SipCore {
         if let Some(m) = self.routed_member(msg) {
             self.balancer.count_affinity();
             bump(&self.counters.routed_by_record_route);
-            if let Some(h) = call_hash
-                && ends_dialog(msg)
-            {
-                self.end_dialog(h, now_ms);
+            if let Some(h) = call_hash {
+                if ends_dialog(msg) {
+                    self.end_dialog(h, now_ms);
+                } else {
+                    // The local pin (if this instance set the dialog up) stays fresh: a call
+                    // longer than the idle timeout must not be swept, and uncounted, while up.
+                    let _ = self.dialogs.get(h, now_ms);
+                }
             }
             return Some(m);
         }
@@ -660,6 +678,7 @@ impl SipCore {
     fn request_from_service(
         &self,
         msg: &SipMsg<'_>,
+        member: usize,
         src: SocketAddr,
         now: Nanos,
         out: &mut Vec<u8>,
@@ -696,7 +715,7 @@ impl SipCore {
             record_route: self.record_route,
             force_rport: false,
             conn_id: None,
-            service: self.digest_of(self.member_of(src)),
+            service: self.digest_of(Some(member)),
         };
         match forward_request(msg, &rw, out) {
             Ok(n) if n > self.max_forwarded() => {
@@ -1391,12 +1410,16 @@ mod record_route_service {
     }
 
     fn send(c: &SipCore, text: &str) -> (Option<usize>, Vec<u8>) {
+        send_at(c, text, 0)
+    }
+
+    fn send_at(c: &SipCore, text: &str, now: Nanos) -> (Option<usize>, Vec<u8>) {
         let mut out = Vec::new();
         let a = c.handle_datagram(
             text.as_bytes(),
             CLIENT.parse().expect("src"),
             US.parse().expect("dst"),
-            0,
+            now,
             &mut out,
         );
         match a {
@@ -1466,6 +1489,51 @@ mod record_route_service {
             b.counters.routed_by_record_route.load(Ordering::Relaxed),
             40
         );
+    }
+
+    /// A request refused 513 (too many lines once forwarded) is refused before a member is
+    /// chosen: no dialog is pinned, nothing is counted as load (a flood of such INVITEs once
+    /// filled the services' counts for the idle timeout).
+    #[test]
+    fn a_request_refused_513_leaves_nothing_counted() {
+        let c = instance();
+        let extra: String = (0..crate::sip::MAX_HEADERS - 8)
+            .map(|i| format!("X-H{i}: v\r\n"))
+            .collect();
+        let big =
+            invite("big-1").replace("Content-Length: 0", &format!("{extra}Content-Length: 0"));
+        assert!(
+            crate::sip::scan(big.as_bytes()).is_ok(),
+            "the request itself scans"
+        );
+        let (to_member, out) = send(&c, &big);
+        assert_eq!(to_member, None);
+        let reply = crate::sip::scan(&out).expect("a reply");
+        assert_eq!(reply.status_code(), Some(513));
+        let loads: Vec<u64> = (0..3)
+            .map(|m| c.balancer().counters(m).map_or(0, |k| k.active()))
+            .collect();
+        assert_eq!(loads, [0, 0, 0]);
+    }
+
+    /// In-dialog requests routed by `fc-svc` keep the local pin fresh: a call longer than
+    /// the idle timeout (1 h here) stays counted on its service while requests flow.
+    #[test]
+    fn requests_routed_by_record_route_keep_a_long_call_counted() {
+        const MIN: Nanos = 60 * 1_000_000_000;
+        let c = instance();
+        let (m, out) = send_at(&c, &invite("long-1"), 0);
+        let m = m.expect("forwarded");
+        let rr = record_route(&out);
+        let info = bye("long-1", &rr)
+            .replace("BYE sip", "INFO sip")
+            .replace("2 BYE", "3 INFO");
+        assert_eq!(send_at(&c, &info, 40 * MIN).0, Some(m));
+        c.sweep(70 * MIN);
+        let active = c.balancer().counters(m).map_or(0, |k| k.active());
+        assert_eq!(active, 1, "swept while its requests still flowed");
+        assert_eq!(send_at(&c, &bye("long-1", &rr), 71 * MIN).0, Some(m));
+        assert_eq!(c.balancer().counters(m).map_or(9, |k| k.active()), 0);
     }
 
     #[test]

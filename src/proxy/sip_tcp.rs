@@ -284,7 +284,7 @@ impl TcpShared {
             idle: next.idle,
         }));
         {
-            let mut tasks = self.link_tasks.lock().unwrap_or_else(|e| e.into_inner());
+            let mut tasks = crate::sync::lock(&self.link_tasks);
             tasks.retain(|t| !t.is_finished());
             for (link, rx) in fresh {
                 let guard = self.tasks.guard();
@@ -677,7 +677,7 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
             // never refused by them).
             let g = shared.current.load();
             let core = &g.core;
-            if !core.is_member_ip(src) && !core.edge().admits(src.ip()) {
+            if core.edge().has_acl() && !core.is_member_ip(src) && !core.edge().admits(src.ip()) {
                 drop(stream);
                 continue;
             }
@@ -1058,12 +1058,7 @@ async fn run_vserver(
     for c in shared.clients.iter() {
         c.abort.abort();
     }
-    for t in shared
-        .link_tasks
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .drain(..)
-    {
+    for t in crate::sync::lock(&shared.link_tasks).drain(..) {
         t.abort();
     }
 }

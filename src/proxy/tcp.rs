@@ -376,7 +376,9 @@ async fn accept_loop(cell: TcpCell, listener: TcpListener) {
                 bump(&core.counters.accepted);
                 // Every connection is a new flow: the access lists, then flood control; a
                 // refused one is closed at once (dropped).
-                if !core.edge.admits(peer.ip()) || !core.edge.admits_new(peer.ip(), core.now()) {
+                if !core.edge.admits(peer.ip())
+                    || core.edge.has_flood() && !core.edge.admits_new(peer.ip(), core.now())
+                {
                     continue;
                 }
                 let reserved = core
