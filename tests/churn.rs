@@ -69,6 +69,11 @@ fn churn(t: Transport, reloads: usize) {
         std::thread::sleep(tick.saturating_duration_since(Instant::now()));
     }
     let out = uac.finish();
+    // Every removal took dialogs away from s3: the drain was exercised each time.
+    assert!(
+        live_at_removal.iter().all(|&n| n > 0),
+        "{live_at_removal:?}"
+    );
     let counts = lab.counts();
     let report = format!(
         "{t:?}, {reloads} reloads: SIPp exit {:?}, successful {}, failed {}; per service \

@@ -52,7 +52,12 @@ fn assert_equal_rows(r: &SimResult, services: &[&str], one_request: f64, what: &
     for row in &r.rows {
         let rates: Vec<f64> = services
             .iter()
-            .map(|s| row.rates.get(*s).copied().unwrap_or(f64::NAN))
+            .map(|s| {
+                row.rates
+                    .get(*s)
+                    .copied()
+                    .unwrap_or_else(|| panic!("{what}: no {s} at t={}", row.t))
+            })
             .collect();
         let (lo, hi) = rates
             .iter()
