@@ -21,9 +21,11 @@ cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# FULCRUM=PATH measures another fulcrum binary (an A/B of two builds) with this checkout's
+# load generator.
 build_fulcrum() {
   (cd "$ROOT" && cargo build --release -q --bin fulcrum --bin fulcrum-load) || exit 1
-  FUL=$ROOT/target/release/fulcrum; LOAD=$ROOT/target/release/fulcrum-load
+  FUL=${FULCRUM:-$ROOT/target/release/fulcrum}; LOAD=$ROOT/target/release/fulcrum-load
 }
 
 tcp_peer_configs() {

@@ -396,7 +396,8 @@ impl SipCore {
         if let Some(reply) = request_syntax_error(msg) {
             return self.reply(msg, src, &reply, out);
         }
-        match msg.max_forwards() {
+        let max_forwards = msg.max_forwards();
+        match max_forwards {
             MaxForwards::Value(0) => return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
             MaxForwards::Bad => return self.reply(msg, src, &Reply::BAD_REQUEST, out),
             MaxForwards::Absent | MaxForwards::Value(_) => {}
@@ -411,7 +412,9 @@ impl SipCore {
         // Both limits are checked before a member is chosen (and the dialog pinned and
         // counted there), so a refusal leaves nothing behind; `forward_request` checks the
         // lines again as its own invariant.
-        if msg.len() > self.max_forwarded().saturating_sub(MAX_GROWTH) || !self.fits_lines(msg) {
+        if msg.len() > self.max_forwarded().saturating_sub(MAX_GROWTH)
+            || !self.fits_lines(msg, max_forwards)
+        {
             return self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out);
         }
         if self.edge.has_flood()
@@ -455,10 +458,9 @@ impl SipCore {
 
     /// Whether the forwarded request keeps within what fulcrum's scanner takes: the lines
     /// [`forward_request`] adds (its Via, Record-Route when on, Max-Forwards when absent).
-    fn fits_lines(&self, msg: &SipMsg<'_>) -> bool {
-        let added = 1
-            + usize::from(self.record_route)
-            + usize::from(msg.max_forwards() == MaxForwards::Absent);
+    fn fits_lines(&self, msg: &SipMsg<'_>, max_forwards: MaxForwards) -> bool {
+        let added =
+            1 + usize::from(self.record_route) + usize::from(max_forwards == MaxForwards::Absent);
         msg.header_count() + added <= sip::MAX_HEADERS
     }
 
