@@ -24,7 +24,7 @@ enum Want {
 }
 use Want::*;
 
-/// Every transcribed message: (file stem, RFC 4475 section, behaviour, stream-valid, reason).
+/// Every message of RFC 4475 §3: (file stem, RFC 4475 section, behaviour, stream-valid, reason).
 const CASES: &[(&str, &str, Want, bool, &str)] = &[
     (
         "wsinv",
@@ -32,6 +32,13 @@ const CASES: &[(&str, &str, Want, bool, &str)] = &[
         Forward,
         true,
         "valid: folding, LWS, compact forms, leading zeros",
+    ),
+    (
+        "intmeth",
+        "3.1.1.2",
+        Forward,
+        true,
+        "unknown method, same in CSeq: a proxy forwards it (RFC 3261 §16.6)",
     ),
     ("esc01", "3.1.1.3", Forward, true, "valid % escapes"),
     (
@@ -82,6 +89,20 @@ const CASES: &[(&str, &str, Want, bool, &str)] = &[
         Forward,
         true,
         "unknown transports in lower Vias are not fulcrum's",
+    ),
+    (
+        "mpart01",
+        "3.1.1.11",
+        Forward,
+        true,
+        "a binary multipart body is the endpoints' business",
+    ),
+    (
+        "unreason",
+        "3.1.1.12",
+        Drop,
+        false,
+        "a response whose top Via is not fulcrum's (RFC 3261 §16.11)",
     ),
     (
         "noreason",
@@ -379,8 +400,19 @@ fn fixtures_are_complete_and_consistent() {
     assert_eq!(files, listed);
     for (stem, _, _, stream_valid, _) in CASES {
         let b = fixture(stem);
+        // Line ends are CRLF, in the head always and in the body unless it is declared binary
+        // (mpart01's DER part holds 0x0a octets that are data).
+        let head_len = b
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .map_or(b.len(), |i| i + 4);
+        let binary_body = scan(&b).is_ok_and(|m| {
+            m.header(b"Content-Transfer-Encoding")
+                .is_some_and(|v| v.eq_ignore_ascii_case(b"binary"))
+        });
+        let checked = if binary_body { &b[..head_len] } else { &b[..] };
         assert!(
-            b.windows(2).all(|w| w[1] != b'\n' || w[0] == b'\r'),
+            checked.windows(2).all(|w| w[1] != b'\n' || w[0] == b'\r'),
             "{stem}: bare LF"
         );
         if *stream_valid {
@@ -389,6 +421,35 @@ fn fixtures_are_complete_and_consistent() {
             assert_eq!(f.map(|f| f.len()), Ok(b.len()), "{stem}");
         }
     }
+}
+
+/// Each fixture's bytes are the ones its manifest (`SHA256SUMS`, `sha256sum -c` format) names:
+/// the README says which of them an independent decode of the RFC's archive confirms, and a
+/// change of one byte (an editor, a line-end conversion) fails here.
+#[test]
+fn fixtures_match_their_manifest() {
+    use sha2::{Digest, Sha256};
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/sip/rfc4475");
+    let manifest = std::fs::read_to_string(dir.join("SHA256SUMS")).expect("SHA256SUMS");
+    let mut named = Vec::new();
+    let mut failures = Vec::new();
+    for line in manifest.lines() {
+        let (sum, name) = line.split_once("  ").expect("`SUM  NAME` lines");
+        let stem = name.strip_suffix(".sip").expect("NAME.sip");
+        let got: String = Sha256::digest(&fixture(stem))
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        if got != sum {
+            failures.push(format!("{name}: manifest {sum}, file {got}"));
+        }
+        named.push(stem.to_owned());
+    }
+    named.sort();
+    let mut listed: Vec<String> = CASES.iter().map(|c| c.0.to_owned()).collect();
+    listed.sort();
+    assert_eq!(named, listed, "the manifest names every fixture once");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// A UDP client on `ip` at `port` (a reply goes to the Via sent-by port when the request
