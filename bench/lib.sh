@@ -1,25 +1,60 @@
-# Prelude shared by the bench/*.sh peer comparisons (idle, udp, tcp, tcp_ab); sourced, not run:
+# Prelude shared by the bench/*.sh scripts; sourced, not run:
 #   . "$(dirname "$0")/lib.sh"
 # Sets ROOT (this crate), PEERS (the peers' configs and tools: $PEERS if set and present, else
 # ../shared/bench/peers beside the crate, else /work/shared/bench/peers), TMP (a fresh
 # directory, removed on exit) and PIDS (the processes the script started: add each with
-# `PIDS+=($!)`). On exit they get TERM, then KILL 0.3 s later; INT and TERM exit with 130
-# through the same trap. Defines build_fulcrum (release build of fulcrum and fulcrum-load,
-# sets FUL and LOAD), tcp_peer_configs (the peers' nginx backends and HAProxy moved to ports
-# B1..B1+2 and HA, written to $TMP/backends.conf and $TMP/haproxy.cfg), start_fulcrum LOG
-# ARGS (fulcrum run under timeout; FPID) and stop_fulcrum, rss PID (VmRSS, KiB), settled PID
-# (RSS once stable), wait_ready FILE,
-# busy_ticks (CPU ticks the machine spent busy) and tree_ticks PID... (CPU ticks of processes
-# and their descendants).
+# `PIDS+=($!)`). cleanup sends them TERM, waits (at most 3 s) until they have ended, KILLs
+# what is left and empties PIDS: it runs on exit (INT and TERM exit with 130 through the same
+# trap) and a script may call it between runs.
+# Process helpers: child_of PID (a timeout wrapper's command), wait_port PORT [u|t] (until
+# something listens), build_fulcrum (release build of fulcrum and fulcrum-load, sets FUL and
+# LOAD), start_fulcrum LOG ARGS (fulcrum run under timeout; FPID) and stop_fulcrum,
+# wait_ready FILE (a load generator's ready= line).
+# Measures: rss PID (VmRSS, KiB), settled PID (RSS once stable), busy_ticks (CPU ticks the
+# machine spent busy), tree_ticks PID... (CPU ticks of processes and their descendants),
+# rcvbuf_errors (UDP receive-buffer overflows, whole machine), col FILE NAME (a column of a
+# SIPp statistics file).
+# Peers: tcp_peer_configs (the peers' nginx backends and HAProxy moved to ports B1..B1+2 and
+# HA, written to $TMP/backends.conf and $TMP/haproxy.cfg), kamailio_head (the global part of
+# the Kamailio configs the SIP comparisons generate).
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PEERS=${PEERS:-$ROOT/../shared/bench/peers}
 [ -d "$PEERS" ] || PEERS=/work/shared/bench/peers
 TMP=$(mktemp -d)
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done; sleep 0.3; for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done; rm -rf "$TMP"; }
-trap cleanup EXIT
+cleanup() {
+  local p i alive
+  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  for i in $(seq 1 30); do
+    alive=0
+    for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.1
+  done
+  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  PIDS=()
+}
+trap 'cleanup; rm -rf "$TMP"' EXIT
 trap 'exit 130' INT TERM
+
+# child_of PID: the PID of the first child of PID (a timeout wrapper's command), waiting at
+# most 5 s; fails if there is none.
+child_of() {
+  local i c
+  for i in $(seq 1 100); do c=$(pgrep -P "$1" | head -1); [ -n "$c" ] && { echo "$c"; return 0; }; sleep 0.05; done
+  return 1
+}
+# wait_port PORT [u|t]: poll (at most 10 s) until something listens on UDP (u, the default)
+# or TCP (t) port PORT of any address.
+wait_port() {
+  local i proto=${2:-u}
+  for i in $(seq 1 100); do
+    ss -H"${proto}"lnp "sport = :$1" 2>/dev/null | grep -q . && return 0
+    sleep 0.1
+  done
+  echo "nothing bound $([ "$proto" = t ] && echo tcp || echo udp) port $1" >&2; return 1
+}
 
 # FULCRUM=PATH measures another fulcrum binary (an A/B of two builds) with this checkout's
 # load generator.
@@ -44,11 +79,9 @@ wait_ready() { for _ in $(seq 1 "${2:-300}"); do grep -q ready= "$1" && break; s
 # in time even if the exit trap never runs), output in LOG; sets FPID to fulcrum's own PID
 # (the wrapper's child), whose RSS and CPU ticks the scripts read.
 start_fulcrum() {
-  local log=$1 w i; shift
+  local log=$1 w; shift
   timeout -s KILL 900 "$FUL" run "$@" > "$log" 2>&1 & w=$!; PIDS+=($w)
-  FPID=
-  for i in $(seq 1 100); do FPID=$(pgrep -P "$w" | head -1); [ -n "$FPID" ] && break; sleep 0.05; done
-  [ -n "$FPID" ] || { echo "fulcrum did not start (log: $log)" >&2; exit 1; }
+  FPID=$(child_of "$w") || { echo "fulcrum did not start (log: $log)" >&2; exit 1; }
   PIDS+=($FPID)
 }
 # stop_fulcrum [SIGNAL]: SIGTERM (or SIGNAL) to $FPID, then wait (at most 10 s) until it has
@@ -69,4 +102,23 @@ tree_ticks() {
     for c in $(pgrep -P "$p" 2>/dev/null); do t=$((t + $(tree_ticks "$c"))); done
   done
   echo "$t"
+}
+# system-wide UDP receive-buffer overflows (datagrams dropped by the kernel, any socket)
+rcvbuf_errors() { awk '/^Udp:/{if(!h){for(i=1;i<=NF;i++) c[$i]=i; h=1} else print $c["RcvbufErrors"]}' /proc/net/snmp; }
+# col FILE NAME: column NAME (by header name) of the last line of SIPp statistics file FILE
+col() {
+  awk -F';' -v name="$2" 'NR==1{for(i=1;i<=NF;i++) if($i==name) c=i; next} NF{last=$0}
+    END{split(last, a, ";"); print (c ? a[c] + 0 : "NA")}' "$1"
+}
+
+# kamailio_head COMMENT CHILDREN LISTEN DISABLE_TCP [MAXBUFFER]: the global part of a generated
+# Kamailio config (no logging to syslog, no DNS, CHILDREN workers on LISTEN), which the script
+# follows with its modules and request_route.
+kamailio_head() {
+  echo "#!KAMAILIO"
+  echo "# $1"
+  printf '%s\n' "debug=0" "log_stderror=yes" "memdbg=5" "memlog=5" "fork=yes" "children=$2" \
+    "listen=$3" "disable_tcp=$4" "auto_aliases=no" "dns=no" "rev_dns=no" "use_dns_cache=no"
+  [ -n "${5:-}" ] && echo "maxbuffer=$5"
+  echo 'mpath="/usr/lib/x86_64-linux-gnu/kamailio/modules/"'
 }

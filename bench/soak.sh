@@ -28,7 +28,7 @@
 #        DURATION=600 RATE=40 HOLD=4000 bench/soak.sh
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
-ROOT=$(cd "$HERE/.." && pwd)
+. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, col
 DURATION=${DURATION:-1800}   # s of load
 RATE=${RATE:-40}             # calls/s on each transport
 HOLD=${HOLD:-4000}           # ms each call is held between ACK and BYE
@@ -52,21 +52,10 @@ if [ ! -x "$FULCRUM" ] || [ ! -x "$UAS_BIN" ]; then
 fi
 mkdir -p "$OUT"; cd "$OUT" || exit 2
 
-PIDS=()
-cleanup() {
-  local p
-  for p in "${PIDS[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  sleep 0.5
-  for p in "${PIDS[@]}"; do kill -KILL "$p" 2>/dev/null; done
-  PIDS=()
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
 port_of() {   # s0..s3 -> BASE+11.., t0..t3 -> BASE+21..
   case $1 in s*) echo $((BASE + 11 + ${1#s})) ;; t*) echo $((BASE + 21 + ${1#t})) ;; esac
 }
-wait_ready() {   # $1 = log file, bounded 10 s
+wait_uas_ready() {   # $1 = log file, bounded 10 s
   for _ in $(seq 1 100); do grep -q '^ready' "$1" 2>/dev/null && return 0; sleep 0.1; done
   echo "no ready line in $1" >&2; return 1
 }
@@ -78,7 +67,7 @@ start_uas() {   # $1 = name
   case $1 in t*) proto=tcp ;; esac
   "$UAS_BIN" "$1" "127.0.0.1:$(port_of "$1")" $proto $MAXT > "uas_${1}_${n}.log" 2>&1 &
   UAS_PID[$1]=$!; PIDS+=("$!")
-  wait_ready "uas_${1}_${n}.log"
+  wait_uas_ready "uas_${1}_${n}.log"
 }
 # dialogs set up minus BYEs answered 200, from the UAS's last counts line (at most 200 ms old)
 live_dialogs() {   # $1 = name
@@ -108,9 +97,7 @@ for s in s0 s1 s2 s3 t0 t1 t2 t3; do start_uas $s || exit 2; done
 config 1
 timeout $MAXT "$FULCRUM" run --config fulcrum.yaml --drain-timeout 5s > fulcrum.log 2>&1 &
 PIDS+=("$!")
-FPID=""
-for _ in $(seq 1 100); do FPID=$(pgrep -P "${PIDS[-1]}" | head -1); [ -n "$FPID" ] && break; sleep 0.05; done
-[ -n "$FPID" ] || { echo "fulcrum did not start" >&2; exit 2; }
+FPID=$(child_of "${PIDS[-1]}") || { echo "fulcrum did not start" >&2; exit 2; }
 PIDS+=("$FPID")
 for _ in $(seq 1 100); do timeout 2 curl -sf "http://$ADMIN/readyz" >/dev/null && break; sleep 0.1; done
 
@@ -159,11 +146,6 @@ while kill -0 "$UAC_UDP" 2>/dev/null || kill -0 "$UAC_TCP" 2>/dev/null; do
   sleep 1
 done
 wait "$UAC_UDP" "$UAC_TCP" 2>/dev/null
-
-col() {
-  awk -F';' -v name="$2" 'NR==1{for(i=1;i<=NF;i++) if($i==name) c=i; next} NF{last=$0}
-    END{split(last, a, ";"); print (c ? a[c] + 0 : "NA")}' "$1"
-}
 failed=0; total=0; ok=0
 for t in udp tcp; do
   f=$(col "uac_$t.csv" "FailedCall(C)"); a=$(col "uac_$t.csv" "TotalCallCreated"); s=$(col "uac_$t.csv" "SuccessfulCall(C)")
