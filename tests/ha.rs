@@ -19,10 +19,13 @@
 //!
 //! The UAS are [`common::strict_uas`] (481 to a request for a dialog they did not set up),
 //! run inside the services namespace by this test binary (`helper_ha_uas`), which writes
-//! their counts to a file the test reads. Needs root, `ip`, `curl`, `sysctl` and SIPp;
-//! otherwise each test prints why and passes without running (a missing SIPp fails instead
-//! when `FULCRUM_REQUIRE_SIPP=1`). Namespaces and processes are removed by a guard on every
-//! exit path.
+//! their counts to a file the test reads. Needs root, `ip`, `curl`, `sysctl`, `timeout` and
+//! SIPp. Without root, without `ip`, or where `ip netns add` is refused (no network
+//! namespaces here), each test prints why and passes without running; with
+//! `FULCRUM_REQUIRE_NETNS=1` (CI) that fails instead, as a missing SIPp does with
+//! `FULCRUM_REQUIRE_SIPP=1`. Anything that goes wrong once the first namespace exists (links,
+//! routes, the instances' readiness, a missing `curl`) fails. Namespaces and processes are
+//! removed by a guard on every exit path.
 
 mod common;
 
@@ -104,20 +107,56 @@ fn on_path(program: &str) -> bool {
         .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
 }
 
-/// Why this test cannot run here, if it cannot.
-fn skip_reason() -> Option<String> {
+/// Why network namespaces cannot be built here, if they cannot: the only reasons a test of
+/// this file passes without running.
+fn netns_unavailable() -> Option<String> {
     if !is_root() {
         return Some("needs root for network namespaces".into());
     }
-    for tool in ["ip", "curl", "sysctl", "timeout"] {
-        if !on_path(tool) {
-            return Some(format!("`{tool}` is not on PATH"));
-        }
-    }
-    if !sipp_available() {
-        return Some("sipp is not on PATH".into());
+    if !on_path("ip") {
+        return Some("`ip` is not on PATH".into());
     }
     None
+}
+
+/// A lab for test `name`, or None when it cannot run here (printed, or a panic under
+/// `FULCRUM_REQUIRE_NETNS=1`). Every other failure to build it panics.
+fn lab_or_skip(name: &str, slot: u32, record_route: bool) -> Option<Lab> {
+    let skip = |why: String| {
+        assert!(
+            std::env::var("FULCRUM_REQUIRE_NETNS").as_deref() != Ok("1"),
+            "{name}: {why}, and FULCRUM_REQUIRE_NETNS=1"
+        );
+        println!("SKIP {name}: {why} (FULCRUM_REQUIRE_NETNS=1 makes this a failure)");
+        None
+    };
+    if let Some(why) = netns_unavailable() {
+        return skip(why);
+    }
+    for tool in ["curl", "sysctl", "timeout"] {
+        assert!(on_path(tool), "{name}: `{tool}` is not on PATH");
+    }
+    if !sipp_available() {
+        return None;
+    }
+    match Lab::start(slot, record_route) {
+        Ok(lab) => Some(lab),
+        Err(LabError::NoNetns(e)) => skip(format!("cannot create a network namespace: {e}")),
+        Err(LabError::Failed(e)) => panic!("{name}: {e}"),
+    }
+}
+
+/// Why [`Lab::start`] failed: namespaces cannot be made here at all (a skip), or something
+/// after the first one was made (a failure).
+enum LabError {
+    NoNetns(String),
+    Failed(String),
+}
+
+impl From<String> for LabError {
+    fn from(e: String) -> Self {
+        LabError::Failed(e)
+    }
 }
 
 fn run(program: &str, args: &[&str]) -> Result<String, String> {
@@ -238,7 +277,7 @@ impl Lab {
 
     /// Build the namespaces and links, the router's ECMP route, the UAS and both instances
     /// (ready, as their `/readyz` says from the router).
-    fn start(slot: u32, record_route: bool) -> Result<Lab, String> {
+    fn start(slot: u32, record_route: bool) -> Result<Lab, LabError> {
         let tag = format!("{}{slot}", std::process::id() % 10_000);
         let mut lab = Lab {
             scratch: Scratch::new(&format!("ha-{tag}")),
@@ -252,7 +291,11 @@ impl Lab {
         let t = lab.tag.clone();
         for role in ["cli", "rtr", "a", "b", "svc"] {
             let n = lab.ns(role);
-            ip(&format!("netns add {n}"))?;
+            match ip(&format!("netns add {n}")) {
+                // The first namespace is the probe: refused, there are none to be had here.
+                Err(e) if lab.names.is_empty() => return Err(LabError::NoNetns(e)),
+                r => r?,
+            };
             lab.names.push(n.clone());
             ip(&format!("-n {n} link set lo up"))?;
         }
@@ -307,7 +350,7 @@ impl Lab {
         )?;
         lab.route(&[A, B])?;
 
-        let me = std::env::current_exe().map_err(|e| e.to_string())?;
+        let me = std::env::current_exe().map_err(|e| LabError::Failed(e.to_string()))?;
         let mut uas = Command::new("ip")
             .args(["netns", "exec", &lab.ns("svc")])
             .arg(&me)
@@ -331,9 +374,9 @@ impl Lab {
             let yaml = format!(
                 "admin: {{ listen: \"{addr}:9090\" }}\nservices:\n{services}vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [\"{VIP}:5060\"]\n    freebind: true\n    advertise: \"{VIP}:5060\"\n    method: call_id_hash\n    record_route: {record_route}\n    workers: 1\n    services: [s0, s1, s2]\n"
             );
-            std::fs::write(&cfg, yaml).map_err(|e| e.to_string())?;
+            std::fs::write(&cfg, yaml).map_err(|e| LabError::Failed(e.to_string()))?;
             let log = std::fs::File::create(lab.scratch.path(&format!("{inst}.log")))
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| LabError::Failed(e.to_string()))?;
             let child = Command::new("ip")
                 .args([
                     "netns",
@@ -354,12 +397,12 @@ impl Lab {
         let deadline = Instant::now() + Duration::from_secs(10);
         while !(lab.ready(A) && lab.ready(B) && lab.counts().len() == SERVICES.len()) {
             if Instant::now() > deadline {
-                return Err(format!(
+                return Err(LabError::Failed(format!(
                     "instances or services not ready in 10 s (A ready: {}, B ready: {}, logs in {})",
                     lab.ready(A),
                     lab.ready(B),
                     lab.scratch.0.display()
-                ));
+                )));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -559,20 +602,11 @@ fn sum(counts: &[(String, Counts)], f: impl Fn(&Counts) -> u64) -> u64 {
 /// are reported.
 #[test]
 fn ha_kill_one_instance_under_load() {
-    let name = "ha_kill_one_instance_under_load";
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    if let Some(why) = skip_reason() {
-        println!("SKIP {name}: {why}");
+    let Some(mut lab) = lab_or_skip("ha_kill_one_instance_under_load", 0, true) else {
         return;
-    }
-    let mut lab = match Lab::start(0, true) {
-        Ok(l) => l,
-        Err(e) => {
-            println!("SKIP {name}: cannot build the namespaces: {e}");
-            return;
-        }
     };
     let scen = lab.scratch.path("uac.xml");
     std::fs::write(&scen, scenario(0, 2000)).expect("scenario");
@@ -658,20 +692,15 @@ fn ha_kill_one_instance_under_load() {
 /// again over B's view would pick s0 for about a third of them, which answers 481.
 #[test]
 fn ha_in_dialog_requests_follow_fc_svc_across_health_views() {
-    let name = "ha_in_dialog_requests_follow_fc_svc_across_health_views";
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    if let Some(why) = skip_reason() {
-        println!("SKIP {name}: {why}");
+    let Some(mut lab) = lab_or_skip(
+        "ha_in_dialog_requests_follow_fc_svc_across_health_views",
+        1,
+        true,
+    ) else {
         return;
-    }
-    let mut lab = match Lab::start(1, true) {
-        Ok(l) => l,
-        Err(e) => {
-            println!("SKIP {name}: cannot build the namespaces: {e}");
-            return;
-        }
     };
     lab.route(&[A]).expect("route to A");
     let answer = lab.disable(A, "s0").expect("disable s0 on A");
