@@ -104,6 +104,9 @@ pub enum Decision {
     },
     /// No member can take it: drop (UDP has no way to say "unavailable").
     NoService,
+    /// It would open a new session and flood control refuses its source (counted by the
+    /// edge): drop, with nothing chosen for it.
+    Flood,
 }
 
 /// Shared, immutable-after-build state of one udp vserver.
@@ -240,7 +243,10 @@ impl UdpCore {
     }
 
     /// Decide where a datagram from `client` to `local` goes. A session keeps its member
-    /// while that member is not DOWN (OUT_OF_SERVICE drains: existing flows continue).
+    /// while that member is not DOWN (OUT_OF_SERVICE drains: existing flows continue). A new
+    /// session is a new flow: flood control is asked before the balancer chooses, so a
+    /// refused one neither counts as a decision nor moves a round-robin or least-requests
+    /// state. One replacing a session whose member went DOWN is the same flow, not asked.
     pub fn decide<R>(
         &self,
         table: &SessionTable<R>,
@@ -249,6 +255,8 @@ impl UdpCore {
         local: SocketAddr,
         now: Nanos,
     ) -> Decision {
+        // Flood control asked already for this datagram (at most once: it counts).
+        let mut admitted = false;
         let (key, chosen) = if self.per_datagram {
             // Each datagram is chosen for; the member already holding this client's session
             // for the key keeps it (its own session must not count against it).
@@ -260,6 +268,14 @@ impl UdpCore {
                 };
                 table.find(&key, now).is_some()
             };
+            // A flow holding no session on any member opens one whatever is chosen. One
+            // holding some is asked below, after the choice, if that lands on a new member.
+            if self.edge.has_flood() && !(0..self.member_addrs.len()).any(&holds) {
+                if !self.edge.admits_new(client.ip(), now) {
+                    return Decision::Flood;
+                }
+                admitted = true;
+            }
             match self.choose(payload, client, local, now, &holds) {
                 Some(m) => (
                     SessionKey {
@@ -293,6 +309,9 @@ impl UdpCore {
             }
             replace = Some(id);
         }
+        if replace.is_none() && !admitted && !self.edge.admits_new(client.ip(), now) {
+            return Decision::Flood;
+        }
         let member = match chosen {
             Some(m) => Some(m),
             None => self.choose(payload, client, local, now, &|_| false),
@@ -308,7 +327,6 @@ impl UdpCore {
     }
 }
 
-/// Start a udp vserver: one worker thread per SO_REUSEPORT socket set.
 pub(crate) fn start(
     ctx: &mut StartCtx<'_>,
     config: &Config,
@@ -744,11 +762,8 @@ impl Worker {
                 bump(&self.core.counters.no_service);
                 return;
             }
-            // A new session is a new flow (flood control); one replacing a session whose
-            // service went DOWN is the same flow.
-            Decision::New { replace: None, .. } if !self.core.edge.admits_new(client.ip(), now) => {
-                return;
-            }
+            // Refused by flood control (and counted by the edge) before anything was chosen.
+            Decision::Flood => return,
             Decision::New {
                 key,
                 member,
@@ -1234,6 +1249,71 @@ vservers:\n  - {{ name: v, protocol: udp, bind: [\"127.0.0.1:0\"], method: {meth
             c.decide(&t, b"x", addr("10.0.0.9:1"), lo, 70),
             Decision::NoService
         );
+    }
+
+    /// A banned source's new session is refused before the balancer chooses: the refused
+    /// datagrams count no decision and leave round robin where it was, so the next client
+    /// gets the member after the last one given out.
+    #[test]
+    fn flood_refuses_a_new_session_before_anything_is_chosen() {
+        use crate::balancer::Path;
+        let c = core("round_robin", ", flood: { limit: 1, window: 1s, ban: 60s }");
+        let t: SessionTable<()> = c.table();
+        let lo = addr("127.0.0.1:53");
+        let new_member = |d: Decision| match d {
+            Decision::New { member, .. } => member,
+            d => panic!("{d:?}"),
+        };
+        let first = new_member(c.decide(&t, b"x", addr("10.0.0.1:5000"), lo, 0));
+        // 10.0.0.9 opens one session (its limit), then is banned: three more refused.
+        new_member(c.decide(&t, b"x", addr("10.0.0.9:1"), lo, 0));
+        let chosen = c.balancer().path_count(Path::Method);
+        for port in 2..5 {
+            assert_eq!(
+                c.decide(&t, b"x", addr(&format!("10.0.0.9:{port}")), lo, 0),
+                Decision::Flood
+            );
+        }
+        assert_eq!(
+            c.balancer().path_count(Path::Method),
+            chosen,
+            "nothing chosen"
+        );
+        assert_eq!(c.edge().counters().flood.load(Ordering::Relaxed), 3);
+        // Round robin over two: 10.0.0.1 got `first`, 10.0.0.9 the other, so `first` again.
+        assert_eq!(
+            new_member(c.decide(&t, b"x", addr("10.0.0.2:5000"), lo, 0)),
+            first
+        );
+    }
+
+    /// Per datagram (`token` on the payload), a flow with no session anywhere is asked
+    /// before the choice too.
+    #[test]
+    fn flood_refuses_a_per_datagram_flow_before_anything_is_chosen() {
+        use crate::balancer::Path;
+        let c = core(
+            "token",
+            ", token: { offset: 0, length: 2 }, flood: { limit: 1, window: 1s, ban: 60s }",
+        );
+        let t: SessionTable<()> = c.table();
+        let lo = addr("127.0.0.1:53");
+        assert!(matches!(
+            c.decide(&t, b"k1z", addr("10.0.0.9:1"), lo, 0),
+            Decision::New { .. }
+        ));
+        let decisions = || {
+            [Path::Hash, Path::NextRanked, Path::FallbackLeastConnection]
+                .into_iter()
+                .map(|p| c.balancer().path_count(p))
+                .sum::<u64>()
+        };
+        let chosen = decisions();
+        assert_eq!(
+            c.decide(&t, b"k2z", addr("10.0.0.9:2"), lo, 0),
+            Decision::Flood
+        );
+        assert_eq!(decisions(), chosen, "nothing chosen");
     }
 
     #[test]
