@@ -31,6 +31,7 @@
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)
 //! - `sync`       PURE  `lock`: a mutex guard that recovers from poison (why it may)
 //! - `systemd`    PURE  service-manager notify messages (READY, RELOADING, STOPPING, watchdog); IO edge sends them
+//! - `tls`        IO    rustls configurations from PEM files, reloadable listener / connector, handshake failure reasons (PURE)
 //! - `uring`      IO    batched sends on many sockets in one system call (io_uring); the only `unsafe`
 // Denied everywhere but in `uring`, which documents why its one block is sound.
 #![deny(unsafe_code)]
@@ -65,4 +66,5 @@ pub mod slow_start;
 pub mod stats;
 mod sync;
 pub mod systemd;
+pub mod tls;
 pub mod uring;

@@ -388,7 +388,13 @@ impl Ops {
             self.health.start_monitors(&new, &self.tokio);
             self.health.apply_all();
         }
-        let changes = plan.describe();
+        let mut changes = plan.describe();
+        // Certificates are read again on every reload, whatever the plan.
+        if let Some(rt) = self.runtime().as_ref() {
+            for vs in rt.reload_tls(&new) {
+                changes.push(format!("vservers.{vs}.tls certificate re-read"));
+            }
+        }
         tracing::info!(changes = ?changes, "config reloaded");
         Ok(changes)
     }

@@ -16,6 +16,11 @@
 //!   flows and drain while flows are pinned to them ([`crate::drain`], `docs/draining.md`;
 //!   requests queued for a removed sip-tcp service that does not drain go to the service
 //!   the new config chooses).
+//! - `tls` certificates and keys (vservers) and CAs (services) are read again on every
+//!   reload, changed or not, and stored for new handshakes; established connections keep
+//!   theirs (docs/tls.md). A vserver's `tls` files and `tls_handshake_timeout` change in
+//!   place this way; a service's `tls` fields are part of its data (a change rebuilds its
+//!   vservers).
 //! - `logging` is ignored (the subscriber is set once).
 //! - services that belong to no vserver may be added, changed or removed freely.
 //!
@@ -23,7 +28,7 @@
 //! - `lb` (hash algorithm, fingers), `admin.listen`;
 //! - adding, removing, renaming or reordering vservers;
 //! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `transparent`, `freebind`,
-//!   `send_proxy` (its sockets, threads and Via identity).
+//!   `send_proxy` (its sockets, threads and Via identity), and adding or removing its `tls`.
 
 use crate::config::{Config, Service, Vserver};
 
@@ -89,6 +94,7 @@ fn same_listener(a: &Vserver, b: &Vserver) -> bool {
         && a.transparent == b.transparent
         && a.freebind == b.freebind
         && a.send_proxy == b.send_proxy
+        && a.tls.is_some() == b.tls.is_some()
 }
 
 fn same_data(a: &Service, b: &Service) -> bool {
@@ -97,6 +103,7 @@ fn same_data(a: &Service, b: &Service) -> bool {
         && a.weight == b.weight
         && a.max_clients == b.max_clients
         && a.hash_id == b.hash_id
+        && a.tls == b.tls
 }
 
 fn monitor_of<'a>(c: &'a Config, s: &Service) -> Option<&'a crate::config::Monitor> {
@@ -126,7 +133,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
         }
         if !same_listener(a, b) {
             restart.push(format!(
-                "vservers.{}: bind, protocol, workers, advertise, transparent, freebind or send_proxy changed (the listener is only set up at start)",
+                "vservers.{}: bind, protocol, workers, advertise, transparent, freebind, send_proxy or tls (on or off) changed (the listener is only set up at start)",
                 a.name
             ));
             continue;
@@ -146,6 +153,9 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
         let mut b2 = b.clone();
         a2.services.clear();
         b2.services.clear();
+        // Certificates are stored into the running listener on every reload, not rebuilt.
+        a2.tls = None;
+        b2.tls = None;
         let (ra, rb) = (
             a2.slow_start.map(|s| s.new_service_request_rate),
             b2.slow_start.map(|s| s.new_service_request_rate),
@@ -241,6 +251,32 @@ mod tests {
             let why = plan(&old, &parse(y("127.0.0.1:7", "a, b"))).expect_err("restart");
             assert!(why[0].contains("vservers.v: bind"), "{proto}: {why:?}");
         }
+    }
+
+    /// New certificate files are stored into the running listener, not a rebuild; turning
+    /// TLS on or off is a listener change; a service's `tls` is its data.
+    #[test]
+    fn tls_changes_are_planned() {
+        let y = |vtls: &str, stls: &str| {
+            format!(
+                "admin: {{ listen: null }}\nservices:\n  - {{ name: a, address: 127.0.0.1:5071, protocol: tcp{stls} }}\nvservers:\n  - {{ name: v, protocol: tcp, bind: [127.0.0.1:0], method: round_robin, services: [a]{vtls} }}\n"
+            )
+        };
+        let parse = |t: String| crate::config::from_str("t.yaml", &t).expect("valid config");
+        let on = parse(y(", tls: { cert: a.crt, key: a.key }", ""));
+        let moved = parse(y(
+            ", tls: { cert: b.crt, key: b.key }, tls_handshake_timeout: 1s",
+            "",
+        ));
+        assert_eq!(plan(&on, &moved), Ok(Plan::default()));
+        let off = parse(y("", ""));
+        let why = plan(&on, &off).expect_err("restart");
+        assert!(why[0].contains("tls"), "{why:?}");
+        let to_service = parse(y("", ", tls: { ca: ca.pem }"));
+        assert_eq!(
+            plan(&off, &to_service).expect("in place").rebuild,
+            vec!["v".to_owned()]
+        );
     }
 
     #[test]

@@ -94,6 +94,7 @@ pub(crate) fn render(ops: &Ops) -> String {
         "Transport events of a vserver's data path (sessions, connections, refusals, errors).",
     );
     let mut edge = EdgeFamilies::new();
+    let mut tls = TlsFamilies::new();
     let health = ops.health();
     ops.with_vservers(|vs, now| {
         for v in vs {
@@ -103,6 +104,7 @@ pub(crate) fn render(ops: &Ops) -> String {
                 sip.add(&v.name, &core.counters);
             }
             edge.add(&mut sip.dropped, v, now);
+            tls.add(v);
             add_transport_events(&mut events, v);
         }
     });
@@ -115,6 +117,7 @@ pub(crate) fn render(ops: &Ops) -> String {
         .chain([&paths])
         .chain(sip.families())
         .chain(edge.families())
+        .chain(tls.families())
         .chain([&events])
         .chain(monitors.families());
     for f in families {
@@ -349,6 +352,47 @@ impl EdgeFamilies {
 
     fn families(&self) -> [&Family; 2] {
         [&self.bans, &self.banned]
+    }
+}
+
+/// Handshakes of the vservers that terminate TLS (docs/tls.md): completed, and failed by
+/// reason (every reason listed, zero or not).
+struct TlsFamilies {
+    completed: Family,
+    failed: Family,
+}
+
+impl TlsFamilies {
+    fn new() -> TlsFamilies {
+        TlsFamilies {
+            completed: Family::new(
+                "fulcrum_tls_handshakes_total",
+                "counter",
+                "TLS handshakes completed on a vserver's listener.",
+            ),
+            failed: Family::new(
+                "fulcrum_tls_handshake_failures_total",
+                "counter",
+                "TLS handshakes that failed on a vserver's listener, by reason.",
+            ),
+        }
+    }
+
+    fn add(&mut self, v: &VserverHandle) {
+        let Some(l) = v.tls() else { return };
+        let n = v.name.as_str();
+        self.completed
+            .add(&[("vserver", n)], load(&l.counters.completed));
+        for r in crate::tls::Reason::ALL {
+            self.failed.add(
+                &[("vserver", n), ("reason", r.name())],
+                load(l.counters.failed(r)),
+            );
+        }
+    }
+
+    fn families(&self) -> [&Family; 2] {
+        [&self.completed, &self.failed]
     }
 }
 

@@ -1,5 +1,5 @@
 //! Configuration: the model, the YAML loader and validation. PURE (apart from [`load`],
-//! which reads the file).
+//! which reads the file and the PEM files its `tls` fields name).
 //!
 //! A file is read into a located YAML tree ([`yaml`]), then converted and validated
 //! field by field ([`parse`]); every problem is reported with its line, column and field
@@ -116,7 +116,16 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
     })?;
     let file = path.display().to_string();
     match String::from_utf8(bytes) {
-        Ok(text) => from_str(&file, &text),
+        Ok(text) => {
+            let mut cfg = from_str(&file, &text)?;
+            let dir = path.parent().unwrap_or(Path::new(""));
+            let problems = read_tls_files(&mut cfg, dir);
+            if problems.is_empty() {
+                Ok(cfg)
+            } else {
+                Err(ConfigError::Invalid { file, problems })
+            }
+        }
         Err(e) => {
             let bytes = e.as_bytes();
             let valid = e.utf8_error().valid_up_to();
@@ -130,6 +139,104 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
             })
         }
     }
+}
+
+/// Resolve the files the `tls` fields name against `dir` (the config file's directory) when
+/// relative, read them and build the rustls configurations into the model. Every file that
+/// cannot be used is a problem at the field naming it.
+fn read_tls_files(cfg: &mut Config, dir: &Path) -> Vec<Problem> {
+    use crate::tls::{ClientFiles, Field, Loaded, ServerFiles};
+    let resolve = |f: &mut ConfigFile| {
+        if f.path.is_relative() {
+            f.path = dir.join(&f.path);
+        }
+    };
+    let mut problems = Vec::new();
+    for v in &mut cfg.vservers {
+        let Some(tls) = v.tls.as_mut() else { continue };
+        resolve(&mut tls.cert);
+        resolve(&mut tls.key);
+        if let Some(ca) = tls.client_ca.as_mut() {
+            resolve(ca);
+        }
+        if unreadable(
+            &[Some(&tls.cert), Some(&tls.key), tls.client_ca.as_ref()],
+            &mut problems,
+        ) {
+            continue;
+        }
+        let files = ServerFiles {
+            cert: &tls.cert.path,
+            key: &tls.key.path,
+            client_ca: tls.client_ca.as_ref().map(|c| c.path.as_path()),
+        };
+        match crate::tls::server_config(&files) {
+            Ok(c) => tls.loaded = Loaded::new(c),
+            Err(p) => {
+                let at = match p.field {
+                    Field::Key => &tls.key,
+                    Field::ClientCa => tls.client_ca.as_ref().unwrap_or(&tls.cert),
+                    Field::Cert | Field::Ca => &tls.cert,
+                };
+                problems.push(problem_at(at, p.error.to_string()));
+            }
+        }
+    }
+    for s in &mut cfg.services {
+        let Some(tls) = s.tls.as_mut() else { continue };
+        resolve(&mut tls.ca);
+        for f in [tls.cert.as_mut(), tls.key.as_mut()].into_iter().flatten() {
+            resolve(f);
+        }
+        if unreadable(
+            &[Some(&tls.ca), tls.cert.as_ref(), tls.key.as_ref()],
+            &mut problems,
+        ) {
+            continue;
+        }
+        let files = ClientFiles {
+            ca: &tls.ca.path,
+            cert: tls.cert.as_ref().map(|c| c.path.as_path()),
+            key: tls.key.as_ref().map(|c| c.path.as_path()),
+        };
+        match crate::tls::client_config(&files) {
+            Ok(c) => tls.loaded = Loaded::new(c),
+            Err(p) => {
+                let at = match p.field {
+                    Field::Cert => tls.cert.as_ref(),
+                    Field::Key => tls.key.as_ref(),
+                    Field::Ca | Field::ClientCa => None,
+                };
+                problems.push(problem_at(at.unwrap_or(&tls.ca), p.error.to_string()));
+            }
+        }
+    }
+    problems.sort();
+    problems
+}
+
+fn problem_at(f: &ConfigFile, message: String) -> Problem {
+    Problem {
+        pos: f.pos,
+        path: f.field.clone(),
+        message,
+    }
+}
+
+/// Report every file of `files` that cannot be opened (not only the first of a block); true
+/// when one could not.
+fn unreadable(files: &[Option<&ConfigFile>], problems: &mut Vec<Problem>) -> bool {
+    let mut any = false;
+    for f in files.iter().flatten() {
+        if let Err(e) = std::fs::File::open(&f.path) {
+            problems.push(problem_at(
+                f,
+                format!("cannot read {}: {e}", f.path.display()),
+            ));
+            any = true;
+        }
+    }
+    any
 }
 
 /// Line and column (1-based, the column counted in characters) of byte `at` of `bytes`,

@@ -4,7 +4,9 @@
 //! [`crate::config::parse`], which checks every field, so a value of these types is
 //! always internally consistent (names resolve, ranges hold, methods fit protocols).
 
-use std::net::{Ipv4Addr, SocketAddr};
+use super::yaml::Pos;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// The whole file.
@@ -193,6 +195,83 @@ impl Protocol {
     pub fn is_datagram(self) -> bool {
         matches!(self, Protocol::SipUdp | Protocol::Udp)
     }
+
+    /// Protocols whose vservers may terminate and whose services may originate TLS
+    /// (`tls`, docs/tls.md). A stream protocol opts in here once its data path carries a
+    /// [`crate::tls::MaybeTls`] stream.
+    pub fn takes_tls(self) -> bool {
+        matches!(self, Protocol::Tcp | Protocol::Http)
+    }
+}
+
+/// A file the config names, with where it names it: a problem found reading the file is
+/// reported at that line and column. Compared by path only (moving the line is no change).
+#[derive(Debug, Clone)]
+pub struct ConfigFile {
+    /// As written, then (by [`crate::config::load`]) resolved against the config file's
+    /// directory when relative.
+    pub path: PathBuf,
+    pub pos: Pos,
+    /// Dotted field path, e.g. `vservers[0].tls.cert`.
+    pub field: String,
+}
+
+impl PartialEq for ConfigFile {
+    fn eq(&self, other: &Self) -> bool {
+        self.path == other.path
+    }
+}
+
+/// A vserver's `tls`: terminate TLS with this certificate (docs/tls.md).
+#[derive(Debug, Clone, PartialEq)]
+pub struct VserverTls {
+    /// PEM certificate chain, end-entity first.
+    pub cert: ConfigFile,
+    /// PEM private key of the certificate.
+    pub key: ConfigFile,
+    /// PEM CA certificates: clients must present a certificate they issued (mutual TLS).
+    pub client_ca: Option<ConfigFile>,
+    /// `tls_handshake_timeout`: a handshake not finished by then is dropped and counted.
+    pub handshake_timeout: Duration,
+    /// The rustls configuration built from the files ([`crate::config::load`]).
+    pub loaded: crate::tls::Loaded<rustls::ServerConfig>,
+}
+
+impl VserverTls {
+    /// What the listener hands to new handshakes; `None` when the files were not loaded.
+    pub fn server_tls(&self) -> Option<crate::tls::ServerTls> {
+        self.loaded.get().map(|c| crate::tls::ServerTls {
+            config: std::sync::Arc::clone(c),
+            handshake_timeout: self.handshake_timeout,
+        })
+    }
+}
+
+/// A service's `tls`: originate TLS toward it (docs/tls.md).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServiceTls {
+    /// PEM CA certificates the service's certificate must chain to.
+    pub ca: ConfigFile,
+    /// SNI and the name checked in the service's certificate; the service's IP when `None`.
+    pub server_name: Option<String>,
+    /// A client certificate and key, for a service that asks for one.
+    pub cert: Option<ConfigFile>,
+    pub key: Option<ConfigFile>,
+    /// The rustls configuration built from the files ([`crate::config::load`]).
+    pub loaded: crate::tls::Loaded<rustls::ClientConfig>,
+}
+
+impl ServiceTls {
+    /// What a connector to the service at `host` hands to new handshakes; `None` when the
+    /// files were not loaded.
+    pub fn client_tls(&self, host: IpAddr) -> Option<crate::tls::ClientTls> {
+        let config = std::sync::Arc::clone(self.loaded.get()?);
+        let server_name = crate::tls::server_name(self.server_name.as_deref(), host)?;
+        Some(crate::tls::ClientTls {
+            config,
+            server_name,
+        })
+    }
 }
 
 /// One backend endpoint (docs/config.md, Model).
@@ -209,6 +288,8 @@ pub struct Service {
     pub max_clients: u32,
     /// Hashing identity; when `None`, the service hashes as its address.
     pub hash_id: Option<String>,
+    /// Originate TLS toward the service (`None`: plain).
+    pub tls: Option<ServiceTls>,
 }
 
 /// Load-balancing method (docs/methods.md).
@@ -369,6 +450,8 @@ pub struct Vserver {
     pub send_proxy: Option<ProxyProtocol>,
     /// Worker sockets (SO_REUSEPORT) for datagram vservers; 0 = one per core.
     pub workers: usize,
+    /// Terminate TLS on the listener (`None`: plain).
+    pub tls: Option<VserverTls>,
 }
 
 impl Vserver {

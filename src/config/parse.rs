@@ -174,6 +174,7 @@ const SERVICE_FIELDS: &[&str] = &[
     "monitor",
     "max_clients",
     "hash_id",
+    "tls",
 ];
 const VSERVER_FIELDS: &[&str] = &[
     "name",
@@ -199,7 +200,11 @@ const VSERVER_FIELDS: &[&str] = &[
     "freebind",
     "send_proxy",
     "workers",
+    "tls",
+    "tls_handshake_timeout",
 ];
+const VSERVER_TLS_FIELDS: &[&str] = &["cert", "key", "client_ca"];
+const SERVICE_TLS_FIELDS: &[&str] = &["ca", "server_name", "cert", "key"];
 const FLOOD_FIELDS: &[&str] = &["limit", "window", "ban"];
 const SLOW_START_FIELDS: &[&str] = &["new_service_request_rate", "unit", "increment_interval"];
 const TOKEN_FIELDS: &[&str] = &["header", "query", "offset", "length"];
@@ -788,6 +793,10 @@ impl Cx {
             }
         };
         let hash_id = self.opt_string(&f, path, "hash_id");
+        let tls = self.optional(&f, path, "tls", Cx::service_tls);
+        if let (Some(p), Some(Some(_)), Some(n)) = (protocol, &tls, f.get("tls")) {
+            self.tls_fits_protocol(n, &join(path, "tls"), p, "service");
+        }
         Some(Service {
             name: name?,
             address: address?,
@@ -796,6 +805,7 @@ impl Cx {
             monitor: monitor?,
             max_clients: max_clients? as u32,
             hash_id,
+            tls: tls?,
         })
     }
 
@@ -1010,7 +1020,9 @@ impl Cx {
             (None, _) => Some(Method::LeastConnection),
         };
         let (idle_timeout, drain_timeout) = self.timeouts(f, path, protocol);
+        let tls = self.vserver_tls_fields(f, path, protocol);
         VserverFields {
+            tls,
             name,
             protocol,
             bind,
@@ -1023,6 +1035,125 @@ impl Cx {
             drain_timeout,
             edge: self.edge_fields(f, path),
             options: self.proxy_options(f, path),
+        }
+    }
+
+    /// A file name (`cert`, `key`, `ca`...), kept with where it is written: the file is read
+    /// by [`crate::config::load`], which reports its problems there.
+    fn file(&mut self, node: &Node, path: &str) -> Option<ConfigFile> {
+        self.string(node, path).map(|s| ConfigFile {
+            path: s.into(),
+            pos: node.pos,
+            field: path.to_owned(),
+        })
+    }
+
+    /// An optional file field.
+    fn opt_file(&mut self, f: &Fields, path: &str, name: &str) -> Option<Option<ConfigFile>> {
+        self.optional(f, path, name, Cx::file)
+    }
+
+    /// `tls: { cert, key, client_ca }` of a vserver and its `tls_handshake_timeout`.
+    fn vserver_tls_fields(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> Option<Option<VserverTls>> {
+        let timeout = self.duration_field(
+            f,
+            path,
+            "tls_handshake_timeout",
+            crate::tls::DEFAULT_HANDSHAKE_TIMEOUT,
+            false,
+        );
+        let tls = match f.get("tls") {
+            None => {
+                if let Some(n) = f.get("tls_handshake_timeout") {
+                    self.problem(
+                        n.pos,
+                        &join(path, "tls_handshake_timeout"),
+                        "`tls_handshake_timeout` applies to a vserver with `tls` only",
+                    );
+                }
+                return Some(None);
+            }
+            Some(n) => n,
+        };
+        let tp = join(path, "tls");
+        if let Some(p) = protocol {
+            self.tls_fits_protocol(tls, &tp, p, "vserver");
+        }
+        let f = self.fields(tls, &tp, VSERVER_TLS_FIELDS)?;
+        let cert = self
+            .required(&f, &tp, "cert")
+            .and_then(|n| self.file(n, &join(&tp, "cert")));
+        let key = self
+            .required(&f, &tp, "key")
+            .and_then(|n| self.file(n, &join(&tp, "key")));
+        let client_ca = self.opt_file(&f, &tp, "client_ca");
+        Some(Some(VserverTls {
+            cert: cert?,
+            key: key?,
+            client_ca: client_ca?,
+            handshake_timeout: timeout?,
+            loaded: crate::tls::Loaded::default(),
+        }))
+    }
+
+    /// `tls: { ca, server_name, cert, key }` of a service.
+    fn service_tls(&mut self, node: &Node, path: &str) -> Option<ServiceTls> {
+        let f = self.fields(node, path, SERVICE_TLS_FIELDS)?;
+        let ca = self
+            .required(&f, path, "ca")
+            .and_then(|n| self.file(n, &join(path, "ca")));
+        let server_name = self.opt_string(&f, path, "server_name");
+        if let (Some(name), Some(n)) = (&server_name, f.get("server_name"))
+            && crate::tls::server_name(Some(name), Ipv4Addr::LOCALHOST.into()).is_none()
+        {
+            self.problem(
+                n.pos,
+                &join(path, "server_name"),
+                format!("`{name}` is not a DNS name or an IP address"),
+            );
+        }
+        let cert = self.opt_file(&f, path, "cert");
+        let key = self.opt_file(&f, path, "key");
+        match (f.get("cert"), f.get("key")) {
+            (Some(n), None) => {
+                self.problem(n.pos, &join(path, "key"), "`cert` needs its `key`");
+            }
+            (None, Some(n)) => {
+                self.problem(n.pos, &join(path, "cert"), "`key` needs its `cert`");
+            }
+            _ => {}
+        }
+        Some(ServiceTls {
+            ca: ca?,
+            server_name,
+            cert: cert?,
+            key: key?,
+            loaded: crate::tls::Loaded::default(),
+        })
+    }
+
+    /// `tls` only where the protocol's data path carries TLS ([`Protocol::takes_tls`]).
+    fn tls_fits_protocol(&mut self, n: &Node, tp: &str, p: Protocol, what: &str) {
+        if !p.takes_tls() {
+            let takes: Vec<&str> = Protocol::ALL
+                .iter()
+                .filter(|(_, q)| q.takes_tls())
+                .map(|(name, _)| *name)
+                .collect();
+            self.problem(
+                n.pos,
+                tp,
+                format!(
+                    "`tls` applies to a {what} of protocol {}, not {}",
+                    takes.join(" or "),
+                    p.name()
+                ),
+            );
         }
     }
 
@@ -1435,6 +1566,8 @@ struct VserverFields {
     drain_timeout: Option<Duration>,
     edge: Option<EdgeFields>,
     options: ProxyOptions,
+    /// `tls` with `tls_handshake_timeout` (`Some(None)` when absent).
+    tls: Option<Option<VserverTls>>,
 }
 
 /// The hashing fields as read (`token` and `hash_balance_factor` are `Some(None)` when
@@ -1495,6 +1628,7 @@ impl VserverFields {
             freebind: o.freebind?,
             send_proxy: o.send_proxy?,
             workers: o.workers? as usize,
+            tls: self.tls?,
         })
     }
 }
@@ -1788,6 +1922,37 @@ mod tests {
         let typo = MINIMAL.replace("services: [s1] }", "freebnd: true, services: [s1] }");
         let p = problems(&typo);
         assert!(p[0].2.contains("did you mean `freebind`"), "{p:?}");
+    }
+
+    /// `tls` is read as file names with their locations (the files are read by `load`), with
+    /// the handshake timeout's default; a config from text alone holds no loaded material.
+    #[test]
+    fn tls_fields_are_read_with_their_locations() {
+        let text = "services:\n  - { name: s1, address: 127.0.0.1:7001, protocol: tcp, tls: { ca: ca.pem, server_name: svc.test } }\nvservers:\n  - name: v\n    protocol: http\n    bind: 127.0.0.1:8443\n    tls: { cert: a.crt, key: a.key }\n    services: [s1]\n";
+        let c = from_str("t", text).expect("valid");
+        let t = c.vservers[0].tls.as_ref().expect("tls");
+        assert_eq!(t.cert.path, std::path::PathBuf::from("a.crt"));
+        assert_eq!(
+            (t.key.pos.line, t.key.field.as_str()),
+            (7, "vservers[0].tls.key")
+        );
+        assert_eq!(t.handshake_timeout, crate::tls::DEFAULT_HANDSHAKE_TIMEOUT);
+        assert!(t.client_ca.is_none() && t.loaded.get().is_none());
+        let s = c.services[0].tls.as_ref().expect("service tls");
+        assert_eq!(s.server_name.as_deref(), Some("svc.test"));
+        assert_eq!(s.ca.field, "services[0].tls.ca");
+        let timed = text.replace(
+            "    services: [s1]\n",
+            "    tls_handshake_timeout: 2s\n    services: [s1]\n",
+        );
+        let c = from_str("t", &timed).expect("valid");
+        let t = c.vservers[0].tls.as_ref().expect("tls");
+        assert_eq!(t.handshake_timeout, Duration::from_secs(2));
+        assert!(
+            from_str("t", MINIMAL).expect("valid").vservers[0]
+                .tls
+                .is_none()
+        );
     }
 
     #[test]

@@ -64,6 +64,9 @@ pub struct VserverHandle {
     pub bound: Vec<SocketAddr>,
     balancer: Arc<Balancer>,
     pub data: DataPath,
+    /// The TLS side of a vserver with `tls` (kept across rebuilds; a reload stores new
+    /// certificates into it).
+    tls: Option<Arc<crate::tls::TlsListener>>,
 }
 
 impl VserverHandle {
@@ -80,7 +83,19 @@ impl VserverHandle {
             bound,
             balancer,
             data,
+            tls: None,
         }
+    }
+
+    /// The handle of a vserver that terminates TLS with `tls`.
+    pub(crate) fn with_tls(mut self, tls: Option<Arc<crate::tls::TlsListener>>) -> VserverHandle {
+        self.tls = tls;
+        self
+    }
+
+    /// The TLS side of the vserver, when it terminates TLS.
+    pub fn tls(&self) -> Option<&Arc<crate::tls::TlsListener>> {
+        self.tls.as_ref()
     }
 
     /// The current balancer (a reload rebuilding the vserver swaps it).
@@ -202,6 +217,29 @@ impl Runtime {
             }
         }
         n
+    }
+
+    /// Store the certificates of `config` (read again by the reload that made it) into the
+    /// running vservers that terminate TLS, and the CAs into the service connectors of tcp /
+    /// http cores: new handshakes use them, established connections keep theirs. The names
+    /// of the vservers whose listener got a new certificate.
+    pub fn reload_tls(&self, config: &Config) -> Vec<String> {
+        let mut stored = Vec::new();
+        for h in &self.vservers {
+            let (Some(listener), Some(v)) =
+                (h.tls(), config.vservers.iter().find(|v| v.name == h.name))
+            else {
+                continue;
+            };
+            if let Some(tls) = v.tls.as_ref().and_then(|t| t.server_tls()) {
+                listener.store(tls);
+                stored.push(h.name.clone());
+            }
+        }
+        for (_, cell) in &self.tcp_cells {
+            cell.load().store_client_tls(config);
+        }
+        stored
     }
 
     /// The shutdown signal, for async tasks started beside the runtime (the admin API and
@@ -365,6 +403,21 @@ pub(crate) fn bind_tcp(
         listeners.push(tokio::net::TcpListener::from_std(l).map_err(bind_err)?);
     }
     Ok((listeners, bound))
+}
+
+/// The TLS side of `v` when it has `tls`: an error when its files were not loaded (a config
+/// made from text alone, not read by [`crate::config::load`]).
+pub(crate) fn tls_listener(
+    v: &Vserver,
+) -> Result<Option<Arc<crate::tls::TlsListener>>, RuntimeError> {
+    let Some(tls) = &v.tls else {
+        return Ok(None);
+    };
+    let server = tls.server_tls().ok_or_else(|| RuntimeError::Setup {
+        vserver: v.name.clone(),
+        problem: "`tls` files were not read (load the config from its file)".into(),
+    })?;
+    Ok(Some(Arc::new(crate::tls::TlsListener::new(server))))
 }
 
 /// fulcrum's Via / Record-Route identity on a vserver: `advertise`, else the bound

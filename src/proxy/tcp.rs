@@ -112,6 +112,8 @@ pub struct TcpCore {
     edge: crate::edge::Edge,
     transparent: bool,
     send_proxy: bool,
+    /// Per member: TLS toward it (`tls` on the service), by member index.
+    connectors: Vec<Option<Arc<crate::tls::TlsConnector>>>,
     epoch: Instant,
     pub counters: TcpCounters,
 }
@@ -157,8 +159,31 @@ impl TcpCore {
             edge: v.edge(None),
             transparent: v.transparent,
             send_proxy: v.send_proxy == Some(ProxyProtocol::V2),
+            connectors: v
+                .members()
+                .filter_map(|i| config.services.get(i))
+                .map(|s| {
+                    let tls = s.tls.as_ref()?.client_tls(s.address.ip())?;
+                    Some(Arc::new(crate::tls::TlsConnector::new(tls)))
+                })
+                .collect(),
             epoch,
             counters: TcpCounters::default(),
+        }
+    }
+
+    /// Store the service CAs and client certificates of `config` (read again by a reload)
+    /// into the members' connectors, by service name: new connections use them.
+    pub(crate) fn store_client_tls(&self, config: &Config) {
+        for (m, connector) in self.balancer.members().iter().zip(&self.connectors) {
+            let (Some(connector), Some(s)) =
+                (connector, config.services.iter().find(|s| s.name == m.name))
+            else {
+                continue;
+            };
+            if let Some(tls) = s.tls.as_ref().and_then(|t| t.client_tls(s.address.ip())) {
+                connector.store(tls);
+            }
         }
     }
 
@@ -293,6 +318,13 @@ pub(crate) fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
+    let tls = crate::proxy::runtime::tls_listener(v)?;
+    if tls.is_some() {
+        return Err(RuntimeError::Setup {
+            vserver: v.name.clone(),
+            problem: "TLS termination is not served by the tcp data path yet".into(),
+        });
+    }
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_tcp_workers(v, workers)?;
@@ -338,7 +370,8 @@ pub(crate) fn start(
         bound,
         Arc::clone(core.balancer()),
         DataPath::Tcp(core),
-    ))
+    )
+    .with_tls(tls))
 }
 
 /// One worker thread: its accept loops and the connections they accept, until the

@@ -1,0 +1,824 @@
+//! TLS on stream vservers and services (docs/tls.md): rustls configurations built from the
+//! PEM files a config names, a swappable holder so that a reload changes the certificate of
+//! new handshakes only, the server handshake with a time bound and its failures sorted into
+//! a few reasons, and the client handshake toward a service. IO at the edges (files,
+//! sockets); the sorting of failures ([`Reason::of`]) is PURE.
+//!
+//! Nothing here knows the config model or a protocol: [`crate::config`] calls
+//! [`server_config`] / [`client_config`] with paths and maps a [`FileProblem`] to the
+//! location of the field, and a data path (tcp, http, and any stream protocol that opts in)
+//! holds a [`TlsListener`] per vserver and a [`TlsConnector`] per service.
+//!
+//! TLS 1.2 and 1.3 only, the `ring` provider, no OpenSSL.
+
+use arc_swap::ArcSwap;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// How long a server handshake may take when the vserver does not say
+/// (`tls_handshake_timeout`): a client that never finishes costs a timer, not a worker.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why a PEM file could not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{} is not PEM: {message}", path.display())]
+    Pem { path: PathBuf, message: String },
+    #[error("{} holds no certificate (expected a PEM `CERTIFICATE` block)", path.display())]
+    NoCertificate { path: PathBuf },
+    #[error("{} holds no private key (expected a PEM `PRIVATE KEY`, `RSA PRIVATE KEY` or `EC PRIVATE KEY` block)", path.display())]
+    NoKey { path: PathBuf },
+    #[error("{} holds a private key that cannot be used: {source}", path.display())]
+    BadKey {
+        path: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+    #[error("{} holds a certificate that cannot be used: {source}", path.display())]
+    BadCertificate {
+        path: PathBuf,
+        #[source]
+        source: rustls::Error,
+    },
+    #[error("the key in {} does not match the certificate in {}", key.display(), cert.display())]
+    KeyMismatch { cert: PathBuf, key: PathBuf },
+    #[error("`cert` and `key` go together: give both or neither")]
+    CertWithoutKey,
+    #[error("cannot build the TLS configuration: {0}")]
+    Build(String),
+}
+
+/// The config field a [`TlsError`] is about, so that it can be reported where it was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    Cert,
+    Key,
+    ClientCa,
+    Ca,
+}
+
+impl Field {
+    /// The field's name in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::Cert => "cert",
+            Field::Key => "key",
+            Field::ClientCa => "client_ca",
+            Field::Ca => "ca",
+        }
+    }
+}
+
+/// A [`TlsError`] and the field it belongs to.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct FileProblem {
+    pub field: Field,
+    #[source]
+    pub error: TlsError,
+}
+
+fn at(field: Field) -> impl FnOnce(TlsError) -> FileProblem {
+    move |error| FileProblem { field, error }
+}
+
+/// The PEM files of a terminating listener.
+#[derive(Debug, Clone, Copy)]
+pub struct ServerFiles<'a> {
+    pub cert: &'a Path,
+    pub key: &'a Path,
+    /// Trust anchors for client certificates: mutual TLS when present.
+    pub client_ca: Option<&'a Path>,
+}
+
+/// The PEM files of an originating client.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientFiles<'a> {
+    /// Trust anchors for the service's certificate.
+    pub ca: &'a Path,
+    /// A client certificate and its key, for a service that asks for one.
+    pub cert: Option<&'a Path>,
+    pub key: Option<&'a Path>,
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+const VERSIONS: &[&rustls::SupportedProtocolVersion] =
+    &[&rustls::version::TLS13, &rustls::version::TLS12];
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// Every certificate of the PEM text `pem` read from `path` (at least one).
+pub fn certificates_of(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::Pem {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate {
+            path: path.to_owned(),
+        });
+    }
+    Ok(certs)
+}
+
+/// The first private key of the PEM text `pem` read from `path`.
+pub fn key_of(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsError> {
+    PrivateKeyDer::from_pem_slice(pem).map_err(|e| match e {
+        rustls::pki_types::pem::Error::NoItemsFound => TlsError::NoKey {
+            path: path.to_owned(),
+        },
+        other => TlsError::Pem {
+            path: path.to_owned(),
+            message: other.to_string(),
+        },
+    })
+}
+
+fn load_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    certificates_of(path, &read(path)?)
+}
+
+fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    key_of(path, &read(path)?)
+}
+
+/// A certificate chain and its key, checked against each other: the key must parse and its
+/// public half be the end-entity certificate's.
+fn certified(
+    cert: &Path,
+    key: &Path,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), FileProblem> {
+    let chain = load_certificates(cert).map_err(at(Field::Cert))?;
+    let der = load_key(key).map_err(at(Field::Key))?;
+    let signing = provider()
+        .key_provider
+        .load_private_key(der.clone_key())
+        .map_err(|source| {
+            at(Field::Key)(TlsError::BadKey {
+                path: key.to_owned(),
+                source,
+            })
+        })?;
+    match rustls::sign::CertifiedKey::new(chain.clone(), signing).keys_match() {
+        Ok(()) | Err(rustls::Error::InconsistentKeys(rustls::InconsistentKeys::Unknown)) => {
+            Ok((chain, der))
+        }
+        Err(rustls::Error::InconsistentKeys(_)) => Err(at(Field::Key)(TlsError::KeyMismatch {
+            cert: cert.to_owned(),
+            key: key.to_owned(),
+        })),
+        Err(source) => Err(at(Field::Cert)(TlsError::BadCertificate {
+            path: cert.to_owned(),
+            source,
+        })),
+    }
+}
+
+/// Trust anchors from a PEM file of CA certificates.
+fn roots(path: &Path, field: Field) -> Result<RootCertStore, FileProblem> {
+    let mut store = RootCertStore::empty();
+    for der in load_certificates(path).map_err(at(field))? {
+        store.add(der).map_err(|source| {
+            at(field)(TlsError::BadCertificate {
+                path: path.to_owned(),
+                source,
+            })
+        })?;
+    }
+    Ok(store)
+}
+
+/// A server configuration from `files`: the certificate chain and key (checked to match),
+/// and, with `client_ca`, client certificates required and verified against it.
+pub fn server_config(files: &ServerFiles<'_>) -> Result<Arc<ServerConfig>, FileProblem> {
+    let (chain, key) = certified(files.cert, files.key)?;
+    let builder = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(VERSIONS)
+        .map_err(|e| at(Field::Cert)(TlsError::Build(e.to_string())))?;
+    let builder = match files.client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots(ca, Field::ClientCa)?),
+                provider(),
+            )
+            .build()
+            .map_err(|e| at(Field::ClientCa)(TlsError::Build(e.to_string())))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let config = builder
+        .with_single_cert(chain, key)
+        .map_err(|e| at(Field::Cert)(TlsError::Build(e.to_string())))?;
+    Ok(Arc::new(config))
+}
+
+/// A client configuration from `files`: the service's certificate verified against `ca`,
+/// with a client certificate when `cert` and `key` are given.
+pub fn client_config(files: &ClientFiles<'_>) -> Result<Arc<ClientConfig>, FileProblem> {
+    let roots = roots(files.ca, Field::Ca)?;
+    let builder = ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(VERSIONS)
+        .map_err(|e| at(Field::Ca)(TlsError::Build(e.to_string())))?
+        .with_root_certificates(roots);
+    let config = match (files.cert, files.key) {
+        (None, None) => builder.with_no_client_auth(),
+        (Some(cert), Some(key)) => {
+            let (chain, key) = certified(cert, key)?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| at(Field::Cert)(TlsError::Build(e.to_string())))?
+        }
+        (Some(_), None) => return Err(at(Field::Cert)(TlsError::CertWithoutKey)),
+        (None, Some(_)) => return Err(at(Field::Key)(TlsError::CertWithoutKey)),
+    };
+    Ok(Arc::new(config))
+}
+
+/// Why a handshake failed, as counted (`fulcrum_tls_handshake_failures_total{reason}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// Not finished within the handshake timeout.
+    Timeout,
+    /// The peer does not speak TLS (plaintext on the TLS port, or garbage records).
+    NotTls,
+    /// Mutual TLS: the client presented no certificate.
+    NoCertificate,
+    /// A certificate was refused as not issued by a trusted CA (by us, or by the peer's alert).
+    UnknownCa,
+    /// A certificate was refused for another reason (expired, wrong name, bad encoding...).
+    BadCertificate,
+    /// The peers could not agree (versions, cipher suites) or one broke the protocol.
+    Protocol,
+    /// The peer closed the connection before the handshake finished.
+    Closed,
+    /// A socket error.
+    Io,
+}
+
+impl Reason {
+    /// Every reason, in the order the metrics list them.
+    pub const ALL: [Reason; 8] = [
+        Reason::Timeout,
+        Reason::NotTls,
+        Reason::NoCertificate,
+        Reason::UnknownCa,
+        Reason::BadCertificate,
+        Reason::Protocol,
+        Reason::Closed,
+        Reason::Io,
+    ];
+
+    /// The `reason` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reason::Timeout => "timeout",
+            Reason::NotTls => "not_tls",
+            Reason::NoCertificate => "no_certificate",
+            Reason::UnknownCa => "unknown_ca",
+            Reason::BadCertificate => "bad_certificate",
+            Reason::Protocol => "protocol",
+            Reason::Closed => "closed",
+            Reason::Io => "io",
+        }
+    }
+
+    /// The reason of a handshake that ended with `e` (tokio-rustls carries rustls's error
+    /// inside an `io::Error`).
+    pub fn of(e: &io::Error) -> Reason {
+        if let Some(tls) = e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+            return Reason::of_tls(tls);
+        }
+        match e.kind() {
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe => Reason::Closed,
+            io::ErrorKind::TimedOut => Reason::Timeout,
+            _ => Reason::Io,
+        }
+    }
+
+    /// The reason of a handshake that rustls ended with `e`.
+    pub fn of_tls(e: &rustls::Error) -> Reason {
+        use rustls::{
+            AlertDescription as A, CertificateError as C, Error as E, InvalidMessage as M,
+        };
+        match e {
+            // The first bytes are not a TLS record: no TLS content type, no TLS version, or a
+            // "record" longer than TLS allows (what an HTTP request line reads as).
+            E::InvalidMessage(
+                M::InvalidContentType | M::UnknownProtocolVersion | M::MessageTooLarge,
+            )
+            | E::PeerSentOversizedRecord => Reason::NotTls,
+            E::NoCertificatesPresented => Reason::NoCertificate,
+            E::InvalidCertificate(C::UnknownIssuer) | E::AlertReceived(A::UnknownCA) => {
+                Reason::UnknownCa
+            }
+            E::InvalidCertificate(_)
+            | E::AlertReceived(
+                A::BadCertificate
+                | A::CertificateUnknown
+                | A::CertificateExpired
+                | A::CertificateRevoked
+                | A::UnsupportedCertificate
+                | A::CertificateRequired,
+            ) => Reason::BadCertificate,
+            _ => Reason::Protocol,
+        }
+    }
+}
+
+/// Handshakes of one listener: completed, and failed by reason.
+#[derive(Debug, Default)]
+pub struct HandshakeCounters {
+    pub completed: AtomicU64,
+    failed: [AtomicU64; Reason::ALL.len()],
+}
+
+impl HandshakeCounters {
+    /// Count one failure.
+    pub fn fail(&self, reason: Reason) {
+        if let Some(i) = Reason::ALL.iter().position(|r| *r == reason) {
+            self.failed[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Failures counted for `reason`.
+    pub fn failed(&self, reason: Reason) -> &AtomicU64 {
+        let i = Reason::ALL.iter().position(|r| *r == reason).unwrap_or(0);
+        &self.failed[i]
+    }
+}
+
+/// What a terminating listener hands to new handshakes; replaced whole by a reload.
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub config: Arc<ServerConfig>,
+    pub handshake_timeout: Duration,
+}
+
+/// The TLS side of one listening vserver: the current [`ServerTls`] (a reload stores a new
+/// one; handshakes already running, and connections established, keep the one they began
+/// with) and its handshake counters, which survive reloads.
+#[derive(Debug)]
+pub struct TlsListener {
+    current: ArcSwap<ServerTls>,
+    pub counters: HandshakeCounters,
+}
+
+impl TlsListener {
+    pub fn new(tls: ServerTls) -> TlsListener {
+        TlsListener {
+            current: ArcSwap::from_pointee(tls),
+            counters: HandshakeCounters::default(),
+        }
+    }
+
+    /// Use `tls` for the handshakes that start from now on.
+    pub fn store(&self, tls: ServerTls) {
+        self.current.store(Arc::new(tls));
+    }
+
+    /// The configuration new handshakes use.
+    pub fn current(&self) -> Arc<ServerTls> {
+        self.current.load_full()
+    }
+
+    /// Run the server handshake on `io` within the handshake timeout, counting the outcome.
+    pub async fn accept<IO>(&self, io: IO) -> Result<tokio_rustls::server::TlsStream<IO>, Reason>
+    where
+        IO: AsyncRead + AsyncWrite + Unpin,
+    {
+        let tls = self.current();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&tls.config));
+        let outcome = match tokio::time::timeout(tls.handshake_timeout, acceptor.accept(io)).await {
+            Err(_) => Err(Reason::Timeout),
+            Ok(Err(e)) => Err(Reason::of(&e)),
+            Ok(Ok(s)) => Ok(s),
+        };
+        match &outcome {
+            Ok(_) => {
+                self.counters.completed.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(r) => self.counters.fail(*r),
+        }
+        outcome
+    }
+}
+
+/// What an originating client hands to new handshakes toward one service.
+#[derive(Debug, Clone)]
+pub struct ClientTls {
+    pub config: Arc<ClientConfig>,
+    /// Sent as SNI and checked against the service's certificate.
+    pub server_name: ServerName<'static>,
+}
+
+/// The TLS side of one service: the current [`ClientTls`] (a reload stores a new one) and the
+/// handshakes toward it.
+#[derive(Debug)]
+pub struct TlsConnector {
+    current: ArcSwap<ClientTls>,
+    pub counters: HandshakeCounters,
+}
+
+impl TlsConnector {
+    pub fn new(tls: ClientTls) -> TlsConnector {
+        TlsConnector {
+            current: ArcSwap::from_pointee(tls),
+            counters: HandshakeCounters::default(),
+        }
+    }
+
+    /// Use `tls` for the handshakes that start from now on.
+    pub fn store(&self, tls: ClientTls) {
+        self.current.store(Arc::new(tls));
+    }
+
+    /// The configuration new handshakes use.
+    pub fn current(&self) -> Arc<ClientTls> {
+        self.current.load_full()
+    }
+
+    /// Run the client handshake on `io` within `timeout`, counting the outcome.
+    pub async fn connect<IO>(
+        &self,
+        io: IO,
+        timeout: Duration,
+    ) -> Result<tokio_rustls::client::TlsStream<IO>, Reason>
+    where
+        IO: AsyncRead + AsyncWrite + Unpin,
+    {
+        let tls = self.current();
+        let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.config));
+        let outcome =
+            match tokio::time::timeout(timeout, connector.connect(tls.server_name.clone(), io))
+                .await
+            {
+                Err(_) => Err(Reason::Timeout),
+                Ok(Err(e)) => Err(Reason::of(&e)),
+                Ok(Ok(s)) => Ok(s),
+            };
+        match &outcome {
+            Ok(_) => {
+                self.counters.completed.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(r) => self.counters.fail(*r),
+        }
+        outcome
+    }
+}
+
+/// The name a client sends and checks: `server_name` when given, else the service's host.
+/// `None` when `server_name` is neither a DNS name nor an IP address.
+pub fn server_name(
+    server_name: Option<&str>,
+    host: std::net::IpAddr,
+) -> Option<ServerName<'static>> {
+    match server_name {
+        Some(n) => ServerName::try_from(n.to_owned()).ok(),
+        None => Some(ServerName::from(host)),
+    }
+}
+
+/// A loaded rustls configuration carried in the config model next to the file names it was
+/// read from. Compared by those names, never by content: two loads of one file are equal,
+/// and a reload re-reads the files whatever the comparison says ([`TlsListener::store`]).
+#[derive(Clone)]
+pub struct Loaded<T>(Option<Arc<T>>);
+
+impl<T> Default for Loaded<T> {
+    fn default() -> Self {
+        Loaded(None)
+    }
+}
+
+impl<T> Loaded<T> {
+    pub fn new(value: Arc<T>) -> Loaded<T> {
+        Loaded(Some(value))
+    }
+
+    /// The configuration, `None` when the files were not read (a config made from text
+    /// alone, without [`crate::config::load`]).
+    pub fn get(&self) -> Option<&Arc<T>> {
+        self.0.as_ref()
+    }
+}
+
+impl<T> PartialEq for Loaded<T> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl<T> std::fmt::Debug for Loaded<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Loaded"
+        } else {
+            "NotLoaded"
+        })
+    }
+}
+
+/// A stream that is plain or TLS (either side), so one data path serves both.
+#[derive(Debug)]
+pub enum MaybeTls<IO> {
+    Plain(IO),
+    Tls(Box<tokio_rustls::TlsStream<IO>>),
+}
+
+impl<IO> MaybeTls<IO> {
+    /// The TCP (or other) stream under the TLS layer.
+    pub fn get_ref(&self) -> &IO {
+        match self {
+            MaybeTls::Plain(io) => io,
+            MaybeTls::Tls(s) => s.get_ref().0,
+        }
+    }
+}
+
+impl<IO> From<tokio_rustls::server::TlsStream<IO>> for MaybeTls<IO> {
+    fn from(s: tokio_rustls::server::TlsStream<IO>) -> Self {
+        MaybeTls::Tls(Box::new(tokio_rustls::TlsStream::Server(s)))
+    }
+}
+
+impl<IO> From<tokio_rustls::client::TlsStream<IO>> for MaybeTls<IO> {
+    fn from(s: tokio_rustls::client::TlsStream<IO>) -> Self {
+        MaybeTls::Tls(Box::new(tokio_rustls::TlsStream::Client(s)))
+    }
+}
+
+impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for MaybeTls<IO> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(io) => Pin::new(io).poll_read(cx, buf),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for MaybeTls<IO> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            MaybeTls::Plain(io) => Pin::new(io).poll_write(cx, buf),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(io) => Pin::new(io).poll_flush(cx),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    /// On TLS: close_notify, then the write side of the socket is shut down (a half-close
+    /// passed on, as on a plain stream).
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            MaybeTls::Plain(io) => Pin::new(io).poll_shutdown(cx),
+            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("fulcrum-tls-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&d).expect("temp dir");
+        d
+    }
+
+    /// A self-signed certificate for `name` and its key, written as PEM into `dir`.
+    fn self_signed(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+        let ck = rcgen::generate_simple_self_signed(vec![name.to_owned()]).expect("rcgen");
+        let (cert, key) = (
+            dir.join(format!("{name}.crt")),
+            dir.join(format!("{name}.key")),
+        );
+        std::fs::write(&cert, ck.cert.pem()).expect("write cert");
+        std::fs::write(&key, ck.key_pair.serialize_pem()).expect("write key");
+        (cert, key)
+    }
+
+    #[test]
+    fn a_matching_pair_builds_and_a_mismatched_key_is_reported_at_the_key() {
+        let d = tmp("pair");
+        let (cert, key) = self_signed(&d, "a.test");
+        let (_, other_key) = self_signed(&d, "b.test");
+        let files = |key| ServerFiles {
+            cert: &cert,
+            key,
+            client_ca: None,
+        };
+        assert!(server_config(&files(&key)).is_ok());
+        let p = server_config(&files(&other_key)).expect_err("mismatch");
+        assert_eq!(p.field, Field::Key);
+        assert!(matches!(p.error, TlsError::KeyMismatch { .. }), "{p}");
+        // mTLS with the certificate as its own CA.
+        let mtls = ServerFiles {
+            client_ca: Some(&cert),
+            ..files(&key)
+        };
+        assert!(server_config(&mtls).is_ok());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn unusable_files_are_reported_at_their_field() {
+        let d = tmp("bad");
+        let (cert, key) = self_signed(&d, "a.test");
+        let missing = d.join("missing.pem");
+        let garbage = d.join("garbage.pem");
+        std::fs::write(&garbage, "-----BEGIN CERTIFICATE-----\n!!!\n").expect("write");
+        let empty = d.join("empty.pem");
+        std::fs::write(&empty, "nothing here\n").expect("write");
+        let cases: [(ServerFiles, Field, &str); 5] = [
+            (
+                ServerFiles {
+                    cert: &missing,
+                    key: &key,
+                    client_ca: None,
+                },
+                Field::Cert,
+                "cannot read",
+            ),
+            (
+                ServerFiles {
+                    cert: &cert,
+                    key: &missing,
+                    client_ca: None,
+                },
+                Field::Key,
+                "cannot read",
+            ),
+            (
+                ServerFiles {
+                    cert: &garbage,
+                    key: &key,
+                    client_ca: None,
+                },
+                Field::Cert,
+                "not PEM",
+            ),
+            (
+                ServerFiles {
+                    cert: &cert,
+                    key: &empty,
+                    client_ca: None,
+                },
+                Field::Key,
+                "no private key",
+            ),
+            (
+                ServerFiles {
+                    cert: &cert,
+                    key: &key,
+                    client_ca: Some(&empty),
+                },
+                Field::ClientCa,
+                "no certificate",
+            ),
+        ];
+        for (files, field, says) in cases {
+            let p = server_config(&files).expect_err("refused");
+            assert_eq!(p.field, field, "{p}");
+            assert!(p.to_string().contains(says), "{p}");
+        }
+        // The key file given as the certificate: it holds no certificate.
+        let p = server_config(&ServerFiles {
+            cert: &key,
+            key: &key,
+            client_ca: None,
+        })
+        .expect_err("refused");
+        assert_eq!(p.field, Field::Cert);
+        let c = client_config(&ClientFiles {
+            ca: &missing,
+            cert: None,
+            key: None,
+        })
+        .expect_err("refused");
+        assert_eq!(c.field, Field::Ca);
+        assert!(
+            client_config(&ClientFiles {
+                ca: &cert,
+                cert: None,
+                key: None
+            })
+            .is_ok()
+        );
+        let c = client_config(&ClientFiles {
+            ca: &cert,
+            cert: Some(&cert),
+            key: None,
+        })
+        .expect_err("refused");
+        assert_eq!(c.field, Field::Cert);
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn failures_are_sorted_into_reasons() {
+        use rustls::{
+            AlertDescription as A, CertificateError as C, Error as E, InvalidMessage as M,
+        };
+        let tls = |e: E| io::Error::new(io::ErrorKind::InvalidData, e);
+        for (err, want) in [
+            (
+                tls(E::InvalidMessage(M::InvalidContentType)),
+                Reason::NotTls,
+            ),
+            (
+                tls(E::InvalidMessage(M::UnknownProtocolVersion)),
+                Reason::NotTls,
+            ),
+            (tls(E::NoCertificatesPresented), Reason::NoCertificate),
+            (
+                tls(E::InvalidCertificate(C::UnknownIssuer)),
+                Reason::UnknownCa,
+            ),
+            (tls(E::AlertReceived(A::UnknownCA)), Reason::UnknownCa),
+            (
+                tls(E::InvalidCertificate(C::Expired)),
+                Reason::BadCertificate,
+            ),
+            (
+                tls(E::AlertReceived(A::BadCertificate)),
+                Reason::BadCertificate,
+            ),
+            (tls(E::AlertReceived(A::ProtocolVersion)), Reason::Protocol),
+            (tls(E::DecryptError), Reason::Protocol),
+            (io::ErrorKind::UnexpectedEof.into(), Reason::Closed),
+            (io::ErrorKind::ConnectionReset.into(), Reason::Closed),
+            (io::ErrorKind::PermissionDenied.into(), Reason::Io),
+        ] {
+            assert_eq!(Reason::of(&err), want, "{err}");
+        }
+        let names: Vec<&str> = Reason::ALL.iter().map(|r| r.name()).collect();
+        let mut unique = names.clone();
+        unique.dedup();
+        assert_eq!(names, unique);
+    }
+
+    #[test]
+    fn counters_count_per_reason() {
+        let c = HandshakeCounters::default();
+        c.fail(Reason::NotTls);
+        c.fail(Reason::NotTls);
+        c.fail(Reason::Timeout);
+        assert_eq!(c.failed(Reason::NotTls).load(Ordering::Relaxed), 2);
+        assert_eq!(c.failed(Reason::Timeout).load(Ordering::Relaxed), 1);
+        assert_eq!(c.failed(Reason::Io).load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn the_server_name_is_the_one_given_else_the_host() {
+        let ip: std::net::IpAddr = "192.0.2.7".parse().expect("ip");
+        assert_eq!(
+            server_name(Some("svc.example.com"), ip),
+            ServerName::try_from("svc.example.com").ok()
+        );
+        assert_eq!(server_name(None, ip), Some(ServerName::from(ip)));
+        assert_eq!(server_name(Some("not a name!"), ip), None);
+    }
+}
