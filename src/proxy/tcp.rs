@@ -8,6 +8,14 @@
 //! until both sides have finished, honouring half-close (a FIN from one side becomes a
 //! shutdown of the write side toward the other), or until the idle timeout.
 //!
+//! With TLS on either side (docs/tls.md) a connection takes the stream path instead
+//! ([`serve_stream`]): the client's handshake runs on the connection's own task under the
+//! vserver's `tls_handshake_timeout` (the accept loop never waits on it), the first bytes are
+//! read from the decrypted stream, a member with `tls` is reached by a TCP connect, the PROXY
+//! header in clear, then the TLS handshake (a failed one passes over the member like a failed
+//! connect), and both directions are copied through [`MaybeTls`] streams with a buffer each.
+//! Plain to plain keeps the single-scratch-buffer relay.
+//!
 //! The decision ([`TcpCore::key_input`], [`TcpCore::first_bytes_needed`]) is pure; the rest
 //! is the shell. Threading is HAProxy's: `workers` threads, each with a single-threaded
 //! tokio runtime and its own SO_REUSEPORT listener, a connection served start to end by the
@@ -28,6 +36,7 @@ use crate::proxy::runtime::{
 use crate::proxy::shutdown::Signal;
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
+use crate::tls::{MaybeTls, TlsListener};
 use arc_swap::ArcSwap;
 use nix::sys::socket::{MsgFlags, recv};
 use socket2::{Domain, Protocol as SockProtocol, SockRef, Socket, Type};
@@ -38,7 +47,7 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::Interest;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -248,6 +257,11 @@ impl TcpCore {
         &self.edge
     }
 
+    /// True when some member is reached over TLS.
+    pub fn has_tls_members(&self) -> bool {
+        self.connectors.iter().any(Option::is_some)
+    }
+
     /// Open client connections.
     pub fn connections(&self) -> usize {
         self.live.load(Ordering::Relaxed)
@@ -319,12 +333,6 @@ pub(crate) fn start(
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
     let tls = crate::proxy::runtime::tls_listener(v)?;
-    if tls.is_some() {
-        return Err(RuntimeError::Setup {
-            vserver: v.name.clone(),
-            problem: "TLS termination is not served by the tcp data path yet".into(),
-        });
-    }
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_tcp_workers(v, workers)?;
@@ -357,9 +365,10 @@ pub(crate) fn start(
         };
         let cell = Arc::clone(&cell);
         let signal = ctx.shutdown.signal();
+        let tls = tls.clone();
         let thread = std::thread::Builder::new()
             .name("fulcrum-tcp".into())
-            .spawn(move || worker(rt, cell, listeners, signal))?;
+            .spawn(move || worker(rt, cell, tls, listeners, signal))?;
         ctx.threads.push(thread);
     }
     ctx.tcp_cells.push((v.name.clone(), cell));
@@ -385,19 +394,20 @@ pub(crate) fn start(
 fn worker(
     rt: tokio::runtime::Runtime,
     cell: TcpCell,
+    tls: Option<Arc<TlsListener>>,
     listeners: Vec<TcpListener>,
     mut signal: Signal,
 ) {
     rt.block_on(async {
         for l in listeners {
-            tokio::spawn(accept_loop(Arc::clone(&cell), l));
+            tokio::spawn(accept_loop(Arc::clone(&cell), tls.clone(), l));
         }
         signal.recv().await;
     });
     drop(rt);
 }
 
-async fn accept_loop(cell: TcpCell, listener: TcpListener) {
+async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: TcpListener) {
     let log = LogLimiter::default();
     loop {
         let accepted = listener.accept().await;
@@ -426,7 +436,13 @@ async fn accept_loop(cell: TcpCell, listener: TcpListener) {
                     }
                     continue;
                 }
-                tokio::spawn(serve(core, stream, peer));
+                // TLS on either side takes the stream path; plain to plain keeps the
+                // single-buffer relay below.
+                if tls.is_some() || core.has_tls_members() {
+                    tokio::spawn(serve_stream(core, stream, peer, tls.clone()));
+                } else {
+                    tokio::spawn(serve(core, stream, peer));
+                }
             }
             Err(e) => {
                 bump(&core.counters.accept_errors);
@@ -872,6 +888,269 @@ async fn pump(
         };
         total.fetch_add(n as u64, Ordering::Relaxed);
         if let Some(c) = counters {
+            c.record_traffic(n as u64, 1, now);
+        }
+    }
+}
+
+/// Bytes a TLS-carrying connection reads at a time per direction (one TLS record's payload).
+const STREAM_CHUNK: usize = 16 * 1024;
+
+/// [`serve`] for a connection with TLS on either side: the handshake with the client (when the
+/// vserver terminates TLS) on this task under its time bound, the first bytes read from the
+/// decrypted stream, the service reached with TLS where its `tls` says, then both directions
+/// copied through [`MaybeTls`] streams with the same half-close, idle timeout, drain cut and
+/// counters as the plain relay.
+async fn serve_stream(
+    core: Arc<TcpCore>,
+    client: TcpStream,
+    peer: SocketAddr,
+    tls: Option<Arc<TlsListener>>,
+) {
+    let mut live = Live {
+        core: &core,
+        member: None,
+        index: None,
+    };
+    let local = if core.needs_local() {
+        match client.local_addr() {
+            Ok(a) => a,
+            Err(_) => {
+                bump(&core.counters.client_errors);
+                return;
+            }
+        }
+    } else {
+        SocketAddr::from(([0, 0, 0, 0], 0))
+    };
+    let mut client = match tls {
+        Some(l) => match l.accept(client).await {
+            Ok(s) => MaybeTls::from(s),
+            Err(reason) => {
+                tracing::debug!(vserver = %core.name, client = %peer, reason = reason.name(), "TLS handshake failed");
+                return;
+            }
+        },
+        None => MaybeTls::Plain(client),
+    };
+    let first = match read_first_stream(&core, &mut client).await {
+        Ok(Some(b)) => b,
+        Ok(None) => return,
+        Err(_) => {
+            bump(&core.counters.client_errors);
+            return;
+        }
+    };
+    let key = core.key_input(&first, peer, local);
+    let Some(mut upstream) = connect_any_stream(&core, key, peer, local, &mut live).await else {
+        bump(&core.counters.no_service);
+        return;
+    };
+    let counters = live.member;
+    let member = live.index;
+    if let Some(c) = counters {
+        c.record_request();
+    }
+    let first_len = first.len() as u64;
+    if first_len > 0 {
+        if write_flush(&mut upstream, &first).await.is_err() {
+            bump(&core.counters.service_errors);
+            return;
+        }
+        core.counters
+            .bytes_in
+            .fetch_add(first_len, Ordering::Relaxed);
+        if let Some(c) = counters {
+            c.record_traffic(first_len, 1, core.now());
+        }
+    }
+    drop(first);
+    let asked_at = if first_len > 0 { core.now().max(1) } else { 0 };
+    tokio::select! {
+        () = relay_streams(&core, client, upstream, counters, asked_at) => {}
+        () = core.cut_of(member) => {}
+    }
+}
+
+/// [`read_first`] over a stream that may be TLS (the bytes are the decrypted ones).
+async fn read_first_stream<S: AsyncRead + Unpin>(
+    core: &TcpCore,
+    client: &mut S,
+) -> io::Result<Option<Vec<u8>>> {
+    if core.first == FirstBytes::None {
+        return Ok(Some(Vec::new()));
+    }
+    let deadline = tokio::time::Instant::now() + core.first_timeout;
+    let mut buf: Vec<u8> = Vec::new();
+    let mut chunk = vec![0u8; STREAM_CHUNK];
+    loop {
+        if core.is_first_complete(&buf) || buf.len() >= http::MAX_HEAD {
+            return Ok(Some(buf));
+        }
+        let room = (http::MAX_HEAD - buf.len()).min(chunk.len());
+        match tokio::time::timeout_at(deadline, client.read(&mut chunk[..room])).await {
+            Err(_) => {
+                bump(&core.counters.first_bytes_timeouts);
+                return Ok(if buf.is_empty() { None } else { Some(buf) });
+            }
+            Ok(Ok(0)) => return Ok(if buf.is_empty() { None } else { Some(buf) }),
+            Ok(Ok(n)) => buf.extend_from_slice(&chunk[..n]),
+            Ok(Err(e)) => return Err(e),
+        }
+    }
+}
+
+/// [`connect_any`] where members may need TLS: after the TCP connect, the PROXY header (in
+/// clear, before any TLS), then the member's TLS handshake within [`CONNECT_TIMEOUT`]. A
+/// failed handshake passes over the member like a failed connect.
+async fn connect_any_stream<'a>(
+    core: &'a TcpCore,
+    key: KeyInput,
+    client: SocketAddr,
+    local: SocketAddr,
+    live: &mut Live<'a>,
+) -> Option<MaybeTls<TcpStream>> {
+    let mut failed: Vec<usize> = Vec::new();
+    loop {
+        let choice = core
+            .balancer
+            .choose_avoiding(key, core.now(), &|m| failed.contains(&m))?;
+        let addr = core.member_addrs.get(choice.member).copied()?;
+        live.member = core.balancer.counters(choice.member);
+        live.index = Some(choice.member);
+        if let Some(c) = live.member {
+            c.open();
+        }
+        let connector = core.connectors.get(choice.member).and_then(Option::as_ref);
+        match tokio::time::timeout(CONNECT_TIMEOUT, connect(addr, client, core.transparent)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                match finish_connect(core, s, connector, client, local).await {
+                    Ok(s) => return Some(s),
+                    Err(why) => {
+                        tracing::debug!(vserver = %core.name, service = %addr, why, "service connection failed");
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
+            }
+            Err(_) => {
+                tracing::debug!(vserver = %core.name, service = %addr, "connect timed out");
+            }
+        }
+        if let Some(c) = live.member.take() {
+            c.close();
+        }
+        bump(&core.counters.connect_failures);
+        core.balancer.report_failure(choice.member);
+        failed.push(choice.member);
+        if failed.len() >= core.member_addrs.len() {
+            return None;
+        }
+    }
+}
+
+/// The PROXY header, then TLS toward the service when it has a connector.
+async fn finish_connect(
+    core: &TcpCore,
+    s: TcpStream,
+    connector: Option<&Arc<crate::tls::TlsConnector>>,
+    client: SocketAddr,
+    local: SocketAddr,
+) -> Result<MaybeTls<TcpStream>, &'static str> {
+    if core.send_proxy {
+        let mut hdr = [0u8; MAX_V2_LEN];
+        let n = proxy_protocol::encode_v2(client, local, Transport::Stream, &mut hdr);
+        write_all(&s, &hdr[..n])
+            .await
+            .map_err(|_| "PROXY header not written")?;
+    }
+    match connector {
+        None => Ok(MaybeTls::Plain(s)),
+        Some(c) => c
+            .connect(s, CONNECT_TIMEOUT)
+            .await
+            .map(MaybeTls::from)
+            .map_err(crate::tls::Reason::name),
+    }
+}
+
+/// Write all of `data` and flush it out (a TLS stream holds written bytes until flushed).
+async fn write_flush<S: AsyncWrite + Unpin>(to: &mut S, data: &[u8]) -> io::Result<()> {
+    to.write_all(data).await?;
+    to.flush().await
+}
+
+/// [`relay`] over streams that may be TLS.
+async fn relay_streams(
+    core: &TcpCore,
+    client: MaybeTls<TcpStream>,
+    upstream: MaybeTls<TcpStream>,
+    counters: Option<&ServiceCounters>,
+    asked_at: Nanos,
+) {
+    let last = AtomicU64::new(core.now());
+    let asked = AtomicU64::new(asked_at);
+    let timing = Timing {
+        asked: &asked,
+        counters,
+    };
+    let (client_r, client_w) = tokio::io::split(client);
+    let (up_r, up_w) = tokio::io::split(upstream);
+    let last = &last;
+    let both = async move {
+        tokio::try_join!(
+            pump_stream(core, client_r, up_w, last, timing, true),
+            pump_stream(core, up_r, client_w, last, timing, false),
+        )
+    };
+    tokio::select! {
+        r = both => {
+            if let Err(side) = r {
+                match side {
+                    Side::Client => bump(&core.counters.client_errors),
+                    Side::Service => bump(&core.counters.service_errors),
+                }
+            }
+        }
+        () = idle_watch(core, last) => bump(&core.counters.idle_timeouts),
+    }
+}
+
+/// One direction of [`relay_streams`]: on EOF from `from`, shut `to` down (on TLS:
+/// close_notify, then the socket's write side), and finish; the other direction goes on.
+async fn pump_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    core: &TcpCore,
+    mut from: R,
+    mut to: W,
+    last: &AtomicU64,
+    timing: Timing<'_>,
+    inbound: bool,
+) -> Result<(), Side> {
+    let (from_side, to_side) = if inbound {
+        (Side::Client, Side::Service)
+    } else {
+        (Side::Service, Side::Client)
+    };
+    let mut buf = vec![0u8; STREAM_CHUNK];
+    loop {
+        let n = from.read(&mut buf).await.map_err(|_| from_side)?;
+        if n == 0 {
+            let _ = to.shutdown().await;
+            return Ok(());
+        }
+        write_flush(&mut to, &buf[..n]).await.map_err(|_| to_side)?;
+        let now = core.now();
+        last.store(now, Ordering::Relaxed);
+        timing.moved(inbound, now);
+        let total = if inbound {
+            &core.counters.bytes_in
+        } else {
+            &core.counters.bytes_out
+        };
+        total.fetch_add(n as u64, Ordering::Relaxed);
+        if let Some(c) = timing.counters {
             c.record_traffic(n as u64, 1, now);
         }
     }
