@@ -276,7 +276,7 @@ impl Runtime {
         };
         let handle = match v.protocol {
             Protocol::SipUdp => sip_udp::start(&mut ctx, config, v)?,
-            Protocol::SipTcp => crate::proxy::sip_tcp::start(&mut ctx, config, v)?,
+            Protocol::SipTcp | Protocol::SipTls => crate::proxy::sip_tcp::start(&mut ctx, config, v)?,
             Protocol::Udp => crate::proxy::udp::start(&mut ctx, config, v)?,
             Protocol::Tcp | Protocol::Http => crate::proxy::tcp::start(&mut ctx, config, v)?,
         };
