@@ -1408,8 +1408,7 @@ impl Cx {
                 ),
             );
         }
-        if matches!(m, Method::UrlHash | Method::DomainHash)
-            && !p.is_sip() || p == Protocol::Http
+        if matches!(m, Method::UrlHash | Method::DomainHash) && !(p.is_sip() || p == Protocol::Http)
         {
             self.problem(
                 n.pos,
@@ -1459,12 +1458,8 @@ impl Cx {
     /// must lie within the bytes read before choosing.
     fn token_fits_protocol(&mut self, n: &Node, tp: &str, rule: &TokenRule, p: Protocol) {
         let fits = match rule {
-            TokenRule::Header(_) => {
-                p.is_sip() || p == Protocol::Http
-            }
-            TokenRule::Query(_) => {
-                p.is_sip() || p == Protocol::Http
-            }
+            TokenRule::Header(_) => p.is_sip() || p == Protocol::Http,
+            TokenRule::Query(_) => p.is_sip() || p == Protocol::Http,
             TokenRule::Payload { .. } => true,
         };
         if !fits {

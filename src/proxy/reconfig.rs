@@ -429,6 +429,7 @@ impl Runtime {
             core: Arc::clone(&core),
             max_clients: v.max_sessions,
             idle: v.idle_timeout,
+            tls: Install::member_tls(config, v),
         });
         // Held here only: the link set the workers read before the switch.
         if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {

@@ -25,7 +25,7 @@
 //! first.
 
 use crate::balancer::Health;
-use crate::config::{Config, Vserver};
+use crate::config::{Config, Protocol, Vserver};
 use crate::proxy::runtime::{
     DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
@@ -116,17 +116,25 @@ impl Drop for AbortOnDrop {
 struct ServiceLink {
     name: String,
     addr: SocketAddr,
+    /// TLS toward the service (a sip-tls service's `tls`); a reload stores new certificates
+    /// in it for the next connection.
+    tls: Option<Arc<crate::tls::TlsConnector>>,
     tx: mpsc::Sender<Bytes>,
     retired: AtomicBool,
     retire: Notify,
 }
 
 impl ServiceLink {
-    fn new(name: &str, addr: SocketAddr) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
+    fn new(
+        name: &str,
+        addr: SocketAddr,
+        tls: Option<crate::tls::ClientTls>,
+    ) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
         let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
         let link = ServiceLink {
             name: name.to_owned(),
             addr,
+            tls: tls.map(|t| Arc::new(crate::tls::TlsConnector::new(t))),
             tx,
             retired: AtomicBool::new(false),
             retire: Notify::new(),
@@ -193,6 +201,9 @@ pub struct TcpShared {
     log: LogLimiter,
     /// Where the links of added members run.
     tokio: tokio::runtime::Handle,
+    /// TLS on accepted connections (a sip-tls vserver); a reload stores new certificates in
+    /// it for the next handshakes.
+    tls: Option<Arc<crate::tls::TlsListener>>,
 }
 
 impl std::fmt::Debug for TcpShared {
@@ -210,6 +221,20 @@ pub(crate) struct Install {
     pub core: Arc<SipCore>,
     pub max_clients: usize,
     pub idle: Duration,
+    /// Per member (same index): TLS toward it, for sip-tls services.
+    pub tls: Vec<Option<crate::tls::ClientTls>>,
+}
+
+impl Install {
+    /// The TLS of each member of `v` toward its service ([`Install::tls`]).
+    pub(crate) fn member_tls(config: &Config, v: &Vserver) -> Vec<Option<crate::tls::ClientTls>> {
+        v.members()
+            .map(|i| {
+                let s = config.services.get(i)?;
+                s.tls.as_ref()?.client_tls(s.address.ip())
+            })
+            .collect()
+    }
 }
 
 impl TcpShared {
@@ -250,15 +275,25 @@ impl TcpShared {
                     .core
                     .member_addr(m)
                     .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
-                old.links
-                    .iter()
-                    .find(|l| l.name == *name && l.addr == addr)
-                    .cloned()
-                    .unwrap_or_else(|| {
-                        let (link, rx) = ServiceLink::new(name, addr);
+                let tls = next.tls.get(m).cloned().flatten();
+                // A link is kept while the service is the same one, reached the same way
+                // (TLS or not); new certificates go to its next connection.
+                let kept = old.links.iter().find(|l| {
+                    l.name == *name && l.addr == addr && l.tls.is_some() == tls.is_some()
+                });
+                match (kept, tls) {
+                    (Some(l), tls) => {
+                        if let (Some(c), Some(t)) = (&l.tls, tls) {
+                            c.store(t);
+                        }
+                        Arc::clone(l)
+                    }
+                    (None, tls) => {
+                        let (link, rx) = ServiceLink::new(name, addr, tls);
                         fresh.push((Arc::clone(&link), rx));
                         link
-                    })
+                    }
+                }
             })
             .collect();
         let gone: Vec<Arc<ServiceLink>> = old
@@ -292,6 +327,23 @@ impl TcpShared {
             link.retire();
         }
         old
+    }
+
+    /// Store the service certificates of `config` (read again by a reload) into the links
+    /// of this vserver's members: their next connections use them.
+    pub(crate) fn store_client_tls(&self, config: &Config) {
+        let g = self.current.load();
+        for link in &g.links {
+            let (Some(c), Some(s)) = (
+                &link.tls,
+                config.services.iter().find(|s| s.name == link.name),
+            ) else {
+                continue;
+            };
+            if let Some(t) = s.tls.as_ref().and_then(|t| t.client_tls(s.address.ip())) {
+                c.store(t);
+            }
+        }
     }
 
     /// Queue `bytes` toward client `id`; a full queue disconnects that client only.
@@ -477,11 +529,66 @@ pub(crate) trait SipStream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
     fn prepare_link(&self) -> std::io::Result<()>;
 }
 
-/// A read half that can wait for bytes without holding a buffer (an idle connection holds
-/// none).
+/// A read half. A TCP one can wait for bytes without holding a buffer (an idle connection
+/// holds none); a TLS one cannot (its records must be read to know whether they carry
+/// bytes), so its read waits with the buffer.
 pub(crate) trait StreamRead: AsyncRead + Unpin + Send + 'static {
+    /// Whether [`StreamRead::readable`] waits for bytes; when false it resolves at once and
+    /// the read itself waits.
+    const WAITS_WITHOUT_BUFFER: bool;
     /// Resolves once a read may make progress.
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send;
+}
+
+/// A TLS stream over TCP, either side (accepted from a client, or opened to a service).
+type TlsOver<S> = tokio_rustls::TlsStream<S>;
+
+impl SipStream for TlsOver<TcpStream> {
+    type Read = tokio::io::ReadHalf<TlsOver<TcpStream>>;
+    type Write = tokio::io::WriteHalf<TlsOver<TcpStream>>;
+
+    fn split(self) -> (Self::Read, Self::Write) {
+        tokio::io::split(self)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.get_ref().0.local_addr()
+    }
+
+    fn prepare_link(&self) -> std::io::Result<()> {
+        self.get_ref().0.prepare_link()
+    }
+}
+
+impl StreamRead for tokio::io::ReadHalf<TlsOver<TcpStream>> {
+    const WAITS_WITHOUT_BUFFER: bool = false;
+
+    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
+}
+
+/// TLS toward a service (a sip-tls service): the TCP connect, then the handshake, both
+/// within the link's connect timeout; a failed handshake is counted by its reason and
+/// fails the connect.
+struct TlsLinkConnector(Arc<crate::tls::TlsConnector>);
+
+impl Connector for TlsLinkConnector {
+    type Stream = TlsOver<TcpStream>;
+
+    fn connect(
+        &self,
+        addr: SocketAddr,
+    ) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
+        let tls = Arc::clone(&self.0);
+        async move {
+            let tcp = TcpStream::connect(addr).await?;
+            tls.connect(tcp, link::CONNECT_TIMEOUT)
+                .await
+                .map(tokio_rustls::TlsStream::Client)
+                .map_err(|r| std::io::Error::other(format!("TLS handshake failed: {}", r.name())))
+        }
+    }
 }
 
 impl SipStream for TcpStream {
@@ -508,6 +615,8 @@ impl SipStream for TcpStream {
 }
 
 impl StreamRead for OwnedReadHalf {
+    const WAITS_WITHOUT_BUFFER: bool = true;
+
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send {
         OwnedReadHalf::readable(self)
     }
@@ -599,6 +708,30 @@ async fn read_messages<R: StreamRead>(
         let now = tokio::time::Instant::now().into_std();
         inbound.settle(now);
         let idle_until = is_client.then(|| now + shared.current.load().idle);
+        if !R::WAITS_WITHOUT_BUFFER {
+            // TLS: the read waits, with the buffer, within the same bounds.
+            let until = inbound.wait_until(idle_until);
+            let read_once = read.read_buf(inbound.read_buf());
+            let got = match until {
+                Some(u) => tokio::time::timeout_at(tokio::time::Instant::from_std(u), read_once)
+                    .await
+                    .ok(),
+                None => Some(read_once.await),
+            };
+            match got {
+                Some(Ok(0) | Err(_)) => return,
+                Some(Ok(_)) => continue,
+                None => {
+                    if inbound.is_overdue(tokio::time::Instant::now().into_std()) {
+                        bump(&shared.counters.framing_errors);
+                        if shared.log.allow(shared.now()) {
+                            tracing::info!(vserver = %shared.name, %src, "closing stream: a message did not arrive whole in time");
+                        }
+                    }
+                    return;
+                }
+            }
+        }
         let ready = match inbound.wait_until(idle_until) {
             Some(u) => {
                 tokio::time::timeout_at(tokio::time::Instant::from_std(u), read.readable()).await
@@ -744,8 +877,25 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
             let guard = shared.tasks.guard();
             async move {
                 let _guard = guard;
-                if wait_registered.await.is_ok() {
-                    serve_client(shared, stream, id, src, dst, rx, tx).await;
+                if wait_registered.await.is_err() {
+                    return;
+                }
+                match shared.tls.clone() {
+                    None => serve_client(shared, stream, id, src, dst, rx, tx).await,
+                    // The handshake runs here, bounded in time, not in the accept loop: a
+                    // client that never finishes it costs this task's timer only.
+                    Some(tls) => match tls.accept(stream).await {
+                        Ok(s) => {
+                            let s = tokio_rustls::TlsStream::Server(s);
+                            serve_client(shared, s, id, src, dst, rx, tx).await;
+                        }
+                        Err(reason) => {
+                            if shared.log.allow(shared.now()) {
+                                tracing::info!(vserver = %shared.name, %src, reason = reason.name(), "TLS handshake failed");
+                            }
+                            shared.forget_client(id, src);
+                        }
+                    },
                 }
             }
         });
@@ -762,9 +912,12 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
     }
 }
 
-/// Own the connection over `link` (plain TCP): see [`drive_link`].
+/// Own the connection over `link` (TCP, or TLS for a sip-tls service): see [`drive_link`].
 async fn service_loop(shared: Arc<TcpShared>, link: Arc<ServiceLink>, rx: mpsc::Receiver<Bytes>) {
-    drive_link(shared, link, rx, TcpConnector).await;
+    match link.tls.clone() {
+        Some(tls) => drive_link(shared, link, rx, TlsLinkConnector(tls)).await,
+        None => drive_link(shared, link, rx, TcpConnector).await,
+    }
 }
 
 /// The live connection of a link: the write half, the reader task, and the queue of what
@@ -1027,7 +1180,12 @@ pub(crate) fn start(
 ) -> Result<VserverHandle, RuntimeError> {
     let (listeners, bound) = bind_tcp(ctx, v)?;
     let member_addrs = config.member_addrs(v);
-    let local = local_identity(v, &bound, &member_addrs, Transport::Tcp)?;
+    let transport = match v.protocol {
+        Protocol::SipTls => Transport::Tls,
+        _ => Transport::Tcp,
+    };
+    let local = local_identity(v, &bound, &member_addrs, transport)?;
+    let tls = crate::proxy::runtime::tls_listener(v)?;
     let balancer = Arc::new(crate::balancer::Balancer::new(config, v));
     let core = Arc::new(
         SipCore::new(SipParams::of(config, v, local, Arc::clone(&balancer)))
@@ -1052,12 +1210,14 @@ pub(crate) fn start(
         link_tasks: std::sync::Mutex::new(Vec::new()),
         log: LogLimiter::default(),
         tokio: ctx.tokio.clone(),
+        tls: tls.clone(),
     });
     // Every member gets its link (and connection task) as a reload's added member would.
     shared.install(Install {
         core: Arc::clone(&core),
         max_clients: v.max_sessions,
         idle: v.idle_timeout,
+        tls: Install::member_tls(config, v),
     });
     ctx.tokio.spawn(run_vserver(
         Arc::clone(&shared),
@@ -1065,12 +1225,13 @@ pub(crate) fn start(
         ctx.shutdown.signal(),
         shared.tasks.guard(),
     ));
-    tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), "sip-tcp vserver started");
+    tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), protocol = v.protocol.name(), "SIP stream vserver started");
     Ok(VserverHandle::new(
         v.name.clone(),
         v.protocol,
         bound,
         balancer,
         DataPath::SipTcp(core, shared),
-    ))
+    )
+    .with_tls(tls))
 }

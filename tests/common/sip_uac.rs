@@ -104,7 +104,9 @@ impl<S: TimedRead + Write> Uac<S> {
         if call.invite != 200 {
             return call;
         }
-        let to_tag = msg.to_tag().map(|t| String::from_utf8_lossy(t).into_owned());
+        let to_tag = msg
+            .to_tag()
+            .map(|t| String::from_utf8_lossy(t).into_owned());
         for h in msg.headers() {
             if h.name.eq_ignore_ascii_case(b"Record-Route") {
                 for v in String::from_utf8_lossy(h.value).split(',') {
