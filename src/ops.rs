@@ -384,7 +384,13 @@ impl Ops {
             // Request rates are indexed by member position, which a rebuild may change.
             *lock(&self.rates) = RateSample::default();
         }
-        if plan.monitors_changed || !plan.rebuild.is_empty() {
+        // Monitors of services reached over TLS hold the certificates read when they
+        // started, so a reload (which reads them again) restarts them too.
+        let monitors_use_tls = new
+            .services
+            .iter()
+            .any(|s| s.tls.is_some() && s.monitor.is_some());
+        if plan.monitors_changed || !plan.rebuild.is_empty() || monitors_use_tls {
             self.health.start_monitors(&new, &self.tokio);
             self.health.apply_all();
         }

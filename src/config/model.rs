@@ -164,15 +164,18 @@ pub enum MonitorKind {
 pub enum Protocol {
     SipUdp,
     SipTcp,
+    /// SIP over TLS: the sip-tcp data path on TLS streams (docs/tls.md).
+    SipTls,
     Udp,
     Tcp,
     Http,
 }
 
 impl Protocol {
-    pub const ALL: [(&'static str, Protocol); 5] = [
+    pub const ALL: [(&'static str, Protocol); 6] = [
         ("sip-udp", Protocol::SipUdp),
         ("sip-tcp", Protocol::SipTcp),
+        ("sip-tls", Protocol::SipTls),
         ("udp", Protocol::Udp),
         ("tcp", Protocol::Tcp),
         ("http", Protocol::Http),
@@ -182,6 +185,7 @@ impl Protocol {
         match self {
             Protocol::SipUdp => "sip-udp",
             Protocol::SipTcp => "sip-tcp",
+            Protocol::SipTls => "sip-tls",
             Protocol::Udp => "udp",
             Protocol::Tcp => "tcp",
             Protocol::Http => "http",
@@ -189,7 +193,12 @@ impl Protocol {
     }
 
     pub fn is_sip(self) -> bool {
-        matches!(self, Protocol::SipUdp | Protocol::SipTcp)
+        matches!(self, Protocol::SipUdp | Protocol::SipTcp | Protocol::SipTls)
+    }
+
+    /// SIP over a stream (TCP or TLS): one data path, framed by Content-Length.
+    pub fn is_sip_stream(self) -> bool {
+        matches!(self, Protocol::SipTcp | Protocol::SipTls)
     }
 
     pub fn is_datagram(self) -> bool {
@@ -200,7 +209,13 @@ impl Protocol {
     /// (`tls`, docs/tls.md). A stream protocol opts in here once its data path carries a
     /// [`crate::tls::MaybeTls`] stream.
     pub fn takes_tls(self) -> bool {
-        matches!(self, Protocol::Tcp | Protocol::Http)
+        matches!(self, Protocol::Tcp | Protocol::Http | Protocol::SipTls)
+    }
+
+    /// Protocols that cannot run without `tls`: a sip-tls vserver terminates it, a sip-tls
+    /// service is reached through it.
+    pub fn needs_tls(self) -> bool {
+        self == Protocol::SipTls
     }
 }
 

@@ -143,7 +143,7 @@ fn is_contiguous_mask(mask: Ipv4Addr) -> bool {
 fn default_idle_timeout(protocol: Protocol) -> Duration {
     match protocol {
         // Dialog affinity lives as long as a long call (docs/config.md, Defaults worth a reason).
-        Protocol::SipUdp | Protocol::SipTcp => Duration::from_secs(3600),
+        Protocol::SipUdp | Protocol::SipTcp | Protocol::SipTls => Duration::from_secs(3600),
         // nginx stream / Envoy UDP proxy default idle timeouts are about a minute.
         Protocol::Udp => Duration::from_secs(60),
         Protocol::Tcp | Protocol::Http => Duration::from_secs(600),
@@ -797,6 +797,18 @@ impl Cx {
         if let (Some(p), Some(Some(_)), Some(n)) = (protocol, &tls, f.get("tls")) {
             self.tls_fits_protocol(n, &join(path, "tls"), p, "service");
         }
+        if let (Some(p), Some(None)) = (protocol, &tls)
+            && p.needs_tls()
+        {
+            self.problem(
+                f.pos,
+                &join(path, "tls"),
+                format!(
+                    "a {} service needs `tls: {{ ca: FILE }}` (the CA that signed its certificate)",
+                    p.name()
+                ),
+            );
+        }
         Some(Service {
             name: name?,
             address: address?,
@@ -1069,6 +1081,17 @@ impl Cx {
         );
         let tls = match f.get("tls") {
             None => {
+                if let Some(p) = protocol.filter(|p| p.needs_tls()) {
+                    self.problem(
+                        f.pos,
+                        &join(path, "tls"),
+                        format!(
+                            "a {} vserver needs `tls: {{ cert: FILE, key: FILE }}`",
+                            p.name()
+                        ),
+                    );
+                    return None;
+                }
                 if let Some(n) = f.get("tls_handshake_timeout") {
                     self.problem(
                         n.pos,
@@ -1380,19 +1403,18 @@ impl Cx {
                 n.pos,
                 mp,
                 format!(
-                    "call_id_hash needs a SIP vserver (sip-udp or sip-tcp), not {}",
+                    "call_id_hash needs a SIP vserver (sip-udp, sip-tcp or sip-tls), not {}",
                     p.name()
                 ),
             );
         }
-        if matches!(m, Method::UrlHash | Method::DomainHash)
-            && !matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
+        if matches!(m, Method::UrlHash | Method::DomainHash) && !(p.is_sip() || p == Protocol::Http)
         {
             self.problem(
                 n.pos,
                 mp,
                 format!(
-                    "{} needs a request URL: use protocol http, sip-udp or sip-tcp, not {}",
+                    "{} needs a request URL: use protocol http, sip-udp, sip-tcp or sip-tls, not {}",
                     m.name(),
                     p.name()
                 ),
@@ -1436,12 +1458,8 @@ impl Cx {
     /// must lie within the bytes read before choosing.
     fn token_fits_protocol(&mut self, n: &Node, tp: &str, rule: &TokenRule, p: Protocol) {
         let fits = match rule {
-            TokenRule::Header(_) => {
-                matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
-            }
-            TokenRule::Query(_) => {
-                matches!(p, Protocol::SipUdp | Protocol::SipTcp | Protocol::Http)
-            }
+            TokenRule::Header(_) => p.is_sip() || p == Protocol::Http,
+            TokenRule::Query(_) => p.is_sip() || p == Protocol::Http,
             TokenRule::Payload { .. } => true,
         };
         if !fits {
@@ -1449,7 +1467,7 @@ impl Cx {
                 n.pos,
                 tp,
                 format!(
-                    "a header or query token needs protocol http, sip-udp or sip-tcp, not {}",
+                    "a header or query token needs protocol http, sip-udp, sip-tcp or sip-tls, not {}",
                     p.name()
                 ),
             );

@@ -223,6 +223,7 @@ impl HealthBoard {
                 name: s.name.clone(),
                 address: s.address,
                 protocol: s.protocol,
+                tls: s.tls.as_ref().and_then(|t| t.client_tls(s.address.ip())),
             };
             tasks.push(tokio.spawn(async move { board.run_monitor(target, m).await }));
         }
@@ -247,7 +248,14 @@ impl HealthBoard {
             if self.take_passive_failures(&target.name) > 0 {
                 self.record(&target.name, &m, Err(probe::ProbeError::Passive));
             }
-            let result = probe::probe(&m.kind, target.address, target.protocol, m.timeout).await;
+            let result = probe::probe_tls(
+                &m.kind,
+                target.address,
+                target.protocol,
+                target.tls.as_ref(),
+                m.timeout,
+            )
+            .await;
             self.record(&target.name, &m, result);
         }
     }
@@ -336,6 +344,9 @@ struct ProbeTarget {
     name: String,
     address: SocketAddr,
     protocol: Protocol,
+    /// TLS toward the service (its `tls`), as read when the monitors started: a reload
+    /// restarts them with the certificates it read.
+    tls: Option<crate::tls::ClientTls>,
 }
 
 /// Where each service of `vservers` sits.

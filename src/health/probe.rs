@@ -1,8 +1,8 @@
 //! Health probes: one attempt against one service. IO (the message builders and verdicts
 //! at the top are PURE and unit-tested).
 //!
-//! - `sip-options`: an OPTIONS request over the service's transport (UDP, or TCP for
-//!   `sip-tcp` services); any final response (>= 200) means alive unless `expect_codes`
+//! - `sip-options`: an OPTIONS request over the service's transport (UDP, TCP for
+//!   `sip-tcp` services, TLS with the service's `tls` for `sip-tls` ones); any final response (>= 200) means alive unless `expect_codes`
 //!   lists the acceptable codes. Provisional responses are skipped.
 //! - `tcp-connect`: the TCP handshake completes.
 //! - `udp`: `send` is sent; a reply arrives (containing `expect` when set).
@@ -15,10 +15,12 @@
 
 use crate::config::{MonitorKind, Protocol};
 use crate::sip::framing::{self, Frame};
+use crate::tls::ClientTls;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 
 /// Header a SIP service reports its load in (custom_load).
@@ -43,6 +45,10 @@ pub enum ProbeError {
     Closed,
     #[error("the data path reported failures")]
     Passive,
+    #[error("TLS handshake failed ({0})")]
+    Tls(&'static str),
+    #[error("a sip-tls service without loaded `tls` cannot be probed")]
+    NoTls,
 }
 
 /// A successful probe.
@@ -60,8 +66,8 @@ static SEQ: AtomicU64 = AtomicU64::new(1);
 
 /// An OPTIONS request from `local` to `target` (RFC 3261 §11). `seq` makes the Call-ID
 /// and branch unique.
-pub fn build_options(target: SocketAddr, local: SocketAddr, tcp: bool, seq: u64) -> Vec<u8> {
-    let transport = if tcp { "TCP" } else { "UDP" };
+/// The OPTIONS a monitor sends; `transport` is the Via's (`UDP`, `TCP` or `TLS`).
+pub fn build_options(target: SocketAddr, local: SocketAddr, transport: &str, seq: u64) -> Vec<u8> {
     format!(
         "OPTIONS sip:{target} SIP/2.0\r\n\
          Via: SIP/2.0/{transport} {local};branch=z9hG4bK-fmon-{seq:x};rport\r\n\
@@ -206,7 +212,19 @@ pub async fn probe(
     protocol: Protocol,
     timeout: Duration,
 ) -> Result<ProbeReply, ProbeError> {
-    match tokio::time::timeout(timeout, probe_inner(kind, target, protocol)).await {
+    probe_tls(kind, target, protocol, None, timeout).await
+}
+
+/// [`probe`] toward a service reached over TLS when `tls` is given (a sip-tls service:
+/// the OPTIONS goes over TLS, its handshake inside `timeout`).
+pub async fn probe_tls(
+    kind: &MonitorKind,
+    target: SocketAddr,
+    protocol: Protocol,
+    tls: Option<&ClientTls>,
+    timeout: Duration,
+) -> Result<ProbeReply, ProbeError> {
+    match tokio::time::timeout(timeout, probe_inner(kind, target, protocol, tls)).await {
         Ok(r) => r,
         Err(_) => Err(ProbeError::Timeout),
     }
@@ -216,14 +234,15 @@ async fn probe_inner(
     kind: &MonitorKind,
     target: SocketAddr,
     protocol: Protocol,
+    tls: Option<&ClientTls>,
 ) -> Result<ProbeReply, ProbeError> {
     match kind {
         MonitorKind::SipOptions { expect_codes } => {
-            let tcp = matches!(protocol, Protocol::SipTcp | Protocol::Tcp);
-            let (code, load, rtt_us) = if tcp {
-                sip_tcp(target).await?
-            } else {
-                sip_udp(target).await?
+            let (code, load, rtt_us) = match (protocol, tls) {
+                (Protocol::SipTls, Some(tls)) => sip_tls(target, tls).await?,
+                (Protocol::SipTls, None) => return Err(ProbeError::NoTls),
+                (Protocol::SipTcp | Protocol::Tcp, _) => sip_tcp(target).await?,
+                _ => sip_udp(target).await?,
             };
             if status_ok(code, expect_codes, |c| c >= 200) {
                 Ok(ProbeReply {
@@ -308,7 +327,7 @@ async fn sip_udp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeErr
     let local = sock.local_addr()?;
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
     let start = Instant::now();
-    sock.send(&build_options(target, local, false, seq)).await?;
+    sock.send(&build_options(target, local, "UDP", seq)).await?;
     let call_id = call_id_of(seq);
     let mut buf = vec![0u8; MAX_REPLY];
     loop {
@@ -321,10 +340,37 @@ async fn sip_udp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeErr
 
 async fn sip_tcp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeError> {
     let start = Instant::now();
-    let mut s = TcpStream::connect(target).await?;
+    let s = TcpStream::connect(target).await?;
     let local = s.local_addr()?;
+    sip_stream(s, target, local, "TCP", start).await
+}
+
+/// OPTIONS over TLS: the TCP connect and the handshake are part of the round trip, as the
+/// TCP connect is for [`sip_tcp`].
+async fn sip_tls(
+    target: SocketAddr,
+    tls: &ClientTls,
+) -> Result<(u16, Option<u32>, u64), ProbeError> {
+    let start = Instant::now();
+    let s = TcpStream::connect(target).await?;
+    let local = s.local_addr()?;
+    let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.config));
+    let s = connector
+        .connect(tls.server_name.clone(), s)
+        .await
+        .map_err(|e| ProbeError::Tls(crate::tls::Reason::of(&e).name()))?;
+    sip_stream(s, target, local, "TLS", start).await
+}
+
+async fn sip_stream<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    target: SocketAddr,
+    local: SocketAddr,
+    transport: &str,
+    start: Instant,
+) -> Result<(u16, Option<u32>, u64), ProbeError> {
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    s.write_all(&build_options(target, local, true, seq))
+    s.write_all(&build_options(target, local, transport, seq))
         .await?;
     let call_id = call_id_of(seq);
     let mut buf: Vec<u8> = Vec::with_capacity(4096);
@@ -363,7 +409,7 @@ mod tests {
     fn options_scans_and_matches_its_response() {
         let t: SocketAddr = "127.0.0.1:5071".parse().unwrap();
         let l: SocketAddr = "127.0.0.1:40000".parse().unwrap();
-        let req = build_options(t, l, false, 7);
+        let req = build_options(t, l, "UDP", 7);
         let msg = crate::sip::scan(&req).unwrap();
         assert_eq!(msg.method(), Some(&b"OPTIONS"[..]));
         let cid = call_id_of(7);

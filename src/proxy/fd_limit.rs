@@ -37,11 +37,11 @@ pub fn raise_nofile_limit() -> Option<u64> {
 }
 
 /// Descriptors vserver `v` holds at its `max_sessions`: one per UDP session and per sip-tcp
-/// client connection, two per TCP / HTTP connection (client and service side); sip-udp holds
+/// or sip-tls client connection, two per TCP / HTTP connection (client and service side); sip-udp holds
 /// only its worker sockets.
 fn fds_at_max(v: &Vserver) -> u64 {
     let each = match v.protocol {
-        Protocol::Udp | Protocol::SipTcp => 1,
+        Protocol::Udp | Protocol::SipTcp | Protocol::SipTls => 1,
         Protocol::Tcp | Protocol::Http => 2,
         Protocol::SipUdp => 0,
     };

@@ -243,7 +243,9 @@ impl Runtime {
             Some(Protocol::SipUdp) => self.rebuild_sip_udp(config, name, health_of),
             Some(Protocol::Udp) => self.rebuild_udp(config, name, health_of),
             Some(Protocol::Tcp | Protocol::Http) => self.rebuild_tcp(config, name, health_of),
-            Some(Protocol::SipTcp) => self.rebuild_sip_tcp(config, name, health_of),
+            Some(Protocol::SipTcp | Protocol::SipTls) => {
+                self.rebuild_sip_tcp(config, name, health_of)
+            }
             None => Err(RuntimeError::Setup {
                 vserver: name.to_owned(),
                 problem: "not running".to_owned(),
@@ -396,8 +398,8 @@ impl Runtime {
         let v = config
             .vservers
             .iter()
-            .find(|v| v.name == name && v.protocol == Protocol::SipTcp)
-            .ok_or_else(|| setup("not a sip-tcp vserver of the new config"))?;
+            .find(|v| v.name == name && v.protocol.is_sip_stream())
+            .ok_or_else(|| setup("not a sip-tcp or sip-tls vserver of the new config"))?;
         let slot = self
             .vservers
             .iter()
@@ -427,6 +429,7 @@ impl Runtime {
             core: Arc::clone(&core),
             max_clients: v.max_sessions,
             idle: v.idle_timeout,
+            tls: Install::member_tls(config, v),
         });
         // Held here only: the link set the workers read before the switch.
         if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {

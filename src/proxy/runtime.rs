@@ -239,6 +239,11 @@ impl Runtime {
         for (_, cell) in &self.tcp_cells {
             cell.load().store_client_tls(config);
         }
+        for h in &self.vservers {
+            if let DataPath::SipTcp(_, shared) = &h.data {
+                shared.store_client_tls(config);
+            }
+        }
         stored
     }
 
@@ -276,7 +281,9 @@ impl Runtime {
         };
         let handle = match v.protocol {
             Protocol::SipUdp => sip_udp::start(&mut ctx, config, v)?,
-            Protocol::SipTcp => crate::proxy::sip_tcp::start(&mut ctx, config, v)?,
+            Protocol::SipTcp | Protocol::SipTls => {
+                crate::proxy::sip_tcp::start(&mut ctx, config, v)?
+            }
             Protocol::Udp => crate::proxy::udp::start(&mut ctx, config, v)?,
             Protocol::Tcp | Protocol::Http => crate::proxy::tcp::start(&mut ctx, config, v)?,
         };

@@ -20,12 +20,12 @@
 //! name and address); members it adds get a new link, which connects on their first
 //! request. The link of a member it removes is retired: requests still queued for it are
 //! chosen again by the current core, no new request is written to it, and its connection
-//! stays open for [`RETIRED_DRAIN`] (responses to requests already written, the service's
+//! stays open for [`link::RETIRED_DRAIN`] (responses to requests already written, the service's
 //! in-dialog requests and the clients' responses to them) unless the service closes it
 //! first.
 
 use crate::balancer::Health;
-use crate::config::{Config, Vserver};
+use crate::config::{Config, Protocol, Vserver};
 use crate::proxy::runtime::{
     DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
@@ -33,45 +33,35 @@ use crate::proxy::shutdown::{Signal, TaskGroup, TaskGuard};
 use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
 use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
-use crate::sip::{Frame, FrameError, Transport, next_frame, scan};
+use crate::sip::{Frame, Transport, scan};
 use arc_swap::ArcSwap;
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc};
+
+mod inbound;
+mod link;
+
+use inbound::Inbound;
+use link::{Link, LinkAction, LinkEvent, Phase};
 
 /// Messages queued toward one client before it counts as not reading.
 pub(crate) const CLIENT_QUEUE: usize = 1024;
 /// Messages queued toward one service while its connection is (re)established.
 pub(crate) const SERVICE_QUEUE: usize = 8192;
-/// Connect timeout toward a service.
-pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
-/// First and last reconnect delay toward a service.
-const BACKOFF_MIN: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
-/// How long the connection of a member removed by a reload stays open for what the service
-/// still sends: 64·T1, the non-INVITE transaction timeout (RFC 3261 §17.1.2.2, Timer F).
-pub(crate) const RETIRED_DRAIN: Duration = Duration::from_secs(32);
 /// Longest message a service may send: twice a client's, since a response repeats the
 /// request's Vias and adds fulcrum's, and one client's large request must not cut the
 /// connection every client shares.
 pub(crate) const SERVICE_MAX_MESSAGE: usize = 2 * DEFAULT_MAX_MESSAGE;
-/// How long a started message may take to arrive whole (however slowly its bytes come): a
-/// client cannot hold a partial message's buffer for longer.
-pub(crate) const MESSAGE_DEADLINE: Duration = Duration::from_secs(10);
 /// How long what is queued toward a client that has stopped sending may take to be written.
 pub(crate) const CLIENT_FLUSH: Duration = Duration::from_secs(10);
-/// A service connection that ends this soon after it was made counts as a failed connect
-/// (a service that accepts and closes must not swallow requests while staying UP).
-const SHORT_LIVED: Duration = Duration::from_secs(1);
-/// Requests written on a service connection that has not answered yet, kept to be chosen
-/// again should it close first.
-const UNANSWERED_KEPT: usize = 256;
 /// TCP keepalive on service connections (which have no idle timeout): a peer that vanished
 /// is found within a few minutes.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
@@ -126,17 +116,25 @@ impl Drop for AbortOnDrop {
 struct ServiceLink {
     name: String,
     addr: SocketAddr,
+    /// TLS toward the service (a sip-tls service's `tls`); a reload stores new certificates
+    /// in it for the next connection.
+    tls: Option<Arc<crate::tls::TlsConnector>>,
     tx: mpsc::Sender<Bytes>,
     retired: AtomicBool,
     retire: Notify,
 }
 
 impl ServiceLink {
-    fn new(name: &str, addr: SocketAddr) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
+    fn new(
+        name: &str,
+        addr: SocketAddr,
+        tls: Option<crate::tls::ClientTls>,
+    ) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
         let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
         let link = ServiceLink {
             name: name.to_owned(),
             addr,
+            tls: tls.map(|t| Arc::new(crate::tls::TlsConnector::new(t))),
             tx,
             retired: AtomicBool::new(false),
             retire: Notify::new(),
@@ -203,6 +201,9 @@ pub struct TcpShared {
     log: LogLimiter,
     /// Where the links of added members run.
     tokio: tokio::runtime::Handle,
+    /// TLS on accepted connections (a sip-tls vserver); a reload stores new certificates in
+    /// it for the next handshakes.
+    tls: Option<Arc<crate::tls::TlsListener>>,
 }
 
 impl std::fmt::Debug for TcpShared {
@@ -220,6 +221,20 @@ pub(crate) struct Install {
     pub core: Arc<SipCore>,
     pub max_clients: usize,
     pub idle: Duration,
+    /// Per member (same index): TLS toward it, for sip-tls services.
+    pub tls: Vec<Option<crate::tls::ClientTls>>,
+}
+
+impl Install {
+    /// The TLS of each member of `v` toward its service ([`Install::tls`]).
+    pub(crate) fn member_tls(config: &Config, v: &Vserver) -> Vec<Option<crate::tls::ClientTls>> {
+        v.members()
+            .map(|i| {
+                let s = config.services.get(i)?;
+                s.tls.as_ref()?.client_tls(s.address.ip())
+            })
+            .collect()
+    }
 }
 
 impl TcpShared {
@@ -260,15 +275,25 @@ impl TcpShared {
                     .core
                     .member_addr(m)
                     .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
-                old.links
-                    .iter()
-                    .find(|l| l.name == *name && l.addr == addr)
-                    .cloned()
-                    .unwrap_or_else(|| {
-                        let (link, rx) = ServiceLink::new(name, addr);
+                let tls = next.tls.get(m).cloned().flatten();
+                // A link is kept while the service is the same one, reached the same way
+                // (TLS or not); new certificates go to its next connection.
+                let kept = old.links.iter().find(|l| {
+                    l.name == *name && l.addr == addr && l.tls.is_some() == tls.is_some()
+                });
+                match (kept, tls) {
+                    (Some(l), tls) => {
+                        if let (Some(c), Some(t)) = (&l.tls, tls) {
+                            c.store(t);
+                        }
+                        Arc::clone(l)
+                    }
+                    (None, tls) => {
+                        let (link, rx) = ServiceLink::new(name, addr, tls);
                         fresh.push((Arc::clone(&link), rx));
                         link
-                    })
+                    }
+                }
             })
             .collect();
         let gone: Vec<Arc<ServiceLink>> = old
@@ -302,6 +327,23 @@ impl TcpShared {
             link.retire();
         }
         old
+    }
+
+    /// Store the service certificates of `config` (read again by a reload) into the links
+    /// of this vserver's members: their next connections use them.
+    pub(crate) fn store_client_tls(&self, config: &Config) {
+        let g = self.current.load();
+        for link in &g.links {
+            let (Some(c), Some(s)) = (
+                &link.tls,
+                config.services.iter().find(|s| s.name == link.name),
+            ) else {
+                continue;
+            };
+            if let Some(t) = s.tls.as_ref().and_then(|t| t.client_tls(s.address.ip())) {
+                c.store(t);
+            }
+        }
     }
 
     /// Queue `bytes` toward client `id`; a full queue disconnects that client only.
@@ -475,6 +517,131 @@ impl TcpShared {
     }
 }
 
+/// A stream a sip-tcp connection runs over (TCP today; a TLS stream is the same to the link
+/// and the reader): split into the read half its reader task owns and the write half.
+pub(crate) trait SipStream: AsyncRead + AsyncWrite + Unpin + Send + 'static {
+    type Read: StreamRead;
+    type Write: AsyncWrite + Unpin + Send + 'static;
+    fn split(self) -> (Self::Read, Self::Write);
+    fn local_addr(&self) -> std::io::Result<SocketAddr>;
+    /// Options of a service connection (which has no idle timeout): TCP keepalive, so a peer
+    /// that vanished is found within a few minutes, and no Nagle delay.
+    fn prepare_link(&self) -> std::io::Result<()>;
+}
+
+/// A read half. A TCP one can wait for bytes without holding a buffer (an idle connection
+/// holds none); a TLS one cannot (its records must be read to know whether they carry
+/// bytes), so its read waits with the buffer.
+pub(crate) trait StreamRead: AsyncRead + Unpin + Send + 'static {
+    /// Whether [`StreamRead::readable`] waits for bytes; when false it resolves at once and
+    /// the read itself waits.
+    const WAITS_WITHOUT_BUFFER: bool;
+    /// Resolves once a read may make progress.
+    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send;
+}
+
+/// A TLS stream over TCP, either side (accepted from a client, or opened to a service).
+type TlsOver<S> = tokio_rustls::TlsStream<S>;
+
+impl SipStream for TlsOver<TcpStream> {
+    type Read = tokio::io::ReadHalf<TlsOver<TcpStream>>;
+    type Write = tokio::io::WriteHalf<TlsOver<TcpStream>>;
+
+    fn split(self) -> (Self::Read, Self::Write) {
+        tokio::io::split(self)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.get_ref().0.local_addr()
+    }
+
+    fn prepare_link(&self) -> std::io::Result<()> {
+        self.get_ref().0.prepare_link()
+    }
+}
+
+impl StreamRead for tokio::io::ReadHalf<TlsOver<TcpStream>> {
+    const WAITS_WITHOUT_BUFFER: bool = false;
+
+    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send {
+        std::future::ready(Ok(()))
+    }
+}
+
+/// TLS toward a service (a sip-tls service): the TCP connect, then the handshake, both
+/// within the link's connect timeout; a failed handshake is counted by its reason and
+/// fails the connect.
+struct TlsLinkConnector(Arc<crate::tls::TlsConnector>);
+
+impl Connector for TlsLinkConnector {
+    type Stream = TlsOver<TcpStream>;
+
+    fn connect(
+        &self,
+        addr: SocketAddr,
+    ) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
+        let tls = Arc::clone(&self.0);
+        async move {
+            let tcp = TcpStream::connect(addr).await?;
+            tls.connect(tcp, link::CONNECT_TIMEOUT)
+                .await
+                .map(tokio_rustls::TlsStream::Client)
+                .map_err(|r| std::io::Error::other(format!("TLS handshake failed: {}", r.name())))
+        }
+    }
+}
+
+impl SipStream for TcpStream {
+    type Read = OwnedReadHalf;
+    type Write = OwnedWriteHalf;
+
+    fn split(self) -> (OwnedReadHalf, OwnedWriteHalf) {
+        self.into_split()
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        TcpStream::local_addr(self)
+    }
+
+    fn prepare_link(&self) -> std::io::Result<()> {
+        let keepalive = socket2::SockRef::from(self).set_tcp_keepalive(
+            &socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_IDLE),
+        );
+        let _ = self.set_nodelay(true);
+        keepalive
+    }
+}
+
+impl StreamRead for OwnedReadHalf {
+    const WAITS_WITHOUT_BUFFER: bool = true;
+
+    fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send {
+        OwnedReadHalf::readable(self)
+    }
+}
+
+/// How a service link makes its connections.
+pub(crate) trait Connector: Send + Sync + 'static {
+    type Stream: SipStream;
+    fn connect(
+        &self,
+        addr: SocketAddr,
+    ) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
+}
+
+/// Plain TCP.
+struct TcpConnector;
+
+impl Connector for TcpConnector {
+    type Stream = TcpStream;
+
+    fn connect(&self, addr: SocketAddr) -> impl Future<Output = std::io::Result<TcpStream>> + Send {
+        TcpStream::connect(addr)
+    }
+}
+
 thread_local! {
     /// Where a message is rewritten before it is copied into its queue: one per thread.
     static OUT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(4096));
@@ -482,11 +649,12 @@ thread_local! {
 
 /// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
 /// idle timeout (clients only: a service connection stays while the service keeps it), a
-/// message that takes longer than [`MESSAGE_DEADLINE`] to arrive, or a framing error.
-/// `reply` carries pongs and fulcrum's own replies.
-async fn read_messages(
+/// message that takes longer than [`inbound::MESSAGE_DEADLINE`] to arrive, or a framing error
+/// (the buffer and the deadline are [`Inbound`]'s). `reply` carries pongs and fulcrum's own
+/// replies.
+async fn read_messages<R: StreamRead>(
     shared: &TcpShared,
-    mut read: tokio::net::tcp::OwnedReadHalf,
+    mut read: R,
     origin: Origin,
     src: SocketAddr,
     dst: SocketAddr,
@@ -497,17 +665,13 @@ async fn read_messages(
         Origin::Member(_) => (SERVICE_MAX_MESSAGE, false),
         Origin::Client { .. } => (DEFAULT_MAX_MESSAGE, true),
     };
-    // The connection's own buffer holds bytes only while a message is incomplete: an idle
-    // connection (a registered phone between requests) holds none. Rewritten messages are
-    // built in a per-thread buffer and copied out.
-    let mut buf = BytesMut::new();
-    // When the first bytes of the message now in `buf` arrived.
-    let mut started: Option<tokio::time::Instant> = None;
+    // Rewritten messages are built in a per-thread buffer and copied out.
+    let mut inbound = Inbound::new(max_message);
     loop {
         // Frame everything already buffered (several messages may arrive in one read).
         loop {
-            match next_frame(&buf, max_message) {
-                Ok(frame) => {
+            match inbound.frame() {
+                Ok(Some(frame)) => {
                     let len = frame.len();
                     match frame {
                         Frame::Message { .. } => OUT.with_borrow_mut(|out| {
@@ -516,7 +680,9 @@ async fn read_messages(
                             }
                             let now = shared.now();
                             let g = shared.current.load();
-                            let action = g.core.handle(&buf[..len], origin, src, dst, now, out);
+                            let action =
+                                g.core
+                                    .handle(inbound.front(len), origin, src, dst, now, out);
                             shared.dispatch(&g, action, out, origin, reply);
                         }),
                         Frame::Ping => {
@@ -525,12 +691,9 @@ async fn read_messages(
                         }
                         Frame::Pong => {}
                     }
-                    buf.advance(len.min(buf.len()));
-                    // The deadline times the message now at the front, not the first one
-                    // that was ever incomplete.
-                    started = None;
+                    inbound.consume(len);
                 }
-                Err(FrameError::Incomplete) => break,
+                Ok(None) => break,
                 Err(e) => {
                     bump(&shared.counters.framing_errors);
                     if shared.log.allow(shared.now()) {
@@ -540,31 +703,46 @@ async fn read_messages(
                 }
             }
         }
-        if buf.is_empty() {
-            // (`started` was reset by the frame that emptied it.)
-            if buf.capacity() > 0 {
-                buf = BytesMut::new();
-            }
-        } else {
-            started.get_or_insert_with(tokio::time::Instant::now);
-        }
         // Wait with no buffer; take one once bytes are there. A client waits at most its
         // idle timeout, and a partial message at most what is left of its deadline.
-        let now = tokio::time::Instant::now();
-        let mut until = is_client.then(|| now + shared.current.load().idle);
-        if let Some(t) = started {
-            let end = t + MESSAGE_DEADLINE;
-            until = Some(until.map_or(end, |u| u.min(end)));
+        let now = tokio::time::Instant::now().into_std();
+        inbound.settle(now);
+        let idle_until = is_client.then(|| now + shared.current.load().idle);
+        if !R::WAITS_WITHOUT_BUFFER {
+            // TLS: the read waits, with the buffer, within the same bounds.
+            let until = inbound.wait_until(idle_until);
+            let read_once = read.read_buf(inbound.read_buf());
+            let got = match until {
+                Some(u) => tokio::time::timeout_at(tokio::time::Instant::from_std(u), read_once)
+                    .await
+                    .ok(),
+                None => Some(read_once.await),
+            };
+            match got {
+                Some(Ok(0) | Err(_)) => return,
+                Some(Ok(_)) => continue,
+                None => {
+                    if inbound.is_overdue(tokio::time::Instant::now().into_std()) {
+                        bump(&shared.counters.framing_errors);
+                        if shared.log.allow(shared.now()) {
+                            tracing::info!(vserver = %shared.name, %src, "closing stream: a message did not arrive whole in time");
+                        }
+                    }
+                    return;
+                }
+            }
         }
-        let ready = match until {
-            Some(u) => tokio::time::timeout_at(u, read.readable()).await,
+        let ready = match inbound.wait_until(idle_until) {
+            Some(u) => {
+                tokio::time::timeout_at(tokio::time::Instant::from_std(u), read.readable()).await
+            }
             None => Ok(read.readable().await),
         };
         match ready {
             Ok(Ok(())) => {}
             Ok(Err(_)) => return,
             Err(_) => {
-                if started.is_some_and(|t| t.elapsed() >= MESSAGE_DEADLINE) {
+                if inbound.is_overdue(tokio::time::Instant::now().into_std()) {
                     bump(&shared.counters.framing_errors);
                     if shared.log.allow(shared.now()) {
                         tracing::info!(vserver = %shared.name, %src, "closing stream: a message did not arrive whole in time");
@@ -573,15 +751,12 @@ async fn read_messages(
                 return;
             }
         }
-        if buf.capacity() - buf.len() < 1024 {
-            buf.reserve(4096);
-        }
         // One read attempt, never a wait with the buffer held: a readiness can be stale (a
         // fresh connection starts out readable), and then the attempt clears it and the loop
         // waits again without the buffer. A short read clears it too (the receive queue is
         // empty), so a burst costs one `recv`.
         let attempt = {
-            let mut read_buf = std::pin::pin!(read.read_buf(&mut buf));
+            let mut read_buf = std::pin::pin!(read.read_buf(inbound.read_buf()));
             std::future::poll_fn(|cx| std::task::Poll::Ready(read_buf.as_mut().poll(cx))).await
         };
         match attempt {
@@ -600,7 +775,7 @@ const WRITE_BATCH: usize = 64 * 1024;
 
 /// Write what is queued toward a client, everything already queued in one write (a client
 /// that sends a burst gets its answers in a few system calls, not one per message).
-async fn write_messages(mut write: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
+async fn write_messages<W: AsyncWrite + Unpin>(mut write: W, mut rx: mpsc::Receiver<Bytes>) {
     let mut batch = BytesMut::new();
     while let Some(b) = rx.recv().await {
         let result = match rx.try_recv() {
@@ -631,9 +806,9 @@ async fn write_messages(mut write: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc
 
 /// Read a client's messages until it is done, then give what is queued toward it a bounded
 /// time to be written: a client that half-closed and does not read must not keep the socket.
-async fn serve_client(
+async fn serve_client<S: SipStream>(
     shared: Arc<TcpShared>,
-    stream: TcpStream,
+    stream: S,
     id: u64,
     src: SocketAddr,
     dst: SocketAddr,
@@ -642,7 +817,7 @@ async fn serve_client(
 ) {
     // TCP_NODELAY is inherited from the listener (`net::bind_tcp_listener`). The writer is a
     // task of its own, so a client's replies are written while its next requests are read.
-    let (read, write) = stream.into_split();
+    let (read, write) = stream.split();
     let mut writer = AbortOnDrop(tokio::spawn(write_messages(write, rx)));
     read_messages(
         &shared,
@@ -702,8 +877,25 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
             let guard = shared.tasks.guard();
             async move {
                 let _guard = guard;
-                if wait_registered.await.is_ok() {
-                    serve_client(shared, stream, id, src, dst, rx, tx).await;
+                if wait_registered.await.is_err() {
+                    return;
+                }
+                match shared.tls.clone() {
+                    None => serve_client(shared, stream, id, src, dst, rx, tx).await,
+                    // The handshake runs here, bounded in time, not in the accept loop: a
+                    // client that never finishes it costs this task's timer only.
+                    Some(tls) => match tls.accept(stream).await {
+                        Ok(s) => {
+                            let s = tokio_rustls::TlsStream::Server(s);
+                            serve_client(shared, s, id, src, dst, rx, tx).await;
+                        }
+                        Err(reason) => {
+                            if shared.log.allow(shared.now()) {
+                                tracing::info!(vserver = %shared.name, %src, reason = reason.name(), "TLS handshake failed");
+                            }
+                            shared.forget_client(id, src);
+                        }
+                    },
                 }
             }
         });
@@ -720,261 +912,212 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
     }
 }
 
-/// Own the connection over `link`: connect on demand with backoff, write what is queued,
-/// and read what the service sends (responses, in-dialog requests). The member's index,
-/// health and failure reports are looked up in the current generation each time, so they
-/// follow reloads; a retired link hands its queue back to the current core and drains.
-async fn service_loop(
+/// Own the connection over `link` (TCP, or TLS for a sip-tls service): see [`drive_link`].
+async fn service_loop(shared: Arc<TcpShared>, link: Arc<ServiceLink>, rx: mpsc::Receiver<Bytes>) {
+    match link.tls.clone() {
+        Some(tls) => drive_link(shared, link, rx, TlsLinkConnector(tls)).await,
+        None => drive_link(shared, link, rx, TcpConnector).await,
+    }
+}
+
+/// The live connection of a link: the write half, the reader task, and the queue of what
+/// fulcrum writes for the service itself (pongs, replies to its requests, and while it
+/// drains, clients' responses to its in-dialog requests).
+struct LinkConn<W> {
+    write: W,
+    /// Ends with the connection too: a shutdown aborts the link's task, not its reader.
+    reader: AbortOnDrop,
+    replies: mpsc::Receiver<Bytes>,
+    /// A sender on `replies`, registered in `draining` while the connection drains.
+    drain_tx: mpsc::Sender<Bytes>,
+    /// Set by the reader once the service has sent anything.
+    heard: Arc<AtomicBool>,
+}
+
+/// Drive `link`'s [`Link`] machine: wait for what its phase allows (a queued request, the
+/// connect, a write, a reply to write, the reader's end, the retirement, the next deadline),
+/// feed it in with `now`, and carry out the actions it returns. The member's index, health
+/// and failure reports are looked up in the current generation each time, so they follow
+/// reloads.
+async fn drive_link<C: Connector>(
     shared: Arc<TcpShared>,
     link: Arc<ServiceLink>,
     mut rx: mpsc::Receiver<Bytes>,
+    connector: C,
 ) {
     let addr = link.addr;
-    let mut backoff = BACKOFF_MIN;
-    let mut pending: Option<Bytes> = None;
-    // Set after a failed connect: keep probing (with backoff) until the service answers,
-    // so a service marked DOWN by this path comes back without waiting for traffic.
-    let mut down = false;
-    'link: loop {
-        if link.is_retired() {
-            retire(&shared, &link, pending.take(), &mut rx);
-            return;
-        }
-        if pending.is_none() && !down {
-            // Connect only when there is something to send.
-            tokio::select! {
-                msg = rx.recv() => match msg {
-                    Some(b) => pending = Some(b),
-                    None => return,
+    let mut machine = Link::new();
+    let mut conn: Option<LinkConn<<C::Stream as SipStream>::Write>> = None;
+    // The bytes of the write `machine` asked for.
+    let mut writing: Option<Bytes> = None;
+    let mut actions = Vec::new();
+    loop {
+        let event = match machine.phase() {
+            Phase::Idle => tokio::select! {
+                msg = rx.recv() => queued(msg),
+                () = link.retired() => LinkEvent::Retired,
+            },
+            Phase::Connecting => tokio::select! {
+                r = connector.connect(addr) => match r {
+                    Ok(stream) => {
+                        conn = Some(open_link_conn(&shared, &link, stream));
+                        LinkEvent::ConnectOk
+                    }
+                    Err(_) => LinkEvent::ConnectFailed,
                 },
-                () = link.retired() => continue,
-            }
-        }
-        let attempt = tokio::select! {
-            r = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(addr)) => r,
-            () = link.retired() => continue,
+                () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                () = link.retired() => LinkEvent::Retired,
+            },
+            Phase::Backoff => tokio::select! {
+                () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                () = link.retired() => LinkEvent::Retired,
+            },
+            // A write ends early only if the link is retired meanwhile (a removed service that
+            // stopped reading must not hold the task and the requests queued behind it) or,
+            // while draining, when the drain ends.
+            Phase::Writing | Phase::DrainWriting => match (conn.as_mut(), writing.take()) {
+                (Some(c), Some(b)) => tokio::select! {
+                    r = c.write.write_all(&b) => if r.is_ok() { LinkEvent::WriteDone } else { LinkEvent::WriteFailed },
+                    () = link.retired(), if !machine.is_retired() => LinkEvent::Retired,
+                    () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                },
+                _ => LinkEvent::WriteFailed,
+            },
+            Phase::Connected => match conn.as_mut() {
+                Some(c) => tokio::select! {
+                    msg = rx.recv() => queued(msg),
+                    Some(b) = c.replies.recv() => LinkEvent::Reply(b),
+                    _ = &mut c.reader.0 => LinkEvent::ReaderClosed,
+                    () = link.retired() => LinkEvent::Retired,
+                    () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                },
+                None => LinkEvent::ReaderClosed,
+            },
+            Phase::Draining => match conn.as_mut() {
+                Some(c) => tokio::select! {
+                    Some(b) = c.replies.recv() => LinkEvent::Reply(b),
+                    _ = &mut c.reader.0 => LinkEvent::ReaderClosed,
+                    () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                },
+                None => LinkEvent::ReaderClosed,
+            },
+            Phase::Closed => return,
         };
-        let stream = match attempt {
-            Ok(Ok(s)) => s,
-            _ => {
-                connect_failed(
-                    &shared,
-                    &link,
-                    &mut pending,
-                    Vec::new(),
-                    &mut rx,
-                    &mut backoff,
-                )
-                .await;
-                down = true;
-                continue;
-            }
-        };
-        let connected_at = tokio::time::Instant::now();
-        // Kept until the connection proves itself (see SHORT_LIVED).
-        let failed_backoff = backoff;
-        backoff = BACKOFF_MIN;
-        if let Err(e) = socket2::SockRef::from(&stream).set_tcp_keepalive(
-            &socket2::TcpKeepalive::new()
-                .with_time(KEEPALIVE_IDLE)
-                .with_interval(KEEPALIVE_IDLE),
-        ) && shared.log.allow(shared.now())
+        let now = tokio::time::Instant::now().into_std();
+        if !machine.is_heard()
+            && conn
+                .as_ref()
+                .is_some_and(|c| c.heard.load(Ordering::Relaxed))
         {
-            tracing::debug!(vserver = %shared.name, service = %addr, error = %e, "cannot set TCP keepalive");
+            machine.handle(now, LinkEvent::MessageRead, &mut actions);
         }
-        let _ = stream.set_nodelay(true);
-        let dst = stream.local_addr().unwrap_or(addr);
-        let (read, mut write) = stream.into_split();
-        // Replies fulcrum makes to a service's request go back on this connection.
-        let (reply_tx, mut reply_rx) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
-        let drain_tx = reply_tx.clone();
-        let reader_shared = Arc::clone(&shared);
-        // The core reads a member origin only to tell a service from a client, so the index
-        // at connect time serves for the life of the connection.
-        let origin = Origin::Member(shared.current.load().index_of(&link).unwrap_or(0));
-        // Set once the service has sent anything: until then the requests written on this
-        // connection are kept, and handed to the next-ranked members if it closes first.
-        let heard = Arc::new(AtomicBool::new(false));
-        let reader_heard = Arc::clone(&heard);
-        // Ends with this task too: a shutdown aborts the link's task, not its reader.
-        let mut reader = AbortOnDrop(tokio::spawn(async move {
-            read_messages(
-                &reader_shared,
-                read,
-                origin,
-                addr,
-                dst,
-                &reply_tx,
-                Some(&reader_heard),
-            )
-            .await;
-        }));
-        let mut unanswered: Vec<Bytes> = Vec::new();
-        // The connection ends when it fails (then reconnect) or when the link is retired,
-        // between two messages or in the middle of a write. A request whose write fails or is
-        // cut short is chosen again, never lost.
-        let mut first = pending.take();
-        // Made once per connection, not per message: polled until it fires.
-        let proof = tokio::time::sleep_until(connected_at + SHORT_LIVED);
-        tokio::pin!(proof);
-        let mut proven = false;
-        let cut = loop {
-            let (wrote, request) = if let Some(b) = first.take() {
-                (write_unless_retired(&mut write, &b, &link).await, Some(b))
-            } else {
-                tokio::select! {
-                    msg = rx.recv() => match msg {
-                        Some(b) => (write_unless_retired(&mut write, &b, &link).await, Some(b)),
-                        None => {
-                            reader.0.abort();
-                            return;
-                        }
-                    },
-                    Some(b) = reply_rx.recv() => (write_unless_retired(&mut write, &b, &link).await, None),
-                    _ = &mut reader.0 => {
-                        bump(&shared.counters.service_connections_lost);
-                        (Wrote::Failed, None)
-                    }
-                    () = link.retired() => break None,
-                    () = &mut proof, if !proven => {
-                        proven = true;
-                        if down {
-                            down = false;
-                            mark_up_again(&shared, &link);
-                        }
-                        (Wrote::Done, None)
+        machine.handle(now, event, &mut actions);
+        for action in actions.drain(..) {
+            match action {
+                // The phase (Connecting) does it.
+                LinkAction::Connect => {}
+                LinkAction::Write(b) => writing = Some(b),
+                LinkAction::Redispatch(b) => shared.redispatch(&link, b),
+                LinkAction::RedispatchQueue => shared.redispatch_queued(&link, None, &mut rx),
+                LinkAction::CloseQueue => rx.close(),
+                LinkAction::MarkDown => mark_down(&shared, &link),
+                LinkAction::MarkUp => mark_up_again(&shared, &link),
+                LinkAction::CountLost => bump(&shared.counters.service_connections_lost),
+                LinkAction::CountRetired => bump(&shared.counters.services_retired),
+                LinkAction::Disconnect => conn = None,
+                LinkAction::StartDrain => {
+                    if let Some(c) = &conn {
+                        shared.draining.insert(addr, c.drain_tx.clone());
                     }
                 }
-            };
-            match wrote {
-                Wrote::Done => {
-                    if let Some(b) = request {
-                        if heard.load(Ordering::Relaxed) {
-                            unanswered = Vec::new();
-                        } else if unanswered.len() < UNANSWERED_KEPT {
-                            unanswered.push(b);
-                        }
+                LinkAction::EndDrain => {
+                    if let Some(mut c) = conn.take() {
+                        shared
+                            .draining
+                            .remove_if(&addr, |_, tx| tx.same_channel(&c.drain_tx));
+                        c.reader.0.abort();
+                        let _ = c.write.shutdown().await;
+                        tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
                     }
                 }
-                Wrote::Retired => {
-                    // Closed without a drain: what the service never answered goes elsewhere.
-                    if !heard.load(Ordering::Relaxed) {
-                        for b in std::mem::take(&mut unanswered) {
-                            shared.redispatch(&link, b);
-                        }
-                    }
-                    break Some(request);
-                }
-                Wrote::Failed => {
-                    reader.0.abort();
-                    pending = request;
-                    // Closed before answering anything: what it was given goes elsewhere.
-                    let heard = heard.load(Ordering::Relaxed);
-                    let unanswered = if heard {
-                        Vec::new()
-                    } else {
-                        std::mem::take(&mut unanswered)
-                    };
-                    if !heard && connected_at.elapsed() < SHORT_LIVED {
-                        // Closed at once and without a word: as good as refused (marked
-                        // DOWN first, so that the choice for those requests passes it over).
-                        // A service that answered, then closed, is only reconnected.
-                        backoff = failed_backoff;
-                        connect_failed(
-                            &shared,
-                            &link,
-                            &mut pending,
-                            unanswered,
-                            &mut rx,
-                            &mut backoff,
-                        )
-                        .await;
-                        down = true;
-                    } else {
-                        for b in unanswered {
-                            shared.redispatch(&link, b);
-                        }
-                    }
-                    continue 'link;
-                }
+                LinkAction::Close => return,
             }
-        };
-        // `Some(request)`: retired in the middle of writing `request`.
-        let retired_mid_write = cut.is_some();
-        retire(&shared, &link, cut.flatten(), &mut rx);
-        if retired_mid_write {
-            // The service stopped reading: the connection holds part of a message, so
-            // nothing more can go on it; it is closed without a drain.
-            reader.0.abort();
-            return;
         }
-        // What the service still sends (responses to requests already written, its
-        // in-dialog requests) is relayed for a while, and clients' responses to those
-        // requests reach it; nothing new is written to it.
-        shared.draining.insert(addr, drain_tx.clone());
-        let drain = async {
-            loop {
-                tokio::select! {
-                    Some(b) = reply_rx.recv() => {
-                        if write.write_all(&b).await.is_err() {
-                            return;
-                        }
-                    }
-                    _ = &mut reader.0 => return,
-                }
-            }
-        };
-        let _ = tokio::time::timeout(RETIRED_DRAIN, drain).await;
-        shared
-            .draining
-            .remove_if(&addr, |_, tx| tx.same_channel(&drain_tx));
-        reader.0.abort();
-        let _ = write.shutdown().await;
-        tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
-        return;
+    }
+}
+
+fn queued(msg: Option<Bytes>) -> LinkEvent {
+    match msg {
+        Some(b) => LinkEvent::Queued(b),
+        None => LinkEvent::QueueClosed,
+    }
+}
+
+/// Until `t`, or for ever.
+async fn sleep_until(t: Option<std::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Set up a new connection to `link`'s service: its options, and the reader task that hands
+/// what the service sends to the current core.
+fn open_link_conn<S: SipStream>(
+    shared: &Arc<TcpShared>,
+    link: &ServiceLink,
+    stream: S,
+) -> LinkConn<S::Write> {
+    let addr = link.addr;
+    if let Err(e) = stream.prepare_link()
+        && shared.log.allow(shared.now())
+    {
+        tracing::debug!(vserver = %shared.name, service = %addr, error = %e, "cannot set TCP keepalive");
+    }
+    let dst = stream.local_addr().unwrap_or(addr);
+    let (read, write) = stream.split();
+    // Replies fulcrum makes to a service's request go back on this connection.
+    let (reply_tx, replies) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
+    let drain_tx = reply_tx.clone();
+    // The core reads a member origin only to tell a service from a client, so the index at
+    // connect time serves for the life of the connection.
+    let origin = Origin::Member(shared.current.load().index_of(link).unwrap_or(0));
+    let heard = Arc::new(AtomicBool::new(false));
+    let reader = AbortOnDrop(tokio::spawn({
+        let shared = Arc::clone(shared);
+        let heard = Arc::clone(&heard);
+        async move {
+            read_messages(&shared, read, origin, addr, dst, &reply_tx, Some(&heard)).await;
+        }
+    }));
+    LinkConn {
+        write,
+        reader,
+        replies,
+        drain_tx,
+        heard,
     }
 }
 
 /// A connect to `link`'s service failed (or the connection closed at once): count it, report
-/// it to the service's monitor, mark the service DOWN (a member the operator took
-/// OUT_OF_SERVICE stays so), hand `unanswered` (written on a connection that closed at once),
-/// `pending` and the queue to the next-ranked members, and wait out the backoff (doubled for
-/// next time).
-async fn connect_failed(
-    shared: &TcpShared,
-    link: &ServiceLink,
-    pending: &mut Option<Bytes>,
-    unanswered: Vec<Bytes>,
-    rx: &mut mpsc::Receiver<Bytes>,
-    backoff: &mut Duration,
-) {
+/// it to the service's monitor and mark the service DOWN (a member the operator took
+/// OUT_OF_SERVICE stays so).
+fn mark_down(shared: &TcpShared, link: &ServiceLink) {
     bump(&shared.counters.service_connect_failures);
-    {
-        let g = shared.current.load();
-        if let Some(m) = g.index_of(link) {
-            let b = g.core.balancer();
-            b.report_failure(m);
-            // Checked against the current balancer: a reload may have built one that starts
-            // this member UP again.
-            if b.health(m) == Some(Health::Up) {
-                b.set_health(m, Health::Down, shared.now());
-                tracing::warn!(vserver = %shared.name, service = %link.addr, "cannot connect: service marked DOWN");
-            }
+    let g = shared.current.load();
+    if let Some(m) = g.index_of(link) {
+        let b = g.core.balancer();
+        b.report_failure(m);
+        // Checked against the current balancer: a reload may have built one that starts
+        // this member UP again.
+        if b.health(m) == Some(Health::Up) {
+            b.set_health(m, Health::Down, shared.now());
+            tracing::warn!(vserver = %shared.name, service = %link.addr, "cannot connect: service marked DOWN");
         }
     }
-    // Requests written to or queued for the dead service go to the next-ranked member.
-    for b in unanswered {
-        shared.redispatch(link, b);
-    }
-    shared.redispatch_queued(link, pending.take(), rx);
-    tokio::select! {
-        () = tokio::time::sleep(*backoff) => {}
-        () = link.retired() => {}
-    }
-    *backoff = (*backoff * 2).min(BACKOFF_MAX);
 }
 
-/// The service a failed connect marked DOWN has kept a connection for [`SHORT_LIVED`]: UP
+/// The service a failed connect marked DOWN has kept a connection for [`link::SHORT_LIVED`]: UP
 /// again (unless something else, such as its monitor, has set it otherwise meanwhile).
 fn mark_up_again(shared: &TcpShared, link: &ServiceLink) {
     let g = shared.current.load();
@@ -983,40 +1126,6 @@ fn mark_up_again(shared: &TcpShared, link: &ServiceLink) {
     {
         g.core.balancer().set_health(m, Health::Up, shared.now());
         tracing::info!(vserver = %shared.name, service = %link.addr, "connected again: service marked UP");
-    }
-}
-
-/// Hand a retired link's queue (and `pending`) back to the current core and count it;
-/// late senders are refused first, so nothing is left behind in the queue.
-fn retire(
-    shared: &TcpShared,
-    link: &ServiceLink,
-    pending: Option<Bytes>,
-    rx: &mut mpsc::Receiver<Bytes>,
-) {
-    rx.close();
-    shared.redispatch_queued(link, pending, rx);
-    bump(&shared.counters.services_retired);
-}
-
-/// Outcome of one write toward a service.
-enum Wrote {
-    Done,
-    Failed,
-    /// The link was retired while the write waited (the service is not reading).
-    Retired,
-}
-
-/// Write `b` whole, unless the link is retired first: a removed service that stopped reading
-/// must not hold its task (and the requests queued behind the write) forever.
-async fn write_unless_retired(
-    write: &mut tokio::net::tcp::OwnedWriteHalf,
-    b: &[u8],
-    link: &ServiceLink,
-) -> Wrote {
-    tokio::select! {
-        r = write.write_all(b) => if r.is_ok() { Wrote::Done } else { Wrote::Failed },
-        () = link.retired() => Wrote::Retired,
     }
 }
 
@@ -1071,7 +1180,12 @@ pub(crate) fn start(
 ) -> Result<VserverHandle, RuntimeError> {
     let (listeners, bound) = bind_tcp(ctx, v)?;
     let member_addrs = config.member_addrs(v);
-    let local = local_identity(v, &bound, &member_addrs, Transport::Tcp)?;
+    let transport = match v.protocol {
+        Protocol::SipTls => Transport::Tls,
+        _ => Transport::Tcp,
+    };
+    let local = local_identity(v, &bound, &member_addrs, transport)?;
+    let tls = crate::proxy::runtime::tls_listener(v)?;
     let balancer = Arc::new(crate::balancer::Balancer::new(config, v));
     let core = Arc::new(
         SipCore::new(SipParams::of(config, v, local, Arc::clone(&balancer)))
@@ -1096,12 +1210,14 @@ pub(crate) fn start(
         link_tasks: std::sync::Mutex::new(Vec::new()),
         log: LogLimiter::default(),
         tokio: ctx.tokio.clone(),
+        tls: tls.clone(),
     });
     // Every member gets its link (and connection task) as a reload's added member would.
     shared.install(Install {
         core: Arc::clone(&core),
         max_clients: v.max_sessions,
         idle: v.idle_timeout,
+        tls: Install::member_tls(config, v),
     });
     ctx.tokio.spawn(run_vserver(
         Arc::clone(&shared),
@@ -1109,12 +1225,13 @@ pub(crate) fn start(
         ctx.shutdown.signal(),
         shared.tasks.guard(),
     ));
-    tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), "sip-tcp vserver started");
+    tracing::info!(vserver = %v.name, bind = ?bound, method = v.method.name(), protocol = v.protocol.name(), "SIP stream vserver started");
     Ok(VserverHandle::new(
         v.name.clone(),
         v.protocol,
         bound,
         balancer,
         DataPath::SipTcp(core, shared),
-    ))
+    )
+    .with_tls(tls))
 }

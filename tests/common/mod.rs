@@ -5,8 +5,10 @@
 
 pub mod churn;
 pub mod sip_tcp;
+pub mod sip_uac;
 pub mod sipp;
 pub mod strict_uas;
+pub mod tls;
 
 use fulcrum::proxy::proxy_protocol::decode_v2;
 use std::io::{BufRead, BufReader, Read, Write};

@@ -19,9 +19,30 @@ pub enum Next {
     Closed,
 }
 
+/// A blocking stream whose reads can be bounded in time: TCP, or TLS over TCP.
+pub trait TimedRead: Read {
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()>;
+}
+
+impl TimedRead for TcpStream {
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        TcpStream::set_read_timeout(self, d)
+    }
+}
+
+impl<C, D> TimedRead for rustls::StreamOwned<C, TcpStream>
+where
+    C: std::ops::DerefMut<Target = rustls::ConnectionCommon<D>>,
+    D: rustls::SideData,
+{
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        self.sock.set_read_timeout(d)
+    }
+}
+
 /// Read one framed SIP message (skipping keep-alives) from a blocking stream, waiting at
 /// most `wait`.
-pub fn next_message(stream: &mut TcpStream, buf: &mut Vec<u8>, wait: Duration) -> Next {
+pub fn next_message<S: TimedRead>(stream: &mut S, buf: &mut Vec<u8>, wait: Duration) -> Next {
     let deadline = Instant::now() + wait;
     loop {
         match next_frame(buf, DEFAULT_MAX_MESSAGE) {
@@ -61,7 +82,7 @@ pub fn next_message(stream: &mut TcpStream, buf: &mut Vec<u8>, wait: Duration) -
 }
 
 /// Read one framed SIP message (skipping keep-alives), waiting at most [`WAIT`].
-pub fn read_message(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
+pub fn read_message<S: TimedRead>(stream: &mut S, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
     match next_message(stream, buf, WAIT) {
         Next::Message(m) => Some(m),
         Next::Timeout | Next::Closed => None,

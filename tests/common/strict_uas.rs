@@ -75,6 +75,8 @@ pub struct UasCore {
     /// Call-ID → methods received, in order.
     calls: HashMap<String, Vec<String>>,
     counts: Counts,
+    /// The top Via of the last request (what the hop before this UAS said of itself).
+    last_via: Option<String>,
 }
 
 impl UasCore {
@@ -86,6 +88,7 @@ impl UasCore {
             dialogs: HashMap::new(),
             calls: HashMap::new(),
             counts: Counts::default(),
+            last_via: None,
         }
     }
 
@@ -96,6 +99,11 @@ impl UasCore {
     /// The methods received for one Call-ID, in order.
     pub fn methods_of(&self, call_id: &str) -> Vec<String> {
         self.calls.get(call_id).cloned().unwrap_or_default()
+    }
+
+    /// The top Via value of the last request received.
+    pub fn last_via(&self) -> Option<String> {
+        self.last_via.clone()
     }
 
     /// The tag this UAS gives the dialog of (Call-ID, From tag): stable across
@@ -115,6 +123,9 @@ impl UasCore {
             return Vec::new();
         }
         self.counts.requests += 1;
+        self.last_via = msg
+            .via_header()
+            .map(|v| String::from_utf8_lossy(v).into_owned());
         let method = String::from_utf8_lossy(msg.method().unwrap_or(b"?")).into_owned();
         let (Some(call_id), Some(from_tag), Some(_), Some(_)) =
             (msg.call_id(), msg.from_tag(), msg.cseq(), msg.top_via())
@@ -316,6 +327,49 @@ impl StrictUas {
         uas
     }
 
+    /// A UAS over TLS on `at` (port 0: any), presenting `tls`'s certificate, otherwise as
+    /// [`StrictUas::tcp`]. A connection whose handshake fails is closed.
+    pub fn tls_at(name: &str, at: SocketAddr, tls: Arc<rustls::ServerConfig>) -> StrictUas {
+        let listener = TcpListener::bind(at).expect("bind strict uas");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("addr");
+        let uas = StrictUas::new(name, addr, "tls");
+        let (core, stop) = (Arc::clone(&uas.core), Arc::clone(&uas.stop));
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let Ok((sock, _)) = listener.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                let _ = sock.set_nonblocking(false);
+                let _ = sock.set_nodelay(true);
+                let Ok(conn) = rustls::ServerConnection::new(Arc::clone(&tls)) else {
+                    continue;
+                };
+                let mut stream = rustls::StreamOwned::new(conn, sock);
+                let (core, stop) = (Arc::clone(&core), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    let mut buf = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let bytes =
+                            match next_message(&mut stream, &mut buf, Duration::from_millis(200)) {
+                                Next::Message(b) => b,
+                                Next::Timeout => continue,
+                                Next::Closed => return,
+                            };
+                        let out = core.lock().expect("uas core").handle(&bytes);
+                        for r in out {
+                            if stream.write_all(&r).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        uas
+    }
+
     fn new(name: &str, addr: SocketAddr, transport: &str) -> StrictUas {
         StrictUas {
             name: name.to_owned(),
@@ -332,6 +386,11 @@ impl StrictUas {
     /// The methods received for one Call-ID, in order.
     pub fn methods_of(&self, call_id: &str) -> Vec<String> {
         self.core.lock().expect("uas core").methods_of(call_id)
+    }
+
+    /// The top Via value of the last request received.
+    pub fn last_via(&self) -> Option<String> {
+        self.core.lock().expect("uas core").last_via()
     }
 }
 

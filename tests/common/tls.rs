@@ -1,0 +1,130 @@
+//! Test certificates and TLS peers: a CA made in the test (rcgen) that issues server and
+//! client certificates into the test's own directory, rustls configurations from them, and
+//! blocking TLS streams over std sockets for the test peers. Never files checked in.
+
+use super::ConfigFile;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::{ClientConnection, RootCertStore, ServerConnection, StreamOwned};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// A test CA that issues certificates into the test's directory.
+pub struct Ca {
+    cert: rcgen::Certificate,
+    key: rcgen::KeyPair,
+}
+
+/// An issued certificate: its DER, and its PEM files.
+pub struct Issued {
+    pub der: CertificateDer<'static>,
+    pub key_der: Vec<u8>,
+    pub cert_path: PathBuf,
+    pub key_path: PathBuf,
+}
+
+impl Ca {
+    pub fn new(cn: &str) -> Ca {
+        let key = rcgen::KeyPair::generate().expect("ca key");
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        let cert = p.self_signed(&key).expect("ca cert");
+        Ca { cert, key }
+    }
+
+    pub fn der(&self) -> CertificateDer<'static> {
+        self.cert.der().clone()
+    }
+
+    /// The CA's certificate as `name` in `f`'s directory.
+    pub fn write(&self, f: &ConfigFile, name: &str) -> PathBuf {
+        f.beside(name, &self.cert.pem())
+    }
+
+    /// A certificate for `names` (DNS names or IP addresses) with common name `cn`, written
+    /// as `stem.crt` / `stem.key` beside `f`.
+    pub fn issue_for(&self, f: &ConfigFile, stem: &str, names: &[&str], cn: &str) -> Issued {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        let mut p = rcgen::CertificateParams::new(names).expect("params");
+        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        let cert = p.signed_by(&key, &self.cert, &self.key).expect("sign");
+        Issued {
+            der: cert.der().clone(),
+            key_der: key.serialize_der(),
+            cert_path: f.beside(&format!("{stem}.crt"), &cert.pem()),
+            key_path: f.beside(&format!("{stem}.key"), &key.serialize_pem()),
+        }
+    }
+
+    /// A certificate for DNS name `dns` with common name `cn` (see [`Ca::issue_for`]).
+    pub fn issue(&self, f: &ConfigFile, stem: &str, dns: &str, cn: &str) -> Issued {
+        self.issue_for(f, stem, &[dns], cn)
+    }
+
+    pub fn roots(&self) -> RootCertStore {
+        let mut r = RootCertStore::empty();
+        r.add(self.der()).expect("root");
+        r
+    }
+}
+
+impl Issued {
+    pub fn key(&self) -> PrivateKeyDer<'static> {
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(self.key_der.clone()))
+    }
+}
+
+/// A client configuration trusting `ca`, presenting `cert` when given.
+pub fn client_config(ca: &Ca, cert: Option<&Issued>) -> Arc<rustls::ClientConfig> {
+    let b = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .expect("versions")
+        .with_root_certificates(ca.roots());
+    Arc::new(match cert {
+        Some(c) => b
+            .with_client_auth_cert(vec![c.der.clone()], c.key())
+            .expect("client cert"),
+        None => b.with_no_client_auth(),
+    })
+}
+
+/// A server configuration presenting `cert` (no client certificate asked).
+pub fn server_config(cert: &Issued) -> Arc<rustls::ServerConfig> {
+    Arc::new(
+        rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.der.clone()], cert.key())
+            .expect("server cert"),
+    )
+}
+
+pub type ClientStream = StreamOwned<ClientConnection, TcpStream>;
+pub type ServerStream = StreamOwned<ServerConnection, TcpStream>;
+
+/// A TLS connection to `to` for `name` (handshake done within `wait`).
+pub fn connect(
+    to: SocketAddr,
+    cfg: &Arc<rustls::ClientConfig>,
+    name: &str,
+    wait: Duration,
+) -> std::io::Result<ClientStream> {
+    let sock = TcpStream::connect_timeout(&to, wait)?;
+    sock.set_read_timeout(Some(wait))?;
+    sock.set_nodelay(true)?;
+    let server = ServerName::try_from(name.to_owned()).map_err(std::io::Error::other)?;
+    let conn = ClientConnection::new(Arc::clone(cfg), server).map_err(std::io::Error::other)?;
+    let mut s = StreamOwned::new(conn, sock);
+    while s.conn.is_handshaking() {
+        s.conn.complete_io(&mut s.sock)?;
+    }
+    Ok(s)
+}
