@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Debian package under a real systemd: systemd 252+ booted as PID 1 of fresh PID, mount,
+# The Debian package under a real systemd (Debian 12's 252 here): systemd booted as PID 1 of fresh PID, mount,
 # network, UTS, IPC and cgroup namespaces, on an overlay of this machine's root (writes land
 # in a tmpfs that dies with the namespaces, so the host's packages and network are untouched).
 # Inside: `dpkg -i` of the package packaging/check-deb.sh built, `systemctl start fulcrum`
