@@ -20,7 +20,7 @@
 //! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
-//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http), the runtime that starts vservers, in-place rebuild on reload
+//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http), the runtime that starts vservers, in-place rebuild on reload; sip-tcp's service link (`sip_tcp::link`) and receive buffer (`sip_tcp::inbound`) are PURE machines its tasks drive
 //! - `readiness`  PURE  whether the instance should get new traffic (`/readyz`): vserver facts + drain -> verdict
 //! - `reload`     PURE  what a reload changes in place, and what needs a restart
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
