@@ -6,13 +6,14 @@
 
 mod common;
 
+use common::tls::{Ca, Issued, client_config, server_config};
 use common::*;
 use fulcrum::balancer::Path;
 use fulcrum::config;
 use fulcrum::ops::Ops;
 use fulcrum::tls::{Reason, TlsListener};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
-use rustls::{ClientConnection, RootCertStore, ServerConnection, StreamOwned};
+use rustls::pki_types::CertificateDer;
+use rustls::{ClientConnection, ServerConnection, StreamOwned};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::process::Command;
@@ -20,97 +21,13 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
-}
-
-/// A test CA that issues certificates into the test's directory.
-struct Ca {
-    cert: rcgen::Certificate,
-    key: rcgen::KeyPair,
-}
-
-/// An issued certificate: its DER, and its PEM files.
-struct Issued {
-    der: CertificateDer<'static>,
-    key_der: Vec<u8>,
-    cert_path: std::path::PathBuf,
-    key_path: std::path::PathBuf,
-}
-
-impl Ca {
-    fn new(cn: &str) -> Ca {
-        let key = rcgen::KeyPair::generate().expect("ca key");
-        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
-        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
-        let cert = p.self_signed(&key).expect("ca cert");
-        Ca { cert, key }
-    }
-
-    fn der(&self) -> CertificateDer<'static> {
-        self.cert.der().clone()
-    }
-
-    /// The CA's certificate as `name` in `f`'s directory.
-    fn write(&self, f: &ConfigFile, name: &str) -> std::path::PathBuf {
-        f.beside(name, &self.cert.pem())
-    }
-
-    /// A certificate for DNS name `dns` with common name `cn`, written as `stem.crt` /
-    /// `stem.key` beside `f`.
-    fn issue(&self, f: &ConfigFile, stem: &str, dns: &str, cn: &str) -> Issued {
-        let key = rcgen::KeyPair::generate().expect("key");
-        let mut p = rcgen::CertificateParams::new(vec![dns.to_owned()]).expect("params");
-        p.distinguished_name.push(rcgen::DnType::CommonName, cn);
-        let cert = p.signed_by(&key, &self.cert, &self.key).expect("sign");
-        Issued {
-            der: cert.der().clone(),
-            key_der: key.serialize_der(),
-            cert_path: f.beside(&format!("{stem}.crt"), &cert.pem()),
-            key_path: f.beside(&format!("{stem}.key"), &key.serialize_pem()),
-        }
-    }
-}
-
-fn roots(ca: &Ca) -> RootCertStore {
-    let mut r = RootCertStore::empty();
-    r.add(ca.der()).expect("root");
-    r
-}
-
-/// A client configuration trusting `ca`, presenting `cert` when given.
-fn client_config(ca: &Ca, cert: Option<&Issued>) -> Arc<rustls::ClientConfig> {
-    let b = rustls::ClientConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .expect("versions")
-        .with_root_certificates(roots(ca));
-    Arc::new(match cert {
-        Some(c) => b
-            .with_client_auth_cert(
-                vec![c.der.clone()],
-                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(c.key_der.clone())),
-            )
-            .expect("client cert"),
-        None => b.with_no_client_auth(),
-    })
-}
-
 /// A TLS connection to `to` for `name` (handshake done).
 fn tls_connect(
     to: SocketAddr,
     cfg: &Arc<rustls::ClientConfig>,
     name: &str,
 ) -> std::io::Result<StreamOwned<ClientConnection, TcpStream>> {
-    let sock = TcpStream::connect_timeout(&to, ANSWER)?;
-    sock.set_read_timeout(Some(ANSWER))?;
-    let server = ServerName::try_from(name.to_owned()).map_err(std::io::Error::other)?;
-    let conn = ClientConnection::new(Arc::clone(cfg), server).map_err(std::io::Error::other)?;
-    let mut s = StreamOwned::new(conn, sock);
-    while s.conn.is_handshaking() {
-        s.conn.complete_io(&mut s.sock)?;
-    }
-    Ok(s)
+    common::tls::connect(to, cfg, name, ANSWER)
 }
 
 /// Send `payload`, close our side (close_notify and FIN), read the answer to the end.
@@ -152,17 +69,7 @@ fn tls_ask(
 
 /// A TLS service: reads a request to close_notify, answers `NAME|SNI|payload`, closes.
 fn tls_service(name: &str, cert: &Issued) -> SocketAddr {
-    let cfg = Arc::new(
-        rustls::ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .expect("versions")
-            .with_no_client_auth()
-            .with_single_cert(
-                vec![cert.der.clone()],
-                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(cert.key_der.clone())),
-            )
-            .expect("service cert"),
-    );
+    let cfg = server_config(cert);
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = l.local_addr().expect("addr");
     let name = name.to_owned();
