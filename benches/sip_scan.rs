@@ -1,4 +1,6 @@
-//! SIP scanner and stateless rewrite beside rsip, on the same INVITE, in one run.
+//! SIP scanner and stateless rewrite beside rsip, on the same INVITE, in one run; and the
+//! stream framing of a message that trickles in a byte per read, resumed (`Framer`, what a
+//! connection's reader does) beside framed afresh at every read (`next_frame`).
 //!
 //! `cargo bench --bench sip_scan`
 
@@ -8,7 +10,10 @@ use std::net::SocketAddr;
 use criterion::{Criterion, criterion_group, criterion_main};
 use fulcrum::config::{HashParams, Method};
 use fulcrum::key::{Payload, RequestCtx, extract};
-use fulcrum::sip::{Local, RequestRewrite, Transport, forward_request, forward_response, scan};
+use fulcrum::sip::{
+    DEFAULT_MAX_MESSAGE, Framer, Local, RequestRewrite, Transport, forward_request,
+    forward_response, next_frame, scan,
+};
 
 const INVITE: &[u8] = include_bytes!("../fixtures/sip/invite.sip");
 const RESPONSE: &[u8] = include_bytes!("../fixtures/sip/response_200.sip");
@@ -59,6 +64,49 @@ fn benches(c: &mut Criterion) {
         b.iter(|| black_box(rsip::SipMessage::try_from(black_box(INVITE)).unwrap()))
     });
     g.finish();
+    trickle(c);
+}
+
+/// An INVITE of about 4 KiB (padded with 60 header lines) arriving one byte per read: the
+/// framing work of all its reads.
+fn trickle(c: &mut Criterion) {
+    let mut msg = INVITE[..INVITE.len() - 2].to_vec();
+    let head_end = memchr_crlf2(&msg);
+    let mut padded = msg[..head_end].to_vec();
+    for i in 0..60 {
+        padded.extend_from_slice(format!("X-Pad-{i:02}: {}\r\n", "p".repeat(48)).as_bytes());
+    }
+    padded.extend_from_slice(&msg.split_off(head_end));
+    padded.extend_from_slice(b"\r\n");
+    let msg = padded;
+    let mut g = c.benchmark_group("sip_stream_trickle");
+    g.bench_function("framer_resumed", |b| {
+        b.iter(|| {
+            let mut f = Framer::default();
+            let mut last = None;
+            for n in 1..=msg.len() {
+                last = Some(f.frame(black_box(&msg[..n]), DEFAULT_MAX_MESSAGE));
+            }
+            black_box(last)
+        })
+    });
+    g.bench_function("next_frame_afresh", |b| {
+        b.iter(|| {
+            let mut last = None;
+            for n in 1..=msg.len() {
+                last = Some(next_frame(black_box(&msg[..n]), DEFAULT_MAX_MESSAGE));
+            }
+            black_box(last)
+        })
+    });
+    g.finish();
+}
+
+/// Where the header section's closing CRLF starts (the empty line).
+fn memchr_crlf2(m: &[u8]) -> usize {
+    m.windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(m.len(), |i| i + 2)
 }
 
 criterion_group!(sip, benches);

@@ -1,21 +1,41 @@
-//! sip-tcp framing across arbitrary read splits: a stream cut into reads anywhere must frame
-//! into the same messages as the whole stream at once (what the connection reader does:
-//! accumulate, frame while complete, keep the rest). Every framed message is then scanned
+//! sip-tcp framing across arbitrary read splits: a stream cut into reads anywhere, framed by a
+//! resumable `Framer` as the connection reader does (accumulate, frame while complete, keep
+//! the rest, each read's bytes read once), must frame into the same messages as the whole
+//! stream at once by `next_frame`. Every framed message is then scanned
 //! and, when it scans as a request, forwarded; what is forwarded must frame again as one
 //! message of its own length. Nothing may panic.
 #![no_main]
 
 use fulcrum::sip::{
-    FrameError, Local, RequestRewrite, Transport, forward_request, next_frame, scan,
+    FrameError, Framer, Local, RequestRewrite, Transport, forward_request, next_frame, scan,
 };
 use libfuzzer_sys::fuzz_target;
 
 const MAX: usize = 65_536;
 
-/// Frames of `stream` fed in reads of the given sizes; `None` once framing fails for good.
+/// Frames of `stream` read whole by `next_frame`; the error once framing fails for good.
+fn whole_frames(stream: &[u8]) -> (Vec<Vec<u8>>, Option<FrameError>) {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while at < stream.len() {
+        match next_frame(&stream[at..], MAX) {
+            Ok(f) => {
+                out.push(stream[at..at + f.len()].to_vec());
+                at += f.len();
+            }
+            Err(FrameError::Incomplete) => break,
+            Err(e) => return (out, Some(e)),
+        }
+    }
+    (out, None)
+}
+
+/// Frames of `stream` fed in reads of the given sizes to one `Framer`; the error once
+/// framing fails for good.
 fn frames(stream: &[u8], reads: &[usize]) -> (Vec<Vec<u8>>, Option<FrameError>) {
     let mut buf = Vec::new();
     let mut out = Vec::new();
+    let mut framer = Framer::default();
     let mut at = 0;
     let mut sizes = reads.iter().copied().cycle();
     while at < stream.len() {
@@ -23,7 +43,7 @@ fn frames(stream: &[u8], reads: &[usize]) -> (Vec<Vec<u8>>, Option<FrameError>) 
         buf.extend_from_slice(&stream[at..at + n]);
         at += n;
         loop {
-            match next_frame(&buf, MAX) {
+            match framer.frame(&buf, MAX) {
                 Ok(f) => {
                     let len = f.len();
                     out.push(buf[..len].to_vec());
@@ -45,7 +65,7 @@ fuzz_target!(|data: &[u8]| {
     let count = usize::from(k % 8) + 1;
     let (sizes, stream) = rest.split_at(count.min(rest.len()));
     let reads: Vec<usize> = sizes.iter().map(|&b| usize::from(b % 64) + 1).collect();
-    let whole = frames(stream, &[stream.len().max(1)]);
+    let whole = whole_frames(stream);
     let split = frames(stream, &reads);
     assert_eq!(whole, split, "framing depends on where the reads fall");
     let local = Local::new("192.0.2.1", 5060, Transport::Tcp);

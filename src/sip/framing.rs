@@ -67,67 +67,111 @@ pub enum FrameError {
 
 /// Frame the front of `buf`, allowing messages of at most `max_len` bytes.
 pub fn next_frame(buf: &[u8], max_len: usize) -> Result<Frame, FrameError> {
-    match buf {
-        [] | [b'\r'] | [b'\r', b'\n'] | [b'\r', b'\n', b'\r'] => {
+    Framer::default().frame(buf, max_len)
+}
+
+/// [`next_frame`] that remembers how far it has read the message at the front of a growing
+/// buffer, so each call reads only the bytes that arrived since the last one: a peer that
+/// sends a message a byte at a time costs work in proportion to its bytes, not to their
+/// square. Same answers as [`next_frame`] on the same buffer.
+///
+/// The caller keeps one per buffer and must not change the buffered bytes between calls
+/// except by appending; after a frame (or an error) it starts afresh on its own, ready for the
+/// caller to consume the frame and call again.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Framer {
+    /// Where the next header line starts; 0 while nothing of the message has been read.
+    pos: usize,
+    content_length: Option<usize>,
+    /// The header section's length, once its empty line has been read.
+    header_len: Option<usize>,
+}
+
+impl Framer {
+    /// The frame at the front of `buf` (see [`next_frame`]).
+    pub fn frame(&mut self, buf: &[u8], max_len: usize) -> Result<Frame, FrameError> {
+        let r = self.advance(buf, max_len);
+        if r != Err(FrameError::Incomplete) {
+            *self = Framer::default();
+        }
+        r
+    }
+
+    fn advance(&mut self, buf: &[u8], max_len: usize) -> Result<Frame, FrameError> {
+        if self.pos == 0 {
+            match buf {
+                [] | [b'\r'] | [b'\r', b'\n'] | [b'\r', b'\n', b'\r'] => {
+                    return Err(FrameError::Incomplete);
+                }
+                [b'\r', b'\n', b'\r', b'\n', ..] => return Ok(Frame::Ping),
+                [b'\r', b'\n', ..] => return Ok(Frame::Pong),
+                [b'\r', ..] => return Err(FrameError::Malformed),
+                _ => {}
+            }
+        }
+        let header_len = match self.header_len {
+            Some(h) => h,
+            None => {
+                let h = self.header_section(buf, max_len)?;
+                self.header_len = Some(h);
+                h
+            }
+        };
+        let body = self
+            .content_length
+            .ok_or(FrameError::MissingContentLength)?;
+        let len = header_len
+            .checked_add(body)
+            .filter(|l| *l <= max_len)
+            .ok_or(FrameError::TooLarge)?;
+        if buf.len() < len {
             return Err(FrameError::Incomplete);
         }
-        [b'\r', b'\n', b'\r', b'\n', ..] => return Ok(Frame::Ping),
-        [b'\r', b'\n', ..] => return Ok(Frame::Pong),
-        [b'\r', ..] => return Err(FrameError::Malformed),
-        _ => {}
+        Ok(Frame::Message { len, header_len })
     }
-    // Walk lines up to the empty one; bounded by max_len so a peer cannot make us scan an
-    // endless header section.
-    let limit = buf.len().min(max_len);
-    let mut pos = 0;
-    let mut content_length: Option<usize> = None;
-    let mut first = true;
-    let header_len = loop {
-        let Some(i) = memchr(b'\n', &buf[pos..limit]) else {
-            return Err(if buf.len() >= max_len {
-                FrameError::TooLarge
-            } else {
-                FrameError::Incomplete
-            });
-        };
-        let line_end = pos + i;
-        let line = &buf[pos..line_end];
-        let line = line.strip_suffix(b"\r").unwrap_or(line);
-        let next = line_end + 1;
-        if line.is_empty() {
-            if first {
-                return Err(FrameError::Malformed);
-            }
-            break next;
-        }
-        // Continuation lines (leading SP/HT) cannot start a Content-Length header; the start
-        // line is skipped.
-        if !first && !matches!(line[0], b' ' | b'\t') {
-            if let Some(colon) = memchr(b':', line) {
-                if HeaderName::classify(trim_lws(&line[..colon])) == HeaderName::ContentLength {
-                    let n =
-                        parse_decimal(&line[colon + 1..]).ok_or(FrameError::BadContentLength)?;
-                    match content_length {
-                        Some(prev) if prev != n => return Err(FrameError::BadContentLength),
-                        _ => content_length = Some(n),
-                    }
+
+    /// Walk the header lines from where the last call stopped up to the empty one; bounded
+    /// by `max_len`, so a peer cannot make us read an endless header section.
+    fn header_section(&mut self, buf: &[u8], max_len: usize) -> Result<usize, FrameError> {
+        let limit = buf.len().min(max_len);
+        loop {
+            let Some(i) = memchr(b'\n', buf.get(self.pos..limit).unwrap_or_default()) else {
+                return Err(if buf.len() >= max_len {
+                    FrameError::TooLarge
+                } else {
+                    FrameError::Incomplete
+                });
+            };
+            let first = self.pos == 0;
+            let line_end = self.pos + i;
+            let line = &buf[self.pos..line_end];
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let next = line_end + 1;
+            if line.is_empty() {
+                if first {
+                    return Err(FrameError::Malformed);
                 }
-            } else {
-                return Err(FrameError::Malformed);
+                return Ok(next);
             }
+            // Continuation lines (leading SP/HT) cannot start a Content-Length header; the
+            // start line is skipped.
+            if !first && !matches!(line[0], b' ' | b'\t') {
+                if let Some(colon) = memchr(b':', line) {
+                    if HeaderName::classify(trim_lws(&line[..colon])) == HeaderName::ContentLength {
+                        let n = parse_decimal(&line[colon + 1..])
+                            .ok_or(FrameError::BadContentLength)?;
+                        match self.content_length {
+                            Some(prev) if prev != n => return Err(FrameError::BadContentLength),
+                            _ => self.content_length = Some(n),
+                        }
+                    }
+                } else {
+                    return Err(FrameError::Malformed);
+                }
+            }
+            self.pos = next;
         }
-        first = false;
-        pos = next;
-    };
-    let body = content_length.ok_or(FrameError::MissingContentLength)?;
-    let len = header_len
-        .checked_add(body)
-        .filter(|l| *l <= max_len)
-        .ok_or(FrameError::TooLarge)?;
-    if buf.len() < len {
-        return Err(FrameError::Incomplete);
     }
-    Ok(Frame::Message { len, header_len })
 }
 
 #[cfg(test)]
@@ -228,6 +272,62 @@ v=0\r\n";
                 header_len: m.len() - 10
             })
         );
+    }
+
+    proptest::proptest! {
+        /// A [`Framer`] fed a growing buffer answers, at every length, what [`next_frame`]
+        /// answers on the same bytes: on any bytes (a small alphabet, so that lines, colons,
+        /// Content-Length values and CRLFs occur), after any growth steps.
+        #[test]
+        fn framer_answers_as_next_frame_at_every_length(
+            bytes in proptest::collection::vec(proptest::sample::select(
+                b"\r\n: l0123Content-LghOPTIONS".to_vec()), 0..400),
+            steps in proptest::collection::vec(1usize..40, 1..40),
+            max in 16usize..300,
+        ) {
+            let mut framer = Framer::default();
+            let (mut len, mut k) = (0, 0);
+            while len < bytes.len() {
+                len = (len + steps[k % steps.len()]).min(bytes.len());
+                k += 1;
+                let want = next_frame(&bytes[..len], max);
+                proptest::prop_assert_eq!(framer.frame(&bytes[..len], max), want);
+                if want != Err(FrameError::Incomplete) {
+                    break;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_framer_reads_each_line_once_however_the_message_trickles_in() {
+        // Byte by byte: every call after the first resumes where the last stopped.
+        let mut framer = Framer::default();
+        for n in 1..MSG.len() {
+            assert_eq!(
+                framer.frame(&MSG[..n], DEFAULT_MAX_MESSAGE),
+                Err(FrameError::Incomplete)
+            );
+            // The line walk never goes back before the start of the line under way.
+            let line_start = MSG[..n]
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |i| i + 1);
+            let header_end = MSG.len() - 5;
+            if n < header_end {
+                assert_eq!(framer.pos, line_start, "at {n}: {framer:?}");
+            } else {
+                assert_eq!(framer.header_len, Some(header_end), "at {n}: {framer:?}");
+            }
+        }
+        assert_eq!(
+            framer.frame(MSG, DEFAULT_MAX_MESSAGE),
+            Ok(Frame::Message {
+                len: MSG.len(),
+                header_len: MSG.len() - 5
+            })
+        );
+        assert_eq!(framer, Framer::default(), "ready for the next message");
     }
 
     proptest::proptest! {

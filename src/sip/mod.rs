@@ -47,7 +47,7 @@ pub(crate) mod framing;
 pub(crate) mod rewrite;
 pub(crate) mod scan;
 
-pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, PONG, next_frame};
+pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, Framer, PONG, next_frame};
 pub use rewrite::{
     BRANCH_PREFIX, CONN_PARAM, DEFAULT_MAX_FORWARDS, Host, Local, Reply, RequestRewrite,
     ResponseRoute, RewriteError, SERVICE_PARAM, Target, Transport, build_reply, build_response,

@@ -7,7 +7,7 @@
 //! The buffer holds bytes only while a message is incomplete: an idle connection (a
 //! registered phone between requests) holds none.
 
-use crate::sip::{Frame, FrameError, next_frame};
+use crate::sip::{Frame, FrameError, Framer};
 use bytes::{Buf, BytesMut};
 use std::time::{Duration, Instant};
 
@@ -23,6 +23,8 @@ const READ_GROW: usize = 4096;
 #[derive(Debug)]
 pub(crate) struct Inbound {
     buf: BytesMut,
+    /// How far the message at the front has been read: each read's bytes are framed once.
+    framer: Framer,
     max_message: usize,
     /// When the first bytes of the message now at the front arrived.
     started: Option<Instant>,
@@ -33,6 +35,7 @@ impl Inbound {
     pub(crate) fn new(max_message: usize) -> Inbound {
         Inbound {
             buf: BytesMut::new(),
+            framer: Framer::default(),
             max_message,
             started: None,
         }
@@ -40,8 +43,8 @@ impl Inbound {
 
     /// The frame at the front, if it is whole (`Ok(None)`: more bytes are needed). Its bytes
     /// are [`Inbound::front`]`(frame.len())` until [`Inbound::consume`] takes them.
-    pub(crate) fn frame(&self) -> Result<Option<Frame>, FrameError> {
-        match next_frame(&self.buf, self.max_message) {
+    pub(crate) fn frame(&mut self) -> Result<Option<Frame>, FrameError> {
+        match self.framer.frame(&self.buf, self.max_message) {
             Ok(frame) => Ok(Some(frame)),
             Err(FrameError::Incomplete) => Ok(None),
             Err(e) => Err(e),
@@ -57,6 +60,7 @@ impl Inbound {
     /// that follows, not the first one that was ever incomplete.
     pub(crate) fn consume(&mut self, len: usize) {
         self.buf.advance(len.min(self.buf.len()));
+        self.framer = Framer::default();
         self.started = None;
     }
 
