@@ -102,15 +102,12 @@ fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
     }
 }
 
-/// The core of SIP vserver `v` of `config`, with `old`'s Via identity (its listener is kept).
+/// The core of SIP vserver `v` of `config`, with `old`'s Via identities (its listener and
+/// the sockets of its other legs are kept).
 fn sip_core(config: &Config, v: &Vserver, old: &SipCore, balancer: &Arc<Balancer>) -> SipCore {
-    SipCore::new(SipParams::of(
-        config,
-        v,
-        old.local().clone(),
-        Arc::clone(balancer),
-    ))
-    .with_edge(v.edge(Some(old.edge())))
+    let (local, legs) = old.identities();
+    SipCore::new(SipParams::of(config, v, local, Arc::clone(balancer)).with_legs(legs))
+        .with_edge(v.edge(Some(old.edge())))
 }
 
 /// Copy the live dialogs of `old` into `new`, renumbering members by service name; dialogs
