@@ -406,6 +406,17 @@ impl Runtime {
             return Err(setup("not a running sip-tcp vserver"));
         };
         let shared = Arc::clone(shared);
+        // The UDP leg toward sip-udp services is bound at start (its address is in the
+        // Record-Route of the dialogs it carries); a reload cannot add one.
+        let wants_udp = v
+            .members()
+            .filter_map(|i| config.services.get(i))
+            .any(|s| s.protocol == Protocol::SipUdp);
+        if wants_udp && !shared.has_udp_leg() {
+            return Err(setup(
+                "its first sip-udp service needs a restart (the UDP leg is bound at start)",
+            ));
+        }
         let now = self.now();
         let old = shared.core();
         let old_names = names_of(old.balancer());

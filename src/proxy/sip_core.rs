@@ -336,6 +336,22 @@ impl SipCore {
         self.member_addrs.iter().position(|a| *a == src)
     }
 
+    /// The member fulcrum reaches over UDP that a datagram from `src` comes from: the member
+    /// at that address, else the first at that IP (a service may answer from another port,
+    /// RFC 3261 §18.2.2). For the UDP leg of a stream vserver.
+    pub fn udp_member_of(&self, src: SocketAddr) -> Option<usize> {
+        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+        let on_udp = |m: &usize| self.member_transport(*m) == Transport::Udp;
+        (0..self.member_addrs.len())
+            .filter(on_udp)
+            .find(|&m| self.member_addrs[m] == src)
+            .or_else(|| {
+                (0..self.member_addrs.len())
+                    .filter(on_udp)
+                    .find(|&m| self.member_addrs[m].ip() == src.ip())
+            })
+    }
+
     /// Address of member `m`.
     pub fn member_addr(&self, m: usize) -> Option<SocketAddr> {
         self.member_addrs.get(m).copied()

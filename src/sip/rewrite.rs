@@ -206,6 +206,13 @@ impl Local {
         self
     }
 
+    /// The same host, port and aliases on another transport (a leg of the transports bridge
+    /// that shares the vserver's address, e.g. TCP toward sip-tcp services of a sip-tls
+    /// vserver).
+    pub fn with_transport(&self, transport: Transport) -> Local {
+        Local::new(&self.host, self.port, transport).with_aliases(&self.aliases)
+    }
+
     /// This identity as one leg of a bridge whose other legs are `others`: their addresses
     /// become aliases (a Via or Route naming any leg is fulcrum's), and the first two Route
     /// values may name fulcrum (RFC 5658 double record-routing).
