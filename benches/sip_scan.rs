@@ -28,6 +28,7 @@ fn benches(c: &mut Criterion) {
         force_rport: false,
         conn_id: None,
         service: None,
+        arrived_on: None,
     };
     let mut g = c.benchmark_group("sip_invite");
     g.bench_function("fulcrum_scan", |b| {

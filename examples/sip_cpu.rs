@@ -23,6 +23,7 @@ fn main() {
         force_rport: false,
         conn_id: None,
         service: None,
+        arrived_on: None,
     };
     let params = HashParams::default();
     let mut out = Vec::with_capacity(4096);

@@ -40,6 +40,7 @@ fn sip_message_findings_hold_the_forwarding_invariant() {
                 force_rport: data.len() % 2 == 0,
                 conn_id: Some(data.len() as u64),
                 service,
+                arrived_on: None,
             };
             let mut out = Vec::new();
             if forward_request(&m, &rw, &mut out).is_ok() {

@@ -38,6 +38,7 @@ fn exercise(bytes: &[u8], src: SocketAddr) {
         force_rport: true,
         conn_id: Some(7),
         service: None,
+        arrived_on: None,
     };
     if forward_request(&m, &rw, &mut out).is_ok() {
         // Our output must scan again.
@@ -120,6 +121,7 @@ fn request_response_roundtrip_on_fixtures() {
             force_rport: true,
             conn_id: None,
             service: None,
+            arrived_on: None,
         };
         let mut fwd = Vec::new();
         forward_request(&m, &rw, &mut fwd).unwrap();

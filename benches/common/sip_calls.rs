@@ -36,6 +36,8 @@ pub fn core(record_route: bool) -> SipCore {
         member_addrs: members,
         max_dialogs: 1_000_000,
         dialog_idle: Duration::from_secs(3600),
+        member_transports: Vec::new(),
+        legs: Vec::new(),
     })
 }
 

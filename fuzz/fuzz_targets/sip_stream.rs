@@ -79,6 +79,7 @@ fuzz_target!(|data: &[u8]| {
             force_rport: false,
             conn_id: Some(7),
             service: Some(0x0123_4567_89ab_cdef),
+            arrived_on: None,
         };
         let mut out = Vec::new();
         if m.is_request() && forward_request(&m, &rw, &mut out).is_ok() {

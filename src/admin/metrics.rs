@@ -410,7 +410,7 @@ fn add_transport_events(events: &mut Family, v: &VserverHandle) {
     }
 }
 
-fn sip_tcp_events(c: &crate::proxy::sip_tcp::TcpCounters) -> [(&'static str, &AtomicU64); 13] {
+fn sip_tcp_events(c: &crate::proxy::sip_tcp::TcpCounters) -> [(&'static str, &AtomicU64); 15] {
     [
         ("clients_accepted", &c.clients_accepted),
         ("clients_refused", &c.clients_refused),
@@ -425,6 +425,8 @@ fn sip_tcp_events(c: &crate::proxy::sip_tcp::TcpCounters) -> [(&'static str, &At
         ("requests_rerouted", &c.requests_rerouted),
         ("requests_lost", &c.requests_lost),
         ("services_retired", &c.services_retired),
+        ("udp_leg_strangers", &c.udp_leg_strangers),
+        ("udp_leg_send_errors", &c.udp_leg_send_errors),
     ]
 }
 
@@ -602,6 +604,8 @@ vservers:
                 &c.requests_rerouted,
                 &c.requests_lost,
                 &c.services_retired,
+                &c.udp_leg_strangers,
+                &c.udp_leg_send_errors,
             ],
             base,
         );

@@ -1346,11 +1346,18 @@ impl Cx {
                 self.problem(
                     m.pos,
                     &m.path,
-                    format!(
-                        "service `{sname}` speaks {}, which a {} vserver cannot forward to",
-                        svc.protocol.name(),
-                        p.name()
-                    ),
+                    if p == Protocol::SipUdp && svc.protocol.is_sip_stream() {
+                        format!(
+                            "service `{sname}` speaks {}: a sip-udp vserver cannot forward to sip-tcp or sip-tls services yet (the transports bridge goes from sip-tcp / sip-tls vservers to any SIP service, docs/sip.md)",
+                            svc.protocol.name()
+                        )
+                    } else {
+                        format!(
+                            "service `{sname}` speaks {}, which a {} vserver cannot forward to",
+                            svc.protocol.name(),
+                            p.name()
+                        )
+                    },
                 );
                 ok = false;
             }
@@ -1658,9 +1665,12 @@ struct EdgeFields {
     flood: Option<FloodParams>,
 }
 
-/// A vserver forwards to services of its own protocol; tcp and http are the same bytes.
+/// A vserver forwards to services of its own protocol; tcp and http are the same bytes. A
+/// sip-tcp or sip-tls vserver forwards to any SIP service (the transports bridge,
+/// docs/sip.md); a sip-udp vserver to sip-udp services only (not yet a stream leg).
 fn protocols_fit(vserver: Protocol, service: Protocol) -> bool {
     vserver == service
+        || (vserver.is_sip_stream() && service.is_sip())
         || matches!(
             (vserver, service),
             (Protocol::Tcp, Protocol::Http) | (Protocol::Http, Protocol::Tcp)
@@ -1940,6 +1950,28 @@ mod tests {
         let typo = MINIMAL.replace("services: [s1] }", "freebnd: true, services: [s1] }");
         let p = problems(&typo);
         assert!(p[0].2.contains("did you mean `freebind`"), "{p:?}");
+    }
+
+    /// The transports bridge: a stream SIP vserver takes any SIP service; a sip-udp vserver
+    /// only sip-udp ones (with an error that says the other way is not there yet).
+    #[test]
+    fn stream_sip_vservers_take_any_sip_service_and_sip_udp_only_its_own() {
+        let bridged = MINIMAL.replace("protocol: sip-udp, bind", "protocol: sip-tcp, bind");
+        from_str("t", &bridged).expect("sip-tcp over sip-udp");
+        let back = MINIMAL.replace("5071, protocol: sip-udp", "5071, protocol: sip-tcp");
+        let p = problems(&back);
+        assert_eq!(p[0].1, "vservers[0].services[0]", "{p:?}");
+        assert!(
+            p[0].2
+                .contains("sip-udp vserver cannot forward to sip-tcp or sip-tls services yet"),
+            "{p:?}"
+        );
+        let plain = bridged.replace("5071, protocol: sip-udp", "5071, protocol: udp");
+        let p = problems(&plain);
+        assert!(
+            p[0].2.contains("which a sip-tcp vserver cannot forward to"),
+            "{p:?}"
+        );
     }
 
     /// `tls` is read as file names with their locations (the files are read by `load`), with

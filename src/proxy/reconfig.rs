@@ -102,15 +102,12 @@ fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
     }
 }
 
-/// The core of SIP vserver `v` of `config`, with `old`'s Via identity (its listener is kept).
+/// The core of SIP vserver `v` of `config`, with `old`'s Via identities (its listener and
+/// the sockets of its other legs are kept).
 fn sip_core(config: &Config, v: &Vserver, old: &SipCore, balancer: &Arc<Balancer>) -> SipCore {
-    SipCore::new(SipParams::of(
-        config,
-        v,
-        old.local().clone(),
-        Arc::clone(balancer),
-    ))
-    .with_edge(v.edge(Some(old.edge())))
+    let (local, legs) = old.identities();
+    SipCore::new(SipParams::of(config, v, local, Arc::clone(balancer)).with_legs(legs))
+        .with_edge(v.edge(Some(old.edge())))
 }
 
 /// Copy the live dialogs of `old` into `new`, renumbering members by service name; dialogs
@@ -409,6 +406,17 @@ impl Runtime {
             return Err(setup("not a running sip-tcp vserver"));
         };
         let shared = Arc::clone(shared);
+        // The UDP leg toward sip-udp services is bound at start (its address is in the
+        // Record-Route of the dialogs it carries); a reload cannot add one.
+        let wants_udp = v
+            .members()
+            .filter_map(|i| config.services.get(i))
+            .any(|s| s.protocol == Protocol::SipUdp);
+        if wants_udp && !shared.has_udp_leg() {
+            return Err(setup(
+                "its first sip-udp service needs a restart (the UDP leg is bound at start)",
+            ));
+        }
         let now = self.now();
         let old = shared.core();
         let old_names = names_of(old.balancer());

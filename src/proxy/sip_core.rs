@@ -12,8 +12,8 @@ use crate::hash;
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::proxy::bump;
 use crate::sip::{
-    self, Local, MaxForwards, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, build_reply,
-    build_response, forward_request, forward_response, reply_target, request_target,
+    self, Local, MaxForwards, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, Transport,
+    build_reply, build_response, forward_request, forward_response, reply_target, request_target,
 };
 use crate::stats::Nanos;
 use std::net::SocketAddr;
@@ -110,7 +110,17 @@ pub struct SipCounters {
 /// Shared, immutable-after-build state of one SIP vserver.
 pub struct SipCore {
     pub name: String,
+    /// fulcrum's identity on the vserver's own transport (the client leg).
     local: Local,
+    /// Identities on the other transports some members speak (the transports bridge,
+    /// docs/sip.md): a request to such a member leaves with that leg's Via and is double
+    /// record-routed (RFC 5658 §3.2). Empty when every member speaks the vserver's transport.
+    legs: Vec<Local>,
+    /// The leg of each member: 0 for the vserver's own, `k` for `legs[k - 1]`. Empty when
+    /// `legs` is.
+    member_leg: Vec<u8>,
+    /// `local` and the legs as given, before [`Local::bridged_with`]: what a rebuild starts from.
+    given: (Local, Vec<Local>),
     record_route: bool,
     method: Method,
     hash_params: HashParams,
@@ -144,6 +154,10 @@ pub struct SipParams {
     pub member_addrs: Vec<SocketAddr>,
     pub max_dialogs: usize,
     pub dialog_idle: Duration,
+    /// The transport each member speaks (index = member index); empty: the vserver's own.
+    pub member_transports: Vec<Transport>,
+    /// fulcrum's identities on other transports ([`SipParams::with_legs`]).
+    pub legs: Vec<Local>,
 }
 
 impl SipParams {
@@ -157,7 +171,7 @@ impl SipParams {
     ) -> SipParams {
         SipParams {
             name: v.name.clone(),
-            local,
+            legs: Vec::new(),
             record_route: v.record_route,
             method: v.method,
             hash_params: v.hash.clone(),
@@ -165,7 +179,37 @@ impl SipParams {
             member_addrs: config.member_addrs(v),
             max_dialogs: v.max_sessions,
             dialog_idle: v.idle_timeout,
+            member_transports: v
+                .members()
+                .map(|i| {
+                    config
+                        .services
+                        .get(i)
+                        .and_then(|s| sip_transport(s.protocol))
+                        .unwrap_or(local.transport())
+                })
+                .collect(),
+            local,
         }
+    }
+
+    /// fulcrum's identities on the other transports the shell speaks toward services (at most
+    /// one per transport; the first wins). A member whose transport has no leg here is
+    /// reached on the vserver's own.
+    pub fn with_legs(mut self, legs: Vec<Local>) -> SipParams {
+        self.legs = legs;
+        self
+    }
+}
+
+/// The SIP transport of a service protocol, `None` for the non-SIP ones.
+pub fn sip_transport(p: crate::config::Protocol) -> Option<Transport> {
+    use crate::config::Protocol;
+    match p {
+        Protocol::SipUdp => Some(Transport::Udp),
+        Protocol::SipTcp => Some(Transport::Tcp),
+        Protocol::SipTls => Some(Transport::Tls),
+        Protocol::Udp | Protocol::Tcp | Protocol::Http => None,
     }
 }
 
@@ -177,11 +221,48 @@ impl SipCore {
             .iter()
             .map(|m| hash::service_digest(m.id_hash))
             .collect();
+        let given = (p.local.clone(), p.legs.clone());
+        let own = p.local.transport();
+        // A leg per member: the vserver's own, or the first given leg of its transport.
+        let member_leg: Vec<u8> = p
+            .member_transports
+            .iter()
+            .map(|&t| {
+                if t == own {
+                    return 0;
+                }
+                p.legs
+                    .iter()
+                    .position(|l| l.transport() == t)
+                    .and_then(|k| u8::try_from(k + 1).ok())
+                    .unwrap_or(0)
+            })
+            .collect();
+        let (local, legs, member_leg) = if member_leg.iter().any(|&k| k != 0) {
+            // Every identity knows the others as itself: a Via or a Route naming any leg
+            // is fulcrum's, on whichever leg it comes back.
+            let legs: Vec<Local> = p
+                .legs
+                .iter()
+                .map(|l| {
+                    let others: Vec<Local> = std::iter::once(p.local.clone())
+                        .chain(p.legs.iter().filter(|o| *o != l).cloned())
+                        .collect();
+                    l.clone().bridged_with(&others)
+                })
+                .collect();
+            (p.local.bridged_with(&p.legs), legs, member_leg)
+        } else {
+            (p.local, Vec::new(), Vec::new())
+        };
         SipCore {
             digests,
             edge: crate::edge::Edge::default(),
             name: p.name,
-            local: p.local,
+            local,
+            legs,
+            member_leg,
+            given,
             record_route: p.record_route,
             method: p.method,
             hash_params: p.hash_params,
@@ -217,6 +298,26 @@ impl SipCore {
         &self.local
     }
 
+    /// The identities this core was built with (its own and the other legs), before they
+    /// learnt each other: what a rebuild of the vserver starts from.
+    pub fn identities(&self) -> (Local, Vec<Local>) {
+        self.given.clone()
+    }
+
+    /// fulcrum's identity on the leg toward member `m` when it is not the vserver's own
+    /// transport (the transports bridge), else `None`.
+    fn leg_of(&self, m: usize) -> Option<&Local> {
+        match self.member_leg.get(m) {
+            None | Some(0) => None,
+            Some(&k) => self.legs.get(usize::from(k) - 1),
+        }
+    }
+
+    /// The transport fulcrum speaks toward member `m`.
+    pub fn member_transport(&self, m: usize) -> Transport {
+        self.leg_of(m).unwrap_or(&self.local).transport()
+    }
+
     /// How often [`SipCore::sweep`] should run: often enough that the dialog table reflects
     /// the idle timeout within ~10%.
     pub fn sweep_interval(&self) -> Duration {
@@ -233,6 +334,22 @@ impl SipCore {
     pub fn member_of(&self, src: SocketAddr) -> Option<usize> {
         let src = SocketAddr::new(src.ip().to_canonical(), src.port());
         self.member_addrs.iter().position(|a| *a == src)
+    }
+
+    /// The member fulcrum reaches over UDP that a datagram from `src` comes from: the member
+    /// at that address, else the first at that IP (a service may answer from another port,
+    /// RFC 3261 §18.2.2). For the UDP leg of a stream vserver.
+    pub fn udp_member_of(&self, src: SocketAddr) -> Option<usize> {
+        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+        let on_udp = |m: &usize| self.member_transport(*m) == Transport::Udp;
+        (0..self.member_addrs.len())
+            .filter(on_udp)
+            .find(|&m| self.member_addrs[m] == src)
+            .or_else(|| {
+                (0..self.member_addrs.len())
+                    .filter(on_udp)
+                    .find(|&m| self.member_addrs[m].ip() == src.ip())
+            })
     }
 
     /// Address of member `m`.
@@ -429,13 +546,17 @@ impl SipCore {
         if member >= self.member_addrs.len() {
             return Action::Drop(DropReason::Unroutable);
         }
+        // Toward a member on another transport: that leg's Via, and its Record-Route on top
+        // of the client leg's (RFC 5658 §3.2).
+        let leg = self.leg_of(member);
         let rw = RequestRewrite {
-            local: &self.local,
+            local: leg.unwrap_or(&self.local),
             src,
             record_route: self.record_route,
             force_rport: false,
             conn_id: conn,
             service: self.digest_of(Some(member)),
+            arrived_on: leg.map(|_| &self.local),
         };
         match forward_request(msg, &rw, out) {
             Ok(n) if n > self.max_forwarded() => {
@@ -459,8 +580,9 @@ impl SipCore {
     /// Whether the forwarded request keeps within what fulcrum's scanner takes: the lines
     /// [`forward_request`] adds (its Via, Record-Route when on, Max-Forwards when absent).
     fn fits_lines(&self, msg: &SipMsg<'_>, max_forwards: MaxForwards) -> bool {
-        let added =
-            1 + usize::from(self.record_route) + usize::from(max_forwards == MaxForwards::Absent);
+        // Checked before a member is chosen: a bridge may record-route twice.
+        let rr_lines = usize::from(self.record_route) * (1 + usize::from(!self.legs.is_empty()));
+        let added = 1 + rr_lines + usize::from(max_forwards == MaxForwards::Absent);
         msg.header_count() + added <= sip::MAX_HEADERS
     }
 
@@ -711,6 +833,8 @@ impl SipCore {
             bump(&self.counters.loops);
             return Action::Drop(DropReason::Loop);
         }
+        // It leaves on the client leg (the vserver's own transport); from a member on another
+        // transport it is double record-routed, the client leg's entry on top.
         let rw = RequestRewrite {
             local: &self.local,
             src,
@@ -718,6 +842,7 @@ impl SipCore {
             force_rport: false,
             conn_id: None,
             service: self.digest_of(Some(member)),
+            arrived_on: self.leg_of(member),
         };
         match forward_request(msg, &rw, out) {
             Ok(n) if n > self.max_forwarded() => {
@@ -939,6 +1064,8 @@ mod tests {
             ],
             max_dialogs: 100,
             dialog_idle: Duration::from_secs(3600),
+            member_transports: Vec::new(),
+            legs: Vec::new(),
         })
     }
 
@@ -1571,5 +1698,222 @@ mod record_route_service {
         c.balancer().set_health(1, Health::Down, 0);
         let other = send(&c, &bye("dn-3", &route)).0;
         assert!(other.is_some_and(|m| m != 1), "{other:?}");
+    }
+}
+
+#[cfg(test)]
+mod bridge {
+    //! The transports bridge: a sip-tcp vserver over sip-udp services. Each leg gets its own
+    //! Via; dialogs are double record-routed (RFC 5658 §3.2) and either entry is "us".
+    use super::*;
+    use crate::config;
+    use std::sync::atomic::Ordering;
+
+    const US: &str = "127.0.0.1:5060";
+    const LEG: &str = "127.0.0.1:40000";
+    const CLIENT: &str = "192.0.2.10:5062";
+    const CONN: u64 = 0xabc;
+
+    fn core(services: &str) -> SipCore {
+        let cfg = config::from_str(
+            "t",
+            &format!("services:\n  - {{ name: a, address: 127.0.0.1:5071, protocol: {services} }}\n  - {{ name: b, address: 127.0.0.1:5072, protocol: {services} }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: {US}, record_route: true, services: [a, b] }}\n"),
+        )
+        .expect("config");
+        let v = &cfg.vservers[0];
+        let local = Local::from_addr(US.parse().expect("addr"), Transport::Tcp);
+        let leg = Local::from_addr(LEG.parse().expect("addr"), Transport::Udp);
+        SipCore::new(
+            SipParams::of(&cfg, v, local, Arc::new(Balancer::new(&cfg, v))).with_legs(vec![leg]),
+        )
+    }
+
+    fn from_client(c: &SipCore, text: &str, out: &mut Vec<u8>) -> Action {
+        c.handle(
+            text.as_bytes(),
+            Origin::Client { conn: Some(CONN) },
+            CLIENT.parse().expect("src"),
+            US.parse().expect("dst"),
+            0,
+            out,
+        )
+    }
+
+    fn from_member(c: &SipCore, m: usize, text: &str, out: &mut Vec<u8>) -> Action {
+        let src = c.member_addr(m).expect("member");
+        c.handle(
+            text.as_bytes(),
+            Origin::Member(m),
+            src,
+            LEG.parse().expect("dst"),
+            0,
+            out,
+        )
+    }
+
+    fn invite(call_id: &str) -> String {
+        format!(
+            "INVITE sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/TCP 192.0.2.10:5062;branch=z9hG4bK{call_id}\r\nMax-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 INVITE\r\nContact: <sip:a@192.0.2.10:5062;transport=tcp>\r\nContent-Length: 0\r\n\r\n"
+        )
+    }
+
+    fn text(out: &[u8]) -> String {
+        String::from_utf8_lossy(out).into_owned()
+    }
+
+    /// Header values of `name` in order (each comma-separated value on its own).
+    fn values(out: &[u8], name: &str) -> Vec<String> {
+        let msg = crate::sip::scan(out).expect("scans");
+        msg.headers()
+            .filter(|h| h.name.eq_ignore_ascii_case(name.as_bytes()))
+            .flat_map(|h| {
+                String::from_utf8_lossy(h.value)
+                    .split(',')
+                    .map(|v| v.trim().to_owned())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// The record-routed INVITE: which member, the two entries, the forwarded bytes.
+    fn set_up(c: &SipCore, call_id: &str) -> (usize, Vec<String>, Vec<u8>) {
+        let mut out = Vec::new();
+        let Action::ToMember(m) = from_client(c, &invite(call_id), &mut out) else {
+            panic!("not forwarded: {}", text(&out))
+        };
+        (m, values(&out, "Record-Route"), out)
+    }
+
+    #[test]
+    fn a_request_to_a_udp_member_carries_the_udp_leg_via_and_two_record_routes() {
+        let c = core("sip-udp");
+        assert_eq!(c.member_transport(0), Transport::Udp);
+        let (m, rr, out) = set_up(&c, "br-1");
+        let vias = values(&out, "Via");
+        assert!(
+            vias[0].starts_with("SIP/2.0/UDP 127.0.0.1:40000;branch=z9hG4bK-fc-"),
+            "{vias:?}"
+        );
+        assert!(vias[0].ends_with(";fc-conn=0000000000000abc"), "{vias:?}");
+        let d = hash::service_digest(c.balancer().members()[m].id_hash);
+        assert_eq!(
+            rr,
+            [
+                format!("<sip:127.0.0.1:40000;lr;fc-svc={d:016x}>"),
+                "<sip:127.0.0.1:5060;transport=tcp;lr>".to_owned()
+            ]
+        );
+    }
+
+    #[test]
+    fn the_services_answer_on_the_udp_leg_goes_to_the_client_connection() {
+        let c = core("sip-udp");
+        let (m, _, fwd) = set_up(&c, "br-2");
+        let vias = values(&fwd, "Via").join(", ");
+        let answer = format!(
+            "SIP/2.0 200 OK\r\nVia: {vias}\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>;tag=s1\r\nCall-ID: br-2\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n"
+        );
+        let mut out = Vec::new();
+        assert_eq!(from_member(&c, m, &answer, &mut out), Action::ToConn(CONN));
+        assert_eq!(values(&out, "Via").len(), 1, "{}", text(&out));
+    }
+
+    /// The client's BYE names both entries in its Route set (reversed Record-Route, the
+    /// client leg first): both are removed, and `fc-svc` in the second names the service.
+    #[test]
+    fn the_clients_in_dialog_request_follows_fc_svc_past_both_entries() {
+        let c = core("sip-udp");
+        let (m, rr, _) = set_up(&c, "br-3");
+        let route_sets = [
+            format!("Route: {}, {}\r\n", rr[1], rr[0]),
+            format!("Route: {}\r\nRoute: {}\r\n", rr[1], rr[0]),
+            format!("Route: {}, {}, <sip:10.9.9.9;lr>\r\n", rr[1], rr[0]),
+        ];
+        for (i, routes) in route_sets.iter().enumerate() {
+            // Another instance of the same pool, which never saw the call.
+            let fresh = core("sip-udp");
+            let bye = format!(
+                "BYE sip:svc@10.0.0.9 SIP/2.0\r\nVia: SIP/2.0/TCP 192.0.2.10:5062;branch=z9hG4bKbye{i}\r\n{routes}Max-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>;tag=s1\r\nCall-ID: br-3\r\nCSeq: 2 BYE\r\nContent-Length: 0\r\n\r\n"
+            );
+            let mut out = Vec::new();
+            assert_eq!(
+                from_client(&fresh, &bye, &mut out),
+                Action::ToMember(m),
+                "{routes}"
+            );
+            assert_eq!(
+                fresh
+                    .counters
+                    .routed_by_record_route
+                    .load(Ordering::Relaxed),
+                1
+            );
+            let left = values(&out, "Route");
+            if i == 2 {
+                assert_eq!(left, ["<sip:10.9.9.9;lr>"], "{}", text(&out));
+            } else {
+                assert!(left.is_empty(), "{}", text(&out));
+            }
+            assert!(values(&out, "Via")[0].starts_with("SIP/2.0/UDP 127.0.0.1:40000;"));
+        }
+    }
+
+    /// The callee hangs up: its BYE arrives on the UDP leg with the Route set in Record-Route
+    /// order (the service leg first), leaves on the client leg with the client leg's Via
+    /// toward the client's Contact, and the client's 200 goes back to the service.
+    #[test]
+    fn the_services_in_dialog_request_goes_out_on_the_client_leg() {
+        let c = core("sip-udp");
+        let (m, rr, _) = set_up(&c, "br-4");
+        let svc = c.member_addr(m).expect("member");
+        let bye = format!(
+            "BYE sip:a@192.0.2.10:5062;transport=tcp SIP/2.0\r\nVia: SIP/2.0/UDP {svc};branch=z9hG4bKsvcbye\r\nRoute: {}, {}\r\nMax-Forwards: 70\r\nFrom: <sip:svc@example.com>;tag=s1\r\nTo: <sip:a@x>;tag=f1\r\nCall-ID: br-4\r\nCSeq: 1 BYE\r\nContent-Length: 0\r\n\r\n",
+            rr[0], rr[1]
+        );
+        let mut out = Vec::new();
+        assert_eq!(
+            from_member(&c, m, &bye, &mut out),
+            Action::ToAddr(CLIENT.parse().expect("addr"))
+        );
+        assert!(values(&out, "Route").is_empty(), "{}", text(&out));
+        let vias = values(&out, "Via");
+        assert!(
+            vias[0].starts_with("SIP/2.0/TCP 127.0.0.1:5060;branch=z9hG4bK-fc-"),
+            "{vias:?}"
+        );
+        let ok = format!(
+            "SIP/2.0 200 OK\r\nVia: {}\r\nFrom: <sip:svc@example.com>;tag=s1\r\nTo: <sip:a@x>;tag=f1\r\nCall-ID: br-4\r\nCSeq: 1 BYE\r\nContent-Length: 0\r\n\r\n",
+            vias.join(", ")
+        );
+        let mut back = Vec::new();
+        assert_eq!(from_client(&c, &ok, &mut back), Action::ToAddr(svc));
+    }
+
+    /// Members of the vserver's own transport are not bridged: one Record-Route, as before,
+    /// and the core has no other leg.
+    #[test]
+    fn members_of_the_vservers_transport_are_not_bridged() {
+        let c = core("sip-tcp");
+        assert_eq!(c.member_transport(0), Transport::Tcp);
+        assert!(!c.local().is_bridged());
+        let (m, rr, out) = set_up(&c, "br-5");
+        let d = hash::service_digest(c.balancer().members()[m].id_hash);
+        assert_eq!(
+            rr,
+            [format!(
+                "<sip:127.0.0.1:5060;transport=tcp;lr;fc-svc={d:016x}>"
+            )]
+        );
+        assert!(values(&out, "Via")[0].starts_with("SIP/2.0/TCP 127.0.0.1:5060;"));
+        // A second Route naming fulcrum is not skipped off a bridge: a loop.
+        let bye = format!(
+            "BYE sip:a@192.0.2.10 SIP/2.0\r\nVia: SIP/2.0/TCP 127.0.0.1:5071;branch=z9hG4bKx\r\nRoute: {}, <sip:127.0.0.1:5060;transport=tcp;lr>\r\nMax-Forwards: 70\r\nFrom: <sip:svc@example.com>;tag=s1\r\nTo: <sip:a@x>;tag=f1\r\nCall-ID: br-5\r\nCSeq: 1 BYE\r\nContent-Length: 0\r\n\r\n",
+            rr[0]
+        );
+        let mut out = Vec::new();
+        assert_eq!(
+            from_member(&c, m, &bye, &mut out),
+            Action::Drop(DropReason::Loop)
+        );
     }
 }

@@ -12,6 +12,11 @@
 //! - Requests from a service toward a client (in-dialog) go to a live connection from the
 //!   client's address (RFC 5923-style alias); with none, they are dropped and counted,
 //!   never relayed elsewhere.
+//! - The transports bridge (docs/sip.md): members that speak sip-udp are reached over one UDP
+//!   socket of the vserver (its UDP leg, bound at start when the vserver has such members);
+//!   what they send there is handled as theirs and goes back to the client connections.
+//!   Members of the other stream transport (sip-tcp under a sip-tls vserver and the
+//!   reverse) are links like the others, with or without TLS.
 //!
 //! # Reload
 //! Every message is decided and carried out with one [`Generation`]: the core and the link
@@ -33,7 +38,7 @@ use crate::proxy::shutdown::{Signal, TaskGroup, TaskGuard};
 use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
 use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
-use crate::sip::{Frame, Transport, scan};
+use crate::sip::{Frame, Local, Transport, scan};
 use arc_swap::ArcSwap;
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
@@ -91,6 +96,10 @@ pub struct TcpCounters {
     /// Service connection tasks that took their retirement in (a reload removed their
     /// member): queue handed back, nothing more written.
     pub services_retired: AtomicU64,
+    /// Datagrams on the UDP leg from an address that is no sip-udp member: dropped.
+    pub udp_leg_strangers: AtomicU64,
+    /// Datagrams the UDP leg could not send (its send buffer full, or an error).
+    pub udp_leg_send_errors: AtomicU64,
 }
 
 struct Client {
@@ -120,6 +129,8 @@ struct ServiceLink {
     /// in it for the next connection.
     tls: Option<Arc<crate::tls::TlsConnector>>,
     tx: mpsc::Sender<Bytes>,
+    /// Reached over the vserver's UDP leg (a sip-udp member): no connection, no task.
+    udp: bool,
     retired: AtomicBool,
     retire: Notify,
 }
@@ -129,6 +140,7 @@ impl ServiceLink {
         name: &str,
         addr: SocketAddr,
         tls: Option<crate::tls::ClientTls>,
+        udp: bool,
     ) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
         let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
         let link = ServiceLink {
@@ -136,6 +148,7 @@ impl ServiceLink {
             addr,
             tls: tls.map(|t| Arc::new(crate::tls::TlsConnector::new(t))),
             tx,
+            udp,
             retired: AtomicBool::new(false),
             retire: Notify::new(),
         };
@@ -204,6 +217,8 @@ pub struct TcpShared {
     /// TLS on accepted connections (a sip-tls vserver); a reload stores new certificates in
     /// it for the next handshakes.
     tls: Option<Arc<crate::tls::TlsListener>>,
+    /// The UDP leg toward sip-udp members (the transports bridge), when there are any.
+    udp: Option<Arc<tokio::net::UdpSocket>>,
 }
 
 impl std::fmt::Debug for TcpShared {
@@ -252,6 +267,11 @@ impl TcpShared {
         self.clients.len()
     }
 
+    /// Whether the vserver has its UDP leg (it had sip-udp members at start).
+    pub(crate) fn has_udp_leg(&self) -> bool {
+        self.udp.is_some()
+    }
+
     /// Make `next` the current generation: members of its balancer that were already
     /// members with the same address keep their link (and its connection), the others get
     /// a new one; links of members that left are retired once `next` is current. Returns
@@ -276,10 +296,14 @@ impl TcpShared {
                     .member_addr(m)
                     .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
                 let tls = next.tls.get(m).cloned().flatten();
+                let udp = next.core.member_transport(m) == Transport::Udp;
                 // A link is kept while the service is the same one, reached the same way
-                // (TLS or not); new certificates go to its next connection.
+                // (UDP, TLS or TCP); new certificates go to its next connection.
                 let kept = old.links.iter().find(|l| {
-                    l.name == *name && l.addr == addr && l.tls.is_some() == tls.is_some()
+                    l.name == *name
+                        && l.addr == addr
+                        && l.tls.is_some() == tls.is_some()
+                        && l.udp == udp
                 });
                 match (kept, tls) {
                     (Some(l), tls) => {
@@ -289,8 +313,11 @@ impl TcpShared {
                         Arc::clone(l)
                     }
                     (None, tls) => {
-                        let (link, rx) = ServiceLink::new(name, addr, tls);
-                        fresh.push((Arc::clone(&link), rx));
+                        let (link, rx) = ServiceLink::new(name, addr, tls, udp);
+                        // A sip-udp member's datagrams go out on the UDP leg: no task.
+                        if !udp {
+                            fresh.push((Arc::clone(&link), rx));
+                        }
                         link
                     }
                 }
@@ -376,6 +403,9 @@ impl TcpShared {
             bump(&self.counters.service_queue_full);
             return false;
         };
+        if link.udp {
+            return self.to_udp(&bytes, link.addr);
+        }
         match link.tx.try_send(bytes) {
             Ok(()) => true,
             Err(mpsc::error::TrySendError::Closed(bytes)) => {
@@ -384,6 +414,26 @@ impl TcpShared {
             }
             Err(mpsc::error::TrySendError::Full(_)) => {
                 bump(&self.counters.service_queue_full);
+                false
+            }
+        }
+    }
+
+    /// Send `bytes` to `addr` over the UDP leg. A datagram path does not wait: a full send
+    /// buffer loses the datagram (counted), and SIP retransmits it (RFC 3261 §17.1.1.2).
+    fn to_udp(&self, bytes: &[u8], addr: SocketAddr) -> bool {
+        let Some(sock) = &self.udp else {
+            bump(&self.counters.udp_leg_send_errors);
+            return false;
+        };
+        let addr = udp_target(sock, addr);
+        match sock.try_send_to(bytes, addr) {
+            Ok(_) => true,
+            Err(e) => {
+                bump(&self.counters.udp_leg_send_errors);
+                if self.log.allow(self.now()) {
+                    tracing::debug!(vserver = %self.name, %addr, error = %e, "UDP leg send failed");
+                }
                 false
             }
         }
@@ -410,10 +460,13 @@ impl TcpShared {
         let g = self.current.load();
         let failed = g.index_of(link);
         let sent = match g.core.rechoose(&bytes, link.addr, self.now()) {
-            Some(m) if Some(m) != failed => g
-                .links
-                .get(m)
-                .is_some_and(|l| l.tx.try_send(bytes.clone()).is_ok()),
+            Some(m) if Some(m) != failed => g.links.get(m).is_some_and(|l| {
+                if l.udp {
+                    self.to_udp(&bytes, l.addr)
+                } else {
+                    l.tx.try_send(bytes.clone()).is_ok()
+                }
+            }),
             _ => false,
         };
         if sent {
@@ -483,7 +536,21 @@ impl TcpShared {
             }
             Action::ToAddr(addr) => {
                 let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
-                if let Some(m) = g.core.member_of(addr) {
+                // A client's response may go to another port of a sip-udp service's host (its
+                // Via says where); anything else only to a member's own address, so that a
+                // service's request toward a client on the same host reaches the client.
+                let udp_member = match origin {
+                    Origin::Client { .. } => g.core.udp_member_of(addr),
+                    Origin::Member(_) => g
+                        .core
+                        .member_of(addr)
+                        .filter(|&m| g.core.member_transport(m) == Transport::Udp),
+                };
+                if self.udp.is_some() && udp_member.is_some() {
+                    // A client's response to a sip-udp service's in-dialog request: to the
+                    // address its Via names, on the UDP leg.
+                    self.to_udp(out, addr);
+                } else if let Some(m) = g.core.member_of(addr) {
                     // A client's response to a service's in-dialog request.
                     self.to_service(g, m, bytes());
                 } else if let Some(tx) = self.draining_tx(addr) {
@@ -1129,6 +1196,102 @@ fn mark_up_again(shared: &TcpShared, link: &ServiceLink) {
     }
 }
 
+/// Where a datagram to `addr` goes from `sock`: an IPv4 target is mapped when the socket is
+/// IPv6 (a wildcard `[::]` bind is dual-stack).
+fn udp_target(sock: &tokio::net::UdpSocket, addr: SocketAddr) -> SocketAddr {
+    match (sock.local_addr(), addr.ip()) {
+        (Ok(SocketAddr::V6(_)), std::net::IpAddr::V4(v4)) => {
+            SocketAddr::new(std::net::IpAddr::V6(v4.to_ipv6_mapped()), addr.port())
+        }
+        _ => addr,
+    }
+}
+
+/// The UDP leg's receive loop: what sip-udp members send there (responses to the requests
+/// fulcrum forwarded, their in-dialog requests toward clients, their answers to the clients'
+/// in-dialog requests) is handled as theirs by the current core and carried out like a
+/// message read from a link. Datagrams from anyone else are dropped: the leg faces the
+/// services, clients reach the vserver on its listener.
+async fn udp_leg_loop(shared: Arc<TcpShared>, sock: Arc<tokio::net::UdpSocket>) {
+    let dst = sock
+        .local_addr()
+        .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+    let mut buf = vec![0u8; 65_536];
+    // fulcrum's own replies to a service's request go back as datagrams, not on a queue.
+    let (no_queue, _) = mpsc::channel::<Bytes>(1);
+    loop {
+        let (n, src) = match sock.recv_from(&mut buf).await {
+            Ok(r) => r,
+            Err(e) => {
+                if shared.log.allow(shared.now()) {
+                    tracing::debug!(vserver = %shared.name, error = %e, "UDP leg receive failed");
+                }
+                continue;
+            }
+        };
+        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+        OUT.with_borrow_mut(|out| {
+            let g = shared.current.load();
+            let Some(m) = g.core.udp_member_of(src) else {
+                bump(&shared.counters.udp_leg_strangers);
+                return;
+            };
+            let origin = Origin::Member(m);
+            match g
+                .core
+                .handle(&buf[..n], origin, src, dst, shared.now(), out)
+            {
+                Action::Reply(addr) => {
+                    shared.to_udp(out, addr);
+                }
+                action => shared.dispatch(&g, action, out, origin, &no_queue),
+            }
+        });
+    }
+}
+
+/// Bind the UDP leg of stream vserver `v` toward its sip-udp members: the first bind
+/// address's IP with an ephemeral port (docs/sip.md says why), and fulcrum's identity on
+/// it (the IP toward the first such member when the bind is a wildcard).
+fn bind_udp_leg(
+    ctx: &StartCtx<'_>,
+    v: &Vserver,
+    bound: &[SocketAddr],
+    udp_members: &[SocketAddr],
+) -> Result<(Arc<tokio::net::UdpSocket>, Local), RuntimeError> {
+    let setup = |problem: String| RuntimeError::Setup {
+        vserver: v.name.clone(),
+        problem,
+    };
+    let first = *bound
+        .first()
+        .ok_or_else(|| setup("no bind address".into()))?;
+    let at = SocketAddr::new(first.ip(), 0);
+    let bind_err = |source| RuntimeError::Bind {
+        vserver: v.name.clone(),
+        addr: at,
+        source,
+    };
+    let sock = std::net::UdpSocket::bind(at).map_err(bind_err)?;
+    sock.set_nonblocking(true).map_err(bind_err)?;
+    let sock = {
+        let _enter = ctx.tokio.enter();
+        tokio::net::UdpSocket::from_std(sock).map_err(bind_err)?
+    };
+    let local = sock.local_addr().map_err(bind_err)?;
+    let ip = if local.ip().is_unspecified() {
+        let peer = udp_members
+            .first()
+            .ok_or_else(|| setup("no sip-udp service for the UDP leg".into()))?;
+        crate::net::local_ip_toward(*peer).map_err(|e| setup(format!("no route to {peer}: {e}")))?
+    } else {
+        local.ip()
+    };
+    let leg =
+        Local::from_addr(SocketAddr::new(ip, local.port()), Transport::Udp).with_aliases(&[local]);
+    Ok((Arc::new(sock), leg))
+}
+
 /// The vserver's own task: its accept loops and dialog sweeper until the shutdown signal,
 /// then the end of every client connection and service link (aborted, so that no
 /// connection's read or write loop has to look at the signal on its data path).
@@ -1138,10 +1301,16 @@ async fn run_vserver(
     mut signal: Signal,
     _guard: TaskGuard,
 ) {
-    let accepts: Vec<AbortOnDrop> = listeners
+    let mut accepts: Vec<AbortOnDrop> = listeners
         .into_iter()
         .map(|l| AbortOnDrop(tokio::spawn(accept_loop(Arc::clone(&shared), l))))
         .collect();
+    if let Some(sock) = shared.udp.clone() {
+        accepts.push(AbortOnDrop(tokio::spawn(udp_leg_loop(
+            Arc::clone(&shared),
+            sock,
+        ))));
+    }
     // Dialog expiry, as on UDP, in whatever core is current (with its idle timeout).
     // Looked at every POLL, so a reload to a shorter timeout is followed at once.
     let sweep = async {
@@ -1186,9 +1355,29 @@ pub(crate) fn start(
     };
     let local = local_identity(v, &bound, &member_addrs, transport)?;
     let tls = crate::proxy::runtime::tls_listener(v)?;
+    // The transports bridge: the other stream transport shares the vserver's address (its
+    // links connect out); sip-udp members get a UDP leg of their own.
+    let mut legs = vec![local.with_transport(match transport {
+        Transport::Tls => Transport::Tcp,
+        _ => Transport::Tls,
+    })];
+    let udp_members: Vec<SocketAddr> = v
+        .members()
+        .filter_map(|i| config.services.get(i))
+        .filter(|s| s.protocol == Protocol::SipUdp)
+        .map(|s| s.address)
+        .collect();
+    let udp = if udp_members.is_empty() {
+        None
+    } else {
+        let (sock, leg) = bind_udp_leg(ctx, v, &bound, &udp_members)?;
+        tracing::info!(vserver = %v.name, udp_leg = ?sock.local_addr().ok(), "UDP leg toward sip-udp services bound");
+        legs.push(leg);
+        Some(sock)
+    };
     let balancer = Arc::new(crate::balancer::Balancer::new(config, v));
     let core = Arc::new(
-        SipCore::new(SipParams::of(config, v, local, Arc::clone(&balancer)))
+        SipCore::new(SipParams::of(config, v, local, Arc::clone(&balancer)).with_legs(legs))
             .with_edge(v.edge(None)),
     );
     let empty = Generation {
@@ -1211,6 +1400,7 @@ pub(crate) fn start(
         log: LogLimiter::default(),
         tokio: ctx.tokio.clone(),
         tls: tls.clone(),
+        udp,
     });
     // Every member gets its link (and connection task) as a reload's added member would.
     shared.install(Install {

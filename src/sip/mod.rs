@@ -25,7 +25,7 @@
 //!     } else {
 //!         let rw = RequestRewrite { local: &local, src, record_route: true,
 //!                                   force_rport: false, conn_id: None,
-//!                                   service: None };
+//!                                   service: None, arrived_on: None };
 //!         match sip::forward_request(&msg, &rw, &mut out) {
 //!             Ok(_) => { /* send `out` to the service chosen from the key */ }
 //!             Err(RewriteError::TooManyHops) => {

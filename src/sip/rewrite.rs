@@ -114,6 +114,10 @@ pub struct Local {
     port: u16,
     transport: Transport,
     aliases: Vec<SocketAddr>,
+    /// The vserver also speaks another transport toward some services (the transports
+    /// bridge): fulcrum double record-routes those dialogs (RFC 5658 §3.2), so the first two
+    /// Route values may both name it.
+    bridged: bool,
     /// `Via: SIP/2.0/UDP host:port;branch=` ready to copy.
     via_prefix: Vec<u8>,
     /// `Record-Route: <sip:host:port;lr` ready to copy; `>\r\n` or `;fc-svc=..>\r\n` follows.
@@ -155,6 +159,7 @@ impl Local {
             port,
             transport,
             aliases: Vec::new(),
+            bridged: false,
             via_prefix,
             rr_line,
         }
@@ -199,6 +204,42 @@ impl Local {
     pub fn with_aliases(mut self, aliases: &[SocketAddr]) -> Local {
         self.aliases = aliases.to_vec();
         self
+    }
+
+    /// The same host, port and aliases on another transport (a leg of the transports bridge
+    /// that shares the vserver's address, e.g. TCP toward sip-tcp services of a sip-tls
+    /// vserver).
+    pub fn with_transport(&self, transport: Transport) -> Local {
+        Local::new(&self.host, self.port, transport).with_aliases(&self.aliases)
+    }
+
+    /// This identity as one leg of a bridge whose other legs are `others`: their addresses
+    /// become aliases (a Via or Route naming any leg is fulcrum's), and the first two Route
+    /// values may name fulcrum (RFC 5658 double record-routing).
+    pub fn bridged_with(mut self, others: &[Local]) -> Local {
+        for o in others {
+            for a in o.addrs() {
+                if !self.is_local_addr(a) {
+                    self.aliases.push(a);
+                }
+            }
+        }
+        self.bridged = true;
+        self
+    }
+
+    /// The addresses that are this identity: the advertised one when it is an IP address,
+    /// and the aliases.
+    pub fn addrs(&self) -> impl Iterator<Item = SocketAddr> + '_ {
+        self.ip
+            .map(|ip| SocketAddr::new(ip, self.port))
+            .into_iter()
+            .chain(self.aliases.iter().copied())
+    }
+
+    /// Whether this identity is a leg of a transports bridge ([`Local::bridged_with`]).
+    pub fn is_bridged(&self) -> bool {
+        self.bridged
     }
 
     pub fn port(&self) -> u16 {
@@ -258,6 +299,11 @@ pub struct RequestRewrite<'l> {
     /// With `record_route`: the chosen service's digest, written as `;fc-svc=<hex>` in the
     /// Record-Route URI ([`SERVICE_PARAM`]).
     pub service: Option<u64>,
+    /// With `record_route`, when the request arrived on another transport than it leaves on
+    /// (the transports bridge): the identity of the leg it arrived on, written as a second
+    /// Record-Route entry below the one naming `local` (RFC 5658 §3.2 double
+    /// record-routing), so each side's route set names the interface facing it.
+    pub arrived_on: Option<&'l Local>,
 }
 
 /// A next hop: an address, or a name the shell must resolve (RFC 3263 is out of scope here).
@@ -389,9 +435,9 @@ enum Ins {
     Decimal(u32),
 }
 
-/// At most: rport, received, Max-Forwards, own Route.
+/// At most: rport, received, Max-Forwards, own Route values (two on a bridge).
 struct Edits {
-    list: [Edit; 4],
+    list: [Edit; 5],
     len: usize,
 }
 
@@ -403,7 +449,7 @@ impl Edits {
             ins: Ins::Nothing,
         };
         Edits {
-            list: [e; 4],
+            list: [e; 5],
             len: 0,
         }
     }
@@ -465,13 +511,15 @@ pub fn forward_request<B: BufMut>(
     };
     // Every line added here must still fit what fulcrum's own scanner takes, or the answer
     // (which carries the same headers) could not come back through fulcrum.
-    let added = 1 + usize::from(rw.record_route) + usize::from(!mf);
+    let rr_lines = usize::from(rw.record_route) * (1 + usize::from(rw.arrived_on.is_some()));
+    let added = 1 + rr_lines + usize::from(!mf);
     if msg.header_count() + added > MAX_HEADERS {
         return Err(RewriteError::TooManyHeaders);
     }
 
     source_edits(&top, rw.src, rw.force_rport, &mut edits);
-    if let Some(remove) = own_route_removal(msg, rw.local) {
+    let (first, second) = own_route_removal(msg, rw.local);
+    for remove in [first, second].into_iter().flatten() {
         edits.push(Edit {
             start: remove.start,
             end: remove.end,
@@ -506,6 +554,10 @@ pub fn forward_request<B: BufMut>(
             put(out, &hex16(d));
         }
         put(out, b">\r\n");
+        if let Some(back) = rw.arrived_on {
+            put(out, &back.rr_line);
+            put(out, b">\r\n");
+        }
     }
     if !mf {
         put(out, b"Max-Forwards: ");
@@ -605,28 +657,85 @@ fn first_value_removal(buf: &[u8], idx: Indexed) -> Option<Span> {
     }
 }
 
-/// The first Route value when it names fulcrum (RFC 3261 §16.4: "MUST remove that value").
 /// The service digest (`fc-svc`) in the request's top Route when that Route is fulcrum's: the
 /// service some fulcrum instance chose for the dialog. `None` without a Route, when the top
 /// Route is not fulcrum's (only the first value may name us, §16.4), or when it carries no
 /// well-formed digest (16 hex digits). The caller matches it against its own services only.
+///
+/// On a bridge ([`Local::is_bridged`]) the dialog was double record-routed (RFC 5658 §3.2)
+/// and only the entry of one leg carries the digest: when the top Route is fulcrum's without
+/// it, the second value is read too if it is fulcrum's.
 pub fn routed_service(msg: &SipMsg<'_>, local: &Local) -> Option<u64> {
     let uri = parse_uri(msg.route_uri()?)?;
     if !local.is_local(uri.host, uri.port) {
         return None;
     }
-    uri.param(SERVICE_PARAM)
-        .filter(|v| v.len() == 16)
-        .and_then(parse_hex)
+    let digest = |v: &[u8]| Some(v).filter(|v| v.len() == 16).and_then(parse_hex);
+    match uri.param(SERVICE_PARAM) {
+        Some(v) => digest(v),
+        None if local.bridged => {
+            let second = msg.routes().nth(1)?;
+            let uri = parse_uri(parse_name_addr(second)?.uri)?;
+            if !local.is_local(uri.host, uri.port) {
+                return None;
+            }
+            digest(uri.param(SERVICE_PARAM)?)
+        }
+        None => None,
+    }
 }
 
-fn own_route_removal(msg: &SipMsg<'_>, local: &Local) -> Option<Span> {
-    let idx = msg.route_index()?;
-    let uri = parse_uri(msg.route_uri()?)?;
+/// The Route values to cut because they name fulcrum (RFC 3261 §16.4: "MUST remove that
+/// value"): the first one, and on a bridge the second one too when the first was ours (both
+/// entries of a double record-route, RFC 5658 §3.2).
+fn own_route_removal(msg: &SipMsg<'_>, local: &Local) -> (Option<Span>, Option<Span>) {
+    let (Some(idx), Some(uri)) = (msg.route_index(), msg.route_uri().and_then(parse_uri)) else {
+        return (None, None);
+    };
     if !local.is_local(uri.host, uri.port) {
-        return None;
+        return (None, None);
     }
-    first_value_removal(msg.buf(), idx)
+    if !local.bridged {
+        return (first_value_removal(msg.buf(), idx), None);
+    }
+    let buf = msg.buf();
+    let is_ours = |span: Span| {
+        parse_name_addr(span.of(buf))
+            .and_then(|na| parse_uri(na.uri))
+            .is_some_and(|u| local.is_local(u.host, u.port))
+    };
+    let mut vals = CommaValues::new(buf, idx.value);
+    let (Some(first), second) = (vals.next(), vals.next()) else {
+        return (None, None);
+    };
+    match second {
+        // Both in the first Route header: cut up to the third value, or the whole line.
+        Some(second) if is_ours(second) => match vals.next() {
+            Some(third) => (Some(Span::new(first.start, third.start)), None),
+            None => (Some(idx.line), None),
+        },
+        Some(second) => (Some(Span::new(first.start, second.start)), None),
+        // The first Route header holds only ours: the second value is the first of the next
+        // Route header.
+        None => {
+            let next = msg.headers().find(|h| {
+                h.line.start >= idx.line.end && HeaderName::classify(h.name) == HeaderName::Route
+            });
+            let cut_next = next.and_then(|h| {
+                let i = Indexed {
+                    line: h.line,
+                    value: h.value_span,
+                };
+                let v = CommaValues::new(buf, i.value).next()?;
+                if is_ours(v) {
+                    first_value_removal(buf, i)
+                } else {
+                    None
+                }
+            });
+            (Some(idx.line), cut_next)
+        }
+    }
 }
 
 /// RFC 3261 §16.11: with a cookie branch, a hash of the received branch and sent-by (so a
@@ -882,12 +991,15 @@ pub fn request_target<'a>(msg: &SipMsg<'a>, local: &Local) -> Result<Target<'a>,
         return Err(RewriteError::NotARequest);
     }
     let mut uri = None;
+    let mut skipped = false;
     for (i, value) in msg.routes().enumerate() {
         let Some(u) = parse_name_addr(value).and_then(|na| parse_uri(na.uri)) else {
             return Err(RewriteError::NoTarget);
         };
-        // Only the first value may name us (§16.4); a later one naming us is a loop.
-        if i == 0 && local.is_local(u.host, u.port) {
+        // Only the first value may name us (§16.4), or the first two on a bridge (RFC 5658
+        // double record-routing); a later one naming us is a loop.
+        if (i == 0 || (i == 1 && local.bridged && skipped)) && local.is_local(u.host, u.port) {
+            skipped = true;
             continue;
         }
         uri = Some(u);
@@ -1138,6 +1250,7 @@ Content-Length: 0\r\n\r\n";
             force_rport: false,
             conn_id: None,
             service: None,
+            arrived_on: None,
         }
     }
 

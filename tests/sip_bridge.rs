@@ -1,0 +1,293 @@
+//! The transports bridge (docs/sip.md) over loopback: whole calls from a TLS client (and a
+//! TCP one) through a stream vserver to strict SIP services over UDP, each of which answers
+//! 481 to a BYE for a dialog it did not set up. Each leg speaks its own transport: the
+//! services see fulcrum's `Via: SIP/2.0/UDP`, the 200 brings two Record-Route entries (RFC
+//! 5658 §3.2: the UDP one toward the service on top, the client leg's below), and a BYE
+//! the callee sends over UDP reaches the caller over its TLS connection.
+
+mod common;
+
+use common::sip_tcp::{Next, next_message};
+use common::sip_uac::Uac;
+use common::strict_uas::StrictUas;
+use common::tls::{Ca, client_config, connect};
+use common::*;
+use fulcrum::config;
+use fulcrum::ops::Ops;
+use fulcrum::sip;
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::sync::Arc;
+use std::time::Duration;
+
+const CALLS: usize = 20;
+
+fn start(f: &ConfigFile) -> Arc<Ops> {
+    let cfg = config::load(&f.path).unwrap_or_else(|e| panic!("config: {e}"));
+    Ops::start(cfg, Some(f.path.clone())).expect("start")
+}
+
+fn addr(ops: &Ops, name: &str) -> SocketAddr {
+    ops.with_vservers(|vs, _| vs.iter().find(|v| v.name == name).map(|v| v.bound[0]))
+        .flatten()
+        .expect("vserver")
+}
+
+/// A `protocol` vserver `v` (sip-tls with `sip.crt` for `fulcrum.test`, or sip-tcp) over
+/// sip-udp services at `services`, record-routing, `extra` for the services' lines.
+fn yaml(protocol: &str, services: &[(String, SocketAddr)], extra: &str) -> String {
+    let mut y = String::from(
+        "admin: { listen: null }\n\
+         monitors:\n  - { name: ping, type: sip-options, interval: 500ms, timeout: 500ms, failures_to_down: 1, successes_to_up: 1 }\n\
+         services:\n",
+    );
+    for (name, a) in services {
+        y.push_str(&format!(
+            "  - {{ name: {name}, address: \"{a}\", protocol: sip-udp{extra} }}\n"
+        ));
+    }
+    let tls = if protocol == "sip-tls" {
+        "    tls: { cert: sip.crt, key: sip.key }\n"
+    } else {
+        ""
+    };
+    let names: Vec<&str> = services.iter().map(|(n, _)| n.as_str()).collect();
+    y.push_str(&format!(
+        "vservers:\n  - name: v\n    protocol: {protocol}\n    bind: [\"127.0.0.1:0\"]\n    method: call_id_hash\n    record_route: true\n{tls}    services: [{}]\n",
+        names.join(", ")
+    ));
+    y
+}
+
+/// Whole calls over `uac` through vserver `vs` (transport `tp` on the client leg) to `uas`:
+/// every call 200/200, two Record-Route entries in RFC 5658 order, no 481, fulcrum's UDP Via
+/// at the services.
+fn check_calls<S: common::sip_tcp::TimedRead + Write>(
+    uac: &mut Uac<S>,
+    uas: &[StrictUas],
+    vs: SocketAddr,
+    tp: &str,
+    tag: &str,
+) {
+    for i in 0..CALLS {
+        let call = uac.call(&format!("{tag}-{i}"));
+        assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
+        let rr = &call.record_route;
+        assert_eq!(rr.len(), 2, "double record-route: {call:?}");
+        // Top: the UDP leg, toward the service, naming the service (fc-svc).
+        assert!(rr[0].starts_with("<sip:127.0.0.1:"), "{rr:?}");
+        assert!(!rr[0].contains("transport="), "a UDP entry: {rr:?}");
+        assert!(rr[0].contains(";lr;fc-svc="), "{rr:?}");
+        assert!(!rr[0].starts_with(&format!("<sip:{vs};")), "{rr:?}");
+        // Below: the client leg, the vserver's listener and transport.
+        assert_eq!(rr[1], format!("<sip:{vs};transport={tp};lr>"), "{rr:?}");
+    }
+    let counts: Vec<_> = uas.iter().map(|u| u.counts()).collect();
+    assert_eq!(
+        counts.iter().map(|c| c.dialogs).sum::<u64>(),
+        CALLS as u64,
+        "{counts:?}"
+    );
+    assert_eq!(
+        counts.iter().map(|c| c.byes_ok).sum::<u64>(),
+        CALLS as u64,
+        "{counts:?}"
+    );
+    assert_eq!(
+        counts.iter().map(|c| c.r481).sum::<u64>(),
+        0,
+        "no misrouted BYE: {counts:?}"
+    );
+    assert!(
+        counts.iter().all(|c| c.dialogs > 0),
+        "Call-IDs spread: {counts:?}"
+    );
+    for u in uas {
+        let via = u.last_via().expect("a request reached it");
+        assert!(
+            via.starts_with("SIP/2.0/UDP 127.0.0.1:"),
+            "fulcrum's Via toward a UDP service: {via}"
+        );
+    }
+}
+
+fn uas_pair() -> (Vec<StrictUas>, Vec<(String, SocketAddr)>) {
+    let uas: Vec<StrictUas> = (0..2).map(|i| StrictUas::udp(&format!("s{i}"))).collect();
+    let services = uas.iter().map(|u| (u.name.clone(), u.addr)).collect();
+    (uas, services)
+}
+
+fn monitored(ops: &Arc<Ops>, uas: &[StrictUas]) -> Arc<Ops> {
+    assert!(
+        wait_until(Duration::from_secs(10), || uas
+            .iter()
+            .all(|u| u.counts().requests > 0)),
+        "the sip-options monitors reached both services over UDP"
+    );
+    Arc::clone(ops)
+}
+
+#[test]
+fn tls_calls_reach_strict_services_over_udp_with_each_leg_its_transport() {
+    let f = ConfigFile::new("sip-bridge-tls", "");
+    let ca = Ca::new("fulcrum sip bridge test CA");
+    ca.issue(&f, "sip", "fulcrum.test", "fulcrum");
+    let (uas, services) = uas_pair();
+    f.write(&yaml("sip-tls", &services, ", monitor: ping"));
+    let ops = monitored(&start(&f), &uas);
+    let vs = addr(&ops, "v");
+    let s = connect(vs, &client_config(&ca, None), "fulcrum.test", ANSWER).expect("TLS client");
+    let local = s.sock.local_addr().expect("addr");
+    let mut uac = Uac::new(s, local, "TLS");
+    check_calls(&mut uac, &uas, vs, "tls", "bridge-tls");
+    ops.shutdown();
+}
+
+#[test]
+fn tcp_calls_reach_strict_services_over_udp_with_each_leg_its_transport() {
+    let f = ConfigFile::new("sip-bridge-tcp", "");
+    let (uas, services) = uas_pair();
+    f.write(&yaml("sip-tcp", &services, ", monitor: ping"));
+    let ops = monitored(&start(&f), &uas);
+    let vs = addr(&ops, "v");
+    let s = TcpStream::connect(vs).expect("connect");
+    let local = s.local_addr().expect("addr");
+    let mut uac = Uac::new(s, local, "TCP");
+    check_calls(&mut uac, &uas, vs, "tcp", "bridge-tcp");
+    ops.shutdown();
+}
+
+/// The values of header `name` in `msg`, in order.
+fn values(msg: &[u8], name: &str) -> Vec<String> {
+    let m = sip::scan(msg).expect("scans");
+    m.headers()
+        .filter(|h| h.name.eq_ignore_ascii_case(name.as_bytes()))
+        .flat_map(|h| {
+            String::from_utf8_lossy(h.value)
+                .split(',')
+                .map(|v| v.trim().to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The next SIP message on a UDP socket within `ANSWER`, with its source.
+fn recv_udp(sock: &UdpSocket) -> (Vec<u8>, SocketAddr) {
+    sock.set_read_timeout(Some(ANSWER)).expect("timeout");
+    let mut buf = vec![0u8; 65_536];
+    let (n, src) = sock.recv_from(&mut buf).expect("a datagram from fulcrum");
+    buf.truncate(n);
+    (buf, src)
+}
+
+/// A response to `req` with `status`, the request's Vias, From, To (a tag added when
+/// `to_tag`), Call-ID and CSeq, and `extra` lines.
+fn answer(req: &[u8], status: &str, to_tag: Option<&str>, extra: &str) -> String {
+    let m = sip::scan(req).expect("scans");
+    let one = |n: &str| values(req, n).join(", ");
+    let to = match to_tag {
+        Some(t) if m.to_tag().is_none() => format!("{};tag={t}", one("To")),
+        _ => one("To"),
+    };
+    let vias: String = values(req, "Via")
+        .iter()
+        .map(|v| format!("Via: {v}\r\n"))
+        .collect();
+    format!(
+        "SIP/2.0 {status}\r\n{vias}From: {}\r\nTo: {to}\r\nCall-ID: {}\r\nCSeq: {}\r\n{extra}Content-Length: 0\r\n\r\n",
+        one("From"),
+        one("Call-ID"),
+        one("CSeq")
+    )
+}
+
+/// The callee hangs up: a BYE it sends over UDP on the route set the 200 set up (Record-Route
+/// in order, RFC 3261 §12.1.1) reaches the caller over its TLS connection with fulcrum's TLS
+/// Via and no Route left, and the caller's 200 goes back to the callee over UDP.
+#[test]
+fn a_bye_from_the_udp_callee_reaches_the_tls_caller() {
+    let f = ConfigFile::new("sip-bridge-callee-bye", "");
+    let ca = Ca::new("fulcrum sip bridge test CA");
+    ca.issue(&f, "sip", "fulcrum.test", "fulcrum");
+    // A hand-driven callee (no monitor: it answers only what the test makes it answer).
+    let callee = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let callee_addr = callee.local_addr().expect("addr");
+    f.write(&yaml("sip-tls", &[("c".to_owned(), callee_addr)], ""));
+    let ops = start(&f);
+    let vs = addr(&ops, "v");
+    let mut s = connect(vs, &client_config(&ca, None), "fulcrum.test", ANSWER).expect("TLS client");
+    let me = s.sock.local_addr().expect("addr");
+    let call = "callee-bye-1";
+    let invite = format!(
+        "INVITE sip:c@fulcrum.test SIP/2.0\r\nVia: SIP/2.0/TLS {me};branch=z9hG4bK-inv;rport\r\nMax-Forwards: 70\r\nFrom: <sip:uac@{me}>;tag=uac1\r\nTo: <sip:c@fulcrum.test>\r\nCall-ID: {call}\r\nCSeq: 1 INVITE\r\nContact: <sip:uac@{me};transport=tls>\r\nContent-Length: 0\r\n\r\n"
+    );
+    s.write_all(invite.as_bytes()).expect("write");
+    let (inv, from) = recv_udp(&callee);
+    assert!(
+        inv.starts_with(b"INVITE "),
+        "{}",
+        String::from_utf8_lossy(&inv)
+    );
+    let rr = values(&inv, "Record-Route");
+    assert_eq!(rr.len(), 2, "{rr:?}");
+    assert_eq!(rr[1], format!("<sip:{vs};transport=tls;lr>"));
+    // fulcrum's UDP leg sent it, and its Via and top Record-Route name that leg.
+    assert!(
+        rr[0].starts_with(&format!("<sip:{from};lr;fc-svc=")),
+        "{rr:?} from {from}"
+    );
+    assert!(values(&inv, "Via")[0].starts_with(&format!("SIP/2.0/UDP {from};")));
+    let rr_lines: String = rr
+        .iter()
+        .map(|r| format!("Record-Route: {r}\r\n"))
+        .collect();
+    let ok = answer(
+        &inv,
+        "200 OK",
+        Some("callee1"),
+        &format!("{rr_lines}Contact: <sip:c@{callee_addr}>\r\n"),
+    );
+    callee.send_to(ok.as_bytes(), from).expect("send 200");
+    let mut buf = Vec::new();
+    let Next::Message(got) = next_message(&mut s, &mut buf, ANSWER) else {
+        panic!("no 200 to the INVITE over TLS")
+    };
+    let got_rr = values(&got, "Record-Route");
+    assert_eq!(got_rr, rr, "{}", String::from_utf8_lossy(&got));
+    // The callee's BYE: Route = Record-Route in order, toward the caller's Contact.
+    let routes: String = rr.iter().map(|r| format!("Route: {r}\r\n")).collect();
+    let bye = format!(
+        "BYE sip:uac@{me};transport=tls SIP/2.0\r\nVia: SIP/2.0/UDP {callee_addr};branch=z9hG4bK-callee-bye\r\n{routes}Max-Forwards: 70\r\nFrom: <sip:c@fulcrum.test>;tag=callee1\r\nTo: <sip:uac@{me}>;tag=uac1\r\nCall-ID: {call}\r\nCSeq: 1 BYE\r\nContent-Length: 0\r\n\r\n"
+    );
+    callee.send_to(bye.as_bytes(), from).expect("send BYE");
+    let mut got_bye = None;
+    while let Next::Message(m) = next_message(&mut s, &mut buf, ANSWER) {
+        if m.starts_with(b"BYE ") {
+            got_bye = Some(m);
+            break;
+        }
+    }
+    let got_bye = got_bye.expect("the callee's BYE over TLS");
+    let vias = values(&got_bye, "Via");
+    assert!(
+        vias[0].starts_with(&format!("SIP/2.0/TLS {vs};branch=z9hG4bK-fc-")),
+        "{vias:?}"
+    );
+    assert!(
+        values(&got_bye, "Route").is_empty(),
+        "both of fulcrum's Route entries removed: {}",
+        String::from_utf8_lossy(&got_bye)
+    );
+    s.write_all(answer(&got_bye, "200 OK", None, "").as_bytes())
+        .expect("write 200");
+    let (ok_bye, _) = recv_udp(&callee);
+    let text = String::from_utf8_lossy(&ok_bye).into_owned();
+    assert!(text.starts_with("SIP/2.0 200 OK"), "{text}");
+    assert!(text.contains("CSeq: 1 BYE"), "{text}");
+    assert_eq!(
+        values(&ok_bye, "Via").len(),
+        1,
+        "fulcrum's Via removed: {text}"
+    );
+    ops.shutdown();
+}
