@@ -307,11 +307,11 @@ fn more_sources_than_the_table_holds_are_all_let_through() {
         {
             sent += 1;
         }
-        // In bursts the sockets' buffers hold (a lost datagram is not what this measures).
-        if sent.is_multiple_of(200) {
-            wait_until(Duration::from_secs(2), || {
-                uas.counts().requests >= sent - sent / 100
-            });
+        // In bursts the sockets' buffers hold, each delivered before the next (a datagram lost
+        // to a socket buffer while a loaded machine starves the service's thread is not what
+        // this measures): 50 small datagrams fit the default receive buffer many times over.
+        if sent.is_multiple_of(50) {
+            wait_until(Duration::from_secs(5), || uas.counts().requests >= sent);
         }
     }
     assert!(
