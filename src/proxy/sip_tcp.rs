@@ -840,6 +840,14 @@ async fn read_messages<R: StreamRead>(
 /// Most bytes gathered into one write toward a client.
 const WRITE_BATCH: usize = 64 * 1024;
 
+/// Write `bytes` whole and flush them: a TLS stream keeps what the socket did not take in its
+/// own buffer until the next write or a flush, and the next write may never come (on TCP the
+/// flush costs nothing).
+async fn write_out<W: AsyncWrite + Unpin>(write: &mut W, bytes: &[u8]) -> std::io::Result<()> {
+    write.write_all(bytes).await?;
+    write.flush().await
+}
+
 /// Write what is queued toward a client, everything already queued in one write (a client
 /// that sends a burst gets its answers in a few system calls, not one per message).
 async fn write_messages<W: AsyncWrite + Unpin>(mut write: W, mut rx: mpsc::Receiver<Bytes>) {
@@ -847,7 +855,7 @@ async fn write_messages<W: AsyncWrite + Unpin>(mut write: W, mut rx: mpsc::Recei
     while let Some(b) = rx.recv().await {
         let result = match rx.try_recv() {
             // The common case: one message, written from where it is.
-            Err(_) => write.write_all(&b).await,
+            Err(_) => write_out(&mut write, &b).await,
             Ok(next) => {
                 batch.clear();
                 batch.extend_from_slice(&b);
@@ -858,7 +866,7 @@ async fn write_messages<W: AsyncWrite + Unpin>(mut write: W, mut rx: mpsc::Recei
                         Err(_) => break,
                     }
                 }
-                write.write_all(&batch).await
+                write_out(&mut write, &batch).await
             }
         };
         if result.is_err() {
@@ -1044,7 +1052,7 @@ async fn drive_link<C: Connector>(
             // while draining, when the drain ends.
             Phase::Writing | Phase::DrainWriting => match (conn.as_mut(), writing.take()) {
                 (Some(c), Some(b)) => tokio::select! {
-                    r = c.write.write_all(&b) => if r.is_ok() { LinkEvent::WriteDone } else { LinkEvent::WriteFailed },
+                    r = write_out(&mut c.write, &b) => if r.is_ok() { LinkEvent::WriteDone } else { LinkEvent::WriteFailed },
                     () = link.retired(), if !machine.is_retired() => LinkEvent::Retired,
                     () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
                 },
@@ -1424,4 +1432,65 @@ pub(crate) fn start(
         DataPath::SipTcp(core, shared),
     )
     .with_tls(tls))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+    use std::sync::Arc;
+
+    /// A TLS server stream and its client over an in-memory pipe of `pipe` bytes.
+    async fn tls_pair(
+        pipe: usize,
+    ) -> (
+        tokio_rustls::server::TlsStream<tokio::io::DuplexStream>,
+        tokio_rustls::client::TlsStream<tokio::io::DuplexStream>,
+    ) {
+        let ck = rcgen::generate_simple_self_signed(vec!["t.test".to_owned()]).expect("rcgen");
+        let der: CertificateDer<'static> = ck.cert.der().clone();
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.key_pair.serialize_der()));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let server = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(vec![der.clone()], key)
+            .expect("server config");
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).expect("root");
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let (a, b) = tokio::io::duplex(pipe);
+        let name = ServerName::try_from("t.test").expect("name");
+        let (s, c) = tokio::join!(
+            tokio_rustls::TlsAcceptor::from(Arc::new(server)).accept(a),
+            tokio_rustls::TlsConnector::from(Arc::new(client)).connect(name, b),
+        );
+        (s.expect("accept"), c.expect("connect"))
+    }
+
+    /// A TLS stream keeps what the socket did not take in its own buffer until flushed: a
+    /// message written while the socket is full must still go out when nothing follows it.
+    #[tokio::test]
+    async fn a_message_written_over_tls_goes_out_whole_when_nothing_follows() {
+        let (server, mut client) = tls_pair(512).await;
+        let (_read, write) = tokio::io::split(server);
+        let (tx, rx) = mpsc::channel::<Bytes>(4);
+        let writer = tokio::spawn(write_messages(write, rx));
+        let msg = vec![b'x'; 16 * 1024];
+        tx.send(Bytes::from(msg.clone())).await.expect("queued");
+        let mut got = vec![0u8; msg.len()];
+        let read = tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut got)).await;
+        assert!(
+            matches!(read, Ok(Ok(_))),
+            "the whole message arrived while the queue stays open: {read:?}"
+        );
+        assert_eq!(got, msg);
+        drop(tx);
+        writer.await.expect("writer");
+    }
 }
