@@ -149,3 +149,47 @@ async fn sip_options_udp_and_tcp() {
     let dead = dead_port().await;
     assert!(probe(&any, dead, Protocol::SipTcp, T).await.is_err());
 }
+
+/// An `http` monitor of a service with `tls` asks over TLS, with the service's CA and name
+/// (a plain GET to a TLS port is refused, and the service would stay DOWN for ever).
+#[tokio::test]
+async fn http_over_tls_with_the_services_tls() {
+    let f = common::ConfigFile::new("probe-https", "");
+    let ca = common::tls::Ca::new("fulcrum probe test CA");
+    let ca_path = ca.write(&f, "ca.crt");
+    let cert = ca.issue(&f, "svc", "svc.test", "svc");
+    let acceptor = tokio_rustls::TlsAcceptor::from(common::tls::server_config(&cert));
+    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = l.local_addr().expect("addr");
+    tokio::spawn(async move {
+        while let Ok((c, _)) = l.accept().await {
+            let Ok(mut s) = acceptor.accept(c).await else {
+                continue;
+            };
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf).await;
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\n42\n")
+                .await;
+            let _ = s.shutdown().await;
+        }
+    });
+    let config = fulcrum::tls::client_config(&fulcrum::tls::ClientFiles {
+        ca: &ca_path,
+        cert: None,
+        key: None,
+    })
+    .expect("client config");
+    let tls = fulcrum::tls::ClientTls {
+        config,
+        server_name: fulcrum::tls::server_name(Some("svc.test"), addr.ip()).expect("name"),
+    };
+    let kind = MonitorKind::Http {
+        path: "/health".into(),
+        expect_codes: vec![],
+    };
+    let r = fulcrum::health::probe::probe_tls(&kind, addr, Protocol::Http, Some(&tls), T)
+        .await
+        .expect("alive over TLS");
+    assert_eq!((r.status, r.load), (Some(200), Some(42)));
+}

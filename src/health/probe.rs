@@ -6,7 +6,8 @@
 //!   lists the acceptable codes. Provisional responses are skipped.
 //! - `tcp-connect`: the TCP handshake completes.
 //! - `udp`: `send` is sent; a reply arrives (containing `expect` when set).
-//! - `http`: `GET path` answers one of `expect_codes` (200 when empty).
+//! - `http`: `GET path` answers one of `expect_codes` (200 when empty); over TLS with the
+//!   service's `tls` when it has one.
 //!
 //! # Reported load (`custom_load`)
 //! A SIP monitor reads the load from the response header `X-Load: <0..=4294967295>`; an http
@@ -283,34 +284,63 @@ async fn probe_inner(
         }
         MonitorKind::Http { path, expect_codes } => {
             let start = Instant::now();
-            let mut s = TcpStream::connect(target).await?;
-            s.write_all(&build_http_get(target, path)).await?;
-            let mut buf = Vec::with_capacity(4096);
-            loop {
-                let mut chunk = [0u8; 4096];
-                let n = s.read(&mut chunk).await?;
-                buf.extend_from_slice(&chunk[..n]);
-                let eof = n == 0 || buf.len() >= MAX_REPLY;
-                match http_response(&buf, eof) {
-                    Ok(Some((code, body))) => {
-                        let rtt_us = micros(start);
-                        return if status_ok(code, expect_codes, |c| c == 200) {
-                            Ok(ProbeReply {
-                                rtt_us,
-                                status: Some(code),
-                                load: body_load(body),
-                            })
-                        } else {
-                            Err(ProbeError::UnexpectedStatus(code))
-                        };
-                    }
-                    Ok(None) => {}
-                    Err(_) if buf.is_empty() => return Err(ProbeError::Closed),
-                    Err(e) => return Err(e),
+            let s = TcpStream::connect(target).await?;
+            // A service with `tls` is asked over TLS (the handshake counts in the round trip).
+            match tls {
+                Some(tls) => {
+                    http_get(tls_over(s, tls).await?, target, path, expect_codes, start).await
                 }
+                None => http_get(s, target, path, expect_codes, start).await,
             }
         }
     }
+}
+
+/// GET `path` on `s` and judge the answer by `expect_codes` (200 when empty).
+async fn http_get<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
+    target: SocketAddr,
+    path: &str,
+    expect_codes: &[u16],
+    start: Instant,
+) -> Result<ProbeReply, ProbeError> {
+    s.write_all(&build_http_get(target, path)).await?;
+    s.flush().await?;
+    let mut buf = Vec::with_capacity(4096);
+    loop {
+        let mut chunk = [0u8; 4096];
+        let n = s.read(&mut chunk).await?;
+        buf.extend_from_slice(&chunk[..n]);
+        let eof = n == 0 || buf.len() >= MAX_REPLY;
+        match http_response(&buf, eof) {
+            Ok(Some((code, body))) => {
+                let rtt_us = micros(start);
+                return if status_ok(code, expect_codes, |c| c == 200) {
+                    Ok(ProbeReply {
+                        rtt_us,
+                        status: Some(code),
+                        load: body_load(body),
+                    })
+                } else {
+                    Err(ProbeError::UnexpectedStatus(code))
+                };
+            }
+            Ok(None) => {}
+            Err(_) if buf.is_empty() => return Err(ProbeError::Closed),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The TLS handshake toward a service on `s`, with its `tls`.
+async fn tls_over(
+    s: TcpStream,
+    tls: &ClientTls,
+) -> Result<tokio_rustls::client::TlsStream<TcpStream>, ProbeError> {
+    tokio_rustls::TlsConnector::from(Arc::clone(&tls.config))
+        .connect(tls.server_name.clone(), s)
+        .await
+        .map_err(|e| ProbeError::Tls(crate::tls::Reason::of(&e).name()))
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -354,11 +384,7 @@ async fn sip_tls(
     let start = Instant::now();
     let s = TcpStream::connect(target).await?;
     let local = s.local_addr()?;
-    let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.config));
-    let s = connector
-        .connect(tls.server_name.clone(), s)
-        .await
-        .map_err(|e| ProbeError::Tls(crate::tls::Reason::of(&e).name()))?;
+    let s = tls_over(s, tls).await?;
     sip_stream(s, target, local, "TLS", start).await
 }
 
@@ -372,6 +398,8 @@ async fn sip_stream<S: AsyncRead + AsyncWrite + Unpin>(
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
     s.write_all(&build_options(target, local, transport, seq))
         .await?;
+    // A TLS stream may hold what the socket did not take until flushed.
+    s.flush().await?;
     let call_id = call_id_of(seq);
     let mut buf: Vec<u8> = Vec::with_capacity(4096);
     loop {
