@@ -796,8 +796,9 @@ mod tests {
         }
         let names: Vec<&str> = Reason::ALL.iter().map(|r| r.name()).collect();
         let mut unique = names.clone();
+        unique.sort_unstable();
         unique.dedup();
-        assert_eq!(names, unique);
+        assert_eq!(names.len(), unique.len(), "{names:?}");
     }
 
     #[test]
