@@ -369,6 +369,25 @@ impl HandshakeCounters {
         }
     }
 
+    /// Count the outcome of a handshake run under a timeout, and give it as a [`Reason`].
+    fn count<S>(
+        &self,
+        outcome: Result<io::Result<S>, tokio::time::error::Elapsed>,
+    ) -> Result<S, Reason> {
+        let outcome = match outcome {
+            Err(_) => Err(Reason::Timeout),
+            Ok(Err(e)) => Err(Reason::of(&e)),
+            Ok(Ok(s)) => Ok(s),
+        };
+        match &outcome {
+            Ok(_) => {
+                self.completed.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(r) => self.fail(*r),
+        }
+        outcome
+    }
+
     /// Failures counted for `reason`.
     pub fn failed(&self, reason: Reason) -> &AtomicU64 {
         let i = Reason::ALL.iter().position(|r| *r == reason).unwrap_or(0);
@@ -417,18 +436,8 @@ impl TlsListener {
     {
         let tls = self.current();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&tls.config));
-        let outcome = match tokio::time::timeout(tls.handshake_timeout, acceptor.accept(io)).await {
-            Err(_) => Err(Reason::Timeout),
-            Ok(Err(e)) => Err(Reason::of(&e)),
-            Ok(Ok(s)) => Ok(s),
-        };
-        match &outcome {
-            Ok(_) => {
-                self.counters.completed.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(r) => self.counters.fail(*r),
-        }
-        outcome
+        self.counters
+            .count(tokio::time::timeout(tls.handshake_timeout, acceptor.accept(io)).await)
     }
 }
 
@@ -477,21 +486,9 @@ impl TlsConnector {
     {
         let tls = self.current();
         let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.config));
-        let outcome =
-            match tokio::time::timeout(timeout, connector.connect(tls.server_name.clone(), io))
-                .await
-            {
-                Err(_) => Err(Reason::Timeout),
-                Ok(Err(e)) => Err(Reason::of(&e)),
-                Ok(Ok(s)) => Ok(s),
-            };
-        match &outcome {
-            Ok(_) => {
-                self.counters.completed.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(r) => self.counters.fail(*r),
-        }
-        outcome
+        self.counters.count(
+            tokio::time::timeout(timeout, connector.connect(tls.server_name.clone(), io)).await,
+        )
     }
 }
 
