@@ -327,6 +327,7 @@ impl UdpCore {
     }
 }
 
+/// Start a udp vserver: one worker thread per SO_REUSEPORT socket set.
 pub(crate) fn start(
     ctx: &mut StartCtx<'_>,
     config: &Config,
