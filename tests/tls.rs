@@ -275,6 +275,30 @@ fn http_termination_hashes_the_decrypted_head_with_curl() {
     ops.shutdown();
 }
 
+/// A TLS client that half-closes its TCP side without close_notify (many do) still gets the
+/// answer: the missing alert is read as the end of its stream, passed on to the service as a
+/// FIN, and the service's answer comes back.
+#[test]
+fn a_half_close_without_close_notify_still_gets_the_answer() {
+    let f = ConfigFile::new("tls-half-close", "");
+    let ca = Ca::new("fulcrum test CA");
+    ca.issue(&f, "www", "www.test", "www.test");
+    let svc = services("tcp", 1, "127.0.0.1");
+    f.write(&tcp_yaml(&refs(&svc), "", ""));
+    let ops = start(&f);
+    let mut s = tls_connect(addr(&ops, "v"), &client_config(&ca, None), "www.test").expect("TLS");
+    s.write_all(b"no alert").expect("write");
+    s.flush().expect("flush");
+    s.sock.shutdown(Shutdown::Write).expect("half-close");
+    let mut out = Vec::new();
+    // The answer, then the end of the stream (fulcrum's close_notify, or a bare EOF).
+    let _ = s.read_to_end(&mut out);
+    let a =
+        parse_answer(&out).unwrap_or_else(|| panic!("answer: {:?}", String::from_utf8_lossy(&out)));
+    assert_eq!(a.body, b"no alert");
+    ops.shutdown();
+}
+
 #[test]
 fn re_encryption_sends_the_configured_server_name() {
     let f = ConfigFile::new("tls-reencrypt", "");

@@ -123,6 +123,8 @@ pub struct TcpCore {
     send_proxy: bool,
     /// Per member: TLS toward it (`tls` on the service), by member index.
     connectors: Vec<Option<Arc<crate::tls::TlsConnector>>>,
+    /// Whether any member is reached over TLS (read per accepted connection).
+    tls_members: bool,
     epoch: Instant,
     pub counters: TcpCounters,
 }
@@ -146,6 +148,14 @@ impl TcpCore {
             }
             _ => FirstBytes::None,
         };
+        let connectors: Vec<_> = v
+            .members()
+            .filter_map(|i| config.services.get(i))
+            .map(|s| {
+                let tls = s.tls.as_ref()?.client_tls(s.address.ip())?;
+                Some(Arc::new(crate::tls::TlsConnector::new(tls)))
+            })
+            .collect();
         TcpCore {
             name: v.name.clone(),
             method: v.method,
@@ -168,14 +178,8 @@ impl TcpCore {
             edge: v.edge(None),
             transparent: v.transparent,
             send_proxy: v.send_proxy == Some(ProxyProtocol::V2),
-            connectors: v
-                .members()
-                .filter_map(|i| config.services.get(i))
-                .map(|s| {
-                    let tls = s.tls.as_ref()?.client_tls(s.address.ip())?;
-                    Some(Arc::new(crate::tls::TlsConnector::new(tls)))
-                })
-                .collect(),
+            tls_members: connectors.iter().any(Option::is_some),
+            connectors,
             epoch,
             counters: TcpCounters::default(),
         }
@@ -259,7 +263,7 @@ impl TcpCore {
 
     /// True when some member is reached over TLS.
     pub fn has_tls_members(&self) -> bool {
-        self.connectors.iter().any(Option::is_some)
+        self.tls_members
     }
 
     /// Open client connections.
@@ -1135,7 +1139,15 @@ async fn pump_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     };
     let mut buf = vec![0u8; STREAM_CHUNK];
     loop {
-        let n = from.read(&mut buf).await.map_err(|_| from_side)?;
+        let n = match from.read(&mut buf).await {
+            Ok(n) => n,
+            // A TLS peer that closed its TCP side without close_notify: rustls reports the
+            // missing alert as UnexpectedEof. Read as the end of its stream (a half-close, as
+            // HAProxy and nginx read it), so the other direction can still finish; a plain
+            // stream never reports it.
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => 0,
+            Err(_) => return Err(from_side),
+        };
         if n == 0 {
             let _ = to.shutdown().await;
             return Ok(());
