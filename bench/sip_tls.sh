@@ -21,27 +21,31 @@
 #             loose_route() for the in-dialog requests: bench/sip.sh's configuration with
 #             TLS and the rr module; KCHILDREN workers.
 #
-# 1. Ladder: for each proxy, every rate of RATES for DUR seconds until the first unclean run.
+# For each proxy, on a fresh proxy and fresh services (so no backlog of an overloaded ladder
+# step is counted):
+# 1. Fixed rate FIXED for FIXED_DUR seconds: proxy CPU time (utime + stime of the proxy and
+#    its children, /proc) per SIP message through the proxy: 7 per call (INVITE, 100, 180,
+#    200, ACK, BYE, 200; the strict UAS sends a 100, SIPp's UAS in bench/sip.sh does not, so
+#    that script counts 6).
+# 2. Ladder: every rate of RATES for DUR seconds until the first unclean run.
 #    Clean = every call completed, 0 failed (481, other status, timeout, closed, unstarted),
 #    0 late responses (a provisional after the 200: reordering), 0 stray messages, 0 481s
-#    sent by the services, completed calls/s >= 97% of the target.
-# 2. Fixed rate FIXED for FIXED_DUR seconds on each proxy: proxy CPU time (utime + stime of
-#    the proxy and its children, /proc) per SIP message through the proxy: 7 per call
-#    (INVITE, 100, 180, 200, ACK, BYE, 200; the strict UAS sends a 100, SIPp's UAS in
-#    bench/sip.sh does not, so that script counts 6).
-# Prints both highest clean rates, their ratio, the CPU per message and its ratio.
+#    sent by the services, completed calls/s >= 97% of the target. load_cpu_pct is the load
+#    generator's own CPU (one thread: near 100% it, not the proxy, is the ceiling).
+# Prints both highest clean rates, their ratio, the CPU per message and its ratio, and the
+# proxies' resident memory before and after (a leak would show as growth).
 #
 # Every process runs under `timeout`; the EXIT trap terminates the processes this script
 # started, by PID.
 #
-# Usage: bench/sip_tls.sh   (defaults below; about 3 minutes)
-#        RATES="500 1000 2000" DUR=5 FIXED=1000 FIXED_DUR=10 CONNS=4 PROXIES="fulcrum kamailio" bench/sip_tls.sh
+# Usage: bench/sip_tls.sh   (defaults below; about 4 minutes)
+#        RATES="1000 2000 4000" DUR=5 FIXED=2000 FIXED_DUR=10 CONNS=4 PROXIES="fulcrum kamailio" bench/sip_tls.sh
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, kamailio_head
-RATES=${RATES:-"500 1000 2000 3000 4000 6000"}
+RATES=${RATES:-"1000 2000 4000 6000 8000 12000 16000"}
 DUR=${DUR:-8}
-FIXED=${FIXED:-1000}
+FIXED=${FIXED:-2000}
 FIXED_DUR=${FIXED_DUR:-15}
 PROXIES=${PROXIES:-"fulcrum kamailio"}
 CONNS=${CONNS:-4}             # TLS connections of the load generator
@@ -194,7 +198,7 @@ uas_sum() {
 kv() { tr ' ' '\n' < "$1" | awk -F= -v k="$2" '$1==k{v=$2} END{print (v == "" ? "NA" : v)}'; }
 
 SUMMARY=summary.tsv
-printf "proxy\tphase\ttarget_cps\tcalls\tcompleted\tfailed\tfailed_481\ttimeout\tlate\tstray\tuas_481\tachieved_cps\tsetup_p50_us\tsetup_p99_us\tproxy_cpu_s\tproxy_cpu_pct\tus_per_msg\tclean\n" > $SUMMARY
+printf "proxy\tphase\ttarget_cps\tcalls\tcompleted\tfailed\tfailed_481\ttimeout\tlate\tstray\tuas_481\tachieved_cps\tsetup_p50_us\tsetup_p99_us\tproxy_cpu_s\tproxy_cpu_pct\tus_per_msg\tload_cpu_pct\tclean\n" > $SUMMARY
 
 # one run: $1 proxy, $2 phase, $3 rate, $4 duration; returns 0 when clean
 run_one() {
@@ -209,22 +213,23 @@ run_one() {
   t1=$(date +%s.%N); k1=$(tree_ticks "$PROXY_PID")
   sleep 0.5   # the services print their counts every 200 ms
   r1=$(uas_sum "$proxy" r481)
-  local comp fail f481 tmo late stray ach wall cpu pct us clean=yes
+  local comp fail f481 tmo late stray ach wall cpu pct us lpct clean=yes
   comp=$(kv "$f" completed); fail=$(kv "$f" failed); f481=$(kv "$f" failed_481)
   tmo=$(kv "$f" failed_timeout); late=$(kv "$f" late); stray=$(kv "$f" stray); ach=$(kv "$f" cps)
   wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}')
   cpu=$(awk -v d=$((k1 - k0)) -v hz="$HZ" 'BEGIN{printf "%.2f", d/hz}')
   pct=$(awk -v c="$cpu" -v w="$wall" 'BEGIN{printf "%.0f", 100*c/w}')
+  lpct=$(awk -v c="$(kv "$f" load_cpu_s)" -v w="$wall" 'BEGIN{printf "%.0f", 100*c/w}')
   us=$(awk -v c="$cpu" -v s="$comp" -v m=$MSGS_PER_CALL 'BEGIN{printf "%.2f", (s+0>0)? c*1e6/(s*m) : 0}')
   if [ "$comp" != "$n" ] || [ "$fail" != 0 ] || [ "$late" != 0 ] || [ "$stray" != 0 ] || \
      [ "$((r1 - r0))" != 0 ] || awk -v a="$ach" -v r="$rate" 'BEGIN{exit !(a+0 < 0.97*r)}'; then clean=no; fi
-  printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n" "$proxy" "$phase" "$rate" "$n" \
+  printf "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n" "$proxy" "$phase" "$rate" "$n" \
     "$comp" "$fail" "$f481" "$tmo" "$late" "$stray" "$((r1 - r0))" "$ach" "$(kv "$f" setup_p50_us)" \
-    "$(kv "$f" setup_p99_us)" "$cpu" "$pct" "$us" "$clean" | tee -a $SUMMARY
+    "$(kv "$f" setup_p99_us)" "$cpu" "$pct" "$us" "$lpct" "$clean" | tee -a $SUMMARY
   [ "$clean" = yes ]
 }
 
-declare -A MAX FIXED_US FIXED_CLEAN
+declare -A MAX FIXED_US FIXED_CLEAN RSS
 echo "# results in $OUT"
 echo "# RATES=\"$RATES\" DUR=$DUR FIXED=$FIXED FIXED_DUR=$FIXED_DUR CONNS=$CONNS KCHILDREN=$KCHILDREN FWORKERS=$FWORKERS"
 echo "# foreign CPU users at start: $(ps -eo pcpu,comm --sort=-pcpu --no-headers | awk '$1>20{printf "%s(%s%%) ", $2, $1}')"
@@ -232,12 +237,15 @@ head -1 $SUMMARY
 for proxy in $PROXIES; do
   start_uas "$proxy" || { echo "the services did not start" >&2; exit 1; }
   start_proxy "$proxy" || { echo "$proxy did not start (log: $OUT/$proxy.log)" >&2; exit 1; }
+  rss0=$(rss "$PROXY_PID")
+  if run_one "$proxy" fixed "$FIXED" "$FIXED_DUR"; then FIXED_CLEAN[$proxy]=yes; else FIXED_CLEAN[$proxy]=no; fi
+  rss1=$(rss "$PROXY_PID")
+  FIXED_US[$proxy]=$(awk -F'\t' -v p="$proxy" '$1==p && $2=="fixed"{v=$17} END{print v}' $SUMMARY)
   MAX[$proxy]=0
   for rate in $RATES; do
     if run_one "$proxy" ladder "$rate" "$DUR"; then MAX[$proxy]=$rate; else break; fi
   done
-  if run_one "$proxy" fixed "$FIXED" "$FIXED_DUR"; then FIXED_CLEAN[$proxy]=yes; else FIXED_CLEAN[$proxy]=no; fi
-  FIXED_US[$proxy]=$(awk -F'\t' -v p="$proxy" '$1==p && $2=="fixed"{v=$17} END{print v}' $SUMMARY)
+  RSS[$proxy]="started ${rss0} KiB, after the fixed run ${rss1}, after the ladder $(rss "$PROXY_PID")"
   stop_proxy
   stop_uas
 done
@@ -259,6 +267,8 @@ done
 for proxy in $PROXIES; do
   [ "${FIXED_CLEAN[$proxy]}" = yes ] || echo "NOTE: $FIXED calls/s was not clean on $proxy: rerun with a lower FIXED"
 done
+echo "== resident memory of the proxy's main process (Kamailio's workers not included) =="
+for proxy in $PROXIES; do echo "$proxy: ${RSS[$proxy]}"; done
 if [ -n "${FIXED_US[fulcrum]:-}" ] && [ -n "${FIXED_US[kamailio]:-}" ]; then
   r=$(awk -v a="${FIXED_US[fulcrum]}" -v b="${FIXED_US[kamailio]}" 'BEGIN{printf "%.2f", (b>0)?a/b:0}')
   met=no; awk -v r="$r" 'BEGIN{exit !(r > 0 && r <= 0.5)}' && met=yes

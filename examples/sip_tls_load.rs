@@ -14,9 +14,9 @@
 //!
 //! Prints one line:
 //! `calls= completed= failed= failed_481= failed_status= failed_timeout= failed_closed=
-//! late= stray= cps= setup_p50_us= setup_p99_us= bye_p50_us= bye_p99_us= max_us= wall_s=`
+//! late= stray= cps= setup_p50_us= setup_p99_us= bye_p50_us= bye_p99_us= max_us= wall_s= load_cpu_s=`
 //! (cps: completed calls per second of the sending period or of the wall time, whichever is
-//! longer). Exit status 1 when a connection could not be set up.
+//! longer; load_cpu_s: its own CPU time, to tell its ceiling from the proxy's). Exit status 1 when a connection could not be set up.
 //!
 //! The call logic is the PURE call book of `tests/common/sip_load.rs` (tested with the real
 //! strict UAS and fulcrum in `tests/sip_tls.rs`); this file is its IO shell: one tokio task
@@ -223,7 +223,6 @@ fn main() -> anyhow::Result<()> {
         let t0 = tokio::time::Instant::now() + Duration::from_millis(50);
         let total = a.rate * a.secs;
         let end = t0 + Duration::from_secs(a.secs) + a.timeout + Duration::from_secs(1);
-        let started = Instant::now();
         let mut tasks = Vec::new();
         for (k, (s, local)) in conns.into_iter().enumerate() {
             let plan = Plan {
@@ -242,7 +241,13 @@ fn main() -> anyhow::Result<()> {
         for task in tasks {
             t.merge(task.await?);
         }
-        let wall = started.elapsed().as_secs_f64();
+        let wall = t0.elapsed().as_secs_f64();
+        // Its own CPU, so a run can tell the load generator's ceiling from the proxy's.
+        let cpu = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)
+            .map_or(0.0, |u| {
+                let t = |v: nix::sys::time::TimeVal| v.tv_sec() as f64 + v.tv_usec() as f64 / 1e6;
+                t(u.user_time()) + t(u.system_time())
+            });
         t.setup_us.sort_unstable();
         t.bye_us.sort_unstable();
         let max = t
@@ -252,7 +257,7 @@ fn main() -> anyhow::Result<()> {
             .unwrap_or(0)
             .max(t.bye_us.last().copied().unwrap_or(0));
         println!(
-            "calls={} completed={} failed={} failed_481={} failed_status={} failed_timeout={} failed_closed={} unstarted={} late={} stray={} cps={:.0} setup_p50_us={} setup_p99_us={} bye_p50_us={} bye_p99_us={} max_us={} wall_s={:.2}",
+            "calls={} completed={} failed={} failed_481={} failed_status={} failed_timeout={} failed_closed={} unstarted={} late={} stray={} cps={:.0} setup_p50_us={} setup_p99_us={} bye_p50_us={} bye_p99_us={} max_us={} wall_s={:.2} load_cpu_s={:.2}",
             t.started + t.unstarted,
             t.completed,
             t.failed(),
@@ -269,7 +274,8 @@ fn main() -> anyhow::Result<()> {
             quantile(&t.bye_us, 0.5),
             quantile(&t.bye_us, 0.99),
             max,
-            wall
+            wall,
+            cpu
         );
         anyhow::Ok(())
     })
