@@ -43,7 +43,7 @@
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, kamailio_head
-RATES=${RATES:-"1000 2000 4000 6000 8000 12000 16000"}
+RATES=${RATES:-"1000 2000 3000 4000 6000 8000 12000 16000"}
 DUR=${DUR:-8}
 FIXED=${FIXED:-2000}
 FIXED_DUR=${FIXED_DUR:-15}
