@@ -16,7 +16,8 @@
 //! `calls= completed= failed= failed_481= failed_status= failed_timeout= failed_closed=
 //! late= stray= cps= setup_p50_us= setup_p99_us= bye_p50_us= bye_p99_us= max_us= wall_s= load_cpu_s=`
 //! (cps: completed calls per second of the sending period or of the wall time, whichever is
-//! longer; load_cpu_s: its own CPU time, to tell its ceiling from the proxy's). Exit status 1 when a connection could not be set up.
+//! longer; conns_lost: connections that ended under the calls, each also said on stderr with
+//! its reason; load_cpu_s: its own CPU time, to tell its ceiling from the proxy's). Exit status 1 when a connection could not be set up.
 //!
 //! The call logic is the PURE call book of `tests/common/sip_load.rs` (tested with the real
 //! strict UAS and fulcrum in `tests/sip_tls.rs`); this file is its IO shell: one tokio task
@@ -135,7 +136,8 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
     let mut rbuf: Vec<u8> = Vec::with_capacity(65_536);
     let mut out: Vec<u8> = Vec::with_capacity(4096);
     let mut j = 0u64;
-    let mut open = true;
+    // Why the connection ended under the calls, if it did.
+    let mut lost: Option<String> = None;
     let mut next_expiry = tokio::time::Instant::now() + Duration::from_millis(100);
     loop {
         let due = p.due(j);
@@ -148,7 +150,8 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
         let wake = due.map_or(next_expiry, |d| d.min(next_expiry)).min(p.end);
         tokio::select! {
             r = s.read_buf(&mut rbuf) => match r {
-                Ok(0) | Err(_) => { open = false; break; }
+                Ok(0) => { lost = Some("closed by the proxy".into()); break; }
+                Err(e) => { lost = Some(format!("read: {e}")); break; }
                 Ok(_) => {
                     let now = Instant::now();
                     loop {
@@ -160,10 +163,10 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
                             Ok(f) => { rbuf.drain(..f.len()); }
                             Err(FrameError::Incomplete) => break,
                             // A stream that does not frame cannot be read on.
-                            Err(_) => { open = false; break; }
+                            Err(e) => { lost = Some(format!("framing: {e}")); break; }
                         }
                     }
-                    if !open { break; }
+                    if lost.is_some() { break; }
                 }
             },
             () = tokio::time::sleep_until(wake) => {
@@ -181,8 +184,8 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
             }
         }
         if !out.is_empty() {
-            if s.write_all(&out).await.is_err() {
-                open = false;
+            if let Err(e) = s.write_all(&out).await {
+                lost = Some(format!("write: {e}"));
                 break;
             }
             out.clear();
@@ -190,11 +193,17 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
     }
     // Calls still in progress at the end had no answer in time; on a closed connection they
     // never will.
-    if open {
+    if let Some(why) = lost {
+        eprintln!(
+            "sip_tls_load: connection {} ended with {} calls in progress: {why}",
+            p.k,
+            book.in_progress()
+        );
+        book.close();
+        book.tally.conns_lost += 1;
+    } else {
         book.expire(Instant::now() + Duration::from_secs(3_600));
         let _ = s.shutdown().await;
-    } else {
-        book.close();
     }
     // Calls of this connection never started (the connection or the run's time ended first)
     // fail too.
@@ -257,7 +266,7 @@ fn main() -> anyhow::Result<()> {
             .unwrap_or(0)
             .max(t.bye_us.last().copied().unwrap_or(0));
         println!(
-            "calls={} completed={} failed={} failed_481={} failed_status={} failed_timeout={} failed_closed={} unstarted={} late={} stray={} cps={:.0} setup_p50_us={} setup_p99_us={} bye_p50_us={} bye_p99_us={} max_us={} wall_s={:.2} load_cpu_s={:.2}",
+            "calls={} completed={} failed={} failed_481={} failed_status={} failed_timeout={} failed_closed={} unstarted={} late={} stray={} conns_lost={} cps={:.0} setup_p50_us={} setup_p99_us={} bye_p50_us={} bye_p99_us={} max_us={} wall_s={:.2} load_cpu_s={:.2}",
             t.started + t.unstarted,
             t.completed,
             t.failed(),
@@ -268,6 +277,7 @@ fn main() -> anyhow::Result<()> {
             t.unstarted,
             t.late,
             t.stray,
+            t.conns_lost,
             t.completed as f64 / wall.max(a.secs as f64),
             quantile(&t.setup_us, 0.5),
             quantile(&t.setup_us, 0.99),

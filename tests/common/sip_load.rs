@@ -39,6 +39,8 @@ pub struct Tally {
     pub late: u64,
     /// Messages for no call in progress (or not SIP, or requests).
     pub stray: u64,
+    /// Connections that ended under their calls (set by the IO shell).
+    pub conns_lost: u64,
     /// INVITE to its 2xx, µs, one per call set up.
     pub setup_us: Vec<u32>,
     /// BYE to its 2xx, µs, one per call completed.
@@ -64,6 +66,7 @@ impl Tally {
         self.unstarted += o.unstarted;
         self.late += o.late;
         self.stray += o.stray;
+        self.conns_lost += o.conns_lost;
         self.setup_us.extend(o.setup_us);
         self.bye_us.extend(o.bye_us);
     }
