@@ -38,7 +38,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
@@ -132,9 +132,27 @@ impl Plan {
     }
 }
 
-async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tally {
+/// Write some of `buf`, or flush when it is empty: one future, so that a select loop can
+/// poll it beside a read (both halves of the stream are cancel-safe here: a write that
+/// returns Pending has taken nothing, a flush can be polled again).
+async fn write_or_flush<W: AsyncWrite + Unpin>(w: &mut W, buf: &[u8]) -> std::io::Result<usize> {
+    if buf.is_empty() {
+        w.flush().await.map(|()| 0)
+    } else {
+        w.write(buf).await
+    }
+}
+
+async fn drive(s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tally {
+    // Reading goes on while a write waits (a burst of requests after a stall must not stop
+    // the responses from being read: the proxy would rightly take this for a client that
+    // does not read).
+    let (mut rd, mut wr) = tokio::io::split(s);
     let mut rbuf: Vec<u8> = Vec::with_capacity(65_536);
+    // Requests to send: `out[written..]` is not written yet; `dirty`: written but maybe not
+    // flushed out of the TLS layer.
     let mut out: Vec<u8> = Vec::with_capacity(4096);
+    let (mut written, mut dirty) = (0usize, false);
     let mut j = 0u64;
     // Why the connection ended under the calls, if it did.
     let mut lost: Option<String> = None;
@@ -148,8 +166,9 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
             break;
         }
         let wake = due.map_or(next_expiry, |d| d.min(next_expiry)).min(p.end);
+        let pending = written < out.len();
         tokio::select! {
-            r = s.read_buf(&mut rbuf) => match r {
+            r = rd.read_buf(&mut rbuf) => match r {
                 Ok(0) => { lost = Some("closed by the proxy".into()); break; }
                 Err(e) => { lost = Some(format!("read: {e}")); break; }
                 Ok(_) => {
@@ -169,6 +188,20 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
                     if lost.is_some() { break; }
                 }
             },
+            r = write_or_flush(&mut wr, &out[written..]), if pending || dirty => match r {
+                // Nothing was left to write: the TLS layer is flushed.
+                Ok(0) if !pending => dirty = false,
+                Ok(0) => { lost = Some("write: closed".into()); break; }
+                Ok(n) => {
+                    written += n;
+                    dirty = true;
+                    if written == out.len() {
+                        out.clear();
+                        written = 0;
+                    }
+                }
+                Err(e) => { lost = Some(format!("write: {e}")); break; }
+            },
             () = tokio::time::sleep_until(wake) => {
                 let now = tokio::time::Instant::now();
                 while let Some(d) = p.due(j) {
@@ -183,13 +216,6 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
                 }
             }
         }
-        if !out.is_empty() {
-            if let Err(e) = s.write_all(&out).await {
-                lost = Some(format!("write: {e}"));
-                break;
-            }
-            out.clear();
-        }
     }
     // Calls still in progress at the end had no answer in time; on a closed connection they
     // never will.
@@ -203,7 +229,7 @@ async fn drive(mut s: TlsStream<TcpStream>, mut book: CallBook, p: Plan) -> Tall
         book.tally.conns_lost += 1;
     } else {
         book.expire(Instant::now() + Duration::from_secs(3_600));
-        let _ = s.shutdown().await;
+        let _ = wr.shutdown().await;
     }
     // Calls of this connection never started (the connection or the run's time ended first)
     // fail too.
