@@ -39,7 +39,7 @@
 # Every process runs under `timeout`; the EXIT trap terminates the processes this script
 # started, by PID.
 #
-# Usage: bench/sip_tls.sh   (defaults below; about 4 minutes)
+# Usage: bench/sip_tls.sh   (defaults below; about 3 minutes)
 #        RATES="1000 2000 4000" DUR=5 FIXED=2000 FIXED_DUR=10 CONNS=4 PROXIES="fulcrum kamailio" bench/sip_tls.sh
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
