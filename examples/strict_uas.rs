@@ -1,8 +1,10 @@
 //! The strict SIP UAS of the tests (`tests/common/strict_uas.rs`, included here by path so the
-//! logic lives in one place) as a standalone process, for `bench/churn.sh`: it answers 481 to
-//! a BYE for a dialog it did not set up, and prints its counts.
+//! logic lives in one place) as a standalone process, for `bench/churn.sh` and
+//! `bench/sip_tls.sh`: it answers 481 to a BYE for a dialog it did not set up, and prints its
+//! counts.
 //!
-//! `strict_uas NAME IP:PORT [udp|tcp] [SECONDS]` (defaults `udp`, `600`): binds IP:PORT, then
+//! `strict_uas NAME IP:PORT [udp|tcp|tls CERT KEY] [SECONDS]` (defaults `udp`, `600`): binds
+//! IP:PORT (over TLS presenting the PEM certificate chain CERT with its key KEY), then
 //! prints `ready NAME ADDR`, a counts line whenever they changed (at most every 200 ms, so a
 //! SIGKILLed UAS leaves counts at most 200 ms old) and a final one on SIGTERM, SIGINT or after
 //! SECONDS:
@@ -22,6 +24,7 @@ mod strict_uas;
 
 use std::io::Write;
 use std::net::SocketAddr;
+use std::path::Path;
 use std::time::Duration;
 use strict_uas::{Counts, StrictUas};
 use tokio::signal::unix::{SignalKind, signal};
@@ -35,15 +38,29 @@ fn line(name: &str, c: Counts) -> String {
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let usage = "usage: strict_uas NAME IP:PORT [udp|tcp] [SECONDS]";
+    let usage = "usage: strict_uas NAME IP:PORT [udp|tcp|tls CERT KEY] [SECONDS]";
     let (Some(name), Some(addr)) = (args.first(), args.get(1)) else {
         anyhow::bail!(usage);
     };
     let at: SocketAddr = addr.parse()?;
-    let seconds: u64 = args.get(3).map_or(Ok(600), |s| s.parse())?;
-    let uas = match args.get(2).map_or("udp", String::as_str) {
+    let transport = args.get(2).map_or("udp", String::as_str);
+    // `tls CERT KEY` takes two more arguments before SECONDS.
+    let secs_at = if transport == "tls" { 5 } else { 3 };
+    let seconds: u64 = args.get(secs_at).map_or(Ok(600), |s| s.parse())?;
+    let uas = match transport {
         "udp" => StrictUas::udp_at(name, at),
         "tcp" => StrictUas::tcp_at(name, at),
+        "tls" => {
+            let (Some(cert), Some(key)) = (args.get(3), args.get(4)) else {
+                anyhow::bail!("tls needs CERT and KEY: {usage}");
+            };
+            let tls = fulcrum::tls::server_config(&fulcrum::tls::ServerFiles {
+                cert: Path::new(cert),
+                key: Path::new(key),
+                client_ca: None,
+            })?;
+            StrictUas::tls_at(name, at, tls)
+        }
         other => anyhow::bail!("transport `{other}`: {usage}"),
     };
     let mut out = std::io::stdout();

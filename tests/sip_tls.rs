@@ -2,17 +2,25 @@
 //! fulcrum to strict SIP services over TLS (each answers 481 to a BYE for a dialog it did not
 //! set up), with fulcrum's Via and Record-Route saying TLS; `sip-options` monitors over TLS;
 //! plaintext and stalled clients dropped and counted while calls go on; mutual TLS; a
-//! certificate reload. Certificates are made in the test (rcgen) into its own directory.
+//! certificate reload; the call book of the TLS load generator (`examples/sip_tls_load.rs`)
+//! against the strict UAS, alone and through fulcrum. Certificates are made in the test
+//! (rcgen) into its own directory.
 
 mod common;
+#[allow(dead_code)]
+#[path = "common/sip_load.rs"]
+mod sip_load;
 
+use common::sip_tcp::{Next, next_message};
 use common::sip_uac::Uac;
-use common::strict_uas::StrictUas;
+use common::strict_uas::{StrictUas, UasCore};
 use common::tls::{Ca, client_config, connect, server_config};
 use common::*;
 use fulcrum::config;
 use fulcrum::ops::Ops;
+use fulcrum::sip::{self, DEFAULT_MAX_MESSAGE, Frame, next_frame};
 use fulcrum::tls::{Reason, TlsListener};
+use sip_load::CallBook;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -270,5 +278,169 @@ fn reload_swaps_the_certificate_for_new_handshakes_and_established_calls_go_on()
     );
     let call = established.call("after-reload");
     assert_eq!((call.invite, call.bye), (200, 200), "{call:?}");
+    ops.shutdown();
+}
+
+/// The framed messages of `bytes`.
+fn frames(mut bytes: &[u8]) -> Vec<Vec<u8>> {
+    let mut v = Vec::new();
+    while let Ok(Frame::Message { len, .. }) = next_frame(bytes, DEFAULT_MAX_MESSAGE) {
+        v.push(bytes[..len].to_vec());
+        bytes = &bytes[len..];
+    }
+    v
+}
+
+/// `msg` with a Record-Route header added after its start line (what a proxy on the way does).
+fn with_record_route(msg: &[u8], rr: &str) -> Vec<u8> {
+    let s = String::from_utf8_lossy(msg);
+    s.replacen("\r\n", &format!("\r\nRecord-Route: {rr}\r\n"), 1)
+        .into_bytes()
+}
+
+#[test]
+fn the_load_generators_call_book_completes_calls_and_fails_a_481_silence_and_counts_reordering() {
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    let local = SocketAddr::from(([127, 0, 0, 1], 40_000));
+    let at = SocketAddr::from(([127, 0, 0, 1], 5061));
+    let mut book = CallBook::new(local, "TLS", Duration::from_secs(2));
+    let mut uas = UasCore::new("s0", at, "tls");
+    let mut elsewhere = UasCore::new("s1", at, "tls");
+    let rr = "<sip:127.0.0.1:5060;transport=tls;lr>";
+    let mut out = Vec::new();
+
+    // A whole call: the answers of a real strict UAS, ACK and BYE along the route set to
+    // its Contact.
+    book.start("c1", ms(0), &mut out);
+    let answers = uas.handle(&with_record_route(&out, rr));
+    assert_eq!(answers.len(), 3, "100, 180, 200");
+    out.clear();
+    for a in &answers {
+        book.on_message(a, ms(10), &mut out);
+    }
+    let sent = frames(&out);
+    assert_eq!(sent.len(), 2, "ACK and BYE");
+    for (m, method) in sent.iter().zip(["ACK", "BYE"]) {
+        let msg = sip::scan(m).expect("a request");
+        assert_eq!(msg.method(), Some(method.as_bytes()));
+        let text = String::from_utf8_lossy(m);
+        assert!(
+            text.starts_with(&format!("{method} sip:s0@{at};transport=tls SIP/2.0\r\n")),
+            "to the Contact: {text}"
+        );
+        assert!(text.contains(&format!("\r\nRoute: {rr}\r\n")), "{text}");
+    }
+    assert!(uas.handle(&sent[0]).is_empty(), "an ACK is not answered");
+    let ok = uas.handle(&sent[1]);
+    out.clear();
+    book.on_message(&ok[0], ms(25), &mut out);
+    assert!(out.is_empty());
+    assert_eq!(book.tally.completed, 1);
+    assert_eq!(book.tally.setup_us, vec![10_000]);
+    assert_eq!(book.tally.bye_us, vec![15_000]);
+    assert_eq!(uas.counts().byes_ok, 1);
+    // An answer for a call no longer in progress is stray.
+    book.on_message(&ok[0], ms(26), &mut out);
+    assert_eq!(book.tally.stray, 1);
+
+    // A BYE that reaches another service gets 481: the call fails, counted as such.
+    book.start("c2", ms(100), &mut out);
+    let invite = frames(&out).pop().expect("INVITE");
+    out.clear();
+    for a in uas.handle(&invite) {
+        book.on_message(&a, ms(110), &mut out);
+    }
+    let bye = frames(&out).pop().expect("BYE");
+    out.clear();
+    for a in elsewhere.handle(&bye) {
+        book.on_message(&a, ms(120), &mut out);
+    }
+    assert_eq!(elsewhere.counts().r481, 1);
+    assert_eq!((book.tally.failed_481, book.tally.completed), (1, 1));
+    assert_eq!(book.in_progress(), 0);
+
+    // A provisional overtaken by the 200 is counted late; the call still completes.
+    out.clear();
+    book.start("c3", ms(200), &mut out);
+    let answers = uas.handle(&frames(&out).pop().expect("INVITE"));
+    out.clear();
+    book.on_message(&answers[2], ms(210), &mut out);
+    book.on_message(&answers[1], ms(211), &mut out);
+    assert_eq!(book.tally.late, 1);
+    let bye = frames(&out).pop().expect("BYE");
+    book.on_message(&uas.handle(&bye)[0], ms(220), &mut out);
+    assert_eq!(book.tally.completed, 2);
+
+    // No answer: the call fails once the timeout has passed, not before.
+    out.clear();
+    book.start("c4", ms(1_000), &mut out);
+    book.expire(ms(3_000));
+    assert_eq!((book.tally.failed_timeout, book.in_progress()), (0, 1));
+    book.expire(ms(3_001));
+    assert_eq!((book.tally.failed_timeout, book.in_progress()), (1, 0));
+
+    // A closed connection fails what is in progress.
+    book.start("c5", ms(4_000), &mut out);
+    book.close();
+    assert_eq!(book.tally.failed_closed, 1);
+    assert_eq!(book.tally.failed(), 3);
+    assert_eq!(book.tally.started, 5);
+}
+
+#[test]
+fn the_load_generators_call_book_through_fulcrum_completes_calls_in_flight_and_sees_a_481() {
+    let lab = Lab::new("sip-tls-load-book");
+    let ops = lab.start(&lab.yaml("", ""));
+    let s = connect(
+        addr(&ops, "v"),
+        &client_config(&lab.ca, None),
+        "fulcrum.test",
+        ANSWER,
+    )
+    .expect("TLS client");
+    let local = s.sock.local_addr().expect("local");
+    let mut s = s;
+    let mut book = CallBook::new(local, "TLS", ANSWER);
+    let (mut buf, mut out) = (Vec::new(), Vec::new());
+    // Every call in flight at once on one connection; one BYE carries a To tag the service
+    // never gave (as a BYE reaching the wrong service would), so fulcrum delivers it to the
+    // right service, which answers 481.
+    for i in 0..CALLS {
+        book.start(&format!("load-{i}"), Instant::now(), &mut out);
+    }
+    book.start("load-bad", Instant::now(), &mut out);
+    s.write_all(&out).expect("write");
+    out.clear();
+    let end = Instant::now() + Duration::from_secs(10);
+    while book.in_progress() > 0 && Instant::now() < end {
+        match next_message(&mut s, &mut buf, Duration::from_millis(200)) {
+            Next::Message(m) => book.on_message(&m, Instant::now(), &mut out),
+            Next::Timeout => book.expire(Instant::now()),
+            Next::Closed => book.close(),
+        }
+        if !out.is_empty() {
+            let text = String::from_utf8_lossy(&out).into_owned();
+            let text = if text.contains("Call-ID: load-bad\r\n") {
+                text.replace(";tag=s", ";tag=x")
+            } else {
+                text
+            };
+            s.write_all(text.as_bytes()).expect("write");
+            out.clear();
+        }
+    }
+    let t = &book.tally;
+    assert_eq!(t.completed, CALLS as u64, "{t:?}");
+    assert_eq!((t.failed_481, t.failed()), (1, 1), "{t:?}");
+    assert_eq!((t.late, t.stray), (0, 0), "{t:?}");
+    assert_eq!(t.setup_us.len(), CALLS + 1);
+    let counts: Vec<_> = lab.uas.iter().map(|u| u.counts()).collect();
+    assert_eq!(counts.iter().map(|c| c.r481).sum::<u64>(), 1, "{counts:?}");
+    assert_eq!(
+        counts.iter().map(|c| c.byes_ok).sum::<u64>(),
+        CALLS as u64,
+        "{counts:?}"
+    );
     ops.shutdown();
 }
