@@ -3,14 +3,16 @@
 //! 481 to a BYE for a dialog it did not set up. Each leg speaks its own transport: the
 //! services see fulcrum's `Via: SIP/2.0/UDP`, the 200 brings two Record-Route entries (RFC
 //! 5658 §3.2: the UDP one toward the service on top, the client leg's below), and a BYE
-//! the callee sends over UDP reaches the caller over its TLS connection.
+//! the callee sends over UDP reaches the caller over its TLS connection. The other way: a
+//! UDP client through a sip-udp vserver to strict services over TCP and TLS, each reached
+//! over its link.
 
 mod common;
 
 use common::sip_tcp::{Next, next_message};
 use common::sip_uac::Uac;
 use common::strict_uas::StrictUas;
-use common::tls::{Ca, client_config, connect};
+use common::tls::{Ca, client_config, connect, server_config};
 use common::*;
 use fulcrum::config;
 use fulcrum::ops::Ops;
@@ -281,6 +283,329 @@ fn a_bye_from_the_udp_callee_reaches_the_tls_caller() {
     s.write_all(answer(&got_bye, "200 OK", None, "").as_bytes())
         .expect("write 200");
     let (ok_bye, _) = recv_udp(&callee);
+    let text = String::from_utf8_lossy(&ok_bye).into_owned();
+    assert!(text.starts_with("SIP/2.0 200 OK"), "{text}");
+    assert!(text.contains("CSeq: 1 BYE"), "{text}");
+    assert_eq!(
+        values(&ok_bye, "Via").len(),
+        1,
+        "fulcrum's Via removed: {text}"
+    );
+    ops.shutdown();
+}
+
+// The other direction: a sip-udp vserver over stream services.
+
+/// A UDP client as a stream for [`Uac`]: connected to the vserver, one datagram per write,
+/// each datagram read is one whole message (fulcrum answers from the address it was sent to,
+/// so the connected socket takes it).
+struct UdpStream(UdpSocket);
+
+impl std::io::Read for UdpStream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.recv(buf)
+    }
+}
+
+impl Write for UdpStream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.send(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl common::sip_tcp::TimedRead for UdpStream {
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        self.0.set_read_timeout(d)
+    }
+}
+
+fn udp_uac(vs: SocketAddr) -> Uac<UdpStream> {
+    let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    s.connect(vs).expect("connect");
+    let local = s.local_addr().expect("addr");
+    Uac::new(UdpStream(s), local, "UDP")
+}
+
+/// A sip-udp vserver `v` over `services` (name, address, protocol), record-routing; a
+/// sip-tls service is checked against `ca.crt` for `uas.test`.
+fn udp_yaml(services: &[(&str, SocketAddr, &str)]) -> String {
+    let mut y = String::from("admin: { listen: null }\nservices:\n");
+    for (name, a, protocol) in services {
+        let tls = if *protocol == "sip-tls" {
+            ", tls: { ca: ca.crt, server_name: uas.test }"
+        } else {
+            ""
+        };
+        y.push_str(&format!(
+            "  - {{ name: {name}, address: \"{a}\", protocol: {protocol}{tls} }}\n"
+        ));
+    }
+    let names: Vec<&str> = services.iter().map(|s| s.0).collect();
+    y.push_str(&format!(
+        "vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [\"127.0.0.1:0\"]\n    method: call_id_hash\n    record_route: true\n    services: [{}]\n",
+        names.join(", ")
+    ));
+    y
+}
+
+/// Whole calls from a UDP client through vserver `vs` to stream services: every call
+/// 200/200, the 200's Record-Route the service leg's entry (its transport, `fc-svc`) over the
+/// client leg's (the vserver's UDP address), no 481. Returns how many calls went over each
+/// of `tcp` and `tls`.
+fn check_udp_calls(uac: &mut Uac<UdpStream>, vs: SocketAddr, tag: &str) -> (usize, usize) {
+    let (mut tcp, mut tls) = (0, 0);
+    for i in 0..CALLS {
+        let call = uac.call(&format!("{tag}-{i}"));
+        assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
+        let rr = &call.record_route;
+        assert_eq!(rr.len(), 2, "double record-route: {call:?}");
+        if rr[0].starts_with(&format!("<sip:{vs};transport=tcp;lr;fc-svc=")) {
+            tcp += 1;
+        } else if rr[0].starts_with(&format!("<sip:{vs};transport=tls;lr;fc-svc=")) {
+            tls += 1;
+        } else {
+            panic!("the service leg's entry on top: {rr:?}");
+        }
+        assert_eq!(
+            rr[1],
+            format!("<sip:{vs};lr>"),
+            "the client leg's below: {rr:?}"
+        );
+    }
+    (tcp, tls)
+}
+
+fn assert_no_481(uas: &[&StrictUas]) {
+    for u in uas {
+        let c = u.counts();
+        assert_eq!(c.r481, 0, "no misrouted BYE at {}: {c:?}", u.name);
+        assert_eq!(
+            c.dialogs, c.byes_ok,
+            "every dialog ended at {}: {c:?}",
+            u.name
+        );
+    }
+}
+
+#[test]
+fn udp_calls_reach_strict_services_over_tcp_and_tls() {
+    let f = ConfigFile::new("sip-bridge-udp-streams", "");
+    let ca = Ca::new("fulcrum sip bridge test CA");
+    ca.write(&f, "ca.crt");
+    let uas_cert = ca.issue(&f, "uas", "uas.test", "uas");
+    let tcp = StrictUas::tcp("s0");
+    let tls = StrictUas::tls_at(
+        "s1",
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        server_config(&uas_cert),
+    );
+    f.write(&udp_yaml(&[
+        ("s0", tcp.addr, "sip-tcp"),
+        ("s1", tls.addr, "sip-tls"),
+    ]));
+    let ops = start(&f);
+    let vs = addr(&ops, "v");
+    let mut uac = udp_uac(vs);
+    let (over_tcp, over_tls) = check_udp_calls(&mut uac, vs, "udp-streams");
+    assert_eq!(
+        (over_tcp as u64, over_tls as u64),
+        (tcp.counts().dialogs, tls.counts().dialogs),
+        "each Record-Route names the transport of the service that took the call"
+    );
+    assert!(
+        over_tcp > 0 && over_tls > 0,
+        "Call-IDs spread: {over_tcp} / {over_tls}"
+    );
+    assert_no_481(&[&tcp, &tls]);
+    let via = tcp.last_via().expect("a request reached s0");
+    assert!(via.starts_with(&format!("SIP/2.0/TCP {vs};")), "{via}");
+    let via = tls.last_via().expect("a request reached s1");
+    assert!(via.starts_with(&format!("SIP/2.0/TLS {vs};")), "{via}");
+    ops.shutdown();
+}
+
+fn health_of(ops: &Ops, m: usize) -> Option<fulcrum::balancer::Health> {
+    ops.with_vservers(|vs, _| {
+        vs.iter()
+            .find(|v| v.name == "v")
+            .map(|v| v.balancer().health(m))
+    })
+    .flatten()
+    .flatten()
+}
+
+/// A stream service that refuses connections is marked DOWN by its link, and every call,
+/// the ones that were on their way to it too, goes to the other.
+#[test]
+fn a_stream_service_that_refuses_connections_is_down_and_calls_go_to_the_other() {
+    let f = ConfigFile::new("sip-bridge-udp-refused", "");
+    let tcp = StrictUas::tcp("s0");
+    let refused = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    f.write(&udp_yaml(&[
+        ("s0", tcp.addr, "sip-tcp"),
+        ("s1", refused, "sip-tcp"),
+    ]));
+    let ops = start(&f);
+    let vs = addr(&ops, "v");
+    let mut uac = udp_uac(vs);
+    let (over_tcp, _) = check_udp_calls(&mut uac, vs, "udp-refused");
+    assert_eq!(over_tcp, CALLS);
+    assert_eq!(tcp.counts().dialogs, CALLS as u64);
+    assert_no_481(&[&tcp]);
+    assert_eq!(health_of(&ops, 1), Some(fulcrum::balancer::Health::Down));
+    assert_eq!(health_of(&ops, 0), Some(fulcrum::balancer::Health::Up));
+    ops.shutdown();
+}
+
+/// Reloads of a sip-udp vserver with stream services: one that adds a stream service gives
+/// it a link (calls reach it); one that gives a plain sip-udp vserver its first stream
+/// service is refused, and that vserver keeps working.
+#[test]
+fn reloads_add_stream_services_to_a_bridged_sip_udp_vserver_and_refuse_the_first() {
+    let f = ConfigFile::new("sip-bridge-udp-reload", "");
+    let ca = Ca::new("fulcrum sip bridge test CA");
+    ca.write(&f, "ca.crt");
+    let uas_cert = ca.issue(&f, "uas", "uas.test", "uas");
+    let tcp = StrictUas::tcp("s0");
+    let tls = StrictUas::tls_at(
+        "s1",
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        server_config(&uas_cert),
+    );
+    f.write(&udp_yaml(&[("s0", tcp.addr, "sip-tcp")]));
+    let ops = start(&f);
+    let vs = addr(&ops, "v");
+    let mut uac = udp_uac(vs);
+    assert_eq!(check_udp_calls(&mut uac, vs, "before"), (CALLS, 0));
+    f.write(&udp_yaml(&[
+        ("s0", tcp.addr, "sip-tcp"),
+        ("s1", tls.addr, "sip-tls"),
+    ]));
+    ops.reload().expect("a stream service added");
+    let (over_tcp, over_tls) = check_udp_calls(&mut uac, vs, "after");
+    assert!(over_tcp > 0 && over_tls > 0, "{over_tcp} / {over_tls}");
+    assert_eq!(tls.counts().dialogs, over_tls as u64);
+    assert_no_481(&[&tcp, &tls]);
+    ops.shutdown();
+
+    // A plain sip-udp vserver: its first stream service needs a restart.
+    let g = ConfigFile::new("sip-bridge-udp-reload-first", "");
+    let udp = StrictUas::udp("u0");
+    g.write(&udp_yaml(&[("u0", udp.addr, "sip-udp")]));
+    let ops = start(&g);
+    g.write(&udp_yaml(&[
+        ("u0", udp.addr, "sip-udp"),
+        ("s0", tcp.addr, "sip-tcp"),
+    ]));
+    let e = ops.reload().expect_err("refused");
+    assert!(e.to_string().contains("needs a restart"), "{e}");
+    let vs = addr(&ops, "v");
+    let mut uac = udp_uac(vs);
+    let call = uac.call("after-refusal");
+    assert_eq!((call.invite, call.bye), (200, 200), "{call:?}");
+    let rr = &call.record_route;
+    assert_eq!(rr.len(), 1, "one transport, one entry: {rr:?}");
+    assert!(
+        rr[0].starts_with(&format!("<sip:{vs};lr;fc-svc=")),
+        "{rr:?}"
+    );
+    ops.shutdown();
+}
+
+/// The callee over TCP hangs up: its BYE on the connection fulcrum opened, on the route set
+/// the 200 set up, reaches the UDP caller as a datagram from the vserver's address with
+/// fulcrum's UDP Via and no Route left, and the caller's 200 goes back on that connection.
+#[test]
+fn a_bye_from_the_tcp_callee_reaches_the_udp_caller() {
+    let f = ConfigFile::new("sip-bridge-udp-callee-bye", "");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let callee_addr = listener.local_addr().expect("addr");
+    f.write(&udp_yaml(&[("c", callee_addr, "sip-tcp")]));
+    let ops = start(&f);
+    let vs = addr(&ops, "v");
+    let caller = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    let me = caller.local_addr().expect("addr");
+    let call = "udp-callee-bye-1";
+    let invite = format!(
+        "INVITE sip:c@fulcrum.test SIP/2.0\r\nVia: SIP/2.0/UDP {me};branch=z9hG4bK-inv;rport\r\nMax-Forwards: 70\r\nFrom: <sip:uac@{me}>;tag=uac1\r\nTo: <sip:c@fulcrum.test>\r\nCall-ID: {call}\r\nCSeq: 1 INVITE\r\nContact: <sip:uac@{me}>\r\nContent-Length: 0\r\n\r\n"
+    );
+    caller.send_to(invite.as_bytes(), vs).expect("send INVITE");
+    let (mut link, _) = listener.accept().expect("fulcrum's link");
+    let mut buf = Vec::new();
+    let Next::Message(inv) = next_message(&mut link, &mut buf, ANSWER) else {
+        panic!("no INVITE on the link")
+    };
+    assert!(
+        values(&inv, "Via")[0].starts_with(&format!("SIP/2.0/TCP {vs};")),
+        "{}",
+        String::from_utf8_lossy(&inv)
+    );
+    let rr = values(&inv, "Record-Route");
+    assert_eq!(rr.len(), 2, "{rr:?}");
+    assert!(
+        rr[0].starts_with(&format!("<sip:{vs};transport=tcp;lr;fc-svc=")),
+        "{rr:?}"
+    );
+    assert_eq!(rr[1], format!("<sip:{vs};lr>"));
+    let rr_lines: String = rr
+        .iter()
+        .map(|r| format!("Record-Route: {r}\r\n"))
+        .collect();
+    let ok = answer(
+        &inv,
+        "200 OK",
+        Some("callee1"),
+        &format!("{rr_lines}Contact: <sip:c@{callee_addr};transport=tcp>\r\n"),
+    );
+    link.write_all(ok.as_bytes()).expect("write 200");
+    let (got, from) = recv_udp(&caller);
+    assert_eq!(
+        from, vs,
+        "the answer comes from the address the caller sent to"
+    );
+    assert!(
+        got.starts_with(b"SIP/2.0 200 OK"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    assert_eq!(values(&got, "Record-Route"), rr);
+    assert_eq!(values(&got, "Via").len(), 1, "fulcrum's Via removed");
+    // The callee's BYE: Route = Record-Route in order, toward the caller's Contact.
+    let routes: String = rr.iter().map(|r| format!("Route: {r}\r\n")).collect();
+    let bye = format!(
+        "BYE sip:uac@{me} SIP/2.0\r\nVia: SIP/2.0/TCP {callee_addr};branch=z9hG4bK-callee-bye\r\n{routes}Max-Forwards: 70\r\nFrom: <sip:c@fulcrum.test>;tag=callee1\r\nTo: <sip:uac@{me}>;tag=uac1\r\nCall-ID: {call}\r\nCSeq: 1 BYE\r\nContent-Length: 0\r\n\r\n"
+    );
+    link.write_all(bye.as_bytes()).expect("write BYE");
+    let (got_bye, from) = recv_udp(&caller);
+    assert_eq!(from, vs);
+    assert!(
+        got_bye.starts_with(b"BYE "),
+        "{}",
+        String::from_utf8_lossy(&got_bye)
+    );
+    let vias = values(&got_bye, "Via");
+    assert!(
+        vias[0].starts_with(&format!("SIP/2.0/UDP {vs};branch=z9hG4bK-fc-")),
+        "{vias:?}"
+    );
+    assert!(
+        values(&got_bye, "Route").is_empty(),
+        "both of fulcrum's Route entries removed: {}",
+        String::from_utf8_lossy(&got_bye)
+    );
+    caller
+        .send_to(answer(&got_bye, "200 OK", None, "").as_bytes(), vs)
+        .expect("send 200");
+    let Next::Message(ok_bye) = next_message(&mut link, &mut buf, ANSWER) else {
+        panic!("no 200 to the BYE on the link")
+    };
     let text = String::from_utf8_lossy(&ok_bye).into_owned();
     assert!(text.starts_with("SIP/2.0 200 OK"), "{text}");
     assert!(text.contains("CSeq: 1 BYE"), "{text}");

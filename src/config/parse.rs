@@ -1346,18 +1346,11 @@ impl Cx {
                 self.problem(
                     m.pos,
                     &m.path,
-                    if p == Protocol::SipUdp && svc.protocol.is_sip_stream() {
-                        format!(
-                            "service `{sname}` speaks {}: a sip-udp vserver cannot forward to sip-tcp or sip-tls services yet (the transports bridge goes from sip-tcp / sip-tls vservers to any SIP service, docs/sip.md)",
-                            svc.protocol.name()
-                        )
-                    } else {
-                        format!(
-                            "service `{sname}` speaks {}, which a {} vserver cannot forward to",
-                            svc.protocol.name(),
-                            p.name()
-                        )
-                    },
+                    format!(
+                        "service `{sname}` speaks {}, which a {} vserver cannot forward to",
+                        svc.protocol.name(),
+                        p.name()
+                    ),
                 );
                 ok = false;
             }
@@ -1670,7 +1663,7 @@ struct EdgeFields {
 /// docs/sip.md); a sip-udp vserver to sip-udp services only (not yet a stream leg).
 fn protocols_fit(vserver: Protocol, service: Protocol) -> bool {
     vserver == service
-        || (vserver.is_sip_stream() && service.is_sip())
+        || (vserver.is_sip() && service.is_sip())
         || matches!(
             (vserver, service),
             (Protocol::Tcp, Protocol::Http) | (Protocol::Http, Protocol::Tcp)
@@ -1952,18 +1945,19 @@ mod tests {
         assert!(p[0].2.contains("did you mean `freebind`"), "{p:?}");
     }
 
-    /// The transports bridge: a stream SIP vserver takes any SIP service; a sip-udp vserver
-    /// only sip-udp ones (with an error that says the other way is not there yet).
+    /// The transports bridge: a SIP vserver of any transport takes services of any SIP
+    /// protocol, and no others.
     #[test]
-    fn stream_sip_vservers_take_any_sip_service_and_sip_udp_only_its_own() {
+    fn sip_vservers_take_any_sip_service_and_no_other() {
         let bridged = MINIMAL.replace("protocol: sip-udp, bind", "protocol: sip-tcp, bind");
         from_str("t", &bridged).expect("sip-tcp over sip-udp");
         let back = MINIMAL.replace("5071, protocol: sip-udp", "5071, protocol: sip-tcp");
-        let p = problems(&back);
+        from_str("t", &back).expect("sip-udp over sip-tcp");
+        let udp_plain = MINIMAL.replace("5071, protocol: sip-udp", "5071, protocol: udp");
+        let p = problems(&udp_plain);
         assert_eq!(p[0].1, "vservers[0].services[0]", "{p:?}");
         assert!(
-            p[0].2
-                .contains("sip-udp vserver cannot forward to sip-tcp or sip-tls services yet"),
+            p[0].2.contains("which a sip-udp vserver cannot forward to"),
             "{p:?}"
         );
         let plain = bridged.replace("5071, protocol: sip-udp", "5071, protocol: udp");

@@ -339,6 +339,23 @@ impl Runtime {
             |p| p == Protocol::SipUdp,
             "sip-udp",
         )?;
+        // The links toward sip-tcp / sip-tls services (and the core's legs naming their
+        // transports) are set up at start; a reload cannot add the first.
+        let bridge = self
+            .sip_bridges
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, b)| Arc::clone(b));
+        let wants_streams = v
+            .members()
+            .filter_map(|i| config.services.get(i))
+            .any(|s| s.protocol.is_sip_stream());
+        if wants_streams && bridge.is_none() {
+            return Err(RuntimeError::Setup {
+                vserver: name.to_owned(),
+                problem: "its first sip-tcp or sip-tls service needs a restart (the links toward stream services are set up at start)".to_owned(),
+            });
+        }
         let now = self.now();
         let old = cell.load_full();
         let old_names = names_of(old.balancer());
@@ -351,6 +368,19 @@ impl Runtime {
         let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
         for &m in &first.open {
             core.open(m);
+        }
+        if let Some(bridge) = &bridge {
+            // The links first: a worker's decision by the new core finds its member's link
+            // (one by the old core is matched by name, `TcpShared::carry_datagram`).
+            let superseded = bridge.install(Install {
+                core: Arc::clone(&core),
+                max_clients: 0,
+                idle: v.idle_timeout,
+                tls: Install::member_tls(config, v),
+            });
+            if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
+                tracing::warn!(vserver = %name, "a link kept the old core past the hand-over limit");
+            }
         }
         cell.store(Arc::clone(&core));
         // Held here: `old` and the handle's data path.

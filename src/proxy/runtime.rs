@@ -119,6 +119,8 @@ pub(crate) struct StartCtx<'a> {
     pub tokio: &'a tokio::runtime::Handle,
     /// Swappable cores of sip-udp vservers, for reload (see `proxy::reconfig`).
     pub sip_cells: &'a mut Vec<(String, SipUdpCell)>,
+    /// Links of sip-udp vservers toward their sip-tcp / sip-tls services, for reload.
+    pub sip_bridges: &'a mut Vec<(String, Arc<crate::proxy::sip_tcp::TcpShared>)>,
     /// Swappable cores of udp vservers, for reload.
     pub udp_cells: &'a mut Vec<(String, UdpCell)>,
     /// Swappable cores of tcp / http vservers, for reload.
@@ -145,6 +147,7 @@ pub struct Runtime {
     pub(super) vservers: Vec<VserverHandle>,
     threads: Vec<JoinHandle<()>>,
     pub(super) sip_cells: Vec<(String, SipUdpCell)>,
+    pub(super) sip_bridges: Vec<(String, Arc<crate::proxy::sip_tcp::TcpShared>)>,
     pub(super) udp_cells: Vec<(String, UdpCell)>,
     pub(super) tcp_cells: Vec<(String, TcpCell)>,
     /// Async data paths, monitors and the admin API run here.
@@ -172,6 +175,7 @@ impl Runtime {
             vservers: Vec::new(),
             threads: Vec::new(),
             sip_cells: Vec::new(),
+            sip_bridges: Vec::new(),
             udp_cells: Vec::new(),
             tcp_cells: Vec::new(),
             tokio: Some(tokio),
@@ -244,6 +248,9 @@ impl Runtime {
                 shared.store_client_tls(config);
             }
         }
+        for (_, shared) in &self.sip_bridges {
+            shared.store_client_tls(config);
+        }
         stored
     }
 
@@ -276,6 +283,7 @@ impl Runtime {
             threads: &mut self.threads,
             tokio: &tokio,
             sip_cells: &mut self.sip_cells,
+            sip_bridges: &mut self.sip_bridges,
             udp_cells: &mut self.udp_cells,
             tcp_cells: &mut self.tcp_cells,
         };

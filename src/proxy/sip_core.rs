@@ -371,8 +371,13 @@ impl SipCore {
         out: &mut Vec<u8>,
     ) -> Action {
         let origin = match self.member_of(src) {
-            Some(m) => Origin::Member(m),
-            None => Origin::Client { conn: None },
+            // A datagram comes from a member reached over UDP: one at the address of a stream
+            // member (a sip-udp vserver's bridge, where that member's traffic arrives on its
+            // link) is a client's.
+            Some(m) if self.member_leg.is_empty() || self.member_transport(m) == Transport::Udp => {
+                Origin::Member(m)
+            }
+            _ => Origin::Client { conn: None },
         };
         self.handle(buf, origin, src, dst, now, out)
     }

@@ -219,6 +219,10 @@ pub struct TcpShared {
     tls: Option<Arc<crate::tls::TlsListener>>,
     /// The UDP leg toward sip-udp members (the transports bridge), when there are any.
     udp: Option<Arc<tokio::net::UdpSocket>>,
+    /// The links of a sip-udp vserver's stream members ([`start_bridge`]): its clients are
+    /// answered over UDP from this socket (a clone of one of the vserver's own, blocking:
+    /// sent to without waiting), not over client connections.
+    front: Option<std::net::UdpSocket>,
 }
 
 impl std::fmt::Debug for TcpShared {
@@ -422,6 +426,9 @@ impl TcpShared {
     /// Send `bytes` to `addr` over the UDP leg. A datagram path does not wait: a full send
     /// buffer loses the datagram (counted), and SIP retransmits it (RFC 3261 §17.1.1.2).
     fn to_udp(&self, bytes: &[u8], addr: SocketAddr) -> bool {
+        if let Some(front) = &self.front {
+            return self.to_front(front, bytes, addr);
+        }
         let Some(sock) = &self.udp else {
             bump(&self.counters.udp_leg_send_errors);
             return false;
@@ -436,6 +443,90 @@ impl TcpShared {
                 }
                 false
             }
+        }
+    }
+
+    /// Send `bytes` to `addr` from the sip-udp vserver's socket `front`, without waiting (the
+    /// socket blocks for its worker's receive; MSG_DONTWAIT keeps this send from blocking a
+    /// link's task on a full send buffer: the datagram is lost and counted, as on the leg).
+    fn to_front(&self, front: &std::net::UdpSocket, bytes: &[u8], addr: SocketAddr) -> bool {
+        let sent = socket2::SockRef::from(front).send_to_with_flags(
+            bytes,
+            &addr.into(),
+            nix::libc::MSG_DONTWAIT,
+        );
+        match sent {
+            Ok(_) => true,
+            Err(e) => {
+                bump(&self.counters.udp_leg_send_errors);
+                if self.log.allow(self.now()) {
+                    tracing::debug!(vserver = %self.name, %addr, error = %e, "UDP send to a client failed");
+                }
+                false
+            }
+        }
+    }
+
+    /// Carry out, for a sip-udp vserver's worker, a decision its core `core` made for a
+    /// datagram that involves a stream member: a request to member `m`, or a client's
+    /// response to a stream service's in-dialog request (to that service's address). Queues
+    /// it on the member's link and returns `None`, or returns where the datagram goes over
+    /// UDP (a sip-udp member, or an address that is no stream member's).
+    pub(crate) fn carry_datagram(
+        &self,
+        core: &Arc<SipCore>,
+        action: Action,
+        out: &[u8],
+    ) -> Option<SocketAddr> {
+        let g = self.current.load();
+        match action {
+            Action::ToMember(m) => {
+                // A reload between the worker's decision and this load: the member's index in
+                // the current generation, by name.
+                let m = if Arc::ptr_eq(&g.core, core) {
+                    Some(m)
+                } else {
+                    let name = core.balancer().members().get(m).map(|x| x.name.as_str());
+                    g.core
+                        .balancer()
+                        .members()
+                        .iter()
+                        .position(|x| Some(x.name.as_str()) == name)
+                };
+                match m {
+                    Some(m) if g.core.member_transport(m) == Transport::Udp => {
+                        g.core.member_addr(m)
+                    }
+                    Some(m) => {
+                        if !self.to_service(&g, m, Bytes::copy_from_slice(out)) {
+                            self.answer_unavailable(&g, out);
+                        }
+                        None
+                    }
+                    None => {
+                        self.redispatch_request(&g, None, Bytes::copy_from_slice(out));
+                        None
+                    }
+                }
+            }
+            Action::ToAddr(addr) => {
+                let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
+                match g.core.member_of(addr) {
+                    Some(m) if g.core.member_transport(m) != Transport::Udp => {
+                        self.to_service(&g, m, Bytes::copy_from_slice(out));
+                        None
+                    }
+                    _ => match self.draining_tx(addr) {
+                        Some(tx) => {
+                            let _ = tx.try_send(Bytes::copy_from_slice(out));
+                            None
+                        }
+                        None => Some(addr),
+                    },
+                }
+            }
+            Action::Reply(addr) => Some(addr),
+            Action::ToConn(_) | Action::Drop(_) => None,
         }
     }
 
@@ -458,8 +549,15 @@ impl TcpShared {
             return;
         }
         let g = self.current.load();
-        let failed = g.index_of(link);
-        let sent = match g.core.rechoose(&bytes, link.addr, self.now()) {
+        self.redispatch_request(&g, Some(link), bytes);
+    }
+
+    /// Send a forwarded request to the member `g`'s core chooses now, other than `failed`'s;
+    /// with none, it is counted lost and its client gets fulcrum's 503.
+    fn redispatch_request(&self, g: &Generation, failed_link: Option<&ServiceLink>, bytes: Bytes) {
+        let failed = failed_link.and_then(|l| g.index_of(l));
+        let dst = failed_link.map_or(SocketAddr::from(([0, 0, 0, 0], 0)), |l| l.addr);
+        let sent = match g.core.rechoose(&bytes, dst, self.now()) {
             Some(m) if Some(m) != failed => g.links.get(m).is_some_and(|l| {
                 if l.udp {
                     self.to_udp(&bytes, l.addr)
@@ -474,15 +572,22 @@ impl TcpShared {
             return;
         }
         bump(&self.counters.requests_lost);
-        self.answer_unavailable(&g, &bytes);
+        self.answer_unavailable(g, &bytes);
     }
 
     /// Answer a forwarded request no service took with fulcrum's 503 on its client's
     /// connection (nothing for ACK, see `SipCore::unavailable`).
     fn answer_unavailable(&self, g: &Generation, forwarded: &[u8]) {
         let mut out = Vec::new();
-        if let Action::ToConn(id) = g.core.unavailable(forwarded, &mut out) {
-            self.to_client(id, Bytes::from(out));
+        match g.core.unavailable(forwarded, &mut out) {
+            Action::ToConn(id) => {
+                self.to_client(id, Bytes::from(out));
+            }
+            // A sip-udp vserver's client: the 503 goes where its Via says.
+            Action::ToAddr(addr) if self.front.is_some() => {
+                self.to_udp(&out, addr);
+            }
+            _ => {}
         }
     }
 
@@ -556,6 +661,10 @@ impl TcpShared {
                 } else if let Some(tx) = self.draining_tx(addr) {
                     // The same, toward a service a reload removed (its connection drains).
                     let _ = tx.try_send(bytes());
+                } else if let (Origin::Member(_), true) = (origin, self.front.is_some()) {
+                    // A stream service's response or in-dialog request toward a client of a
+                    // sip-udp vserver: a datagram, as the vserver sends any.
+                    self.to_udp(out, addr);
                 } else if let Origin::Member(_) = origin {
                     // A service's in-dialog request toward a client: only over a live
                     // connection from that client's address. Never for a message from a
@@ -1409,6 +1518,7 @@ pub(crate) fn start(
         tokio: ctx.tokio.clone(),
         tls: tls.clone(),
         udp,
+        front: None,
     });
     // Every member gets its link (and connection task) as a reload's added member would.
     shared.install(Install {
@@ -1432,6 +1542,62 @@ pub(crate) fn start(
         DataPath::SipTcp(core, shared),
     )
     .with_tls(tls))
+}
+
+/// The links of sip-udp vserver `v`'s sip-tcp / sip-tls members (the transports bridge the
+/// other way, docs/sip.md): the same links as a stream vserver's, with no listener and no
+/// client connection. `core` is the vserver's (its legs name the stream transports); what
+/// the links read is handled by the current core as the member's, and what goes to a client
+/// leaves from `front`, one of the vserver's UDP sockets. The vserver's workers hand their
+/// stream members' traffic to [`TcpShared::carry_datagram`]; a reload installs its core here
+/// too ([`TcpShared::install`]).
+pub(crate) fn start_bridge(
+    ctx: &mut StartCtx<'_>,
+    config: &Config,
+    v: &Vserver,
+    core: &Arc<SipCore>,
+    front: std::net::UdpSocket,
+) -> Arc<TcpShared> {
+    let empty = Generation {
+        core: Arc::clone(core),
+        links: Vec::new(),
+        max_clients: 0,
+        idle: v.idle_timeout,
+    };
+    let shared = Arc::new(TcpShared {
+        name: v.name.clone(),
+        current: ArcSwap::from_pointee(empty),
+        counters: TcpCounters::default(),
+        clients: DashMap::new(),
+        by_remote: DashMap::new(),
+        draining: DashMap::new(),
+        next_conn: AtomicU64::new(1),
+        epoch: ctx.epoch,
+        tasks: ctx
+            .shutdown
+            .group(format!("sip-udp vserver `{}` (stream services)", v.name)),
+        link_tasks: std::sync::Mutex::new(Vec::new()),
+        log: LogLimiter::default(),
+        tokio: ctx.tokio.clone(),
+        tls: None,
+        udp: None,
+        front: Some(front),
+    });
+    shared.install(Install {
+        core: Arc::clone(core),
+        max_clients: 0,
+        idle: v.idle_timeout,
+        tls: Install::member_tls(config, v),
+    });
+    // No listener: the task sweeps dialogs (the vserver's sweeper thread is not started)
+    // and ends the links at the shutdown.
+    ctx.tokio.spawn(run_vserver(
+        Arc::clone(&shared),
+        Vec::new(),
+        ctx.shutdown.signal(),
+        shared.tasks.guard(),
+    ));
+    shared
 }
 
 #[cfg(test)]

@@ -2,6 +2,12 @@
 //! receive → [`SipCore::handle_datagram`] → send from the same socket. Because the kernel
 //! keeps each 4-tuple on one socket and each worker sends in the order it received, the
 //! messages of one call leave fulcrum in the order they arrived.
+//!
+//! Members that speak sip-tcp or sip-tls (the transports bridge, docs/sip.md) are reached
+//! over the stream shell's links ([`crate::proxy::sip_tcp::start_bridge`]): a worker hands
+//! what its core sends them to the links, which connect on demand and hand what the services
+//! send to the core; what goes to a client from there leaves from one of this vserver's
+//! sockets.
 
 use crate::balancer::Balancer;
 use crate::config::{Config, Vserver};
@@ -12,6 +18,7 @@ use crate::proxy::runtime::{
 use crate::proxy::shutdown::Shutdown;
 use crate::proxy::sip_core::SipParams;
 use crate::proxy::sip_core::{Action, SipCore};
+use crate::proxy::sip_tcp::TcpShared;
 use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::Transport;
 use std::net::UdpSocket;
@@ -25,9 +32,11 @@ use std::time::Instant;
 ///
 /// The vserver's core is loaded from `cell` per datagram, so a reload that rebuilds it
 /// (`proxy::reconfig`) takes effect at the next datagram without touching the socket.
+/// `bridge` holds the links of the vserver's stream members, when it has any.
 pub(crate) fn run_worker(
     socket: UdpSocket,
     cell: SipUdpCell,
+    bridge: Option<Arc<TcpShared>>,
     epoch: Instant,
     stop: Arc<AtomicBool>,
 ) {
@@ -76,8 +85,15 @@ pub(crate) fn run_worker(
         let now = elapsed_nanos(epoch);
         let core = cell.load();
         let to = match core.handle_datagram(&buf[..n], src, dst, now, &mut out) {
-            Action::ToMember(m) => core.member_addr(m),
-            Action::ToAddr(a) | Action::Reply(a) => Some(a),
+            Action::ToMember(m) => match &bridge {
+                None => core.member_addr(m),
+                Some(b) => b.carry_datagram(&core, Action::ToMember(m), &out),
+            },
+            Action::ToAddr(a) => match &bridge {
+                None => Some(a),
+                Some(b) => b.carry_datagram(&core, Action::ToAddr(a), &out),
+            },
+            Action::Reply(a) => Some(a),
             // Connection ids exist only on streams.
             Action::ToConn(_) => None,
             Action::Drop(reason) => {
@@ -111,7 +127,8 @@ fn wake_on_shutdown(shutdown: &Shutdown, socket: &UdpSocket) -> Result<(), Runti
     Ok(())
 }
 
-/// Start a sip-udp vserver: worker threads with SO_REUSEPORT sockets, and a dialog sweeper.
+/// Start a sip-udp vserver: worker threads with SO_REUSEPORT sockets, and a dialog sweeper;
+/// with sip-tcp / sip-tls members, the links toward them (whose task sweeps dialogs instead).
 pub(crate) fn start(
     ctx: &mut StartCtx<'_>,
     config: &Config,
@@ -123,19 +140,45 @@ pub(crate) fn start(
     let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Udp)?;
     let balancer = Arc::new(Balancer::new(config, v));
-    let core =
-        Arc::new(SipCore::new(SipParams::of(config, v, local, balancer)).with_edge(v.edge(None)));
+    let streams = v
+        .members()
+        .filter_map(|i| config.services.get(i))
+        .any(|s| s.protocol.is_sip_stream());
+    let mut params = SipParams::of(config, v, local.clone(), balancer);
+    if streams {
+        // The stream legs share the vserver's address (their links connect out; a service's
+        // requests come back on them). Both are given, so a reload may add either kind.
+        params = params.with_legs(vec![
+            local.with_transport(Transport::Tcp),
+            local.with_transport(Transport::Tls),
+        ]);
+    }
+    let core = Arc::new(SipCore::new(params).with_edge(v.edge(None)));
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
     ctx.sip_cells.push((v.name.clone(), Arc::clone(&cell)));
+    let bridge = match sockets.first() {
+        Some(first) if streams => {
+            let front = first.try_clone()?;
+            let b = crate::proxy::sip_tcp::start_bridge(ctx, config, v, &core, front);
+            ctx.sip_bridges.push((v.name.clone(), Arc::clone(&b)));
+            Some(b)
+        }
+        _ => None,
+    };
     for (i, socket) in sockets.into_iter().enumerate() {
         wake_on_shutdown(ctx.shutdown, &socket)?;
         let cell = Arc::clone(&cell);
+        let bridge = bridge.clone();
         let stop = ctx.shutdown.flag();
         let epoch = ctx.epoch;
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || run_worker(socket, cell, epoch, stop))?;
+            .spawn(move || run_worker(socket, cell, bridge, epoch, stop))?;
         ctx.threads.push(t);
+    }
+    if bridge.is_some() {
+        tracing::info!(vserver = %v.name, "links toward sip-tcp / sip-tls services started");
+        return Ok(started(v, bound, workers, core));
     }
     // Dialog expiry, in whatever core is current (a reload may change the idle timeout, so
     // the interval is looked at every POLL); the shutdown ends the sleep at once.
@@ -153,6 +196,16 @@ pub(crate) fn start(
             }
         })?;
     ctx.threads.push(t);
+    Ok(started(v, bound, workers, core))
+}
+
+/// The handle of a started sip-udp vserver.
+fn started(
+    v: &Vserver,
+    bound: Vec<std::net::SocketAddr>,
+    workers: usize,
+    core: Arc<SipCore>,
+) -> VserverHandle {
     tracing::info!(
         vserver = %v.name,
         bind = ?bound,
@@ -160,13 +213,13 @@ pub(crate) fn start(
         method = v.method.name(),
         "sip-udp vserver started"
     );
-    Ok(VserverHandle::new(
+    VserverHandle::new(
         v.name.clone(),
         v.protocol,
         bound,
         Arc::clone(core.balancer()),
         DataPath::SipUdp(core),
-    ))
+    )
 }
 
 #[cfg(test)]
