@@ -21,7 +21,7 @@ use crate::proxy::sip_core::{Action, SipCore};
 use crate::proxy::sip_tcp::TcpShared;
 use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
 use crate::sip::Transport;
-use std::net::UdpSocket;
+use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -32,11 +32,12 @@ use std::time::Instant;
 ///
 /// The vserver's core is loaded from `cell` per datagram, so a reload that rebuilds it
 /// (`proxy::reconfig`) takes effect at the next datagram without touching the socket.
-/// `bridge` holds the links of the vserver's stream members, when it has any.
-pub(crate) fn run_worker(
+/// `bridge` carries what goes to the vserver's stream members: `()` when it has none (the
+/// loop is then compiled as if there were no bridge at all), else their links.
+pub(crate) fn run_worker<B: Bridge>(
     socket: UdpSocket,
     cell: SipUdpCell,
-    bridge: Option<Arc<TcpShared>>,
+    bridge: B,
     epoch: Instant,
     stop: Arc<AtomicBool>,
 ) {
@@ -85,14 +86,8 @@ pub(crate) fn run_worker(
         let now = elapsed_nanos(epoch);
         let core = cell.load();
         let to = match core.handle_datagram(&buf[..n], src, dst, now, &mut out) {
-            Action::ToMember(m) => match &bridge {
-                None => core.member_addr(m),
-                Some(b) => b.carry_datagram(&core, Action::ToMember(m), &out),
-            },
-            Action::ToAddr(a) => match &bridge {
-                None => Some(a),
-                Some(b) => b.carry_datagram(&core, Action::ToAddr(a), &out),
-            },
+            Action::ToMember(m) => bridge.to_member(&core, m, &out),
+            Action::ToAddr(a) => bridge.to_addr(&core, a, &out),
             Action::Reply(a) => Some(a),
             // Connection ids exist only on streams.
             Action::ToConn(_) => None,
@@ -111,6 +106,37 @@ pub(crate) fn run_worker(
                 tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
             }
         }
+    }
+}
+
+/// Where a worker's datagram for a member, or for an address, goes: over its own socket (the
+/// address returned) or, for a stream member, over that member's link (`None`).
+pub(crate) trait Bridge: Send + 'static {
+    fn to_member(&self, core: &Arc<SipCore>, m: usize, out: &[u8]) -> Option<SocketAddr>;
+    fn to_addr(&self, core: &Arc<SipCore>, a: SocketAddr, out: &[u8]) -> Option<SocketAddr>;
+}
+
+/// No stream member: every datagram goes over the socket.
+impl Bridge for () {
+    #[inline(always)]
+    fn to_member(&self, core: &Arc<SipCore>, m: usize, _: &[u8]) -> Option<SocketAddr> {
+        core.member_addr(m)
+    }
+
+    #[inline(always)]
+    fn to_addr(&self, _: &Arc<SipCore>, a: SocketAddr, _: &[u8]) -> Option<SocketAddr> {
+        Some(a)
+    }
+}
+
+/// The links of the stream members ([`TcpShared::carry_datagram`]).
+impl Bridge for Arc<TcpShared> {
+    fn to_member(&self, core: &Arc<SipCore>, m: usize, out: &[u8]) -> Option<SocketAddr> {
+        self.carry_datagram(core, Action::ToMember(m), out)
+    }
+
+    fn to_addr(&self, core: &Arc<SipCore>, a: SocketAddr, out: &[u8]) -> Option<SocketAddr> {
+        self.carry_datagram(core, Action::ToAddr(a), out)
     }
 }
 
@@ -173,7 +199,10 @@ pub(crate) fn start(
         let epoch = ctx.epoch;
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || run_worker(socket, cell, bridge, epoch, stop))?;
+            .spawn(move || match bridge {
+                None => run_worker(socket, cell, (), epoch, stop),
+                Some(b) => run_worker(socket, cell, b, epoch, stop),
+            })?;
         ctx.threads.push(t);
     }
     if bridge.is_some() {
