@@ -20,6 +20,7 @@ use fulcrum::sip;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 const CALLS: usize = 20;
@@ -461,6 +462,14 @@ fn a_stream_service_that_refuses_connections_is_down_and_calls_go_to_the_other()
     assert_no_481(&[&tcp]);
     assert_eq!(health_of(&ops, 1), Some(fulcrum::balancer::Health::Down));
     assert_eq!(health_of(&ops, 0), Some(fulcrum::balancer::Health::Up));
+    let failures = ops
+        .with_vservers(|vs, _| {
+            vs.iter()
+                .find_map(|v| v.bridge())
+                .map(|b| b.counters.service_connect_failures.load(Ordering::Relaxed))
+        })
+        .flatten();
+    assert!(failures.is_some_and(|n| n > 0), "counted: {failures:?}");
     ops.shutdown();
 }
 

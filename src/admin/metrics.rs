@@ -401,7 +401,12 @@ impl TlsFamilies {
 fn add_transport_events(events: &mut Family, v: &VserverHandle) {
     let n = v.name.as_str();
     match &v.data {
-        DataPath::SipUdp(_) => {}
+        // A sip-udp vserver's links toward its stream services count as a stream vserver's.
+        DataPath::SipUdp(_) => {
+            if let Some(b) = v.bridge() {
+                add_each(events, n, "event", &sip_tcp_events(&b.counters));
+            }
+        }
         DataPath::SipTcp(_, shared) => {
             add_each(events, n, "event", &sip_tcp_events(&shared.counters))
         }

@@ -341,11 +341,7 @@ impl Runtime {
         )?;
         // The links toward sip-tcp / sip-tls services (and the core's legs naming their
         // transports) are set up at start; a reload cannot add the first.
-        let bridge = self
-            .sip_bridges
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, b)| Arc::clone(b));
+        let bridge = self.vservers[slot].bridge().cloned();
         let wants_streams = v
             .members()
             .filter_map(|i| config.services.get(i))

@@ -67,6 +67,9 @@ pub struct VserverHandle {
     /// The TLS side of a vserver with `tls` (kept across rebuilds; a reload stores new
     /// certificates into it).
     tls: Option<Arc<crate::tls::TlsListener>>,
+    /// The links of a sip-udp vserver toward its sip-tcp / sip-tls services (kept across
+    /// rebuilds; a reload installs its core there too).
+    bridge: Option<Arc<crate::proxy::sip_tcp::TcpShared>>,
 }
 
 impl VserverHandle {
@@ -84,7 +87,22 @@ impl VserverHandle {
             balancer,
             data,
             tls: None,
+            bridge: None,
         }
+    }
+
+    /// The handle of a sip-udp vserver whose stream services are reached over `bridge`.
+    pub(crate) fn with_bridge(
+        mut self,
+        bridge: Option<Arc<crate::proxy::sip_tcp::TcpShared>>,
+    ) -> VserverHandle {
+        self.bridge = bridge;
+        self
+    }
+
+    /// The links of a sip-udp vserver toward its stream services, when it has any.
+    pub fn bridge(&self) -> Option<&Arc<crate::proxy::sip_tcp::TcpShared>> {
+        self.bridge.as_ref()
     }
 
     /// The handle of a vserver that terminates TLS with `tls`.
@@ -119,8 +137,6 @@ pub(crate) struct StartCtx<'a> {
     pub tokio: &'a tokio::runtime::Handle,
     /// Swappable cores of sip-udp vservers, for reload (see `proxy::reconfig`).
     pub sip_cells: &'a mut Vec<(String, SipUdpCell)>,
-    /// Links of sip-udp vservers toward their sip-tcp / sip-tls services, for reload.
-    pub sip_bridges: &'a mut Vec<(String, Arc<crate::proxy::sip_tcp::TcpShared>)>,
     /// Swappable cores of udp vservers, for reload.
     pub udp_cells: &'a mut Vec<(String, UdpCell)>,
     /// Swappable cores of tcp / http vservers, for reload.
@@ -147,7 +163,6 @@ pub struct Runtime {
     pub(super) vservers: Vec<VserverHandle>,
     threads: Vec<JoinHandle<()>>,
     pub(super) sip_cells: Vec<(String, SipUdpCell)>,
-    pub(super) sip_bridges: Vec<(String, Arc<crate::proxy::sip_tcp::TcpShared>)>,
     pub(super) udp_cells: Vec<(String, UdpCell)>,
     pub(super) tcp_cells: Vec<(String, TcpCell)>,
     /// Async data paths, monitors and the admin API run here.
@@ -175,7 +190,6 @@ impl Runtime {
             vservers: Vec::new(),
             threads: Vec::new(),
             sip_cells: Vec::new(),
-            sip_bridges: Vec::new(),
             udp_cells: Vec::new(),
             tcp_cells: Vec::new(),
             tokio: Some(tokio),
@@ -248,7 +262,7 @@ impl Runtime {
                 shared.store_client_tls(config);
             }
         }
-        for (_, shared) in &self.sip_bridges {
+        for shared in self.vservers.iter().filter_map(VserverHandle::bridge) {
             shared.store_client_tls(config);
         }
         stored
@@ -283,7 +297,6 @@ impl Runtime {
             threads: &mut self.threads,
             tokio: &tokio,
             sip_cells: &mut self.sip_cells,
-            sip_bridges: &mut self.sip_bridges,
             udp_cells: &mut self.udp_cells,
             tcp_cells: &mut self.tcp_cells,
         };

@@ -185,9 +185,9 @@ pub(crate) fn start(
     let bridge = match sockets.first() {
         Some(first) if streams => {
             let front = first.try_clone()?;
-            let b = crate::proxy::sip_tcp::start_bridge(ctx, config, v, &core, front);
-            ctx.sip_bridges.push((v.name.clone(), Arc::clone(&b)));
-            Some(b)
+            Some(crate::proxy::sip_tcp::start_bridge(
+                ctx, config, v, &core, front,
+            ))
         }
         _ => None,
     };
@@ -207,7 +207,7 @@ pub(crate) fn start(
     }
     if bridge.is_some() {
         tracing::info!(vserver = %v.name, "links toward sip-tcp / sip-tls services started");
-        return Ok(started(v, bound, workers, core));
+        return Ok(started(v, bound, workers, core).with_bridge(bridge));
     }
     // Dialog expiry, in whatever core is current (a reload may change the idle timeout, so
     // the interval is looked at every POLL); the shutdown ends the sleep at once.
