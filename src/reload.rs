@@ -30,7 +30,7 @@
 //! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `transparent`, `freebind`,
 //!   `send_proxy` (its sockets, threads and Via identity), and adding or removing its `tls`.
 
-use crate::config::{Config, Service, Vserver};
+use crate::config::{Config, Protocol, Service, Vserver};
 
 /// What a reload does to `admin.token`.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -138,6 +138,10 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
             ));
             continue;
         }
+        if let Some(why) = new_sip_leg(old, a, new, b) {
+            restart.push(format!("vservers.{}: {why}", a.name));
+            continue;
+        }
         let ma = member_names(old, a);
         let mb = member_names(new, b);
         let data_changed = mb.iter().any(|name| {
@@ -191,6 +195,38 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
     Ok(p)
 }
 
+/// The transports bridge sets up a SIP vserver's other legs at start: the UDP leg of a
+/// sip-tcp / sip-tls vserver with sip-udp services, the stream links of a sip-udp vserver
+/// with sip-tcp / sip-tls services. A reload that would need one the running vserver was not
+/// started with is refused before anything changes (why, when it is).
+fn new_sip_leg(old: &Config, a: &Vserver, new: &Config, b: &Vserver) -> Option<&'static str> {
+    if !b.protocol.is_sip() {
+        return None;
+    }
+    let kinds = |c: &Config, v: &Vserver| {
+        let protocols: Vec<Protocol> = v
+            .members()
+            .filter_map(|i| c.services.get(i))
+            .map(|s| s.protocol)
+            .collect();
+        (
+            protocols.contains(&Protocol::SipUdp),
+            protocols.iter().any(|p| p.is_sip_stream()),
+        )
+    };
+    let (udp_before, stream_before) = kinds(old, a);
+    let (udp_after, stream_after) = kinds(new, b);
+    if b.protocol.is_sip_stream() && udp_after && !udp_before {
+        Some("its first sip-udp service needs a restart (the UDP leg is bound at start)")
+    } else if b.protocol == Protocol::SipUdp && stream_after && !stream_before {
+        Some(
+            "its first sip-tcp or sip-tls service needs a restart (the links toward stream services are set up at start)",
+        )
+    } else {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,6 +268,47 @@ mod tests {
         let p = plan(&old, &new).expect("in place");
         assert_eq!(p.rebuild, vec!["v".to_owned()]);
         assert!(p.slow_start_rates.is_empty());
+    }
+
+    #[test]
+    fn a_bridge_leg_the_vserver_was_not_started_with_is_refused_before_anything_changes() {
+        let y = |vs_proto: &str, services: &str, members: &str| {
+            format!(
+                "admin: {{ listen: null }}\n\
+                 services:\n{services}\
+                 vservers:\n  - {{ name: first, protocol: sip-udp, bind: [127.0.0.1:0], services: [u] }}\n  \
+                   - {{ name: v, protocol: {vs_proto}, bind: [127.0.0.1:0], services: [{members}] }}\n"
+            )
+        };
+        let services = "  - { name: u, address: 127.0.0.1:5071, protocol: sip-udp }\n  \
+                        - { name: u2, address: 127.0.0.1:5072, protocol: sip-udp }\n  \
+                        - { name: t, address: 127.0.0.1:5073, protocol: sip-tcp }\n  \
+                        - { name: t2, address: 127.0.0.1:5074, protocol: sip-tcp }\n";
+        let parse = |t: String| crate::config::from_str("t.yaml", &t).expect("valid config");
+        // A sip-udp vserver's first stream service; the other vserver's change is refused too
+        // (the whole reload is).
+        let old = parse(y("sip-udp", services, "u"));
+        let new =
+            parse(y("sip-udp", services, "u, t").replace("services: [u] }", "services: [u, u2] }"));
+        let why = plan(&old, &new).expect_err("restart");
+        assert!(
+            why.iter()
+                .any(|w| w
+                    .contains("vservers.v: its first sip-tcp or sip-tls service needs a restart")),
+            "{why:?}"
+        );
+        // A second stream service is an ordinary rebuild.
+        let old = parse(y("sip-udp", services, "u, t"));
+        let p = plan(&old, &parse(y("sip-udp", services, "u, t, t2"))).expect("in place");
+        assert_eq!(p.rebuild, vec!["v".to_owned()]);
+        // A stream vserver's first sip-udp service.
+        let old = parse(y("sip-tcp", services, "t"));
+        let why = plan(&old, &parse(y("sip-tcp", services, "t, u2"))).expect_err("restart");
+        assert!(
+            why.iter()
+                .any(|w| w.contains("its first sip-udp service needs a restart")),
+            "{why:?}"
+        );
     }
 
     #[test]
