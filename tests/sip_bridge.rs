@@ -12,9 +12,8 @@ mod common;
 use common::sip_tcp::{Next, next_message};
 use common::sip_uac::Uac;
 use common::strict_uas::StrictUas;
-use common::tls::{Ca, client_config, connect, server_config};
+use common::tls::{Ca, addr, client_config, connect, server_config, start};
 use common::*;
-use fulcrum::config;
 use fulcrum::ops::Ops;
 use fulcrum::sip;
 use std::io::Write;
@@ -24,17 +23,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 const CALLS: usize = 20;
-
-fn start(f: &ConfigFile) -> Arc<Ops> {
-    let cfg = config::load(&f.path).unwrap_or_else(|e| panic!("config: {e}"));
-    Ops::start(cfg, Some(f.path.clone())).expect("start")
-}
-
-fn addr(ops: &Ops, name: &str) -> SocketAddr {
-    ops.with_vservers(|vs, _| vs.iter().find(|v| v.name == name).map(|v| v.bound[0]))
-        .flatten()
-        .expect("vserver")
-}
 
 /// A `protocol` vserver `v` (sip-tls with `sip.crt` for `fulcrum.test`, or sip-tcp) over
 /// sip-udp services at `services`, record-routing, `extra` for the services' lines.

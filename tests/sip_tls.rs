@@ -14,12 +14,11 @@ mod sip_load;
 use common::sip_tcp::{Next, next_message};
 use common::sip_uac::Uac;
 use common::strict_uas::{StrictUas, UasCore};
-use common::tls::{Ca, client_config, connect, server_config};
+use common::tls::{Ca, addr, client_config, connect, failed, listener, server_config, start};
 use common::*;
-use fulcrum::config;
 use fulcrum::ops::Ops;
 use fulcrum::sip::{self, DEFAULT_MAX_MESSAGE, Frame, next_frame};
-use fulcrum::tls::{Reason, TlsListener};
+use fulcrum::tls::Reason;
 use sip_load::CallBook;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -28,31 +27,6 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 const CALLS: usize = 20;
-
-fn start(f: &ConfigFile) -> Arc<Ops> {
-    let cfg = config::load(&f.path).unwrap_or_else(|e| panic!("config: {e}"));
-    Ops::start(cfg, Some(f.path.clone())).expect("start")
-}
-
-fn addr(ops: &Ops, name: &str) -> SocketAddr {
-    ops.with_vservers(|vs, _| vs.iter().find(|v| v.name == name).map(|v| v.bound[0]))
-        .flatten()
-        .expect("vserver")
-}
-
-fn listener(ops: &Ops, name: &str) -> Arc<TlsListener> {
-    ops.with_vservers(|vs, _| {
-        vs.iter()
-            .find(|v| v.name == name)
-            .and_then(|v| v.tls().cloned())
-    })
-    .flatten()
-    .expect("a TLS vserver")
-}
-
-fn failed(l: &TlsListener, r: Reason) -> u64 {
-    l.counters.failed(r).load(Ordering::Relaxed)
-}
 
 /// Two strict UAS over TLS (certificate for `uas.test`), a sip-tls vserver `v` over them
 /// presenting `sip.crt` for `fulcrum.test`, each service probed by OPTIONS over TLS.

@@ -6,12 +6,12 @@
 
 mod common;
 
-use common::tls::{Ca, Issued, client_config, server_config};
+use common::tls::{
+    Ca, Issued, addr, client_config, completed, failed, listener, server_config, start,
+};
 use common::*;
 use fulcrum::balancer::Path;
-use fulcrum::config;
-use fulcrum::ops::Ops;
-use fulcrum::tls::{Reason, TlsListener};
+use fulcrum::tls::Reason;
 use rustls::pki_types::CertificateDer;
 use rustls::{ClientConnection, ServerConnection, StreamOwned};
 use std::io::{Read, Write};
@@ -127,36 +127,6 @@ fn http_service(name: &str) -> SocketAddr {
         }
     });
     addr
-}
-
-/// The vserver `name`'s TLS listener (its handshake counters).
-fn listener(ops: &Ops, name: &str) -> Arc<TlsListener> {
-    ops.with_vservers(|vs, _| {
-        vs.iter()
-            .find(|v| v.name == name)
-            .and_then(|v| v.tls().cloned())
-    })
-    .flatten()
-    .expect("a TLS vserver")
-}
-
-fn failed(l: &TlsListener, r: Reason) -> u64 {
-    l.counters.failed(r).load(Ordering::Relaxed)
-}
-
-fn completed(l: &TlsListener) -> u64 {
-    l.counters.completed.load(Ordering::Relaxed)
-}
-
-fn start(f: &ConfigFile) -> Arc<Ops> {
-    let cfg = config::load(&f.path).unwrap_or_else(|e| panic!("config: {e}"));
-    Ops::start(cfg, Some(f.path.clone())).expect("start")
-}
-
-fn addr(ops: &Ops, name: &str) -> SocketAddr {
-    ops.with_vservers(|vs, _| vs.iter().find(|v| v.name == name).map(|v| v.bound[0]))
-        .flatten()
-        .expect("vserver")
 }
 
 /// A tcp vserver `v` terminating TLS with `www` (relative paths: read beside the config), over

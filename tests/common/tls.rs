@@ -3,11 +3,14 @@
 //! blocking TLS streams over std sockets for the test peers. Never files checked in.
 
 use super::ConfigFile;
+use fulcrum::ops::Ops;
+use fulcrum::tls::{Reason, TlsListener};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
 use rustls::{ClientConnection, RootCertStore, ServerConnection, StreamOwned};
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -127,4 +130,38 @@ pub fn connect(
         s.conn.complete_io(&mut s.sock)?;
     }
     Ok(s)
+}
+
+/// fulcrum started from the config file `f` (its TLS files read beside it).
+pub fn start(f: &ConfigFile) -> Arc<Ops> {
+    let cfg = fulcrum::config::load(&f.path).unwrap_or_else(|e| panic!("config: {e}"));
+    Ops::start(cfg, Some(f.path.clone())).expect("start")
+}
+
+/// The first bound address of vserver `name`.
+pub fn addr(ops: &Ops, name: &str) -> SocketAddr {
+    ops.with_vservers(|vs, _| vs.iter().find(|v| v.name == name).map(|v| v.bound[0]))
+        .flatten()
+        .expect("vserver")
+}
+
+/// The TLS listener of vserver `name` (its handshake counters).
+pub fn listener(ops: &Ops, name: &str) -> Arc<TlsListener> {
+    ops.with_vservers(|vs, _| {
+        vs.iter()
+            .find(|v| v.name == name)
+            .and_then(|v| v.tls().cloned())
+    })
+    .flatten()
+    .expect("a TLS vserver")
+}
+
+/// Handshakes `l` counted as failed for reason `r`.
+pub fn failed(l: &TlsListener, r: Reason) -> u64 {
+    l.counters.failed(r).load(Ordering::Relaxed)
+}
+
+/// Handshakes `l` completed.
+pub fn completed(l: &TlsListener) -> u64 {
+    l.counters.completed.load(Ordering::Relaxed)
 }
