@@ -106,7 +106,6 @@ fn calls_over_tls_reach_strict_services_over_tls_and_every_hop_says_tls() {
     let ops = lab.start(&lab.yaml("", ""));
     let vs = addr(&ops, "v");
     let mut uac = lab.client(&ops, None).expect("TLS client");
-    let before: u64 = lab.uas.iter().map(|u| u.counts().requests).sum();
     for i in 0..CALLS {
         let call = uac.call(&format!("tls-call-{i}"));
         assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
@@ -139,7 +138,6 @@ fn calls_over_tls_reach_strict_services_over_tls_and_every_hop_says_tls() {
         counts.iter().all(|c| c.dialogs > 0),
         "Call-IDs spread: {counts:?}"
     );
-    assert!(counts.iter().map(|c| c.requests).sum::<u64>() > before);
     for u in &lab.uas {
         let via = u.last_via().expect("a request reached it");
         assert!(

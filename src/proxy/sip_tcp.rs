@@ -1497,36 +1497,19 @@ pub(crate) fn start(
         SipCore::new(SipParams::of(config, v, local, Arc::clone(&balancer)).with_legs(legs))
             .with_edge(v.edge(None)),
     );
-    let empty = Generation {
-        core: Arc::clone(&core),
-        links: Vec::new(),
-        max_clients: v.max_sessions,
-        idle: v.idle_timeout,
-    };
-    let shared = Arc::new(TcpShared {
-        name: v.name.clone(),
-        current: ArcSwap::from_pointee(empty),
-        counters: TcpCounters::default(),
-        clients: DashMap::new(),
-        by_remote: DashMap::new(),
-        draining: DashMap::new(),
-        next_conn: AtomicU64::new(1),
-        epoch: ctx.epoch,
-        tasks: ctx.shutdown.group(format!("sip-tcp vserver `{}`", v.name)),
-        link_tasks: std::sync::Mutex::new(Vec::new()),
-        log: LogLimiter::default(),
-        tokio: ctx.tokio.clone(),
-        tls: tls.clone(),
-        udp,
-        front: None,
-    });
-    // Every member gets its link (and connection task) as a reload's added member would.
-    shared.install(Install {
-        core: Arc::clone(&core),
-        max_clients: v.max_sessions,
-        idle: v.idle_timeout,
-        tls: Install::member_tls(config, v),
-    });
+    let shared = launch(
+        ctx,
+        config,
+        v,
+        Arc::clone(&core),
+        Shells {
+            max_clients: v.max_sessions,
+            tasks: format!("sip-tcp vserver `{}`", v.name),
+            tls: tls.clone(),
+            udp,
+            front: None,
+        },
+    );
     ctx.tokio.spawn(run_vserver(
         Arc::clone(&shared),
         listeners,
@@ -1544,6 +1527,57 @@ pub(crate) fn start(
     .with_tls(tls))
 }
 
+/// What differs between a stream vserver's shared state and a sip-udp vserver's bridge.
+struct Shells {
+    max_clients: usize,
+    /// The name of the shutdown's task group.
+    tasks: String,
+    tls: Option<Arc<crate::tls::TlsListener>>,
+    udp: Option<Arc<tokio::net::UdpSocket>>,
+    front: Option<std::net::UdpSocket>,
+}
+
+/// The shared state over `core`, with every member of `v` given its link (and connection
+/// task) as a reload's added member would be.
+fn launch(
+    ctx: &mut StartCtx<'_>,
+    config: &Config,
+    v: &Vserver,
+    core: Arc<SipCore>,
+    sh: Shells,
+) -> Arc<TcpShared> {
+    let empty = Generation {
+        core: Arc::clone(&core),
+        links: Vec::new(),
+        max_clients: sh.max_clients,
+        idle: v.idle_timeout,
+    };
+    let shared = Arc::new(TcpShared {
+        name: v.name.clone(),
+        current: ArcSwap::from_pointee(empty),
+        counters: TcpCounters::default(),
+        clients: DashMap::new(),
+        by_remote: DashMap::new(),
+        draining: DashMap::new(),
+        next_conn: AtomicU64::new(1),
+        epoch: ctx.epoch,
+        tasks: ctx.shutdown.group(sh.tasks),
+        link_tasks: std::sync::Mutex::new(Vec::new()),
+        log: LogLimiter::default(),
+        tokio: ctx.tokio.clone(),
+        tls: sh.tls,
+        udp: sh.udp,
+        front: sh.front,
+    });
+    shared.install(Install {
+        core,
+        max_clients: sh.max_clients,
+        idle: v.idle_timeout,
+        tls: Install::member_tls(config, v),
+    });
+    shared
+}
+
 /// The links of sip-udp vserver `v`'s sip-tcp / sip-tls members (the transports bridge the
 /// other way, docs/sip.md): the same links as a stream vserver's, with no listener and no
 /// client connection. `core` is the vserver's (its legs name the stream transports); what
@@ -1558,37 +1592,19 @@ pub(crate) fn start_bridge(
     core: &Arc<SipCore>,
     front: std::net::UdpSocket,
 ) -> Arc<TcpShared> {
-    let empty = Generation {
-        core: Arc::clone(core),
-        links: Vec::new(),
-        max_clients: 0,
-        idle: v.idle_timeout,
-    };
-    let shared = Arc::new(TcpShared {
-        name: v.name.clone(),
-        current: ArcSwap::from_pointee(empty),
-        counters: TcpCounters::default(),
-        clients: DashMap::new(),
-        by_remote: DashMap::new(),
-        draining: DashMap::new(),
-        next_conn: AtomicU64::new(1),
-        epoch: ctx.epoch,
-        tasks: ctx
-            .shutdown
-            .group(format!("sip-udp vserver `{}` (stream services)", v.name)),
-        link_tasks: std::sync::Mutex::new(Vec::new()),
-        log: LogLimiter::default(),
-        tokio: ctx.tokio.clone(),
-        tls: None,
-        udp: None,
-        front: Some(front),
-    });
-    shared.install(Install {
-        core: Arc::clone(core),
-        max_clients: 0,
-        idle: v.idle_timeout,
-        tls: Install::member_tls(config, v),
-    });
+    let shared = launch(
+        ctx,
+        config,
+        v,
+        Arc::clone(core),
+        Shells {
+            max_clients: 0,
+            tasks: format!("sip-udp vserver `{}` (stream services)", v.name),
+            tls: None,
+            udp: None,
+            front: Some(front),
+        },
+    );
     // No listener: the task sweeps dialogs (the vserver's sweeper thread is not started)
     // and ends the links at the shutdown.
     ctx.tokio.spawn(run_vserver(

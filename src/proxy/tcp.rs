@@ -599,17 +599,32 @@ async fn read_first(core: &TcpCore, client: &TcpStream) -> io::Result<Option<Vec
     }
 }
 
-/// Choose and connect; a member whose connect fails is passed over for this connection
-/// and the next one is tried, until one connects or none is left.
-/// Connect to the member the method chooses, trying the next ones on failure. The member
-/// tried is counted open in `live` from the moment it is chosen (see below), and stays so on
-/// success; `live` gives it back when the connection ends, or if the task ends meanwhile.
+/// Connect to the member the method chooses, trying the next ones on failure: a member
+/// whose connect fails is passed over for this connection. The member tried is counted open
+/// in `live` from the moment it is chosen (see below), and stays so on success; `live` gives
+/// it back when the connection ends, or if the task ends meanwhile.
 async fn connect_any<'a>(
     core: &'a TcpCore,
     key: KeyInput,
     client: SocketAddr,
     live: &mut Live<'a>,
 ) -> Option<TcpStream> {
+    connect_any_then(core, key, client, live, |_, s| std::future::ready(Ok(s))).await
+}
+
+/// [`connect_any`] with `finish` run on each connected stream (the PROXY header and TLS of
+/// [`connect_any_stream`]); a member whose `finish` fails is passed over like a failed connect.
+async fn connect_any_then<'a, T, F, Fut>(
+    core: &'a TcpCore,
+    key: KeyInput,
+    client: SocketAddr,
+    live: &mut Live<'a>,
+    finish: F,
+) -> Option<T>
+where
+    F: Fn(usize, TcpStream) -> Fut,
+    Fut: std::future::Future<Output = Result<T, &'static str>>,
+{
     let mut failed: Vec<usize> = Vec::new();
     loop {
         let choice = core
@@ -626,7 +641,12 @@ async fn connect_any<'a>(
             c.open();
         }
         match tokio::time::timeout(CONNECT_TIMEOUT, connect(addr, client, core.transparent)).await {
-            Ok(Ok(s)) => return Some(s),
+            Ok(Ok(s)) => match finish(choice.member, s).await {
+                Ok(s) => return Some(s),
+                Err(why) => {
+                    tracing::debug!(vserver = %core.name, service = %addr, why, "service connection failed");
+                }
+            },
             Ok(Err(e)) => {
                 tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
             }
@@ -1014,45 +1034,12 @@ async fn connect_any_stream<'a>(
     local: SocketAddr,
     live: &mut Live<'a>,
 ) -> Option<MaybeTls<TcpStream>> {
-    let mut failed: Vec<usize> = Vec::new();
-    loop {
-        let choice = core
-            .balancer
-            .choose_avoiding(key, core.now(), &|m| failed.contains(&m))?;
-        let addr = core.member_addrs.get(choice.member).copied()?;
-        live.member = core.balancer.counters(choice.member);
-        live.index = Some(choice.member);
-        if let Some(c) = live.member {
-            c.open();
-        }
-        let connector = core.connectors.get(choice.member).and_then(Option::as_ref);
-        match tokio::time::timeout(CONNECT_TIMEOUT, connect(addr, client, core.transparent)).await {
-            Ok(Ok(s)) => {
-                let _ = s.set_nodelay(true);
-                match finish_connect(core, s, connector, client, local).await {
-                    Ok(s) => return Some(s),
-                    Err(why) => {
-                        tracing::debug!(vserver = %core.name, service = %addr, why, "service connection failed");
-                    }
-                }
-            }
-            Ok(Err(e)) => {
-                tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
-            }
-            Err(_) => {
-                tracing::debug!(vserver = %core.name, service = %addr, "connect timed out");
-            }
-        }
-        if let Some(c) = live.member.take() {
-            c.close();
-        }
-        bump(&core.counters.connect_failures);
-        core.balancer.report_failure(choice.member);
-        failed.push(choice.member);
-        if failed.len() >= core.member_addrs.len() {
-            return None;
-        }
-    }
+    connect_any_then(core, key, client, live, |member, s| async move {
+        let _ = s.set_nodelay(true);
+        let connector = core.connectors.get(member).and_then(Option::as_ref);
+        finish_connect(core, s, connector, client, local).await
+    })
+    .await
 }
 
 /// The PROXY header, then TLS toward the service when it has a connector.

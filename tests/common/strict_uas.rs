@@ -31,7 +31,7 @@
 //! The same code runs as a standalone process in `examples/strict_uas.rs` (for
 //! `bench/churn.sh`), which includes this file by path.
 
-use super::sip_tcp::{Next, next_message};
+use super::sip_tcp::{Next, TimedRead, next_message};
 use fulcrum::sip::{self, HeaderName, SipMethod, SipMsg};
 use std::collections::HashMap;
 use std::collections::hash_map::DefaultHasher;
@@ -292,48 +292,31 @@ impl StrictUas {
 
     /// A UAS over TCP on `at` (port 0: any), as [`StrictUas::tcp`].
     pub fn tcp_at(name: &str, at: SocketAddr) -> StrictUas {
-        let listener = TcpListener::bind(at).expect("bind strict uas");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let addr = listener.local_addr().expect("addr");
-        let uas = StrictUas::new(name, addr, "tcp");
-        let (core, stop) = (Arc::clone(&uas.core), Arc::clone(&uas.stop));
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                let Ok((mut stream, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                };
-                let _ = stream.set_nonblocking(false);
-                let (core, stop) = (Arc::clone(&core), Arc::clone(&stop));
-                std::thread::spawn(move || {
-                    let mut buf = Vec::new();
-                    while !stop.load(Ordering::Relaxed) {
-                        let bytes =
-                            match next_message(&mut stream, &mut buf, Duration::from_millis(200)) {
-                                Next::Message(b) => b,
-                                Next::Timeout => continue,
-                                Next::Closed => return,
-                            };
-                        let out = core.lock().expect("uas core").handle(&bytes);
-                        for r in out {
-                            if stream.write_all(&r).is_err() {
-                                return;
-                            }
-                        }
-                    }
-                });
-            }
-        });
-        uas
+        StrictUas::streams(name, at, "tcp", Some)
     }
 
     /// A UAS over TLS on `at` (port 0: any), presenting `tls`'s certificate, otherwise as
     /// [`StrictUas::tcp`]. A connection whose handshake fails is closed.
     pub fn tls_at(name: &str, at: SocketAddr, tls: Arc<rustls::ServerConfig>) -> StrictUas {
+        StrictUas::streams(name, at, "tls", move |sock| {
+            let _ = sock.set_nodelay(true);
+            let conn = rustls::ServerConnection::new(Arc::clone(&tls)).ok()?;
+            Some(rustls::StreamOwned::new(conn, sock))
+        })
+    }
+
+    /// A UAS on a TCP listener at `at`: each accepted connection, made a stream by `wrap`
+    /// (`None`: closed), is read as Content-Length framed messages and answered on it, on a
+    /// thread of its own.
+    fn streams<S, W>(name: &str, at: SocketAddr, transport: &str, wrap: W) -> StrictUas
+    where
+        S: TimedRead + Write + Send + 'static,
+        W: Fn(std::net::TcpStream) -> Option<S> + Send + 'static,
+    {
         let listener = TcpListener::bind(at).expect("bind strict uas");
         listener.set_nonblocking(true).expect("nonblocking");
         let addr = listener.local_addr().expect("addr");
-        let uas = StrictUas::new(name, addr, "tls");
+        let uas = StrictUas::new(name, addr, transport);
         let (core, stop) = (Arc::clone(&uas.core), Arc::clone(&uas.stop));
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
@@ -342,11 +325,9 @@ impl StrictUas {
                     continue;
                 };
                 let _ = sock.set_nonblocking(false);
-                let _ = sock.set_nodelay(true);
-                let Ok(conn) = rustls::ServerConnection::new(Arc::clone(&tls)) else {
+                let Some(mut stream) = wrap(sock) else {
                     continue;
                 };
-                let mut stream = rustls::StreamOwned::new(conn, sock);
                 let (core, stop) = (Arc::clone(&core), Arc::clone(&stop));
                 std::thread::spawn(move || {
                     let mut buf = Vec::new();
