@@ -57,22 +57,22 @@ fn run_uac(
     tag: &str,
 ) -> (u64, u64) {
     let stat = dir.path(&format!("uac-{tag}.csv"));
-    let mut uac = Proc::spawn(
-        &format!("sipp uac {tag}"),
-        Command::new("timeout")
-            .args(["-s", "KILL"])
+    // A port of its own, held before the run counts: SIPp's own search from 5060 races
+    // another SIPp starting over TCP at the same moment (both bind, the second's listen fails).
+    let (mut uac, _port) = spawn_listening(&format!("sipp uac {tag}"), t, |port| {
+        let mut cmd = Command::new("timeout");
+        cmd.args(["-s", "KILL"])
             .arg(UAC_DEADLINE.as_secs().to_string())
             .args(["sipp", "-sn", "uac", "-t", t.sipp_mode()])
             .arg(proxy.to_string())
-            // No `-p`: SIPp binds its own port (the first free one from 5060 up, trying the
-            // next when a bind fails), so no port is released here for it to take.
-            .args(["-i", "127.0.0.1"])
+            .args(["-i", "127.0.0.1", "-p", &port.to_string()])
             .args(["-r", &rate.to_string(), "-m", &calls.to_string()])
             .args(["-nostdin", "-cid_str", "fo-%u@sipp", "-timeout", "60s"])
             .args(["-recv_timeout", "10000", "-trace_stat", "-stf"])
             .arg(&stat)
-            .current_dir(&dir.0),
-    );
+            .current_dir(&dir.0);
+        cmd
+    });
     let code = uac.wait_for(UAC_DEADLINE + Duration::from_secs(5));
     let (ok, failed) = uac_counts(&stat);
     assert_eq!(

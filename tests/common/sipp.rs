@@ -306,33 +306,35 @@ impl Uac {
         let stat = dir.path(&format!("uac-{tag}.csv"));
         let errors = dir.path(&format!("uac-{tag}-errors.log"));
         let limit = load.deadline().as_secs().to_string();
-        let proc = Proc::spawn(
-            &format!("sipp uac {tag}"),
-            Command::new("timeout")
-                .args([
-                    "-s",
-                    "KILL",
-                    &limit,
-                    "sipp",
-                    "-sn",
-                    "uac",
-                    "-t",
-                    t.sipp_mode(),
-                ])
-                .arg(proxy.to_string())
-                // No `-p`: SIPp binds its own port (the first free one from 5060 up, trying
-                // the next when a bind fails), so no port is released here for it to take.
-                .args(["-i", "127.0.0.1"])
-                .args(["-r", &load.rate_per_s.to_string()])
-                .args(["-m", &load.calls.to_string()])
-                .args(["-d", &load.hold_ms.to_string()])
-                .args(["-nostdin", "-timeout", &format!("{limit}s")])
-                .args(["-recv_timeout", "5000", "-trace_stat", "-stf"])
-                .arg(&stat)
-                .args(["-trace_err", "-error_file"])
-                .arg(&errors)
-                .current_dir(&dir.0),
-        );
+        // SIPp's own port search is not safe beside another SIPp starting at the same moment
+        // over TCP: both bind 5060 (SO_REUSEADDR), and the second's listen fails ("Unable to
+        // listen main socket, errno = 98"), so the UAC gets a port of its own that it is seen
+        // to hold before the load counts.
+        let (proc, _port) = spawn_listening(&format!("sipp uac {tag}"), t, |port| {
+            let mut cmd = Command::new("timeout");
+            cmd.args([
+                "-s",
+                "KILL",
+                &limit,
+                "sipp",
+                "-sn",
+                "uac",
+                "-t",
+                t.sipp_mode(),
+            ])
+            .arg(proxy.to_string())
+            .args(["-i", "127.0.0.1", "-p", &port.to_string()])
+            .args(["-r", &load.rate_per_s.to_string()])
+            .args(["-m", &load.calls.to_string()])
+            .args(["-d", &load.hold_ms.to_string()])
+            .args(["-nostdin", "-timeout", &format!("{limit}s")])
+            .args(["-recv_timeout", "5000", "-trace_stat", "-stf"])
+            .arg(&stat)
+            .args(["-trace_err", "-error_file"])
+            .arg(&errors)
+            .current_dir(&dir.0);
+            cmd
+        });
         Uac {
             proc,
             load,
