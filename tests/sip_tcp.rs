@@ -5,6 +5,7 @@
 mod common;
 
 use common::sip_tcp::*;
+use common::wait_until;
 use fulcrum::balancer::Health;
 use fulcrum::config;
 use fulcrum::proxy::Runtime;
@@ -253,6 +254,16 @@ fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
         }
         sent += 1;
     }
+    // fulcrum stopped reading this client once its queue was full (so our writes stopped
+    // going through) and gives up on it when a write toward it makes no progress for 10 s.
+    let closed = wait_until(Duration::from_secs(30), || {
+        shared.counters.slow_clients_closed.load(Ordering::Relaxed) > 0
+    });
+    assert!(
+        closed,
+        "slow client never disconnected after {sent} requests"
+    );
+    assert!(shared.counters.client_reads_paused.load(Ordering::Relaxed) >= 1);
     assert_eq!(
         shared.counters.slow_clients_closed.load(Ordering::Relaxed),
         1
@@ -286,6 +297,79 @@ fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
         .expect("write");
     let mut buf = Vec::new();
     assert!(read_message(&mut other, &mut buf).is_some());
+}
+
+/// A client (a trunk) with a 4 KiB receive buffer sends `total` requests whose answers are
+/// large (1 KiB Call-IDs, as 200s with SDP are), `per_tick` of them every 100 ms (all at once
+/// when `None`), and reads nothing for 3 s; then it reads. Every request must be answered, in
+/// order, and the client never disconnected. Returns how often fulcrum paused reading it.
+fn trunk_reads_late(total: usize, per_tick: Option<usize>) -> u64 {
+    let pad = "p".repeat(1000);
+    let call_id = move |i: usize| format!("burst-{i}-{pad}@x");
+    let uas = TcpUas::start();
+    let (rt, proxy) = start(&[&uas]);
+    let shared = vserver_shared(&rt);
+    let sock =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    sock.set_recv_buffer_size(4096).expect("rcvbuf");
+    sock.connect(&proxy.into()).expect("connect");
+    let mut trunk: TcpStream = sock.into();
+    let local = trunk.local_addr().expect("local");
+    let mut sender = trunk.try_clone().expect("clone");
+    let writer = std::thread::spawn({
+        let call_id = call_id.clone();
+        move || {
+            sender
+                .set_write_timeout(Some(Duration::from_secs(60)))
+                .expect("timeout");
+            for i in 0..total {
+                if per_tick.is_some_and(|n| i > 0 && i % n == 0) {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                let req = request("OPTIONS", &call_id(i), local, &format!("b{i}"));
+                sender.write_all(req.as_bytes()).expect("request written");
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    let mut buf = Vec::new();
+    for i in 0..total {
+        let resp = read_message(&mut trunk, &mut buf).unwrap_or_else(|| {
+            panic!(
+                "answer {i} of {total} never came ({} requests at the service, {} clients \
+                 disconnected as not reading)",
+                uas.calls().len(),
+                shared.counters.slow_clients_closed.load(Ordering::Relaxed)
+            )
+        });
+        let msg = sip::scan(&resp).expect("scan");
+        assert_eq!(msg.status_code(), Some(200), "answer {i}");
+        assert_eq!(msg.call_id(), Some(call_id(i).as_bytes()), "answer {i}");
+    }
+    writer.join().expect("writer");
+    assert_eq!(
+        shared.counters.slow_clients_closed.load(Ordering::Relaxed),
+        0
+    );
+    shared.counters.client_reads_paused.load(Ordering::Relaxed)
+}
+
+/// A trunk that bursts 7,000 requests at once (about 9 MB of answers: more than the kernel's
+/// socket buffers hold, fewer requests than one service's queue) and reads them 3 s later is
+/// kept, and every request answered. With a queue bounded in messages (1,024 before) it was
+/// disconnected within a fraction of a second.
+#[test]
+fn a_client_that_bursts_and_reads_late_is_kept_and_answered() {
+    trunk_reads_late(7_000, None);
+}
+
+/// A trunk that keeps sending (3,000 requests/s, a pace the service keeps up with) while it
+/// reads nothing for 3 s: once 1 MiB of answers waits for it, fulcrum stops reading its
+/// requests, and reads them again once it reads; nothing is lost, nobody is cut off.
+#[test]
+fn a_client_that_sends_without_reading_is_paused_then_served() {
+    let paused = trunk_reads_late(12_000, Some(300));
+    assert!(paused >= 1, "fulcrum never stopped reading the trunk");
 }
 
 /// A response from a client never reaches another client's connection, even one from the

@@ -415,11 +415,12 @@ fn add_transport_events(events: &mut Family, v: &VserverHandle) {
     }
 }
 
-fn sip_tcp_events(c: &crate::proxy::sip_tcp::TcpCounters) -> [(&'static str, &AtomicU64); 15] {
+fn sip_tcp_events(c: &crate::proxy::sip_tcp::TcpCounters) -> [(&'static str, &AtomicU64); 16] {
     [
         ("clients_accepted", &c.clients_accepted),
         ("clients_refused", &c.clients_refused),
         ("slow_clients_closed", &c.slow_clients_closed),
+        ("client_reads_paused", &c.client_reads_paused),
         ("framing_errors", &c.framing_errors),
         ("keepalive_pings", &c.keepalive_pings),
         ("responses_no_client", &c.responses_no_client),
@@ -599,6 +600,7 @@ vservers:
                 &c.clients_accepted,
                 &c.clients_refused,
                 &c.slow_clients_closed,
+                &c.client_reads_paused,
                 &c.framing_errors,
                 &c.keepalive_pings,
                 &c.responses_no_client,

@@ -7,8 +7,9 @@
 //! - One connection per service, owned by a task that connects on demand with backoff; a
 //!   failed connect marks the service DOWN (passive detection) and a later successful one
 //!   marks it UP again.
-//! - Each client has a bounded write queue: a client that does not read is disconnected,
-//!   and nobody else waits for it.
+//! - Each client has a write queue bounded in bytes ([`outbox`]): a client that sends faster
+//!   than it reads its answers is no longer read until its queue drains; one that does not
+//!   read at all is disconnected, and nobody else waits for it.
 //! - Requests from a service toward a client (in-dialog) go to a live connection from the
 //!   client's address (RFC 5923-style alias); with none, they are dropped and counted,
 //!   never relayed elsewhere.
@@ -53,12 +54,15 @@ use tokio::sync::{Notify, mpsc};
 
 mod inbound;
 mod link;
+mod outbox;
 
 use inbound::Inbound;
 use link::{Link, LinkAction, LinkEvent, Phase};
+use outbox::{Level, Outbox, Push};
 
-/// Messages queued toward one client before it counts as not reading.
-pub(crate) const CLIENT_QUEUE: usize = 1024;
+/// fulcrum's own replies queued toward a service's connection (pongs, answers to its
+/// requests, clients' responses while it drains) before more are dropped.
+pub(crate) const LINK_REPLY_QUEUE: usize = 1024;
 /// Messages queued toward one service while its connection is (re)established.
 pub(crate) const SERVICE_QUEUE: usize = 8192;
 /// Longest message a service may send: twice a client's, since a response repeats the
@@ -67,6 +71,9 @@ pub(crate) const SERVICE_QUEUE: usize = 8192;
 pub(crate) const SERVICE_MAX_MESSAGE: usize = 2 * DEFAULT_MAX_MESSAGE;
 /// How long what is queued toward a client that has stopped sending may take to be written.
 pub(crate) const CLIENT_FLUSH: Duration = Duration::from_secs(10);
+/// How long one write toward a client may make no progress before the client counts as not
+/// reading and is disconnected (Kamailio's `tcp_send_timeout` has the same default).
+pub(crate) const CLIENT_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 /// TCP keepalive on service connections (which have no idle timeout): a peer that vanished
 /// is found within a few minutes.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
@@ -78,6 +85,9 @@ pub struct TcpCounters {
     pub clients_refused: AtomicU64,
     pub clients_open: AtomicU64,
     pub slow_clients_closed: AtomicU64,
+    /// Times a client's requests stopped being read until its write queue drained (it sent
+    /// faster than it read its answers).
+    pub client_reads_paused: AtomicU64,
     pub framing_errors: AtomicU64,
     pub keepalive_pings: AtomicU64,
     pub responses_no_client: AtomicU64,
@@ -103,7 +113,7 @@ pub struct TcpCounters {
 }
 
 struct Client {
-    tx: mpsc::Sender<Bytes>,
+    outbox: Outbox,
     remote: SocketAddr,
     /// The client's task; aborting it ends its writer too (see [`AbortOnDrop`]).
     abort: tokio::task::AbortHandle,
@@ -382,20 +392,42 @@ impl TcpShared {
         let Some(c) = self.clients.get(&id) else {
             return false;
         };
-        match c.tx.try_send(bytes) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                let (abort, remote) = (c.abort.clone(), c.remote);
+        match c.outbox.push(bytes) {
+            Push::Queued => true,
+            Push::Full => {
                 drop(c);
-                // Counted once, by whoever removes it (two messages may find it full at once).
-                if self.forget_client(id, remote) {
-                    bump(&self.counters.slow_clients_closed);
-                    tracing::info!(vserver = %self.name, %remote, "client does not read: disconnected");
-                    abort.abort();
-                }
+                self.disconnect_slow_client(id, "its write queue is full");
                 false
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
+            Push::Closed => false,
+        }
+    }
+
+    /// Disconnect client `id`, which does not read what is written to it: its task (reader,
+    /// writer, socket) ends. Counted once, by whoever removes it (two messages may find its
+    /// queue full at once).
+    fn disconnect_slow_client(&self, id: u64, why: &str) {
+        let Some((abort, remote)) = self.clients.get(&id).map(|c| (c.abort.clone(), c.remote))
+        else {
+            return;
+        };
+        if self.forget_client(id, remote) {
+            bump(&self.counters.slow_clients_closed);
+            tracing::info!(vserver = %self.name, %remote, why, "client does not read: disconnected");
+            abort.abort();
+        }
+    }
+
+    /// Send one of fulcrum's own replies (or a pong) back on the connection of `to`.
+    fn reply(&self, to: ReplyTo<'_>, bytes: Bytes) {
+        match to {
+            ReplyTo::Client(id) => {
+                self.to_client(id, bytes);
+            }
+            ReplyTo::Link(tx) => {
+                let _ = tx.try_send(bytes);
+            }
+            ReplyTo::Nowhere => {}
         }
     }
 
@@ -623,7 +655,7 @@ impl TcpShared {
         action: Action,
         out: &[u8],
         origin: Origin,
-        reply: &mpsc::Sender<Bytes>,
+        reply: ReplyTo<'_>,
     ) {
         let bytes = || Bytes::copy_from_slice(out);
         match action {
@@ -682,7 +714,7 @@ impl TcpShared {
             }
             Action::Reply(_) => {
                 // On streams a reply goes back on the connection it answers.
-                let _ = reply.try_send(bytes());
+                self.reply(reply, bytes());
             }
             Action::Drop(reason) => {
                 if self.log.allow(self.now()) {
@@ -823,20 +855,45 @@ thread_local! {
     static OUT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(4096));
 }
 
-/// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
-/// idle timeout (clients only: a service connection stays while the service keeps it), a
-/// message that takes longer than [`inbound::MESSAGE_DEADLINE`] to arrive, or a framing error
-/// (the buffer and the deadline are [`Inbound`]'s). `reply` carries pongs and fulcrum's own
-/// replies.
-async fn read_messages<R: StreamRead>(
-    shared: &TcpShared,
-    mut read: R,
+/// Who is on the other side of a connection being read, and where its reader's own answers go.
+struct Peer<'a> {
     origin: Origin,
     src: SocketAddr,
     dst: SocketAddr,
-    reply: &mpsc::Sender<Bytes>,
-    heard: Option<&AtomicBool>,
-) {
+    /// Where pongs and fulcrum's own replies go.
+    reply: ReplyTo<'a>,
+    /// Set once anything arrives (a service link's: the service has spoken).
+    heard: Option<&'a AtomicBool>,
+    /// A client's write queue.
+    queue: Option<&'a Level>,
+}
+
+/// Where fulcrum's own answers to a message go (a reply it makes, a pong): back on the
+/// connection the message came on.
+#[derive(Clone, Copy)]
+enum ReplyTo<'a> {
+    /// A client connection, through its outbox.
+    Client(u64),
+    /// A service link's connection.
+    Link(&'a mpsc::Sender<Bytes>),
+    /// Nowhere: the UDP leg sends its replies itself.
+    Nowhere,
+}
+
+/// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
+/// idle timeout (clients only: a service connection stays while the service keeps it), a
+/// message that takes longer than [`inbound::MESSAGE_DEADLINE`] to arrive, or a framing error
+/// (the buffer and the deadline are [`Inbound`]'s). A client's requests are not read while
+/// its write queue is full ([`outbox`]).
+async fn read_messages<R: StreamRead>(shared: &TcpShared, mut read: R, peer: Peer<'_>) {
+    let Peer {
+        origin,
+        src,
+        dst,
+        reply,
+        heard,
+        queue,
+    } = peer;
     let (max_message, is_client) = match origin {
         Origin::Member(_) => (SERVICE_MAX_MESSAGE, false),
         Origin::Client { .. } => (DEFAULT_MAX_MESSAGE, true),
@@ -863,7 +920,7 @@ async fn read_messages<R: StreamRead>(
                         }),
                         Frame::Ping => {
                             bump(&shared.counters.keepalive_pings);
-                            let _ = reply.try_send(Bytes::from_static(PONG));
+                            shared.reply(reply, Bytes::from_static(PONG));
                         }
                         Frame::Pong => {}
                     }
@@ -878,6 +935,15 @@ async fn read_messages<R: StreamRead>(
                     return;
                 }
             }
+        }
+        // A client that sends faster than it reads: its next requests wait in its socket
+        // until the writer has drained its queue (or has given up on it). The time paused
+        // does not count against a message under way.
+        if let Some(level) = queue.filter(|l| l.should_pause()) {
+            bump(&shared.counters.client_reads_paused);
+            let paused = tokio::time::Instant::now();
+            level.drained().await;
+            inbound.postpone(paused.elapsed());
         }
         // Wait with no buffer; take one once bytes are there. A client waits at most its
         // idle timeout, and a partial message at most what is left of its deadline.
@@ -957,64 +1023,128 @@ async fn write_out<W: AsyncWrite + Unpin>(write: &mut W, bytes: &[u8]) -> std::i
     write.flush().await
 }
 
+/// Write `bytes` whole and flush them toward a client that must keep reading: each step (a
+/// partial write, the flush) may wait at most [`CLIENT_SEND_TIMEOUT`], so a slow reader is
+/// waited for as long as it makes progress, and one that stopped is found.
+async fn write_to_client<W: AsyncWrite + Unpin>(
+    write: &mut W,
+    mut bytes: &[u8],
+) -> Result<(), WriterEnd> {
+    let step = |r: Result<std::io::Result<usize>, tokio::time::error::Elapsed>| match r {
+        Ok(Ok(0)) | Ok(Err(_)) => Err(WriterEnd::Failed),
+        Ok(Ok(n)) => Ok(n),
+        Err(_) => Err(WriterEnd::Stalled),
+    };
+    while !bytes.is_empty() {
+        let n = step(tokio::time::timeout(CLIENT_SEND_TIMEOUT, write.write(bytes)).await)?;
+        bytes = &bytes[n.min(bytes.len())..];
+    }
+    step(
+        tokio::time::timeout(CLIENT_SEND_TIMEOUT, write.flush())
+            .await
+            .map(|r| r.map(|()| 1)),
+    )
+    .map(drop)
+}
+
+/// How a client's writer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WriterEnd {
+    /// The queue closed (the client was forgotten) and everything in it was written.
+    Done,
+    /// A write failed: the connection is broken.
+    Failed,
+    /// A write (or flush) made no progress for [`CLIENT_SEND_TIMEOUT`]: the client does not
+    /// read.
+    Stalled,
+}
+
 /// Write what is queued toward a client, everything already queued in one write (a client
-/// that sends a burst gets its answers in a few system calls, not one per message).
-async fn write_messages<W: AsyncWrite + Unpin>(mut write: W, mut rx: mpsc::Receiver<Bytes>) {
+/// that sends a burst gets its answers in a few system calls, not one per message), and
+/// lower its queue's [`Level`] by what was written.
+async fn write_messages<W: AsyncWrite + Unpin>(
+    mut write: W,
+    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    level: Arc<Level>,
+) -> WriterEnd {
     let mut batch = BytesMut::new();
     while let Some(b) = rx.recv().await {
-        let result = match rx.try_recv() {
+        let mut cost = outbox::cost(&b);
+        let write_once = match rx.try_recv() {
             // The common case: one message, written from where it is.
-            Err(_) => write_out(&mut write, &b).await,
+            Err(_) => write_to_client(&mut write, &b).await,
             Ok(next) => {
+                cost += outbox::cost(&next);
                 batch.clear();
                 batch.extend_from_slice(&b);
                 batch.extend_from_slice(&next);
                 while batch.len() < WRITE_BATCH {
                     match rx.try_recv() {
-                        Ok(more) => batch.extend_from_slice(&more),
+                        Ok(more) => {
+                            cost += outbox::cost(&more);
+                            batch.extend_from_slice(&more);
+                        }
                         Err(_) => break,
                     }
                 }
-                write_out(&mut write, &batch).await
+                write_to_client(&mut write, &batch).await
             }
         };
-        if result.is_err() {
-            return;
+        match write_once {
+            Ok(()) => level.written(cost),
+            Err(end) => return end,
         }
         if batch.capacity() > WRITE_BATCH * 2 {
             batch = BytesMut::new();
         }
     }
     let _ = write.shutdown().await;
+    WriterEnd::Done
 }
 
 /// Read a client's messages until it is done, then give what is queued toward it a bounded
 /// time to be written: a client that half-closed and does not read must not keep the socket.
+/// A writer that fails or stalls first ends the client (and with it this task).
 async fn serve_client<S: SipStream>(
     shared: Arc<TcpShared>,
     stream: S,
     id: u64,
     src: SocketAddr,
     dst: SocketAddr,
-    rx: mpsc::Receiver<Bytes>,
-    tx: mpsc::Sender<Bytes>,
+    rx: mpsc::UnboundedReceiver<Bytes>,
+    level: Arc<Level>,
 ) {
     // TCP_NODELAY is inherited from the listener (`net::bind_tcp_listener`). The writer is a
     // task of its own, so a client's replies are written while its next requests are read.
     let (read, write) = stream.split();
-    let mut writer = AbortOnDrop(tokio::spawn(write_messages(write, rx)));
-    read_messages(
-        &shared,
-        read,
-        Origin::Client { conn: Some(id) },
+    let mut writer = AbortOnDrop(tokio::spawn({
+        let shared = Arc::clone(&shared);
+        let level = Arc::clone(&level);
+        async move {
+            match write_messages(write, rx, level).await {
+                WriterEnd::Done => {}
+                WriterEnd::Stalled => shared.disconnect_slow_client(id, "a write made no progress"),
+                // The reader finds the broken connection itself, unless it is paused on the
+                // queue this writer no longer drains.
+                WriterEnd::Failed => {
+                    if let Some(abort) = shared.clients.get(&id).map(|c| c.abort.clone()) {
+                        shared.forget_client(id, src);
+                        abort.abort();
+                    }
+                }
+            }
+        }
+    }));
+    let peer = Peer {
+        origin: Origin::Client { conn: Some(id) },
         src,
         dst,
-        &tx,
-        None,
-    )
-    .await;
+        reply: ReplyTo::Client(id),
+        heard: None,
+        queue: Some(&level),
+    };
+    read_messages(&shared, read, peer).await;
     shared.forget_client(id, src);
-    drop(tx);
     // Dropping `writer` afterwards ends it if it has not finished.
     let _ = tokio::time::timeout(CLIENT_FLUSH, &mut writer.0).await;
 }
@@ -1049,7 +1179,8 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
         let src = SocketAddr::new(src.ip().to_canonical(), src.port());
         let dst = stream.local_addr().unwrap_or(src);
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(CLIENT_QUEUE);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
         bump(&shared.counters.clients_accepted);
         shared.counters.clients_open.fetch_add(1, Ordering::Relaxed);
         // The task starts serving once its entry is in the tables: one that ended before
@@ -1057,7 +1188,6 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
         let (registered, wait_registered) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn({
             let shared = Arc::clone(&shared);
-            let tx = tx.clone();
             let guard = shared.tasks.guard();
             async move {
                 let _guard = guard;
@@ -1065,13 +1195,13 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
                     return;
                 }
                 match shared.tls.clone() {
-                    None => serve_client(shared, stream, id, src, dst, rx, tx).await,
+                    None => serve_client(shared, stream, id, src, dst, rx, level).await,
                     // The handshake runs here, bounded in time, not in the accept loop: a
                     // client that never finishes it costs this task's timer only.
                     Some(tls) => match tls.accept(stream).await {
                         Ok(s) => {
                             let s = tokio_rustls::TlsStream::Server(s);
-                            serve_client(shared, s, id, src, dst, rx, tx).await;
+                            serve_client(shared, s, id, src, dst, rx, level).await;
                         }
                         Err(reason) => {
                             if shared.log.allow(shared.now()) {
@@ -1086,7 +1216,7 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
         shared.clients.insert(
             id,
             Client {
-                tx,
+                outbox,
                 remote: src,
                 abort: task.abort_handle(),
             },
@@ -1261,7 +1391,7 @@ fn open_link_conn<S: SipStream>(
     let dst = stream.local_addr().unwrap_or(addr);
     let (read, write) = stream.split();
     // Replies fulcrum makes to a service's request go back on this connection.
-    let (reply_tx, replies) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
+    let (reply_tx, replies) = mpsc::channel::<Bytes>(LINK_REPLY_QUEUE);
     let drain_tx = reply_tx.clone();
     // The core reads a member origin only to tell a service from a client, so the index at
     // connect time serves for the life of the connection.
@@ -1271,7 +1401,15 @@ fn open_link_conn<S: SipStream>(
         let shared = Arc::clone(shared);
         let heard = Arc::clone(&heard);
         async move {
-            read_messages(&shared, read, origin, addr, dst, &reply_tx, Some(&heard)).await;
+            let peer = Peer {
+                origin,
+                src: addr,
+                dst,
+                reply: ReplyTo::Link(&reply_tx),
+                heard: Some(&heard),
+                queue: None,
+            };
+            read_messages(&shared, read, peer).await;
         }
     }));
     LinkConn {
@@ -1335,7 +1473,6 @@ async fn udp_leg_loop(shared: Arc<TcpShared>, sock: Arc<tokio::net::UdpSocket>) 
         .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
     let mut buf = vec![0u8; 65_536];
     // fulcrum's own replies to a service's request go back as datagrams, not on a queue.
-    let (no_queue, _) = mpsc::channel::<Bytes>(1);
     loop {
         let (n, src) = match sock.recv_from(&mut buf).await {
             Ok(r) => r,
@@ -1361,7 +1498,7 @@ async fn udp_leg_loop(shared: Arc<TcpShared>, sock: Arc<tokio::net::UdpSocket>) 
                 Action::Reply(addr) => {
                     shared.to_udp(out, addr);
                 }
-                action => shared.dispatch(&g, action, out, origin, &no_queue),
+                action => shared.dispatch(&g, action, out, origin, ReplyTo::Nowhere),
             }
         });
     }
@@ -1661,10 +1798,11 @@ mod tests {
     async fn a_message_written_over_tls_goes_out_whole_when_nothing_follows() {
         let (server, mut client) = tls_pair(512).await;
         let (_read, write) = tokio::io::split(server);
-        let (tx, rx) = mpsc::channel::<Bytes>(4);
-        let writer = tokio::spawn(write_messages(write, rx));
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
         let msg = vec![b'x'; 16 * 1024];
-        tx.send(Bytes::from(msg.clone())).await.expect("queued");
+        assert_eq!(outbox.push(Bytes::from(msg.clone())), Push::Queued);
         let mut got = vec![0u8; msg.len()];
         let read = tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut got)).await;
         assert!(
@@ -1672,7 +1810,44 @@ mod tests {
             "the whole message arrived while the queue stays open: {read:?}"
         );
         assert_eq!(got, msg);
-        drop(tx);
-        writer.await.expect("writer");
+        drop(outbox);
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Done);
+        assert_eq!(level.queued(), 0, "what was written no longer counts");
+    }
+
+    /// A client that reads nothing: the writer gives up after [`CLIENT_SEND_TIMEOUT`] without
+    /// progress, and what it could not write still counts in the queue.
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_gives_up_on_a_client_that_reads_nothing() {
+        let (server, _client) = tokio::io::duplex(1024);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let started = tokio::time::Instant::now();
+        let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level)));
+        assert_eq!(outbox.push(Bytes::from(vec![b'x'; 4096])), Push::Queued);
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Stalled);
+        assert_eq!(started.elapsed(), CLIENT_SEND_TIMEOUT);
+        assert_eq!(level.queued(), outbox::cost(&[0; 4096]));
+    }
+
+    /// A client that reads slowly but keeps reading is waited for, however long the whole
+    /// message takes: here 64 KiB through a 1 KiB pipe read 1 KiB every 5 s (5 min 20 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_waits_for_a_client_that_reads_slowly() {
+        let (server, mut client) = tokio::io::duplex(1024);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level)));
+        let len = 64 * 1024;
+        assert_eq!(outbox.push(Bytes::from(vec![b'x'; len])), Push::Queued);
+        let mut got = 0;
+        let mut chunk = [0u8; 1024];
+        while got < len {
+            tokio::time::sleep(CLIENT_SEND_TIMEOUT / 2).await;
+            got += client.read(&mut chunk).await.expect("read");
+        }
+        drop(outbox);
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Done);
+        assert_eq!(level.queued(), 0);
     }
 }

@@ -92,6 +92,14 @@ impl Inbound {
             .is_some_and(|t| now.saturating_duration_since(t) >= MESSAGE_DEADLINE)
     }
 
+    /// The reader did not read for `paused` (the client's write queue was full): that time
+    /// does not count against the message under way, whose bytes fulcrum was not taking.
+    pub(crate) fn postpone(&mut self, paused: Duration) {
+        if let Some(t) = self.started.as_mut() {
+            *t += paused;
+        }
+    }
+
     /// The buffer to read into, with room made first (taken only once bytes are there).
     pub(crate) fn read_buf(&mut self) -> &mut BytesMut {
         if self.buf.capacity() - self.buf.len() < READ_ROOM {
@@ -185,6 +193,24 @@ mod tests {
         assert_eq!(i.wait_until(None), None);
         assert!(!i.is_overdue(t9 + Duration::from_secs(100)));
         assert_eq!(i.held(), (0, 0));
+    }
+
+    #[test]
+    fn time_paused_by_the_reader_does_not_count_against_a_message() {
+        let t0 = Instant::now();
+        let mut i = Inbound::new(DEFAULT_MAX_MESSAGE);
+        // Nothing under way: nothing to move.
+        i.postpone(Duration::from_secs(5));
+        assert_eq!(i.wait_until(None), None);
+        push(&mut i, &MSG[..10]);
+        i.settle(t0);
+        i.postpone(Duration::from_secs(8));
+        assert_eq!(
+            i.wait_until(None),
+            Some(t0 + Duration::from_secs(8) + MESSAGE_DEADLINE)
+        );
+        assert!(!i.is_overdue(t0 + MESSAGE_DEADLINE));
+        assert!(i.is_overdue(t0 + Duration::from_secs(8) + MESSAGE_DEADLINE));
     }
 
     #[test]
