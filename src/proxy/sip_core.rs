@@ -567,6 +567,18 @@ impl SipCore {
             Ok(n) if n > self.max_forwarded() => {
                 self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
             }
+            // Fits the client's leg but not the member's: a stream client's request toward a
+            // sip-udp member, longer than a datagram carries (RFC 3261 §21.5.14). The dialog
+            // an initial request pinned in `choose` is let go (its retransmissions are
+            // refused alike); an in-dialog request keeps its dialog.
+            Ok(n) if n > self.max_forwarded_to(member) => {
+                if msg.to_tag().is_none()
+                    && let Some(h) = msg.call_id().map(hash::key_hash)
+                {
+                    self.end_dialog(h, now / 1_000_000);
+                }
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
             Ok(_) => {
                 bump(&self.counters.requests_forwarded);
                 if let Some(c) = self.balancer.counters(member) {
@@ -599,6 +611,15 @@ impl SipCore {
         match self.local.transport() {
             sip::Transport::Udp => MAX_UDP_PAYLOAD,
             _ => sip::DEFAULT_MAX_MESSAGE,
+        }
+    }
+
+    /// The longest request that can be forwarded to `member` over its leg: a datagram's
+    /// payload toward a sip-udp member, whatever the client's transport.
+    fn max_forwarded_to(&self, member: usize) -> usize {
+        match self.member_transport(member) {
+            sip::Transport::Udp => MAX_UDP_PAYLOAD,
+            _ => self.max_forwarded(),
         }
     }
 
@@ -1787,6 +1808,62 @@ mod bridge {
             panic!("not forwarded: {}", text(&out))
         };
         (m, values(&out, "Record-Route"), out)
+    }
+
+    /// A stream client's request that fits its connection but, once fulcrum's Via and
+    /// Record-Routes are added, not a datagram, toward a sip-udp member: 513 (RFC 3261
+    /// §21.5.14), nothing forwarded, the dialog it pinned ended at once (not counted). It
+    /// takes a long advertised name on the UDP leg for the additions to pass the 29 bytes
+    /// between the two limits; before, such a request went to the member and its send failed.
+    #[test]
+    fn a_request_too_long_for_a_datagram_toward_a_udp_member_is_answered_513() {
+        let cfg = config::from_str(
+            "t",
+            &format!("services:\n  - {{ name: a, address: 127.0.0.1:5071, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: {US}, record_route: true, services: [a] }}\n"),
+        )
+        .expect("config");
+        let v = &cfg.vservers[0];
+        let local = Local::from_addr(US.parse().expect("addr"), Transport::Tcp);
+        let name = format!("{}.example", "leg".repeat(60));
+        let leg = Local::new(&name, 40000, Transport::Udp);
+        let c = SipCore::new(
+            SipParams::of(&cfg, v, local, Arc::new(Balancer::new(&cfg, v))).with_legs(vec![leg]),
+        );
+        let with_body = |call_id: &str, len: usize| {
+            invite(call_id).replace(
+                "Content-Length: 0\r\n\r\n",
+                &format!("Content-Length: {len}\r\n\r\n{}", "x".repeat(len)),
+            )
+        };
+        // What forwarding adds to this INVITE.
+        let mut out = Vec::new();
+        let small = with_body("probe", 10);
+        assert!(matches!(
+            from_client(&c, &small, &mut out),
+            Action::ToMember(0)
+        ));
+        let growth = out.len() - small.len();
+        // A request that grows to 65,520 bytes: under the stream limit, over a datagram's.
+        let big = with_body("big-1", 65_520 - growth - small.len() + 10);
+        assert!(big.len() <= crate::sip::DEFAULT_MAX_MESSAGE - MAX_GROWTH);
+        let opened = c.balancer().counters(0).map(|k| k.active());
+        let a = from_client(&c, &big, &mut out);
+        assert!(matches!(a, Action::Reply(_)), "{a:?}");
+        assert_eq!(
+            crate::sip::scan(&out).expect("scan").status_code(),
+            Some(513)
+        );
+        assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
+        assert_eq!(c.counters.requests_forwarded.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            c.balancer().counters(0).map(|k| k.active()),
+            opened,
+            "not counted"
+        );
+        // Its retransmission is refused alike, and counts nothing either.
+        assert!(matches!(from_client(&c, &big, &mut out), Action::Reply(_)));
+        assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 2);
+        assert_eq!(c.balancer().counters(0).map(|k| k.active()), opened);
     }
 
     #[test]
