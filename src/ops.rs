@@ -384,14 +384,11 @@ impl Ops {
             // Request rates are indexed by member position, which a rebuild may change.
             *lock(&self.rates) = RateSample::default();
         }
-        // Monitors of services reached over TLS hold the certificates read when they
-        // started, so a reload (which reads them again) restarts them too.
-        let monitors_use_tls = new
-            .services
-            .iter()
-            .any(|s| s.tls.is_some() && s.monitor.is_some());
-        if plan.monitors_changed || !plan.rebuild.is_empty() || monitors_use_tls {
-            self.health.start_monitors(&new, &self.tokio);
+        // On every reload: a monitor whose definition and service address and protocol are
+        // unchanged keeps running (its state and the timing of its probes) and probes with the
+        // certificates this reload read; a new or changed one starts anew.
+        self.health.start_monitors(&new, &self.tokio);
+        if plan.monitors_changed || !plan.rebuild.is_empty() {
             self.health.apply_all();
         }
         let mut changes = plan.describe();

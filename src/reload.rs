@@ -2,9 +2,11 @@
 //! plan or the list of reasons out.
 //!
 //! # Applied in place (atomically, after the whole new file validated)
-//! - `monitors` and each service's `monitor`: probe tasks restart with the new
-//!   definitions; a service whose monitor definition is unchanged keeps its state, a new
-//!   or changed monitor starts UP, unconfirmed (see [`crate::health::state`]).
+//! - `monitors` and each service's `monitor`: the probe task of a service restarts when its
+//!   monitor definition, or the service's address or protocol, changes; the others run on
+//!   with the timing of their probes ([`crate::health::HealthBoard::start_monitors`]). A
+//!   service whose monitor definition is unchanged keeps its state, a new or changed monitor
+//!   starts UP, unconfirmed (see [`crate::health::state`]).
 //! - `admin.token`.
 //! - a vserver whose only change is `slow_start.new_service_request_rate`: the rate is set
 //!   (as `PUT /vservers/{name}/slow-start`), nothing else moves.
@@ -17,10 +19,11 @@
 //!   requests queued for a removed sip-tcp service that does not drain go to the service
 //!   the new config chooses).
 //! - `tls` certificates and keys (vservers) and CAs (services) are read again on every
-//!   reload, changed or not, and stored for new handshakes; established connections keep
-//!   theirs (docs/tls.md). A vserver's `tls` files and `tls_handshake_timeout` change in
-//!   place this way; a service's `tls` fields are part of its data (a change rebuilds its
-//!   vservers).
+//!   reload, changed or not, and stored for new handshakes, a monitor's next probe included;
+//!   established connections keep theirs (docs/tls.md). A vserver's `tls` files and
+//!   `tls_handshake_timeout` change in place this way; a service's `tls` fields are part of
+//!   its data (a change rebuilds its vservers; its monitor runs on, probing with the new
+//!   `tls`).
 //! - `logging` is ignored (the subscriber is set once).
 //! - services that belong to no vserver may be added, changed or removed freely.
 //!

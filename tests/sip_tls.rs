@@ -2,7 +2,8 @@
 //! fulcrum to strict SIP services over TLS (each answers 481 to a BYE for a dialog it did not
 //! set up), with fulcrum's Via and Record-Route saying TLS; `sip-options` monitors over TLS;
 //! plaintext and stalled clients dropped and counted while calls go on; mutual TLS; a
-//! certificate reload; the call book of the TLS load generator (`examples/sip_tls_load.rs`)
+//! certificate reload; monitors over TLS kept running through reloads, with the CA a reload
+//! read; the call book of the TLS load generator (`examples/sip_tls_load.rs`)
 //! against the strict UAS, alone and through fulcrum. Certificates are made in the test
 //! (rcgen) into its own directory.
 
@@ -16,14 +17,15 @@ use common::sip_uac::Uac;
 use common::strict_uas::{StrictUas, UasCore};
 use common::tls::{Ca, addr, client_config, connect, failed, listener, server_config, start};
 use common::*;
+use fulcrum::balancer::Health;
 use fulcrum::ops::Ops;
 use fulcrum::sip::{self, DEFAULT_MAX_MESSAGE, Frame, next_frame};
 use fulcrum::tls::Reason;
 use sip_load::CallBook;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const CALLS: usize = 20;
@@ -250,6 +252,170 @@ fn reload_swaps_the_certificate_for_new_handshakes_and_established_calls_go_on()
     );
     let call = established.call("after-reload");
     assert_eq!((call.invite, call.bye), (200, 200), "{call:?}");
+    ops.shutdown();
+}
+
+/// Probes of service `name` so far: (answered, failed).
+fn probes(ops: &Ops, name: &str) -> (u64, u64) {
+    ops.health().service(name).map_or((0, 0), |r| {
+        (
+            r.probes_ok.load(Ordering::Relaxed),
+            r.probes_failed.load(Ordering::Relaxed),
+        )
+    })
+}
+
+fn health(ops: &Ops, name: &str) -> Option<Health> {
+    ops.health().service(name).map(|r| r.effective())
+}
+
+/// A config of the sip-tls vserver `v` over `services` (YAML lines), monitored by `ping`.
+fn monitored(monitor: &str, services: &str, members: &str) -> String {
+    format!(
+        "admin: {{ listen: null }}\n\
+         monitors:\n  - {{ name: ping, type: sip-options, {monitor} }}\n\
+         services:\n{services}\
+         vservers:\n  - {{ name: v, protocol: sip-tls, bind: [\"127.0.0.1:0\"], method: call_id_hash, tls: {{ cert: sip.crt, key: sip.key }}, services: [{members}] }}\n"
+    )
+}
+
+/// A reload re-reads the CA of a monitored sip-tls service and restarts no probe task, not
+/// even when it rebuilds the vserver: under a reload every 100 ms (every other one changing a
+/// weight), the service over TLS and a plain sip-tcp one are still probed on their 2 s
+/// interval. Their first probes wait a fraction of the interval derived from the name (about
+/// 1 s for `s0` and `s1`), so probe tasks restarted by each reload would not probe at all
+/// while the reloads go on.
+#[test]
+fn frequent_reloads_keep_the_probe_cadence_of_tls_and_plain_services() {
+    let f = ConfigFile::new("sip-tls-monitor-cadence", "");
+    let ca = Ca::new("fulcrum monitor cadence CA");
+    ca.write(&f, "ca.crt");
+    ca.issue(&f, "sip", "fulcrum.test", "fulcrum");
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let over_tls = StrictUas::tls_at(
+        "s0",
+        any,
+        server_config(&ca.issue(&f, "uas", "uas.test", "uas")),
+    );
+    let plain = StrictUas::tcp("s1");
+    let yaml = |weight: u32| {
+        monitored(
+            "interval: 2s, timeout: 1s",
+            &format!(
+                "  - {{ name: s0, address: \"{}\", protocol: sip-tls, monitor: ping, tls: {{ ca: ca.crt, server_name: uas.test }} }}\n\
+                 \x20 - {{ name: s1, address: \"{}\", protocol: sip-tcp, weight: {weight}, monitor: ping }}\n",
+                over_tls.addr, plain.addr
+            ),
+            "s0, s1",
+        )
+    };
+    f.write(&yaml(1));
+    let ops = start(&f);
+    let answered = |ops: &Ops| [probes(ops, "s0").0, probes(ops, "s1").0];
+    assert!(
+        wait_until(Duration::from_secs(10), || answered(&ops)
+            .iter()
+            .all(|&n| n >= 1)),
+        "first probes: {:?}",
+        answered(&ops)
+    );
+    let before = answered(&ops);
+    // Five seconds of reloads: two intervals after the first probes, and one to spare.
+    let until = Instant::now() + Duration::from_secs(5);
+    let (mut reloads, mut weight) = (0, 1);
+    while Instant::now() < until && reloads < 100 {
+        let mut expected = vec!["vservers.v.tls certificate re-read".to_owned()];
+        if reloads % 2 == 1 {
+            weight = 3 - weight;
+            f.write(&yaml(weight));
+            expected.insert(0, "vservers.v rebuilt".to_owned());
+        }
+        let changes = ops.reload().expect("reload");
+        assert_eq!(changes, expected, "reload {reloads}");
+        reloads += 1;
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let after = answered(&ops);
+    assert!(
+        after.iter().zip(&before).all(|(a, b)| a > b),
+        "probes went on through {reloads} reloads: {before:?} -> {after:?}"
+    );
+    assert_eq!(
+        (probes(&ops, "s0").1, probes(&ops, "s1").1),
+        (0, 0),
+        "no probe failed"
+    );
+    assert!(over_tls.counts().requests > 0 && plain.counts().requests > 0);
+    ops.shutdown();
+}
+
+/// A reload that swaps the CA of a monitored sip-tls service (its certificate re-issued by a
+/// new CA) reaches the running monitor: its probes fail from the re-issue to the reload, then
+/// pass. A reload whose CA file holds no certificate is refused and the monitor probes on
+/// with the CA in force.
+#[test]
+fn a_reloaded_ca_reaches_the_running_monitor_and_a_refused_reload_keeps_the_last() {
+    let f = ConfigFile::new("sip-tls-monitor-ca", "");
+    let first_ca = Ca::new("fulcrum monitor CA 1");
+    first_ca.write(&f, "ca.crt");
+    first_ca.issue(&f, "sip", "fulcrum.test", "fulcrum");
+    let served = Arc::new(Mutex::new(server_config(
+        &first_ca.issue(&f, "uas", "uas.test", "uas"),
+    )));
+    let uas = StrictUas::tls_from(
+        "s0",
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        Arc::clone(&served),
+    );
+    f.write(&monitored(
+        "interval: 300ms, timeout: 300ms, failures_to_down: 1, successes_to_up: 1",
+        &format!(
+            "  - {{ name: s0, address: \"{}\", protocol: sip-tls, monitor: ping, tls: {{ ca: ca.crt, server_name: uas.test }} }}\n",
+            uas.addr
+        ),
+        "s0",
+    ));
+    let ops = start(&f);
+    let limit = Duration::from_secs(10);
+    assert!(
+        wait_until(limit, || probes(&ops, "s0").0 >= 1),
+        "the monitor reached the service over TLS"
+    );
+    assert_eq!(health(&ops, "s0"), Some(Health::Up));
+
+    // The service's certificate re-issued by a new CA: the CA in force refuses it.
+    let second_ca = Ca::new("fulcrum monitor CA 2");
+    *served.lock().expect("uas tls") =
+        server_config(&second_ca.issue(&f, "uas2", "uas.test", "uas"));
+    assert!(
+        wait_until(limit, || health(&ops, "s0") == Some(Health::Down)),
+        "the old CA refuses the re-issued certificate: {:?}",
+        probes(&ops, "s0")
+    );
+
+    // The new CA in the file, a reload: the running monitor's next probes use it.
+    second_ca.write(&f, "ca.crt");
+    ops.reload().expect("reload");
+    let (ok, _) = probes(&ops, "s0");
+    assert!(
+        wait_until(limit, || health(&ops, "s0") == Some(Health::Up)
+            && probes(&ops, "s0").0 > ok),
+        "the new CA verifies the re-issued certificate: {:?}",
+        probes(&ops, "s0")
+    );
+
+    // A CA file that holds no certificate: refused, and the probes go on with the new CA.
+    f.beside("ca.crt", "no certificate here\n");
+    let e = ops.reload().expect_err("refused").to_string();
+    assert!(e.contains("ca"), "{e}");
+    let (ok, failed) = probes(&ops, "s0");
+    assert!(
+        wait_until(limit, || probes(&ops, "s0").0 >= ok + 2),
+        "probes go on: {:?}",
+        probes(&ops, "s0")
+    );
+    assert_eq!(probes(&ops, "s0").1, failed, "none failed");
+    assert_eq!(health(&ops, "s0"), Some(Health::Up));
     ops.shutdown();
 }
 

@@ -171,7 +171,8 @@ async fn respond(
         host: text(header::HOST),
         body: body.to_vec(),
     };
-    // Reload reads a file and restarts monitors: keep it off the async workers.
+    // Reload reads files (the config, its certificates) and rebuilds vservers: keep it off
+    // the async workers.
     let resp = tokio::task::spawn_blocking(move || router::handle(&ops, &request))
         .await
         .unwrap_or_else(|_| error(500, "internal error"));

@@ -9,6 +9,11 @@
 //! `record_monitor_response_time` (the `lrtm` method) and a reported load feeds
 //! `set_reported_load` (`custom_load`, see [`probe`] for where the load is read).
 //!
+//! A reload restarts only the tasks whose monitor definition or service address or protocol
+//! changed ([`HealthBoard::start_monitors`]); the others keep their probe timing, so frequent
+//! reloads do not hold back the detection of a failure. A task reads its service's client TLS
+//! from a holder before each probe, and a reload stores the certificates it read there.
+//!
 //! Passive failure detection: data paths call [`Balancer::report_failure`] when a service
 //! refuses a connection or a connected socket gets ICMP unreachable; before each probe the
 //! monitor counts any such reports as one failed observation (so a dead service goes DOWN
@@ -25,6 +30,8 @@ use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Monitor, Protocol};
 use crate::stats::Nanos;
 use crate::sync::lock;
+use crate::tls::ClientTls;
+use arc_swap::ArcSwapOption;
 use state::{HealthState, Phase, Thresholds, Transition};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -107,7 +114,8 @@ pub struct HealthBoard {
     services: Mutex<HashMap<String, Arc<ServiceHealth>>>,
     placements: Mutex<Arc<Placements>>,
     epoch: Instant,
-    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
+    /// The probe task of each monitored service, by service name.
+    tasks: Mutex<HashMap<String, MonitorTask>>,
 }
 
 impl HealthBoard {
@@ -117,7 +125,7 @@ impl HealthBoard {
             services: Mutex::new(HashMap::new()),
             placements: Mutex::new(Arc::new(placements)),
             epoch,
-            tasks: Mutex::new(Vec::new()),
+            tasks: Mutex::new(HashMap::new()),
         });
         board.sync_services(config);
         board
@@ -210,34 +218,62 @@ impl HealthBoard {
         true
     }
 
-    /// Start one probe task per monitored service on `tokio`, replacing running ones.
+    /// Bring the probe tasks on `tokio` in line with `config` (at start and on every reload):
+    /// a service whose monitor definition, address and protocol are unchanged keeps its task,
+    /// and so the timing of its probes, and its next probes use the client TLS of `config`
+    /// (the certificates a reload read again); a new or changed one starts a task of its own
+    /// (first probe after [`state::first_probe_delay_ms`]); the task of a service no longer
+    /// monitored ends.
     pub fn start_monitors(self: &Arc<Self>, config: &Config, tokio: &tokio::runtime::Handle) {
-        self.stop_monitors();
-        let mut tasks = Vec::new();
+        let mut running = lock(&self.tasks);
+        let mut next = HashMap::new();
         for s in &config.services {
-            let Some(m) = s.monitor.and_then(|i| config.monitors.get(i)).cloned() else {
+            let Some(monitor) = s.monitor.and_then(|i| config.monitors.get(i)).cloned() else {
                 continue;
             };
-            let board = Arc::clone(self);
             let target = ProbeTarget {
                 name: s.name.clone(),
                 address: s.address,
                 protocol: s.protocol,
-                tls: s.tls.as_ref().and_then(|t| t.client_tls(s.address.ip())),
+                monitor,
             };
-            tasks.push(tokio.spawn(async move { board.run_monitor(target, m).await }));
+            let tls = s.tls.as_ref().and_then(|t| t.client_tls(s.address.ip()));
+            let task = match running.remove(&s.name) {
+                Some(t) if t.target == target && !t.handle.is_finished() => {
+                    t.tls.store(tls.map(Arc::new));
+                    t
+                }
+                old => {
+                    if let Some(t) = old {
+                        t.handle.abort();
+                    }
+                    let tls = Arc::new(ArcSwapOption::from(tls.map(Arc::new)));
+                    let board = Arc::clone(self);
+                    let (t, cell) = (target.clone(), Arc::clone(&tls));
+                    MonitorTask {
+                        target,
+                        tls,
+                        handle: tokio.spawn(async move { board.run_monitor(t, cell).await }),
+                    }
+                }
+            };
+            next.insert(s.name.clone(), task);
         }
-        *lock(&self.tasks) = tasks;
+        for (_, gone) in running.drain() {
+            gone.handle.abort();
+        }
+        *running = next;
     }
 
     /// Stop every probe task.
     pub fn stop_monitors(&self) {
-        for t in lock(&self.tasks).drain(..) {
-            t.abort();
+        for (_, t) in lock(&self.tasks).drain() {
+            t.handle.abort();
         }
     }
 
-    async fn run_monitor(self: Arc<Self>, target: ProbeTarget, m: Monitor) {
+    async fn run_monitor(self: Arc<Self>, target: ProbeTarget, tls: Arc<ArcSwapOption<ClientTls>>) {
+        let m = &target.monitor;
         let interval_ms = u64::try_from(m.interval.as_millis()).unwrap_or(u64::MAX);
         let delay = state::first_probe_delay_ms(&target.name, interval_ms);
         tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -246,17 +282,19 @@ impl HealthBoard {
         loop {
             tick.tick().await;
             if self.take_passive_failures(&target.name) > 0 {
-                self.record(&target.name, &m, Err(probe::ProbeError::Passive));
+                self.record(&target.name, m, Err(probe::ProbeError::Passive));
             }
+            // Read for each probe: a reload stores the certificates it read here.
+            let tls = tls.load_full();
             let result = probe::probe_tls(
                 &m.kind,
                 target.address,
                 target.protocol,
-                target.tls.as_ref(),
+                tls.as_deref(),
                 m.timeout,
             )
             .await;
-            self.record(&target.name, &m, result);
+            self.record(&target.name, m, result);
         }
     }
 
@@ -340,13 +378,22 @@ impl Drop for HealthBoard {
     }
 }
 
+/// What a probe task probes: a change of any of it restarts the task.
+#[derive(Debug, Clone, PartialEq)]
 struct ProbeTarget {
     name: String,
     address: SocketAddr,
     protocol: Protocol,
-    /// TLS toward the service (its `tls`), as read when the monitors started: a reload
-    /// restarts them with the certificates it read.
-    tls: Option<crate::tls::ClientTls>,
+    monitor: Monitor,
+}
+
+/// A running probe task and the client TLS its probes read (the service's `tls`; `None` for
+/// a plain service), which a reload replaces without restarting the task.
+#[derive(Debug)]
+struct MonitorTask {
+    target: ProbeTarget,
+    tls: Arc<ArcSwapOption<ClientTls>>,
+    handle: tokio::task::JoinHandle<()>,
 }
 
 /// Where each service of `vservers` sits.
@@ -443,6 +490,118 @@ mod tests {
         board.record("a", &m, passive());
         board.record("a", &m, passive());
         assert_eq!(b1.health(0), Some(Health::Down), "two failures of two");
+    }
+
+    /// Monitor `m` probing every hour (no probe runs during a test) of service `a`, reached
+    /// over TLS with the client configuration `tls`, and of the plain service `b`.
+    fn hourly(tls: &Arc<rustls::ClientConfig>) -> Config {
+        let mut cfg = crate::config::from_str(
+            "t.yaml",
+            "admin: { listen: null }\n\
+             monitors:\n  - { name: m, type: sip-options, interval: 1h, timeout: 1s }\n\
+             services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-tls, monitor: m, tls: { ca: ca.crt, server_name: a.test } }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-tcp, monitor: m }\n\
+             vservers:\n  - { name: v, protocol: sip-tcp, bind: [127.0.0.1:0], method: call_id_hash, services: [a, b] }\n",
+        )
+        .expect("valid");
+        if let Some(t) = cfg.services[0].tls.as_mut() {
+            t.loaded = crate::tls::Loaded::new(Arc::clone(tls));
+        }
+        cfg
+    }
+
+    fn client_config() -> Arc<rustls::ClientConfig> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let c = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+        Arc::new(c)
+    }
+
+    /// The id of each probe task, by service.
+    fn task_ids(board: &HealthBoard) -> HashMap<String, tokio::task::Id> {
+        lock(&board.tasks)
+            .iter()
+            .map(|(n, t)| (n.clone(), t.handle.id()))
+            .collect()
+    }
+
+    /// The client configuration the next probe of `name` uses.
+    fn probe_tls_of(board: &HealthBoard, name: &str) -> Option<Arc<rustls::ClientConfig>> {
+        let tasks = lock(&board.tasks);
+        let tls = tasks.get(name)?.tls.load_full()?;
+        Some(Arc::clone(&tls.config))
+    }
+
+    /// Whether the task of `h` ends once the runtime has run what is ready (a few turns).
+    async fn ended(h: &tokio::task::AbortHandle) -> bool {
+        for _ in 0..100 {
+            if h.is_finished() {
+                return true;
+            }
+            tokio::task::yield_now().await;
+        }
+        h.is_finished()
+    }
+
+    /// A reload's certificates reach a running probe task, which keeps running (its timing);
+    /// only a task whose monitor or service address changed starts again, and the task of
+    /// a service no longer monitored ends.
+    #[tokio::test]
+    async fn a_reload_keeps_unchanged_probe_tasks_and_swaps_their_certificates() {
+        let tokio = tokio::runtime::Handle::current();
+        let (first, second) = (client_config(), client_config());
+        let cfg = hourly(&first);
+        let board = HealthBoard::new(&cfg, Placements::new(), Instant::now());
+        board.start_monitors(&cfg, &tokio);
+        let before = task_ids(&board);
+        assert_eq!(before.len(), 2, "{before:?}");
+        let uses = |board: &HealthBoard, c: &Arc<rustls::ClientConfig>| {
+            probe_tls_of(board, "a").is_some_and(|t| Arc::ptr_eq(&t, c))
+        };
+        assert!(uses(&board, &first));
+        assert!(probe_tls_of(&board, "b").is_none(), "b is plain");
+
+        // The same config with certificates read again: no task restarts.
+        let reread = hourly(&second);
+        board.start_monitors(&reread, &tokio);
+        assert_eq!(task_ids(&board), before);
+        assert!(uses(&board, &second), "the next probe uses the new CA");
+
+        // b moves: its task restarts, a's goes on.
+        let mut moved = reread.clone();
+        moved.services[1].address = "127.0.0.1:5073".parse().expect("addr");
+        board.start_monitors(&moved, &tokio);
+        let after = task_ids(&board);
+        assert_eq!(after.get("a"), before.get("a"));
+        assert_ne!(after.get("b"), before.get("b"));
+
+        // a's monitor changes: its task restarts; b is no longer monitored: its task ends.
+        let mut changed = moved.clone();
+        changed.monitors[0].timeout = Duration::from_millis(400);
+        changed.services[1].monitor = None;
+        let b_task = lock(&board.tasks)
+            .get("b")
+            .map(|t| t.handle.abort_handle())
+            .expect("b's task");
+        board.start_monitors(&changed, &tokio);
+        let last = task_ids(&board);
+        assert_ne!(last.get("a"), after.get("a"));
+        assert!(!last.contains_key("b"), "{last:?}");
+        assert!(ended(&b_task).await, "b's task was stopped");
+
+        // A task that ended is started again.
+        let a_task = lock(&board.tasks)
+            .get("a")
+            .map(|t| t.handle.abort_handle())
+            .expect("a's task");
+        a_task.abort();
+        assert!(ended(&a_task).await);
+        board.start_monitors(&changed, &tokio);
+        assert_ne!(task_ids(&board).get("a"), last.get("a"));
+        board.stop_monitors();
+        assert!(task_ids(&board).is_empty());
     }
 
     #[test]

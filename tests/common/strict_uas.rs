@@ -298,9 +298,20 @@ impl StrictUas {
     /// A UAS over TLS on `at` (port 0: any), presenting `tls`'s certificate, otherwise as
     /// [`StrictUas::tcp`]. A connection whose handshake fails is closed.
     pub fn tls_at(name: &str, at: SocketAddr, tls: Arc<rustls::ServerConfig>) -> StrictUas {
+        StrictUas::tls_from(name, at, Arc::new(Mutex::new(tls)))
+    }
+
+    /// [`StrictUas::tls_at`] presenting the configuration `tls` holds when a connection is
+    /// accepted: the test may replace it (a certificate re-issued) while the UAS runs.
+    pub fn tls_from(
+        name: &str,
+        at: SocketAddr,
+        tls: Arc<Mutex<Arc<rustls::ServerConfig>>>,
+    ) -> StrictUas {
         StrictUas::streams(name, at, "tls", move |sock| {
             let _ = sock.set_nodelay(true);
-            let conn = rustls::ServerConnection::new(Arc::clone(&tls)).ok()?;
+            let cfg = Arc::clone(&*tls.lock().expect("uas tls"));
+            let conn = rustls::ServerConnection::new(cfg).ok()?;
             Some(rustls::StreamOwned::new(conn, sock))
         })
     }
