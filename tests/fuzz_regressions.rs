@@ -55,3 +55,35 @@ fn sip_message_findings_hold_the_forwarding_invariant() {
         }
     }
 }
+
+/// Scenarios the `slow_start_scenario` target once failed on: each is refused by the check
+/// with an error naming its field, or checks and then runs (as the target runs it: at most
+/// 20,000 requests) within the report limit.
+#[test]
+fn slow_start_scenario_findings_are_refused_or_run_bounded() {
+    use fulcrum::simulate::slow_start::{MAX_REPORTS, check_scenario, run_scenario};
+    let found = inputs("slow_start_scenario");
+    assert!(!found.is_empty());
+    for (name, data) in found {
+        let text = String::from_utf8(data).unwrap_or_else(|e| panic!("{name}: not UTF-8: {e}"));
+        match check_scenario(&text) {
+            Err(e) => assert!(e.to_string().contains(':'), "{name}: {e}"),
+            Ok(requests) if requests <= 20_000 => {
+                let r = run_scenario(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert!(r.rows.len() as u64 <= MAX_REPORTS, "{name}");
+            }
+            Ok(_) => {}
+        }
+    }
+}
+
+/// The first of them: `report_every: 5us` over 25 s (five million rows) ran the target out
+/// of memory; it is refused by `report_every`.
+#[test]
+fn a_scenario_with_millions_of_report_rows_is_refused() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/fuzz/slow_start_scenario/oom-report-every-5us");
+    let text = std::fs::read_to_string(path).expect("fixture");
+    let e = fulcrum::simulate::slow_start::check_scenario(&text).expect_err("refused");
+    assert!(e.to_string().starts_with("report_every:"), "{e}");
+}

@@ -49,6 +49,10 @@ use crate::stats::{NANOS_PER_SEC, Nanos, ServiceCounters};
 /// fails fast instead of running for hours.
 pub const MAX_REQUESTS: u64 = 20_000_000;
 
+/// Upper bound on report rows (`duration / report_every`): each row is kept for the table and
+/// the JSON, so `report_every: 5us` over a minute must be refused, not fill the memory.
+pub const MAX_REPORTS: u64 = 100_000;
+
 /// A scenario that cannot be simulated.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
@@ -88,6 +92,10 @@ pub enum ScenarioError {
     EventOutOfRange { event: usize },
     #[error("the scenario needs {requests} requests; the limit is {MAX_REQUESTS}")]
     TooLarge { requests: u64 },
+    #[error(
+        "report_every: the scenario would report {rows} rows (duration / report_every); the limit is {MAX_REPORTS}"
+    )]
+    TooManyReports { rows: u64 },
 }
 
 /// One report row: mean requests per second per service over the window ending at `t`.
@@ -327,6 +335,10 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
     }
     if duration < report_every {
         return Err(ScenarioError::DurationTooShort);
+    }
+    let rows = duration / report_every;
+    if rows > MAX_REPORTS {
+        return Err(ScenarioError::TooManyReports { rows });
     }
     if raw.services.is_empty() {
         return Err(ScenarioError::NoServices);
@@ -926,6 +938,12 @@ mod tests {
                 "unit",
             ),
             (&BASE.replace("100", "100000000"), "limit"),
+            // Four million rows of a few requests each: refused before anything is kept
+            // (a fuzzing finding: it ran out of memory).
+            (
+                &BASE.replace("report_every: 1s", "report_every: 500ns"),
+                "report_every: the scenario would report 4000000 rows",
+            ),
         ];
         for (yaml, want) in cases {
             match run_scenario(yaml) {
