@@ -149,14 +149,14 @@ impl ServiceLink {
     fn new(
         name: &str,
         addr: SocketAddr,
-        tls: Option<crate::tls::ClientTls>,
+        tls: Option<crate::tls::TlsConnector>,
         udp: bool,
     ) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
         let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
         let link = ServiceLink {
             name: name.to_owned(),
             addr,
-            tls: tls.map(|t| Arc::new(crate::tls::TlsConnector::new(t))),
+            tls: tls.map(Arc::new),
             tx,
             udp,
             retired: AtomicBool::new(false),
@@ -327,6 +327,11 @@ impl TcpShared {
                         Arc::clone(l)
                     }
                     (None, tls) => {
+                        // The same service reached anew (another address): its handshakes
+                        // count on.
+                        let was = old.links.iter().find(|l| l.name == *name);
+                        let was = was.and_then(|l| l.tls.as_deref());
+                        let tls = tls.map(|t| crate::tls::TlsConnector::carrying(t, was));
                         let (link, rx) = ServiceLink::new(name, addr, tls, udp);
                         // A sip-udp member's datagrams go out on the UDP leg: no task.
                         if !udp {
@@ -368,6 +373,15 @@ impl TcpShared {
             link.retire();
         }
         old
+    }
+
+    /// The handshake counters of each member reached over TLS, by service name.
+    pub fn service_tls(&self) -> Vec<(String, Arc<crate::tls::HandshakeCounters>)> {
+        let g = self.current.load();
+        g.links
+            .iter()
+            .filter_map(|l| Some((l.name.clone(), Arc::clone(&l.tls.as_ref()?.counters))))
+            .collect()
     }
 
     /// Store the service certificates of `config` (read again by a reload) into the links
