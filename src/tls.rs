@@ -491,11 +491,24 @@ impl TlsConnector {
     where
         IO: AsyncRead + AsyncWrite + Unpin,
     {
+        self.connect_by(io, tokio::time::Instant::now() + timeout)
+            .await
+    }
+
+    /// Run the client handshake on `io` until `deadline` at the latest, counting the outcome.
+    pub async fn connect_by<IO>(
+        &self,
+        io: IO,
+        deadline: tokio::time::Instant,
+    ) -> Result<tokio_rustls::client::TlsStream<IO>, Reason>
+    where
+        IO: AsyncRead + AsyncWrite + Unpin,
+    {
         let tls = self.current();
         let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.config));
-        self.counters.count(
-            tokio::time::timeout(timeout, connector.connect(tls.server_name.clone(), io)).await,
-        )
+        let handshake = connector.connect(tls.server_name.clone(), io);
+        self.counters
+            .count(tokio::time::timeout_at(deadline, handshake).await)
     }
 }
 

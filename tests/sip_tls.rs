@@ -334,6 +334,44 @@ fn handshakes_toward_tls_services_are_counted_per_service_and_survive_a_reload()
     ops.shutdown();
 }
 
+/// A sip-tls service that accepts the TCP connection and never answers the handshake: a
+/// call sent its way waits for the link's connect bound (3 s), counted as a `timeout` toward
+/// it, then goes to another service.
+#[test]
+fn a_service_that_never_answers_the_handshake_is_counted_as_timeout() {
+    let lab = Lab::new("sip-tls-svc-stall");
+    // Never accepted: the kernel completes the TCP handshake, the ClientHello stays unread.
+    let stalled = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let at = stalled.local_addr().expect("addr");
+    // Unmonitored: UP until its link fails, so calls are sent its way.
+    let yaml = lab
+        .yaml("", "")
+        .replace(
+            "vservers:",
+            &format!("  - {{ name: stall, address: \"{at}\", protocol: sip-tls, tls: {{ ca: ca.crt, server_name: uas.test }} }}\nvservers:"),
+        )
+        .replace("services: [s0, s1]", "services: [s0, s1, stall]");
+    let ops = lab.start(&yaml);
+    let mut uac = lab.client(&ops, None).expect("TLS client");
+    uac.wait = Duration::from_secs(8);
+    let t0 = Instant::now();
+    for i in 0..CALLS {
+        let call = uac.call(&format!("stall-{i}"));
+        assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
+    }
+    let h = service_handshakes(&metrics(&ops), "v", "stall").expect("stall's series");
+    assert!(h.failed(Reason::Timeout) >= 1, "{h:?}");
+    assert_eq!(h.failed_otherwise(Reason::Timeout), 0, "{h:?}");
+    assert_eq!(h.completed, Some(0));
+    assert!(
+        t0.elapsed() >= Duration::from_millis(2900),
+        "a call waited for the bound: {:?}",
+        t0.elapsed()
+    );
+    drop(stalled);
+    ops.shutdown();
+}
+
 /// The framed messages of `bytes`.
 fn frames(mut bytes: &[u8]) -> Vec<Vec<u8>> {
     let mut v = Vec::new();

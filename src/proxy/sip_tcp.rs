@@ -791,8 +791,10 @@ impl StreamRead for tokio::io::ReadHalf<TlsOver<TcpStream>> {
 }
 
 /// TLS toward a service (a sip-tls service): the TCP connect, then the handshake, both
-/// within the link's connect timeout; a failed handshake is counted by its reason and
-/// fails the connect.
+/// within the link's connect deadline; a failed handshake is counted by its reason and
+/// fails the connect. The handshake's own bound is that deadline, so that a handshake still
+/// running then is counted as a `timeout` (the link's driver polls the connect before its
+/// timer, [`drive_link`]).
 struct TlsLinkConnector(Arc<crate::tls::TlsConnector>);
 
 impl Connector for TlsLinkConnector {
@@ -801,11 +803,12 @@ impl Connector for TlsLinkConnector {
     fn connect(
         &self,
         addr: SocketAddr,
+        deadline: std::time::Instant,
     ) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
         let tls = Arc::clone(&self.0);
         async move {
             let tcp = TcpStream::connect(addr).await?;
-            tls.connect(tcp, link::CONNECT_TIMEOUT)
+            tls.connect_by(tcp, tokio::time::Instant::from_std(deadline))
                 .await
                 .map(tokio_rustls::TlsStream::Client)
                 .map_err(|r| std::io::Error::other(format!("TLS handshake failed: {}", r.name())))
@@ -847,9 +850,11 @@ impl StreamRead for OwnedReadHalf {
 /// How a service link makes its connections.
 pub(crate) trait Connector: Send + Sync + 'static {
     type Stream: SipStream;
+    /// A connection to `addr`; the link gives up at `deadline` (its own timer).
     fn connect(
         &self,
         addr: SocketAddr,
+        deadline: std::time::Instant,
     ) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
 }
 
@@ -859,7 +864,11 @@ struct TcpConnector;
 impl Connector for TcpConnector {
     type Stream = TcpStream;
 
-    fn connect(&self, addr: SocketAddr) -> impl Future<Output = std::io::Result<TcpStream>> + Send {
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        _: std::time::Instant,
+    ) -> impl Future<Output = std::io::Result<TcpStream>> + Send {
         TcpStream::connect(addr)
     }
 }
@@ -1285,8 +1294,11 @@ async fn drive_link<C: Connector>(
                 msg = rx.recv() => queued(msg),
                 () = link.retired() => LinkEvent::Retired,
             },
+            // The connect first: a TLS handshake bounded by the same deadline as the timer
+            // is counted as timed out rather than dropped uncounted.
             Phase::Connecting => tokio::select! {
-                r = connector.connect(addr) => match r {
+                biased;
+                r = connector.connect(addr, connect_deadline(&machine)) => match r {
                     Ok(stream) => {
                         conn = Some(open_link_conn(&shared, &link, stream));
                         LinkEvent::ConnectOk
@@ -1379,6 +1391,12 @@ fn queued(msg: Option<Bytes>) -> LinkEvent {
         Some(b) => LinkEvent::Queued(b),
         None => LinkEvent::QueueClosed,
     }
+}
+
+/// Until when a connect of `machine` (connecting) may run: its timer's deadline.
+fn connect_deadline(machine: &Link) -> std::time::Instant {
+    let fallback = || std::time::Instant::now() + link::CONNECT_TIMEOUT;
+    machine.poll_timeout().unwrap_or_else(fallback)
 }
 
 /// Until `t`, or for ever.
