@@ -354,7 +354,7 @@ impl Reason {
     }
 }
 
-/// Handshakes of one listener: completed, and failed by reason.
+/// Handshakes of one listener, or toward one service: completed, and failed by reason.
 #[derive(Debug, Default)]
 pub struct HandshakeCounters {
     pub completed: AtomicU64,
@@ -450,18 +450,25 @@ pub struct ClientTls {
 }
 
 /// The TLS side of one service: the current [`ClientTls`] (a reload stores a new one) and the
-/// handshakes toward it.
+/// handshakes toward it. The counters are shared, so that a data path rebuilt by a reload
+/// counts on with those of the connector it replaces ([`TlsConnector::carrying`]).
 #[derive(Debug)]
 pub struct TlsConnector {
     current: ArcSwap<ClientTls>,
-    pub counters: HandshakeCounters,
+    pub counters: Arc<HandshakeCounters>,
 }
 
 impl TlsConnector {
     pub fn new(tls: ClientTls) -> TlsConnector {
+        TlsConnector::carrying(tls, None)
+    }
+
+    /// A connector with `tls` that counts on with `old`'s counters when there is one (the
+    /// same service of the same vserver before a reload), from zero otherwise.
+    pub fn carrying(tls: ClientTls, old: Option<&TlsConnector>) -> TlsConnector {
         TlsConnector {
             current: ArcSwap::from_pointee(tls),
-            counters: HandshakeCounters::default(),
+            counters: old.map_or_else(Arc::default, |o| Arc::clone(&o.counters)),
         }
     }
 
@@ -484,11 +491,24 @@ impl TlsConnector {
     where
         IO: AsyncRead + AsyncWrite + Unpin,
     {
+        self.connect_by(io, tokio::time::Instant::now() + timeout)
+            .await
+    }
+
+    /// Run the client handshake on `io` until `deadline` at the latest, counting the outcome.
+    pub async fn connect_by<IO>(
+        &self,
+        io: IO,
+        deadline: tokio::time::Instant,
+    ) -> Result<tokio_rustls::client::TlsStream<IO>, Reason>
+    where
+        IO: AsyncRead + AsyncWrite + Unpin,
+    {
         let tls = self.current();
         let connector = tokio_rustls::TlsConnector::from(Arc::clone(&tls.config));
-        self.counters.count(
-            tokio::time::timeout(timeout, connector.connect(tls.server_name.clone(), io)).await,
-        )
+        let handshake = connector.connect(tls.server_name.clone(), io);
+        self.counters
+            .count(tokio::time::timeout_at(deadline, handshake).await)
     }
 }
 

@@ -12,7 +12,9 @@ mod common;
 use common::sip_tcp::{Next, next_message};
 use common::sip_uac::Uac;
 use common::strict_uas::StrictUas;
-use common::tls::{Ca, addr, client_config, connect, server_config, start};
+use common::tls::{
+    Ca, addr, client_config, connect, metrics, server_config, service_handshakes, start,
+};
 use common::*;
 use fulcrum::ops::Ops;
 use fulcrum::sip;
@@ -414,6 +416,11 @@ fn udp_calls_reach_strict_services_over_tcp_and_tls() {
     assert!(via.starts_with(&format!("SIP/2.0/TCP {vs};")), "{via}");
     let via = tls.last_via().expect("a request reached s1");
     assert!(via.starts_with(&format!("SIP/2.0/TLS {vs};")), "{via}");
+    // The bridge's link to s1 counts its handshakes; s0 is reached without TLS.
+    let m = metrics(&ops);
+    let h = service_handshakes(&m, "v", "s1").expect("s1's handshakes");
+    assert!(h.completed >= Some(1) && h.failed_total() == 0, "{m}");
+    assert_eq!(service_handshakes(&m, "v", "s0"), None, "{m}");
     ops.shutdown();
 }
 

@@ -15,7 +15,10 @@ mod sip_load;
 use common::sip_tcp::{Next, next_message};
 use common::sip_uac::Uac;
 use common::strict_uas::{StrictUas, UasCore};
-use common::tls::{Ca, addr, client_config, connect, failed, listener, server_config, start};
+use common::tls::{
+    Ca, addr, client_config, connect, failed, listener, metrics, server_config, service_handshakes,
+    start,
+};
 use common::*;
 use fulcrum::balancer::Health;
 use fulcrum::ops::Ops;
@@ -416,6 +419,122 @@ fn a_reloaded_ca_reaches_the_running_monitor_and_a_refused_reload_keeps_the_last
     );
     assert_eq!(probes(&ops, "s0").1, failed, "none failed");
     assert_eq!(health(&ops, "s0"), Some(Health::Up));
+    ops.shutdown();
+}
+
+/// The SIP core of vserver `name` (a reload that rebuilds the vserver makes a new one).
+fn sip_core(ops: &Ops, name: &str) -> Arc<fulcrum::proxy::sip_core::SipCore> {
+    ops.with_vservers(|vs, _| match &vs.iter().find(|v| v.name == name)?.data {
+        fulcrum::proxy::DataPath::SipTcp(core, _) => Some(Arc::clone(core)),
+        _ => None,
+    })
+    .flatten()
+    .expect("a sip stream vserver")
+}
+
+/// Handshakes of the links toward sip-tls services, per service in `/metrics`: completed
+/// toward the good ones, failed as `unknown_ca` toward one whose certificate another CA
+/// signed (its calls go to the others). A reload that rebuilds the vserver keeps the counts,
+/// of the links it keeps and of a service it moves to another address (a new link).
+#[test]
+fn handshakes_toward_tls_services_are_counted_per_service_and_survive_a_reload() {
+    let lab = Lab::new("sip-tls-svc-metrics");
+    let other = Ca::new("another CA");
+    let wrong = server_config(&other.issue(&lab.f, "wrong", "uas.test", "uas"));
+    let any = SocketAddr::from(([127, 0, 0, 1], 0));
+    let (bad, moved) = (
+        StrictUas::tls_at("bad", any, Arc::clone(&wrong)),
+        StrictUas::tls_at("bad", any, wrong),
+    );
+    // `bad` unmonitored: UP until its link fails, so calls are sent its way.
+    let yaml = |bad_at: SocketAddr, weight: u32| {
+        lab.yaml("", "")
+            .replace(
+                "vservers:",
+                &format!("  - {{ name: bad, address: \"{bad_at}\", protocol: sip-tls, tls: {{ ca: ca.crt, server_name: uas.test }} }}\nvservers:"),
+            )
+            .replace("protocol: sip-tls, monitor: ping", &format!("protocol: sip-tls, weight: {weight}, monitor: ping"))
+            .replace("services: [s0, s1]", "services: [s0, s1, bad]")
+    };
+    let ops = lab.start(&yaml(bad.addr, 1));
+    let mut uac = lab.client(&ops, None).expect("TLS client");
+    for i in 0..CALLS {
+        let call = uac.call(&format!("svc-metrics-{i}"));
+        assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
+    }
+    assert_eq!(bad.counts().requests, 0, "nothing reached bad over TLS");
+    let m = metrics(&ops);
+    let b = service_handshakes(&m, "v", "bad").expect("bad's series");
+    assert!(b.lists_every_reason(), "{m}");
+    assert_eq!(b.completed, Some(0), "{m}");
+    assert!(b.failed(Reason::UnknownCa) >= 1, "{m}");
+    assert_eq!(b.failed_otherwise(Reason::UnknownCa), 0, "{m}");
+    let mut good = Vec::new();
+    for s in ["s0", "s1"] {
+        let h = service_handshakes(&m, "v", s).expect("a good service's series");
+        assert!(h.lists_every_reason(), "{m}");
+        assert!(h.completed >= Some(1), "{s}'s link connected: {m}");
+        assert_eq!(h.failed_total(), 0, "{m}");
+        good.push(h.completed);
+    }
+
+    // New weights for s0 and s1 and a new address for bad rebuild the vserver: s0 and s1 keep
+    // their links, bad gets a new one; every count carries on.
+    let before = sip_core(&ops, "v");
+    lab.f.write(&yaml(moved.addr, 2));
+    ops.reload().expect("reload");
+    assert!(
+        !Arc::ptr_eq(&before, &sip_core(&ops, "v")),
+        "the vserver was rebuilt"
+    );
+    let m = metrics(&ops);
+    let b2 = service_handshakes(&m, "v", "bad").expect("bad's series");
+    assert!(
+        b2.failed(Reason::UnknownCa) >= b.failed(Reason::UnknownCa),
+        "{m}"
+    );
+    for (s, was) in ["s0", "s1"].iter().zip(&good) {
+        let h = service_handshakes(&m, "v", s).expect("series");
+        assert!(h.completed >= *was, "{s}: {m}");
+    }
+    ops.shutdown();
+}
+
+/// A sip-tls service that accepts the TCP connection and never answers the handshake: a
+/// call sent its way waits for the link's connect bound (3 s), counted as a `timeout` toward
+/// it, then goes to another service.
+#[test]
+fn a_service_that_never_answers_the_handshake_is_counted_as_timeout() {
+    let lab = Lab::new("sip-tls-svc-stall");
+    // Never accepted: the kernel completes the TCP handshake, the ClientHello stays unread.
+    let stalled = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let at = stalled.local_addr().expect("addr");
+    // Unmonitored: UP until its link fails, so calls are sent its way.
+    let yaml = lab
+        .yaml("", "")
+        .replace(
+            "vservers:",
+            &format!("  - {{ name: stall, address: \"{at}\", protocol: sip-tls, tls: {{ ca: ca.crt, server_name: uas.test }} }}\nvservers:"),
+        )
+        .replace("services: [s0, s1]", "services: [s0, s1, stall]");
+    let ops = lab.start(&yaml);
+    let mut uac = lab.client(&ops, None).expect("TLS client");
+    uac.wait = Duration::from_secs(8);
+    let t0 = Instant::now();
+    for i in 0..CALLS {
+        let call = uac.call(&format!("stall-{i}"));
+        assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
+    }
+    let h = service_handshakes(&metrics(&ops), "v", "stall").expect("stall's series");
+    assert!(h.failed(Reason::Timeout) >= 1, "{h:?}");
+    assert_eq!(h.failed_otherwise(Reason::Timeout), 0, "{h:?}");
+    assert_eq!(h.completed, Some(0));
+    assert!(
+        t0.elapsed() >= Duration::from_millis(2900),
+        "a call waited for the bound: {:?}",
+        t0.elapsed()
+    );
+    drop(stalled);
     ops.shutdown();
 }
 

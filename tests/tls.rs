@@ -7,7 +7,8 @@
 mod common;
 
 use common::tls::{
-    Ca, Issued, addr, client_config, completed, failed, listener, server_config, start,
+    Ca, Issued, addr, client_config, completed, failed, listener, metrics, server_config,
+    service_handshakes, start,
 };
 use common::*;
 use fulcrum::balancer::Path;
@@ -323,6 +324,138 @@ fn a_service_whose_certificate_does_not_verify_is_passed_over() {
         .flatten()
         .expect("tcp core");
     assert!(core.counters.connect_failures.load(Ordering::Relaxed) >= 2);
+    ops.shutdown();
+}
+
+/// The tcp core of vserver `name`.
+fn tcp_core(ops: &fulcrum::ops::Ops, name: &str) -> Arc<fulcrum::proxy::TcpCore> {
+    ops.with_vservers(|vs, _| match &vs.iter().find(|v| v.name == name)?.data {
+        fulcrum::proxy::DataPath::Tcp(c) => Some(Arc::clone(c)),
+        _ => None,
+    })
+    .flatten()
+    .expect("tcp core")
+}
+
+/// The `tls` of service `service` of vserver `vserver` in `/status`.
+fn status_tls(ops: &fulcrum::ops::Ops, vserver: &str, service: &str) -> serde_json::Value {
+    let status = fulcrum::admin::router::status(ops);
+    let vservers = status["vservers"].as_array().expect("vservers");
+    let v = vservers
+        .iter()
+        .find(|v| v["name"] == vserver)
+        .expect("vserver");
+    let services = v["services"].as_array().expect("services");
+    let s = services
+        .iter()
+        .find(|s| s["name"] == service)
+        .expect("service");
+    s["tls"].clone()
+}
+
+/// Handshakes toward services, per service, in `/metrics` and `/status`: completed toward the
+/// good one, failed as `unknown_ca` toward the one whose certificate another CA signed, none
+/// for a plain one. A reload that rebuilds the vserver and keeps them keeps their counts; a
+/// service removed and added again counts from zero.
+#[test]
+fn handshakes_toward_services_are_counted_per_service_and_survive_a_reload() {
+    let f = ConfigFile::new("tls-svc-metrics", "");
+    let ca = Ca::new("fulcrum test CA");
+    let other = Ca::new("another CA");
+    ca.write(&f, "ca.pem");
+    let wrong = other.issue(&f, "wrong", "backend.internal", "backend.internal");
+    let right = ca.issue(&f, "right", "backend.internal", "backend.internal");
+    let (bad, good) = (tls_service("bad", &wrong), tls_service("good", &right));
+    let plain = services("tcp", 1, "127.0.0.1");
+    let p0 = plain[0].1;
+    let yaml = |members: &str, good_weight: u32| {
+        format!(
+            "admin: {{ listen: null }}\nservices:\n  - {{ name: bad, address: \"{bad}\", protocol: tcp, tls: {{ ca: ca.pem, server_name: backend.internal }} }}\n  - {{ name: good, address: \"{good}\", protocol: tcp, weight: {good_weight}, tls: {{ ca: ca.pem, server_name: backend.internal }} }}\n  - {{ name: s0, address: \"{p0}\", protocol: tcp }}\nvservers:\n  - {{ name: v, protocol: tcp, bind: [\"127.0.0.1:0\"], method: round_robin, services: [{members}] }}\n"
+        )
+    };
+    f.write(&yaml("bad, good, s0", 1));
+    let ops = start(&f);
+    let vs = addr(&ops, "v");
+    // Sends `n` requests; how many the good service answered.
+    let ask = |n: usize| -> u64 {
+        let mut by_good = 0;
+        for _ in 0..n {
+            let a = tcp_ask(vs, b"x").expect("served by good or s0");
+            assert!(a.service == "good" || a.service == "s0", "{}", a.service);
+            by_good += u64::from(a.service == "good");
+        }
+        by_good
+    };
+    let good_answers = ask(6);
+    let failures = tcp_core(&ops, "v")
+        .counters
+        .connect_failures
+        .load(Ordering::Relaxed);
+    assert!(
+        good_answers >= 1 && failures >= 1,
+        "{good_answers} {failures}"
+    );
+    let m = metrics(&ops);
+    let g = service_handshakes(&m, "v", "good").expect("good's series");
+    let b = service_handshakes(&m, "v", "bad").expect("bad's series");
+    assert!(g.lists_every_reason() && b.lists_every_reason(), "{m}");
+    assert_eq!(g.completed, Some(good_answers), "{m}");
+    assert_eq!(g.failed_total(), 0, "{m}");
+    assert_eq!(b.completed, Some(0), "{m}");
+    // Every connect failure was bad's handshake (its TCP connect succeeds).
+    assert_eq!(b.failed(Reason::UnknownCa), failures, "{m}");
+    assert_eq!(b.failed_otherwise(Reason::UnknownCa), 0, "{m}");
+    assert_eq!(
+        service_handshakes(&m, "v", "s0"),
+        None,
+        "no TLS toward s0: {m}"
+    );
+    let t = status_tls(&ops, "v", "bad");
+    assert_eq!(t["handshakes"], 0, "{t}");
+    assert_eq!(t["handshake_failures"]["unknown_ca"], failures, "{t}");
+    assert_eq!(
+        t["handshake_failures"].as_object().map(|o| o.len()),
+        Some(8),
+        "{t}"
+    );
+    assert_eq!(status_tls(&ops, "v", "good")["handshakes"], good_answers);
+    assert_eq!(status_tls(&ops, "v", "s0"), serde_json::Value::Null);
+
+    // A new weight rebuilds the vserver (a new core, new connectors): the counts stay.
+    let before = tcp_core(&ops, "v");
+    f.write(&yaml("bad, good, s0", 2));
+    ops.reload().expect("reload");
+    let after = tcp_core(&ops, "v");
+    assert!(!Arc::ptr_eq(&before, &after), "the vserver was rebuilt");
+    let m = metrics(&ops);
+    assert_eq!(service_handshakes(&m, "v", "good"), Some(g.clone()), "{m}");
+    assert_eq!(service_handshakes(&m, "v", "bad"), Some(b.clone()), "{m}");
+    // And count on from there.
+    let more = ask(8);
+    let failed_since = after.counters.connect_failures.load(Ordering::Relaxed);
+    assert!(more >= 1 && failed_since >= 1, "{more} {failed_since}");
+    let m = metrics(&ops);
+    let g2 = service_handshakes(&m, "v", "good").expect("good");
+    let b2 = service_handshakes(&m, "v", "bad").expect("bad");
+    assert_eq!(g2.completed, Some(good_answers + more), "{m}");
+    assert_eq!(b2.failed(Reason::UnknownCa), failures + failed_since, "{m}");
+
+    // Removed (no flow on it: gone at once), its series go; added back, it counts from zero.
+    f.write(&yaml("good, s0", 2));
+    ops.reload().expect("reload");
+    let m = metrics(&ops);
+    assert_eq!(service_handshakes(&m, "v", "bad"), None, "{m}");
+    f.write(&yaml("bad, good, s0", 2));
+    ops.reload().expect("reload");
+    let m = metrics(&ops);
+    let b3 = service_handshakes(&m, "v", "bad").expect("bad again");
+    assert_eq!(b3.completed, Some(0), "{m}");
+    assert_eq!(b3.failed_total(), 0, "{m}");
+    assert_eq!(
+        service_handshakes(&m, "v", "good").and_then(|h| h.completed),
+        g2.completed,
+        "good stayed throughout: {m}"
+    );
     ops.shutdown();
 }
 

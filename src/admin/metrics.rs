@@ -355,11 +355,14 @@ impl EdgeFamilies {
     }
 }
 
-/// Handshakes of the vservers that terminate TLS (docs/tls.md): completed, and failed by
-/// reason (every reason listed, zero or not).
+/// Handshakes of the vservers that terminate TLS, and of every vserver toward its services
+/// with `tls` (docs/tls.md): completed, and failed by reason (every reason listed, zero or
+/// not).
 struct TlsFamilies {
     completed: Family,
     failed: Family,
+    service_completed: Family,
+    service_failed: Family,
 }
 
 impl TlsFamilies {
@@ -375,24 +378,63 @@ impl TlsFamilies {
                 "counter",
                 "TLS handshakes that failed on a vserver's listener, by reason.",
             ),
+            service_completed: Family::new(
+                "fulcrum_tls_service_handshakes_total",
+                "counter",
+                "TLS handshakes a vserver completed toward a service.",
+            ),
+            service_failed: Family::new(
+                "fulcrum_tls_service_handshake_failures_total",
+                "counter",
+                "TLS handshakes toward a service that failed, by reason.",
+            ),
         }
     }
 
     fn add(&mut self, v: &VserverHandle) {
-        let Some(l) = v.tls() else { return };
         let n = v.name.as_str();
-        self.completed
-            .add(&[("vserver", n)], load(&l.counters.completed));
-        for r in crate::tls::Reason::ALL {
-            self.failed.add(
-                &[("vserver", n), ("reason", r.name())],
-                load(l.counters.failed(r)),
+        if let Some(l) = v.tls() {
+            add_handshakes(
+                &mut self.completed,
+                &mut self.failed,
+                &[("vserver", n)],
+                &l.counters,
+            );
+        }
+        for (service, c) in v.service_tls() {
+            let l = [("vserver", n), ("service", service.as_str())];
+            add_handshakes(
+                &mut self.service_completed,
+                &mut self.service_failed,
+                &l,
+                &c,
             );
         }
     }
 
-    fn families(&self) -> [&Family; 2] {
-        [&self.completed, &self.failed]
+    fn families(&self) -> [&Family; 4] {
+        [
+            &self.completed,
+            &self.failed,
+            &self.service_completed,
+            &self.service_failed,
+        ]
+    }
+}
+
+/// The handshakes of `c` labelled `l`: completed into `completed`, failed into `failed`
+/// with one series per reason.
+fn add_handshakes(
+    completed: &mut Family,
+    failed: &mut Family,
+    l: &[(&str, &str)],
+    c: &crate::tls::HandshakeCounters,
+) {
+    completed.add(l, load(&c.completed));
+    for r in crate::tls::Reason::ALL {
+        let mut with_reason = l.to_vec();
+        with_reason.push(("reason", r.name()));
+        failed.add(&with_reason, load(c.failed(r)));
     }
 }
 

@@ -222,6 +222,17 @@ fn edge_status(e: &crate::edge::Edge, now: u64) -> Value {
     })
 }
 
+/// The handshakes toward a service reached over TLS, in `/status`: completed, and failed by
+/// reason (every reason listed).
+fn handshakes_status(c: &crate::tls::HandshakeCounters) -> Value {
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let failures: serde_json::Map<String, Value> = crate::tls::Reason::ALL
+        .iter()
+        .map(|r| (r.name().to_owned(), json!(n(c.failed(*r)))))
+        .collect();
+    json!({ "handshakes": n(&c.completed), "handshake_failures": failures })
+}
+
 /// `/healthz` and `/readyz`, answered before the token check; `None` for any other path.
 fn probe(ops: &Ops, req: &Request) -> Option<Response> {
     let route = req.path.trim_matches('/');
@@ -378,6 +389,7 @@ pub fn status(ops: &Ops) -> Value {
                 .map(|(vi, v)| {
                     let b = v.balancer();
                     let slow = b.slow_start();
+                    let service_tls = v.service_tls();
                     let services: Vec<Value> = b
                         .members()
                         .iter()
@@ -424,6 +436,7 @@ pub fn status(ops: &Ops) -> Value {
                                 "reported_load": c.and_then(|c| c.reported_load()),
                                 "monitor": monitor,
                                 "slow_start": ss,
+                                "tls": service_tls.iter().find(|(n, _)| *n == m.name).map(|(_, c)| handshakes_status(c)),
                             })
                         })
                         .collect();

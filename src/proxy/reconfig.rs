@@ -10,7 +10,8 @@
 //! the same address stay on them, sessions of removed members are closed (their next
 //! datagram is balanced afresh). Members added by the reload enter slow start. The
 //! vserver's own counters (accepted, datagrams...) restart from zero; per-service counters
-//! of kept members continue.
+//! of kept members continue, their TLS handshake counters too (carried by service name
+//! into the new core's connectors).
 //!
 //! # sip-udp
 //! The listener, worker threads and Via identity stay; a new [`Balancer`] and
@@ -31,7 +32,9 @@
 //! connections: kept members (same name and address) keep theirs, added members get a new
 //! one (connected on first use), removed members' connections are retired (queued requests
 //! go to the member the new core chooses, what the service still sends and the clients'
-//! responses to it are relayed for a while). Per-service counters of kept members continue; the SIP counters of the core
+//! responses to it are relayed for a while). Per-service counters of kept members continue
+//! (TLS handshakes toward them too, also for a member whose address changed: its new link
+//! counts on by name); the SIP counters of the core
 //! restart from zero, the transport counters (clients accepted, ...) continue.
 //!
 //! Slow-start progress is not carried over: members still new before the rebuild are part

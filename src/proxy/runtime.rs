@@ -116,6 +116,21 @@ impl VserverHandle {
         self.tls.as_ref()
     }
 
+    /// The handshake counters toward each member the vserver reaches over TLS, by service
+    /// name: a tcp / http core's connectors, a SIP stream vserver's links, a sip-udp
+    /// vserver's bridge links. Empty when no member has `tls`.
+    pub fn service_tls(&self) -> Vec<(String, Arc<crate::tls::HandshakeCounters>)> {
+        match &self.data {
+            DataPath::Tcp(core) => core.service_tls(),
+            DataPath::SipTcp(_, shared) => shared.service_tls(),
+            DataPath::SipUdp(_) => self
+                .bridge
+                .as_ref()
+                .map_or_else(Vec::new, |b| b.service_tls()),
+            DataPath::Udp(_) => Vec::new(),
+        }
+    }
+
     /// The current balancer (a reload rebuilding the vserver swaps it).
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer

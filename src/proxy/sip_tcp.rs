@@ -149,14 +149,14 @@ impl ServiceLink {
     fn new(
         name: &str,
         addr: SocketAddr,
-        tls: Option<crate::tls::ClientTls>,
+        tls: Option<crate::tls::TlsConnector>,
         udp: bool,
     ) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
         let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
         let link = ServiceLink {
             name: name.to_owned(),
             addr,
-            tls: tls.map(|t| Arc::new(crate::tls::TlsConnector::new(t))),
+            tls: tls.map(Arc::new),
             tx,
             udp,
             retired: AtomicBool::new(false),
@@ -327,6 +327,11 @@ impl TcpShared {
                         Arc::clone(l)
                     }
                     (None, tls) => {
+                        // The same service reached anew (another address): its handshakes
+                        // count on.
+                        let was = old.links.iter().find(|l| l.name == *name);
+                        let was = was.and_then(|l| l.tls.as_deref());
+                        let tls = tls.map(|t| crate::tls::TlsConnector::carrying(t, was));
                         let (link, rx) = ServiceLink::new(name, addr, tls, udp);
                         // A sip-udp member's datagrams go out on the UDP leg: no task.
                         if !udp {
@@ -368,6 +373,15 @@ impl TcpShared {
             link.retire();
         }
         old
+    }
+
+    /// The handshake counters of each member reached over TLS, by service name.
+    pub fn service_tls(&self) -> Vec<(String, Arc<crate::tls::HandshakeCounters>)> {
+        let g = self.current.load();
+        g.links
+            .iter()
+            .filter_map(|l| Some((l.name.clone(), Arc::clone(&l.tls.as_ref()?.counters))))
+            .collect()
     }
 
     /// Store the service certificates of `config` (read again by a reload) into the links
@@ -777,8 +791,10 @@ impl StreamRead for tokio::io::ReadHalf<TlsOver<TcpStream>> {
 }
 
 /// TLS toward a service (a sip-tls service): the TCP connect, then the handshake, both
-/// within the link's connect timeout; a failed handshake is counted by its reason and
-/// fails the connect.
+/// within the link's connect deadline; a failed handshake is counted by its reason and
+/// fails the connect. The handshake's own bound is that deadline, so that a handshake still
+/// running then is counted as a `timeout` (the link's driver polls the connect before its
+/// timer, [`drive_link`]).
 struct TlsLinkConnector(Arc<crate::tls::TlsConnector>);
 
 impl Connector for TlsLinkConnector {
@@ -787,11 +803,12 @@ impl Connector for TlsLinkConnector {
     fn connect(
         &self,
         addr: SocketAddr,
+        deadline: std::time::Instant,
     ) -> impl Future<Output = std::io::Result<Self::Stream>> + Send {
         let tls = Arc::clone(&self.0);
         async move {
             let tcp = TcpStream::connect(addr).await?;
-            tls.connect(tcp, link::CONNECT_TIMEOUT)
+            tls.connect_by(tcp, tokio::time::Instant::from_std(deadline))
                 .await
                 .map(tokio_rustls::TlsStream::Client)
                 .map_err(|r| std::io::Error::other(format!("TLS handshake failed: {}", r.name())))
@@ -833,9 +850,11 @@ impl StreamRead for OwnedReadHalf {
 /// How a service link makes its connections.
 pub(crate) trait Connector: Send + Sync + 'static {
     type Stream: SipStream;
+    /// A connection to `addr`; the link gives up at `deadline` (its own timer).
     fn connect(
         &self,
         addr: SocketAddr,
+        deadline: std::time::Instant,
     ) -> impl Future<Output = std::io::Result<Self::Stream>> + Send;
 }
 
@@ -845,7 +864,11 @@ struct TcpConnector;
 impl Connector for TcpConnector {
     type Stream = TcpStream;
 
-    fn connect(&self, addr: SocketAddr) -> impl Future<Output = std::io::Result<TcpStream>> + Send {
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        _: std::time::Instant,
+    ) -> impl Future<Output = std::io::Result<TcpStream>> + Send {
         TcpStream::connect(addr)
     }
 }
@@ -1271,8 +1294,11 @@ async fn drive_link<C: Connector>(
                 msg = rx.recv() => queued(msg),
                 () = link.retired() => LinkEvent::Retired,
             },
+            // The connect first: a TLS handshake bounded by the same deadline as the timer
+            // is counted as timed out rather than dropped uncounted.
             Phase::Connecting => tokio::select! {
-                r = connector.connect(addr) => match r {
+                biased;
+                r = connector.connect(addr, connect_deadline(&machine)) => match r {
                     Ok(stream) => {
                         conn = Some(open_link_conn(&shared, &link, stream));
                         LinkEvent::ConnectOk
@@ -1365,6 +1391,12 @@ fn queued(msg: Option<Bytes>) -> LinkEvent {
         Some(b) => LinkEvent::Queued(b),
         None => LinkEvent::QueueClosed,
     }
+}
+
+/// Until when a connect of `machine` (connecting) may run: its timer's deadline.
+fn connect_deadline(machine: &Link) -> std::time::Instant {
+    let fallback = || std::time::Instant::now() + link::CONNECT_TIMEOUT;
+    machine.poll_timeout().unwrap_or_else(fallback)
 }
 
 /// Until `t`, or for ever.

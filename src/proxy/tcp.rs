@@ -36,7 +36,7 @@ use crate::proxy::runtime::{
 use crate::proxy::shutdown::Signal;
 use crate::proxy::{LogLimiter, bump, elapsed_nanos};
 use crate::stats::{Nanos, ServiceCounters};
-use crate::tls::{MaybeTls, TlsListener};
+use crate::tls::{ClientTls, HandshakeCounters, MaybeTls, TlsConnector, TlsListener};
 use arc_swap::ArcSwap;
 use nix::sys::socket::{MsgFlags, recv};
 use socket2::{Domain, Protocol as SockProtocol, SockRef, Socket, Type};
@@ -122,7 +122,7 @@ pub struct TcpCore {
     transparent: bool,
     send_proxy: bool,
     /// Per member: TLS toward it (`tls` on the service), by member index.
-    connectors: Vec<Option<Arc<crate::tls::TlsConnector>>>,
+    connectors: Vec<Option<Arc<TlsConnector>>>,
     /// Whether any member is reached over TLS (read per accepted connection).
     tls_members: bool,
     epoch: Instant,
@@ -153,7 +153,7 @@ impl TcpCore {
             .filter_map(|i| config.services.get(i))
             .map(|s| {
                 let tls = s.tls.as_ref()?.client_tls(s.address.ip())?;
-                Some(Arc::new(crate::tls::TlsConnector::new(tls)))
+                Some(Arc::new(TlsConnector::new(tls)))
             })
             .collect();
         TcpCore {
@@ -202,21 +202,40 @@ impl TcpCore {
 
     /// The core of a reload of the vserver `old` served: members it keeps share their
     /// counters with `old` (connections established before the reload stay counted on
-    /// their service), and the open-connection bound carries over.
+    /// their service), their TLS handshake counters too, and the open-connection bound
+    /// carries over.
     pub fn rebuilt(config: &Config, v: &Vserver, epoch: Instant, old: &TcpCore) -> TcpCore {
         let mut core = TcpCore::new(config, v, epoch);
         core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
         core.live = Arc::clone(&old.live);
         core.edge = v.edge(Some(&old.edge));
         let old_names = old.balancer.members();
-        for (m, cut) in core.balancer.members().iter().zip(core.cuts.iter_mut()) {
-            if let Some(j) = old_names.iter().position(|o| o.name == m.name)
-                && let Some(c) = old.cuts.get(j)
-            {
+        let members = core.balancer.members().iter();
+        for ((m, cut), connector) in members
+            .zip(core.cuts.iter_mut())
+            .zip(core.connectors.iter_mut())
+        {
+            let Some(j) = old_names.iter().position(|o| o.name == m.name) else {
+                continue;
+            };
+            if let Some(c) = old.cuts.get(j) {
                 *cut = Arc::clone(c);
+            }
+            if let (Some(new), Some(Some(was))) = (connector.as_ref(), old.connectors.get(j)) {
+                let tls = ClientTls::clone(&new.current());
+                *connector = Some(Arc::new(TlsConnector::carrying(tls, Some(was))));
             }
         }
         core
+    }
+
+    /// The handshake counters of each member reached over TLS, by service name.
+    pub fn service_tls(&self) -> Vec<(String, Arc<HandshakeCounters>)> {
+        let members = self.balancer.members().iter();
+        members
+            .zip(&self.connectors)
+            .filter_map(|(m, c)| Some((m.name.clone(), Arc::clone(&c.as_ref()?.counters))))
+            .collect()
     }
 
     /// Close the connections open on member `service` (its drain timed out). `false` when
@@ -1046,7 +1065,7 @@ async fn connect_any_stream<'a>(
 async fn finish_connect(
     core: &TcpCore,
     s: TcpStream,
-    connector: Option<&Arc<crate::tls::TlsConnector>>,
+    connector: Option<&Arc<TlsConnector>>,
     client: SocketAddr,
     local: SocketAddr,
 ) -> Result<MaybeTls<TcpStream>, &'static str> {

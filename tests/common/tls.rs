@@ -165,3 +165,71 @@ pub fn failed(l: &TlsListener, r: Reason) -> u64 {
 pub fn completed(l: &TlsListener) -> u64 {
     l.counters.completed.load(Ordering::Relaxed)
 }
+
+/// `GET /metrics` of `ops`, through the admin API's router.
+pub fn metrics(ops: &Ops) -> String {
+    let req = fulcrum::admin::router::Request::new("GET", "/metrics");
+    let r = fulcrum::admin::router::handle(ops, &req);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.body
+}
+
+/// The handshakes Prometheus text `text` shows from vserver `vserver` toward service
+/// `service`: completed, and failed per reason name; `None` when it shows no series for them.
+pub fn service_handshakes(text: &str, vserver: &str, service: &str) -> Option<Handshakes> {
+    let labels = format!("{{vserver=\"{vserver}\",service=\"{service}\"");
+    let mut found = Handshakes::default();
+    let mut any = false;
+    let completed = format!("fulcrum_tls_service_handshakes_total{labels}}}");
+    let failed = format!("fulcrum_tls_service_handshake_failures_total{labels},reason=\"");
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let value = || -> u64 { value.parse().expect("a counter value") };
+        if series == completed {
+            found.completed = Some(value());
+            any = true;
+        } else if let Some(reason) = series.strip_prefix(&failed) {
+            let reason = reason.strip_suffix("\"}").expect("the last label");
+            found.failed.insert(reason.to_owned(), value());
+            any = true;
+        }
+    }
+    any.then_some(found)
+}
+
+/// What [`service_handshakes`] read.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Handshakes {
+    pub completed: Option<u64>,
+    pub failed: std::collections::BTreeMap<String, u64>,
+}
+
+impl Handshakes {
+    /// Failures counted for `r` (0 when its series is missing: see [`Handshakes::lists_every_reason`]).
+    pub fn failed(&self, r: Reason) -> u64 {
+        self.failed.get(r.name()).copied().unwrap_or(0)
+    }
+
+    /// Whether every reason has its series, and nothing else.
+    pub fn lists_every_reason(&self) -> bool {
+        self.failed.len() == Reason::ALL.len()
+            && Reason::ALL
+                .iter()
+                .all(|r| self.failed.contains_key(r.name()))
+    }
+
+    /// Failures for every reason.
+    pub fn failed_total(&self) -> u64 {
+        self.failed.values().sum()
+    }
+
+    /// Failures for reasons other than `r`.
+    pub fn failed_otherwise(&self, r: Reason) -> u64 {
+        (self.failed.iter())
+            .filter(|(n, _)| n.as_str() != r.name())
+            .map(|(_, v)| v)
+            .sum()
+    }
+}
