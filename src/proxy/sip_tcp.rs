@@ -1046,28 +1046,42 @@ async fn write_out<W: AsyncWrite + Unpin>(write: &mut W, bytes: &[u8]) -> std::i
     write.flush().await
 }
 
-/// Write `bytes` whole and flush them toward a client that must keep reading: each step (a
-/// partial write, the flush) may wait at most [`CLIENT_SEND_TIMEOUT`], so a slow reader is
-/// waited for as long as it makes progress, and one that stopped is found.
+/// Write `bytes` whole and flush them toward a client that must keep reading, for as long as
+/// the connection makes progress: the writer gives up only once [`CLIENT_SEND_TIMEOUT`] passes
+/// without the connection waking it (room freed by the client's reading). A bound on each
+/// step would not do over TLS, whose flush sends what the TLS stream buffered (up to 64 KiB)
+/// in one step, however slowly a client that keeps reading takes it.
 async fn write_to_client<W: AsyncWrite + Unpin>(
     write: &mut W,
-    mut bytes: &[u8],
+    bytes: &[u8],
 ) -> Result<(), WriterEnd> {
-    let step = |r: Result<std::io::Result<usize>, tokio::time::error::Elapsed>| match r {
-        Ok(Ok(0)) | Ok(Err(_)) => Err(WriterEnd::Failed),
-        Ok(Ok(n)) => Ok(n),
-        Err(_) => Err(WriterEnd::Stalled),
-    };
-    while !bytes.is_empty() {
-        let n = step(tokio::time::timeout(CLIENT_SEND_TIMEOUT, write.write(bytes)).await)?;
-        bytes = &bytes[n.min(bytes.len())..];
-    }
-    step(
-        tokio::time::timeout(CLIENT_SEND_TIMEOUT, write.flush())
-            .await
-            .map(|r| r.map(|()| 1)),
-    )
-    .map(drop)
+    use std::task::Poll;
+    let mut io = std::pin::pin!(async {
+        write.write_all(bytes).await?;
+        write.flush().await
+    });
+    // Made on the first wait only: a write that goes through at once sets no timer.
+    let mut quiet: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(r) = io.as_mut().poll(cx) {
+            return Poll::Ready(r.map_err(|_| WriterEnd::Failed));
+        }
+        // The writer's task waits for nothing else: polled before the timer ran out, it was
+        // woken by the connection, which made progress; the quiet time starts again.
+        let until = tokio::time::Instant::now() + CLIENT_SEND_TIMEOUT;
+        let timer = match quiet.as_mut() {
+            Some(t) if t.is_elapsed() => return Poll::Ready(Err(WriterEnd::Stalled)),
+            Some(t) => {
+                t.as_mut().reset(until);
+                t
+            }
+            None => quiet.insert(Box::pin(tokio::time::sleep_until(until))),
+        };
+        // Registers the wake-up at `until` (it cannot have passed yet).
+        let _ = timer.as_mut().poll(cx);
+        Poll::Pending
+    })
+    .await
 }
 
 /// How a client's writer ended.
@@ -1862,6 +1876,24 @@ mod tests {
         assert_eq!(level.queued(), outbox::cost(&[0; 4096]));
     }
 
+    /// Over TLS too, a client that reads nothing is given up on after [`CLIENT_SEND_TIMEOUT`]
+    /// (what the TLS stream took in its buffer does not count as progress).
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_gives_up_on_a_tls_client_that_reads_nothing() {
+        let (server, _client) = tls_pair(1024).await;
+        let (_read, write) = tokio::io::split(server);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let started = tokio::time::Instant::now();
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
+        assert_eq!(
+            outbox.push(Bytes::from(vec![b'x'; 128 * 1024])),
+            Push::Queued
+        );
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Stalled);
+        assert_eq!(started.elapsed(), CLIENT_SEND_TIMEOUT);
+    }
+
     /// A client that reads slowly but keeps reading is waited for, however long the whole
     /// message takes: here 64 KiB through a 1 KiB pipe read 1 KiB every 5 s (5 min 20 s).
     #[tokio::test(start_paused = true)]
@@ -1878,6 +1910,36 @@ mod tests {
             tokio::time::sleep(CLIENT_SEND_TIMEOUT / 2).await;
             got += client.read(&mut chunk).await.expect("read");
         }
+        drop(outbox);
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Done);
+        assert_eq!(level.queued(), 0);
+    }
+
+    /// The same over TLS: what the TLS stream holds once all is written (up to its 64 KiB
+    /// buffer) goes out in the flush, which takes as long as the client takes to read it; a
+    /// client that keeps reading (one 16 KiB record every 5 s, so about 20 s for the flush)
+    /// is waited for as well.
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_waits_for_a_tls_client_that_reads_slowly() {
+        let (server, mut client) = tls_pair(1024).await;
+        let (_read, write) = tokio::io::split(server);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
+        let msg: Vec<u8> = (0..128 * 1024).map(|i| (i % 251) as u8).collect();
+        assert_eq!(outbox.push(Bytes::from(msg.clone())), Push::Queued);
+        let mut got = Vec::with_capacity(msg.len());
+        let mut chunk = vec![0u8; 16 * 1024];
+        while got.len() < msg.len() {
+            tokio::time::sleep(CLIENT_SEND_TIMEOUT / 2).await;
+            let read = tokio::time::timeout(CLIENT_SEND_TIMEOUT * 3, client.read(&mut chunk)).await;
+            let n = match read {
+                Ok(Ok(n)) if n > 0 => n,
+                other => panic!("no more after {} bytes ({other:?})", got.len()),
+            };
+            got.extend_from_slice(&chunk[..n]);
+        }
+        assert!(got == msg, "the message arrived intact");
         drop(outbox);
         assert_eq!(writer.await.expect("writer"), WriterEnd::Done);
         assert_eq!(level.queued(), 0);

@@ -53,6 +53,11 @@ pub const MAX_REQUESTS: u64 = 20_000_000;
 /// the JSON, so `report_every: 5us` over a minute must be refused, not fill the memory.
 pub const MAX_REPORTS: u64 = 100_000;
 
+/// Upper bound on the rates reported (rows × services): each row keeps one rate per service,
+/// so a few hundred services over 100,000 rows would fill the memory as surely (300 services
+/// over 99,000 rows took 2.4 GB).
+pub const MAX_REPORT_VALUES: u64 = 1_000_000;
+
 /// A scenario that cannot be simulated.
 #[derive(Debug, thiserror::Error)]
 pub enum ScenarioError {
@@ -96,6 +101,14 @@ pub enum ScenarioError {
         "report_every: the scenario would report {rows} rows (duration / report_every); the limit is {MAX_REPORTS}"
     )]
     TooManyReports { rows: u64 },
+    #[error(
+        "report_every: the scenario would report {values} rates ({rows} rows of {services} services); the limit is {MAX_REPORT_VALUES}"
+    )]
+    TooManyReportValues {
+        rows: u64,
+        services: usize,
+        values: u64,
+    },
 }
 
 /// One report row: mean requests per second per service over the window ending at `t`.
@@ -425,6 +438,15 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
             Action::Remove(i) => present[i] = false,
             _ => {}
         }
+    }
+    // Every row has a rate for every service, those added by events included.
+    let values = rows.saturating_mul(u64::try_from(names.len()).unwrap_or(u64::MAX));
+    if values > MAX_REPORT_VALUES {
+        return Err(ScenarioError::TooManyReportValues {
+            rows,
+            services: names.len(),
+            values,
+        });
     }
     let span = u128::from(duration) + u128::from(report_every);
     let requests = u128::from(raw.offered_rate) * span / u128::from(NANOS_PER_SEC);
@@ -944,6 +966,18 @@ mod tests {
                 &BASE.replace("report_every: 1s", "report_every: 500ns"),
                 "report_every: the scenario would report 4000000 rows",
             ),
+            // 100,000 rows (within their limit) of 11 services, one of them added by an
+            // event: 1.1 million rates, refused (300 services took 2.4 GB).
+            (
+                &format!(
+                    "{}events:\n  - {{ at: 1s, add: K }}\n",
+                    BASE.replace("[A, B]", "[A, B, C, D, E, F, G, H, I, J]")
+                        .replace("report_every: 1s", "report_every: 1ms")
+                        .replace("duration: 2s", "duration: 100s")
+                        .replace("offered_rate: 100", "offered_rate: 1")
+                ),
+                "report_every: the scenario would report 1100000 rates (100000 rows of 11 services)",
+            ),
         ];
         for (yaml, want) in cases {
             match run_scenario(yaml) {
@@ -951,6 +985,16 @@ mod tests {
                 Err(e) => assert!(e.to_string().contains(want), "{yaml}: {e}"),
             }
         }
+    }
+
+    #[test]
+    fn report_values_up_to_the_limit_are_accepted() {
+        // 100,000 rows of 10 services: exactly MAX_REPORT_VALUES.
+        let yaml = BASE
+            .replace("[A, B]", "[A, B, C, D, E, F, G, H, I, J]")
+            .replace("report_every: 1s", "report_every: 1ms")
+            .replace("duration: 2s", "duration: 100s");
+        assert!(check_scenario(&yaml).is_ok(), "{yaml}");
     }
 
     #[test]
