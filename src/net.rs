@@ -49,18 +49,35 @@ fn listener_socket(
     Ok(socket)
 }
 
-/// `count` (at least 1) sockets made by `make` on one address with SO_REUSEPORT: port 0 is
-/// resolved by the first bind and reused for the others.
+/// `count` (at least 1) sockets made by `make` on one address with SO_REUSEPORT, of type
+/// `ty`: the group is this process's alone. Linux lets a SO_REUSEPORT socket join a port
+/// that another process of the same user holds with SO_REUSEPORT (and hands such a port out
+/// for port 0), and would then share the traffic between the two processes without a word:
+/// a second fulcrum started with the same config, or two vservers on port 0 in different
+/// processes. So the address is first bound without SO_REUSEPORT, which conflicts with any
+/// holder: a port in use fails with EADDRINUSE, and port 0 resolves to a port nobody holds;
+/// the group then binds that port.
 fn reuse_port_group(
     addr: SocketAddr,
     count: usize,
+    ty: Type,
+    protocol: Protocol,
+    opts: ListenOptions,
     make: impl Fn(SocketAddr) -> io::Result<Socket>,
 ) -> io::Result<Vec<Socket>> {
-    let first = make(addr)?;
-    let bound = first
-        .local_addr()?
-        .as_socket()
-        .ok_or_else(|| io::Error::other("bound socket has no IP address"))?;
+    let bound = {
+        let probe = listener_socket(addr, ty, protocol, false, opts)?;
+        // Over UDP, SO_REUSEADDR on both sides lets sockets share a port too.
+        if ty == Type::DGRAM {
+            probe.set_reuse_address(false)?;
+        }
+        probe.bind(&addr.into())?;
+        probe
+            .local_addr()?
+            .as_socket()
+            .ok_or_else(|| io::Error::other("bound socket has no IP address"))?
+    };
+    let first = make(bound)?;
     let mut out = vec![first];
     for _ in 1..count.max(1) {
         out.push(make(bound)?);
@@ -104,10 +121,14 @@ pub(crate) fn bind_udp_workers(
     count: usize,
     opts: ListenOptions,
 ) -> io::Result<Vec<UdpSocket>> {
-    Ok(reuse_port_group(addr, count, |a| udp_socket(a, opts))?
+    Ok(
+        reuse_port_group(addr, count, Type::DGRAM, Protocol::UDP, opts, |a| {
+            udp_socket(a, opts)
+        })?
         .into_iter()
         .map(UdpSocket::from)
-        .collect())
+        .collect(),
+    )
 }
 
 fn tcp_listener(addr: SocketAddr, reuse_port: bool, opts: ListenOptions) -> io::Result<Socket> {
@@ -142,10 +163,12 @@ pub(crate) fn bind_tcp_workers(
     opts: ListenOptions,
 ) -> io::Result<Vec<std::net::TcpListener>> {
     Ok(
-        reuse_port_group(addr, count, |a| tcp_listener(a, true, opts))?
-            .into_iter()
-            .map(Into::into)
-            .collect(),
+        reuse_port_group(addr, count, Type::STREAM, Protocol::TCP, opts, |a| {
+            tcp_listener(a, true, opts)
+        })?
+        .into_iter()
+        .map(Into::into)
+        .collect(),
     )
 }
 
@@ -191,6 +214,66 @@ mod tests {
                 .iter()
                 .all(|s| s.local_addr().expect("addr").port() == port)
         );
+    }
+
+    /// A port another process's SO_REUSEPORT group holds is not joined: refused as in use,
+    /// over UDP and TCP. (A socket of this process stands for the other process: the kernel
+    /// lets any SO_REUSEPORT socket of the same user join.) And port 0 never resolves to such
+    /// a port: many groups on port 0 beside many foreign reuse-port sockets (the kernel hands
+    /// their ports out again for port 0: thousands of times in 20,000 binds here) get ports
+    /// of their own.
+    #[test]
+    fn a_worker_group_never_shares_its_port_with_another_reuse_port_socket() {
+        let foreign = |ty: Type, protocol: Protocol| {
+            let s = listener_socket(
+                "127.0.0.1:0".parse().expect("addr"),
+                ty,
+                protocol,
+                true,
+                ListenOptions::default(),
+            )
+            .expect("socket");
+            s.bind(&"127.0.0.1:0".parse::<SocketAddr>().expect("addr").into())
+                .expect("bind");
+            if ty == Type::STREAM {
+                s.listen(16).expect("listen");
+            }
+            s
+        };
+        let port = |s: &Socket| {
+            s.local_addr()
+                .expect("addr")
+                .as_socket()
+                .expect("ip")
+                .port()
+        };
+        let udp = foreign(Type::DGRAM, Protocol::UDP);
+        let at = SocketAddr::from(([127, 0, 0, 1], port(&udp)));
+        let e = bind_udp_workers(at, 2, ListenOptions::default()).expect_err("taken");
+        assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "{e}");
+        let tcp = foreign(Type::STREAM, Protocol::TCP);
+        let at = SocketAddr::from(([127, 0, 0, 1], port(&tcp)));
+        let e = bind_tcp_workers(at, 2, ListenOptions::default()).expect_err("taken");
+        assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "{e}");
+        // Port 0 beside 1,000 foreign reuse-port UDP sockets: 200 groups, no port shared.
+        let held: Vec<Socket> = (0..1000)
+            .map(|_| foreign(Type::DGRAM, Protocol::UDP))
+            .collect();
+        let others: std::collections::HashSet<u16> = held.iter().map(port).collect();
+        let mut mine = std::collections::HashSet::new();
+        let mut groups = Vec::new();
+        for _ in 0..200 {
+            let g = bind_udp_workers(
+                "127.0.0.1:0".parse().expect("addr"),
+                2,
+                ListenOptions::default(),
+            )
+            .expect("bind");
+            let p = g[0].local_addr().expect("addr").port();
+            assert!(!others.contains(&p), "port {p} joined a foreign group");
+            assert!(mine.insert(p), "port {p} given to two groups");
+            groups.push(g);
+        }
     }
 
     #[test]
