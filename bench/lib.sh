@@ -111,6 +111,20 @@ col() {
     END{split(last, a, ";"); print (c ? a[c] + 0 : "NA")}' "$1"
 }
 
+# print_ladder TITLE: each proxy of PROXIES with its highest clean rate (the MAX array, over
+# the ladder RATES), and fulcrum's over Kamailio's when both ran.
+print_ladder() {
+  local proxy last=${RATES##* } note
+  echo "== $1 =="
+  for proxy in $PROXIES; do
+    note=""; [ "${MAX[$proxy]}" = "$last" ] && note=" (cap of the ladder: did not fail)"
+    echo "$proxy: ${MAX[$proxy]} calls/s$note"
+  done
+  if [ -n "${MAX[fulcrum]:-}" ] && [ -n "${MAX[kamailio]:-}" ] && [ "${MAX[kamailio]}" != 0 ]; then
+    echo "ratio fulcrum/kamailio: $(awk -v a="${MAX[fulcrum]}" -v b="${MAX[kamailio]}" 'BEGIN{printf "%.2f", a/b}')"
+  fi
+}
+
 # kamailio_head COMMENT CHILDREN LISTEN DISABLE_TCP [MAXBUFFER]: the global part of a generated
 # Kamailio config (no logging to syslog, no DNS, CHILDREN workers on LISTEN), which the script
 # follows with its modules and request_route.

@@ -35,7 +35,7 @@ case $TRANSPORT in
   *) echo "TRANSPORT must be udp or tcp" >&2; exit 2 ;;
 esac
 HERE=$(cd "$(dirname "$0")" && pwd)
-. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, rcvbuf_errors, col, kamailio_head
+. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, rcvbuf_errors, col, kamailio_head, print_ladder
 RATES=${RATES:-"2000 4000 6000 8000 10000 12000 14000 16000 18000"}
 DUR=${DUR:-10}
 FIXED=${FIXED:-4000}
@@ -198,15 +198,7 @@ for proxy in $PROXIES; do
 done
 
 echo
-echo "== SIP over $TRANSPORT: highest clean call rate (ladder $RATES, ${DUR}s per step) =="
-for proxy in $PROXIES; do
-  last=${RATES##* }
-  note=""; [ "${MAX[$proxy]}" = "$last" ] && note=" (cap of the ladder: did not fail)"
-  echo "$proxy: ${MAX[$proxy]} calls/s$note"
-done
-if [ -n "${MAX[fulcrum]:-}" ] && [ -n "${MAX[kamailio]:-}" ] && [ "${MAX[kamailio]}" != 0 ]; then
-  echo "ratio fulcrum/kamailio: $(awk -v a="${MAX[fulcrum]}" -v b="${MAX[kamailio]}" 'BEGIN{printf "%.2f", a/b}')"
-fi
+print_ladder "SIP over $TRANSPORT: highest clean call rate (ladder $RATES, ${DUR}s per step)"
 echo "== at $FIXED calls/s for ${FIXED_DUR}s: proxy CPU per SIP message, unexpected messages =="
 for proxy in $PROXIES; do
   echo "$proxy: ${FIXED_US[$proxy]} us/msg, unexpected ${FIXED_UNEXP[$proxy]}, clean ${FIXED_CLEAN[$proxy]}"

@@ -49,7 +49,7 @@
 #        RATES=1000 DUR=2 FIXED=1000 FIXED_DUR=2 BURST=4000 bench/sip_tls.sh   (mostly the burst)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
-. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, kamailio_head
+. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, kamailio_head, print_ladder
 RATES=${RATES:-"1000 2000 3000 4000 6000 8000 12000 16000"}
 DUR=${DUR:-8}
 FIXED=${FIXED:-2000}
@@ -275,15 +275,7 @@ for proxy in $PROXIES; do
 done
 
 echo
-echo "== SIP over TLS: highest clean call rate (ladder $RATES, ${DUR}s per step, $CONNS connections) =="
-for proxy in $PROXIES; do
-  last=${RATES##* }
-  note=""; [ "${MAX[$proxy]}" = "$last" ] && note=" (cap of the ladder: did not fail)"
-  echo "$proxy: ${MAX[$proxy]} calls/s$note"
-done
-if [ -n "${MAX[fulcrum]:-}" ] && [ -n "${MAX[kamailio]:-}" ] && [ "${MAX[kamailio]}" != 0 ]; then
-  echo "ratio fulcrum/kamailio: $(awk -v a="${MAX[fulcrum]}" -v b="${MAX[kamailio]}" 'BEGIN{printf "%.2f", a/b}')"
-fi
+print_ladder "SIP over TLS: highest clean call rate (ladder $RATES, ${DUR}s per step, $CONNS connections)"
 echo "== at $FIXED calls/s for ${FIXED_DUR}s: proxy CPU per SIP message ($MSGS_PER_CALL per call) =="
 for proxy in $PROXIES; do
   echo "$proxy: ${FIXED_US[$proxy]} us/msg, clean ${FIXED_CLEAN[$proxy]}"

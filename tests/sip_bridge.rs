@@ -343,6 +343,21 @@ fn udp_yaml(services: &[(&str, SocketAddr, &str)]) -> String {
     y
 }
 
+/// Strict services `s0` over TCP and `s1` over TLS, whose certificate comes from a CA written
+/// to `f`'s directory as `ca.crt` (the file the services' `tls` names).
+fn stream_services(f: &ConfigFile) -> (StrictUas, StrictUas) {
+    let ca = Ca::new("fulcrum sip bridge test CA");
+    ca.write(f, "ca.crt");
+    let uas_cert = ca.issue(f, "uas", "uas.test", "uas");
+    let tcp = StrictUas::tcp("s0");
+    let tls = StrictUas::tls_at(
+        "s1",
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        server_config(&uas_cert),
+    );
+    (tcp, tls)
+}
+
 /// Whole calls from a UDP client through vserver `vs` to stream services: every call
 /// 200/200, the 200's Record-Route the service leg's entry (its transport, `fc-svc`) over the
 /// client leg's (the vserver's UDP address), no 481. Returns how many calls went over each
@@ -385,15 +400,7 @@ fn assert_no_481(uas: &[&StrictUas]) {
 #[test]
 fn udp_calls_reach_strict_services_over_tcp_and_tls() {
     let f = ConfigFile::new("sip-bridge-udp-streams", "");
-    let ca = Ca::new("fulcrum sip bridge test CA");
-    ca.write(&f, "ca.crt");
-    let uas_cert = ca.issue(&f, "uas", "uas.test", "uas");
-    let tcp = StrictUas::tcp("s0");
-    let tls = StrictUas::tls_at(
-        "s1",
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-        server_config(&uas_cert),
-    );
+    let (tcp, tls) = stream_services(&f);
     f.write(&udp_yaml(&[
         ("s0", tcp.addr, "sip-tcp"),
         ("s1", tls.addr, "sip-tls"),
@@ -474,15 +481,7 @@ fn a_stream_service_that_refuses_connections_is_down_and_calls_go_to_the_other()
 #[test]
 fn reloads_add_stream_services_to_a_bridged_sip_udp_vserver_and_refuse_the_first() {
     let f = ConfigFile::new("sip-bridge-udp-reload", "");
-    let ca = Ca::new("fulcrum sip bridge test CA");
-    ca.write(&f, "ca.crt");
-    let uas_cert = ca.issue(&f, "uas", "uas.test", "uas");
-    let tcp = StrictUas::tcp("s0");
-    let tls = StrictUas::tls_at(
-        "s1",
-        SocketAddr::from(([127, 0, 0, 1], 0)),
-        server_config(&uas_cert),
-    );
+    let (tcp, tls) = stream_services(&f);
     f.write(&udp_yaml(&[("s0", tcp.addr, "sip-tcp")]));
     let ops = start(&f);
     let vs = addr(&ops, "v");

@@ -8,10 +8,8 @@
 //! (rcgen) into its own directory.
 
 mod common;
-#[allow(dead_code)]
-#[path = "common/sip_load.rs"]
-mod sip_load;
 
+use common::sip_load::CallBook;
 use common::sip_tcp::{Next, next_message};
 use common::sip_uac::Uac;
 use common::strict_uas::{StrictUas, UasCore};
@@ -24,7 +22,6 @@ use fulcrum::balancer::Health;
 use fulcrum::ops::Ops;
 use fulcrum::sip::{self, DEFAULT_MAX_MESSAGE, Frame, next_frame};
 use fulcrum::tls::Reason;
-use sip_load::CallBook;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::Ordering;

@@ -302,12 +302,7 @@ fn re_encryption_sends_the_configured_server_name() {
 #[test]
 fn a_service_whose_certificate_does_not_verify_is_passed_over() {
     let f = ConfigFile::new("tls-badsvc", "");
-    let ca = Ca::new("fulcrum test CA");
-    let other = Ca::new("another CA");
-    ca.write(&f, "ca.pem");
-    let wrong = other.issue(&f, "wrong", "backend.internal", "backend.internal");
-    let right = ca.issue(&f, "right", "backend.internal", "backend.internal");
-    let (bad, good) = (tls_service("bad", &wrong), tls_service("good", &right));
+    let (bad, good) = bad_and_good_services(&f);
     f.write(&format!(
         "admin: {{ listen: null }}\nservices:\n  - {{ name: bad, address: \"{bad}\", protocol: tcp, tls: {{ ca: ca.pem, server_name: backend.internal }} }}\n  - {{ name: good, address: \"{good}\", protocol: tcp, tls: {{ ca: ca.pem, server_name: backend.internal }} }}\nvservers:\n  - {{ name: v, protocol: tcp, bind: [\"127.0.0.1:0\"], method: round_robin, services: [bad, good] }}\n"
     ));
@@ -316,15 +311,20 @@ fn a_service_whose_certificate_does_not_verify_is_passed_over() {
         let a = tcp_ask(addr(&ops, "v"), b"x").expect("served by the good one");
         assert_eq!(a.service, "good");
     }
-    let core = ops
-        .with_vservers(|vs, _| match &vs[0].data {
-            fulcrum::proxy::DataPath::Tcp(c) => Some(Arc::clone(c)),
-            _ => None,
-        })
-        .flatten()
-        .expect("tcp core");
+    let core = tcp_core(&ops, "v");
     assert!(core.counters.connect_failures.load(Ordering::Relaxed) >= 2);
     ops.shutdown();
+}
+
+/// Two TLS services for `backend.internal`: `bad`, whose certificate another CA signed, and
+/// `good`, signed by the CA written to `f`'s directory as `ca.pem`. Their addresses.
+fn bad_and_good_services(f: &ConfigFile) -> (SocketAddr, SocketAddr) {
+    let ca = Ca::new("fulcrum test CA");
+    let other = Ca::new("another CA");
+    ca.write(f, "ca.pem");
+    let wrong = other.issue(f, "wrong", "backend.internal", "backend.internal");
+    let right = ca.issue(f, "right", "backend.internal", "backend.internal");
+    (tls_service("bad", &wrong), tls_service("good", &right))
 }
 
 /// The tcp core of vserver `name`.
@@ -360,12 +360,7 @@ fn status_tls(ops: &fulcrum::ops::Ops, vserver: &str, service: &str) -> serde_js
 #[test]
 fn handshakes_toward_services_are_counted_per_service_and_survive_a_reload() {
     let f = ConfigFile::new("tls-svc-metrics", "");
-    let ca = Ca::new("fulcrum test CA");
-    let other = Ca::new("another CA");
-    ca.write(&f, "ca.pem");
-    let wrong = other.issue(&f, "wrong", "backend.internal", "backend.internal");
-    let right = ca.issue(&f, "right", "backend.internal", "backend.internal");
-    let (bad, good) = (tls_service("bad", &wrong), tls_service("good", &right));
+    let (bad, good) = bad_and_good_services(&f);
     let plain = services("tcp", 1, "127.0.0.1");
     let p0 = plain[0].1;
     let yaml = |members: &str, good_weight: u32| {

@@ -124,7 +124,8 @@ impl CallBook {
         if self.calls.contains_key(call_id) {
             return;
         }
-        self.request(out, "INVITE", TARGET, call_id, 1, None, &[]);
+        self.request("INVITE", TARGET, call_id, 1)
+            .write(out, None, &[]);
         self.calls.insert(
             call_id.to_owned(),
             Call {
@@ -183,8 +184,10 @@ impl CallBook {
                 );
                 let call_id = call_id.to_owned();
                 let tag = to_tag.as_deref();
-                self.request(out, "ACK", &target, &call_id, 1, tag, &record_route);
-                self.request(out, "BYE", &target, &call_id, 2, tag, &record_route);
+                self.request("ACK", &target, &call_id, 1)
+                    .write(out, tag, &record_route);
+                self.request("BYE", &target, &call_id, 2)
+                    .write(out, tag, &record_route);
             }
             (Phase::Ending, b"INVITE") => self.tally.late += 1,
             (Phase::Ending, b"BYE") if code < 200 => {}
@@ -220,18 +223,48 @@ impl CallBook {
         self.calls.clear();
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn request(
-        &self,
-        out: &mut Vec<u8>,
-        method: &str,
-        uri: &str,
-        call_id: &str,
+    /// A request of this UAC.
+    fn request<'a>(
+        &'a self,
+        method: &'a str,
+        uri: &'a str,
+        call_id: &'a str,
         cseq: u32,
-        to_tag: Option<&str>,
-        routes: &[String],
-    ) {
-        let (local, t) = (self.local, self.transport);
+    ) -> Request<'a> {
+        Request {
+            local: self.local,
+            transport: self.transport,
+            method,
+            uri,
+            call_id,
+            cseq,
+        }
+    }
+}
+
+/// A request of the UAC at `local` over `transport` (`TLS`, `TCP`) toward [`TARGET`]: Via
+/// with a branch made of the call, CSeq and method; From tagged by the call; Contact with the
+/// transport.
+pub struct Request<'a> {
+    pub local: SocketAddr,
+    pub transport: &'a str,
+    pub method: &'a str,
+    pub uri: &'a str,
+    pub call_id: &'a str,
+    pub cseq: u32,
+}
+
+impl Request<'_> {
+    /// Append the request to `out`, To tagged `to_tag` and one Route per `routes` entry.
+    pub fn write(&self, out: &mut Vec<u8>, to_tag: Option<&str>, routes: &[String]) {
+        let Request {
+            local,
+            transport: t,
+            method,
+            uri,
+            call_id,
+            cseq,
+        } = *self;
         let mut s = String::with_capacity(512);
         // Writing to a String cannot fail.
         let _ = write!(

@@ -2,6 +2,7 @@
 //! whole calls (INVITE, its final response, ACK, BYE, its final response) the way a phone
 //! does, following the Record-Route set the 200 brings (RFC 3261 §12.1.2, §12.2.1.1).
 
+use super::sip_load::Request;
 use super::sip_tcp::{Next, TimedRead, next_message};
 use fulcrum::sip;
 use std::io::Write;
@@ -49,23 +50,17 @@ impl<S: TimedRead + Write> Uac<S> {
         to_tag: Option<&str>,
         routes: &[String],
     ) -> String {
-        let local = self.local;
-        let t = self.transport;
-        let to_tag = to_tag.map(|t| format!(";tag={t}")).unwrap_or_default();
-        let route: String = routes.iter().map(|r| format!("Route: {r}\r\n")).collect();
-        format!(
-            "{method} {uri} SIP/2.0\r\n\
-             Via: SIP/2.0/{t} {local};branch=z9hG4bK-{call_id}-{cseq}-{method};rport\r\n\
-             Max-Forwards: 70\r\n\
-             {route}\
-             From: <sip:uac@{local}>;tag=uac-{call_id}\r\n\
-             To: <sip:service@fulcrum.test>{to_tag}\r\n\
-             Call-ID: {call_id}\r\n\
-             CSeq: {cseq} {method}\r\n\
-             Contact: <sip:uac@{local};transport={}>\r\n\
-             Content-Length: 0\r\n\r\n",
-            t.to_ascii_lowercase()
-        )
+        let req = Request {
+            local: self.local,
+            transport: self.transport,
+            method,
+            uri,
+            call_id,
+            cseq,
+        };
+        let mut out = Vec::new();
+        req.write(&mut out, to_tag, routes);
+        String::from_utf8_lossy(&out).into_owned()
     }
 
     /// The final response to (`call_id`, `method`) within the wait, provisional ones and
