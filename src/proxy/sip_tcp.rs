@@ -480,12 +480,18 @@ impl TcpShared {
             return false;
         };
         let addr = udp_target(sock, addr);
-        match sock.try_send_to(bytes, addr) {
+        self.datagram_sent(sock.try_send_to(bytes, addr), addr)
+    }
+
+    /// Whether a datagram to `addr` went out; one that did not is counted (and logged, at a
+    /// limited rate).
+    fn datagram_sent(&self, sent: std::io::Result<usize>, addr: SocketAddr) -> bool {
+        match sent {
             Ok(_) => true,
             Err(e) => {
                 bump(&self.counters.udp_leg_send_errors);
                 if self.log.allow(self.now()) {
-                    tracing::debug!(vserver = %self.name, %addr, error = %e, "UDP leg send failed");
+                    tracing::debug!(vserver = %self.name, %addr, error = %e, "UDP send failed");
                 }
                 false
             }
@@ -501,16 +507,7 @@ impl TcpShared {
             &addr.into(),
             nix::libc::MSG_DONTWAIT,
         );
-        match sent {
-            Ok(_) => true,
-            Err(e) => {
-                bump(&self.counters.udp_leg_send_errors);
-                if self.log.allow(self.now()) {
-                    tracing::debug!(vserver = %self.name, %addr, error = %e, "UDP send to a client failed");
-                }
-                false
-            }
-        }
+        self.datagram_sent(sent, addr)
     }
 
     /// Carry out, for a sip-udp vserver's worker, a decision its core `core` made for a
