@@ -111,6 +111,14 @@ col() {
     END{split(last, a, ";"); print (c ? a[c] + 0 : "NA")}' "$1"
 }
 
+# stop_proxy: SIGTERM the proxy PROXY_PID, SIGKILL after 5 s, and forget it.
+stop_proxy() {
+  [ -n "$PROXY_PID" ] && kill -TERM "$PROXY_PID" 2>/dev/null
+  local i; for i in $(seq 1 50); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
+  kill -KILL "$PROXY_PID" 2>/dev/null
+  PROXY_PID=""
+}
+
 # print_ladder TITLE: each proxy of PROXIES with its highest clean rate (the MAX array, over
 # the ladder RATES), and fulcrum's over Kamailio's when both ran.
 print_ladder() {

@@ -35,7 +35,7 @@ case $TRANSPORT in
   *) echo "TRANSPORT must be udp or tcp" >&2; exit 2 ;;
 esac
 HERE=$(cd "$(dirname "$0")" && pwd)
-. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, rcvbuf_errors, col, kamailio_head, print_ladder
+. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, rcvbuf_errors, col, kamailio_head, print_ladder, stop_proxy
 RATES=${RATES:-"2000 4000 6000 8000 10000 12000 14000 16000 18000"}
 DUR=${DUR:-10}
 FIXED=${FIXED:-4000}
@@ -114,12 +114,6 @@ start_proxy() {   # $1 = fulcrum | kamailio
   wait_port "$PROXY_PORT" "$SS_T" || return 1
   # the proxy process itself (timeout's child) is what /proc accounting must follow
   PROXY_PID=$(child_of "$PROXY_PID") || return 1
-}
-stop_proxy() {
-  [ -n "$PROXY_PID" ] && kill -TERM "$PROXY_PID" 2>/dev/null
-  local i; for i in $(seq 1 50); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$PROXY_PID" 2>/dev/null
-  PROXY_PID=""
 }
 
 UAS_PIDS=()

@@ -49,7 +49,7 @@
 #        RATES=1000 DUR=2 FIXED=1000 FIXED_DUR=2 BURST=4000 bench/sip_tls.sh   (mostly the burst)
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
-. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, kamailio_head, print_ladder
+. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, kamailio_head, print_ladder, stop_proxy
 RATES=${RATES:-"1000 2000 3000 4000 6000 8000 12000 16000"}
 DUR=${DUR:-8}
 FIXED=${FIXED:-2000}
@@ -171,12 +171,6 @@ start_proxy() {   # $1 = fulcrum | kamailio
   PROXY_PID=$!; PIDS+=($PROXY_PID)
   wait_port "$PROXY_PORT" t || return 1
   PROXY_PID=$(child_of "$PROXY_PID") || return 1
-}
-stop_proxy() {
-  [ -n "$PROXY_PID" ] && kill -TERM "$PROXY_PID" 2>/dev/null
-  local i; for i in $(seq 1 50); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$PROXY_PID" 2>/dev/null
-  PROXY_PID=""
 }
 
 # The services stay up for all of one proxy's runs (a restart would cut the proxy's TLS
