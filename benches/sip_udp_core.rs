@@ -6,7 +6,7 @@ use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 #[path = "common/sip_calls.rs"]
 mod sip_calls;
 
-use fulcrum::proxy::sip_core::Action;
+use fulcrum::core::sip::Action;
 use sip_calls::{request, response};
 use std::hint::black_box;
 use std::net::SocketAddr;

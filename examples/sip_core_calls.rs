@@ -12,7 +12,7 @@
 #[path = "../benches/common/sip_calls.rs"]
 mod sip_calls;
 
-use fulcrum::proxy::sip_core::Action;
+use fulcrum::core::sip::Action;
 use sip_calls::{core, request, response};
 use std::hint::black_box;
 use std::net::SocketAddr;

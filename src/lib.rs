@@ -7,6 +7,7 @@
 //! - `admin`      IO    admin HTTP API: socket-free router over `Ops`, hyper HTTP/1.1 server, /metrics, dashboard page
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
+//! - `core`       PURE  the data paths' decisions: the SIP proxy core, SIP stream link and receive buffer, udp sessions, tcp keys
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
 //! - `drain`      PURE  services a reload removed, kept while their flows finish
@@ -20,7 +21,7 @@
 //! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
-//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http), the runtime that starts vservers, in-place rebuild on reload; sip-tcp's service link (`sip_tcp::link`) and receive buffer (`sip_tcp::inbound`) are PURE machines its tasks drive
+//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http) around `core`, the runtime that starts vservers, in-place rebuild on reload
 //! - `readiness`  PURE  whether the instance should get new traffic (`/readyz`): vserver facts + drain -> verdict
 //! - `reload`     PURE  what a reload changes in place, and what needs a restart
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
@@ -42,6 +43,7 @@ pub(crate) mod acl;
 pub mod admin;
 pub mod balancer;
 pub mod config;
+pub mod core;
 pub mod demo;
 pub(crate) mod dialog;
 pub(crate) mod drain;

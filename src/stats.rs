@@ -14,6 +14,29 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// (the shell converts `tokio::time::Instant`, the simulator counts simulated time).
 pub type Nanos = u64;
 
+/// Count one event.
+pub fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Logs at most once per second per limiter (bad input must not flood the log).
+#[derive(Debug, Default)]
+pub struct LogLimiter {
+    last_s: AtomicU64,
+}
+
+impl LogLimiter {
+    pub fn allow(&self, now: Nanos) -> bool {
+        let s = now / 1_000_000_000 + 1;
+        let last = self.last_s.load(Ordering::Relaxed);
+        s != last
+            && self
+                .last_s
+                .compare_exchange(last, s, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+}
+
 /// Nanoseconds in one second.
 pub const NANOS_PER_SEC: u64 = 1_000_000_000;
 

@@ -8,9 +8,9 @@ mod common;
 
 use fulcrum::balancer::{Health, KeyInput};
 use fulcrum::config;
+use fulcrum::core::sip::SipCore;
 use fulcrum::hash;
 use fulcrum::proxy::DataPath;
-use fulcrum::proxy::sip_core::SipCore;
 use fulcrum::proxy::{Runtime, VserverHandle};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;

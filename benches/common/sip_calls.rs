@@ -4,7 +4,7 @@
 
 use fulcrum::balancer::Balancer;
 use fulcrum::config;
-use fulcrum::proxy::sip_core::{SipCore, SipParams};
+use fulcrum::core::sip::{SipCore, SipParams};
 use fulcrum::sip::{Local, Transport};
 use std::sync::Arc;
 use std::time::Duration;

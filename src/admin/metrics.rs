@@ -2,9 +2,9 @@
 //! counters the data paths, balancers and monitors keep.
 
 use crate::balancer::{Balancer, Health, Path};
+use crate::core::sip::SipCounters;
 use crate::health::ServiceHealth;
 use crate::ops::Ops;
-use crate::proxy::sip_core::SipCounters;
 use crate::proxy::{DataPath, VserverHandle};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -478,7 +478,7 @@ fn sip_tcp_events(c: &crate::proxy::sip_tcp::TcpCounters) -> [(&'static str, &At
     ]
 }
 
-fn udp_events(c: &crate::proxy::udp::UdpCounters) -> [(&'static str, &AtomicU64); 11] {
+fn udp_events(c: &crate::core::udp::UdpCounters) -> [(&'static str, &AtomicU64); 11] {
     [
         ("datagrams_in", &c.datagrams_in),
         ("datagrams_out", &c.datagrams_out),
@@ -602,7 +602,7 @@ vservers:
         }
     }
 
-    fn fill_sip(c: &crate::proxy::sip_core::SipCounters, base: u64) {
+    fn fill_sip(c: &crate::core::sip::SipCounters, base: u64) {
         store(
             &[
                 &c.requests_in,
@@ -660,7 +660,7 @@ vservers:
         );
     }
 
-    fn fill_udp(c: &crate::proxy::udp::UdpCounters, base: u64) {
+    fn fill_udp(c: &crate::core::udp::UdpCounters, base: u64) {
         store(
             &[
                 &c.datagrams_in,

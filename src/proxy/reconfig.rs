@@ -1,7 +1,7 @@
 //! Rebuilding a running vserver for a reload, without touching its sockets. IO.
 //!
 //! # udp, tcp and http
-//! A new core ([`crate::proxy::udp::UdpCore`], [`crate::proxy::tcp::TcpCore`]) is built
+//! A new core ([`crate::core::udp::UdpCore`], [`crate::proxy::tcp::TcpCore`]) is built
 //! aside with a balancer that shares the counters of the members it keeps
 //! ([`Balancer::carrying`]), given the current health of every member, and stored in the
 //! vserver's cell. tcp / http accept loops load the cell per accepted connection:
@@ -44,12 +44,12 @@
 //! from zero, which Prometheus treats as a counter reset.
 
 use super::runtime::{DataPath, Runtime, RuntimeError};
-use super::sip_core::{SipCore, SipParams};
 use super::sip_tcp::Install;
 use super::tcp::TcpCore;
-use super::udp::UdpCore;
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol, Vserver};
+use crate::core::sip::{SipCore, SipParams};
+use crate::core::udp::UdpCore;
 use arc_swap::ArcSwap;
 use std::sync::Arc;
 use std::time::Duration;

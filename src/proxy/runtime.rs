@@ -2,9 +2,9 @@
 
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol, Vserver};
+use crate::core::sip::SipCore;
 use crate::net;
 use crate::proxy::shutdown::{Shutdown, Signal};
-use crate::proxy::sip_core::SipCore;
 use crate::proxy::sip_udp;
 use crate::sip::{Local, Transport};
 use crate::stats::Nanos;
@@ -40,7 +40,7 @@ pub enum RuntimeError {
 pub enum DataPath {
     SipUdp(Arc<SipCore>),
     SipTcp(Arc<SipCore>, Arc<crate::proxy::sip_tcp::TcpShared>),
-    Udp(Arc<crate::proxy::udp::UdpCore>),
+    Udp(Arc<crate::core::udp::UdpCore>),
     Tcp(Arc<crate::proxy::tcp::TcpCore>),
 }
 
@@ -162,7 +162,7 @@ pub(crate) struct StartCtx<'a> {
 pub(crate) type SipUdpCell = Arc<arc_swap::ArcSwap<SipCore>>;
 
 /// The current core of a udp vserver; workers adopt a rebuilt one on their next wake-up.
-pub(crate) type UdpCell = Arc<arc_swap::ArcSwap<crate::proxy::udp::UdpCore>>;
+pub(crate) type UdpCell = Arc<arc_swap::ArcSwap<crate::core::udp::UdpCore>>;
 
 /// The current core of a tcp / http vserver; the accept loops load it per connection.
 pub(crate) type TcpCell = Arc<arc_swap::ArcSwap<crate::proxy::tcp::TcpCore>>;

@@ -32,14 +32,15 @@
 
 use crate::balancer::Health;
 use crate::config::{Config, Protocol, Vserver};
+use crate::core::sip::{Action, Origin, SipCore, SipParams};
 use crate::proxy::runtime::{
     DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
 use crate::proxy::shutdown::{Signal, TaskGroup, TaskGuard};
-use crate::proxy::sip_core::{Action, Origin, SipCore, SipParams};
-use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
+use crate::proxy::{POLL, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
 use crate::sip::{Frame, Local, Transport, scan};
+use crate::stats::{LogLimiter, bump};
 use arc_swap::ArcSwap;
 use bytes::{Bytes, BytesMut};
 use dashmap::DashMap;
@@ -52,8 +53,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, mpsc};
 
-mod inbound;
-mod link;
+use crate::core::{inbound, link};
 mod outbox;
 
 use inbound::Inbound;

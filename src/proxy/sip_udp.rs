@@ -11,16 +11,17 @@
 
 use crate::balancer::Balancer;
 use crate::config::{Config, Vserver};
+use crate::core::sip::SipParams;
+use crate::core::sip::{Action, SipCore};
 use crate::net;
 use crate::proxy::runtime::{
     DataPath, RuntimeError, SipUdpCell, StartCtx, VserverHandle, bind_udp, local_identity,
 };
 use crate::proxy::shutdown::Shutdown;
-use crate::proxy::sip_core::SipParams;
-use crate::proxy::sip_core::{Action, SipCore};
 use crate::proxy::sip_tcp::TcpShared;
-use crate::proxy::{LogLimiter, POLL, bump, elapsed_nanos};
+use crate::proxy::{POLL, elapsed_nanos};
 use crate::sip::Transport;
+use crate::stats::{LogLimiter, bump};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -24,17 +24,17 @@
 //! of its own only while a write toward a slow peer is pending.
 
 use crate::balancer::{Balancer, KeyInput};
-use crate::config::{Config, HashParams, Method, Protocol, ProxyProtocol, TokenRule, Vserver};
-use crate::hash;
-use crate::http::{self, HttpError};
-use crate::key::{self, KeyOutcome, Payload, RequestCtx};
+use crate::config::{Config, ProxyProtocol, Vserver};
+use crate::core::tcp::{ConnectionKeys, FirstBytes};
+use crate::http::{self};
 use crate::net;
+use crate::proxy::elapsed_nanos;
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::runtime::{
     DataPath, RuntimeError, StartCtx, TcpCell, VserverHandle, bind_tcp_workers,
 };
 use crate::proxy::shutdown::Signal;
-use crate::proxy::{LogLimiter, bump, elapsed_nanos};
+use crate::stats::{LogLimiter, bump};
 use crate::stats::{Nanos, ServiceCounters};
 use crate::tls::{ClientTls, HandshakeCounters, MaybeTls, TlsConnector, TlsListener};
 use arc_swap::ArcSwap;
@@ -89,25 +89,13 @@ pub struct TcpCounters {
     pub accept_errors: AtomicU64,
 }
 
-/// What the first bytes of a connection must contain before a member can be chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FirstBytes {
-    /// Nothing: choose at accept.
-    None,
-    /// A complete HTTP/1.x request head.
-    HttpHead,
-    /// At least this many bytes (`token` offset + length).
-    Bytes(usize),
-}
-
 /// Shared state of one tcp / http vserver.
 pub struct TcpCore {
     pub name: String,
-    method: Method,
-    hash_params: HashParams,
+    /// What is read before choosing, and the key hashed from it.
+    keys: ConnectionKeys,
     balancer: Arc<Balancer>,
     member_addrs: Vec<SocketAddr>,
-    first: FirstBytes,
     idle_timeout: Duration,
     first_timeout: Duration,
     max_connections: usize,
@@ -139,15 +127,6 @@ impl std::fmt::Debug for TcpCore {
 
 impl TcpCore {
     pub fn new(config: &Config, v: &Vserver, epoch: Instant) -> TcpCore {
-        let first = match (v.protocol, v.method, &v.hash.token) {
-            (_, Method::Token, Some(TokenRule::Payload { offset, length })) => {
-                FirstBytes::Bytes(offset.saturating_add(*length).min(http::MAX_HEAD))
-            }
-            (Protocol::Http, Method::UrlHash | Method::DomainHash | Method::Token, _) => {
-                FirstBytes::HttpHead
-            }
-            _ => FirstBytes::None,
-        };
         let connectors: Vec<_> = v
             .members()
             .filter_map(|i| config.services.get(i))
@@ -158,15 +137,13 @@ impl TcpCore {
             .collect();
         TcpCore {
             name: v.name.clone(),
-            method: v.method,
-            hash_params: v.hash.clone(),
+            keys: ConnectionKeys::new(v),
             balancer: Arc::new(Balancer::new(config, v)),
             member_addrs: v
                 .members()
                 .filter_map(|i| config.services.get(i))
                 .map(|s| s.address)
                 .collect(),
-            first,
             idle_timeout: v.idle_timeout,
             first_timeout: FIRST_BYTES_TIMEOUT.min(v.idle_timeout),
             max_connections: v.max_sessions,
@@ -293,52 +270,27 @@ impl TcpCore {
     /// True when a connection's local address matters: the key uses it (`dest_ip_hash`,
     /// `source_dest_ip_hash`) or a PROXY header carries it.
     pub fn needs_local(&self) -> bool {
-        self.send_proxy || key::reads_local(self.method)
+        self.send_proxy || self.keys.reads_local()
     }
 
     /// What must be read before choosing.
     pub fn first_bytes_needed(&self) -> FirstBytes {
-        self.first
+        self.keys.first_bytes_needed()
     }
 
-    /// True when `buf` holds enough to choose (or can never be enough: too large, or not
-    /// HTTP at all).
+    /// True when `buf` holds enough to choose (or can never be enough).
     pub fn is_first_complete(&self, buf: &[u8]) -> bool {
-        match self.first {
-            FirstBytes::None => true,
-            FirstBytes::Bytes(n) => buf.len() >= n,
-            FirstBytes::HttpHead => !matches!(http::parse_head(buf), Err(HttpError::Incomplete)),
-        }
+        self.keys.is_first_complete(buf)
     }
 
     /// The balancer's key for a connection from `client` to `local` whose first bytes are
-    /// `first` (empty when none were needed or none came).
+    /// `first`; an HTTP head that does not parse is counted.
     pub fn key_input(&self, first: &[u8], client: SocketAddr, local: SocketAddr) -> KeyInput {
-        let head;
-        let payload = match self.first {
-            FirstBytes::HttpHead => match http::parse_head(first) {
-                Ok(h) => {
-                    head = h;
-                    Payload::Http(&head)
-                }
-                Err(_) => {
-                    bump(&self.counters.heads_unparseable);
-                    return KeyInput::Unparseable;
-                }
-            },
-            FirstBytes::Bytes(_) => Payload::Raw(first),
-            FirstBytes::None => Payload::None,
-        };
-        let ctx = RequestCtx {
-            src: client,
-            dst: local,
-            payload,
-        };
-        match key::extract(self.method, &self.hash_params, &ctx) {
-            KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
-            KeyOutcome::NoKey => KeyInput::NoKey,
-            KeyOutcome::Unparseable => KeyInput::Unparseable,
+        let (key, head_unparseable) = self.keys.key_input(first, client, local);
+        if head_unparseable {
+            bump(&self.counters.heads_unparseable);
         }
+        key
     }
 
     fn now(&self) -> Nanos {
@@ -586,7 +538,7 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
 /// Read what the method needs before choosing: `Some(bytes)` (possibly incomplete after
 /// the timeout or at the size bound), `None` when the client closed without sending.
 async fn read_first(core: &TcpCore, client: &TcpStream) -> io::Result<Option<Vec<u8>>> {
-    if core.first == FirstBytes::None {
+    if core.first_bytes_needed() == FirstBytes::None {
         return Ok(Some(Vec::new()));
     }
     let deadline = tokio::time::Instant::now() + core.first_timeout;
@@ -1020,7 +972,7 @@ async fn read_first_stream<S: AsyncRead + Unpin>(
     core: &TcpCore,
     client: &mut S,
 ) -> io::Result<Option<Vec<u8>>> {
-    if core.first == FirstBytes::None {
+    if core.first_bytes_needed() == FirstBytes::None {
         return Ok(Some(Vec::new()));
     }
     let deadline = tokio::time::Instant::now() + core.first_timeout;
@@ -1177,6 +1129,7 @@ async fn pump_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Method;
 
     fn core(protocol: &str, method: &str, extra: &str) -> TcpCore {
         let yaml = format!(

@@ -1,0 +1,501 @@
+//! The SIP decision of a vserver, shared by `sip-udp` and `sip-tcp`: a stateless SIP proxy
+//! (RFC 3261 §16.11, RFC 3581). PURE apart from reading its own atomics.
+//!
+//! [`SipCore::handle`] is the whole per-message decision and rewrite: bytes, where they came
+//! from and `now` in; an [`Action`] and the bytes to send out. It touches no socket, so it
+//! is tested without one; only the transport shells (`sip_udp`, `sip_tcp`) differ.
+
+use crate::balancer::{Balancer, KeyInput};
+use crate::config::{HashParams, Method};
+use crate::dialog::{DialogTable, Pin};
+use crate::hash;
+use crate::key::{self, KeyOutcome, Payload, RequestCtx};
+use crate::sip::{
+    self, Local, MaxForwards, Reply, RequestRewrite, RewriteError, SipMethod, SipMsg, Transport,
+    build_reply, build_response, forward_request, forward_response, reply_target, request_target,
+};
+use crate::stats::Nanos;
+use crate::stats::bump;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+/// Retry-After of fulcrum's 503 (RFC 3261 §21.5.4): long enough for a monitor to bring a
+/// service back, short enough that clients do not give up on the vserver.
+pub const RETRY_AFTER_S: u32 = 5;
+
+/// The largest UDP payload over IPv4 (65,535 minus the IP and UDP headers).
+const MAX_UDP_PAYLOAD: usize = 65_507;
+
+/// Most bytes forwarding adds to a request: fulcrum's Via (IPv6 sent-by, branch, rport),
+/// Record-Route, `received` / `rport` on the client's Via and a Max-Forwards header.
+const MAX_GROWTH: usize = 512;
+
+/// Why a datagram was not forwarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Not a SIP message, or one too broken to answer.
+    Malformed,
+    /// A response whose top Via is not fulcrum's.
+    NotOurs,
+    /// Next hop is fulcrum itself.
+    Loop,
+    /// Next hop is a name (fulcrum does not resolve DNS on the data path) or missing.
+    Unroutable,
+    /// An ACK that could not be forwarded (ACKs are never answered).
+    AckNotForwarded,
+    /// From a source the vserver's access lists refuse (counted in its edge counters).
+    Acl,
+    /// A new request from a source banned by flood control (counted there too).
+    Flood,
+}
+
+/// Where a message came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// A client (anyone who is not a member). On streams, the client connection's id,
+    /// which fulcrum writes into its Via so the response finds the connection again.
+    Client { conn: Option<u64> },
+    /// Member `m` of the vserver (a service).
+    Member(usize),
+}
+
+/// What to do with the bytes written to `out`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// A client's request: send `out` to this member.
+    ToMember(usize),
+    /// Send `out` to this address: a response to the next Via on datagrams, or a request
+    /// from a service toward a client (on streams: the client connection from that address).
+    ToAddr(SocketAddr),
+    /// A response for the client connection with this id (streams).
+    ToConn(u64),
+    /// fulcrum's own reply (400 / 483 / 503): back to the sender, at this address on
+    /// datagrams (RFC 3581 aware), on the same connection on streams.
+    Reply(SocketAddr),
+    Drop(DropReason),
+}
+
+/// Counters of one sip-udp vserver (all workers).
+#[derive(Debug, Default)]
+pub struct SipCounters {
+    pub requests_in: AtomicU64,
+    pub responses_in: AtomicU64,
+    pub requests_forwarded: AtomicU64,
+    pub responses_forwarded: AtomicU64,
+    pub in_dialog_from_services: AtomicU64,
+    /// In-dialog requests routed to the service their Route's `fc-svc` names.
+    pub routed_by_record_route: AtomicU64,
+    pub replies_400: AtomicU64,
+    pub replies_483: AtomicU64,
+    pub replies_503: AtomicU64,
+    pub replies_513: AtomicU64,
+    /// 420 Bad Extension: a Proxy-Require fulcrum does not support (RFC 3261 §16.3 step 5).
+    pub replies_420: AtomicU64,
+    /// 501 Not Implemented: an unknown method whose CSeq names another (RFC 4475 §3.1.2.18).
+    pub replies_501: AtomicU64,
+    /// 505 Version Not Supported (RFC 4475 §3.1.2.16).
+    pub replies_505: AtomicU64,
+    pub malformed: AtomicU64,
+    pub not_ours: AtomicU64,
+    pub loops: AtomicU64,
+    pub unroutable: AtomicU64,
+    /// ACKs that could not be forwarded (no service, no hops left): never answered.
+    pub acks_not_forwarded: AtomicU64,
+    pub send_errors: AtomicU64,
+    pub recv_errors: AtomicU64,
+}
+
+/// Shared, immutable-after-build state of one SIP vserver.
+pub struct SipCore {
+    pub name: String,
+    /// fulcrum's identity on the vserver's own transport (the client leg).
+    local: Local,
+    /// Identities on the other transports some members speak (the transports bridge,
+    /// docs/sip.md): a request to such a member leaves with that leg's Via and is double
+    /// record-routed (RFC 5658 §3.2). Empty when every member speaks the vserver's transport.
+    legs: Vec<Local>,
+    /// The leg of each member: 0 for the vserver's own, `k` for `legs[k - 1]`. Empty when
+    /// `legs` is.
+    member_leg: Vec<u8>,
+    /// `local` and the legs as given, before [`Local::bridged_with`]: what a rebuild starts from.
+    given: (Local, Vec<Local>),
+    record_route: bool,
+    method: Method,
+    hash_params: HashParams,
+    balancer: Arc<Balancer>,
+    dialogs: DialogTable,
+    /// Address of each member (index = member index).
+    member_addrs: Vec<SocketAddr>,
+    /// `fc-svc` digest of each member (index = member index).
+    digests: Vec<u64>,
+    /// Access lists and flood control ([`SipCore::with_edge`]; open by default).
+    edge: crate::edge::Edge,
+    pub counters: SipCounters,
+}
+
+impl std::fmt::Debug for SipCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SipCore")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Everything a SIP vserver needs to decide.
+pub struct SipParams {
+    pub name: String,
+    pub local: Local,
+    pub record_route: bool,
+    pub method: Method,
+    pub hash_params: HashParams,
+    pub balancer: Arc<Balancer>,
+    pub member_addrs: Vec<SocketAddr>,
+    pub max_dialogs: usize,
+    pub dialog_idle: Duration,
+    /// The transport each member speaks (index = member index); empty: the vserver's own.
+    pub member_transports: Vec<Transport>,
+    /// fulcrum's identities on other transports ([`SipParams::with_legs`]).
+    pub legs: Vec<Local>,
+}
+
+impl SipParams {
+    /// The parameters of SIP vserver `v` of `config`: its settings, members' addresses, Via
+    /// identity `local` and `balancer`.
+    pub fn of(
+        config: &crate::config::Config,
+        v: &crate::config::Vserver,
+        local: Local,
+        balancer: Arc<Balancer>,
+    ) -> SipParams {
+        SipParams {
+            name: v.name.clone(),
+            legs: Vec::new(),
+            record_route: v.record_route,
+            method: v.method,
+            hash_params: v.hash.clone(),
+            balancer,
+            member_addrs: config.member_addrs(v),
+            max_dialogs: v.max_sessions,
+            dialog_idle: v.idle_timeout,
+            member_transports: v
+                .members()
+                .map(|i| {
+                    config
+                        .services
+                        .get(i)
+                        .and_then(|s| sip_transport(s.protocol))
+                        .unwrap_or(local.transport())
+                })
+                .collect(),
+            local,
+        }
+    }
+
+    /// fulcrum's identities on the other transports the shell speaks toward services (at most
+    /// one per transport; the first wins). A member whose transport has no leg here is
+    /// reached on the vserver's own.
+    pub fn with_legs(mut self, legs: Vec<Local>) -> SipParams {
+        self.legs = legs;
+        self
+    }
+}
+
+/// The SIP transport of a service protocol, `None` for the non-SIP ones.
+pub fn sip_transport(p: crate::config::Protocol) -> Option<Transport> {
+    use crate::config::Protocol;
+    match p {
+        Protocol::SipUdp => Some(Transport::Udp),
+        Protocol::SipTcp => Some(Transport::Tcp),
+        Protocol::SipTls => Some(Transport::Tls),
+        Protocol::Udp | Protocol::Tcp | Protocol::Http => None,
+    }
+}
+
+impl SipCore {
+    pub fn new(p: SipParams) -> SipCore {
+        let digests = p
+            .balancer
+            .members()
+            .iter()
+            .map(|m| hash::service_digest(m.id_hash))
+            .collect();
+        let given = (p.local.clone(), p.legs.clone());
+        let own = p.local.transport();
+        // A leg per member: the vserver's own, or the first given leg of its transport.
+        let member_leg: Vec<u8> = p
+            .member_transports
+            .iter()
+            .map(|&t| {
+                if t == own {
+                    return 0;
+                }
+                p.legs
+                    .iter()
+                    .position(|l| l.transport() == t)
+                    .and_then(|k| u8::try_from(k + 1).ok())
+                    .unwrap_or(0)
+            })
+            .collect();
+        let (local, legs, member_leg) = if member_leg.iter().any(|&k| k != 0) {
+            // Every identity knows the others as itself: a Via or a Route naming any leg
+            // is fulcrum's, on whichever leg it comes back.
+            let legs: Vec<Local> = p
+                .legs
+                .iter()
+                .map(|l| {
+                    let others: Vec<Local> = std::iter::once(p.local.clone())
+                        .chain(p.legs.iter().filter(|o| *o != l).cloned())
+                        .collect();
+                    l.clone().bridged_with(&others)
+                })
+                .collect();
+            (p.local.bridged_with(&p.legs), legs, member_leg)
+        } else {
+            (p.local, Vec::new(), Vec::new())
+        };
+        SipCore {
+            digests,
+            edge: crate::edge::Edge::default(),
+            name: p.name,
+            local,
+            legs,
+            member_leg,
+            given,
+            record_route: p.record_route,
+            method: p.method,
+            hash_params: p.hash_params,
+            balancer: p.balancer,
+            dialogs: DialogTable::new(
+                p.max_dialogs,
+                u64::try_from(p.dialog_idle.as_millis()).unwrap_or(u64::MAX),
+            ),
+            member_addrs: p.member_addrs,
+            counters: SipCounters::default(),
+        }
+    }
+
+    pub fn balancer(&self) -> &Arc<Balancer> {
+        &self.balancer
+    }
+
+    /// The core with the vserver's access lists and flood control.
+    pub fn with_edge(mut self, edge: crate::edge::Edge) -> SipCore {
+        self.edge = edge;
+        self
+    }
+
+    pub fn edge(&self) -> &crate::edge::Edge {
+        &self.edge
+    }
+
+    pub fn dialogs(&self) -> &DialogTable {
+        &self.dialogs
+    }
+
+    pub fn local(&self) -> &Local {
+        &self.local
+    }
+
+    /// The identities this core was built with (its own and the other legs), before they
+    /// learnt each other: what a rebuild of the vserver starts from.
+    pub fn identities(&self) -> (Local, Vec<Local>) {
+        self.given.clone()
+    }
+
+    /// fulcrum's identity on the leg toward member `m` when it is not the vserver's own
+    /// transport (the transports bridge), else `None`.
+    fn leg_of(&self, m: usize) -> Option<&Local> {
+        match self.member_leg.get(m) {
+            None | Some(0) => None,
+            Some(&k) => self.legs.get(usize::from(k) - 1),
+        }
+    }
+
+    /// The transport fulcrum speaks toward member `m`.
+    pub fn member_transport(&self, m: usize) -> Transport {
+        self.leg_of(m).unwrap_or(&self.local).transport()
+    }
+
+    /// How often [`SipCore::sweep`] should run: often enough that the dialog table reflects
+    /// the idle timeout within ~10%.
+    pub fn sweep_interval(&self) -> Duration {
+        (self.dialogs.idle() / 10).clamp(Duration::from_millis(100), Duration::from_secs(10))
+    }
+
+    /// Expire idle dialogs; each expired dialog stops counting toward its member's load.
+    pub fn sweep(&self, now: Nanos) -> usize {
+        self.dialogs
+            .sweep(now / 1_000_000, |member| self.close(member))
+    }
+
+    /// The member whose address is `src` (datagrams: a service sends from its address).
+    pub fn member_of(&self, src: SocketAddr) -> Option<usize> {
+        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+        self.member_addrs.iter().position(|a| *a == src)
+    }
+
+    /// The member fulcrum reaches over UDP that a datagram from `src` comes from: the member
+    /// at that address, else the first at that IP (a service may answer from another port,
+    /// RFC 3261 §18.2.2). For the UDP leg of a stream vserver.
+    pub fn udp_member_of(&self, src: SocketAddr) -> Option<usize> {
+        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+        let on_udp = |m: &usize| self.member_transport(*m) == Transport::Udp;
+        (0..self.member_addrs.len())
+            .filter(on_udp)
+            .find(|&m| self.member_addrs[m] == src)
+            .or_else(|| {
+                (0..self.member_addrs.len())
+                    .filter(on_udp)
+                    .find(|&m| self.member_addrs[m].ip() == src.ip())
+            })
+    }
+
+    /// Address of member `m`.
+    pub fn member_addr(&self, m: usize) -> Option<SocketAddr> {
+        self.member_addrs.get(m).copied()
+    }
+
+    pub fn member_count(&self) -> usize {
+        self.member_addrs.len()
+    }
+
+    /// Decide and rewrite a datagram from `src` received on local address `dst`.
+    pub fn handle_datagram(
+        &self,
+        buf: &[u8],
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        let origin = match self.member_of(src) {
+            // A datagram comes from a member reached over UDP: one at the address of a stream
+            // member (a sip-udp vserver's bridge, where that member's traffic arrives on its
+            // link) is a client's.
+            Some(m) if self.member_leg.is_empty() || self.member_transport(m) == Transport::Udp => {
+                Origin::Member(m)
+            }
+            _ => Origin::Client { conn: None },
+        };
+        self.handle(buf, origin, src, dst, now, out)
+    }
+
+    /// Decide and rewrite one message from `src` (arrived on local address `dst`).
+    pub fn handle(
+        &self,
+        buf: &[u8],
+        origin: Origin,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        out.clear();
+        // The access lists, before anything is parsed; a service's traffic is never checked.
+        if matches!(origin, Origin::Client { .. })
+            && self.edge.has_acl()
+            && !self.is_member_ip(src)
+            && !self.edge.admits(src.ip())
+        {
+            return Action::Drop(DropReason::Acl);
+        }
+        let msg = match sip::scan(buf) {
+            Ok(m) => m,
+            Err(e) => return self.unscannable(buf, e, origin, src, out),
+        };
+        if msg.is_request() {
+            bump(&self.counters.requests_in);
+            match origin {
+                Origin::Member(m) => self.request_from_service(&msg, m, src, now, out),
+                Origin::Client { conn } => self.request_from_client(&msg, src, dst, conn, now, out),
+            }
+        } else {
+            bump(&self.counters.responses_in);
+            // On datagrams a service may answer from another port than the one it is
+            // configured on (fulcrum's Via asks for no rport, RFC 3261 §18.2.2): a response
+            // from a service's host is a service's.
+            let from_member = match origin {
+                Origin::Member(_) => true,
+                Origin::Client { conn: None } => self.is_member_ip(src),
+                Origin::Client { conn: Some(_) } => false,
+            };
+            self.response(&msg, from_member, out)
+        }
+    }
+
+    /// Whether `addr`'s IP is the IP of a member.
+    pub(crate) fn is_member_ip(&self, addr: SocketAddr) -> bool {
+        let ip = addr.ip().to_canonical();
+        self.member_addrs.iter().any(|m| m.ip() == ip)
+    }
+
+    /// Count one more open dialog (or flow) on `member`.
+    pub(crate) fn open(&self, member: u32) {
+        if let Some(c) = self.balancer.counters(member as usize) {
+            c.open();
+        }
+    }
+
+    /// Count one open dialog fewer on `member`.
+    pub(crate) fn close(&self, member: u32) {
+        if let Some(c) = self.balancer.counters(member as usize) {
+            c.close();
+        }
+    }
+
+    /// The member a request's top Route names through `fc-svc`, when it is one of ours and
+    /// still takes its established flows (UP, OUT_OF_SERVICE or draining; not DOWN). A value
+    /// no member has (forged, stale, another pool) names nothing: the caller chooses as usual.
+    fn routed_member(&self, msg: &SipMsg<'_>) -> Option<usize> {
+        let digest = sip::routed_service(msg, &self.local)?;
+        self.digests
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| **d == digest)
+            .map(|(m, _)| m)
+            .find(|&m| self.balancer.accepts_existing(m))
+    }
+
+    /// Whether a request from a client would open a new flow (flood control counts those):
+    /// outside any dialog (no To tag), not a CANCEL or ACK of a transaction, and not a
+    /// retransmission of a request already pinned (its Call-ID is in the table).
+    fn is_new_flow(&self, msg: &SipMsg<'_>, now: Nanos) -> bool {
+        if msg.to_tag().is_some() || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel)
+        {
+            return false;
+        }
+        msg.call_id().is_none_or(|c| {
+            self.dialogs
+                .get(hash::key_hash(c), now / 1_000_000)
+                .is_none()
+        })
+    }
+
+    /// The `fc-svc` digest to write for `member` when Record-Route is on.
+    fn digest_of(&self, member: Option<usize>) -> Option<u64> {
+        self.record_route
+            .then(|| member.and_then(|m| self.digests.get(m).copied()))
+            .flatten()
+    }
+
+    /// The dialog of Call-ID hash `h` ended (BYE, or CANCEL of the initial INVITE): its member
+    /// stops counting it as load (the entry lingers for retransmissions and the ACK).
+    fn end_dialog(&self, h: u64, now_ms: u64) {
+        if let Some(member) = self.dialogs.end(h, now_ms) {
+            self.close(member);
+        }
+    }
+}
+
+mod checks;
+mod requests;
+mod responses;
+
+#[cfg(test)]
+mod bridge;
+#[cfg(test)]
+mod record_route_service;
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,398 @@
+//! PURE: requests: a client's request checked, chosen for and forwarded, a service's
+//! request toward a client routed, and fulcrum's own replies (RFC 3261 §16).
+
+use super::checks::{ends_dialog, pins_dialog, request_syntax_error};
+use super::*;
+
+impl SipCore {
+    /// A message that does not scan. A client's request whose start line and headers are
+    /// sound is answered rather than dropped, so its sender learns why: 505 for another SIP
+    /// version (RFC 3261 §8.2.1 step 1 analogue for a proxy, RFC 4475 §3.1.2.16), 400 for a
+    /// Content-Length that is malformed, conflicting or larger than the datagram (RFC 3261
+    /// §18.3, RFC 4475 §3.1.2.2, §3.1.2.3, §3.3.9). A missing Content-Length is no error on a
+    /// datagram (§18.3) and never gets here. Everything else is dropped.
+    pub(super) fn unscannable(
+        &self,
+        buf: &[u8],
+        e: sip::ScanError,
+        origin: Origin,
+        src: SocketAddr,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        let reply = match (origin, e) {
+            (Origin::Client { .. }, sip::ScanError::BadVersion) => Reply::VERSION_NOT_SUPPORTED,
+            // LWS in or around the Request-URI, trailing whitespace (RFC 4475 §3.1.2.8 to
+            // §3.1.2.10): a request, but not one fulcrum can forward byte for byte.
+            (
+                Origin::Client { .. },
+                sip::ScanError::BadContentLength | sip::ScanError::BadStartLine,
+            ) => Reply::BAD_REQUEST,
+            // On a stream the framing already checked Content-Length; an incomplete datagram
+            // is one whose Content-Length promises more than arrived.
+            (Origin::Client { conn: None }, sip::ScanError::Incomplete) => Reply::BAD_REQUEST,
+            _ => {
+                bump(&self.counters.malformed);
+                return Action::Drop(DropReason::Malformed);
+            }
+        };
+        match sip::scan_for_reply(buf) {
+            Ok(msg) if msg.is_request() && msg.via_header().is_some() => {
+                bump(&self.counters.requests_in);
+                self.reply(&msg, src, &reply, out)
+            }
+            _ => {
+                bump(&self.counters.malformed);
+                Action::Drop(DropReason::Malformed)
+            }
+        }
+    }
+
+    /// A stateless reply to the request's sender (RFC 3261 §8.2.6, RFC 3581 §4).
+    pub(super) fn reply(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        reply: &Reply<'_>,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        out.clear();
+        match build_reply(msg, reply, src, out) {
+            Ok(()) => {
+                // Counted once it exists: an ACK is never answered, a 400 that cannot be
+                // built is counted as malformed instead.
+                match reply.code {
+                    400 => bump(&self.counters.replies_400),
+                    505 => bump(&self.counters.replies_505),
+                    420 => bump(&self.counters.replies_420),
+                    501 => bump(&self.counters.replies_501),
+                    483 => bump(&self.counters.replies_483),
+                    513 => bump(&self.counters.replies_513),
+                    503 => bump(&self.counters.replies_503),
+                    _ => {}
+                }
+                Action::Reply(reply_target(msg, src))
+            }
+            Err(RewriteError::AckNotAnswered) => {
+                bump(&self.counters.acks_not_forwarded);
+                Action::Drop(DropReason::AckNotForwarded)
+            }
+            Err(_) => {
+                bump(&self.counters.malformed);
+                Action::Drop(DropReason::Malformed)
+            }
+        }
+    }
+
+    pub(super) fn request_from_client(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        dst: SocketAddr,
+        conn: Option<u64>,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        // RFC 3261 §16.3 in its order: syntax (step 1), Max-Forwards (step 3), Proxy-Require
+        // (step 5). Max-Forwards before anything is chosen: a looping request must not pin a
+        // dialog or take a slot.
+        if let Some(reply) = request_syntax_error(msg) {
+            return self.reply(msg, src, &reply, out);
+        }
+        let max_forwards = msg.max_forwards();
+        match max_forwards {
+            MaxForwards::Value(0) => return self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
+            MaxForwards::Bad => return self.reply(msg, src, &Reply::BAD_REQUEST, out),
+            MaxForwards::Absent | MaxForwards::Value(_) => {}
+        }
+        // fulcrum supports no option tag, so any Proxy-Require is refused (RFC 3261 §16.3
+        // step 5, which §16.11 keeps for stateless proxies; RFC 4475 §3.3.5).
+        if msg.proxy_require().is_some() {
+            return self.reply(msg, src, &Reply::BAD_EXTENSION, out);
+        }
+        // A datagram that cannot grow by fulcrum's Via, Record-Route and received / rport
+        // without passing the largest UDP payload could not be sent on (RFC 3261 §21.5.14).
+        // Both limits are checked before a member is chosen (and the dialog pinned and
+        // counted there), so a refusal leaves nothing behind; `forward_request` checks the
+        // lines again as its own invariant.
+        if msg.len() > self.max_forwarded().saturating_sub(MAX_GROWTH)
+            || !self.fits_lines(msg, max_forwards)
+        {
+            return self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out);
+        }
+        if self.edge.has_flood()
+            && self.is_new_flow(msg, now)
+            && !self.edge.admits_new(src.ip(), now)
+        {
+            return Action::Drop(DropReason::Flood);
+        }
+        let Some(member) = self.choose(msg, src, dst, now) else {
+            return self.reply(msg, src, &Reply::service_unavailable(RETRY_AFTER_S), out);
+        };
+        if member >= self.member_addrs.len() {
+            return Action::Drop(DropReason::Unroutable);
+        }
+        // Toward a member on another transport: that leg's Via, and its Record-Route on top
+        // of the client leg's (RFC 5658 §3.2).
+        let leg = self.leg_of(member);
+        let rw = RequestRewrite {
+            local: leg.unwrap_or(&self.local),
+            src,
+            record_route: self.record_route,
+            force_rport: false,
+            conn_id: conn,
+            service: self.digest_of(Some(member)),
+            arrived_on: leg.map(|_| &self.local),
+        };
+        match forward_request(msg, &rw, out) {
+            Ok(n) if n > self.max_forwarded() => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
+            // Fits the client's leg but not the member's: a stream client's request toward a
+            // sip-udp member, longer than a datagram carries (RFC 3261 §21.5.14). The dialog
+            // an initial request pinned in `choose` is let go (its retransmissions are
+            // refused alike); an in-dialog request keeps its dialog.
+            Ok(n) if n > self.max_forwarded_to(member) => {
+                if msg.to_tag().is_none()
+                    && let Some(h) = msg.call_id().map(hash::key_hash)
+                {
+                    self.end_dialog(h, now / 1_000_000);
+                }
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
+            Ok(_) => {
+                bump(&self.counters.requests_forwarded);
+                if let Some(c) = self.balancer.counters(member) {
+                    c.record_request();
+                }
+                Action::ToMember(member)
+            }
+            Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
+            Err(RewriteError::TooManyHeaders) => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
+            Err(_) => self.reply(msg, src, &Reply::BAD_REQUEST, out),
+        }
+    }
+
+    /// Whether the forwarded request keeps within what fulcrum's scanner takes: the lines
+    /// [`forward_request`] adds (its Via, Record-Route when on, Max-Forwards when absent).
+    pub(super) fn fits_lines(&self, msg: &SipMsg<'_>, max_forwards: MaxForwards) -> bool {
+        // Checked before a member is chosen: a bridge may record-route twice.
+        let rr_lines = usize::from(self.record_route) * (1 + usize::from(!self.legs.is_empty()));
+        let added = 1 + rr_lines + usize::from(max_forwards == MaxForwards::Absent);
+        msg.header_count() + added <= sip::MAX_HEADERS
+    }
+
+    /// The largest request fulcrum forwards: one it could take back itself, so that the
+    /// answer (carrying the same headers) passes it again. On datagrams the largest UDP
+    /// payload; on streams the frame limit of a client connection, the smaller of fulcrum's
+    /// two ([`crate::sip::DEFAULT_MAX_MESSAGE`]).
+    pub(super) fn max_forwarded(&self) -> usize {
+        match self.local.transport() {
+            sip::Transport::Udp => MAX_UDP_PAYLOAD,
+            _ => sip::DEFAULT_MAX_MESSAGE,
+        }
+    }
+
+    /// The longest request that can be forwarded to `member` over its leg: a datagram's
+    /// payload toward a sip-udp member, whatever the client's transport.
+    pub(super) fn max_forwarded_to(&self, member: usize) -> usize {
+        match self.member_transport(member) {
+            sip::Transport::Udp => MAX_UDP_PAYLOAD,
+            _ => self.max_forwarded(),
+        }
+    }
+
+    /// Choose again for a request already rewritten for a member whose connection failed
+    /// (streams): the failed member is no longer usable, so dialog affinity and the method
+    /// pass it over and the next-ranked member takes the request. The client's address for
+    /// source-based methods is read from the request's second Via (`received`, else
+    /// sent-by), since the first is fulcrum's own. Returns the member, or `None` when the
+    /// bytes are not a request or no member can take it.
+    pub fn rechoose(&self, forwarded: &[u8], dst: SocketAddr, now: Nanos) -> Option<usize> {
+        let msg = sip::scan(forwarded).ok()?;
+        if !msg.is_request() {
+            return None;
+        }
+        let client = msg.vias().nth(1).and_then(|v| {
+            let ip = v
+                .received
+                .and_then(|r| std::str::from_utf8(r).ok()?.parse().ok())
+                .or_else(|| v.host_ip())?;
+            Some(SocketAddr::new(ip, v.port.unwrap_or(5060)))
+        });
+        self.choose(&msg, client.unwrap_or(dst), dst, now)
+    }
+
+    /// fulcrum's 503 for a request it had already forwarded (`forwarded` carries its own Via
+    /// on top) and can no longer deliver (streams: its member's connection failed and no
+    /// other member can take it). Built as a service would answer it, then routed back like
+    /// any response (to the client connection named in that Via), so the client learns at
+    /// once instead of waiting for its transaction timer (RFC 3261 §16.7 step 6 lets a
+    /// proxy answer 503 when it cannot forward). ACKs are not answered.
+    pub fn unavailable(&self, forwarded: &[u8], out: &mut Vec<u8>) -> Action {
+        out.clear();
+        let Ok(msg) = sip::scan(forwarded) else {
+            return Action::Drop(DropReason::Malformed);
+        };
+        let mut resp = Vec::new();
+        match build_response(&msg, &Reply::service_unavailable(RETRY_AFTER_S), &mut resp) {
+            Ok(()) => {}
+            Err(RewriteError::AckNotAnswered) => return Action::Drop(DropReason::AckNotForwarded),
+            Err(_) => return Action::Drop(DropReason::Malformed),
+        }
+        let Ok(reply) = sip::scan(&resp) else {
+            return Action::Drop(DropReason::Malformed);
+        };
+        bump(&self.counters.replies_503);
+        // fulcrum's own reply, built from its own Via: as trusted as a service's.
+        self.response(&reply, true, out)
+    }
+
+    /// Dialog affinity first (an established call stays on its member while it is UP or
+    /// draining OUT_OF_SERVICE), else the vserver's method. The dialog is pinned to whatever
+    /// was chosen.
+    pub(super) fn choose(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+    ) -> Option<usize> {
+        let now_ms = now / 1_000_000;
+        // The scanner hands out the Call-ID without surrounding LWS, so this is also exactly the
+        // call_id_hash key: hashed once, used for both.
+        let call_hash = msg.call_id().map(hash::key_hash);
+        // The dialog's service named by our Record-Route (`fc-svc`), whichever instance set
+        // the dialog up: before the local table, which may not know the dialog.
+        if let Some(m) = self.routed_member(msg) {
+            self.balancer.count_affinity();
+            bump(&self.counters.routed_by_record_route);
+            if let Some(h) = call_hash {
+                if ends_dialog(msg) {
+                    self.end_dialog(h, now_ms);
+                } else {
+                    // The local pin (if this instance set the dialog up) stays fresh: a call
+                    // longer than the idle timeout must not be swept, and uncounted, while up.
+                    let _ = self.dialogs.get(h, now_ms);
+                }
+            }
+            return Some(m);
+        }
+        if let Some(h) = call_hash
+            && let Some(m) = self.dialogs.get(h, now_ms)
+            && self.balancer.accepts_existing(m as usize)
+        {
+            self.balancer.count_affinity();
+            if ends_dialog(msg) {
+                self.end_dialog(h, now_ms);
+            }
+            return Some(m as usize);
+        }
+        let ctx = RequestCtx {
+            src,
+            dst,
+            payload: Payload::Sip(msg),
+        };
+        let key = match (self.method, call_hash) {
+            (Method::CallIdHash, Some(h)) => KeyInput::Hash(h),
+            _ => match key::extract(self.method, &self.hash_params, &ctx) {
+                KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
+                KeyOutcome::NoKey => KeyInput::NoKey,
+                KeyOutcome::Unparseable => KeyInput::Unparseable,
+            },
+        };
+        let choice = self.balancer.choose(key, now)?;
+        let member = choice.member as u32;
+        // A BYE (or CANCEL) of a dialog whose member no longer takes it (DOWN) goes elsewhere,
+        // and still ends the dialog: its member stops counting it now, not at the idle timeout.
+        if let Some(h) = call_hash
+            && ends_dialog(msg)
+        {
+            self.end_dialog(h, now_ms);
+        }
+        match call_hash {
+            Some(h) if pins_dialog(msg) => match self.dialogs.put(h, member, now_ms) {
+                Pin::New => self.open(member),
+                Pin::Moved(old) => {
+                    self.close(old);
+                    self.open(member);
+                }
+                Pin::Refreshed | Pin::Refused => {}
+            },
+            // No dialog: only its retransmissions follow it (a MESSAGE delivered twice by two
+            // services would be a duplicate the user sees), uncounted. An ACK has none.
+            Some(h) if msg.method_kind() != SipMethod::Ack => {
+                self.dialogs.linger(h, member, now_ms);
+            }
+            _ => {}
+        }
+        Some(choice.member)
+    }
+
+    /// A request from a service toward a client (in-dialog: BYE, re-INVITE, NOTIFY...):
+    /// routed by Route / Request-URI, never to ourselves.
+    pub(super) fn request_from_service(
+        &self,
+        msg: &SipMsg<'_>,
+        member: usize,
+        src: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        bump(&self.counters.in_dialog_from_services);
+        // The service hanging up ends the dialog as the client's BYE would.
+        if ends_dialog(msg)
+            && let Some(h) = msg.call_id().map(hash::key_hash)
+        {
+            self.end_dialog(h, now / 1_000_000);
+        }
+        let target = match request_target(msg, &self.local) {
+            Ok(t) => t,
+            Err(RewriteError::Loop) => {
+                bump(&self.counters.loops);
+                return Action::Drop(DropReason::Loop);
+            }
+            Err(_) => {
+                bump(&self.counters.unroutable);
+                return Action::Drop(DropReason::Unroutable);
+            }
+        };
+        let Some(addr) = target.socket_addr() else {
+            bump(&self.counters.unroutable);
+            return Action::Drop(DropReason::Unroutable);
+        };
+        if self.local.is_local_addr(addr) {
+            bump(&self.counters.loops);
+            return Action::Drop(DropReason::Loop);
+        }
+        // It leaves on the client leg (the vserver's own transport); from a member on another
+        // transport it is double record-routed, the client leg's entry on top.
+        let rw = RequestRewrite {
+            local: &self.local,
+            src,
+            record_route: self.record_route,
+            force_rport: false,
+            conn_id: None,
+            service: self.digest_of(Some(member)),
+            arrived_on: self.leg_of(member),
+        };
+        match forward_request(msg, &rw, out) {
+            Ok(n) if n > self.max_forwarded() => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
+            Ok(_) => {
+                bump(&self.counters.requests_forwarded);
+                Action::ToAddr(addr)
+            }
+            Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
+            Err(RewriteError::TooManyHeaders) => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
+            Err(_) => {
+                bump(&self.counters.malformed);
+                Action::Drop(DropReason::Malformed)
+            }
+        }
+    }
+}

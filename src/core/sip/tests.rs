@@ -1,0 +1,473 @@
+use super::*;
+use crate::balancer::Health;
+use crate::config;
+use crate::sip::Transport;
+use std::sync::atomic::Ordering;
+
+const CLIENT: &str = "192.0.2.10:5062";
+const US: &str = "127.0.0.1:5060";
+
+fn core(record_route: bool) -> SipCore {
+    core_with(record_route, "call_id_hash")
+}
+
+fn core_with(record_route: bool, method: &str) -> SipCore {
+    let y = format!(
+        "services:\n  - {{ name: a, address: 127.0.0.1:5071, protocol: sip-udp }}\n  - {{ name: b, address: 127.0.0.1:5072, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-udp, bind: 127.0.0.1:5060, method: {method}, services: [a, b] }}\n"
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let v = &cfg.vservers[0];
+    SipCore::new(SipParams {
+        name: "v".into(),
+        local: Local::from_addr(US.parse().expect("addr"), Transport::Udp),
+        record_route,
+        method: v.method,
+        hash_params: v.hash.clone(),
+        balancer: Arc::new(Balancer::new(&cfg, v)),
+        member_addrs: vec![
+            "127.0.0.1:5071".parse().expect("addr"),
+            "127.0.0.1:5072".parse().expect("addr"),
+        ],
+        max_dialogs: 100,
+        dialog_idle: Duration::from_secs(3600),
+        member_transports: Vec::new(),
+        legs: Vec::new(),
+    })
+}
+
+fn invite(call_id: &str, max_forwards: u32) -> String {
+    format!(
+        "INVITE sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bKc1;rport\r\nMax-Forwards: {max_forwards}\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n"
+    )
+}
+
+fn handle(c: &SipCore, bytes: &str, src: &str, out: &mut Vec<u8>) -> Action {
+    c.handle_datagram(
+        bytes.as_bytes(),
+        src.parse().expect("src"),
+        US.parse().expect("dst"),
+        0,
+        out,
+    )
+}
+
+#[test]
+fn request_goes_to_a_member_with_our_via_and_rport_filled() {
+    let c = core(true);
+    let mut out = Vec::new();
+    let a = handle(&c, &invite("x1", 70), CLIENT, &mut out);
+    assert!(matches!(a, Action::ToMember(_)), "{a:?}");
+    let msg = crate::sip::scan(&out).expect("rewritten request scans");
+    let vias: Vec<_> = msg.vias().collect();
+    assert_eq!(vias.len(), 2);
+    assert_eq!(vias[0].host, b"127.0.0.1");
+    assert!(vias[0].branch.is_some_and(|b| b.starts_with(b"z9hG4bK")));
+    assert_eq!(vias[1].received, Some(&b"192.0.2.10"[..]));
+    assert_eq!(msg.max_forwards(), MaxForwards::Value(69));
+    assert!(msg.record_route().is_some());
+    // Same request again (a retransmission): same member, same bytes.
+    let mut again = Vec::new();
+    assert_eq!(handle(&c, &invite("x1", 70), CLIENT, &mut again), a);
+    assert_eq!(again, out);
+}
+
+#[test]
+fn dialog_key_is_the_call_id_hash_key_whatever_the_spacing() {
+    let text = "INVITE sip:a@b SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1;branch=z9hG4bKq\r\ni:   spaced-id@x  \t\r\nCSeq: 1 INVITE\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@y>\r\nMax-Forwards: 70\r\n\r\n";
+    let msg = crate::sip::scan(text.as_bytes()).expect("scan");
+    let ctx = RequestCtx {
+        src: CLIENT.parse().expect("addr"),
+        dst: US.parse().expect("addr"),
+        payload: Payload::Sip(&msg),
+    };
+    let KeyOutcome::Key(k) = key::extract(Method::CallIdHash, &HashParams::default(), &ctx) else {
+        panic!("no key")
+    };
+    assert_eq!(msg.call_id(), Some(&b"spaced-id@x"[..]));
+    assert_eq!(hash::key_hash(k.as_bytes()), hash::key_hash(b"spaced-id@x"));
+}
+
+#[test]
+fn replies_483_and_503() {
+    let c = core(false);
+    let mut out = Vec::new();
+    let a = handle(&c, &invite("x2", 0), CLIENT, &mut out);
+    assert_eq!(a, Action::Reply(CLIENT.parse().expect("addr")));
+    assert_eq!(
+        crate::sip::scan(&out).expect("scan").status_code(),
+        Some(483)
+    );
+    let now = 0;
+    c.balancer().set_health(0, Health::Down, now);
+    c.balancer().set_health(1, Health::Down, now);
+    let a = handle(&c, &invite("x3", 70), CLIENT, &mut out);
+    assert!(matches!(a, Action::Reply(_)));
+    let msg = crate::sip::scan(&out).expect("scan");
+    assert_eq!(msg.status_code(), Some(503));
+    assert!(msg.header(b"Retry-After").is_some());
+    assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn response_from_member_loses_our_via_and_goes_to_the_client() {
+    let c = core(false);
+    let mut fwd = Vec::new();
+    let Action::ToMember(m) = handle(&c, &invite("x4", 70), CLIENT, &mut fwd) else {
+        panic!("not forwarded")
+    };
+    let req = crate::sip::scan(&fwd).expect("scan");
+    let mut resp = Vec::new();
+    crate::sip::build_response(
+        &req,
+        &crate::sip::Reply {
+            code: 200,
+            reason: "OK",
+            retry_after_s: None,
+        },
+        &mut resp,
+    )
+    .expect("response");
+    let member = c.member_addr(m).expect("member").to_string();
+    let mut out = Vec::new();
+    let a = handle(
+        &c,
+        std::str::from_utf8(&resp).expect("utf8"),
+        &member,
+        &mut out,
+    );
+    // rport was requested: back to the source address and port (RFC 3581 §4).
+    assert_eq!(a, Action::ToAddr(CLIENT.parse().expect("addr")));
+    assert_eq!(crate::sip::scan(&out).expect("scan").vias().count(), 1);
+}
+
+#[test]
+fn foreign_responses_loops_and_garbage_are_dropped_and_counted() {
+    let c = core(false);
+    let mut out = Vec::new();
+    let foreign = "SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP 10.9.9.9:5060;branch=z9hG4bKzz\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@y>;tag=2\r\nCall-ID: f\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n";
+    assert_eq!(
+        handle(&c, foreign, CLIENT, &mut out),
+        Action::Drop(DropReason::NotOurs)
+    );
+    let to_us = "BYE sip:a@127.0.0.1:5060 SIP/2.0\r\nVia: SIP/2.0/UDP 127.0.0.1:5071;branch=z9hG4bKb\r\nMax-Forwards: 70\r\nFrom: <sip:b@y>;tag=2\r\nTo: <sip:a@x>;tag=1\r\nCall-ID: l\r\nCSeq: 2 BYE\r\nContent-Length: 0\r\n\r\n";
+    assert_eq!(
+        handle(&c, to_us, "127.0.0.1:5071", &mut out),
+        Action::Drop(DropReason::Loop)
+    );
+    assert_eq!(
+        handle(&c, "\u{1}\u{2}garbage", CLIENT, &mut out),
+        Action::Drop(DropReason::Malformed)
+    );
+    assert_eq!(c.counters.not_ours.load(Ordering::Relaxed), 1);
+    assert_eq!(c.counters.loops.load(Ordering::Relaxed), 1);
+    assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 1);
+}
+
+/// A call whose service went DOWN: its BYE goes to another service and ends the dialog,
+/// so the dead service's load count falls back (it stayed up for the idle timeout).
+#[test]
+fn a_bye_rerouted_from_a_down_member_ends_its_dialog() {
+    let c = core(false);
+    let mut out = Vec::new();
+    let Action::ToMember(m) = handle(&c, &invite("gone-1", 70), CLIENT, &mut out) else {
+        panic!("forwarded")
+    };
+    let active = |m: usize| c.balancer().counters(m).map_or(0, |k| k.active());
+    assert_eq!(active(m), 1);
+    c.balancer().set_health(m, Health::Down, 0);
+    let bye = invite("gone-1", 70)
+        .replace("INVITE sip", "BYE sip")
+        .replace("1 INVITE", "2 BYE")
+        .replace(
+            "To: <sip:svc@example.com>",
+            "To: <sip:svc@example.com>;tag=t1",
+        );
+    let Action::ToMember(other) = handle(&c, &bye, CLIENT, &mut out) else {
+        panic!("forwarded")
+    };
+    assert_ne!(other, m);
+    assert_eq!((active(m), active(other)), (0, 0));
+}
+
+#[test]
+fn a_forwarded_request_that_cannot_be_delivered_is_answered_503_to_its_sender() {
+    let c = core(false);
+    let mut fwd = Vec::new();
+    assert!(matches!(
+        handle(&c, &invite("u1", 70), CLIENT, &mut fwd),
+        Action::ToMember(_)
+    ));
+    let mut out = Vec::new();
+    // rport was requested: back to the source address and port (RFC 3581 §4).
+    assert_eq!(
+        c.unavailable(&fwd, &mut out),
+        Action::ToAddr(CLIENT.parse().expect("addr"))
+    );
+    let msg = crate::sip::scan(&out).expect("scan");
+    assert_eq!(msg.status_code(), Some(503));
+    assert!(msg.header(b"Retry-After").is_some());
+    assert_eq!(msg.vias().count(), 1, "fulcrum's Via is gone");
+    assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 1);
+    // An ACK is never answered.
+    let ack = invite("u2", 70).replace("INVITE", "ACK");
+    let mut fwd = Vec::new();
+    assert!(matches!(
+        handle(&c, &ack, CLIENT, &mut fwd),
+        Action::ToMember(_)
+    ));
+    assert_eq!(
+        c.unavailable(&fwd, &mut out),
+        Action::Drop(DropReason::AckNotForwarded)
+    );
+}
+
+#[test]
+fn dialog_stays_on_its_member_when_another_returns() {
+    // A twin core (same config, so same hashing) finds a call that ranks member 0 first.
+    let probe = core(false);
+    let mut out = Vec::new();
+    let call = (0..)
+        .map(|i| format!("aff-{i}"))
+        .find(|id| handle(&probe, &invite(id, 70), CLIENT, &mut out) == Action::ToMember(0))
+        .expect("some call ranks member 0 first");
+    let c = core(false);
+    c.balancer().set_health(0, Health::Down, 0);
+    assert_eq!(
+        handle(&c, &invite(&call, 70), CLIENT, &mut out),
+        Action::ToMember(1)
+    );
+    c.balancer().set_health(0, Health::Up, 0);
+    // Established on 1: it stays there although 0, its first choice, is back.
+    assert_eq!(
+        handle(&c, &invite(&call, 70), CLIENT, &mut out),
+        Action::ToMember(1)
+    );
+    // A new call with the same ranking goes to 0 again.
+    let other = (0..)
+        .map(|i| format!("aff-new-{i}"))
+        .find(|id| handle(&probe, &invite(id, 70), CLIENT, &mut out) == Action::ToMember(0))
+        .expect("another call ranking 0 first");
+    assert_eq!(
+        handle(&c, &invite(&other, 70), CLIENT, &mut out),
+        Action::ToMember(0)
+    );
+}
+
+/// A message of `method` in dialog `call_id` (`to_tag` set when in-dialog), from `via`.
+fn request(method: &str, call_id: &str, to_tag: Option<&str>, via: &str) -> String {
+    let to_tag = to_tag.map(|t| format!(";tag={t}")).unwrap_or_default();
+    format!(
+        "{method} sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP {via};branch=z9hG4bK{method}{call_id};rport\r\nMax-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>{to_tag}\r\nCall-ID: {call_id}\r\nCSeq: 2 {method}\r\nContent-Length: 0\r\n\r\n"
+    )
+}
+
+/// Open dialogs counted on the members.
+fn open(c: &SipCore) -> u64 {
+    (0..c.member_count())
+        .map(|m| c.balancer().counters(m).map_or(0, |k| k.active()))
+        .sum()
+}
+
+/// Only requests that make (or belong to) a dialog are pinned for the dialog and counted
+/// as load: other requests are pinned for their transaction only (their retransmissions
+/// reach the same service, even under round robin), uncounted, and gone after Timer F.
+#[test]
+fn only_dialog_requests_are_pinned() {
+    let c = core_with(false, "round_robin");
+    let mut out = Vec::new();
+    for i in 0..5 {
+        let opt = request("OPTIONS", &format!("o{i}"), None, "10.0.0.1:5062");
+        let Action::ToMember(m) = handle(&c, &opt, CLIENT, &mut out) else {
+            panic!("not forwarded")
+        };
+        let msg = request("MESSAGE", &format!("m{i}"), None, "10.0.0.1:5062");
+        let Action::ToMember(k) = handle(&c, &msg, CLIENT, &mut out) else {
+            panic!("not forwarded")
+        };
+        // Retransmissions: the same services again, whatever round robin would pick.
+        assert_eq!(handle(&c, &opt, CLIENT, &mut out), Action::ToMember(m));
+        assert_eq!(handle(&c, &msg, CLIENT, &mut out), Action::ToMember(k));
+    }
+    assert_eq!(open(&c), 0, "no load counted");
+    c.sweep(33_000_000_000);
+    assert_eq!(c.dialogs().len(), 0, "gone after Timer F");
+    for (i, method) in ["INVITE", "SUBSCRIBE", "REFER", "REGISTER"]
+        .iter()
+        .enumerate()
+    {
+        let r = request(method, &format!("d{i}"), None, "10.0.0.1:5062");
+        assert!(matches!(
+            handle(&c, &r, CLIENT, &mut out),
+            Action::ToMember(_)
+        ));
+    }
+    // An in-dialog request of a dialog fulcrum has not seen (after a restart, say).
+    let info = request("INFO", "d9", Some("t9"), "10.0.0.1:5062");
+    assert!(matches!(
+        handle(&c, &info, CLIENT, &mut out),
+        Action::ToMember(_)
+    ));
+    assert_eq!((c.dialogs().len(), open(&c)), (5, 5));
+}
+
+/// A CANCEL of a re-INVITE (To tag) leaves the call established; a CANCEL of the initial
+/// INVITE, and a BYE from either side, end it.
+#[test]
+fn cancel_of_a_reinvite_keeps_the_dialog_and_a_service_bye_ends_it() {
+    let c = core(false);
+    let mut out = Vec::new();
+    let Action::ToMember(m) = handle(&c, &invite("call-1", 70), CLIENT, &mut out) else {
+        panic!("not forwarded")
+    };
+    assert_eq!(open(&c), 1);
+    let cancel_re = request("CANCEL", "call-1", Some("t1"), "10.0.0.1:5062");
+    assert_eq!(
+        handle(&c, &cancel_re, CLIENT, &mut out),
+        Action::ToMember(m)
+    );
+    assert_eq!(open(&c), 1, "re-INVITE cancelled, call still up");
+    // The service hangs up: routed to the client, and the call no longer counts.
+    let member = c.member_addr(m).expect("member").to_string();
+    let bye = request("BYE", "call-1", Some("f1"), &member)
+        .replace("sip:svc@example.com SIP", "sip:a@10.0.0.1:5062 SIP");
+    assert_eq!(
+        handle(&c, &bye, &member, &mut out),
+        Action::ToAddr("10.0.0.1:5062".parse().expect("addr"))
+    );
+    assert_eq!(open(&c), 0);
+    // The initial INVITE's CANCEL ends a call.
+    assert!(matches!(
+        handle(&c, &invite("call-2", 70), CLIENT, &mut out),
+        Action::ToMember(_)
+    ));
+    assert_eq!(open(&c), 1);
+    let cancel = request("CANCEL", "call-2", None, "10.0.0.1:5062");
+    assert!(matches!(
+        handle(&c, &cancel, CLIENT, &mut out),
+        Action::ToMember(_)
+    ));
+    assert_eq!(open(&c), 0);
+}
+
+/// A response from someone who is not a service goes only to a service's host: a forged
+/// fulcrum Via cannot make fulcrum relay datagrams to any address.
+#[test]
+fn a_response_from_a_non_member_goes_only_to_a_service() {
+    let c = core(false);
+    let mut out = Vec::new();
+    let ours = "SIP/2.0/UDP 127.0.0.1:5060;branch=z9hG4bK-fc-0000000000000000";
+    let forged = format!(
+        "SIP/2.0 200 OK\r\nVia: {ours}\r\nVia: SIP/2.0/UDP 198.51.100.66:9;branch=z9hG4bKx\r\nFrom: <sip:a@x>;tag=1\r\nTo: <sip:b@y>;tag=2\r\nCall-ID: r\r\nCSeq: 1 OPTIONS\r\nContent-Length: 7\r\n\r\npayload"
+    );
+    assert_eq!(
+        handle(&c, &forged, CLIENT, &mut out),
+        Action::Drop(DropReason::NotOurs)
+    );
+    assert!(out.is_empty());
+    assert_eq!(c.counters.not_ours.load(Ordering::Relaxed), 1);
+    // The same from a service is its business (it answers a client's request).
+    assert_eq!(
+        handle(&c, &forged, "127.0.0.1:5071", &mut out),
+        Action::ToAddr("198.51.100.66:9".parse().expect("addr"))
+    );
+    // A service answering from another port of its host is still a service.
+    assert_eq!(
+        handle(&c, &forged, "127.0.0.1:6000", &mut out),
+        Action::ToAddr("198.51.100.66:9".parse().expect("addr"))
+    );
+    // A client's response to a service's in-dialog request goes back to the service.
+    let answer = forged.replace("198.51.100.66:9", "127.0.0.1:5072");
+    assert_eq!(
+        handle(&c, &answer, CLIENT, &mut out),
+        Action::ToAddr("127.0.0.1:5072".parse().expect("addr"))
+    );
+}
+
+/// An ACK that cannot be forwarded is dropped and counted as such, never as a reply.
+#[test]
+fn an_unforwardable_ack_counts_no_reply() {
+    let c = core(false);
+    let mut out = Vec::new();
+    let ack = invite("ack-1", 0).replace("INVITE", "ACK");
+    assert_eq!(
+        handle(&c, &ack, CLIENT, &mut out),
+        Action::Drop(DropReason::AckNotForwarded)
+    );
+    c.balancer().set_health(0, Health::Down, 0);
+    c.balancer().set_health(1, Health::Down, 0);
+    let ack = invite("ack-2", 70).replace("INVITE", "ACK");
+    assert_eq!(
+        handle(&c, &ack, CLIENT, &mut out),
+        Action::Drop(DropReason::AckNotForwarded)
+    );
+    assert_eq!(c.counters.acks_not_forwarded.load(Ordering::Relaxed), 2);
+    assert_eq!(c.counters.replies_483.load(Ordering::Relaxed), 0);
+    assert_eq!(c.counters.replies_503.load(Ordering::Relaxed), 0);
+}
+
+/// The fuzz finding: an INVITE of 255 header lines scans, but forwarded with fulcrum's Via
+/// and Record-Route it would have 257, which fulcrum itself would refuse when the answer
+/// came back. It is answered 513 (RFC 3261 §21.5.14) and nothing is forwarded; with 254
+/// lines it is forwarded and the forwarded request scans.
+#[test]
+fn a_request_fulcrum_could_not_take_back_is_answered_513() {
+    let c = core(true);
+    let mut out = Vec::new();
+    let padded = |lines: usize| {
+        let base = invite("hdr-1", 70);
+        let n = base.matches("\r\n").count() - 2;
+        let pad: String = (0..lines - n).map(|i| format!("X-Pad: {i}\r\n")).collect();
+        base.replace(
+            "Content-Length: 0\r\n",
+            &format!("{pad}Content-Length: 0\r\n"),
+        )
+    };
+    let big = padded(255);
+    assert_eq!(
+        crate::sip::scan(big.as_bytes())
+            .expect("scans")
+            .header_count(),
+        255
+    );
+    assert!(matches!(
+        handle(&c, &big, CLIENT, &mut out),
+        Action::Reply(_)
+    ));
+    assert_eq!(
+        crate::sip::scan(&out).expect("scan").status_code(),
+        Some(513)
+    );
+    assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
+    let fits = padded(254);
+    assert!(matches!(
+        handle(&c, &fits, CLIENT, &mut out),
+        Action::ToMember(_)
+    ));
+    assert_eq!(
+        crate::sip::scan(&out)
+            .expect("forwarded scans")
+            .header_count(),
+        256
+    );
+}
+
+/// A datagram too large to carry fulcrum's additions is answered 513.
+#[test]
+fn an_oversized_datagram_request_is_answered_513() {
+    let c = core(false);
+    let mut out = Vec::new();
+    let big = invite("big-1", 70).replace(
+        "Content-Length: 0\r\n\r\n",
+        &format!("Content-Length: 65200\r\n\r\n{}", "x".repeat(65_200)),
+    );
+    assert!(matches!(
+        handle(&c, &big, CLIENT, &mut out),
+        Action::Reply(_)
+    ));
+    assert_eq!(
+        crate::sip::scan(&out).expect("scan").status_code(),
+        Some(513)
+    );
+    assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
+    assert_eq!(c.dialogs().len(), 0, "nothing pinned");
+}
