@@ -11,7 +11,7 @@ use fulcrum::admin::router::{self, Request};
 use fulcrum::balancer::{Balancer, KeyInput};
 use fulcrum::config;
 use fulcrum::ops::Ops;
-use fulcrum::proxy::DataPath;
+use fulcrum::proxy::SipStreamPath;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
 use std::sync::Arc;
@@ -267,10 +267,10 @@ fn sip_tcp_one(name: &str, at: SocketAddr) -> String {
     config("sip-tcp", "127.0.0.1:0", "round_robin", "", &[(name, at)])
 }
 
-fn tcp_counters<T>(ops: &Ops, f: impl Fn(&fulcrum::proxy::TcpCounters) -> T) -> T {
-    ops.with_vservers(|vs, _| match &vs[0].data {
-        DataPath::SipTcp(_, shared) => f(&shared.counters),
-        _ => panic!("not a sip-tcp vserver"),
+fn tcp_counters<T>(ops: &Ops, f: impl Fn(&fulcrum::proxy::SipStreamCounters) -> T) -> T {
+    ops.with_vservers(|vs, _| match vs[0].path::<SipStreamPath>() {
+        Some(p) => f(&p.shared().counters),
+        None => panic!("not a sip-tcp vserver"),
     })
     .expect("running")
 }
@@ -509,9 +509,9 @@ fn sip_tcp_reload_sends_requests_queued_for_a_removed_service_elsewhere() {
         client.stream.write_all(req.as_bytes()).expect("write");
     }
     let forwarded = || {
-        ops.with_vservers(|vs, _| match &vs[0].data {
-            DataPath::SipTcp(core, _) => core.counters.requests_forwarded.load(Ordering::Relaxed),
-            _ => 0,
+        ops.with_vservers(|vs, _| match vs[0].path::<SipStreamPath>() {
+            Some(p) => p.core().counters.requests_forwarded.load(Ordering::Relaxed),
+            None => 0,
         })
         .unwrap_or(0)
     };

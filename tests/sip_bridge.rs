@@ -467,7 +467,7 @@ fn a_stream_service_that_refuses_connections_is_down_and_calls_go_to_the_other()
     let failures = ops
         .with_vservers(|vs, _| {
             vs.iter()
-                .find_map(|v| v.bridge())
+                .find_map(|v| v.path::<fulcrum::proxy::SipUdpPath>()?.bridge())
                 .map(|b| b.counters.service_connect_failures.load(Ordering::Relaxed))
         })
         .flatten();

@@ -17,10 +17,14 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 /// The shared state of the sip-tcp vserver `v` of `rt`.
-fn vserver_shared(rt: &Runtime) -> std::sync::Arc<fulcrum::proxy::TcpShared> {
-    match &rt.vserver("v").expect("v").data {
-        fulcrum::proxy::DataPath::SipTcp(_, shared) => std::sync::Arc::clone(shared),
-        _ => panic!("not a sip-tcp vserver"),
+fn vserver_shared(rt: &Runtime) -> std::sync::Arc<fulcrum::proxy::SipStreamShared> {
+    match rt
+        .vserver("v")
+        .expect("v")
+        .path::<fulcrum::proxy::SipStreamPath>()
+    {
+        Some(p) => std::sync::Arc::clone(p.shared()),
+        None => panic!("not a sip-tcp vserver"),
     }
 }
 

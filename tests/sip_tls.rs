@@ -421,9 +421,10 @@ fn a_reloaded_ca_reaches_the_running_monitor_and_a_refused_reload_keeps_the_last
 
 /// The SIP core of vserver `name` (a reload that rebuilds the vserver makes a new one).
 fn sip_core(ops: &Ops, name: &str) -> Arc<fulcrum::core::sip::SipCore> {
-    ops.with_vservers(|vs, _| match &vs.iter().find(|v| v.name == name)?.data {
-        fulcrum::proxy::DataPath::SipTcp(core, _) => Some(Arc::clone(core)),
-        _ => None,
+    ops.with_vservers(|vs, _| {
+        let v = vs.iter().find(|v| v.name == name)?;
+        let p = v.path::<fulcrum::proxy::SipStreamPath>()?;
+        Some(Arc::clone(p.core()))
     })
     .flatten()
     .expect("a sip stream vserver")

@@ -10,7 +10,7 @@ use fulcrum::balancer::{Health, KeyInput};
 use fulcrum::config;
 use fulcrum::core::sip::SipCore;
 use fulcrum::hash;
-use fulcrum::proxy::DataPath;
+use fulcrum::proxy::SipUdpPath;
 use fulcrum::proxy::{Runtime, VserverHandle};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
@@ -85,9 +85,10 @@ impl Lab {
     }
 
     fn core(&self) -> Arc<SipCore> {
-        match &self.vs().data {
-            DataPath::SipUdp(c) => Arc::clone(c),
-            other => panic!("not a sip-udp vserver: {other:?}"),
+        let v = self.vs();
+        match v.path::<SipUdpPath>() {
+            Some(p) => Arc::clone(p.core()),
+            None => panic!("not a sip-udp vserver: {:?}", v.data),
         }
     }
 

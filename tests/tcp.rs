@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use fulcrum::balancer::Path;
-use fulcrum::proxy::DataPath;
+use fulcrum::proxy::TcpPath;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
@@ -16,9 +16,10 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 fn tcp_core(rt: &fulcrum::proxy::Runtime, name: &str) -> Arc<fulcrum::proxy::TcpCore> {
-    match &rt.vserver(name).expect("vserver").data {
-        DataPath::Tcp(c) => Arc::clone(c),
-        other => panic!("not tcp: {other:?}"),
+    let v = rt.vserver(name).expect("vserver");
+    match v.path::<TcpPath>() {
+        Some(p) => Arc::clone(p.core()),
+        None => panic!("not tcp: {:?}", v.data),
     }
 }
 

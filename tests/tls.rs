@@ -231,9 +231,9 @@ fn http_termination_hashes_the_decrypted_head_with_curl() {
         }
     }
     let core = ops
-        .with_vservers(|vs, _| match &vs[0].data {
-            fulcrum::proxy::DataPath::Tcp(c) => Some(Arc::clone(c)),
-            _ => None,
+        .with_vservers(|vs, _| {
+            let p = vs[0].path::<fulcrum::proxy::TcpPath>()?;
+            Some(Arc::clone(p.core()))
         })
         .flatten()
         .expect("tcp core");
@@ -329,9 +329,9 @@ fn bad_and_good_services(f: &ConfigFile) -> (SocketAddr, SocketAddr) {
 
 /// The tcp core of vserver `name`.
 fn tcp_core(ops: &fulcrum::ops::Ops, name: &str) -> Arc<fulcrum::proxy::TcpCore> {
-    ops.with_vservers(|vs, _| match &vs.iter().find(|v| v.name == name)?.data {
-        fulcrum::proxy::DataPath::Tcp(c) => Some(Arc::clone(c)),
-        _ => None,
+    ops.with_vservers(|vs, _| {
+        let v = vs.iter().find(|v| v.name == name)?;
+        Some(Arc::clone(v.path::<fulcrum::proxy::TcpPath>()?.core()))
     })
     .flatten()
     .expect("tcp core")

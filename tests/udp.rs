@@ -7,16 +7,17 @@ mod common;
 
 use common::*;
 use fulcrum::balancer::Health;
-use fulcrum::proxy::DataPath;
+use fulcrum::proxy::UdpPath;
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 fn udp_core(rt: &fulcrum::proxy::Runtime, name: &str) -> std::sync::Arc<fulcrum::proxy::UdpCore> {
-    match &rt.vserver(name).expect("vserver").data {
-        DataPath::Udp(c) => std::sync::Arc::clone(c),
-        other => panic!("not udp: {other:?}"),
+    let v = rt.vserver(name).expect("vserver");
+    match v.path::<UdpPath>() {
+        Some(p) => std::sync::Arc::clone(p.core()),
+        None => panic!("not udp: {:?}", v.data),
     }
 }
 

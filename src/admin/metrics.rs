@@ -5,7 +5,7 @@ use crate::balancer::{Balancer, Health, Path};
 use crate::core::sip::SipCounters;
 use crate::health::ServiceHealth;
 use crate::ops::Ops;
-use crate::proxy::{DataPath, VserverHandle};
+use crate::proxy::VserverHandle;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -100,7 +100,7 @@ pub(crate) fn render(ops: &Ops) -> String {
         for v in vs {
             services.add(v);
             add_selections(&mut paths, v);
-            if let DataPath::SipUdp(core) | DataPath::SipTcp(core, _) = &v.data {
+            if let Some(core) = v.data.sip_core() {
                 sip.add(&v.name, &core.counters);
             }
             edge.add(&mut sip.dropped, v, now);
@@ -438,76 +438,12 @@ fn add_handshakes(
     }
 }
 
-/// Transport-specific counters of vserver `v`, one series per event (none for sip-udp,
-/// whose counters are all in the SIP families).
+/// Transport-specific counters of vserver `v`, one series per event (a sip-udp vserver has
+/// some only for its links toward stream services: its own are in the SIP families).
 fn add_transport_events(events: &mut Family, v: &VserverHandle) {
     let n = v.name.as_str();
-    match &v.data {
-        // A sip-udp vserver's links toward its stream services count as a stream vserver's.
-        DataPath::SipUdp(_) => {
-            if let Some(b) = v.bridge() {
-                add_each(events, n, "event", &sip_tcp_events(&b.counters));
-            }
-        }
-        DataPath::SipTcp(_, shared) => {
-            add_each(events, n, "event", &sip_tcp_events(&shared.counters))
-        }
-        DataPath::Udp(core) => add_each(events, n, "event", &udp_events(&core.counters)),
-        DataPath::Tcp(core) => add_each(events, n, "event", &tcp_events(&core.counters)),
-    }
-}
-
-fn sip_tcp_events(c: &crate::proxy::sip_tcp::TcpCounters) -> [(&'static str, &AtomicU64); 16] {
-    [
-        ("clients_accepted", &c.clients_accepted),
-        ("clients_refused", &c.clients_refused),
-        ("slow_clients_closed", &c.slow_clients_closed),
-        ("client_reads_paused", &c.client_reads_paused),
-        ("framing_errors", &c.framing_errors),
-        ("keepalive_pings", &c.keepalive_pings),
-        ("responses_no_client", &c.responses_no_client),
-        ("in_dialog_no_client", &c.in_dialog_no_client),
-        ("service_connect_failures", &c.service_connect_failures),
-        ("service_connections_lost", &c.service_connections_lost),
-        ("service_queue_full", &c.service_queue_full),
-        ("requests_rerouted", &c.requests_rerouted),
-        ("requests_lost", &c.requests_lost),
-        ("services_retired", &c.services_retired),
-        ("udp_leg_strangers", &c.udp_leg_strangers),
-        ("udp_leg_send_errors", &c.udp_leg_send_errors),
-    ]
-}
-
-fn udp_events(c: &crate::core::udp::UdpCounters) -> [(&'static str, &AtomicU64); 11] {
-    [
-        ("datagrams_in", &c.datagrams_in),
-        ("datagrams_out", &c.datagrams_out),
-        ("sessions_created", &c.sessions_created),
-        ("sessions_expired", &c.sessions_expired),
-        ("sessions_refused", &c.sessions_refused),
-        ("sessions_rerouted", &c.sessions_rerouted),
-        ("no_service", &c.no_service),
-        ("socket_errors", &c.socket_errors),
-        ("service_errors", &c.service_errors),
-        ("recv_errors", &c.recv_errors),
-        ("send_errors", &c.send_errors),
-    ]
-}
-
-fn tcp_events(c: &crate::proxy::tcp::TcpCounters) -> [(&'static str, &AtomicU64); 11] {
-    [
-        ("accepted", &c.accepted),
-        ("refused", &c.refused),
-        ("connect_failures", &c.connect_failures),
-        ("no_service", &c.no_service),
-        ("idle_timeouts", &c.idle_timeouts),
-        ("drain_cuts", &c.drain_cuts),
-        ("first_bytes_timeouts", &c.first_bytes_timeouts),
-        ("heads_unparseable", &c.heads_unparseable),
-        ("client_errors", &c.client_errors),
-        ("service_errors", &c.service_errors),
-        ("accept_errors", &c.accept_errors),
-    ]
+    v.data
+        .each_event(&mut |event, c| events.add(&[("vserver", n), ("event", event)], load(c)));
 }
 
 /// The monitor families, one series per monitored service: probes by result, probe
@@ -627,75 +563,12 @@ vservers:
         );
     }
 
-    fn fill_transport(data: &DataPath, base: u64) {
-        match data {
-            DataPath::SipUdp(_) => {}
-            DataPath::SipTcp(_, shared) => fill_sip_tcp(&shared.counters, base),
-            DataPath::Udp(core) => fill_udp(&core.counters, base),
-            DataPath::Tcp(core) => fill_tcp(&core.counters, base),
-        }
-    }
-
-    fn fill_sip_tcp(c: &crate::proxy::sip_tcp::TcpCounters, base: u64) {
-        store(
-            &[
-                &c.clients_accepted,
-                &c.clients_refused,
-                &c.slow_clients_closed,
-                &c.client_reads_paused,
-                &c.framing_errors,
-                &c.keepalive_pings,
-                &c.responses_no_client,
-                &c.in_dialog_no_client,
-                &c.service_connect_failures,
-                &c.service_connections_lost,
-                &c.service_queue_full,
-                &c.requests_rerouted,
-                &c.requests_lost,
-                &c.services_retired,
-                &c.udp_leg_strangers,
-                &c.udp_leg_send_errors,
-            ],
-            base,
-        );
-    }
-
-    fn fill_udp(c: &crate::core::udp::UdpCounters, base: u64) {
-        store(
-            &[
-                &c.datagrams_in,
-                &c.datagrams_out,
-                &c.sessions_created,
-                &c.sessions_expired,
-                &c.sessions_refused,
-                &c.sessions_rerouted,
-                &c.no_service,
-                &c.socket_errors,
-                &c.service_errors,
-                &c.recv_errors,
-                &c.send_errors,
-            ],
-            base,
-        );
-    }
-
-    fn fill_tcp(c: &crate::proxy::tcp::TcpCounters, base: u64) {
-        store(
-            &[
-                &c.accepted,
-                &c.refused,
-                &c.connect_failures,
-                &c.no_service,
-                &c.idle_timeouts,
-                &c.drain_cuts,
-                &c.first_bytes_timeouts,
-                &c.heads_unparseable,
-                &c.client_errors,
-                &c.service_errors,
-                &c.accept_errors,
-            ],
-            base,
-        );
+    fn fill_transport(data: &dyn crate::proxy::DataPath, base: u64) {
+        let mut i = 0;
+        data.each_event(&mut |_, c| {
+            c.store(base + i, Ordering::Relaxed);
+            i += 1;
+        });
     }
 
     /// Distinct values in every counter [`render`] reads; `a2` disabled, `a3` draining (a
@@ -725,10 +598,10 @@ vservers:
                     b.set_health(1, Health::Down, now);
                     b.set_health(1, Health::Up, now);
                 }
-                if let DataPath::SipUdp(core) | DataPath::SipTcp(core, _) = &v.data {
+                if let Some(core) = v.data.sip_core() {
                     fill_sip(&core.counters, base + 100);
                 }
-                fill_transport(&v.data, base + 200);
+                fill_transport(&*v.data, base + 200);
             }
         })
         .expect("running");

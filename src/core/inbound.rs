@@ -1,7 +1,7 @@
 //! PURE: the receive side of one SIP stream (a client's connection or a service link's):
 //! the buffer messages are framed from (RFC 3261 §18.3, Content-Length framing) and the
 //! deadline of a message that is arriving ([`MESSAGE_DEADLINE`]), with time passed in. The
-//! IO shell (`sip_tcp::read_messages`) reads bytes into [`Inbound::read_buf`], hands each
+//! IO shell (`proxy::sip_stream`'s `read_messages`) reads bytes into [`Inbound::read_buf`], hands each
 //! frame to the core and waits until [`Inbound::wait_until`].
 //!
 //! The buffer holds bytes only while a message is incomplete: an idle connection (a

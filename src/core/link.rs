@@ -1,7 +1,7 @@
 //! PURE: the decisions of one sip-tcp service link (the connection fulcrum keeps to one
 //! member), as a state machine fed events and `now` and returning actions and its next
 //! deadline, in the manner of quinn-proto's `Connection` (`handle_event` / `poll_timeout`).
-//! No socket, task, clock or queue here: the IO shell (`sip_tcp::service_loop`) waits for
+//! No socket, task, clock or queue here: the IO shell (`proxy::sip_stream`'s `service_loop`) waits for
 //! what [`Link::phase`] says it may, turns what happened into a [`LinkEvent`], and carries
 //! out the [`LinkAction`]s in order. The stream under it is the shell's business (TCP today,
 //! TLS on the same machine later).

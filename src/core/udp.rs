@@ -37,6 +37,25 @@ pub struct UdpCounters {
     pub send_errors: AtomicU64,
 }
 
+impl UdpCounters {
+    /// Each counter by its event name, in the order metrics lists them.
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 11] {
+        [
+            ("datagrams_in", &self.datagrams_in),
+            ("datagrams_out", &self.datagrams_out),
+            ("sessions_created", &self.sessions_created),
+            ("sessions_expired", &self.sessions_expired),
+            ("sessions_refused", &self.sessions_refused),
+            ("sessions_rerouted", &self.sessions_rerouted),
+            ("no_service", &self.no_service),
+            ("socket_errors", &self.socket_errors),
+            ("service_errors", &self.service_errors),
+            ("recv_errors", &self.recv_errors),
+            ("send_errors", &self.send_errors),
+        ]
+    }
+}
+
 /// What to do with a datagram from a client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {

@@ -28,7 +28,7 @@
 //! The listener, the client connections and the Via identity stay. A new [`SipCore`] is
 //! built as for sip-udp, but its balancer shares the counters of the members it keeps
 //! ([`Balancer::carrying`]), so migrated dialogs are already counted. It is installed in
-//! the vserver's [`crate::proxy::sip_tcp::TcpShared`] together with the service
+//! the vserver's [`crate::proxy::sip_stream::SipStreamShared`] together with the service
 //! connections: kept members (same name and address) keep theirs, added members get a new
 //! one (connected on first use), removed members' connections are retired (queued requests
 //! go to the member the new core chooses, what the service still sends and the clients'
@@ -43,29 +43,17 @@
 //! Counters of the rebuilt vserver (requests, selection paths, SIP counters) start again
 //! from zero, which Prometheus treats as a counter reset.
 
-use super::runtime::{DataPath, Runtime, RuntimeError};
-use super::sip_tcp::Install;
-use super::tcp::TcpCore;
 use crate::balancer::{Balancer, Health};
-use crate::config::{Config, Protocol, Vserver};
+use crate::config::{Config, Vserver};
 use crate::core::sip::{SipCore, SipParams};
-use crate::core::udp::UdpCore;
+use crate::proxy::context::{RebuildCx, Rebuilt};
 use arc_swap::ArcSwap;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What a rebuild changed.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Rebuilt {
-    pub added: Vec<String>,
-    pub removed: Vec<String>,
-    /// Dialogs carried over to the new core.
-    pub dialogs_kept: usize,
-}
-
 /// Give the members of a freshly built `balancer` their current health, and mark those
 /// not in `old_names` as added (slow start). Returns the added members.
-fn settle(
+pub(crate) fn settle(
     balancer: &Balancer,
     old_names: &[String],
     health_of: &dyn Fn(&str) -> Health,
@@ -85,11 +73,11 @@ fn settle(
     added
 }
 
-fn names_of(b: &Balancer) -> Vec<String> {
+pub(crate) fn names_of(b: &Balancer) -> Vec<String> {
     b.members().iter().map(|m| m.name.clone()).collect()
 }
 
-fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
+pub(crate) fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
     let new_names = names_of(new);
     Rebuilt {
         added: added
@@ -107,7 +95,12 @@ fn rebuilt(old_names: &[String], new: &Balancer, added: &[usize]) -> Rebuilt {
 
 /// The core of SIP vserver `v` of `config`, with `old`'s Via identities (its listener and
 /// the sockets of its other legs are kept).
-fn sip_core(config: &Config, v: &Vserver, old: &SipCore, balancer: &Arc<Balancer>) -> SipCore {
+pub(crate) fn sip_core(
+    config: &Config,
+    v: &Vserver,
+    old: &SipCore,
+    balancer: &Arc<Balancer>,
+) -> SipCore {
     let (local, legs) = old.identities();
     SipCore::new(SipParams::of(config, v, local, Arc::clone(balancer)).with_legs(legs))
         .with_edge(v.edge(Some(old.edge())))
@@ -115,7 +108,7 @@ fn sip_core(config: &Config, v: &Vserver, old: &SipCore, balancer: &Arc<Balancer
 
 /// Copy the live dialogs of `old` into `new`, renumbering members by service name; dialogs
 /// of services that left are dropped. Returns the new member of each open dialog.
-fn migrate_dialogs(
+pub(crate) fn migrate_dialogs(
     old: &SipCore,
     new: &SipCore,
     old_names: &[String],
@@ -132,13 +125,13 @@ fn migrate_dialogs(
 /// The longest the hand-over waits for a user of the old core (a worker in the middle of
 /// one datagram or message: microseconds). Only a worker stalled this long (a stopped
 /// process, a debugger) is not waited for; the rebuild then warns and goes on.
-const HANDOVER_LIMIT: Duration = Duration::from_secs(2);
+pub(crate) const HANDOVER_LIMIT: Duration = Duration::from_secs(2);
 
 /// Wait until only the `baseline` references the rebuild itself holds keep `old`: every
 /// worker that loaded it before the switch has finished with it. After `ArcSwap::store`, a
 /// reader's guard of the old value is a counted reference (arc-swap settles its readers'
 /// debts when it swaps), so the count is exact. `false` if it gave up at `limit`.
-pub(super) fn wait_for_readers<T>(old: &Arc<T>, baseline: usize, limit: Duration) -> bool {
+pub(crate) fn wait_for_readers<T>(old: &Arc<T>, baseline: usize, limit: Duration) -> bool {
     let start = std::time::Instant::now();
     let mut spins = 0u32;
     while Arc::strong_count(old) > baseline {
@@ -158,7 +151,7 @@ pub(super) fn wait_for_readers<T>(old: &Arc<T>, baseline: usize, limit: Duration
 /// After the switch, once no worker uses the old core: carry into the new table what the
 /// old core's users did to dialogs between the migration and the switch (see
 /// [`crate::dialog::DialogTable::catch_up_to`]).
-fn catch_up_dialogs(
+pub(crate) fn catch_up_dialogs(
     old: &SipCore,
     new: &SipCore,
     first: &crate::dialog::Migration,
@@ -189,309 +182,24 @@ fn renumber(old_names: &[String], new_names: &[String]) -> impl Fn(u32) -> Optio
     move |m| to.get(m as usize).copied().flatten()
 }
 
-/// The vserver `name` of the new config (when its protocol passes `fits`), the running
-/// vserver's swappable cell, and its slot in the runtime's handle list.
-fn locate<'c, T>(
-    config: &'c Config,
-    cells: &[(String, Arc<ArcSwap<T>>)],
-    handles: &[super::runtime::VserverHandle],
-    name: &str,
-    fits: impl Fn(Protocol) -> bool,
-    what: &str,
-) -> Result<(&'c Vserver, Arc<ArcSwap<T>>, usize), RuntimeError> {
-    let setup = |problem: String| RuntimeError::Setup {
-        vserver: name.to_owned(),
-        problem,
-    };
-    let v = config
-        .vservers
-        .iter()
-        .find(|v| v.name == name && fits(v.protocol))
-        .ok_or_else(|| setup(format!("not a {what} vserver of the new config")))?;
-    let cell = cells
-        .iter()
-        .find(|(n, _)| n == name)
-        .map(|(_, c)| Arc::clone(c))
-        .ok_or_else(|| setup("not running".into()))?;
-    let slot = handles
-        .iter()
-        .position(|h| h.name == name)
-        .ok_or_else(|| setup("not running".into()))?;
-    Ok((v, cell, slot))
+/// Build a core from the one in `cell` with `build`, settle its members' health and slow
+/// start against the old balancer, and swap it into `cell` (udp, tcp and http: see the
+/// module doc). The new core and what changed.
+pub(crate) fn swap_core<C>(
+    cell: &ArcSwap<C>,
+    cx: &RebuildCx<'_>,
+    build: impl FnOnce(&C) -> C,
+    balancer: fn(&C) -> &Arc<Balancer>,
+) -> (Arc<C>, Rebuilt) {
+    let now = cx.now();
+    let old = cell.load_full();
+    let old_names = names_of(balancer(&old));
+    let core = Arc::new(build(&old));
+    let added = settle(balancer(&core), &old_names, cx.health_of, now);
+    cell.store(Arc::clone(&core));
+    let r = rebuilt(&old_names, balancer(&core), &added);
+    (core, r)
 }
-
-impl Runtime {
-    /// Cut the flows still open on member `service` of vserver `vserver` whose drain timed
-    /// out, where a rebuild without it would not: tcp / http connections finish on the core
-    /// they began with, so they are closed here. (A rebuild without the member ends the
-    /// others: dialogs and udp sessions are routed afresh, a sip-tcp link is retired.)
-    pub fn cut_flows(&self, vserver: &str, service: &str) {
-        if let Some((_, cell)) = self.tcp_cells.iter().find(|(n, _)| n == vserver) {
-            cell.load().cut(service);
-        }
-    }
-
-    /// Rebuild vserver `name` from `config`, whatever its protocol (see the module doc).
-    pub fn rebuild(
-        &mut self,
-        config: &Config,
-        name: &str,
-        health_of: &dyn Fn(&str) -> Health,
-    ) -> Result<Rebuilt, RuntimeError> {
-        let protocol = self.vserver(name).map(|h| h.protocol);
-        match protocol {
-            Some(Protocol::SipUdp) => self.rebuild_sip_udp(config, name, health_of),
-            Some(Protocol::Udp) => self.rebuild_udp(config, name, health_of),
-            Some(Protocol::Tcp | Protocol::Http) => self.rebuild_tcp(config, name, health_of),
-            Some(Protocol::SipTcp | Protocol::SipTls) => {
-                self.rebuild_sip_tcp(config, name, health_of)
-            }
-            None => Err(RuntimeError::Setup {
-                vserver: name.to_owned(),
-                problem: "not running".to_owned(),
-            }),
-        }
-    }
-
-    fn rebuild_udp(
-        &mut self,
-        config: &Config,
-        name: &str,
-        health_of: &dyn Fn(&str) -> Health,
-    ) -> Result<Rebuilt, RuntimeError> {
-        let (v, cell, slot) = locate(
-            config,
-            &self.udp_cells,
-            &self.vservers,
-            name,
-            |p| p == Protocol::Udp,
-            "udp",
-        )?;
-        Ok(self.swap_core(
-            &cell,
-            slot,
-            health_of,
-            |old| UdpCore::rebuilt(config, v, old),
-            UdpCore::balancer,
-            DataPath::Udp,
-        ))
-    }
-
-    fn rebuild_tcp(
-        &mut self,
-        config: &Config,
-        name: &str,
-        health_of: &dyn Fn(&str) -> Health,
-    ) -> Result<Rebuilt, RuntimeError> {
-        let (v, cell, slot) = locate(
-            config,
-            &self.tcp_cells,
-            &self.vservers,
-            name,
-            |p| matches!(p, Protocol::Tcp | Protocol::Http),
-            "tcp or http",
-        )?;
-        let epoch = self.epoch();
-        Ok(self.swap_core(
-            &cell,
-            slot,
-            health_of,
-            |old| TcpCore::rebuilt(config, v, epoch, old),
-            TcpCore::balancer,
-            DataPath::Tcp,
-        ))
-    }
-
-    /// Build a core from the running one with `build`, settle its members' health and slow
-    /// start against the old balancer, swap it into `cell` and the handle at `slot`.
-    fn swap_core<C>(
-        &mut self,
-        cell: &ArcSwap<C>,
-        slot: usize,
-        health_of: &dyn Fn(&str) -> Health,
-        build: impl FnOnce(&C) -> C,
-        balancer: fn(&C) -> &Arc<Balancer>,
-        wrap: fn(Arc<C>) -> DataPath,
-    ) -> Rebuilt {
-        let now = self.now();
-        let old = cell.load_full();
-        let old_names = names_of(balancer(&old));
-        let core = Arc::new(build(&old));
-        let added = settle(balancer(&core), &old_names, health_of, now);
-        cell.store(Arc::clone(&core));
-        let r = rebuilt(&old_names, balancer(&core), &added);
-        let handle = &mut self.vservers[slot];
-        handle.set_balancer(Arc::clone(balancer(&core)));
-        handle.data = wrap(core);
-        r
-    }
-
-    /// Rebuild sip-udp vserver `name` from `config` (same listener). `health_of` gives each
-    /// member's current state.
-    pub fn rebuild_sip_udp(
-        &mut self,
-        config: &Config,
-        name: &str,
-        health_of: &dyn Fn(&str) -> Health,
-    ) -> Result<Rebuilt, RuntimeError> {
-        let (v, cell, slot) = locate(
-            config,
-            &self.sip_cells,
-            &self.vservers,
-            name,
-            |p| p == Protocol::SipUdp,
-            "sip-udp",
-        )?;
-        // The links toward sip-tcp / sip-tls services (and the core's legs naming their
-        // transports) are set up at start; a reload cannot add the first.
-        let bridge = self.vservers[slot].bridge().cloned();
-        let wants_streams = v
-            .members()
-            .filter_map(|i| config.services.get(i))
-            .any(|s| s.protocol.is_sip_stream());
-        if wants_streams && bridge.is_none() {
-            return Err(RuntimeError::Setup {
-                vserver: name.to_owned(),
-                problem: "its first sip-tcp or sip-tls service needs a restart (the links toward stream services are set up at start)".to_owned(),
-            });
-        }
-        let now = self.now();
-        let old = cell.load_full();
-        let old_names = names_of(old.balancer());
-        let balancer = Arc::new(Balancer::new(config, v));
-        let added = settle(&balancer, &old_names, health_of, now);
-        let new_names = names_of(&balancer);
-        let core = Arc::new(sip_core(config, v, &old, &balancer));
-        // A fresh balancer: what moved is counted as load again (what did not was never
-        // counted there).
-        let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
-        for &m in &first.open {
-            core.open(m);
-        }
-        if let Some(bridge) = &bridge {
-            // The links first: a worker's decision by the new core finds its member's link
-            // (one by the old core is matched by name, `TcpShared::carry_datagram`).
-            let superseded = bridge.install(Install {
-                core: Arc::clone(&core),
-                max_clients: 0,
-                idle: v.idle_timeout,
-                tls: Install::member_tls(config, v),
-            });
-            if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
-                tracing::warn!(vserver = %name, "a link kept the old core past the hand-over limit");
-            }
-        }
-        cell.store(Arc::clone(&core));
-        // Held here: `old` and the handle's data path.
-        if !wait_for_readers(&old, 2, HANDOVER_LIMIT) {
-            tracing::warn!(vserver = %name, "a worker kept the old core past the hand-over limit");
-        }
-        // This balancer counted only what the first pass migrated, and what the new core
-        // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
-        let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, self.now());
-        for &m in &late.opened {
-            core.open(m);
-        }
-        for &m in &late.ended {
-            core.close(m);
-        }
-        for &(from, to) in &late.moved {
-            core.close(from);
-            core.open(to);
-        }
-        let handle = &mut self.vservers[slot];
-        let r = Rebuilt {
-            dialogs_kept: late.kept(&first),
-            ..rebuilt(&old_names, &balancer, &added)
-        };
-        handle.set_balancer(balancer);
-        handle.data = DataPath::SipUdp(core);
-        Ok(r)
-    }
-
-    /// Rebuild sip-tcp vserver `name` from `config`: same listener, client connections and
-    /// connections of surviving services (see [`crate::proxy::sip_tcp`]).
-    fn rebuild_sip_tcp(
-        &mut self,
-        config: &Config,
-        name: &str,
-        health_of: &dyn Fn(&str) -> Health,
-    ) -> Result<Rebuilt, RuntimeError> {
-        let setup = |problem: &str| RuntimeError::Setup {
-            vserver: name.to_owned(),
-            problem: problem.to_owned(),
-        };
-        let v = config
-            .vservers
-            .iter()
-            .find(|v| v.name == name && v.protocol.is_sip_stream())
-            .ok_or_else(|| setup("not a sip-tcp or sip-tls vserver of the new config"))?;
-        let slot = self
-            .vservers
-            .iter()
-            .position(|h| h.name == name)
-            .ok_or_else(|| setup("not running"))?;
-        let DataPath::SipTcp(_, shared) = &self.vservers[slot].data else {
-            return Err(setup("not a running sip-tcp vserver"));
-        };
-        let shared = Arc::clone(shared);
-        // The UDP leg toward sip-udp services is bound at start (its address is in the
-        // Record-Route of the dialogs it carries); a reload cannot add one.
-        let wants_udp = v
-            .members()
-            .filter_map(|i| config.services.get(i))
-            .any(|s| s.protocol == Protocol::SipUdp);
-        if wants_udp && !shared.has_udp_leg() {
-            return Err(setup(
-                "its first sip-udp service needs a restart (the UDP leg is bound at start)",
-            ));
-        }
-        let now = self.now();
-        let old = shared.core();
-        let old_names = names_of(old.balancer());
-        // Surviving members share their counters with the old balancer, so the dialogs
-        // they carry are already counted there.
-        let balancer = Arc::new(Balancer::carrying(config, v, old.balancer()));
-        let added = settle(&balancer, &old_names, health_of, now);
-        let new_names = names_of(&balancer);
-        let core = Arc::new(sip_core(config, v, &old, &balancer));
-        // Expired dialogs are not migrated: close their count first, or it would stay.
-        old.sweep(now);
-        let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
-        // The counters carry over: a dialog the new table had no room for is closed there.
-        for &m in &moved.refused_open {
-            core.close(m);
-        }
-        let superseded = shared.install(Install {
-            core: Arc::clone(&core),
-            max_clients: v.max_sessions,
-            idle: v.idle_timeout,
-            tls: Install::member_tls(config, v),
-        });
-        // Held here only: the link set the workers read before the switch.
-        if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
-            tracing::warn!(vserver = %name, "a worker kept the old core past the hand-over limit");
-        }
-        drop(superseded);
-        // The shared counters already follow what the old core did meanwhile (pins, ends,
-        // moves); what must stop counting is a pin the new table had no room for, and the old
-        // core's pin of a dialog the new core pinned again (its next request came first).
-        let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, self.now());
-        for &m in late.refused_open.iter().chain(&late.doubled) {
-            core.close(m);
-        }
-        let kept = late.kept(&moved);
-        let handle = &mut self.vservers[slot];
-        let r = Rebuilt {
-            dialogs_kept: kept,
-            ..rebuilt(&old_names, &balancer, &added)
-        };
-        handle.set_balancer(balancer);
-        handle.data = DataPath::SipTcp(core, shared);
-        Ok(r)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,22 +4,26 @@
 //! messages of one call leave fulcrum in the order they arrived.
 //!
 //! Members that speak sip-tcp or sip-tls (the transports bridge, docs/sip.md) are reached
-//! over the stream shell's links ([`crate::proxy::sip_tcp::start_bridge`]): a worker hands
+//! over the stream shell's links ([`crate::proxy::sip_stream::start_bridge`]): a worker hands
 //! what its core sends them to the links, which connect on demand and hand what the services
 //! send to the core; what goes to a client from there leaves from one of this vserver's
 //! sockets.
 
 use crate::balancer::Balancer;
-use crate::config::{Config, Vserver};
+use crate::config::{Config, Protocol, Vserver};
 use crate::core::sip::SipParams;
 use crate::core::sip::{Action, SipCore};
 use crate::net;
-use crate::proxy::runtime::{
-    DataPath, RuntimeError, SipUdpCell, StartCtx, VserverHandle, bind_udp, local_identity,
+use crate::proxy::context::{
+    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_udp, local_identity,
+};
+use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
+use crate::proxy::reconfig::{
+    HANDOVER_LIMIT, catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
+    wait_for_readers,
 };
 use crate::proxy::shutdown::Shutdown;
-use crate::proxy::sip_tcp::TcpShared;
-use crate::proxy::{POLL, elapsed_nanos};
+use crate::proxy::sip_stream::{Install, SipStreamShared};
 use crate::sip::Transport;
 use crate::stats::{LogLimiter, bump};
 use std::net::{SocketAddr, UdpSocket};
@@ -130,8 +134,8 @@ impl Bridge for () {
     }
 }
 
-/// The links of the stream members ([`TcpShared::carry_datagram`]).
-impl Bridge for Arc<TcpShared> {
+/// The links of the stream members ([`SipStreamShared::carry_datagram`]).
+impl Bridge for Arc<SipStreamShared> {
     fn to_member(&self, core: &Arc<SipCore>, m: usize, out: &[u8]) -> Option<SocketAddr> {
         self.carry_datagram(core, Action::ToMember(m), out)
     }
@@ -152,6 +156,154 @@ fn wake_on_shutdown(shutdown: &Shutdown, socket: &UdpSocket) -> Result<(), Runti
         let _ = socket2::SockRef::from(&clone).shutdown(std::net::Shutdown::Read);
     });
     Ok(())
+}
+
+/// The current core of a sip-udp vserver; a reload stores a rebuilt one.
+pub(crate) type SipUdpCell = Arc<arc_swap::ArcSwap<SipCore>>;
+
+/// A running sip-udp vserver: the core it runs now, the cell its workers load it from, and
+/// its links toward stream services when it has any (kept across rebuilds; a reload
+/// installs its core there too).
+#[derive(Debug)]
+pub struct SipUdpPath {
+    core: Arc<SipCore>,
+    cell: SipUdpCell,
+    bridge: Option<Arc<SipStreamShared>>,
+}
+
+impl SipUdpPath {
+    /// The core the vserver runs now.
+    pub fn core(&self) -> &Arc<SipCore> {
+        &self.core
+    }
+
+    /// The links toward the vserver's stream services, when it has any.
+    pub fn bridge(&self) -> Option<&Arc<SipStreamShared>> {
+        self.bridge.as_ref()
+    }
+}
+
+impl DataPath for SipUdpPath {
+    fn edge(&self) -> &crate::edge::Edge {
+        self.core.edge()
+    }
+
+    fn sip_core(&self) -> Option<&Arc<SipCore>> {
+        Some(&self.core)
+    }
+
+    fn service_tls(&self) -> Vec<(String, Arc<crate::tls::HandshakeCounters>)> {
+        self.bridge
+            .as_ref()
+            .map_or_else(Vec::new, |b| b.service_tls())
+    }
+
+    fn store_client_tls(&self, config: &Config) {
+        if let Some(b) = &self.bridge {
+            b.store_client_tls(config);
+        }
+    }
+
+    /// A sip-udp vserver's links toward its stream services count as a stream vserver's.
+    fn each_event(&self, visit: &mut dyn FnMut(&'static str, &std::sync::atomic::AtomicU64)) {
+        if let Some(b) = &self.bridge {
+            for (name, c) in b.counters.events() {
+                visit(name, c);
+            }
+        }
+    }
+
+    /// Same listener, worker threads and Via identity; a new balancer and core, dialogs
+    /// migrated (`proxy::reconfig`).
+    fn rebuild(
+        &self,
+        cx: &RebuildCx<'_>,
+        config: &Config,
+        v: &Vserver,
+    ) -> Result<Rebuild, RuntimeError> {
+        // The links toward sip-tcp / sip-tls services (and the core's legs naming their
+        // transports) are set up at start; a reload cannot add the first.
+        let bridge = self.bridge.clone();
+        let wants_streams = v
+            .members()
+            .filter_map(|i| config.services.get(i))
+            .any(|s| s.protocol.is_sip_stream());
+        if wants_streams && bridge.is_none() {
+            return Err(RuntimeError::Setup {
+                vserver: v.name.clone(),
+                problem: "its first sip-tcp or sip-tls service needs a restart (the links toward stream services are set up at start)".to_owned(),
+            });
+        }
+        let now = cx.now();
+        let old = self.cell.load_full();
+        let old_names = names_of(old.balancer());
+        let balancer = Arc::new(Balancer::new(config, v));
+        let added = settle(&balancer, &old_names, cx.health_of, now);
+        let new_names = names_of(&balancer);
+        let core = Arc::new(sip_core(config, v, &old, &balancer));
+        // A fresh balancer: what moved is counted as load again (what did not was never
+        // counted there).
+        let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+        for &m in &first.open {
+            core.open(m);
+        }
+        if let Some(bridge) = &bridge {
+            // The links first: a worker's decision by the new core finds its member's link
+            // (one by the old core is matched by name, `TcpShared::carry_datagram`).
+            let superseded = bridge.install(Install {
+                core: Arc::clone(&core),
+                max_clients: 0,
+                idle: v.idle_timeout,
+                tls: Install::member_tls(config, v),
+            });
+            if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
+                tracing::warn!(vserver = %v.name, "a link kept the old core past the hand-over limit");
+            }
+        }
+        self.cell.store(Arc::clone(&core));
+        // Held here: `old` and the handle's data path.
+        if !wait_for_readers(&old, 2, HANDOVER_LIMIT) {
+            tracing::warn!(vserver = %v.name, "a worker kept the old core past the hand-over limit");
+        }
+        // This balancer counted only what the first pass migrated, and what the new core
+        // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
+        let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, cx.now());
+        for &m in &late.opened {
+            core.open(m);
+        }
+        for &m in &late.ended {
+            core.close(m);
+        }
+        for &(from, to) in &late.moved {
+            core.close(from);
+            core.open(to);
+        }
+        let r = Rebuilt {
+            dialogs_kept: late.kept(&first),
+            ..rebuilt(&old_names, &balancer, &added)
+        };
+        Ok(Rebuild {
+            rebuilt: r,
+            balancer,
+            data: Arc::new(SipUdpPath {
+                core,
+                cell: Arc::clone(&self.cell),
+                bridge,
+            }),
+        })
+    }
+
+    fn fits(&self, p: Protocol) -> bool {
+        p == Protocol::SipUdp
+    }
+
+    fn kind(&self) -> &'static str {
+        "sip-udp"
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// Start a sip-udp vserver: worker threads with SO_REUSEPORT sockets, and a dialog sweeper;
@@ -182,11 +334,10 @@ pub(crate) fn start(
     }
     let core = Arc::new(SipCore::new(params).with_edge(v.edge(None)));
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
-    ctx.sip_cells.push((v.name.clone(), Arc::clone(&cell)));
     let bridge = match sockets.first() {
         Some(first) if streams => {
             let front = first.try_clone()?;
-            Some(crate::proxy::sip_tcp::start_bridge(
+            Some(crate::proxy::sip_stream::start_bridge(
                 ctx, config, v, &core, front,
             ))
         }
@@ -208,7 +359,7 @@ pub(crate) fn start(
     }
     if bridge.is_some() {
         tracing::info!(vserver = %v.name, "links toward sip-tcp / sip-tls services started");
-        return Ok(started(v, bound, workers, core).with_bridge(bridge));
+        return Ok(started(v, bound, workers, core, cell, bridge));
     }
     // Dialog expiry, in whatever core is current (a reload may change the idle timeout, so
     // the interval is looked at every POLL); the shutdown ends the sleep at once.
@@ -226,7 +377,7 @@ pub(crate) fn start(
             }
         })?;
     ctx.threads.push(t);
-    Ok(started(v, bound, workers, core))
+    Ok(started(v, bound, workers, core, cell, None))
 }
 
 /// The handle of a started sip-udp vserver.
@@ -235,6 +386,8 @@ fn started(
     bound: Vec<std::net::SocketAddr>,
     workers: usize,
     core: Arc<SipCore>,
+    cell: SipUdpCell,
+    bridge: Option<Arc<SipStreamShared>>,
 ) -> VserverHandle {
     tracing::info!(
         vserver = %v.name,
@@ -248,7 +401,7 @@ fn started(
         v.protocol,
         bound,
         Arc::clone(core.balancer()),
-        DataPath::SipUdp(core),
+        Arc::new(SipUdpPath { core, cell, bridge }),
     )
 }
 

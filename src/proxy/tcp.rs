@@ -24,15 +24,16 @@
 //! of its own only while a write toward a slow peer is pending.
 
 use crate::balancer::{Balancer, KeyInput};
-use crate::config::{Config, ProxyProtocol, Vserver};
+use crate::config::{Config, Protocol, ProxyProtocol, Vserver};
 use crate::core::tcp::{ConnectionKeys, FirstBytes};
 use crate::http::{self};
 use crate::net;
-use crate::proxy::elapsed_nanos;
-use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
-use crate::proxy::runtime::{
-    DataPath, RuntimeError, StartCtx, TcpCell, VserverHandle, bind_tcp_workers,
+use crate::proxy::context::elapsed_nanos;
+use crate::proxy::context::{
+    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_tcp_workers,
 };
+use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
+use crate::proxy::reconfig;
 use crate::proxy::shutdown::Signal;
 use crate::stats::{LogLimiter, bump};
 use crate::stats::{Nanos, ServiceCounters};
@@ -87,6 +88,25 @@ pub struct TcpCounters {
     pub client_errors: AtomicU64,
     pub service_errors: AtomicU64,
     pub accept_errors: AtomicU64,
+}
+
+impl TcpCounters {
+    /// Each counter by its event name, in the order metrics lists them.
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 11] {
+        [
+            ("accepted", &self.accepted),
+            ("refused", &self.refused),
+            ("connect_failures", &self.connect_failures),
+            ("no_service", &self.no_service),
+            ("idle_timeouts", &self.idle_timeouts),
+            ("drain_cuts", &self.drain_cuts),
+            ("first_bytes_timeouts", &self.first_bytes_timeouts),
+            ("heads_unparseable", &self.heads_unparseable),
+            ("client_errors", &self.client_errors),
+            ("service_errors", &self.service_errors),
+            ("accept_errors", &self.accept_errors),
+        ]
+    }
 }
 
 /// Shared state of one tcp / http vserver.
@@ -298,6 +318,83 @@ impl TcpCore {
     }
 }
 
+/// The current core of a tcp / http vserver; the accept loops load it per connection.
+pub(crate) type TcpCell = Arc<ArcSwap<TcpCore>>;
+
+/// A running tcp / http vserver: the core it runs now and the cell its accept loops load
+/// it from.
+#[derive(Debug)]
+pub struct TcpPath {
+    core: Arc<TcpCore>,
+    cell: TcpCell,
+}
+
+impl TcpPath {
+    /// The core the vserver runs now.
+    pub fn core(&self) -> &Arc<TcpCore> {
+        &self.core
+    }
+}
+
+impl DataPath for TcpPath {
+    fn edge(&self) -> &crate::edge::Edge {
+        self.core.edge()
+    }
+
+    fn service_tls(&self) -> Vec<(String, Arc<HandshakeCounters>)> {
+        self.core.service_tls()
+    }
+
+    fn store_client_tls(&self, config: &Config) {
+        self.cell.load().store_client_tls(config);
+    }
+
+    fn each_event(&self, visit: &mut dyn FnMut(&'static str, &AtomicU64)) {
+        for (name, c) in self.core.counters.events() {
+            visit(name, c);
+        }
+    }
+
+    fn cut(&self, service: &str) {
+        self.cell.load().cut(service);
+    }
+
+    fn rebuild(
+        &self,
+        cx: &RebuildCx<'_>,
+        config: &Config,
+        v: &Vserver,
+    ) -> Result<Rebuild, RuntimeError> {
+        let epoch = cx.epoch;
+        let (core, rebuilt) = reconfig::swap_core(
+            &self.cell,
+            cx,
+            |old| TcpCore::rebuilt(config, v, epoch, old),
+            TcpCore::balancer,
+        );
+        Ok(Rebuild {
+            rebuilt,
+            balancer: Arc::clone(core.balancer()),
+            data: Arc::new(TcpPath {
+                core,
+                cell: Arc::clone(&self.cell),
+            }),
+        })
+    }
+
+    fn fits(&self, p: Protocol) -> bool {
+        matches!(p, Protocol::Tcp | Protocol::Http)
+    }
+
+    fn kind(&self) -> &'static str {
+        "tcp or http"
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// Start a tcp / http vserver: `workers` threads (one per core by default), each with its
 /// own single-threaded tokio runtime and its own SO_REUSEPORT listener on every bind
 /// address. The kernel spreads incoming connections over the listeners, and a connection
@@ -307,7 +404,7 @@ pub(crate) fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
-    let tls = crate::proxy::runtime::tls_listener(v)?;
+    let tls = crate::proxy::context::tls_listener(v)?;
     let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_tcp_workers(v, workers)?;
@@ -346,14 +443,13 @@ pub(crate) fn start(
             .spawn(move || worker(rt, cell, tls, listeners, signal))?;
         ctx.threads.push(thread);
     }
-    ctx.tcp_cells.push((v.name.clone(), cell));
     tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), workers, "tcp vserver started");
     Ok(VserverHandle::new(
         v.name.clone(),
         v.protocol,
         bound,
         Arc::clone(core.balancer()),
-        DataPath::Tcp(core),
+        Arc::new(TcpPath { core, cell }),
     )
     .with_tls(tls))
 }

@@ -20,12 +20,16 @@
 //! source address. The receive and reply buffers belong to the
 //! worker: an idle session costs its table entry and a socket, no buffer.
 
+use crate::config::Protocol;
 use crate::config::{Config, Vserver};
 use crate::core::udp::{Decision, UdpCore, nanos};
 use crate::net;
-use crate::proxy::elapsed_nanos;
+use crate::proxy::context::elapsed_nanos;
+use crate::proxy::context::{
+    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_udp,
+};
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
-use crate::proxy::runtime::{DataPath, RuntimeError, StartCtx, UdpCell, VserverHandle, bind_udp};
+use crate::proxy::reconfig;
 use crate::session::{Admit, Session, SessionId, SessionKey, SessionTable};
 use crate::stats::Nanos;
 use crate::stats::{LogLimiter, bump};
@@ -63,6 +67,69 @@ const SLOT: usize = MAX_V2_LEN + MAX_DATAGRAM;
 /// the sessions of removed members). Shutdown does not wait on it: [`WAKE`] ends the wait.
 const POLL: Duration = Duration::from_millis(100);
 
+/// The current core of a udp vserver; workers adopt a rebuilt one on their next wake-up.
+pub(crate) type UdpCell = Arc<ArcSwap<UdpCore>>;
+
+/// A running udp vserver: the core it runs now and the cell its workers load it from.
+#[derive(Debug)]
+pub struct UdpPath {
+    core: Arc<UdpCore>,
+    cell: UdpCell,
+}
+
+impl UdpPath {
+    /// The core the vserver runs now.
+    pub fn core(&self) -> &Arc<UdpCore> {
+        &self.core
+    }
+}
+
+impl DataPath for UdpPath {
+    fn edge(&self) -> &crate::edge::Edge {
+        self.core.edge()
+    }
+
+    fn each_event(&self, visit: &mut dyn FnMut(&'static str, &std::sync::atomic::AtomicU64)) {
+        for (name, c) in self.core.counters.events() {
+            visit(name, c);
+        }
+    }
+
+    fn rebuild(
+        &self,
+        cx: &RebuildCx<'_>,
+        config: &Config,
+        v: &Vserver,
+    ) -> Result<Rebuild, RuntimeError> {
+        let (core, rebuilt) = reconfig::swap_core(
+            &self.cell,
+            cx,
+            |old| UdpCore::rebuilt(config, v, old),
+            UdpCore::balancer,
+        );
+        Ok(Rebuild {
+            rebuilt,
+            balancer: Arc::clone(core.balancer()),
+            data: Arc::new(UdpPath {
+                core,
+                cell: Arc::clone(&self.cell),
+            }),
+        })
+    }
+
+    fn fits(&self, p: Protocol) -> bool {
+        p == Protocol::Udp
+    }
+
+    fn kind(&self) -> &'static str {
+        "udp"
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// The token of a worker's mio `Waker`, woken when the runtime shuts down.
 const WAKE: Token = Token(usize::MAX);
 
@@ -76,7 +143,6 @@ pub(crate) fn start(
     let (per_addr, bound) = bind_udp(v, workers)?;
     let core = Arc::new(UdpCore::new(config, v));
     let cell: UdpCell = Arc::new(ArcSwap::new(Arc::clone(&core)));
-    ctx.udp_cells.push((v.name.clone(), Arc::clone(&cell)));
     // Worker i takes the i-th socket of every bind address.
     let mut sets: Vec<Vec<UdpSocket>> = (0..workers).map(|_| Vec::new()).collect();
     for socks in per_addr {
@@ -109,7 +175,10 @@ pub(crate) fn start(
         v.protocol,
         bound,
         Arc::clone(core.balancer()),
-        DataPath::Udp(core),
+        Arc::new(UdpPath {
+            core,
+            cell: Arc::clone(&cell),
+        }),
     ))
 }
 

@@ -3,7 +3,7 @@
 //!
 //! [`SipCore::handle`] is the whole per-message decision and rewrite: bytes, where they came
 //! from and `now` in; an [`Action`] and the bytes to send out. It touches no socket, so it
-//! is tested without one; only the transport shells (`sip_udp`, `sip_tcp`) differ.
+//! is tested without one; only the transport shells (`proxy::sip_udp`, `proxy::sip_stream`) differ.
 
 use crate::balancer::{Balancer, KeyInput};
 use crate::config::{HashParams, Method};

@@ -21,7 +21,7 @@
 //!
 //! # Reload
 //! Every message is decided and carried out with one [`Generation`]: the core and the link
-//! (connection task) of each of its members, swapped whole by [`TcpShared::install`]. A
+//! (connection task) of each of its members, swapped whole by [`SipStreamShared::install`]. A
 //! reload keeps the client connections and the links of members that stay (same service
 //! name and address); members it adds get a new link, which connects on their first
 //! request. The link of a member it removes is retired: requests still queued for it are
@@ -30,14 +30,18 @@
 //! in-dialog requests and the clients' responses to them) unless the service closes it
 //! first.
 
-use crate::balancer::Health;
+use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol, Vserver};
 use crate::core::sip::{Action, Origin, SipCore, SipParams};
-use crate::proxy::runtime::{
-    DataPath, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
+use crate::proxy::context::{
+    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
+};
+use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
+use crate::proxy::reconfig::{
+    HANDOVER_LIMIT, catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
+    wait_for_readers,
 };
 use crate::proxy::shutdown::{Signal, TaskGroup, TaskGuard};
-use crate::proxy::{POLL, elapsed_nanos};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
 use crate::sip::{Frame, Local, Transport, scan};
 use crate::stats::{LogLimiter, bump};
@@ -80,7 +84,7 @@ const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
 
 /// Counters specific to the stream transport.
 #[derive(Debug, Default)]
-pub struct TcpCounters {
+pub struct SipStreamCounters {
     pub clients_accepted: AtomicU64,
     pub clients_refused: AtomicU64,
     pub clients_open: AtomicU64,
@@ -110,6 +114,30 @@ pub struct TcpCounters {
     pub udp_leg_strangers: AtomicU64,
     /// Datagrams the UDP leg could not send (its send buffer full, or an error).
     pub udp_leg_send_errors: AtomicU64,
+}
+
+impl SipStreamCounters {
+    /// Each counter by its event name, in the order metrics lists them.
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 16] {
+        [
+            ("clients_accepted", &self.clients_accepted),
+            ("clients_refused", &self.clients_refused),
+            ("slow_clients_closed", &self.slow_clients_closed),
+            ("client_reads_paused", &self.client_reads_paused),
+            ("framing_errors", &self.framing_errors),
+            ("keepalive_pings", &self.keepalive_pings),
+            ("responses_no_client", &self.responses_no_client),
+            ("in_dialog_no_client", &self.in_dialog_no_client),
+            ("service_connect_failures", &self.service_connect_failures),
+            ("service_connections_lost", &self.service_connections_lost),
+            ("service_queue_full", &self.service_queue_full),
+            ("requests_rerouted", &self.requests_rerouted),
+            ("requests_lost", &self.requests_lost),
+            ("services_retired", &self.services_retired),
+            ("udp_leg_strangers", &self.udp_leg_strangers),
+            ("udp_leg_send_errors", &self.udp_leg_send_errors),
+        ]
+    }
 }
 
 struct Client {
@@ -204,10 +232,10 @@ impl Generation {
 }
 
 /// State shared by the tasks of one sip-tcp vserver.
-pub struct TcpShared {
+pub struct SipStreamShared {
     name: String,
     current: ArcSwap<Generation>,
-    pub counters: TcpCounters,
+    pub counters: SipStreamCounters,
     clients: DashMap<u64, Client>,
     /// Remote address → client connection id (the alias used for in-dialog requests).
     by_remote: DashMap<SocketAddr, u64>,
@@ -235,9 +263,9 @@ pub struct TcpShared {
     front: Option<std::net::UdpSocket>,
 }
 
-impl std::fmt::Debug for TcpShared {
+impl std::fmt::Debug for SipStreamShared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpShared")
+        f.debug_struct("SipStreamShared")
             .field("vserver", &self.name)
             .field("clients", &self.clients.len())
             .finish_non_exhaustive()
@@ -266,7 +294,7 @@ impl Install {
     }
 }
 
-impl TcpShared {
+impl SipStreamShared {
     fn now(&self) -> u64 {
         elapsed_nanos(self.epoch)
     }
@@ -905,7 +933,7 @@ enum ReplyTo<'a> {
 /// message that takes longer than [`inbound::MESSAGE_DEADLINE`] to arrive, or a framing error
 /// (the buffer and the deadline are [`Inbound`]'s). A client's requests are not read while
 /// its write queue is full ([`outbox`]).
-async fn read_messages<R: StreamRead>(shared: &TcpShared, mut read: R, peer: Peer<'_>) {
+async fn read_messages<R: StreamRead>(shared: &SipStreamShared, mut read: R, peer: Peer<'_>) {
     let Peer {
         origin,
         src,
@@ -1140,7 +1168,7 @@ async fn write_messages<W: AsyncWrite + Unpin>(
 /// time to be written: a client that half-closed and does not read must not keep the socket.
 /// A writer that fails or stalls first ends the client (and with it this task).
 async fn serve_client<S: SipStream>(
-    shared: Arc<TcpShared>,
+    shared: Arc<SipStreamShared>,
     stream: S,
     id: u64,
     src: SocketAddr,
@@ -1183,7 +1211,7 @@ async fn serve_client<S: SipStream>(
     let _ = tokio::time::timeout(CLIENT_FLUSH, &mut writer.0).await;
 }
 
-async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
+async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListener) {
     loop {
         let (stream, src) = match listener.accept().await {
             Ok(s) => s,
@@ -1261,7 +1289,11 @@ async fn accept_loop(shared: Arc<TcpShared>, listener: TcpListener) {
 }
 
 /// Own the connection over `link` (TCP, or TLS for a sip-tls service): see [`drive_link`].
-async fn service_loop(shared: Arc<TcpShared>, link: Arc<ServiceLink>, rx: mpsc::Receiver<Bytes>) {
+async fn service_loop(
+    shared: Arc<SipStreamShared>,
+    link: Arc<ServiceLink>,
+    rx: mpsc::Receiver<Bytes>,
+) {
     match link.tls.clone() {
         Some(tls) => drive_link(shared, link, rx, TlsLinkConnector(tls)).await,
         None => drive_link(shared, link, rx, TcpConnector).await,
@@ -1288,7 +1320,7 @@ struct LinkConn<W> {
 /// and failure reports are looked up in the current generation each time, so they follow
 /// reloads.
 async fn drive_link<C: Connector>(
-    shared: Arc<TcpShared>,
+    shared: Arc<SipStreamShared>,
     link: Arc<ServiceLink>,
     mut rx: mpsc::Receiver<Bytes>,
     connector: C,
@@ -1421,7 +1453,7 @@ async fn sleep_until(t: Option<std::time::Instant>) {
 /// Set up a new connection to `link`'s service: its options, and the reader task that hands
 /// what the service sends to the current core.
 fn open_link_conn<S: SipStream>(
-    shared: &Arc<TcpShared>,
+    shared: &Arc<SipStreamShared>,
     link: &ServiceLink,
     stream: S,
 ) -> LinkConn<S::Write> {
@@ -1467,7 +1499,7 @@ fn open_link_conn<S: SipStream>(
 /// A connect to `link`'s service failed (or the connection closed at once): count it, report
 /// it to the service's monitor and mark the service DOWN (a member the operator took
 /// OUT_OF_SERVICE stays so).
-fn mark_down(shared: &TcpShared, link: &ServiceLink) {
+fn mark_down(shared: &SipStreamShared, link: &ServiceLink) {
     bump(&shared.counters.service_connect_failures);
     let g = shared.current.load();
     if let Some(m) = g.index_of(link) {
@@ -1484,7 +1516,7 @@ fn mark_down(shared: &TcpShared, link: &ServiceLink) {
 
 /// The service a failed connect marked DOWN has kept a connection for [`link::SHORT_LIVED`]: UP
 /// again (unless something else, such as its monitor, has set it otherwise meanwhile).
-fn mark_up_again(shared: &TcpShared, link: &ServiceLink) {
+fn mark_up_again(shared: &SipStreamShared, link: &ServiceLink) {
     let g = shared.current.load();
     if let Some(m) = g.index_of(link)
         && g.core.balancer().health(m) == Some(Health::Down)
@@ -1510,7 +1542,7 @@ fn udp_target(sock: &tokio::net::UdpSocket, addr: SocketAddr) -> SocketAddr {
 /// in-dialog requests) is handled as theirs by the current core and carried out like a
 /// message read from a link. Datagrams from anyone else are dropped: the leg faces the
 /// services, clients reach the vserver on its listener.
-async fn udp_leg_loop(shared: Arc<TcpShared>, sock: Arc<tokio::net::UdpSocket>) {
+async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::net::UdpSocket>) {
     let dst = sock
         .local_addr()
         .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
@@ -1593,7 +1625,7 @@ fn bind_udp_leg(
 /// then the end of every client connection and service link (aborted, so that no
 /// connection's read or write loop has to look at the signal on its data path).
 async fn run_vserver(
-    shared: Arc<TcpShared>,
+    shared: Arc<SipStreamShared>,
     listeners: Vec<TcpListener>,
     mut signal: Signal,
     _guard: TaskGuard,
@@ -1638,6 +1670,132 @@ async fn run_vserver(
     }
 }
 
+/// A running sip-tcp / sip-tls vserver: the core it runs now and the state its tasks share
+/// (kept across rebuilds; a reload installs a new generation in it).
+#[derive(Debug)]
+pub struct SipStreamPath {
+    core: Arc<SipCore>,
+    shared: Arc<SipStreamShared>,
+}
+
+impl SipStreamPath {
+    /// The core the vserver runs now.
+    pub fn core(&self) -> &Arc<SipCore> {
+        &self.core
+    }
+
+    /// The state the vserver's tasks share.
+    pub fn shared(&self) -> &Arc<SipStreamShared> {
+        &self.shared
+    }
+}
+
+impl DataPath for SipStreamPath {
+    fn edge(&self) -> &crate::edge::Edge {
+        self.core.edge()
+    }
+
+    fn sip_core(&self) -> Option<&Arc<SipCore>> {
+        Some(&self.core)
+    }
+
+    fn service_tls(&self) -> Vec<(String, Arc<crate::tls::HandshakeCounters>)> {
+        self.shared.service_tls()
+    }
+
+    fn store_client_tls(&self, config: &Config) {
+        self.shared.store_client_tls(config);
+    }
+
+    fn each_event(&self, visit: &mut dyn FnMut(&'static str, &AtomicU64)) {
+        for (name, c) in self.shared.counters.events() {
+            visit(name, c);
+        }
+    }
+
+    /// Same listener, client connections and connections of surviving services (see the
+    /// module doc).
+    fn rebuild(
+        &self,
+        cx: &RebuildCx<'_>,
+        config: &Config,
+        v: &Vserver,
+    ) -> Result<Rebuild, RuntimeError> {
+        let setup = |problem: &str| RuntimeError::Setup {
+            vserver: v.name.clone(),
+            problem: problem.to_owned(),
+        };
+        let shared = Arc::clone(&self.shared);
+        // The UDP leg toward sip-udp services is bound at start (its address is in the
+        // Record-Route of the dialogs it carries); a reload cannot add one.
+        let wants_udp = v
+            .members()
+            .filter_map(|i| config.services.get(i))
+            .any(|s| s.protocol == Protocol::SipUdp);
+        if wants_udp && !shared.has_udp_leg() {
+            return Err(setup(
+                "its first sip-udp service needs a restart (the UDP leg is bound at start)",
+            ));
+        }
+        let now = cx.now();
+        let old = shared.core();
+        let old_names = names_of(old.balancer());
+        // Surviving members share their counters with the old balancer, so the dialogs
+        // they carry are already counted there.
+        let balancer = Arc::new(Balancer::carrying(config, v, old.balancer()));
+        let added = settle(&balancer, &old_names, cx.health_of, now);
+        let new_names = names_of(&balancer);
+        let core = Arc::new(sip_core(config, v, &old, &balancer));
+        // Expired dialogs are not migrated: close their count first, or it would stay.
+        old.sweep(now);
+        let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+        // The counters carry over: a dialog the new table had no room for is closed there.
+        for &m in &moved.refused_open {
+            core.close(m);
+        }
+        let superseded = shared.install(Install {
+            core: Arc::clone(&core),
+            max_clients: v.max_sessions,
+            idle: v.idle_timeout,
+            tls: Install::member_tls(config, v),
+        });
+        // Held here only: the link set the workers read before the switch.
+        if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
+            tracing::warn!(vserver = %v.name, "a worker kept the old core past the hand-over limit");
+        }
+        drop(superseded);
+        // The shared counters already follow what the old core did meanwhile (pins, ends,
+        // moves); what must stop counting is a pin the new table had no room for, and the old
+        // core's pin of a dialog the new core pinned again (its next request came first).
+        let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, cx.now());
+        for &m in late.refused_open.iter().chain(&late.doubled) {
+            core.close(m);
+        }
+        let kept = late.kept(&moved);
+        let r = Rebuilt {
+            dialogs_kept: kept,
+            ..rebuilt(&old_names, &balancer, &added)
+        };
+        Ok(Rebuild {
+            rebuilt: r,
+            balancer,
+            data: Arc::new(SipStreamPath { core, shared }),
+        })
+    }
+
+    fn fits(&self, p: Protocol) -> bool {
+        p.is_sip_stream()
+    }
+
+    fn kind(&self) -> &'static str {
+        "sip-tcp or sip-tls"
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 /// Start a sip-tcp vserver on the runtime's tokio runtime.
 pub(crate) fn start(
     ctx: &mut StartCtx<'_>,
@@ -1651,7 +1809,7 @@ pub(crate) fn start(
         _ => Transport::Tcp,
     };
     let local = local_identity(v, &bound, &member_addrs, transport)?;
-    let tls = crate::proxy::runtime::tls_listener(v)?;
+    let tls = crate::proxy::context::tls_listener(v)?;
     // The transports bridge: the other stream transport shares the vserver's address (its
     // links connect out); sip-udp members get a UDP leg of their own.
     let mut legs = vec![local.with_transport(match transport {
@@ -1702,7 +1860,7 @@ pub(crate) fn start(
         v.protocol,
         bound,
         balancer,
-        DataPath::SipTcp(core, shared),
+        Arc::new(SipStreamPath { core, shared }),
     )
     .with_tls(tls))
 }
@@ -1725,17 +1883,17 @@ fn launch(
     v: &Vserver,
     core: Arc<SipCore>,
     sh: Shells,
-) -> Arc<TcpShared> {
+) -> Arc<SipStreamShared> {
     let empty = Generation {
         core: Arc::clone(&core),
         links: Vec::new(),
         max_clients: sh.max_clients,
         idle: v.idle_timeout,
     };
-    let shared = Arc::new(TcpShared {
+    let shared = Arc::new(SipStreamShared {
         name: v.name.clone(),
         current: ArcSwap::from_pointee(empty),
-        counters: TcpCounters::default(),
+        counters: SipStreamCounters::default(),
         clients: DashMap::new(),
         by_remote: DashMap::new(),
         draining: DashMap::new(),
@@ -1763,15 +1921,15 @@ fn launch(
 /// client connection. `core` is the vserver's (its legs name the stream transports); what
 /// the links read is handled by the current core as the member's, and what goes to a client
 /// leaves from `front`, one of the vserver's UDP sockets. The vserver's workers hand their
-/// stream members' traffic to [`TcpShared::carry_datagram`]; a reload installs its core here
-/// too ([`TcpShared::install`]).
+/// stream members' traffic to [`SipStreamShared::carry_datagram`]; a reload installs its core here
+/// too ([`SipStreamShared::install`]).
 pub(crate) fn start_bridge(
     ctx: &mut StartCtx<'_>,
     config: &Config,
     v: &Vserver,
     core: &Arc<SipCore>,
     front: std::net::UdpSocket,
-) -> Arc<TcpShared> {
+) -> Arc<SipStreamShared> {
     let shared = launch(
         ctx,
         config,
