@@ -235,7 +235,38 @@ impl Link {
                 out.push(LinkAction::Close);
                 State::Closed
             }
-            (State::Connecting { pending, .. }, E::ConnectOk) => {
+            (State::Connecting { pending, deadline }, event) => {
+                self.on_connecting(now, pending, deadline, event, out)
+            }
+            (State::Backoff { until }, E::TimerFired) => {
+                if now >= until {
+                    // After a failure the service is DOWN: probe it with or without a request.
+                    self.connect(now, None, out)
+                } else {
+                    State::Backoff { until }
+                }
+            }
+            (State::Connected(c), event) => self.on_connected(now, c, event, out),
+            (State::Draining { until, writing }, event) => {
+                self.on_draining(now, until, writing, event, out)
+            }
+            // Anything else is not what the phase waits for: nothing changes.
+            (state, _) => state,
+        };
+    }
+
+    /// An event while connecting: the connection made, failed, or out of time.
+    fn on_connecting(
+        &mut self,
+        now: Instant,
+        pending: Option<Bytes>,
+        deadline: Instant,
+        event: LinkEvent,
+        out: &mut Vec<LinkAction>,
+    ) -> State {
+        use LinkEvent as E;
+        match event {
+            E::ConnectOk => {
                 let mut conn = Conn {
                     connected_at: now,
                     failed_backoff: self.backoff,
@@ -251,39 +282,38 @@ impl Link {
                 }
                 State::Connected(conn)
             }
-            (State::Connecting { pending, .. }, E::ConnectFailed) => {
-                self.connect_failed(now, pending, Vec::new(), out)
-            }
-            (State::Connecting { pending, deadline }, E::TimerFired) => {
-                if now >= deadline {
-                    self.connect_failed(now, pending, Vec::new(), out)
-                } else {
-                    State::Connecting { pending, deadline }
-                }
-            }
-            (State::Backoff { until }, E::TimerFired) => {
-                if now >= until {
-                    // After a failure the service is DOWN: probe it with or without a request.
-                    self.connect(now, None, out)
-                } else {
-                    State::Backoff { until }
-                }
-            }
-            (State::Connected(mut c), E::MessageRead) => {
+            E::ConnectFailed => self.connect_failed(now, pending, Vec::new(), out),
+            E::TimerFired if now >= deadline => self.connect_failed(now, pending, Vec::new(), out),
+            _ => State::Connecting { pending, deadline },
+        }
+    }
+
+    /// An event on a live connection: what the service sent, a write to start or finished,
+    /// the connection lost, or the time it has lived.
+    fn on_connected(
+        &mut self,
+        now: Instant,
+        mut c: Conn,
+        event: LinkEvent,
+        out: &mut Vec<LinkAction>,
+    ) -> State {
+        use LinkEvent as E;
+        match event {
+            E::MessageRead => {
                 c.heard = true;
                 State::Connected(c)
             }
-            (State::Connected(mut c), E::Queued(b)) if c.writing.is_none() => {
+            E::Queued(b) if c.writing.is_none() => {
                 c.writing = Some(Writing::Request(b.clone()));
                 out.push(LinkAction::Write(b));
                 State::Connected(c)
             }
-            (State::Connected(mut c), E::Reply(b)) if c.writing.is_none() => {
+            E::Reply(b) if c.writing.is_none() => {
                 c.writing = Some(Writing::Reply);
                 out.push(LinkAction::Write(b));
                 State::Connected(c)
             }
-            (State::Connected(mut c), E::WriteDone) => {
+            E::WriteDone => {
                 if let Some(Writing::Request(b)) = c.writing.take() {
                     if c.heard {
                         c.unanswered = Vec::new();
@@ -293,18 +323,18 @@ impl Link {
                 }
                 State::Connected(c)
             }
-            (State::Connected(mut c), E::WriteFailed) => {
+            E::WriteFailed => {
                 let request = match c.writing.take() {
                     Some(Writing::Request(b)) => Some(b),
                     _ => None,
                 };
                 self.connection_failed(now, c, request, out)
             }
-            (State::Connected(c), E::ReaderClosed) if c.writing.is_none() => {
+            E::ReaderClosed if c.writing.is_none() => {
                 out.push(LinkAction::CountLost);
                 self.connection_failed(now, c, None, out)
             }
-            (State::Connected(mut c), E::TimerFired) => {
+            E::TimerFired => {
                 if c.writing.is_none() && !c.proven && now >= c.connected_at + SHORT_LIVED {
                     c.proven = true;
                     if self.down {
@@ -314,34 +344,37 @@ impl Link {
                 }
                 State::Connected(c)
             }
-            (
-                State::Draining {
-                    until,
-                    writing: false,
-                },
-                E::Reply(b),
-            ) => {
+            _ => State::Connected(c),
+        }
+    }
+
+    /// An event while a retired link drains: replies still written, the end at its time or
+    /// when the connection fails.
+    fn on_draining(
+        &mut self,
+        now: Instant,
+        until: Instant,
+        writing: bool,
+        event: LinkEvent,
+        out: &mut Vec<LinkAction>,
+    ) -> State {
+        use LinkEvent as E;
+        match event {
+            E::Reply(b) if !writing => {
                 out.push(LinkAction::Write(b));
                 State::Draining {
                     until,
                     writing: true,
                 }
             }
-            (State::Draining { until, .. }, E::WriteDone) => State::Draining {
+            E::WriteDone => State::Draining {
                 until,
                 writing: false,
             },
-            (State::Draining { .. }, E::WriteFailed | E::ReaderClosed) => self.end_drain(out),
-            (State::Draining { until, writing }, E::TimerFired) => {
-                if now >= until {
-                    self.end_drain(out)
-                } else {
-                    State::Draining { until, writing }
-                }
-            }
-            // Anything else is not what the phase waits for: nothing changes.
-            (state, _) => state,
-        };
+            E::WriteFailed | E::ReaderClosed => self.end_drain(out),
+            E::TimerFired if now >= until => self.end_drain(out),
+            _ => State::Draining { until, writing },
+        }
     }
 
     /// The top of the link's loop with `pending` to send (or none): connect when there is

@@ -1,0 +1,232 @@
+//! Client connections of a SIP stream vserver: accepted (access lists, `max_sessions`, the
+//! TLS handshake on the connection's own task), read, and written through a byte-bounded
+//! queue ([`outbox`]) by a writer that gives up on a client that stops reading. IO.
+
+use super::*;
+
+pub(super) struct Client {
+    pub(super) outbox: Outbox,
+    pub(super) remote: SocketAddr,
+    /// The client's task; aborting it ends its writer too (see [`AbortOnDrop`]).
+    pub(super) abort: tokio::task::AbortHandle,
+}
+
+/// Most bytes gathered into one write toward a client.
+pub(super) const WRITE_BATCH: usize = 64 * 1024;
+
+/// Write `bytes` whole and flush them toward a client that must keep reading, for as long as
+/// the connection makes progress: the writer gives up only once [`CLIENT_SEND_TIMEOUT`] passes
+/// without the connection waking it (room freed by the client's reading). A bound on each
+/// step would not do over TLS, whose flush sends what the TLS stream buffered (up to 64 KiB)
+/// in one step, however slowly a client that keeps reading takes it.
+pub(super) async fn write_to_client<W: AsyncWrite + Unpin>(
+    write: &mut W,
+    bytes: &[u8],
+) -> Result<(), WriterEnd> {
+    use std::task::Poll;
+    let mut io = std::pin::pin!(async {
+        write.write_all(bytes).await?;
+        write.flush().await
+    });
+    // Made on the first wait only: a write that goes through at once sets no timer.
+    let mut quiet: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(r) = io.as_mut().poll(cx) {
+            return Poll::Ready(r.map_err(|_| WriterEnd::Failed));
+        }
+        // The writer's task waits for nothing else: polled before the timer ran out, it was
+        // woken by the connection, which made progress; the quiet time starts again.
+        let until = tokio::time::Instant::now() + CLIENT_SEND_TIMEOUT;
+        let timer = match quiet.as_mut() {
+            Some(t) if t.is_elapsed() => return Poll::Ready(Err(WriterEnd::Stalled)),
+            Some(t) => {
+                t.as_mut().reset(until);
+                t
+            }
+            None => quiet.insert(Box::pin(tokio::time::sleep_until(until))),
+        };
+        // Registers the wake-up at `until` (it cannot have passed yet).
+        let _ = timer.as_mut().poll(cx);
+        Poll::Pending
+    })
+    .await
+}
+
+/// How a client's writer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum WriterEnd {
+    /// The queue closed (the client was forgotten) and everything in it was written.
+    Done,
+    /// A write failed: the connection is broken.
+    Failed,
+    /// A write (or flush) made no progress for [`CLIENT_SEND_TIMEOUT`]: the client does not
+    /// read.
+    Stalled,
+}
+
+/// Write what is queued toward a client, everything already queued in one write (a client
+/// that sends a burst gets its answers in a few system calls, not one per message), and
+/// lower its queue's [`Level`] by what was written.
+pub(super) async fn write_messages<W: AsyncWrite + Unpin>(
+    mut write: W,
+    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    level: Arc<Level>,
+) -> WriterEnd {
+    let mut batch = BytesMut::new();
+    while let Some(b) = rx.recv().await {
+        let mut cost = outbox::cost(&b);
+        let write_once = match rx.try_recv() {
+            // The common case: one message, written from where it is.
+            Err(_) => write_to_client(&mut write, &b).await,
+            Ok(next) => {
+                cost += outbox::cost(&next);
+                batch.clear();
+                batch.extend_from_slice(&b);
+                batch.extend_from_slice(&next);
+                while batch.len() < WRITE_BATCH {
+                    match rx.try_recv() {
+                        Ok(more) => {
+                            cost += outbox::cost(&more);
+                            batch.extend_from_slice(&more);
+                        }
+                        Err(_) => break,
+                    }
+                }
+                write_to_client(&mut write, &batch).await
+            }
+        };
+        match write_once {
+            Ok(()) => level.written(cost),
+            Err(end) => return end,
+        }
+        if batch.capacity() > WRITE_BATCH * 2 {
+            batch = BytesMut::new();
+        }
+    }
+    let _ = write.shutdown().await;
+    WriterEnd::Done
+}
+
+/// Read a client's messages until it is done, then give what is queued toward it a bounded
+/// time to be written: a client that half-closed and does not read must not keep the socket.
+/// A writer that fails or stalls first ends the client (and with it this task).
+pub(super) async fn serve_client<S: SipStream>(
+    shared: Arc<SipStreamShared>,
+    stream: S,
+    id: u64,
+    src: SocketAddr,
+    dst: SocketAddr,
+    rx: mpsc::UnboundedReceiver<Bytes>,
+    level: Arc<Level>,
+) {
+    // TCP_NODELAY is inherited from the listener (`net::bind_tcp_listener`). The writer is a
+    // task of its own, so a client's replies are written while its next requests are read.
+    let (read, write) = stream.split();
+    let mut writer = AbortOnDrop(tokio::spawn({
+        let shared = Arc::clone(&shared);
+        let level = Arc::clone(&level);
+        async move {
+            match write_messages(write, rx, level).await {
+                WriterEnd::Done => {}
+                WriterEnd::Stalled => shared.disconnect_slow_client(id, "a write made no progress"),
+                // The reader finds the broken connection itself, unless it is paused on the
+                // queue this writer no longer drains.
+                WriterEnd::Failed => {
+                    if let Some(abort) = shared.clients.get(&id).map(|c| c.abort.clone()) {
+                        shared.forget_client(id, src);
+                        abort.abort();
+                    }
+                }
+            }
+        }
+    }));
+    let peer = Peer {
+        origin: Origin::Client { conn: Some(id) },
+        src,
+        dst,
+        reply: ReplyTo::Client(id),
+        heard: None,
+        queue: Some(&level),
+    };
+    read_messages(&shared, read, peer).await;
+    shared.forget_client(id, src);
+    // Dropping `writer` afterwards ends it if it has not finished.
+    let _ = tokio::time::timeout(CLIENT_FLUSH, &mut writer.0).await;
+}
+
+pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListener) {
+    loop {
+        let (stream, src) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                if shared.log.allow(shared.now()) {
+                    tracing::warn!(vserver = %shared.name, error = %e, "accept failed");
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        {
+            // The access lists, before anything is read (a service's own connection is
+            // never refused by them).
+            let g = shared.current.load();
+            let core = &g.core;
+            if core.edge().has_acl() && !core.is_member_ip(src) && !core.edge().admits(src.ip()) {
+                drop(stream);
+                continue;
+            }
+        }
+        if shared.clients.len() >= shared.current.load().max_clients {
+            bump(&shared.counters.clients_refused);
+            drop(stream);
+            continue;
+        }
+        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+        let dst = stream.local_addr().unwrap_or(src);
+        let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        bump(&shared.counters.clients_accepted);
+        shared.counters.clients_open.fetch_add(1, Ordering::Relaxed);
+        // The task starts serving once its entry is in the tables: one that ended before
+        // could not remove it, and the entry (and its count) would stay forever.
+        let (registered, wait_registered) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn({
+            let shared = Arc::clone(&shared);
+            let guard = shared.tasks.guard();
+            async move {
+                let _guard = guard;
+                if wait_registered.await.is_err() {
+                    return;
+                }
+                match shared.tls.clone() {
+                    None => serve_client(shared, stream, id, src, dst, rx, level).await,
+                    // The handshake runs here, bounded in time, not in the accept loop: a
+                    // client that never finishes it costs this task's timer only.
+                    Some(tls) => match tls.accept(stream).await {
+                        Ok(s) => {
+                            let s = tokio_rustls::TlsStream::Server(s);
+                            serve_client(shared, s, id, src, dst, rx, level).await;
+                        }
+                        Err(reason) => {
+                            if shared.log.allow(shared.now()) {
+                                tracing::info!(vserver = %shared.name, %src, reason = reason.name(), "TLS handshake failed");
+                            }
+                            shared.forget_client(id, src);
+                        }
+                    },
+                }
+            }
+        });
+        shared.clients.insert(
+            id,
+            Client {
+                outbox,
+                remote: src,
+                abort: task.abort_handle(),
+            },
+        );
+        shared.by_remote.insert(src, id);
+        let _ = registered.send(());
+    }
+}

@@ -1,0 +1,300 @@
+//! Service links: the one connection per member a SIP stream vserver (or a sip-udp vserver's
+//! bridge) keeps, driven by the pure [`Link`] machine: connect on demand with backoff,
+//! write, read what the service sends, retire on reload, mark the service DOWN / UP. IO.
+
+use super::*;
+
+/// The way to one member's connection task. A reload keeps the link of a member that stays
+/// (same service name and address) and retires the others.
+pub(super) struct ServiceLink {
+    pub(super) name: String,
+    pub(super) addr: SocketAddr,
+    /// TLS toward the service (a sip-tls service's `tls`); a reload stores new certificates
+    /// in it for the next connection.
+    pub(super) tls: Option<Arc<crate::tls::TlsConnector>>,
+    pub(super) tx: mpsc::Sender<Bytes>,
+    /// Reached over the vserver's UDP leg (a sip-udp member): no connection, no task.
+    pub(super) udp: bool,
+    pub(super) retired: AtomicBool,
+    pub(super) retire: Notify,
+}
+
+impl ServiceLink {
+    pub(super) fn new(
+        name: &str,
+        addr: SocketAddr,
+        tls: Option<crate::tls::TlsConnector>,
+        udp: bool,
+    ) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
+        let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
+        let link = ServiceLink {
+            name: name.to_owned(),
+            addr,
+            tls: tls.map(Arc::new),
+            tx,
+            udp,
+            retired: AtomicBool::new(false),
+            retire: Notify::new(),
+        };
+        (Arc::new(link), rx)
+    }
+
+    pub(super) fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+        self.retire.notify_waiters();
+    }
+
+    pub(super) fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the link is retired (at once if it already is).
+    pub(super) async fn retired(&self) {
+        loop {
+            // Created before the check: `notify_waiters` reaches it from here on.
+            let wake = self.retire.notified();
+            if self.is_retired() {
+                return;
+            }
+            wake.await;
+        }
+    }
+}
+
+/// Own the connection over `link` (TCP, or TLS for a sip-tls service): see [`drive_link`].
+pub(super) async fn service_loop(
+    shared: Arc<SipStreamShared>,
+    link: Arc<ServiceLink>,
+    rx: mpsc::Receiver<Bytes>,
+) {
+    match link.tls.clone() {
+        Some(tls) => drive_link(shared, link, rx, TlsLinkConnector(tls)).await,
+        None => drive_link(shared, link, rx, TcpConnector).await,
+    }
+}
+
+/// The live connection of a link: the write half, the reader task, and the queue of what
+/// fulcrum writes for the service itself (pongs, replies to its requests, and while it
+/// drains, clients' responses to its in-dialog requests).
+pub(super) struct LinkConn<W> {
+    pub(super) write: W,
+    /// Ends with the connection too: a shutdown aborts the link's task, not its reader.
+    pub(super) reader: AbortOnDrop,
+    pub(super) replies: mpsc::Receiver<Bytes>,
+    /// A sender on `replies`, registered in `draining` while the connection drains.
+    pub(super) drain_tx: mpsc::Sender<Bytes>,
+    /// Set by the reader once the service has sent anything.
+    pub(super) heard: Arc<AtomicBool>,
+}
+
+/// Drive `link`'s [`Link`] machine: wait for what its phase allows (a queued request, the
+/// connect, a write, a reply to write, the reader's end, the retirement, the next deadline),
+/// feed it in with `now`, and carry out the actions it returns. The member's index, health
+/// and failure reports are looked up in the current generation each time, so they follow
+/// reloads.
+pub(super) async fn drive_link<C: Connector>(
+    shared: Arc<SipStreamShared>,
+    link: Arc<ServiceLink>,
+    mut rx: mpsc::Receiver<Bytes>,
+    connector: C,
+) {
+    let addr = link.addr;
+    let mut machine = Link::new();
+    let mut conn: Option<LinkConn<<C::Stream as SipStream>::Write>> = None;
+    // The bytes of the write `machine` asked for.
+    let mut writing: Option<Bytes> = None;
+    let mut actions = Vec::new();
+    loop {
+        let event = match machine.phase() {
+            Phase::Idle => tokio::select! {
+                msg = rx.recv() => queued(msg),
+                () = link.retired() => LinkEvent::Retired,
+            },
+            // The connect first: a TLS handshake bounded by the same deadline as the timer
+            // is counted as timed out rather than dropped uncounted.
+            Phase::Connecting => tokio::select! {
+                biased;
+                r = connector.connect(addr, connect_deadline(&machine)) => match r {
+                    Ok(stream) => {
+                        conn = Some(open_link_conn(&shared, &link, stream));
+                        LinkEvent::ConnectOk
+                    }
+                    Err(_) => LinkEvent::ConnectFailed,
+                },
+                () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                () = link.retired() => LinkEvent::Retired,
+            },
+            Phase::Backoff => tokio::select! {
+                () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                () = link.retired() => LinkEvent::Retired,
+            },
+            // A write ends early only if the link is retired meanwhile (a removed service that
+            // stopped reading must not hold the task and the requests queued behind it) or,
+            // while draining, when the drain ends.
+            Phase::Writing | Phase::DrainWriting => match (conn.as_mut(), writing.take()) {
+                (Some(c), Some(b)) => tokio::select! {
+                    r = write_out(&mut c.write, &b) => if r.is_ok() { LinkEvent::WriteDone } else { LinkEvent::WriteFailed },
+                    () = link.retired(), if !machine.is_retired() => LinkEvent::Retired,
+                    () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                },
+                _ => LinkEvent::WriteFailed,
+            },
+            Phase::Connected => match conn.as_mut() {
+                Some(c) => tokio::select! {
+                    msg = rx.recv() => queued(msg),
+                    Some(b) = c.replies.recv() => LinkEvent::Reply(b),
+                    _ = &mut c.reader.0 => LinkEvent::ReaderClosed,
+                    () = link.retired() => LinkEvent::Retired,
+                    () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                },
+                None => LinkEvent::ReaderClosed,
+            },
+            Phase::Draining => match conn.as_mut() {
+                Some(c) => tokio::select! {
+                    Some(b) = c.replies.recv() => LinkEvent::Reply(b),
+                    _ = &mut c.reader.0 => LinkEvent::ReaderClosed,
+                    () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
+                },
+                None => LinkEvent::ReaderClosed,
+            },
+            Phase::Closed => return,
+        };
+        let now = tokio::time::Instant::now().into_std();
+        if !machine.is_heard()
+            && conn
+                .as_ref()
+                .is_some_and(|c| c.heard.load(Ordering::Relaxed))
+        {
+            machine.handle(now, LinkEvent::MessageRead, &mut actions);
+        }
+        machine.handle(now, event, &mut actions);
+        for action in actions.drain(..) {
+            match action {
+                // The phase (Connecting) does it.
+                LinkAction::Connect => {}
+                LinkAction::Write(b) => writing = Some(b),
+                LinkAction::Redispatch(b) => shared.redispatch(&link, b),
+                LinkAction::RedispatchQueue => shared.redispatch_queued(&link, None, &mut rx),
+                LinkAction::CloseQueue => rx.close(),
+                LinkAction::MarkDown => mark_down(&shared, &link),
+                LinkAction::MarkUp => mark_up_again(&shared, &link),
+                LinkAction::CountLost => bump(&shared.counters.service_connections_lost),
+                LinkAction::CountRetired => bump(&shared.counters.services_retired),
+                LinkAction::Disconnect => conn = None,
+                LinkAction::StartDrain => {
+                    if let Some(c) = &conn {
+                        shared.draining.insert(addr, c.drain_tx.clone());
+                    }
+                }
+                LinkAction::EndDrain => {
+                    if let Some(mut c) = conn.take() {
+                        shared
+                            .draining
+                            .remove_if(&addr, |_, tx| tx.same_channel(&c.drain_tx));
+                        c.reader.0.abort();
+                        let _ = c.write.shutdown().await;
+                        tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
+                    }
+                }
+                LinkAction::Close => return,
+            }
+        }
+    }
+}
+
+pub(super) fn queued(msg: Option<Bytes>) -> LinkEvent {
+    match msg {
+        Some(b) => LinkEvent::Queued(b),
+        None => LinkEvent::QueueClosed,
+    }
+}
+
+/// Until when a connect of `machine` (connecting) may run: its timer's deadline.
+pub(super) fn connect_deadline(machine: &Link) -> std::time::Instant {
+    let fallback = || std::time::Instant::now() + link::CONNECT_TIMEOUT;
+    machine.poll_timeout().unwrap_or_else(fallback)
+}
+
+/// Until `t`, or for ever.
+pub(super) async fn sleep_until(t: Option<std::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Set up a new connection to `link`'s service: its options, and the reader task that hands
+/// what the service sends to the current core.
+pub(super) fn open_link_conn<S: SipStream>(
+    shared: &Arc<SipStreamShared>,
+    link: &ServiceLink,
+    stream: S,
+) -> LinkConn<S::Write> {
+    let addr = link.addr;
+    if let Err(e) = stream.prepare_link()
+        && shared.log.allow(shared.now())
+    {
+        tracing::debug!(vserver = %shared.name, service = %addr, error = %e, "cannot set TCP keepalive");
+    }
+    let dst = stream.local_addr().unwrap_or(addr);
+    let (read, write) = stream.split();
+    // Replies fulcrum makes to a service's request go back on this connection.
+    let (reply_tx, replies) = mpsc::channel::<Bytes>(LINK_REPLY_QUEUE);
+    let drain_tx = reply_tx.clone();
+    // The core reads a member origin only to tell a service from a client, so the index at
+    // connect time serves for the life of the connection.
+    let origin = Origin::Member(shared.current.load().index_of(link).unwrap_or(0));
+    let heard = Arc::new(AtomicBool::new(false));
+    let reader = AbortOnDrop(tokio::spawn({
+        let shared = Arc::clone(shared);
+        let heard = Arc::clone(&heard);
+        async move {
+            let peer = Peer {
+                origin,
+                src: addr,
+                dst,
+                reply: ReplyTo::Link(&reply_tx),
+                heard: Some(&heard),
+                queue: None,
+            };
+            read_messages(&shared, read, peer).await;
+        }
+    }));
+    LinkConn {
+        write,
+        reader,
+        replies,
+        drain_tx,
+        heard,
+    }
+}
+
+/// A connect to `link`'s service failed (or the connection closed at once): count it, report
+/// it to the service's monitor and mark the service DOWN (a member the operator took
+/// OUT_OF_SERVICE stays so).
+pub(super) fn mark_down(shared: &SipStreamShared, link: &ServiceLink) {
+    bump(&shared.counters.service_connect_failures);
+    let g = shared.current.load();
+    if let Some(m) = g.index_of(link) {
+        let b = g.core.balancer();
+        b.report_failure(m);
+        // Checked against the current balancer: a reload may have built one that starts
+        // this member UP again.
+        if b.health(m) == Some(Health::Up) {
+            b.set_health(m, Health::Down, shared.now());
+            tracing::warn!(vserver = %shared.name, service = %link.addr, "cannot connect: service marked DOWN");
+        }
+    }
+}
+
+/// The service a failed connect marked DOWN has kept a connection for [`link::SHORT_LIVED`]: UP
+/// again (unless something else, such as its monitor, has set it otherwise meanwhile).
+pub(super) fn mark_up_again(shared: &SipStreamShared, link: &ServiceLink) {
+    let g = shared.current.load();
+    if let Some(m) = g.index_of(link)
+        && g.core.balancer().health(m) == Some(Health::Down)
+    {
+        g.core.balancer().set_health(m, Health::Up, shared.now());
+        tracing::info!(vserver = %shared.name, service = %link.addr, "connected again: service marked UP");
+    }
+}

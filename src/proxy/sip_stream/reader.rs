@@ -1,0 +1,187 @@
+//! Reading one SIP stream connection (a client's or a service link's): framed messages
+//! handed to the current core and carried out, pings answered, within the idle timeout and
+//! a message's deadline ([`Inbound`]). IO.
+
+use super::*;
+
+thread_local! {
+    /// Where a message is rewritten before it is copied into its queue: one per thread.
+    pub(super) static OUT: std::cell::RefCell<Vec<u8>> = std::cell::RefCell::new(Vec::with_capacity(4096));
+}
+
+/// Who is on the other side of a connection being read, and where its reader's own answers go.
+pub(super) struct Peer<'a> {
+    pub(super) origin: Origin,
+    pub(super) src: SocketAddr,
+    pub(super) dst: SocketAddr,
+    /// Where pongs and fulcrum's own replies go.
+    pub(super) reply: ReplyTo<'a>,
+    /// Set once anything arrives (a service link's: the service has spoken).
+    pub(super) heard: Option<&'a AtomicBool>,
+    /// A client's write queue.
+    pub(super) queue: Option<&'a Level>,
+}
+
+/// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
+/// idle timeout (clients only: a service connection stays while the service keeps it), a
+/// message that takes longer than [`inbound::MESSAGE_DEADLINE`] to arrive, or a framing error
+/// (the buffer and the deadline are [`Inbound`]'s). A client's requests are not read while
+/// its write queue is full ([`outbox`]).
+pub(super) async fn read_messages<R: StreamRead>(
+    shared: &SipStreamShared,
+    mut read: R,
+    peer: Peer<'_>,
+) {
+    let (max_message, is_client) = match peer.origin {
+        Origin::Member(_) => (SERVICE_MAX_MESSAGE, false),
+        Origin::Client { .. } => (DEFAULT_MAX_MESSAGE, true),
+    };
+    let mut inbound = Inbound::new(max_message);
+    loop {
+        if !frame_buffered(shared, &mut inbound, &peer) {
+            return;
+        }
+        // A client that sends faster than it reads: its next requests wait in its socket
+        // until the writer has drained its queue (or has given up on it). The time paused
+        // does not count against a message under way.
+        if let Some(level) = peer.queue.filter(|l| l.should_pause()) {
+            bump(&shared.counters.client_reads_paused);
+            let paused = tokio::time::Instant::now();
+            level.drained().await;
+            inbound.postpone(paused.elapsed());
+        }
+        // Wait with no buffer; take one once bytes are there. A client waits at most its
+        // idle timeout, and a partial message at most what is left of its deadline.
+        let now = tokio::time::Instant::now().into_std();
+        inbound.settle(now);
+        let idle_until = is_client.then(|| now + shared.current.load().idle);
+        let more = if R::WAITS_WITHOUT_BUFFER {
+            read_when_ready(&mut read, &mut inbound, idle_until).await
+        } else {
+            read_holding_buffer(&mut read, &mut inbound, idle_until).await
+        };
+        match more {
+            More::Bytes => {}
+            More::Closed => return,
+            More::TimedOut => {
+                if inbound.is_overdue(tokio::time::Instant::now().into_std()) {
+                    bump(&shared.counters.framing_errors);
+                    if shared.log.allow(shared.now()) {
+                        tracing::info!(vserver = %shared.name, src = %peer.src, "closing stream: a message did not arrive whole in time");
+                    }
+                }
+                return;
+            }
+        }
+    }
+}
+
+/// Frame everything already buffered (several messages may arrive in one read) and hand each
+/// message to the current core, answer pings; false after a framing error (the stream must
+/// close). Rewritten messages are built in a per-thread buffer and copied out.
+fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'_>) -> bool {
+    loop {
+        match inbound.frame() {
+            Ok(Some(frame)) => {
+                let len = frame.len();
+                match frame {
+                    Frame::Message { .. } => OUT.with_borrow_mut(|out| {
+                        if let Some(h) = peer.heard.filter(|h| !h.load(Ordering::Relaxed)) {
+                            h.store(true, Ordering::Relaxed);
+                        }
+                        let now = shared.now();
+                        let g = shared.current.load();
+                        let msg = inbound.front(len);
+                        let action = g
+                            .core
+                            .handle(msg, peer.origin, peer.src, peer.dst, now, out);
+                        shared.dispatch(&g, action, out, peer.origin, peer.reply);
+                    }),
+                    Frame::Ping => {
+                        bump(&shared.counters.keepalive_pings);
+                        shared.reply(peer.reply, Bytes::from_static(PONG));
+                    }
+                    Frame::Pong => {}
+                }
+                inbound.consume(len);
+            }
+            Ok(None) => return true,
+            Err(e) => {
+                bump(&shared.counters.framing_errors);
+                if shared.log.allow(shared.now()) {
+                    tracing::info!(vserver = %shared.name, src = %peer.src, error = %e, "closing stream after framing error");
+                }
+                return false;
+            }
+        }
+    }
+}
+
+/// How a wait for more bytes ended.
+enum More {
+    /// Bytes were read into the buffer (or a read may be tried again).
+    Bytes,
+    /// The peer closed the stream, or it failed.
+    Closed,
+    /// The idle timeout or the deadline of the message under way passed.
+    TimedOut,
+}
+
+/// TLS: the read waits, with the buffer, until `idle_until` or the message's deadline.
+async fn read_holding_buffer<R: StreamRead>(
+    read: &mut R,
+    inbound: &mut Inbound,
+    idle_until: Option<Instant>,
+) -> More {
+    let until = inbound.wait_until(idle_until);
+    let read_once = read.read_buf(inbound.read_buf());
+    let got = match until {
+        Some(u) => tokio::time::timeout_at(tokio::time::Instant::from_std(u), read_once)
+            .await
+            .ok(),
+        None => Some(read_once.await),
+    };
+    match got {
+        Some(Ok(0) | Err(_)) => More::Closed,
+        Some(Ok(_)) => More::Bytes,
+        None => More::TimedOut,
+    }
+}
+
+/// TCP: wait for readiness without a buffer, then one read attempt.
+async fn read_when_ready<R: StreamRead>(
+    read: &mut R,
+    inbound: &mut Inbound,
+    idle_until: Option<Instant>,
+) -> More {
+    let ready = match inbound.wait_until(idle_until) {
+        Some(u) => {
+            tokio::time::timeout_at(tokio::time::Instant::from_std(u), read.readable()).await
+        }
+        None => Ok(read.readable().await),
+    };
+    match ready {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return More::Closed,
+        Err(_) => return More::TimedOut,
+    }
+    // One read attempt, never a wait with the buffer held: a readiness can be stale (a
+    // fresh connection starts out readable), and then the attempt clears it and the loop
+    // waits again without the buffer. A short read clears it too (the receive queue is
+    // empty), so a burst costs one `recv`.
+    let attempt = {
+        let mut read_buf = std::pin::pin!(read.read_buf(inbound.read_buf()));
+        std::future::poll_fn(|cx| std::task::Poll::Ready(read_buf.as_mut().poll(cx))).await
+    };
+    match attempt {
+        std::task::Poll::Ready(Ok(0) | Err(_)) => More::Closed,
+        std::task::Poll::Ready(Ok(_)) => More::Bytes,
+        // Also what the read says once this task has used up its scheduling budget (the
+        // readiness is then still set, and `readable` would not wait): give the thread
+        // back before trying again, or a busy connection would spin on it.
+        std::task::Poll::Pending => {
+            tokio::task::yield_now().await;
+            More::Bytes
+        }
+    }
+}

@@ -1,0 +1,147 @@
+//! The UDP leg: the socket a SIP stream vserver reaches its sip-udp members on (the
+//! transports bridge, docs/sip.md), and a sip-udp bridge's way back to its clients. IO.
+
+use super::*;
+
+impl SipStreamShared {
+    /// Send `bytes` to `addr` over the UDP leg. A datagram path does not wait: a full send
+    /// buffer loses the datagram (counted), and SIP retransmits it (RFC 3261 §17.1.1.2).
+    pub(super) fn to_udp(&self, bytes: &[u8], addr: SocketAddr) -> bool {
+        if let Some(front) = &self.front {
+            return self.to_front(front, bytes, addr);
+        }
+        let Some(sock) = &self.udp else {
+            bump(&self.counters.udp_leg_send_errors);
+            return false;
+        };
+        let addr = udp_target(sock, addr);
+        self.datagram_sent(sock.try_send_to(bytes, addr), addr)
+    }
+
+    /// Whether a datagram to `addr` went out; one that did not is counted (and logged, at a
+    /// limited rate).
+    pub(super) fn datagram_sent(&self, sent: std::io::Result<usize>, addr: SocketAddr) -> bool {
+        match sent {
+            Ok(_) => true,
+            Err(e) => {
+                bump(&self.counters.udp_leg_send_errors);
+                if self.log.allow(self.now()) {
+                    tracing::debug!(vserver = %self.name, %addr, error = %e, "UDP send failed");
+                }
+                false
+            }
+        }
+    }
+
+    /// Send `bytes` to `addr` from the sip-udp vserver's socket `front`, without waiting (the
+    /// socket blocks for its worker's receive; MSG_DONTWAIT keeps this send from blocking a
+    /// link's task on a full send buffer: the datagram is lost and counted, as on the leg).
+    pub(super) fn to_front(
+        &self,
+        front: &std::net::UdpSocket,
+        bytes: &[u8],
+        addr: SocketAddr,
+    ) -> bool {
+        let sent = socket2::SockRef::from(front).send_to_with_flags(
+            bytes,
+            &addr.into(),
+            nix::libc::MSG_DONTWAIT,
+        );
+        self.datagram_sent(sent, addr)
+    }
+}
+
+/// Where a datagram to `addr` goes from `sock`: an IPv4 target is mapped when the socket is
+/// IPv6 (a wildcard `[::]` bind is dual-stack).
+pub(super) fn udp_target(sock: &tokio::net::UdpSocket, addr: SocketAddr) -> SocketAddr {
+    match (sock.local_addr(), addr.ip()) {
+        (Ok(SocketAddr::V6(_)), std::net::IpAddr::V4(v4)) => {
+            SocketAddr::new(std::net::IpAddr::V6(v4.to_ipv6_mapped()), addr.port())
+        }
+        _ => addr,
+    }
+}
+
+/// The UDP leg's receive loop: what sip-udp members send there (responses to the requests
+/// fulcrum forwarded, their in-dialog requests toward clients, their answers to the clients'
+/// in-dialog requests) is handled as theirs by the current core and carried out like a
+/// message read from a link. Datagrams from anyone else are dropped: the leg faces the
+/// services, clients reach the vserver on its listener.
+pub(super) async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::net::UdpSocket>) {
+    let dst = sock
+        .local_addr()
+        .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
+    let mut buf = vec![0u8; 65_536];
+    // fulcrum's own replies to a service's request go back as datagrams, not on a queue.
+    loop {
+        let (n, src) = match sock.recv_from(&mut buf).await {
+            Ok(r) => r,
+            Err(e) => {
+                if shared.log.allow(shared.now()) {
+                    tracing::debug!(vserver = %shared.name, error = %e, "UDP leg receive failed");
+                }
+                continue;
+            }
+        };
+        let src = SocketAddr::new(src.ip().to_canonical(), src.port());
+        OUT.with_borrow_mut(|out| {
+            let g = shared.current.load();
+            let Some(m) = g.core.udp_member_of(src) else {
+                bump(&shared.counters.udp_leg_strangers);
+                return;
+            };
+            let origin = Origin::Member(m);
+            match g
+                .core
+                .handle(&buf[..n], origin, src, dst, shared.now(), out)
+            {
+                Action::Reply(addr) => {
+                    shared.to_udp(out, addr);
+                }
+                action => shared.dispatch(&g, action, out, origin, ReplyTo::Nowhere),
+            }
+        });
+    }
+}
+
+/// Bind the UDP leg of stream vserver `v` toward its sip-udp members: the first bind
+/// address's IP with an ephemeral port (docs/sip.md says why), and fulcrum's identity on
+/// it (the IP toward the first such member when the bind is a wildcard).
+pub(super) fn bind_udp_leg(
+    ctx: &StartCtx<'_>,
+    v: &Vserver,
+    bound: &[SocketAddr],
+    udp_members: &[SocketAddr],
+) -> Result<(Arc<tokio::net::UdpSocket>, Local), RuntimeError> {
+    let setup = |problem: String| RuntimeError::Setup {
+        vserver: v.name.clone(),
+        problem,
+    };
+    let first = *bound
+        .first()
+        .ok_or_else(|| setup("no bind address".into()))?;
+    let at = SocketAddr::new(first.ip(), 0);
+    let bind_err = |source| RuntimeError::Bind {
+        vserver: v.name.clone(),
+        addr: at,
+        source,
+    };
+    let sock = std::net::UdpSocket::bind(at).map_err(bind_err)?;
+    sock.set_nonblocking(true).map_err(bind_err)?;
+    let sock = {
+        let _enter = ctx.tokio.enter();
+        tokio::net::UdpSocket::from_std(sock).map_err(bind_err)?
+    };
+    let local = sock.local_addr().map_err(bind_err)?;
+    let ip = if local.ip().is_unspecified() {
+        let peer = udp_members
+            .first()
+            .ok_or_else(|| setup("no sip-udp service for the UDP leg".into()))?;
+        crate::net::local_ip_toward(*peer).map_err(|e| setup(format!("no route to {peer}: {e}")))?
+    } else {
+        local.ip()
+    };
+    let leg =
+        Local::from_addr(SocketAddr::new(ip, local.port()), Transport::Udp).with_aliases(&[local]);
+    Ok((Arc::new(sock), leg))
+}
