@@ -1,0 +1,759 @@
+//! `vservers[]`: a listener's fields group by group, its services resolved by name, and
+//! the rules across fields (method against protocol, token, slow start, members). PURE.
+
+use super::edge::EdgeFields;
+use super::{Cx, Fields, did_you_mean, join, parse_socket_addr};
+use crate::config::model::*;
+use crate::config::yaml::{Node, Pos, Value};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+const VSERVER_FIELDS: &[&str] = &[
+    "name",
+    "protocol",
+    "bind",
+    "method",
+    "hash_length",
+    "netmask",
+    "v6_netmask_len",
+    "token",
+    "hash_balance_factor",
+    "slow_start",
+    "services",
+    "advertise",
+    "record_route",
+    "idle_timeout",
+    "drain_timeout",
+    "allow",
+    "deny",
+    "flood",
+    "max_sessions",
+    "transparent",
+    "freebind",
+    "send_proxy",
+    "workers",
+    "tls",
+    "tls_handshake_timeout",
+];
+
+const SLOW_START_FIELDS: &[&str] = &["new_service_request_rate", "unit", "increment_interval"];
+
+const TOKEN_FIELDS: &[&str] = &["header", "query", "offset", "length"];
+
+/// True when `mask` is a run of ones followed by zeros.
+fn is_contiguous_mask(mask: Ipv4Addr) -> bool {
+    let m = u32::from(mask);
+    m.leading_ones() + m.trailing_zeros() == 32
+}
+
+fn default_idle_timeout(protocol: Protocol) -> Duration {
+    match protocol {
+        // Dialog affinity lives as long as a long call (docs/config.md, Defaults worth a reason).
+        Protocol::SipUdp | Protocol::SipTcp | Protocol::SipTls => Duration::from_secs(3600),
+        // nginx stream / Envoy UDP proxy default idle timeouts are about a minute.
+        Protocol::Udp => Duration::from_secs(60),
+        Protocol::Tcp | Protocol::Http => Duration::from_secs(600),
+    }
+}
+
+impl Cx {
+    /// A vserver: its fields read group by group, its services resolved, then the
+    /// cross-field rules ([`Cx::vserver_rules`], [`Cx::members_fit`]) over what was read.
+    pub(super) fn vserver(
+        &mut self,
+        node: &Node,
+        path: &str,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+    ) -> Option<Vserver> {
+        let f = self.fields(node, path, VSERVER_FIELDS)?;
+        let v = self.vserver_fields(&f, path);
+        let (members, listed_ok) = self.members(&f, path, services, services_declared);
+        let members_fit = self.members_fit(v.protocol, services, &members);
+        self.vserver_rules(&f, path, &v);
+        let members = members.iter().map(|m| m.index).collect();
+        v.build((listed_ok && members_fit).then_some(members))
+    }
+
+    /// Every field of a vserver but `services`, each read on its own (defaults may depend
+    /// on the protocol).
+    fn vserver_fields(&mut self, f: &Fields, path: &str) -> VserverFields {
+        let name = self
+            .required(f, path, "name")
+            .and_then(|n| self.string(n, &join(path, "name")));
+        let protocol = self
+            .required(f, path, "protocol")
+            .and_then(|n| self.choice(n, &join(path, "protocol"), &Protocol::ALL));
+        let bind = self
+            .required(f, path, "bind")
+            .and_then(|n| self.bind_list(n, &join(path, "bind")));
+        let method = match (f.get("method"), protocol) {
+            (Some(n), _) => self.choice(n, &join(path, "method"), &Method::ALL),
+            (None, Some(p)) if p.is_sip() => Some(Method::CallIdHash),
+            (None, _) => Some(Method::LeastConnection),
+        };
+        let (idle_timeout, drain_timeout) = self.timeouts(f, path, protocol);
+        let tls = self.vserver_tls_fields(f, path, protocol);
+        VserverFields {
+            tls,
+            name,
+            protocol,
+            bind,
+            method,
+            hash: self.hash_fields(f, path),
+            slow_start: self.optional(f, path, "slow_start", Cx::slow_start),
+            advertise: self.advertise(f, path),
+            record_route: self.bool_field(f, path, "record_route", false),
+            idle_timeout,
+            drain_timeout,
+            edge: self.edge_fields(f, path),
+            options: self.proxy_options(f, path),
+        }
+    }
+
+    fn bind_list(&mut self, node: &Node, path: &str) -> Option<Vec<SocketAddr>> {
+        let items: Vec<&Node> = match &node.value {
+            Value::Seq(items) => items.iter().collect(),
+            _ => vec![node],
+        };
+        if items.is_empty() {
+            self.problem(node.pos, path, "at least one bind address is required");
+            return None;
+        }
+        let mut out = Vec::new();
+        let mut ok = true;
+        for (i, n) in items.iter().enumerate() {
+            let p = if matches!(node.value, Value::Seq(_)) {
+                format!("{path}[{i}]")
+            } else {
+                path.to_owned()
+            };
+            match self.string(n, &p).map(|s| parse_socket_addr(&s)) {
+                Some(Ok(a)) => {
+                    if out.contains(&a) {
+                        self.problem(n.pos, &p, format!("{a} is listed twice"));
+                        ok = false;
+                    }
+                    out.push(a);
+                }
+                Some(Err(e)) => {
+                    self.problem(n.pos, &p, e);
+                    ok = false;
+                }
+                None => ok = false,
+            }
+        }
+        ok.then_some(out)
+    }
+
+    fn token_rule(&mut self, node: &Node, path: &str) -> Option<TokenRule> {
+        let f = self.fields(node, path, TOKEN_FIELDS)?;
+        let present: Vec<&str> = ["header", "query", "offset"]
+            .into_iter()
+            .filter(|k| f.get(k).is_some())
+            .collect();
+        match present.as_slice() {
+            ["header"] => self
+                .required(&f, path, "header")
+                .and_then(|n| self.string(n, &join(path, "header")))
+                .map(TokenRule::Header),
+            ["query"] => self
+                .required(&f, path, "query")
+                .and_then(|n| self.string(n, &join(path, "query")))
+                .map(TokenRule::Query),
+            ["offset"] => {
+                let offset = self.int_field(&f, path, "offset", (0, 65_535), 0);
+                let length = match self.required(&f, path, "length") {
+                    Some(n) => self.int_in(n, &join(path, "length"), 1, 4096),
+                    None => None,
+                };
+                Some(TokenRule::Payload {
+                    offset: offset? as usize,
+                    length: length? as usize,
+                })
+            }
+            _ => {
+                self.problem(
+                    node.pos,
+                    path,
+                    "give exactly one of `header`, `query` or `offset` (with `length`)",
+                );
+                None
+            }
+        }
+    }
+
+    fn slow_start(&mut self, node: &Node, path: &str) -> Option<SlowStart> {
+        let f = self.fields(node, path, SLOW_START_FIELDS)?;
+        let rate = self
+            .required(&f, path, "new_service_request_rate")
+            .and_then(|n| self.int_in(n, &join(path, "new_service_request_rate"), 0, 1_000_000));
+        let unit = match f.get("unit") {
+            None => Some(RateUnit::PerSecond),
+            Some(n) => self.choice(
+                n,
+                &join(path, "unit"),
+                &[
+                    ("per_second", RateUnit::PerSecond),
+                    ("percent", RateUnit::Percent),
+                ],
+            ),
+        };
+        let interval = self.duration_field(&f, path, "increment_interval", Duration::ZERO, true);
+        Some(SlowStart {
+            new_service_request_rate: rate? as u32,
+            unit: unit?,
+            increment_interval: interval?,
+        })
+    }
+
+    /// `hash_length`, `netmask`, `v6_netmask_len`, `token` and `hash_balance_factor`.
+    fn hash_fields(&mut self, f: &Fields, path: &str) -> HashFields {
+        HashFields {
+            hash_length: self.int_field(f, path, "hash_length", (1, 4096), 80),
+            netmask: self.netmask(f, path),
+            v6_netmask_len: self.int_field(f, path, "v6_netmask_len", (0, 128), 128),
+            token: self.optional(f, path, "token", Cx::token_rule),
+            hash_balance_factor: self.optional(f, path, "hash_balance_factor", |cx, n, p| {
+                cx.int_in(n, p, 100, 10_000).map(|v| v as u32)
+            }),
+        }
+    }
+
+    fn netmask(&mut self, f: &Fields, path: &str) -> Option<Ipv4Addr> {
+        let Some(n) = f.get("netmask") else {
+            return Some(Ipv4Addr::BROADCAST);
+        };
+        let p = join(path, "netmask");
+        self.string(n, &p)
+            .and_then(|s| match s.parse::<Ipv4Addr>() {
+                Ok(m) if is_contiguous_mask(m) => Some(m),
+                _ => {
+                    self.problem(
+                        n.pos,
+                        &p,
+                        format!("`{s}` is not an IPv4 netmask such as 255.255.255.0"),
+                    );
+                    None
+                }
+            })
+    }
+
+    /// `advertise`, reported (and kept) when it is not HOST:PORT.
+    fn advertise(&mut self, f: &Fields, path: &str) -> Option<String> {
+        let advertise = self.opt_string(f, path, "advertise");
+        if let (Some(a), Some(n)) = (&advertise, f.get("advertise"))
+            && !is_host_port(a)
+        {
+            self.problem(
+                n.pos,
+                &join(path, "advertise"),
+                format!("`{a}` is not HOST:PORT (IPv6 as [ADDR]:PORT)"),
+            );
+        }
+        advertise
+    }
+
+    /// `idle_timeout` (its default depends on the protocol) and `drain_timeout` (by
+    /// default the idle timeout).
+    fn timeouts(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> (Option<Duration>, Option<Duration>) {
+        let idle_timeout = match (f.get("idle_timeout"), protocol) {
+            (Some(n), _) => self.duration(n, &join(path, "idle_timeout"), false),
+            (None, Some(p)) => Some(default_idle_timeout(p)),
+            (None, None) => None,
+        };
+        let drain_timeout = match f.get("drain_timeout") {
+            Some(n) => self.duration(n, &join(path, "drain_timeout"), true),
+            None => idle_timeout,
+        };
+        (idle_timeout, drain_timeout)
+    }
+
+    /// `max_sessions`, `workers`, `transparent`, `freebind` and `send_proxy`.
+    fn proxy_options(&mut self, f: &Fields, path: &str) -> ProxyOptions {
+        let send_proxy = match f.get("send_proxy") {
+            None => Some(None),
+            Some(Node {
+                value: Value::Null, ..
+            }) => Some(None),
+            Some(n) => self
+                .choice(n, &join(path, "send_proxy"), &[("v2", ProxyProtocol::V2)])
+                .map(Some),
+        };
+        ProxyOptions {
+            max_sessions: self.int_field(f, path, "max_sessions", (1, 10_000_000), 100_000),
+            workers: self.int_field(f, path, "workers", (0, 256), 0),
+            transparent: self.bool_field(f, path, "transparent", false),
+            freebind: self.bool_field(f, path, "freebind", false),
+            send_proxy,
+        }
+    }
+
+    /// The vserver's `services` resolved by name: each must be declared and listed once.
+    /// The flag is false when one was not (its problem reported).
+    fn members(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+    ) -> (Vec<Member>, bool) {
+        let mut members: Vec<Member> = Vec::new();
+        let mut ok = true;
+        let Some(list) = self.required(f, path, "services") else {
+            return (members, ok);
+        };
+        let sp = join(path, "services");
+        let items = self.seq(list, &sp);
+        if items.is_empty() {
+            self.problem(list.pos, &sp, "at least one service is required");
+            ok = false;
+        }
+        for (i, item) in items.iter().enumerate() {
+            let ip = format!("{sp}[{i}]");
+            let Some(sname) = self.string(item, &ip) else {
+                ok = false;
+                continue;
+            };
+            match services.iter().position(|(n, _)| *n == sname) {
+                None if services_declared.contains(&sname) => ok = false,
+                None => {
+                    let hint = did_you_mean(&sname, services_declared.iter().map(String::as_str));
+                    self.problem(item.pos, &ip, format!("unknown service `{sname}`{hint}"));
+                    ok = false;
+                }
+                Some(idx) if members.iter().any(|m| m.index == idx) => {
+                    self.problem(item.pos, &ip, format!("service `{sname}` is listed twice"));
+                    ok = false;
+                }
+                Some(index) => members.push(Member {
+                    index,
+                    pos: item.pos,
+                    path: ip,
+                }),
+            }
+        }
+        (members, ok)
+    }
+
+    /// Members must speak the vserver's protocol, and hash apart: two members with one
+    /// hashing identity would tie on every key. False when one does not (reported).
+    fn members_fit(
+        &mut self,
+        protocol: Option<Protocol>,
+        services: &[(&str, &Service)],
+        members: &[Member],
+    ) -> bool {
+        let ident = |s: &Service| s.hash_id.clone().unwrap_or_else(|| s.address.to_string());
+        let mut ok = true;
+        for (k, m) in members.iter().enumerate() {
+            let (sname, svc) = services[m.index];
+            if let Some(p) = protocol
+                && !protocols_fit(p, svc.protocol)
+            {
+                self.problem(
+                    m.pos,
+                    &m.path,
+                    format!(
+                        "service `{sname}` speaks {}, which a {} vserver cannot forward to",
+                        svc.protocol.name(),
+                        p.name()
+                    ),
+                );
+                ok = false;
+            }
+            if let Some(other) = members[..k]
+                .iter()
+                .find(|o| ident(services[o.index].1) == ident(svc))
+            {
+                self.problem(
+                    m.pos,
+                    &m.path,
+                    format!(
+                        "service `{sname}` hashes like `{}` (same address or hash_id); give one a distinct hash_id",
+                        services[other.index].0
+                    ),
+                );
+                ok = false;
+            }
+        }
+        ok
+    }
+
+    /// The cross-field rules over a vserver's fields as read: method against protocol, the
+    /// token rule against method and protocol, slow start against method, and the fields
+    /// that apply to some methods or protocols only. Each is reported at the field to change.
+    fn vserver_rules(&mut self, f: &Fields, path: &str, v: &VserverFields) {
+        if let (Some(m), Some(p), Some(n)) = (v.method, v.protocol, f.get("method")) {
+            self.method_fits_protocol(n, &join(path, "method"), m, p);
+        }
+        let token = v.hash.token.as_ref().and_then(|t| t.as_ref());
+        self.token_fits(f, path, (v.method, v.protocol), token);
+        if let (Some(m), Some(Some(_)), Some(n)) = (v.method, &v.slow_start, f.get("slow_start"))
+            && m.is_hash()
+        {
+            self.problem(
+                n.pos,
+                &join(path, "slow_start"),
+                format!(
+                    "slow start applies to non-hash methods only, not {} (docs/slow_start.md)",
+                    m.name()
+                ),
+            );
+        }
+        self.fields_apply(f, path, v.method, v.protocol);
+    }
+
+    /// Methods that read a Call-ID or a request URL need a protocol that has one.
+    fn method_fits_protocol(&mut self, n: &Node, mp: &str, m: Method, p: Protocol) {
+        if m == Method::CallIdHash && !p.is_sip() {
+            self.problem(
+                n.pos,
+                mp,
+                format!(
+                    "call_id_hash needs a SIP vserver (sip-udp, sip-tcp or sip-tls), not {}",
+                    p.name()
+                ),
+            );
+        }
+        if matches!(m, Method::UrlHash | Method::DomainHash) && !(p.is_sip() || p == Protocol::Http)
+        {
+            self.problem(
+                n.pos,
+                mp,
+                format!(
+                    "{} needs a request URL: use protocol http, sip-udp, sip-tcp or sip-tls, not {}",
+                    m.name(),
+                    p.name()
+                ),
+            );
+        }
+    }
+
+    /// Method token needs a `token` rule, and only method token takes one.
+    fn token_fits(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        (method, protocol): (Option<Method>, Option<Protocol>),
+        token: Option<&TokenRule>,
+    ) {
+        match (method, token, f.get("token")) {
+            (Some(Method::Token), None, None) => {
+                self.problem(
+                    f.pos,
+                    &join(path, "token"),
+                    "method token needs a `token` rule ({ header: NAME } | { query: NAME } | { offset: N, length: N })",
+                );
+            }
+            (Some(m), Some(_), Some(n)) if m != Method::Token => {
+                self.problem(
+                    n.pos,
+                    &join(path, "token"),
+                    format!("`token` is only used by method token, not {}", m.name()),
+                );
+            }
+            (Some(Method::Token), Some(rule), Some(n)) => {
+                if let Some(p) = protocol {
+                    self.token_fits_protocol(n, &join(path, "token"), rule, p);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A header or query token needs a protocol with headers; a payload token on a stream
+    /// must lie within the bytes read before choosing.
+    fn token_fits_protocol(&mut self, n: &Node, tp: &str, rule: &TokenRule, p: Protocol) {
+        let fits = match rule {
+            TokenRule::Header(_) => p.is_sip() || p == Protocol::Http,
+            TokenRule::Query(_) => p.is_sip() || p == Protocol::Http,
+            TokenRule::Payload { .. } => true,
+        };
+        if !fits {
+            self.problem(
+                n.pos,
+                tp,
+                format!(
+                    "a header or query token needs protocol http, sip-udp, sip-tcp or sip-tls, not {}",
+                    p.name()
+                ),
+            );
+        }
+        // A stream vserver reads at most this much before it chooses.
+        if let TokenRule::Payload { offset, length } = rule
+            && !p.is_datagram()
+            && offset + length > crate::http::MAX_HEAD
+        {
+            self.problem(
+                n.pos,
+                tp,
+                format!(
+                    "offset + length ({}) must not exceed {} on a {} vserver (the bytes read before choosing)",
+                    offset + length,
+                    crate::http::MAX_HEAD,
+                    p.name()
+                ),
+            );
+        }
+    }
+
+    /// Hash parameters apply to hash methods only; `advertise` and `record_route` to SIP
+    /// vservers only.
+    fn fields_apply(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        method: Option<Method>,
+        protocol: Option<Protocol>,
+    ) {
+        for field in [
+            "hash_length",
+            "netmask",
+            "v6_netmask_len",
+            "hash_balance_factor",
+        ] {
+            if let (Some(m), Some(n)) = (method, f.get(field))
+                && !m.is_hash()
+            {
+                self.problem(
+                    n.pos,
+                    &join(path, field),
+                    format!("`{field}` applies to hash methods only, not {}", m.name()),
+                );
+            }
+        }
+        for field in ["advertise", "record_route"] {
+            if let (Some(p), Some(n)) = (protocol, f.get(field))
+                && !p.is_sip()
+            {
+                self.problem(
+                    n.pos,
+                    &join(path, field),
+                    format!("`{field}` applies to SIP vservers only, not {}", p.name()),
+                );
+            }
+        }
+    }
+}
+
+/// A vserver's fields as read, before the cross-field rules; a `None` is a value that was
+/// bad (and already reported).
+struct VserverFields {
+    name: Option<String>,
+    protocol: Option<Protocol>,
+    bind: Option<Vec<SocketAddr>>,
+    method: Option<Method>,
+    hash: HashFields,
+    slow_start: Option<Option<SlowStart>>,
+    advertise: Option<String>,
+    record_route: Option<bool>,
+    idle_timeout: Option<Duration>,
+    drain_timeout: Option<Duration>,
+    edge: Option<EdgeFields>,
+    options: ProxyOptions,
+    /// `tls` with `tls_handshake_timeout` (`Some(None)` when absent).
+    tls: Option<Option<VserverTls>>,
+}
+
+/// The hashing fields as read (`token` and `hash_balance_factor` are `Some(None)` when
+/// absent).
+struct HashFields {
+    hash_length: Option<i128>,
+    netmask: Option<Ipv4Addr>,
+    v6_netmask_len: Option<i128>,
+    token: Option<Option<TokenRule>>,
+    hash_balance_factor: Option<Option<u32>>,
+}
+
+/// The listener and forwarding options as read.
+struct ProxyOptions {
+    max_sessions: Option<i128>,
+    workers: Option<i128>,
+    transparent: Option<bool>,
+    freebind: Option<bool>,
+    send_proxy: Option<Option<ProxyProtocol>>,
+}
+
+/// A service a vserver lists: its index in the services, and where it is listed.
+struct Member {
+    index: usize,
+    pos: Pos,
+    path: String,
+}
+
+impl VserverFields {
+    /// The vserver, when every field was good and `members` is `Some`.
+    fn build(self, members: Option<Vec<usize>>) -> Option<Vserver> {
+        let (h, o) = (self.hash, self.options);
+        let edge = self.edge?;
+        Some(Vserver {
+            name: self.name?,
+            protocol: self.protocol?,
+            bind: self.bind?,
+            method: self.method?,
+            hash: HashParams {
+                hash_length: h.hash_length? as usize,
+                netmask: h.netmask?,
+                v6_netmask_len: h.v6_netmask_len? as u8,
+                token: h.token?,
+                hash_balance_factor: h.hash_balance_factor?,
+            },
+            slow_start: self.slow_start?,
+            services: members?,
+            advertise: self.advertise,
+            record_route: self.record_route?,
+            idle_timeout: self.idle_timeout?,
+            drain_timeout: self.drain_timeout?,
+            draining: Vec::new(),
+            allow: edge.allow,
+            deny: edge.deny,
+            flood: edge.flood,
+            max_sessions: o.max_sessions? as usize,
+            transparent: o.transparent?,
+            freebind: o.freebind?,
+            send_proxy: o.send_proxy?,
+            workers: o.workers? as usize,
+            tls: self.tls?,
+        })
+    }
+}
+
+/// A vserver forwards to services of its own protocol; tcp and http are the same bytes. A
+/// sip-tcp or sip-tls vserver forwards to any SIP service (the transports bridge,
+/// docs/sip.md); a sip-udp vserver to sip-udp services only (not yet a stream leg).
+fn protocols_fit(vserver: Protocol, service: Protocol) -> bool {
+    vserver == service
+        || (vserver.is_sip() && service.is_sip())
+        || matches!(
+            (vserver, service),
+            (Protocol::Tcp, Protocol::Http) | (Protocol::Http, Protocol::Tcp)
+        )
+}
+
+/// `host:port` with a DNS name, IPv4 or bracketed IPv6 host and a non-zero port.
+fn is_host_port(s: &str) -> bool {
+    if s.parse::<SocketAddr>().is_ok_and(|a| a.port() != 0) {
+        return true;
+    }
+    let Some((host, port)) = s.rsplit_once(':') else {
+        return false;
+    };
+    port.parse::<u16>().is_ok_and(|p| p != 0)
+        && !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{MINIMAL, problems};
+    use super::*;
+    use crate::config::from_str;
+
+    /// A null token name is a problem of its own; before, the vserver vanished from a config
+    /// that `check` called valid.
+    #[test]
+    fn a_null_token_name_is_reported() {
+        for field in ["query", "header"] {
+            let text = format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: http }}\nvservers:\n  - name: web\n    protocol: http\n    bind: 127.0.0.1:8080\n    method: token\n    token: {{ {field}: null }}\n    services: [s1]\n"
+            );
+            let p = problems(&text);
+            assert_eq!(
+                p,
+                vec![(
+                    8,
+                    format!("vservers[0].token.{field}"),
+                    "expected a string, found null".to_owned()
+                )],
+                "{field}"
+            );
+        }
+    }
+
+    /// A payload token beyond what a stream vserver reads first is refused (it could never
+    /// give a key); on udp the datagram holds it.
+    #[test]
+    fn a_payload_token_must_fit_the_first_bytes_on_streams() {
+        let cfg = |proto: &str, offset: usize| {
+            format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: {proto} }}\nvservers:\n  - {{ name: v, protocol: {proto}, bind: 127.0.0.1:5060, method: token, token: {{ offset: {offset}, length: 4 }}, services: [s1] }}\n"
+            )
+        };
+        assert!(from_str("t", &cfg("tcp", 16_380)).is_ok());
+        let p = problems(&cfg("tcp", 20_000));
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].1, "vservers[0].token");
+        assert!(from_str("t", &cfg("udp", 20_000)).is_ok());
+    }
+
+    /// `freebind` is a bool of every protocol, off by default; a wrong type or a misspelling
+    /// is reported at its line and column.
+    #[test]
+    fn freebind_is_a_bool_off_by_default() {
+        assert!(!from_str("t", MINIMAL).expect("valid").vservers[0].freebind);
+        for proto in ["sip-udp", "sip-tcp", "udp", "tcp", "http"] {
+            let text = MINIMAL
+                .replace("sip-udp", proto)
+                .replace("services: [s1] }", "freebind: true, services: [s1] }");
+            let c = from_str("t", &text).unwrap_or_else(|e| panic!("{proto}: {e}"));
+            assert!(c.vservers[0].freebind, "{proto}");
+        }
+        let wrong = MINIMAL.replace("services: [s1] }", "freebind: yes please, services: [s1] }");
+        let e = from_str("t", &wrong).expect_err("invalid");
+        let p = &e.problems()[0];
+        assert_eq!((p.pos.line, p.pos.col), (4, 67), "{p:?}");
+        assert_eq!(p.path, "vservers[0].freebind");
+        assert!(p.message.contains("expected true or false"), "{p:?}");
+        let typo = MINIMAL.replace("services: [s1] }", "freebnd: true, services: [s1] }");
+        let p = problems(&typo);
+        assert!(p[0].2.contains("did you mean `freebind`"), "{p:?}");
+    }
+
+    /// The transports bridge: a SIP vserver of any transport takes services of any SIP
+    /// protocol, and no others.
+    #[test]
+    fn sip_vservers_take_any_sip_service_and_no_other() {
+        let bridged = MINIMAL.replace("protocol: sip-udp, bind", "protocol: sip-tcp, bind");
+        from_str("t", &bridged).expect("sip-tcp over sip-udp");
+        let back = MINIMAL.replace("5071, protocol: sip-udp", "5071, protocol: sip-tcp");
+        from_str("t", &back).expect("sip-udp over sip-tcp");
+        let udp_plain = MINIMAL.replace("5071, protocol: sip-udp", "5071, protocol: udp");
+        let p = problems(&udp_plain);
+        assert_eq!(p[0].1, "vservers[0].services[0]", "{p:?}");
+        assert!(
+            p[0].2.contains("which a sip-udp vserver cannot forward to"),
+            "{p:?}"
+        );
+        let plain = bridged.replace("5071, protocol: sip-udp", "5071, protocol: udp");
+        let p = problems(&plain);
+        assert!(
+            p[0].2.contains("which a sip-tcp vserver cannot forward to"),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn masks() {
+        assert!(is_contiguous_mask(Ipv4Addr::new(255, 255, 255, 0)));
+        assert!(is_contiguous_mask(Ipv4Addr::new(0, 0, 0, 0)));
+        assert!(!is_contiguous_mask(Ipv4Addr::new(255, 0, 255, 0)));
+    }
+
+    #[test]
+    fn slow_start_and_ipv6() {
+        let text = "services:\n  - { name: a, address: \"[::1]:7001\", protocol: udp }\nvservers:\n  - name: v\n    protocol: udp\n    bind: [\"[::]:8000\"]\n    method: round_robin\n    slow_start: { new_service_request_rate: 25, unit: percent, increment_interval: 5s }\n    services: [a]\n";
+        let c = from_str("t", text).expect("valid");
+        let s = c.vservers[0].slow_start.expect("slow start");
+        assert_eq!(s.unit, RateUnit::Percent);
+        assert_eq!(s.increment_interval, Duration::from_secs(5));
+        assert!(c.services[0].address.is_ipv6());
+    }
+}
