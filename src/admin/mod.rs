@@ -84,18 +84,12 @@ pub async fn serve_with(
                 () = signal.recv() => return,
             };
             let Ok(slot) = slot else { return };
-            let accepted = tokio::select! {
-                a = listener.accept() => a,
+            let accepted = crate::proxy::context::accept(&listener, |e| {
+                tracing::debug!(error = %e, "admin accept failed");
+            });
+            let (conn, peer) = tokio::select! {
+                a = accepted => a,
                 () = signal.recv() => return,
-            };
-            let (conn, peer) = match accepted {
-                Ok(c) => c,
-                Err(e) => {
-                    // Out of descriptors, typically: give the open connections time to end.
-                    tracing::debug!(error = %e, "admin accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
             };
             let (ops, signal) = (Arc::clone(&ops), signal.clone());
             tokio::spawn(async move {

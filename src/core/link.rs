@@ -23,8 +23,7 @@
 use bytes::Bytes;
 use std::time::{Duration, Instant};
 
-/// Connect timeout toward a service.
-pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+pub(crate) use super::CONNECT_TIMEOUT;
 /// First and last reconnect delay toward a service.
 pub(crate) const BACKOFF_MIN: Duration = Duration::from_millis(100);
 pub(crate) const BACKOFF_MAX: Duration = Duration::from_secs(5);

@@ -8,6 +8,14 @@
 //! - `udp`      a udp vserver's per-datagram session decision
 //! - `tcp`      what a tcp / http vserver reads before choosing, and the key it hashes
 
+use std::time::Duration;
+
+/// How long a connect to a service may take (TCP, and a TLS handshake where the service has
+/// `tls`) before the next member is tried or the link backs off. Short: a service that does
+/// not answer a SYN within it is as good as down for this request. One bound for every data
+/// path.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
 pub mod inbound;
 pub mod link;
 pub mod sip;

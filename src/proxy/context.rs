@@ -85,6 +85,29 @@ pub trait DataPath: std::fmt::Debug + Send + Sync + std::any::Any {
     fn as_any(&self) -> &dyn std::any::Any;
 }
 
+/// How long an accept loop waits after a failed accept: out of descriptors (EMFILE, ENFILE)
+/// makes accept fail at once, again and again, so the loop backs off instead of spinning
+/// and gives open connections time to end.
+pub(crate) const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
+/// The next connection from `listener`. A failed accept is handed to `failed` (to count and
+/// log it) and tried again after [`ACCEPT_BACKOFF`]: every accept loop of the process (tcp /
+/// http, SIP streams, admin) backs off the same way.
+pub(crate) async fn accept(
+    listener: &tokio::net::TcpListener,
+    mut failed: impl FnMut(&std::io::Error),
+) -> (tokio::net::TcpStream, SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(c) => return c,
+            Err(e) => {
+                failed(&e);
+                tokio::time::sleep(ACCEPT_BACKOFF).await;
+            }
+        }
+    }
+}
+
 /// What a rebuild is given besides the new config: the clock and each member's health now.
 pub struct RebuildCx<'a> {
     pub epoch: Instant,

@@ -25,6 +25,7 @@
 
 use crate::balancer::{Balancer, KeyInput};
 use crate::config::{Config, Protocol, ProxyProtocol, Vserver};
+use crate::core::CONNECT_TIMEOUT;
 use crate::core::tcp::{ConnectionKeys, FirstBytes};
 use crate::http::{self};
 use crate::net;
@@ -51,10 +52,6 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-
-/// How long a connect to a service may take before the next member is tried. Short: a
-/// service that does not answer a SYN within it is as good as down for this client.
-pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Longest wait for the first request head (or token bytes); a slower client is balanced
 /// without a key (fallback), not held. Never longer than the vserver's idle timeout.
@@ -481,49 +478,43 @@ fn worker(
 async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: TcpListener) {
     let log = LogLimiter::default();
     loop {
-        let accepted = listener.accept().await;
+        let (stream, peer) = crate::proxy::context::accept(&listener, |e| {
+            let core = cell.load();
+            bump(&core.counters.accept_errors);
+            if log.allow(core.now()) {
+                tracing::warn!(vserver = %core.name, error = %e, "accept failed");
+            }
+        })
+        .await;
         // Loaded per connection, after the accept: a reload swaps in a rebuilt core, and
         // connections already accepted keep the core (members, addresses) they began with.
         let core = cell.load_full();
-        match accepted {
-            Ok((stream, peer)) => {
-                bump(&core.counters.accepted);
-                // Every connection is a new flow: the access lists, then flood control; a
-                // refused one is closed at once (dropped).
-                if !core.edge.admits(peer.ip())
-                    || core.edge.has_flood() && !core.edge.admits_new(peer.ip(), core.now())
-                {
-                    continue;
-                }
-                let reserved = core
-                    .live
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                        (n < core.max_connections).then_some(n + 1)
-                    });
-                if reserved.is_err() {
-                    bump(&core.counters.refused);
-                    if log.allow(core.now()) {
-                        tracing::warn!(vserver = %core.name, max = core.max_connections, "connection limit reached: connection refused");
-                    }
-                    continue;
-                }
-                // TLS on either side takes the stream path; plain to plain keeps the
-                // single-buffer relay below.
-                if tls.is_some() || core.has_tls_members() {
-                    tokio::spawn(serve_stream(core, stream, peer, tls.clone()));
-                } else {
-                    tokio::spawn(serve(core, stream, peer));
-                }
+        bump(&core.counters.accepted);
+        // Every connection is a new flow: the access lists, then flood control; a
+        // refused one is closed at once (dropped).
+        if !core.edge.admits(peer.ip())
+            || core.edge.has_flood() && !core.edge.admits_new(peer.ip(), core.now())
+        {
+            continue;
+        }
+        let reserved = core
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < core.max_connections).then_some(n + 1)
+            });
+        if reserved.is_err() {
+            bump(&core.counters.refused);
+            if log.allow(core.now()) {
+                tracing::warn!(vserver = %core.name, max = core.max_connections, "connection limit reached: connection refused");
             }
-            Err(e) => {
-                bump(&core.counters.accept_errors);
-                if log.allow(core.now()) {
-                    tracing::warn!(vserver = %core.name, error = %e, "accept failed");
-                }
-                // Out of descriptors (EMFILE/ENFILE) makes accept fail at once, again and
-                // again: back off instead of spinning.
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
+            continue;
+        }
+        // TLS on either side takes the stream path; plain to plain keeps the
+        // single-buffer relay below.
+        if tls.is_some() || core.has_tls_members() {
+            tokio::spawn(serve_stream(core, stream, peer, tls.clone()));
+        } else {
+            tokio::spawn(serve(core, stream, peer));
         }
     }
 }

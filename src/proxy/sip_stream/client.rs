@@ -156,16 +156,12 @@ pub(super) async fn serve_client<S: SipStream>(
 
 pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListener) {
     loop {
-        let (stream, src) = match listener.accept().await {
-            Ok(s) => s,
-            Err(e) => {
-                if shared.log.allow(shared.now()) {
-                    tracing::warn!(vserver = %shared.name, error = %e, "accept failed");
-                }
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
+        let (stream, src) = crate::proxy::context::accept(&listener, |e| {
+            if shared.log.allow(shared.now()) {
+                tracing::warn!(vserver = %shared.name, error = %e, "accept failed");
             }
-        };
+        })
+        .await;
         {
             // The access lists, before anything is read (a service's own connection is
             // never refused by them).
