@@ -40,7 +40,7 @@ pub enum RuntimeError {
 /// What a running vserver's data path does for the rest of the process, whatever its
 /// protocol. Each data path implements it; the runtime, reloads, metrics and the admin API
 /// use nothing else of it, so a new protocol is its own module and one line in
-/// `Runtime::start_vserver`.
+/// `runtime::starter`.
 pub trait DataPath: std::fmt::Debug + Send + Sync + std::any::Any {
     /// The vserver's access lists, flood table and drop counters.
     fn edge(&self) -> &crate::edge::Edge;

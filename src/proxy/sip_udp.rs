@@ -249,7 +249,7 @@ impl DataPath for SipUdpPath {
         }
         if let Some(bridge) = &bridge {
             // The links first: a worker's decision by the new core finds its member's link
-            // (one by the old core is matched by name, `TcpShared::carry_datagram`).
+            // (one by the old core is matched by name, `SipStreamShared::carry_datagram`).
             let superseded = bridge.install(Install {
                 core: Arc::clone(&core),
                 max_clients: 0,

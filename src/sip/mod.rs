@@ -44,10 +44,13 @@
 //! ```
 
 pub(crate) mod framing;
+pub(crate) mod lex;
 pub(crate) mod rewrite;
 pub(crate) mod scan;
+pub(crate) mod values;
 
 pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, Framer, PONG, next_frame};
+pub use lex::Span;
 pub use rewrite::{
     BRANCH_PREFIX, CONN_PARAM, DEFAULT_MAX_FORWARDS, Host, Local, Reply, RequestRewrite,
     ResponseRoute, RewriteError, SERVICE_PARAM, Target, Transport, build_reply, build_response,
@@ -55,7 +58,9 @@ pub use rewrite::{
     routed_service,
 };
 pub use scan::{
-    CSeq, Header, HeaderName, Headers, MAX_HEADERS, MaxForwards, NameAddr, Rport, ScanError,
-    SipMethod, SipMsg, Span, StartLine, Uri, Via, Vias, parse_ip, parse_name_addr, parse_uri, scan,
+    Header, HeaderName, Headers, MAX_HEADERS, ScanError, SipMethod, SipMsg, StartLine, Vias, scan,
     scan_for_reply,
+};
+pub use values::{
+    CSeq, MaxForwards, NameAddr, Rport, Uri, Via, parse_ip, parse_name_addr, parse_uri,
 };
