@@ -201,7 +201,7 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                     // client that never finishes it costs this task's timer only.
                     Some(tls) => match tls.accept(stream).await {
                         Ok(s) => {
-                            let s = tokio_rustls::TlsStream::Server(s);
+                            let s = crate::tls::MaybeTls::from(s);
                             serve_client(shared, s, id, src, dst, rx, level).await;
                         }
                         Err(reason) => {
@@ -224,5 +224,152 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
         );
         shared.by_remote.insert(src, id);
         let _ = registered.send(());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+    use std::sync::Arc;
+
+    /// A TLS server stream and its client over an in-memory pipe of `pipe` bytes.
+    async fn tls_pair(
+        pipe: usize,
+    ) -> (
+        tokio_rustls::server::TlsStream<tokio::io::DuplexStream>,
+        tokio_rustls::client::TlsStream<tokio::io::DuplexStream>,
+    ) {
+        let ck = rcgen::generate_simple_self_signed(vec!["t.test".to_owned()]).expect("rcgen");
+        let der: CertificateDer<'static> = ck.cert.der().clone();
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(ck.key_pair.serialize_der()));
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let server = rustls::ServerConfig::builder_with_provider(Arc::clone(&provider))
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_no_client_auth()
+            .with_single_cert(vec![der.clone()], key)
+            .expect("server config");
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).expect("root");
+        let client = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("versions")
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let (a, b) = tokio::io::duplex(pipe);
+        let name = ServerName::try_from("t.test").expect("name");
+        let (s, c) = tokio::join!(
+            tokio_rustls::TlsAcceptor::from(Arc::new(server)).accept(a),
+            tokio_rustls::TlsConnector::from(Arc::new(client)).connect(name, b),
+        );
+        (s.expect("accept"), c.expect("connect"))
+    }
+
+    /// A TLS stream keeps what the socket did not take in its own buffer until flushed: a
+    /// message written while the socket is full must still go out when nothing follows it.
+    #[tokio::test]
+    async fn a_message_written_over_tls_goes_out_whole_when_nothing_follows() {
+        let (server, mut client) = tls_pair(512).await;
+        let (_read, write) = tokio::io::split(server);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
+        let msg = vec![b'x'; 16 * 1024];
+        assert_eq!(outbox.push(Bytes::from(msg.clone())), Push::Queued);
+        let mut got = vec![0u8; msg.len()];
+        let read = tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut got)).await;
+        assert!(
+            matches!(read, Ok(Ok(_))),
+            "the whole message arrived while the queue stays open: {read:?}"
+        );
+        assert_eq!(got, msg);
+        drop(outbox);
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Done);
+        assert_eq!(level.queued(), 0, "what was written no longer counts");
+    }
+
+    /// A client that reads nothing: the writer gives up after [`CLIENT_SEND_TIMEOUT`] without
+    /// progress, and what it could not write still counts in the queue.
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_gives_up_on_a_client_that_reads_nothing() {
+        let (server, _client) = tokio::io::duplex(1024);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let started = tokio::time::Instant::now();
+        let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level)));
+        assert_eq!(outbox.push(Bytes::from(vec![b'x'; 4096])), Push::Queued);
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Stalled);
+        assert_eq!(started.elapsed(), CLIENT_SEND_TIMEOUT);
+        assert_eq!(level.queued(), outbox::cost(&[0; 4096]));
+    }
+
+    /// Over TLS too, a client that reads nothing is given up on after [`CLIENT_SEND_TIMEOUT`]
+    /// (what the TLS stream took in its buffer does not count as progress).
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_gives_up_on_a_tls_client_that_reads_nothing() {
+        let (server, _client) = tls_pair(1024).await;
+        let (_read, write) = tokio::io::split(server);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let started = tokio::time::Instant::now();
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
+        assert_eq!(
+            outbox.push(Bytes::from(vec![b'x'; 128 * 1024])),
+            Push::Queued
+        );
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Stalled);
+        assert_eq!(started.elapsed(), CLIENT_SEND_TIMEOUT);
+    }
+
+    /// A client that reads slowly but keeps reading is waited for, however long the whole
+    /// message takes: here 64 KiB through a 1 KiB pipe read 1 KiB every 5 s (5 min 20 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_waits_for_a_client_that_reads_slowly() {
+        let (server, mut client) = tokio::io::duplex(1024);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level)));
+        let len = 64 * 1024;
+        assert_eq!(outbox.push(Bytes::from(vec![b'x'; len])), Push::Queued);
+        let mut got = 0;
+        let mut chunk = [0u8; 1024];
+        while got < len {
+            tokio::time::sleep(CLIENT_SEND_TIMEOUT / 2).await;
+            got += client.read(&mut chunk).await.expect("read");
+        }
+        drop(outbox);
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Done);
+        assert_eq!(level.queued(), 0);
+    }
+
+    /// The same over TLS: what the TLS stream holds once all is written (up to its 64 KiB
+    /// buffer) goes out in the flush, which takes as long as the client takes to read it; a
+    /// client that keeps reading (one 16 KiB record every 5 s, so about 20 s for the flush)
+    /// is waited for as well.
+    #[tokio::test(start_paused = true)]
+    async fn a_writer_waits_for_a_tls_client_that_reads_slowly() {
+        let (server, mut client) = tls_pair(1024).await;
+        let (_read, write) = tokio::io::split(server);
+        let (outbox, rx) = Outbox::new();
+        let level = outbox.level();
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
+        let msg: Vec<u8> = (0..128 * 1024).map(|i| (i % 251) as u8).collect();
+        assert_eq!(outbox.push(Bytes::from(msg.clone())), Push::Queued);
+        let mut got = Vec::with_capacity(msg.len());
+        let mut chunk = vec![0u8; 16 * 1024];
+        while got.len() < msg.len() {
+            tokio::time::sleep(CLIENT_SEND_TIMEOUT / 2).await;
+            let read = tokio::time::timeout(CLIENT_SEND_TIMEOUT * 3, client.read(&mut chunk)).await;
+            let n = match read {
+                Ok(Ok(n)) if n > 0 => n,
+                other => panic!("no more after {} bytes ({other:?})", got.len()),
+            };
+            got.extend_from_slice(&chunk[..n]);
+        }
+        assert!(got == msg, "the message arrived intact");
+        drop(outbox);
+        assert_eq!(writer.await.expect("writer"), WriterEnd::Done);
+        assert_eq!(level.queued(), 0);
     }
 }

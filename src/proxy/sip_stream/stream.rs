@@ -2,6 +2,7 @@
 //! the read half its reader owns and the write half, and how a service link connects. IO.
 
 use super::*;
+use crate::tls::MaybeTls;
 
 /// TCP keepalive on service connections (which have no idle timeout): a peer that vanished
 /// is found within a few minutes.
@@ -30,27 +31,27 @@ pub(crate) trait StreamRead: AsyncRead + Unpin + Send + 'static {
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send;
 }
 
-/// A TLS stream over TCP, either side (accepted from a client, or opened to a service).
-pub(super) type TlsOver<S> = tokio_rustls::TlsStream<S>;
-
-impl SipStream for TlsOver<TcpStream> {
-    type Read = tokio::io::ReadHalf<TlsOver<TcpStream>>;
-    type Write = tokio::io::WriteHalf<TlsOver<TcpStream>>;
+/// TLS over TCP, either side (accepted from a client, or opened to a service): the same
+/// plain-or-TLS stream type the tcp / http relay uses. Plain SIP connections stay bare
+/// [`TcpStream`]s, whose read half can wait for bytes without holding a buffer.
+impl SipStream for MaybeTls<TcpStream> {
+    type Read = tokio::io::ReadHalf<MaybeTls<TcpStream>>;
+    type Write = tokio::io::WriteHalf<MaybeTls<TcpStream>>;
 
     fn split(self) -> (Self::Read, Self::Write) {
         tokio::io::split(self)
     }
 
     fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.get_ref().0.local_addr()
+        self.get_ref().local_addr()
     }
 
     fn prepare_link(&self) -> std::io::Result<()> {
-        self.get_ref().0.prepare_link()
+        self.get_ref().prepare_link()
     }
 }
 
-impl StreamRead for tokio::io::ReadHalf<TlsOver<TcpStream>> {
+impl StreamRead for tokio::io::ReadHalf<MaybeTls<TcpStream>> {
     const WAITS_WITHOUT_BUFFER: bool = false;
 
     fn readable(&self) -> impl Future<Output = std::io::Result<()>> + Send {
@@ -66,7 +67,7 @@ impl StreamRead for tokio::io::ReadHalf<TlsOver<TcpStream>> {
 pub(super) struct TlsLinkConnector(pub(super) Arc<crate::tls::TlsConnector>);
 
 impl Connector for TlsLinkConnector {
-    type Stream = TlsOver<TcpStream>;
+    type Stream = MaybeTls<TcpStream>;
 
     fn connect(
         &self,
@@ -78,7 +79,7 @@ impl Connector for TlsLinkConnector {
             let tcp = TcpStream::connect(addr).await?;
             tls.connect_by(tcp, tokio::time::Instant::from_std(deadline))
                 .await
-                .map(tokio_rustls::TlsStream::Client)
+                .map(MaybeTls::from)
                 .map_err(|r| std::io::Error::other(format!("TLS handshake failed: {}", r.name())))
         }
     }
