@@ -480,6 +480,20 @@ pub fn forward_request<B: BufMut>(
     rw: &RequestRewrite<'_>,
     out: &mut B,
 ) -> Result<usize, RewriteError> {
+    forward_request_attempt(msg, rw, 0, out)
+}
+
+/// [`forward_request`] for attempt `attempt` of a request fulcrum holds statefully (the
+/// failover of a request outside a dialog): attempt 0 has the stateless branch, attempt `k`
+/// the same with `.k` after it, so that each attempt is its own client transaction toward
+/// its service (RFC 3261 §16.6 step 8) and a response names both the transaction and the
+/// attempt ([`transaction_of`]).
+pub fn forward_request_attempt<B: BufMut>(
+    msg: &SipMsg<'_>,
+    rw: &RequestRewrite<'_>,
+    attempt: u8,
+    out: &mut B,
+) -> Result<usize, RewriteError> {
     if !msg.is_request() {
         return Err(RewriteError::NotARequest);
     }
@@ -538,6 +552,10 @@ pub fn forward_request<B: BufMut>(
     put(out, &rw.local.via_prefix);
     put(out, BRANCH_PREFIX);
     put(out, &hex16(branch));
+    if attempt > 0 {
+        put(out, b".");
+        put(out, dec(u64::from(attempt)).as_slice());
+    }
     if let Some(id) = rw.conn_id {
         put(out, b";");
         put(out, CONN_PARAM);
@@ -760,6 +778,82 @@ fn branch_hash(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local) -> u64 {
     xxh3_64_with_seed(msg.request_uri().unwrap_or_default(), h)
 }
 
+/// The transaction key of a request from a client: the branch fulcrum gives it when it
+/// forwards it ([`branch_hash`]), which a retransmission, the CANCEL and the non-2xx ACK of an
+/// INVITE share. `None` without a top Via.
+pub fn transaction_key(msg: &SipMsg<'_>, local: &Local) -> Option<u64> {
+    let top = msg.top_via()?;
+    Some(branch_hash(msg, &top, local))
+}
+
+/// The transaction key and attempt a branch of fulcrum's names (`z9hG4bK-fc-<hex>[.k]`,
+/// [`forward_request_attempt`]); `None` for any other branch.
+pub fn transaction_of(branch: &[u8]) -> Option<(u64, u8)> {
+    let rest = branch.strip_prefix(BRANCH_PREFIX)?;
+    let (hex, attempt) = match memchr::memchr(b'.', rest) {
+        Some(dot) => {
+            let k = rest.get(dot + 1..)?;
+            let k = std::str::from_utf8(k).ok()?.parse::<u8>().ok()?;
+            (rest.get(..dot)?, k)
+        }
+        None => (rest, 0),
+    };
+    if hex.len() != 16 {
+        return None;
+    }
+    Some((parse_hex(hex)?, attempt))
+}
+
+/// A request fulcrum sends on its own within a client transaction it started toward a
+/// service (RFC 3261 §17.1.1.3 ACK of a non-2xx final response, §9.1 CANCEL): built from the
+/// request fulcrum `forwarded` (its Request-URI, fulcrum's Via alone with the same branch,
+/// Route, From, Call-ID, the CSeq number), with `method` in the CSeq and To taken from
+/// `response` when given (the ACK's To carries the response's tag).
+pub fn build_hop_request<B: BufMut>(
+    forwarded: &SipMsg<'_>,
+    method: &[u8],
+    response: Option<&SipMsg<'_>>,
+    out: &mut B,
+) -> Result<(), RewriteError> {
+    let buf = forwarded.buf();
+    let uri = forwarded.request_uri().ok_or(RewriteError::NotARequest)?;
+    let via_idx = forwarded.via_index().ok_or(RewriteError::NoVia)?;
+    let top = CommaValues::new(buf, via_idx.value)
+        .next()
+        .ok_or(RewriteError::BadVia)?;
+    let seq = forwarded.cseq().ok_or(RewriteError::NotARequest)?.seq;
+    out.put_slice(method);
+    out.put_slice(b" ");
+    out.put_slice(uri);
+    out.put_slice(b" SIP/2.0\r\n");
+    put_header(out, b"Via", top.of(buf));
+    for h in forwarded.headers() {
+        if HeaderName::classify(h.name) == HeaderName::Route {
+            put_header(out, b"Route", h.value);
+        }
+    }
+    out.put_slice(b"Max-Forwards: 70\r\n");
+    if let Some(i) = forwarded.index_from() {
+        put_header(out, b"From", i.value.of(buf));
+    }
+    let to = match response {
+        Some(r) => r.index_to().map(|i| i.value.of(r.buf())),
+        None => forwarded.index_to().map(|i| i.value.of(buf)),
+    };
+    if let Some(to) = to {
+        put_header(out, b"To", to);
+    }
+    if let Some(i) = forwarded.call_id_index() {
+        put_header(out, b"Call-ID", i.value.of(buf));
+    }
+    out.put_slice(b"CSeq: ");
+    out.put_slice(dec(u64::from(seq)).as_slice());
+    out.put_slice(b" ");
+    out.put_slice(method);
+    out.put_slice(b"\r\nContent-Length: 0\r\n\r\n");
+    Ok(())
+}
+
 /// Check that a response's top Via is fulcrum's and find where the response goes next,
 /// without writing anything.
 pub fn route_response<'a>(
@@ -932,7 +1026,8 @@ fn build<B: BufMut>(
         let to = i.value.of(buf);
         out.put_slice(b"To: ");
         out.put_slice(to);
-        if msg.to_tag().is_none() {
+        // RFC 3261 §8.2.6.2: every response but a 100 (Trying) gets a To tag.
+        if msg.to_tag().is_none() && reply.code > 100 {
             let mut h = xxh3_64_with_seed(msg.call_id().unwrap_or_default(), SEED);
             h = xxh3_64_with_seed(msg.from_tag().unwrap_or_default(), h);
             h = xxh3_64_with_seed(top.and_then(|t| t.branch).unwrap_or_default(), h);

@@ -492,6 +492,7 @@ impl SipCore {
 mod checks;
 mod requests;
 mod responses;
+pub mod transaction;
 
 #[cfg(test)]
 mod bridge;
