@@ -423,6 +423,32 @@ pub struct SlowStart {
     pub increment_interval: Duration,
 }
 
+/// A SIP vserver's `failover`: a request outside a dialog whose service answers a final
+/// response in `codes`, or nothing at all within `no_answer`, goes to the next-ranked service,
+/// up to `tries` services (docs/sip.md, "Failover").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failover {
+    /// Final answers that send the request to the next service.
+    pub codes: Vec<u16>,
+    /// No response at all (not even 100) within this: the next service.
+    pub no_answer: Duration,
+    /// Most services one request is tried on.
+    pub tries: u8,
+    /// Most requests held at once; beyond, requests are forwarded statelessly (counted).
+    pub max_pending: usize,
+}
+
+impl Default for Failover {
+    fn default() -> Self {
+        Failover {
+            codes: vec![500, 503, 504],
+            no_answer: Duration::from_secs(1),
+            tries: 3,
+            max_pending: 65_536,
+        }
+    }
+}
+
 /// One listener (docs/config.md, Model).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Vserver {
@@ -449,6 +475,8 @@ pub struct Vserver {
     pub deny: Vec<crate::acl::Cidr>,
     /// `flood`: per-source new-request limit and ban (`None`: off).
     pub flood: Option<crate::flood::FloodParams>,
+    /// `failover` of requests outside a dialog (SIP vservers; `None`: off, or not SIP).
+    pub failover: Option<Failover>,
     /// Not read from YAML: services removed from this vserver by a reload that still carry
     /// flows there (indices into [`Config::services`], not in `services`). The running proxy
     /// keeps them as members at the end of the vserver's member list, where no new flow is

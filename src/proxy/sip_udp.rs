@@ -58,6 +58,8 @@ pub(crate) fn run_worker<B: Bridge>(
     };
     let mut buf = vec![0u8; 65_536];
     let mut out: Vec<u8> = Vec::with_capacity(65_536 + 1024);
+    // What held requests send besides the datagram a decision names (failover).
+    let mut sends = Vec::new();
     let recv_log = LogLimiter::default();
     let send_log = LogLimiter::default();
     let drop_log = LogLimiter::default();
@@ -90,7 +92,8 @@ pub(crate) fn run_worker<B: Bridge>(
         };
         let now = elapsed_nanos(epoch);
         let core = cell.load();
-        let to = match core.handle_datagram(&buf[..n], src, dst, now, &mut out) {
+        let action = core.handle_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
+        let to = match action {
             Action::ToMember(m) => bridge.to_member(&core, m, &out),
             Action::ToAddr(a) => bridge.to_addr(&core, a, &out),
             Action::Reply(a) => Some(a),
@@ -111,7 +114,63 @@ pub(crate) fn run_worker<B: Bridge>(
                 tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
             }
         }
+        send_all(&socket, &core, &mut sends, &send_log, now);
     }
+}
+
+/// Send what held requests asked for (100 Trying, retransmissions, the next attempt, ACK,
+/// CANCEL); a failed send is counted like any other.
+fn send_all(
+    socket: &UdpSocket,
+    core: &SipCore,
+    sends: &mut Vec<crate::core::sip::stateful::Send>,
+    log: &LogLimiter,
+    now: crate::stats::Nanos,
+) {
+    for (to, bytes) in sends.drain(..) {
+        if let Err(e) = socket.send_to(&bytes, to) {
+            bump(&core.counters.send_errors);
+            if log.allow(now) {
+                tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
+            }
+        }
+    }
+}
+
+/// How often the transaction timer thread looks at the held requests at most: the
+/// granularity of retransmissions and `no_answer` (RFC 3261's timers are 500 ms and up).
+const TRANSACTION_TICK: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// The thread that wakes held requests at their deadlines (retransmissions toward services,
+/// `no_answer`, Timer C, the end of lingering), in whatever core is current; it sends from
+/// `socket`, one of the vserver's, so services see the vserver's address.
+fn start_transaction_timers(
+    ctx: &mut StartCtx<'_>,
+    v: &Vserver,
+    socket: UdpSocket,
+    cell: SipUdpCell,
+) -> Result<(), RuntimeError> {
+    let (sleeper, epoch) = (ctx.shutdown.sleeper(), ctx.epoch);
+    let t = std::thread::Builder::new()
+        .name(format!("{}-timers", v.name))
+        .spawn(move || {
+            let mut sends = Vec::new();
+            let log = LogLimiter::default();
+            loop {
+                let now = elapsed_nanos(epoch);
+                let core = cell.load();
+                let next = core.poll_transactions(now, &mut sends);
+                send_all(&socket, &core, &mut sends, &log, now);
+                let wait = next.map_or(POLL, |t| {
+                    std::time::Duration::from_nanos(t.saturating_sub(now)).min(POLL)
+                });
+                if sleeper.sleep(wait.max(TRANSACTION_TICK)) {
+                    return;
+                }
+            }
+        })?;
+    ctx.threads.push(t);
+    Ok(())
 }
 
 /// Where a worker's datagram for a member, or for an address, goes: over its own socket (the
@@ -332,8 +391,15 @@ pub(crate) fn start(
             local.with_transport(Transport::Tls),
         ]);
     }
-    let core = Arc::new(SipCore::new(params).with_edge(v.edge(None)));
+    let core = Arc::new(
+        SipCore::new(params)
+            .with_edge(v.edge(None))
+            .with_failover(v.failover.clone(), Arc::default()),
+    );
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
+    if let Some(first) = sockets.first() {
+        start_transaction_timers(ctx, v, first.try_clone()?, Arc::clone(&cell))?;
+    }
     let bridge = match sockets.first() {
         Some(first) if streams => {
             let front = first.try_clone()?;

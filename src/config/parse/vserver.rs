@@ -27,6 +27,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "allow",
     "deny",
     "flood",
+    "failover",
     "max_sessions",
     "transparent",
     "freebind",
@@ -35,6 +36,8 @@ const VSERVER_FIELDS: &[&str] = &[
     "tls",
     "tls_handshake_timeout",
 ];
+
+const FAILOVER_FIELDS: &[&str] = &["codes", "no_answer", "tries", "max_pending"];
 
 const SLOW_START_FIELDS: &[&str] = &["new_service_request_rate", "unit", "increment_interval"];
 
@@ -104,6 +107,7 @@ impl Cx {
             slow_start: self.optional(f, path, "slow_start", Cx::slow_start),
             advertise: self.advertise(f, path),
             record_route: self.bool_field(f, path, "record_route", false),
+            failover: self.failover_field(f, path, protocol),
             idle_timeout,
             drain_timeout,
             edge: self.edge_fields(f, path),
@@ -252,6 +256,76 @@ impl Cx {
             );
         }
         advertise
+    }
+
+    /// `failover`: on by default on SIP vservers, `off`, or a map whose absent fields take
+    /// their defaults; nothing on other protocols (where the field is reported).
+    fn failover_field(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> Option<Option<Failover>> {
+        let p = join(path, "failover");
+        let node = match f.get("failover") {
+            None => {
+                return Some(
+                    protocol
+                        .is_some_and(Protocol::is_sip)
+                        .then(Failover::default),
+                );
+            }
+            Some(n) => n,
+        };
+        if let Value::Str(s) = &node.value {
+            if s == "off" {
+                return Some(None);
+            }
+            self.problem(
+                node.pos,
+                &p,
+                format!(
+                    "expected `off` or a map of {}, found `{s}`",
+                    FAILOVER_FIELDS.join(", ")
+                ),
+            );
+            return None;
+        }
+        let ff = self.fields(node, &p, FAILOVER_FIELDS)?;
+        let d = Failover::default();
+        let codes = match ff.get("codes") {
+            None => Some(d.codes),
+            Some(n) => {
+                let cp = join(&p, "codes");
+                let mut codes = Vec::new();
+                let mut ok = true;
+                for (i, c) in self.seq(n, &cp).iter().enumerate() {
+                    match self.int_in(c, &format!("{cp}[{i}]"), 300, 699) {
+                        Some(v) => codes.push(v as u16),
+                        None => ok = false,
+                    }
+                }
+                ok.then_some(codes)
+            }
+        };
+        let no_answer = match ff.get("no_answer") {
+            None => Some(d.no_answer),
+            Some(n) => self.duration(n, &join(&p, "no_answer"), false),
+        };
+        let tries = self.int_field(&ff, &p, "tries", (1, 16), i128::from(d.tries));
+        let max_pending = self.int_field(
+            &ff,
+            &p,
+            "max_pending",
+            (1, 10_000_000),
+            d.max_pending as i128,
+        );
+        Some(Some(Failover {
+            codes: codes?,
+            no_answer: no_answer?,
+            tries: u8::try_from(tries?).ok()?,
+            max_pending: usize::try_from(max_pending?).ok()?,
+        }))
     }
 
     /// `idle_timeout` (its default depends on the protocol) and `drain_timeout` (by
@@ -528,7 +602,7 @@ impl Cx {
                 );
             }
         }
-        for field in ["advertise", "record_route"] {
+        for field in ["advertise", "record_route", "failover"] {
             if let (Some(p), Some(n)) = (protocol, f.get(field))
                 && !p.is_sip()
             {
@@ -553,6 +627,7 @@ struct VserverFields {
     slow_start: Option<Option<SlowStart>>,
     advertise: Option<String>,
     record_route: Option<bool>,
+    failover: Option<Option<Failover>>,
     idle_timeout: Option<Duration>,
     drain_timeout: Option<Duration>,
     edge: Option<EdgeFields>,
@@ -614,6 +689,7 @@ impl VserverFields {
             allow: edge.allow,
             deny: edge.deny,
             flood: edge.flood,
+            failover: self.failover?,
             max_sessions: o.max_sessions? as usize,
             transparent: o.transparent?,
             freebind: o.freebind?,

@@ -49,6 +49,9 @@ pub enum DropReason {
     Acl,
     /// A new request from a source banned by flood control (counted there too).
     Flood,
+    /// Part of a request fulcrum holds (a retransmission, an ACK, a failed attempt's
+    /// answer): handled by its transaction (counted there).
+    Absorbed,
 }
 
 /// Where a message came from.
@@ -132,6 +135,10 @@ pub struct SipCore {
     digests: Vec<u64>,
     /// Access lists and flood control ([`SipCore::with_edge`]; open by default).
     edge: crate::edge::Edge,
+    /// Failover of requests outside a dialog ([`SipCore::with_failover`]; off by default).
+    failover: Option<transaction::Failover>,
+    /// The requests held for failover.
+    transactions: Arc<stateful::Transactions>,
     pub counters: SipCounters,
 }
 
@@ -272,6 +279,8 @@ impl SipCore {
                 u64::try_from(p.dialog_idle.as_millis()).unwrap_or(u64::MAX),
             ),
             member_addrs: p.member_addrs,
+            failover: None,
+            transactions: Arc::default(),
             counters: SipCounters::default(),
         }
     }
@@ -492,6 +501,7 @@ impl SipCore {
 mod checks;
 mod requests;
 mod responses;
+pub mod stateful;
 pub mod transaction;
 
 #[cfg(test)]

@@ -252,6 +252,29 @@ impl SipCore {
     /// Dialog affinity first (an established call stays on its member while it is UP or
     /// draining OUT_OF_SERVICE), else the vserver's method. The dialog is pinned to whatever
     /// was chosen.
+    /// The method's key of a request (`call_hash`: its Call-ID hashed, the `call_id_hash` key).
+    pub(super) fn key_of(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        dst: SocketAddr,
+        call_hash: Option<u64>,
+    ) -> KeyInput {
+        let ctx = RequestCtx {
+            src,
+            dst,
+            payload: Payload::Sip(msg),
+        };
+        match (self.method, call_hash) {
+            (Method::CallIdHash, Some(h)) => KeyInput::Hash(h),
+            _ => match key::extract(self.method, &self.hash_params, &ctx) {
+                KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
+                KeyOutcome::NoKey => KeyInput::NoKey,
+                KeyOutcome::Unparseable => KeyInput::Unparseable,
+            },
+        }
+    }
+
     pub(super) fn choose(
         &self,
         msg: &SipMsg<'_>,
@@ -289,19 +312,7 @@ impl SipCore {
             }
             return Some(m as usize);
         }
-        let ctx = RequestCtx {
-            src,
-            dst,
-            payload: Payload::Sip(msg),
-        };
-        let key = match (self.method, call_hash) {
-            (Method::CallIdHash, Some(h)) => KeyInput::Hash(h),
-            _ => match key::extract(self.method, &self.hash_params, &ctx) {
-                KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
-                KeyOutcome::NoKey => KeyInput::NoKey,
-                KeyOutcome::Unparseable => KeyInput::Unparseable,
-            },
-        };
+        let key = self.key_of(msg, src, dst, call_hash);
         let choice = self.balancer.choose(key, now)?;
         let member = choice.member as u32;
         // A BYE (or CANCEL) of a dialog whose member no longer takes it (DOWN) goes elsewhere,

@@ -23,7 +23,6 @@
 use crate::stats::Nanos;
 use bytes::Bytes;
 use std::net::SocketAddr;
-use std::time::Duration;
 
 const MS: Nanos = 1_000_000;
 /// RFC 3261 §17.1.1.1: the round-trip estimate, first retransmission interval.
@@ -37,29 +36,7 @@ pub const TIMER_64T1: Nanos = 64 * T1;
 /// Timer C (§16.8): an INVITE attempt that answered provisionally is cancelled after it.
 pub const TIMER_C: Nanos = 180_000 * MS;
 
-/// The vserver's `failover` settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Failover {
-    /// Final answers that send the request to the next service.
-    pub codes: Vec<u16>,
-    /// No response at all (not even 100) within this: the next service.
-    pub no_answer: Duration,
-    /// Most services one request is tried on.
-    pub tries: u8,
-    /// Most requests held at once; beyond, requests are forwarded statelessly.
-    pub max_pending: usize,
-}
-
-impl Default for Failover {
-    fn default() -> Self {
-        Failover {
-            codes: vec![500, 503, 504],
-            no_answer: Duration::from_secs(1),
-            tries: 3,
-            max_pending: 65_536,
-        }
-    }
-}
+pub use crate::config::Failover;
 
 /// What a transaction asks of the core: the next attempt, and messages of its own.
 pub trait Hops {

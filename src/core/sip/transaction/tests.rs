@@ -2,6 +2,7 @@
 
 use super::*;
 use std::cell::RefCell;
+use std::time::Duration;
 
 const S: Nanos = 1_000_000_000;
 

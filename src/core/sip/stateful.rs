@@ -1,0 +1,519 @@
+//! PURE: the table of requests fulcrum holds statefully for failover ([`transaction`]), and
+//! the core's side of each: the next attempt chosen and forwarded, fulcrum's own answers,
+//! ACK and CANCEL built. Shared by every worker of a vserver (a response may arrive on any of
+//! its sockets), bounded by `failover.max_pending`; `now` is passed in, and the shell wakes
+//! [`SipCore::poll_transactions`] at the deadline it returns.
+
+use super::transaction::{Event, Failover, Hops, Transaction, TxAction};
+use super::*;
+use bytes::Bytes;
+use dashmap::DashMap;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::sync::Mutex;
+
+/// A datagram the shell sends on the core's behalf, besides the one its action names.
+pub type Send = (SocketAddr, Bytes);
+
+/// Counters of the failover table.
+#[derive(Debug, Default)]
+pub struct TransactionCounters {
+    /// Requests held statefully.
+    pub started: AtomicU64,
+    /// Requests forwarded statelessly because `max_pending` were held.
+    pub table_full: AtomicU64,
+    /// Attempts after the first (a request moved to the next service).
+    pub failovers: AtomicU64,
+    /// Client retransmissions, ACKs and service answers the table absorbed.
+    pub absorbed: AtomicU64,
+    /// Requests whose every try failed (the client got the best answer, 500 or 408).
+    pub exhausted: AtomicU64,
+}
+
+/// One held request: its machine and what the core needs to act for it.
+#[derive(Debug)]
+struct Held {
+    tx: Transaction,
+    /// The client's request as it arrived, forwarded again for each attempt.
+    request: Bytes,
+    src: SocketAddr,
+    dst: SocketAddr,
+    /// Where the client's responses go (its Via, RFC 3581 aware).
+    client: SocketAddr,
+}
+
+/// The requests a vserver holds; carried over to the core a reload builds.
+#[derive(Debug, Default)]
+pub struct Transactions {
+    held: DashMap<u64, Held>,
+    /// Deadlines by key; an entry whose transaction has a later deadline (or is gone) is
+    /// stale and skipped.
+    timers: Mutex<BinaryHeap<Reverse<(Nanos, u64)>>>,
+    pub counters: TransactionCounters,
+}
+
+impl Transactions {
+    /// Requests held now.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Whether none is held.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+
+    fn arm(&self, key: u64, at: Option<Nanos>) {
+        if let Some(at) = at {
+            crate::sync::lock(&self.timers).push(Reverse((at, key)));
+        }
+    }
+}
+
+/// The core's side of one held request.
+struct CoreHops<'a> {
+    core: &'a SipCore,
+    /// The client's request as it arrived.
+    request: &'a [u8],
+    src: SocketAddr,
+    dst: SocketAddr,
+    now: Nanos,
+}
+
+impl Hops for CoreHops<'_> {
+    fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<(usize, SocketAddr, Bytes)> {
+        let core = self.core;
+        let msg = sip::scan(self.request).ok()?;
+        let avoid = |m: usize| {
+            core.member_addrs.get(m).is_none_or(|a| tried.contains(a))
+                || core.member_transport(m) != Transport::Udp
+        };
+        let member = core.choose_next(&msg, self.src, self.dst, self.now, &avoid)?;
+        let addr = *core.member_addrs.get(member)?;
+        let rw = RequestRewrite {
+            local: &core.local,
+            src: self.src,
+            record_route: core.record_route,
+            force_rport: false,
+            conn_id: None,
+            service: core.digest_of(Some(member)),
+            arrived_on: None,
+        };
+        let mut out = Vec::with_capacity(self.request.len() + 512);
+        sip::forward_request_attempt(&msg, &rw, attempt, &mut out).ok()?;
+        bump(&core.counters.requests_forwarded);
+        bump(&core.transactions.counters.failovers);
+        if let Some(c) = core.balancer.counters(member) {
+            c.record_request();
+        }
+        Some((member, addr, Bytes::from(out)))
+    }
+
+    fn reply(&self, code: u16) -> Option<Bytes> {
+        let msg = sip::scan(self.request).ok()?;
+        let reason = match code {
+            100 => "Trying",
+            408 => "Request Timeout",
+            487 => "Request Terminated",
+            _ => "Server Internal Error",
+        };
+        let reply = Reply {
+            code,
+            reason,
+            retry_after_s: None,
+        };
+        let mut out = Vec::new();
+        build_reply(&msg, &reply, self.src, &mut out).ok()?;
+        if code >= 400 && code != 487 {
+            bump(&self.core.transactions.counters.exhausted);
+        }
+        Some(Bytes::from(out))
+    }
+
+    fn hop(&self, sent: &[u8], method: &[u8], response: Option<&[u8]>) -> Option<Bytes> {
+        let sent = sip::scan(sent).ok()?;
+        let response = match response {
+            Some(r) => Some(sip::scan(r).ok()?),
+            None => None,
+        };
+        let mut out = Vec::new();
+        sip::build_hop_request(&sent, method, response.as_ref(), &mut out).ok()?;
+        Some(Bytes::from(out))
+    }
+}
+
+impl SipCore {
+    /// The core with failover of requests outside a dialog (`None`: off), holding them in
+    /// `table` (a rebuilt core takes over its predecessor's).
+    pub fn with_failover(
+        mut self,
+        failover: Option<Failover>,
+        table: Arc<Transactions>,
+    ) -> SipCore {
+        self.failover = failover;
+        self.transactions = table;
+        self
+    }
+
+    /// The table of held requests.
+    pub fn transactions(&self) -> &Arc<Transactions> {
+        &self.transactions
+    }
+
+    /// The member ranked next for a request, passing over those `avoid` names: the
+    /// method's key (the Call-ID for `call_id_hash`, so every instance agrees), and the
+    /// dialog the request pins moved there.
+    fn choose_next(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+    ) -> Option<usize> {
+        let call_hash = msg.call_id().map(hash::key_hash);
+        let key = self.key_of(msg, src, dst, call_hash);
+        let member = self.balancer.choose_avoiding(key, now, avoid)?.member;
+        let now_ms = now / 1_000_000;
+        if let (Some(h), Ok(m)) = (call_hash, u32::try_from(member)) {
+            if pins_dialog_request(msg) {
+                match self.dialogs.put(h, m, now_ms) {
+                    Pin::New => self.open(m),
+                    Pin::Moved(old) => {
+                        self.close(old);
+                        self.open(m);
+                    }
+                    Pin::Refreshed | Pin::Refused => {}
+                }
+            } else {
+                self.dialogs.linger(h, m, now_ms);
+            }
+        }
+        Some(member)
+    }
+
+    /// A datagram handled as [`SipCore::handle_datagram`] does, with failover: requests
+    /// outside a dialog toward UDP members are held until their final answer, and what the
+    /// held requests send besides the action's datagram is appended to `sends`.
+    pub fn handle_datagram_stateful(
+        &self,
+        buf: &[u8],
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+        sends: &mut Vec<Send>,
+    ) -> Action {
+        let Some(failover) = &self.failover else {
+            return self.handle_datagram(buf, src, dst, now, out);
+        };
+        let Ok(msg) = sip::scan(buf) else {
+            return self.handle_datagram(buf, src, dst, now, out);
+        };
+        // As `handle_datagram` tells them apart: a request from a member's own address is a
+        // service's, a response from a member's host is a service's (RFC 3261 §18.2.2).
+        if msg.is_request() && self.member_of(src).is_none() {
+            if let Some(action) = self.held_request(&msg, src, now, out, sends) {
+                return action;
+            }
+            let action = self.handle_datagram(buf, src, dst, now, out);
+            if let Action::ToMember(m) = action {
+                self.hold(failover, &msg, m, src, dst, now, out, sends);
+            }
+            return action;
+        }
+        if !msg.is_request()
+            && self.is_member_ip(src)
+            && let Some(action) = self.held_response(&msg, buf, src, dst, now, out, sends)
+        {
+            return action;
+        }
+        self.handle_datagram(buf, src, dst, now, out)
+    }
+
+    /// A client's request that belongs to a held one: a retransmission, its CANCEL or the ACK
+    /// of its non-2xx final answer.
+    fn held_request(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+        sends: &mut Vec<Send>,
+    ) -> Option<Action> {
+        if self.transactions.is_empty() {
+            return None;
+        }
+        let key = sip::transaction_key(msg, &self.local)?;
+        let event = match msg.method_kind() {
+            SipMethod::Cancel => Event::Cancel,
+            SipMethod::Ack => Event::Ack,
+            _ => Event::Retransmission,
+        };
+        let mut entry = self.transactions.held.get_mut(&key)?;
+        // A CANCEL or ACK matches the INVITE it names; another method is another request.
+        let held_method = sip::scan(&entry.request).ok()?.method_kind();
+        let matches = match event {
+            Event::Cancel | Event::Ack => held_method == SipMethod::Invite,
+            _ => held_method == msg.method_kind(),
+        };
+        if !matches {
+            return None;
+        }
+        let mut acts = Vec::new();
+        let Held {
+            tx,
+            request,
+            src: from,
+            dst,
+            client,
+        } = &mut *entry;
+        let hops = CoreHops {
+            core: self,
+            request,
+            src: *from,
+            dst: *dst,
+            now,
+        };
+        tx.handle(now, event, &hops, &mut acts);
+        let client = *client;
+        let next = tx.poll_timeout();
+        drop(entry);
+        self.transactions.arm(key, next);
+        self.carry(client, &acts, None, out, sends);
+        bump(&self.transactions.counters.absorbed);
+        if matches!(event, Event::Cancel) {
+            // §16.10: a stateful proxy answers the CANCEL itself.
+            let ok = Reply {
+                code: 200,
+                reason: "OK",
+                retry_after_s: None,
+            };
+            return Some(self.reply(msg, src, &ok, out));
+        }
+        Some(Action::Drop(DropReason::Absorbed))
+    }
+
+    /// Hold a request just forwarded to member `m` (its bytes in `out`), when it is one that
+    /// fails over: outside a dialog, not ACK or CANCEL, toward a UDP member, with room left.
+    #[allow(clippy::too_many_arguments)]
+    fn hold(
+        &self,
+        failover: &Failover,
+        msg: &SipMsg<'_>,
+        m: usize,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &[u8],
+        sends: &mut Vec<Send>,
+    ) {
+        if msg.to_tag().is_some()
+            || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel)
+            || self.member_transport(m) != Transport::Udp
+        {
+            return;
+        }
+        let (Some(key), Some(&addr)) = (
+            sip::transaction_key(msg, &self.local),
+            self.member_addrs.get(m),
+        ) else {
+            return;
+        };
+        if self.transactions.held.len() >= failover.max_pending {
+            bump(&self.transactions.counters.table_full);
+            return;
+        }
+        let request = Bytes::copy_from_slice(msg.buf());
+        let client = reply_target(msg, src);
+        let mut acts = Vec::new();
+        let invite = msg.method_kind() == SipMethod::Invite;
+        let sent = Bytes::copy_from_slice(out);
+        let hops = CoreHops {
+            core: self,
+            request: &request,
+            src,
+            dst,
+            now,
+        };
+        let tx = Transaction::start(now, invite, true, failover, m, addr, sent, &hops, &mut acts);
+        let next = tx.poll_timeout();
+        match self.transactions.held.entry(key) {
+            dashmap::Entry::Occupied(_) => return,
+            dashmap::Entry::Vacant(v) => {
+                v.insert(Held {
+                    tx,
+                    request,
+                    src,
+                    dst,
+                    client,
+                });
+            }
+        }
+        bump(&self.transactions.counters.started);
+        self.transactions.arm(key, next);
+        let mut unused = Vec::new();
+        self.carry(client, &acts, None, &mut unused, sends);
+    }
+
+    /// A service's response to an attempt of a held request.
+    #[allow(clippy::too_many_arguments)]
+    fn held_response(
+        &self,
+        msg: &SipMsg<'_>,
+        buf: &[u8],
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+        sends: &mut Vec<Send>,
+    ) -> Option<Action> {
+        if self.transactions.is_empty() {
+            return None;
+        }
+        let branch = msg.top_via()?.branch?;
+        let (key, attempt) = sip::transaction_of(branch)?;
+        let code = msg.status_code()?;
+        let retry_after_s = msg
+            .header(b"Retry-After")
+            .and_then(|v| {
+                sip::lex::parse_decimal(sip::lex::trim_lws(
+                    v.split(|&c| c == b';' || c == b'(').next().unwrap_or(v),
+                ))
+            })
+            .and_then(|n| u32::try_from(n).ok());
+        let mut entry = self.transactions.held.get_mut(&key)?;
+        let mut acts = Vec::new();
+        let Held {
+            tx,
+            request,
+            src: from,
+            dst: to,
+            client,
+        } = &mut *entry;
+        let hops = CoreHops {
+            core: self,
+            request,
+            src: *from,
+            dst: *to,
+            now,
+        };
+        let ev = Event::Response {
+            attempt,
+            code,
+            retry_after_s,
+            bytes: buf,
+        };
+        tx.handle(now, ev, &hops, &mut acts);
+        let client = *client;
+        let next = tx.poll_timeout();
+        drop(entry);
+        self.transactions.arm(key, next);
+        let relayed = self.carry(client, &acts, Some((msg, src, dst)), out, sends);
+        if code >= 200
+            && let Some(Action::ToAddr(_)) = relayed
+            && let Some(mut e) = self.transactions.held.get_mut(&key)
+        {
+            e.tx.relayed(Bytes::copy_from_slice(out));
+        }
+        Some(relayed.unwrap_or_else(|| {
+            bump(&self.transactions.counters.absorbed);
+            Action::Drop(DropReason::Absorbed)
+        }))
+    }
+
+    /// Carry out a held request's actions: datagrams into `sends`; a relay of the response
+    /// being handled (`response`) into `out`, returned as the action.
+    fn carry(
+        &self,
+        client: SocketAddr,
+        acts: &[TxAction],
+        response: Option<(&SipMsg<'_>, SocketAddr, SocketAddr)>,
+        out: &mut Vec<u8>,
+        sends: &mut Vec<Send>,
+    ) -> Option<Action> {
+        let mut action = None;
+        for a in acts {
+            match a {
+                TxAction::ToClient(b) => sends.push((client, b.clone())),
+                TxAction::ToMember(addr, b) => sends.push((*addr, b.clone())),
+                TxAction::Relay => {
+                    if let Some((msg, _, _)) = response {
+                        out.clear();
+                        action = Some(self.response(msg, true, out));
+                    }
+                }
+                TxAction::RelayStored(b) => {
+                    if let Ok(msg) = sip::scan(b) {
+                        let mut relay = Vec::new();
+                        if let Action::ToAddr(to) = self.response(&msg, true, &mut relay) {
+                            sends.push((to, Bytes::from(relay)));
+                        }
+                    }
+                }
+                TxAction::Failed { member, .. } => self.balancer.report_failure(*member),
+                TxAction::Answered { .. } => {}
+            }
+        }
+        action
+    }
+
+    /// Wake the held requests whose deadline passed: their sends appended to `sends`,
+    /// finished ones removed. The next deadline, if any.
+    pub fn poll_transactions(&self, now: Nanos, sends: &mut Vec<Send>) -> Option<Nanos> {
+        loop {
+            let key = {
+                let mut timers = crate::sync::lock(&self.transactions.timers);
+                match timers.peek() {
+                    Some(Reverse((at, _))) if *at > now => return Some(*at),
+                    None => return None,
+                    Some(_) => timers.pop().map(|Reverse((_, k))| k),
+                }
+            };
+            let Some(key) = key else { continue };
+            let Some(mut entry) = self.transactions.held.get_mut(&key) else {
+                continue;
+            };
+            if entry.tx.is_finished(now) {
+                drop(entry);
+                self.transactions.held.remove(&key);
+                continue;
+            }
+            // A stale timer: the transaction's deadline moved later.
+            if entry.tx.poll_timeout().is_some_and(|t| t > now) {
+                continue;
+            }
+            let mut acts = Vec::new();
+            let Held {
+                tx,
+                request,
+                src,
+                dst,
+                client,
+            } = &mut *entry;
+            let hops = CoreHops {
+                core: self,
+                request,
+                src: *src,
+                dst: *dst,
+                now,
+            };
+            tx.handle(now, Event::Timer, &hops, &mut acts);
+            let client = *client;
+            let next = tx.poll_timeout();
+            drop(entry);
+            self.transactions.arm(key, next);
+            let mut unused = Vec::new();
+            self.carry(client, &acts, None, &mut unused, sends);
+        }
+    }
+}
+
+/// Whether a request outside a dialog opens one (its Call-ID is pinned to the member that
+/// takes it), as the stateless choice decides.
+fn pins_dialog_request(msg: &SipMsg<'_>) -> bool {
+    super::checks::pins_dialog(msg)
+}
+
+#[cfg(test)]
+mod tests;

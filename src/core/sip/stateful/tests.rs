@@ -1,0 +1,204 @@
+//! Failover through the core: requests, responses and timers as bytes, the sends checked.
+
+use super::*;
+use crate::config;
+use std::time::Duration;
+
+const CLIENT: &str = "192.0.2.10:5062";
+const US: &str = "127.0.0.1:5060";
+const S: Nanos = 1_000_000_000;
+
+fn core() -> SipCore {
+    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n  - { name: c, address: 127.0.0.1:5073, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, services: [a, b, c] }\n";
+    let cfg = config::from_str("t", y).expect("config");
+    let v = &cfg.vservers[0];
+    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
+    let balancer = Arc::new(Balancer::new(&cfg, v));
+    SipCore::new(SipParams::of(&cfg, v, local, balancer))
+        .with_failover(v.failover.clone(), Arc::default())
+}
+
+fn invite(call_id: &str) -> String {
+    format!(
+        "INVITE sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP 192.0.2.10:5062;branch=z9hG4bKc1;rport\r\nMax-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>\r\nCall-ID: {call_id}\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n"
+    )
+}
+
+/// The service's answer to a forwarded request: its Vias, a To tag, `code`.
+fn answer(forwarded: &[u8], code: u16, reason: &str) -> String {
+    let msg = sip::scan(forwarded).expect("forwarded");
+    let vias: Vec<String> = msg
+        .headers()
+        .filter(|h| h.name.eq_ignore_ascii_case(b"Via"))
+        .map(|h| format!("Via: {}\r\n", String::from_utf8_lossy(h.value)))
+        .collect();
+    format!(
+        "SIP/2.0 {code} {reason}\r\n{}From: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>;tag=s1\r\nCall-ID: {}\r\nCSeq: 1 INVITE\r\nRetry-After: 30\r\nContent-Length: 0\r\n\r\n",
+        vias.concat(),
+        String::from_utf8_lossy(msg.call_id().expect("call-id"))
+    )
+}
+
+fn from(
+    c: &SipCore,
+    text: &str,
+    src: &str,
+    now: Nanos,
+    out: &mut Vec<u8>,
+    sends: &mut Vec<Send>,
+) -> Action {
+    sends.clear();
+    c.handle_datagram_stateful(
+        text.as_bytes(),
+        src.parse().expect("src"),
+        US.parse().expect("dst"),
+        now,
+        out,
+        sends,
+    )
+}
+
+fn first_line(b: &[u8]) -> String {
+    String::from_utf8_lossy(b)
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+fn member_addr(c: &SipCore, m: usize) -> String {
+    c.member_addr(m).expect("member").to_string()
+}
+
+#[test]
+fn a_503_moves_the_invite_to_the_next_service_and_the_client_sees_only_the_200() {
+    let c = core();
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &invite("call-1"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    assert_eq!(sends.len(), 1);
+    assert_eq!(sends[0].0, CLIENT.parse().expect("client"));
+    assert_eq!(first_line(&sends[0].1), "SIP/2.0 100 Trying");
+    let trying = String::from_utf8_lossy(&sends[0].1).into_owned();
+    let to = trying.lines().find(|l| l.starts_with("To:")).expect("To");
+    assert!(!to.contains(";tag="), "no To tag on 100: {to}");
+    let first = out.clone();
+    // The service is sick: 503. The client hears nothing; the service gets its ACK and the
+    // next service the INVITE with attempt 1's branch.
+    let a = from(
+        &c,
+        &answer(&first, 503, "Service Unavailable"),
+        &member_addr(&c, m0),
+        S / 10,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(a, Action::Drop(DropReason::Absorbed));
+    assert_eq!(sends.len(), 2, "{sends:?}");
+    assert_eq!(sends[0].0, c.member_addr(m0).expect("m0"));
+    assert_eq!(first_line(&sends[0].1), "ACK sip:svc@example.com SIP/2.0");
+    let next = sends[1].clone();
+    assert_ne!(next.0, c.member_addr(m0).expect("m0"));
+    let text = String::from_utf8_lossy(&next.1).into_owned();
+    assert!(text.starts_with("INVITE sip:svc@example.com SIP/2.0"));
+    let branch = sip::scan(&next.1)
+        .expect("scan")
+        .top_via()
+        .expect("via")
+        .branch
+        .expect("branch");
+    assert_eq!(sip::transaction_of(branch).map(|(_, k)| k), Some(1));
+    // The next service answers 200: relayed to the client as the stateless proxy would.
+    let a = from(
+        &c,
+        &answer(&next.1, 200, "OK"),
+        &next.0.to_string(),
+        S / 5,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(a, Action::ToAddr(CLIENT.parse().expect("client")));
+    assert_eq!(first_line(&out), "SIP/2.0 200 OK");
+    assert_eq!(
+        c.transactions()
+            .counters
+            .failovers
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    // The dialog now belongs to the service that answered.
+    let m1 = (0..3)
+        .find(|&m| c.member_addr(m) == Some(next.0))
+        .expect("m1");
+    assert_eq!(
+        c.dialogs().get(crate::hash::key_hash(b"call-1"), 0),
+        Some(m1 as u32)
+    );
+}
+
+#[test]
+fn a_service_that_never_answers_is_left_after_no_answer() {
+    let c = core();
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &invite("call-2"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let mut timers = Vec::new();
+    // Timer A at 500 ms: the INVITE again to the same service.
+    let next = c.poll_transactions(S / 2, &mut timers);
+    assert_eq!(timers.len(), 1);
+    assert_eq!(timers[0].0, c.member_addr(m0).expect("m0"));
+    assert_eq!(next, Some(S));
+    timers.clear();
+    c.poll_transactions(S, &mut timers);
+    assert_eq!(timers.len(), 1, "{timers:?}");
+    assert_ne!(timers[0].0, c.member_addr(m0).expect("m0"));
+    assert!(first_line(&timers[0].1).starts_with("INVITE"));
+    // Its retransmission from the client gets the 100 again, not a second INVITE.
+    let a = from(&c, &invite("call-2"), CLIENT, S + 1, &mut out, &mut sends);
+    assert_eq!(a, Action::Drop(DropReason::Absorbed));
+    assert_eq!(sends.len(), 1);
+    assert_eq!(first_line(&sends[0].1), "SIP/2.0 100 Trying");
+}
+
+#[test]
+fn every_service_503_gives_the_client_500_and_cancel_is_answered_200() {
+    let c = core();
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &invite("call-3"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let mut to = (c.member_addr(m0).expect("m0"), Bytes::copy_from_slice(&out));
+    let mut client = Vec::new();
+    for i in 0..3 {
+        from(
+            &c,
+            &answer(&to.1, 503, "Service Unavailable"),
+            &to.0.to_string(),
+            (i + 1) * S / 10,
+            &mut out,
+            &mut sends,
+        );
+        client.extend(
+            sends
+                .iter()
+                .filter(|s| s.0 == CLIENT.parse().expect("client"))
+                .map(|s| first_line(&s.1)),
+        );
+        if let Some(next) = sends
+            .iter()
+            .find(|s| first_line(&s.1).starts_with("INVITE"))
+        {
+            to = next.clone();
+        }
+    }
+    assert_eq!(client, ["SIP/2.0 500 Server Internal Error"]);
+    let cancel = invite("call-3")
+        .replace("INVITE sip", "CANCEL sip")
+        .replace("1 INVITE", "1 CANCEL");
+    let a = from(&c, &cancel, CLIENT, S, &mut out, &mut sends);
+    assert_eq!(a, Action::Reply(CLIENT.parse().expect("client")));
+    assert_eq!(first_line(&out), "SIP/2.0 200 OK");
+    let _ = Duration::ZERO;
+}
