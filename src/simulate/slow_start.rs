@@ -305,38 +305,79 @@ fn check_weight(field: &str, name: &str, weight: u32) -> Result<u32, ScenarioErr
     }
 }
 
+/// The scenario's clock in nanoseconds: a window longer than 0, a duration of at least one
+/// window, at most [`MAX_REPORTS`] rows.
+struct Timing {
+    report_every: Nanos,
+    duration: Nanos,
+    hold: Nanos,
+    /// `duration / report_every`, the row count the limits are taken on.
+    rows: u64,
+}
+
+/// Reads and checks a scenario. The checks stop at the first problem, in this order: the
+/// YAML, method and rates, timing, services, events, then the size limits.
 fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
     let raw: RawScenario = serde_saphyr::from_str(yaml)?;
-    let method = Method::ALL
-        .iter()
-        .find(|(n, _)| *n == raw.method)
-        .map(|(_, m)| *m)
-        .ok_or_else(|| ScenarioError::UnknownMethod(raw.method.clone()))?;
-    if method.is_hash() {
-        return Err(ScenarioError::HashMethod(raw.method));
-    }
+    let method = read_method(&raw.method)?;
     if raw.offered_rate == 0 {
         return Err(ScenarioError::ZeroOfferedRate);
     }
-    let slow_start = match raw.slow_start {
-        None => None,
-        Some(s) => {
-            let unit = match s.unit.as_deref() {
-                None | Some("per_second") => RateUnit::PerSecond,
-                Some("percent") => RateUnit::Percent,
-                Some(other) => return Err(ScenarioError::BadUnit(other.to_string())),
-            };
-            let interval = match &s.increment_interval {
-                None => 0,
-                Some(d) => d.to_nanos("slow_start.increment_interval")?,
-            };
-            Some(SlowStartParams {
-                new_service_request_rate: s.new_service_request_rate,
-                unit,
-                increment_interval: Duration::from_nanos(interval),
-            })
-        }
+    let slow_start = raw.slow_start.as_ref().map(read_slow_start).transpose()?;
+    let timing = read_timing(&raw)?;
+    let (mut names, mut weights) = read_services(&raw.services)?;
+    let initial = names.len();
+    let events = read_events(&raw.events, timing.duration, &mut names, &mut weights)?;
+    check_membership(&events, &names, initial)?;
+    check_size(raw.offered_rate, &timing, names.len())?;
+    Ok(Scenario {
+        method,
+        offered_rate: raw.offered_rate,
+        slow_start,
+        names,
+        weights,
+        initial,
+        report_every: timing.report_every,
+        duration: timing.duration,
+        hold: timing.hold,
+        events,
+    })
+}
+
+/// The method called `name`; slow start applies only to non-hash methods.
+fn read_method(name: &str) -> Result<Method, ScenarioError> {
+    let method = Method::ALL
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, m)| *m)
+        .ok_or_else(|| ScenarioError::UnknownMethod(name.to_string()))?;
+    if method.is_hash() {
+        return Err(ScenarioError::HashMethod(name.to_string()));
+    }
+    Ok(method)
+}
+
+/// The `slow_start` section as the core's parameters: per second and no increment interval
+/// unless given.
+fn read_slow_start(raw: &RawSlowStart) -> Result<SlowStartParams, ScenarioError> {
+    let unit = match raw.unit.as_deref() {
+        None | Some("per_second") => RateUnit::PerSecond,
+        Some("percent") => RateUnit::Percent,
+        Some(other) => return Err(ScenarioError::BadUnit(other.to_string())),
     };
+    let interval_ns = match &raw.increment_interval {
+        None => 0,
+        Some(d) => d.to_nanos("slow_start.increment_interval")?,
+    };
+    Ok(SlowStartParams {
+        new_service_request_rate: raw.new_service_request_rate,
+        unit,
+        increment_interval: Duration::from_nanos(interval_ns),
+    })
+}
+
+/// `report_every`, `duration` and `hold` in nanoseconds, checked against each other.
+fn read_timing(raw: &RawScenario) -> Result<Timing, ScenarioError> {
     let report_every = raw.report_every.to_nanos("report_every")?;
     let duration = raw.duration.to_nanos("duration")?;
     let hold = match &raw.hold {
@@ -353,12 +394,22 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
     if rows > MAX_REPORTS {
         return Err(ScenarioError::TooManyReports { rows });
     }
-    if raw.services.is_empty() {
+    Ok(Timing {
+        report_every,
+        duration,
+        hold,
+        rows,
+    })
+}
+
+/// The initial services' names and weights in file order (a bare name has weight 1).
+fn read_services(raw: &[RawService]) -> Result<(Vec<String>, Vec<u32>), ScenarioError> {
+    if raw.is_empty() {
         return Err(ScenarioError::NoServices);
     }
     let mut names: Vec<String> = Vec::new();
     let mut weights = Vec::new();
-    for s in &raw.services {
+    for s in raw {
         let (name, weight) = match s {
             RawService::Name(n) => (n.clone(), 1),
             RawService::Full { name, weight } => (
@@ -372,61 +423,87 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
         names.push(name);
         weights.push(weight);
     }
-    let initial = names.len();
-    let index = |names: &[String], n: &str| names.iter().position(|x| x == n);
+    Ok((names, weights))
+}
+
+/// The events in the order they apply. A service an event adds joins `names` and `weights`
+/// the first time it is named, so later events may refer to it.
+fn read_events(
+    raw: &[RawEvent],
+    duration: Nanos,
+    names: &mut Vec<String>,
+    weights: &mut Vec<u32>,
+) -> Result<Vec<Event>, ScenarioError> {
     let mut events = Vec::new();
-    for (event, e) in raw.events.iter().enumerate() {
-        let at = e.at.to_nanos(&format!("events[{event}].at"))?;
+    for (index, e) in raw.iter().enumerate() {
+        let at = e.at.to_nanos(&format!("events[{index}].at"))?;
         if at > duration {
-            return Err(ScenarioError::EventOutOfRange { event });
+            return Err(ScenarioError::EventOutOfRange { event: index });
         }
-        let actions = [
-            e.add.is_some(),
-            e.remove.is_some(),
-            e.up.is_some(),
-            e.down.is_some(),
-            e.set_rate.is_some(),
-        ];
-        if actions.iter().filter(|&&a| a).count() != 1 {
-            return Err(ScenarioError::EventAction { event });
-        }
-        let known = |name: &String| {
-            index(&names, name).ok_or_else(|| ScenarioError::UnknownService {
-                event,
-                name: name.clone(),
-            })
-        };
-        let action = if let Some(name) = &e.add {
-            let weight = check_weight(&format!("events[{event}]"), name, e.weight.unwrap_or(1))?;
-            let idx = match index(&names, name) {
-                Some(i) => i,
-                None => {
-                    names.push(name.clone());
-                    weights.push(weight);
-                    names.len() - 1
-                }
-            };
-            Action::Add(idx)
-        } else if let Some(name) = &e.remove {
-            Action::Remove(known(name)?)
-        } else if let Some(name) = &e.up {
-            Action::Up(known(name)?)
-        } else if let Some(name) = &e.down {
-            Action::Down(known(name)?)
-        } else {
-            Action::SetRate(e.set_rate.unwrap_or(0))
-        };
-        events.push(Event {
-            at,
-            action,
-            index: event,
-        });
+        let action = read_action(index, e, names, weights)?;
+        events.push(Event { at, action, index });
     }
     // Stable: events at the same instant apply in file order.
     events.sort_by_key(|e| e.at);
-    // Replay membership so that adding a service that is already there is reported, not ignored.
+    Ok(events)
+}
+
+/// The one action of event number `event`.
+fn read_action(
+    event: usize,
+    e: &RawEvent,
+    names: &mut Vec<String>,
+    weights: &mut Vec<u32>,
+) -> Result<Action, ScenarioError> {
+    let actions = [
+        e.add.is_some(),
+        e.remove.is_some(),
+        e.up.is_some(),
+        e.down.is_some(),
+        e.set_rate.is_some(),
+    ];
+    if actions.iter().filter(|&&a| a).count() != 1 {
+        return Err(ScenarioError::EventAction { event });
+    }
+    let position = |names: &[String], name: &str| names.iter().position(|x| x == name);
+    if let Some(name) = &e.add {
+        let weight = check_weight(&format!("events[{event}]"), name, e.weight.unwrap_or(1))?;
+        let idx = match position(names, name) {
+            Some(i) => i,
+            None => {
+                names.push(name.clone());
+                weights.push(weight);
+                names.len() - 1
+            }
+        };
+        return Ok(Action::Add(idx));
+    }
+    let known = |name: &String| {
+        position(names, name).ok_or_else(|| ScenarioError::UnknownService {
+            event,
+            name: name.clone(),
+        })
+    };
+    Ok(if let Some(name) = &e.remove {
+        Action::Remove(known(name)?)
+    } else if let Some(name) = &e.up {
+        Action::Up(known(name)?)
+    } else if let Some(name) = &e.down {
+        Action::Down(known(name)?)
+    } else {
+        Action::SetRate(e.set_rate.unwrap_or(0))
+    })
+}
+
+/// Replays membership through the sorted events so that adding a service that is already
+/// there is reported, not ignored.
+fn check_membership(
+    events: &[Event],
+    names: &[String],
+    initial: usize,
+) -> Result<(), ScenarioError> {
     let mut present: Vec<bool> = (0..names.len()).map(|i| i < initial).collect();
-    for e in &events {
+    for e in events {
         match e.action {
             Action::Add(i) if present[i] => {
                 return Err(ScenarioError::AlreadyPresent {
@@ -439,42 +516,43 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
             _ => {}
         }
     }
+    Ok(())
+}
+
+/// The limits on what a run keeps and does: [`MAX_REPORT_VALUES`] rates and
+/// [`MAX_REQUESTS`] requests.
+fn check_size(offered_rate: u64, timing: &Timing, services: usize) -> Result<(), ScenarioError> {
     // Every row has a rate for every service, those added by events included.
-    let values = rows.saturating_mul(u64::try_from(names.len()).unwrap_or(u64::MAX));
+    let values = timing
+        .rows
+        .saturating_mul(u64::try_from(services).unwrap_or(u64::MAX));
     if values > MAX_REPORT_VALUES {
         return Err(ScenarioError::TooManyReportValues {
-            rows,
-            services: names.len(),
+            rows: timing.rows,
+            services,
             values,
         });
     }
-    let span = u128::from(duration) + u128::from(report_every);
-    let requests = u128::from(raw.offered_rate) * span / u128::from(NANOS_PER_SEC);
+    let requests = request_count(offered_rate, timing.duration, timing.report_every);
     if requests > u128::from(MAX_REQUESTS) {
         return Err(ScenarioError::TooLarge {
             requests: u64::try_from(requests).unwrap_or(u64::MAX),
         });
     }
-    Ok(Scenario {
-        method,
-        offered_rate: raw.offered_rate,
-        slow_start,
-        names,
-        weights,
-        initial,
-        report_every,
-        duration,
-        hold,
-        events,
-    })
+    Ok(())
+}
+
+/// Requests a run makes: `offered_rate` over `duration` and the warm-up window before t=0.
+fn request_count(offered_rate: u64, duration: Nanos, report_every: Nanos) -> u128 {
+    let span = u128::from(duration) + u128::from(report_every);
+    u128::from(offered_rate) * span / u128::from(NANOS_PER_SEC)
 }
 
 /// Parses a scenario without running it: the number of requests its simulation makes
 /// (at most [`MAX_REQUESTS`]).
 pub fn check_scenario(yaml: &str) -> Result<u64, ScenarioError> {
     let sc = parse(yaml)?;
-    let span = u128::from(sc.duration) + u128::from(sc.report_every);
-    let requests = u128::from(sc.offered_rate) * span / u128::from(NANOS_PER_SEC);
+    let requests = request_count(sc.offered_rate, sc.duration, sc.report_every);
     Ok(u64::try_from(requests).unwrap_or(u64::MAX))
 }
 
