@@ -156,49 +156,132 @@ fn tcp_sink(addr: SocketAddr, n: usize, secs: u64) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Runs the mode `a.mode` names; any mode not named here is the `udp` closed loop.
 fn run(a: &Args) -> std::io::Result<()> {
     match a.mode.as_str() {
-        "tcp-idle" => return tcp_idle(a.target, a.sockets, a.secs),
-        "tcp-sink" => return tcp_sink(a.target, a.sockets, a.secs),
-        _ => {}
+        "tcp-idle" => tcp_idle(a.target, a.sockets, a.secs),
+        "tcp-sink" => tcp_sink(a.target, a.sockets, a.secs),
+        "udp-idle" => udp_idle(a),
+        _ => udp_closed_loop(a),
     }
-    let mut poll = Poll::new()?;
-    let port = if a.mode == "udp-idle" { IDLE_PORT } else { 0 };
-    let socks = open(a.sockets, a.target, port, &poll)?;
-    let mut events = Events::with_capacity(1024);
-    let start = Instant::now();
-    let mut buf = vec![0u8; 65_536];
-    let mut payload = vec![b'x'; a.size];
-    let stamp = |p: &mut [u8], t: Instant| {
-        p[..8].copy_from_slice(&(t.duration_since(start).as_nanos() as u64).to_le_bytes())
-    };
-    let mut sent_at = vec![start; socks.len()];
-    for (i, s) in socks.iter().enumerate() {
-        let now = Instant::now();
-        stamp(&mut payload, now);
-        s.send(&payload)?;
-        sent_at[i] = now;
+}
+
+/// UDP flows toward the target, one datagram in flight on each. A datagram starts with the
+/// nanoseconds from `start` at which it was sent, so an answer names the datagram it answers.
+struct Flows {
+    socks: Vec<UdpSocket>,
+    start: Instant,
+    payload: Vec<u8>,
+    sent_at: Vec<Instant>,
+    buf: Vec<u8>,
+}
+
+impl Flows {
+    /// Opens `a.sockets` flows from `port`, registered with `poll`, and sends each its first
+    /// datagram.
+    fn open(a: &Args, port: u16, poll: &Poll) -> std::io::Result<Flows> {
+        let socks = open(a.sockets, a.target, port, poll)?;
+        let start = Instant::now();
+        let mut flows = Flows {
+            sent_at: vec![start; socks.len()],
+            socks,
+            start,
+            payload: vec![b'x'; a.size],
+            buf: vec![0u8; 65_536],
+        };
+        for i in 0..flows.socks.len() {
+            let now = Instant::now();
+            flows.stamp(now);
+            flows.socks[i].send(&flows.payload)?;
+            flows.sent_at[i] = now;
+        }
+        Ok(flows)
     }
-    if a.mode == "udp-idle" {
-        let mut answered = vec![false; socks.len()];
+
+    fn since_start_ns(&self, t: Instant) -> u64 {
+        t.duration_since(self.start).as_nanos() as u64
+    }
+
+    fn stamp(&mut self, t: Instant) {
+        let ns = self.since_start_ns(t);
+        self.payload[..8].copy_from_slice(&ns.to_le_bytes());
+    }
+
+    /// Sends flow `i` its next datagram, stamped `now`. A failed send needs no handling here:
+    /// its flow is counted lost and sent to again after [`LOSS_TIMEOUT`].
+    fn send_next(&mut self, i: usize, now: Instant) {
+        self.stamp(now);
+        let _ = self.socks[i].send(&self.payload);
+        self.sent_at[i] = now;
+    }
+
+    /// Reads every answer waiting on flow `i`. The answer to the datagram in flight records
+    /// its round trip (when `measure_from` has passed) and sends the next datagram.
+    fn take_answers(&mut self, i: usize, measure_from: Instant, rtts_us: &mut Vec<u32>) {
+        loop {
+            match self.socks[i].recv(&mut self.buf) {
+                Ok(n) if n >= 8 => {
+                    let now = Instant::now();
+                    let mut t = [0u8; 8];
+                    t.copy_from_slice(&self.buf[..8]);
+                    let sent_ns = u64::from_le_bytes(t);
+                    // Only the answer to the datagram in flight closes the loop; a late
+                    // answer to a datagram already counted lost is ignored.
+                    if sent_ns != self.since_start_ns(self.sent_at[i]) {
+                        continue;
+                    }
+                    if now >= measure_from {
+                        rtts_us.push(
+                            now.duration_since(self.sent_at[i])
+                                .as_micros()
+                                .min(u128::from(u32::MAX)) as u32,
+                        );
+                    }
+                    self.send_next(i, now);
+                }
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+    }
+
+    /// Sends the next datagram on every flow whose datagram has been in flight longer than
+    /// [`LOSS_TIMEOUT`]; returns how many of those count as lost (when `measure_from` has
+    /// passed).
+    fn resend_lost(&mut self, now: Instant, measure_from: Instant) -> u64 {
+        let mut lost = 0;
+        for i in 0..self.socks.len() {
+            if now.duration_since(self.sent_at[i]) > LOSS_TIMEOUT {
+                if now >= measure_from {
+                    lost += 1;
+                }
+                self.send_next(i, now);
+            }
+        }
+        lost
+    }
+
+    /// Waits (30 s at most) until every flow has had an answer; returns how many have.
+    fn await_answers(&mut self, poll: &mut Poll, events: &mut Events) -> std::io::Result<usize> {
+        let mut answered = vec![false; self.socks.len()];
         let mut n = 0;
         let end = Instant::now() + Duration::from_secs(30);
         let mut last_resend = Instant::now();
-        while n < socks.len() && Instant::now() < end {
-            poll.poll(&mut events, Some(Duration::from_millis(100)))?;
+        while n < self.socks.len() && Instant::now() < end {
+            poll.poll(events, Some(Duration::from_millis(100)))?;
             // A burst of thousands of first datagrams can overflow a socket buffer: resend
             // to flows not answered yet (a session is idempotent per flow).
             if last_resend.elapsed() >= Duration::from_millis(500) {
                 last_resend = Instant::now();
-                for (i, s) in socks.iter().enumerate() {
+                for (i, s) in self.socks.iter().enumerate() {
                     if !answered[i] {
-                        let _ = s.send(&payload);
+                        let _ = s.send(&self.payload);
                     }
                 }
             }
             for e in events.iter() {
                 let i = e.token().0;
-                while socks[i].recv(&mut buf).is_ok() {
+                while self.socks[i].recv(&mut self.buf).is_ok() {
                     if !answered[i] {
                         answered[i] = true;
                         n += 1;
@@ -206,78 +289,64 @@ fn run(a: &Args) -> std::io::Result<()> {
                 }
             }
         }
-        println!("ready={n}");
-        hold(a.secs);
-        return Ok(());
+        Ok(n)
     }
-    let measure_from = start + Duration::from_secs(a.warmup);
+}
+
+/// `udp-idle`: opens the flows, prints how many were answered, then holds them.
+fn udp_idle(a: &Args) -> std::io::Result<()> {
+    let mut poll = Poll::new()?;
+    let mut flows = Flows::open(a, IDLE_PORT, &poll)?;
+    let mut events = Events::with_capacity(1024);
+    let n = flows.await_answers(&mut poll, &mut events)?;
+    println!("ready={n}");
+    hold(a.secs);
+    Ok(())
+}
+
+/// `udp`: the closed loop, `a.warmup` seconds unmeasured then `a.secs` measured; prints
+/// the summary.
+fn udp_closed_loop(a: &Args) -> std::io::Result<()> {
+    let mut poll = Poll::new()?;
+    let mut flows = Flows::open(a, 0, &poll)?;
+    let mut events = Events::with_capacity(1024);
+    let measure_from = flows.start + Duration::from_secs(a.warmup);
     let end = measure_from + Duration::from_secs(a.secs);
-    let mut rtts: Vec<u32> = Vec::with_capacity(4_000_000);
+    let mut rtts_us: Vec<u32> = Vec::with_capacity(4_000_000);
     let mut lost = 0u64;
     let mut last_check = Instant::now();
     while Instant::now() < end {
         poll.poll(&mut events, Some(Duration::from_millis(20)))?;
         for e in events.iter() {
-            let i = e.token().0;
-            loop {
-                match socks[i].recv(&mut buf) {
-                    Ok(n) if n >= 8 => {
-                        let now = Instant::now();
-                        let mut t = [0u8; 8];
-                        t.copy_from_slice(&buf[..8]);
-                        let sent_ns = u64::from_le_bytes(t);
-                        // Only the answer to the datagram in flight closes the loop; a late
-                        // answer to a datagram already counted lost is ignored.
-                        if sent_ns != sent_at[i].duration_since(start).as_nanos() as u64 {
-                            continue;
-                        }
-                        if now >= measure_from {
-                            rtts.push(
-                                now.duration_since(sent_at[i])
-                                    .as_micros()
-                                    .min(u128::from(u32::MAX))
-                                    as u32,
-                            );
-                        }
-                        stamp(&mut payload, now);
-                        let _ = socks[i].send(&payload);
-                        sent_at[i] = now;
-                    }
-                    Ok(_) => {}
-                    Err(_) => break,
-                }
-            }
+            flows.take_answers(e.token().0, measure_from, &mut rtts_us);
         }
         let now = Instant::now();
         if now.duration_since(last_check) >= Duration::from_millis(50) {
             last_check = now;
-            for (i, s) in socks.iter().enumerate() {
-                if now.duration_since(sent_at[i]) > LOSS_TIMEOUT {
-                    if now >= measure_from {
-                        lost += 1;
-                    }
-                    stamp(&mut payload, now);
-                    let _ = s.send(&payload);
-                    sent_at[i] = now;
-                }
-            }
+            lost += flows.resend_lost(now, measure_from);
         }
     }
-    rtts.sort_unstable();
+    rtts_us.sort_unstable();
+    println!("{}", summary(&rtts_us, a.secs, lost));
+    Ok(())
+}
+
+/// The result line over the sorted round trips of `secs` measured seconds.
+fn summary(rtts_us: &[u32], secs: u64, lost: u64) -> String {
     let pct = |p: f64| {
-        rtts.get(((rtts.len() as f64 * p) as usize).min(rtts.len().saturating_sub(1)))
+        rtts_us
+            .get(((rtts_us.len() as f64 * p) as usize).min(rtts_us.len().saturating_sub(1)))
             .copied()
             .unwrap_or(0)
     };
-    println!(
+    format!(
         "rps={:.0} p50_us={} p90_us={} p99_us={} p999_us={} max_us={} lost={}",
-        rtts.len() as f64 / a.secs as f64,
+        rtts_us.len() as f64 / secs as f64,
         pct(0.50),
         pct(0.90),
         pct(0.99),
         pct(0.999),
-        rtts.last().copied().unwrap_or(0),
+        rtts_us.last().copied().unwrap_or(0),
         lost
-    );
-    Ok(())
+    )
 }

@@ -226,20 +226,81 @@ fn simulate_members(
     members: &[Member],
     keys: &[u64],
 ) -> (HashReport, Vec<MemberShare>) {
-    let n = members.len();
-    let k = keys.len();
-    let all_up = vec![true; n];
-    let base = HashSelector::build_bounded(algorithm, fingers, max_share, members, &all_up);
+    let run = Run {
+        algorithm,
+        fingers,
+        max_share,
+        members,
+        keys,
+    };
+    let base = run.select(members, &vec![true; members.len()]);
     let before = owners(&base, keys);
     let total_weight: u64 = members.iter().map(|m| u64::from(m.weight.max(1))).sum();
-    let expected = |i: usize| {
-        members.get(i).map_or(0.0, |m| {
-            f64::from(m.weight.max(1)) / total_weight.max(1) as f64
-        })
+    let expected: Vec<f64> = members
+        .iter()
+        .map(|m| f64::from(m.weight.max(1)) / total_weight.max(1) as f64)
+        .collect();
+    let balance = balance(&base, &before, &expected);
+    let (removed, restore_exact) = remove_trials(&run, &before, &expected);
+    let added = add_trials(&run, &before, total_weight);
+    let report = HashReport {
+        algorithm: algorithm.name().to_string(),
+        services: members.len(),
+        keys: keys.len(),
+        fingers,
+        prac_max_share: max_share.ratio(),
+        peak_to_mean: balance.peak_to_mean,
+        share_peak_to_mean: balance.share_peak_to_mean,
+        remove_moved_ratio: removed.moved_ratio,
+        remove_foreign_moved: removed.foreign_moved,
+        restore_exact,
+        add_moved_ratio: added.moved_ratio,
+        add_foreign_moved: added.foreign_moved,
+        lookup_ns: median_lookup_ns(&base, keys),
+        memory_bytes: base.memory_bytes(),
+        per_service: None,
     };
+    (report, balance.detail)
+}
 
+/// What every selector of one run is built with, and the members and keys it measures.
+struct Run<'a> {
+    algorithm: HashAlgorithm,
+    fingers: u32,
+    max_share: PracMaxShare,
+    members: &'a [Member],
+    keys: &'a [u64],
+}
+
+impl Run<'_> {
+    /// The selector over `members` (not necessarily the run's own) with their UP flags.
+    fn select(&self, members: &[Member], up: &[bool]) -> HashSelector {
+        HashSelector::build_bounded(self.algorithm, self.fingers, self.max_share, members, up)
+    }
+
+    /// The owner of every key under [`Run::select`]`(members, up)`.
+    fn owners(&self, members: &[Member], up: &[bool]) -> Vec<u32> {
+        owners(&self.select(members, up), self.keys)
+    }
+}
+
+/// How evenly the members share the keys and the hash space with every member UP.
+struct Balance {
+    /// Largest key share over its member's expected share.
+    peak_to_mean: f64,
+    /// The same over the exact shares of the hash space (the key shares when the algorithm
+    /// has none).
+    share_peak_to_mean: f64,
+    detail: Vec<MemberShare>,
+}
+
+/// The balance of the keys' owners `before` under `base`, against the members' `expected`
+/// shares.
+fn balance(base: &HashSelector, before: &[u32], expected: &[f64]) -> Balance {
+    let n = expected.len();
+    let k = before.len();
     let mut counts = vec![0u64; n];
-    for o in &before {
+    for o in before {
         if let Some(c) = counts.get_mut(*o as usize) {
             *c += 1;
         }
@@ -248,110 +309,124 @@ fn simulate_members(
         .iter()
         .map(|c| if k > 0 { *c as f64 / k as f64 } else { 0.0 })
         .collect();
-    let peak_over = |shares: &[f64]| {
-        shares
-            .iter()
-            .enumerate()
-            .map(|(i, s)| {
-                if expected(i) > 0.0 {
-                    s / expected(i)
-                } else {
-                    0.0
-                }
-            })
-            .fold(0.0, f64::max)
-    };
-    let peak_to_mean = peak_over(&key_shares);
+    let peak_to_mean = peak_over(&key_shares, expected);
     let exact = base.exact_shares();
     let share_peak_to_mean = match &exact {
-        Some(shares) => peak_over(shares),
+        Some(shares) => peak_over(shares, expected),
         None => peak_to_mean,
     };
     let detail = (0..n)
         .map(|i| MemberShare {
             keys: counts[i],
-            expected: expected(i),
+            expected: expected[i],
             share: exact
                 .as_ref()
                 .and_then(|s| s.get(i).copied())
                 .unwrap_or(key_shares[i]),
         })
         .collect();
+    Balance {
+        peak_to_mean,
+        share_peak_to_mean,
+        detail,
+    }
+}
 
+/// The largest of `shares` over its member's expected share (0 for a member expecting none).
+fn peak_over(shares: &[f64], expected: &[f64]) -> f64 {
+    shares
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let e = expected.get(i).copied().unwrap_or(0.0);
+            if e > 0.0 { s / e } else { 0.0 }
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Keys moved by one membership change, over the trials.
+struct Disruption {
+    /// Fraction of keys moved over the ideal fraction, mean over trials.
+    moved_ratio: f64,
+    /// Keys moved that had no reason to; worst trial.
+    foreign_moved: u64,
+}
+
+/// Takes `trials(n)` members, spread over the list, DOWN one at a time: the disruption, and
+/// whether every key came back to its member once all were UP again, in every trial.
+fn remove_trials(run: &Run, before: &[u32], expected: &[f64]) -> (Disruption, bool) {
+    let n = run.members.len();
+    let k = run.keys.len();
     let t = trials(n);
-    let mut remove_ratio_sum = 0.0;
-    let mut remove_foreign = 0u64;
+    let all_up = vec![true; n];
+    let mut ratio_sum = 0.0;
+    let mut foreign_moved = 0u64;
     let mut restore_exact = true;
     for trial in 0..t {
         let victim = trial * n / t;
         let mut up = all_up.clone();
         up[victim] = false;
-        let down = HashSelector::build_bounded(algorithm, fingers, max_share, members, &up);
-        let after = owners(&down, keys);
-        let mut moved = 0u64;
-        let mut foreign = 0u64;
-        for (b, a) in before.iter().zip(&after) {
-            if b != a {
-                moved += 1;
-                if *b as usize != victim {
-                    foreign += 1;
-                }
-            }
+        let after = run.owners(run.members, &up);
+        let (moved, foreign) = moved_keys(before, &after, |b, _| b as usize != victim);
+        foreign_moved = foreign_moved.max(foreign);
+        if k > 0 && expected[victim] > 0.0 {
+            ratio_sum += (moved as f64 / k as f64) / expected[victim];
         }
-        remove_foreign = remove_foreign.max(foreign);
-        if k > 0 && expected(victim) > 0.0 {
-            remove_ratio_sum += (moved as f64 / k as f64) / expected(victim);
-        }
-        let back = HashSelector::build_bounded(algorithm, fingers, max_share, members, &all_up);
-        restore_exact &= owners(&back, keys) == before;
+        restore_exact &= run.owners(run.members, &all_up) == before;
     }
+    let removed = Disruption {
+        moved_ratio: mean_per_trial(ratio_sum, t),
+        foreign_moved,
+    };
+    (removed, restore_exact)
+}
 
-    let mut add_ratio_sum = 0.0;
-    let mut add_foreign = 0u64;
+/// Adds `trials(n)` distinct new members (weight 1), one at a time: the disruption, a move
+/// being foreign when it goes anywhere but to the newcomer.
+fn add_trials(run: &Run, before: &[u32], total_weight: u64) -> Disruption {
+    let n = run.members.len();
+    let k = run.keys.len();
+    let t = trials(n);
+    let mut ratio_sum = 0.0;
+    let mut foreign_moved = 0u64;
     for trial in 0..t {
-        let mut grown = members.to_vec();
+        let mut grown = run.members.to_vec();
         // New services come from outside the synthetic config's range (n + 1000 + trial).
         let newcomer = synthetic_member(n + 1000 + trial);
         let ideal = f64::from(newcomer.weight) / (total_weight + u64::from(newcomer.weight)) as f64;
         grown.push(newcomer);
-        let sel =
-            HashSelector::build_bounded(algorithm, fingers, max_share, &grown, &vec![true; n + 1]);
-        let after = owners(&sel, keys);
-        let mut moved = 0u64;
-        let mut foreign = 0u64;
-        for (b, a) in before.iter().zip(&after) {
-            if b != a {
-                moved += 1;
-                if *a as usize != n {
-                    foreign += 1;
-                }
-            }
-        }
-        add_foreign = add_foreign.max(foreign);
+        let after = run.owners(&grown, &vec![true; n + 1]);
+        let (moved, foreign) = moved_keys(before, &after, |_, a| a as usize != n);
+        foreign_moved = foreign_moved.max(foreign);
         if k > 0 {
-            add_ratio_sum += (moved as f64 / k as f64) / ideal;
+            ratio_sum += (moved as f64 / k as f64) / ideal;
         }
     }
-    let per_trial = |sum: f64| if t > 0 { sum / t as f64 } else { 0.0 };
+    Disruption {
+        moved_ratio: mean_per_trial(ratio_sum, t),
+        foreign_moved,
+    }
+}
 
-    let report = HashReport {
-        algorithm: algorithm.name().to_string(),
-        services: n,
-        keys: k,
-        fingers,
-        prac_max_share: max_share.ratio(),
-        peak_to_mean,
-        share_peak_to_mean,
-        remove_moved_ratio: per_trial(remove_ratio_sum),
-        remove_foreign_moved: remove_foreign,
-        restore_exact,
-        add_moved_ratio: per_trial(add_ratio_sum),
-        add_foreign_moved: add_foreign,
-        lookup_ns: median_lookup_ns(&base, keys),
-        memory_bytes: base.memory_bytes(),
-        per_service: None,
-    };
-    (report, detail)
+/// Keys whose owner differs between `before` and `after`, and how many of those moves
+/// `is_foreign(old owner, new owner)` flags.
+fn moved_keys(before: &[u32], after: &[u32], is_foreign: impl Fn(u32, u32) -> bool) -> (u64, u64) {
+    let mut moved = 0u64;
+    let mut foreign = 0u64;
+    for (b, a) in before.iter().zip(after) {
+        if b != a {
+            moved += 1;
+            if is_foreign(*b, *a) {
+                foreign += 1;
+            }
+        }
+    }
+    (moved, foreign)
+}
+
+/// `sum` over `trials`, or 0 without trials (a run without services).
+fn mean_per_trial(sum: f64, trials: usize) -> f64 {
+    if trials > 0 { sum / trials as f64 } else { 0.0 }
 }
 
 /// Human-readable rendering of a report (`fulcrum simulate hash` without `--json`).

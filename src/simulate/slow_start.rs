@@ -305,38 +305,79 @@ fn check_weight(field: &str, name: &str, weight: u32) -> Result<u32, ScenarioErr
     }
 }
 
+/// The scenario's clock in nanoseconds: a window longer than 0, a duration of at least one
+/// window, at most [`MAX_REPORTS`] rows.
+struct Timing {
+    report_every: Nanos,
+    duration: Nanos,
+    hold: Nanos,
+    /// `duration / report_every`, the row count the limits are taken on.
+    rows: u64,
+}
+
+/// Reads and checks a scenario. The checks stop at the first problem, in this order: the
+/// YAML, method and rates, timing, services, events, then the size limits.
 fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
     let raw: RawScenario = serde_saphyr::from_str(yaml)?;
-    let method = Method::ALL
-        .iter()
-        .find(|(n, _)| *n == raw.method)
-        .map(|(_, m)| *m)
-        .ok_or_else(|| ScenarioError::UnknownMethod(raw.method.clone()))?;
-    if method.is_hash() {
-        return Err(ScenarioError::HashMethod(raw.method));
-    }
+    let method = read_method(&raw.method)?;
     if raw.offered_rate == 0 {
         return Err(ScenarioError::ZeroOfferedRate);
     }
-    let slow_start = match raw.slow_start {
-        None => None,
-        Some(s) => {
-            let unit = match s.unit.as_deref() {
-                None | Some("per_second") => RateUnit::PerSecond,
-                Some("percent") => RateUnit::Percent,
-                Some(other) => return Err(ScenarioError::BadUnit(other.to_string())),
-            };
-            let interval = match &s.increment_interval {
-                None => 0,
-                Some(d) => d.to_nanos("slow_start.increment_interval")?,
-            };
-            Some(SlowStartParams {
-                new_service_request_rate: s.new_service_request_rate,
-                unit,
-                increment_interval: Duration::from_nanos(interval),
-            })
-        }
+    let slow_start = raw.slow_start.as_ref().map(read_slow_start).transpose()?;
+    let timing = read_timing(&raw)?;
+    let (mut names, mut weights) = read_services(&raw.services)?;
+    let initial = names.len();
+    let events = read_events(&raw.events, timing.duration, &mut names, &mut weights)?;
+    check_membership(&events, &names, initial)?;
+    check_size(raw.offered_rate, &timing, names.len())?;
+    Ok(Scenario {
+        method,
+        offered_rate: raw.offered_rate,
+        slow_start,
+        names,
+        weights,
+        initial,
+        report_every: timing.report_every,
+        duration: timing.duration,
+        hold: timing.hold,
+        events,
+    })
+}
+
+/// The method called `name`; slow start applies only to non-hash methods.
+fn read_method(name: &str) -> Result<Method, ScenarioError> {
+    let method = Method::ALL
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, m)| *m)
+        .ok_or_else(|| ScenarioError::UnknownMethod(name.to_string()))?;
+    if method.is_hash() {
+        return Err(ScenarioError::HashMethod(name.to_string()));
+    }
+    Ok(method)
+}
+
+/// The `slow_start` section as the core's parameters: per second and no increment interval
+/// unless given.
+fn read_slow_start(raw: &RawSlowStart) -> Result<SlowStartParams, ScenarioError> {
+    let unit = match raw.unit.as_deref() {
+        None | Some("per_second") => RateUnit::PerSecond,
+        Some("percent") => RateUnit::Percent,
+        Some(other) => return Err(ScenarioError::BadUnit(other.to_string())),
     };
+    let interval_ns = match &raw.increment_interval {
+        None => 0,
+        Some(d) => d.to_nanos("slow_start.increment_interval")?,
+    };
+    Ok(SlowStartParams {
+        new_service_request_rate: raw.new_service_request_rate,
+        unit,
+        increment_interval: Duration::from_nanos(interval_ns),
+    })
+}
+
+/// `report_every`, `duration` and `hold` in nanoseconds, checked against each other.
+fn read_timing(raw: &RawScenario) -> Result<Timing, ScenarioError> {
     let report_every = raw.report_every.to_nanos("report_every")?;
     let duration = raw.duration.to_nanos("duration")?;
     let hold = match &raw.hold {
@@ -353,12 +394,22 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
     if rows > MAX_REPORTS {
         return Err(ScenarioError::TooManyReports { rows });
     }
-    if raw.services.is_empty() {
+    Ok(Timing {
+        report_every,
+        duration,
+        hold,
+        rows,
+    })
+}
+
+/// The initial services' names and weights in file order (a bare name has weight 1).
+fn read_services(raw: &[RawService]) -> Result<(Vec<String>, Vec<u32>), ScenarioError> {
+    if raw.is_empty() {
         return Err(ScenarioError::NoServices);
     }
     let mut names: Vec<String> = Vec::new();
     let mut weights = Vec::new();
-    for s in &raw.services {
+    for s in raw {
         let (name, weight) = match s {
             RawService::Name(n) => (n.clone(), 1),
             RawService::Full { name, weight } => (
@@ -372,61 +423,87 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
         names.push(name);
         weights.push(weight);
     }
-    let initial = names.len();
-    let index = |names: &[String], n: &str| names.iter().position(|x| x == n);
+    Ok((names, weights))
+}
+
+/// The events in the order they apply. A service an event adds joins `names` and `weights`
+/// the first time it is named, so later events may refer to it.
+fn read_events(
+    raw: &[RawEvent],
+    duration: Nanos,
+    names: &mut Vec<String>,
+    weights: &mut Vec<u32>,
+) -> Result<Vec<Event>, ScenarioError> {
     let mut events = Vec::new();
-    for (event, e) in raw.events.iter().enumerate() {
-        let at = e.at.to_nanos(&format!("events[{event}].at"))?;
+    for (index, e) in raw.iter().enumerate() {
+        let at = e.at.to_nanos(&format!("events[{index}].at"))?;
         if at > duration {
-            return Err(ScenarioError::EventOutOfRange { event });
+            return Err(ScenarioError::EventOutOfRange { event: index });
         }
-        let actions = [
-            e.add.is_some(),
-            e.remove.is_some(),
-            e.up.is_some(),
-            e.down.is_some(),
-            e.set_rate.is_some(),
-        ];
-        if actions.iter().filter(|&&a| a).count() != 1 {
-            return Err(ScenarioError::EventAction { event });
-        }
-        let known = |name: &String| {
-            index(&names, name).ok_or_else(|| ScenarioError::UnknownService {
-                event,
-                name: name.clone(),
-            })
-        };
-        let action = if let Some(name) = &e.add {
-            let weight = check_weight(&format!("events[{event}]"), name, e.weight.unwrap_or(1))?;
-            let idx = match index(&names, name) {
-                Some(i) => i,
-                None => {
-                    names.push(name.clone());
-                    weights.push(weight);
-                    names.len() - 1
-                }
-            };
-            Action::Add(idx)
-        } else if let Some(name) = &e.remove {
-            Action::Remove(known(name)?)
-        } else if let Some(name) = &e.up {
-            Action::Up(known(name)?)
-        } else if let Some(name) = &e.down {
-            Action::Down(known(name)?)
-        } else {
-            Action::SetRate(e.set_rate.unwrap_or(0))
-        };
-        events.push(Event {
-            at,
-            action,
-            index: event,
-        });
+        let action = read_action(index, e, names, weights)?;
+        events.push(Event { at, action, index });
     }
     // Stable: events at the same instant apply in file order.
     events.sort_by_key(|e| e.at);
-    // Replay membership so that adding a service that is already there is reported, not ignored.
+    Ok(events)
+}
+
+/// The one action of event number `event`.
+fn read_action(
+    event: usize,
+    e: &RawEvent,
+    names: &mut Vec<String>,
+    weights: &mut Vec<u32>,
+) -> Result<Action, ScenarioError> {
+    let actions = [
+        e.add.is_some(),
+        e.remove.is_some(),
+        e.up.is_some(),
+        e.down.is_some(),
+        e.set_rate.is_some(),
+    ];
+    if actions.iter().filter(|&&a| a).count() != 1 {
+        return Err(ScenarioError::EventAction { event });
+    }
+    let position = |names: &[String], name: &str| names.iter().position(|x| x == name);
+    if let Some(name) = &e.add {
+        let weight = check_weight(&format!("events[{event}]"), name, e.weight.unwrap_or(1))?;
+        let idx = match position(names, name) {
+            Some(i) => i,
+            None => {
+                names.push(name.clone());
+                weights.push(weight);
+                names.len() - 1
+            }
+        };
+        return Ok(Action::Add(idx));
+    }
+    let known = |name: &String| {
+        position(names, name).ok_or_else(|| ScenarioError::UnknownService {
+            event,
+            name: name.clone(),
+        })
+    };
+    Ok(if let Some(name) = &e.remove {
+        Action::Remove(known(name)?)
+    } else if let Some(name) = &e.up {
+        Action::Up(known(name)?)
+    } else if let Some(name) = &e.down {
+        Action::Down(known(name)?)
+    } else {
+        Action::SetRate(e.set_rate.unwrap_or(0))
+    })
+}
+
+/// Replays membership through the sorted events so that adding a service that is already
+/// there is reported, not ignored.
+fn check_membership(
+    events: &[Event],
+    names: &[String],
+    initial: usize,
+) -> Result<(), ScenarioError> {
     let mut present: Vec<bool> = (0..names.len()).map(|i| i < initial).collect();
-    for e in &events {
+    for e in events {
         match e.action {
             Action::Add(i) if present[i] => {
                 return Err(ScenarioError::AlreadyPresent {
@@ -439,42 +516,43 @@ fn parse(yaml: &str) -> Result<Scenario, ScenarioError> {
             _ => {}
         }
     }
+    Ok(())
+}
+
+/// The limits on what a run keeps and does: [`MAX_REPORT_VALUES`] rates and
+/// [`MAX_REQUESTS`] requests.
+fn check_size(offered_rate: u64, timing: &Timing, services: usize) -> Result<(), ScenarioError> {
     // Every row has a rate for every service, those added by events included.
-    let values = rows.saturating_mul(u64::try_from(names.len()).unwrap_or(u64::MAX));
+    let values = timing
+        .rows
+        .saturating_mul(u64::try_from(services).unwrap_or(u64::MAX));
     if values > MAX_REPORT_VALUES {
         return Err(ScenarioError::TooManyReportValues {
-            rows,
-            services: names.len(),
+            rows: timing.rows,
+            services,
             values,
         });
     }
-    let span = u128::from(duration) + u128::from(report_every);
-    let requests = u128::from(raw.offered_rate) * span / u128::from(NANOS_PER_SEC);
+    let requests = request_count(offered_rate, timing.duration, timing.report_every);
     if requests > u128::from(MAX_REQUESTS) {
         return Err(ScenarioError::TooLarge {
             requests: u64::try_from(requests).unwrap_or(u64::MAX),
         });
     }
-    Ok(Scenario {
-        method,
-        offered_rate: raw.offered_rate,
-        slow_start,
-        names,
-        weights,
-        initial,
-        report_every,
-        duration,
-        hold,
-        events,
-    })
+    Ok(())
+}
+
+/// Requests a run makes: `offered_rate` over `duration` and the warm-up window before t=0.
+fn request_count(offered_rate: u64, duration: Nanos, report_every: Nanos) -> u128 {
+    let span = u128::from(duration) + u128::from(report_every);
+    u128::from(offered_rate) * span / u128::from(NANOS_PER_SEC)
 }
 
 /// Parses a scenario without running it: the number of requests its simulation makes
 /// (at most [`MAX_REQUESTS`]).
 pub fn check_scenario(yaml: &str) -> Result<u64, ScenarioError> {
     let sc = parse(yaml)?;
-    let span = u128::from(sc.duration) + u128::from(sc.report_every);
-    let requests = u128::from(sc.offered_rate) * span / u128::from(NANOS_PER_SEC);
+    let requests = request_count(sc.offered_rate, sc.duration, sc.report_every);
     Ok(u64::try_from(requests).unwrap_or(u64::MAX))
 }
 
@@ -752,148 +830,220 @@ fn xml_escape(s: &str) -> String {
         .replace('\'', "&apos;")
 }
 
+// The SVG canvas and the margins around the plot area, in pixels; the right margin holds
+// the legend.
+const SVG_WIDTH_PX: f64 = 760.0;
+const SVG_HEIGHT_PX: f64 = 420.0;
+const MARGIN_LEFT_PX: f64 = 64.0;
+const MARGIN_RIGHT_PX: f64 = 170.0;
+const MARGIN_TOP_PX: f64 = 44.0;
+const MARGIN_BOTTOM_PX: f64 = 56.0;
+const PLOT_WIDTH_PX: f64 = SVG_WIDTH_PX - MARGIN_LEFT_PX - MARGIN_RIGHT_PX;
+const PLOT_HEIGHT_PX: f64 = SVG_HEIGHT_PX - MARGIN_TOP_PX - MARGIN_BOTTOM_PX;
+
+/// `v`, or 0 when it is not finite, so one odd value cannot push the plot off the canvas.
+fn finite_or_zero(v: f64) -> f64 {
+    if v.is_finite() { v } else { 0.0 }
+}
+
+/// The data ranges the plot area shows and their tick steps.
+struct Frame {
+    /// First row time, in seconds.
+    t0_s: f64,
+    /// Last row time, in seconds, at least one second after `t0_s` when the rows span less.
+    t1_s: f64,
+    /// Time tick step, in seconds.
+    x_step_s: f64,
+    /// Top of the rate axis, in requests per second.
+    y_max: f64,
+    /// Rate tick step, in requests per second.
+    y_step: f64,
+}
+
+impl Frame {
+    /// The rows' time span and a rate axis from 0 to a round value above the largest rate.
+    fn of(r: &SimResult) -> Frame {
+        let t0_s = r.rows.first().map_or(0.0, |x| finite_or_zero(x.t));
+        let t1_s = r.rows.last().map_or(1.0, |x| finite_or_zero(x.t));
+        let t1_s = if t1_s > t0_s { t1_s } else { t0_s + 1.0 };
+        let v_max = r
+            .rows
+            .iter()
+            .flat_map(|row| row.rates.values().copied())
+            .map(finite_or_zero)
+            .fold(0.0f64, f64::max);
+        let y_step = nice_step(v_max.max(1.0), 5.0);
+        let y_max = ((v_max.max(1.0) / y_step).ceil() * y_step).max(y_step);
+        Frame {
+            t0_s,
+            t1_s,
+            x_step_s: nice_step(t1_s - t0_s, 8.0),
+            y_max,
+            y_step,
+        }
+    }
+
+    /// Horizontal pixel of time `t` (seconds).
+    fn x(&self, t: f64) -> f64 {
+        MARGIN_LEFT_PX + (finite_or_zero(t) - self.t0_s) / (self.t1_s - self.t0_s) * PLOT_WIDTH_PX
+    }
+
+    /// Vertical pixel of rate `v`, clamped to the axis.
+    fn y(&self, v: f64) -> f64 {
+        MARGIN_TOP_PX + PLOT_HEIGHT_PX
+            - finite_or_zero(v).clamp(0.0, self.y_max) / self.y_max * PLOT_HEIGHT_PX
+    }
+}
+
 /// An SVG line plot of the rows: requests per second per service over time, with axes, grid,
 /// and a legend. Hand-written: the figure is simple and a plotting crate would be a large
 /// dependency for one picture.
 pub fn render_svg(r: &SimResult) -> String {
-    const W: f64 = 760.0;
-    const H: f64 = 420.0;
-    const LEFT: f64 = 64.0;
-    const RIGHT: f64 = 170.0;
-    const TOP: f64 = 44.0;
-    const BOTTOM: f64 = 56.0;
-    let pw = W - LEFT - RIGHT;
-    let ph = H - TOP - BOTTOM;
-    let finite = |v: f64| if v.is_finite() { v } else { 0.0 };
-    let t0 = r.rows.first().map_or(0.0, |x| finite(x.t));
-    let t1 = r.rows.last().map_or(1.0, |x| finite(x.t));
-    let t1 = if t1 > t0 { t1 } else { t0 + 1.0 };
-    let vmax = r
-        .rows
-        .iter()
-        .flat_map(|row| row.rates.values().copied())
-        .map(finite)
-        .fold(0.0f64, f64::max);
-    let ystep = nice_step(vmax.max(1.0), 5.0);
-    let ymax = ((vmax.max(1.0) / ystep).ceil() * ystep).max(ystep);
-    let xstep = nice_step(t1 - t0, 8.0);
-    let x = |t: f64| LEFT + (finite(t) - t0) / (t1 - t0) * pw;
-    let y = |v: f64| TOP + ph - finite(v).clamp(0.0, ymax) / ymax * ph;
-
+    let frame = Frame::of(r);
     let mut s = String::new();
+    svg_header(&mut s, r);
+    svg_rate_grid(&mut s, &frame);
+    svg_time_grid(&mut s, &frame);
+    svg_axes(&mut s);
+    for (k, name) in r.services.iter().enumerate() {
+        svg_series(&mut s, &frame, &r.rows, name, k);
+        svg_legend_entry(&mut s, name, k);
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Colour and dash pattern of the `k`-th service's line. Services with equal rates draw on
+/// top of each other; distinct dash patterns keep every one of them visible.
+fn series_style(k: usize) -> (&'static str, &'static str) {
+    (PALETTE[k % PALETTE.len()], DASHES[k % DASHES.len()])
+}
+
+/// The opening tag, the white background and the title.
+fn svg_header(s: &mut String, r: &SimResult) {
     let _ = writeln!(
         s,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="12">"#
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{SVG_WIDTH_PX}" height="{SVG_HEIGHT_PX}" viewBox="0 0 {SVG_WIDTH_PX} {SVG_HEIGHT_PX}" font-family="sans-serif" font-size="12">"#
     );
-    let _ = writeln!(s, r#"<rect width="{W}" height="{H}" fill="white"/>"#);
+    let _ = writeln!(
+        s,
+        r#"<rect width="{SVG_WIDTH_PX}" height="{SVG_HEIGHT_PX}" fill="white"/>"#
+    );
     let _ = writeln!(
         s,
         r#"<text x="{}" y="24" text-anchor="middle" font-size="15">Slow start: {}, {} req/s offered</text>"#,
-        LEFT + pw / 2.0,
+        MARGIN_LEFT_PX + PLOT_WIDTH_PX / 2.0,
         xml_escape(r.method.name()),
         r.offered_rate
     );
-    // Horizontal grid and y labels.
+}
+
+/// Horizontal grid lines and the rate labels, from 0 to the top of the axis.
+fn svg_rate_grid(s: &mut String, f: &Frame) {
     let mut v = 0.0;
-    while v <= ymax + ystep * 1e-9 {
-        let yy = y(v);
+    while v <= f.y_max + f.y_step * 1e-9 {
+        let yy = f.y(v);
         let _ = writeln!(
             s,
-            r##"<line x1="{LEFT}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#e0e0e0"/>"##,
-            LEFT + pw
+            r##"<line x1="{MARGIN_LEFT_PX}" y1="{yy:.1}" x2="{:.1}" y2="{yy:.1}" stroke="#e0e0e0"/>"##,
+            MARGIN_LEFT_PX + PLOT_WIDTH_PX
         );
         let _ = writeln!(
             s,
             r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"#,
-            LEFT - 6.0,
+            MARGIN_LEFT_PX - 6.0,
             yy + 4.0,
             fmt_num((v * 1000.0).round() / 1000.0)
         );
-        v += ystep;
+        v += f.y_step;
     }
-    // Vertical grid and x labels.
-    let mut t = (t0 / xstep).ceil() * xstep;
-    while t <= t1 + xstep * 1e-9 {
-        let xx = x(t);
+}
+
+/// Vertical grid lines and the time labels, at the multiples of the step within the rows'
+/// span.
+fn svg_time_grid(s: &mut String, f: &Frame) {
+    let mut t = (f.t0_s / f.x_step_s).ceil() * f.x_step_s;
+    while t <= f.t1_s + f.x_step_s * 1e-9 {
+        let xx = f.x(t);
         let _ = writeln!(
             s,
-            r##"<line x1="{xx:.1}" y1="{TOP}" x2="{xx:.1}" y2="{:.1}" stroke="#e0e0e0"/>"##,
-            TOP + ph
+            r##"<line x1="{xx:.1}" y1="{MARGIN_TOP_PX}" x2="{xx:.1}" y2="{:.1}" stroke="#e0e0e0"/>"##,
+            MARGIN_TOP_PX + PLOT_HEIGHT_PX
         );
         let _ = writeln!(
             s,
             r#"<text x="{xx:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
-            TOP + ph + 18.0,
+            MARGIN_TOP_PX + PLOT_HEIGHT_PX + 18.0,
             fmt_num((t * 1000.0).round() / 1000.0)
         );
-        t += xstep;
+        t += f.x_step_s;
     }
-    // Axes and their titles.
+}
+
+/// The two axes and their titles.
+fn svg_axes(s: &mut String) {
     let _ = writeln!(
         s,
-        r#"<polyline points="{LEFT},{TOP} {LEFT},{:.1} {:.1},{:.1}" fill="none" stroke="black"/>"#,
-        TOP + ph,
-        LEFT + pw,
-        TOP + ph
+        r#"<polyline points="{MARGIN_LEFT_PX},{MARGIN_TOP_PX} {MARGIN_LEFT_PX},{:.1} {:.1},{:.1}" fill="none" stroke="black"/>"#,
+        MARGIN_TOP_PX + PLOT_HEIGHT_PX,
+        MARGIN_LEFT_PX + PLOT_WIDTH_PX,
+        MARGIN_TOP_PX + PLOT_HEIGHT_PX
     );
     let _ = writeln!(
         s,
         r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">time (s)</text>"#,
-        LEFT + pw / 2.0,
-        H - 14.0
+        MARGIN_LEFT_PX + PLOT_WIDTH_PX / 2.0,
+        SVG_HEIGHT_PX - 14.0
     );
     let _ = writeln!(
         s,
         r#"<text x="16" y="{:.1}" text-anchor="middle" transform="rotate(-90 16 {:.1})">requests per second</text>"#,
-        TOP + ph / 2.0,
-        TOP + ph / 2.0
+        MARGIN_TOP_PX + PLOT_HEIGHT_PX / 2.0,
+        MARGIN_TOP_PX + PLOT_HEIGHT_PX / 2.0
     );
-    // One line per service, then the legend.
-    for (k, name) in r.services.iter().enumerate() {
-        let color = PALETTE[k % PALETTE.len()];
-        // Services with equal rates draw on top of each other; distinct dash patterns keep
-        // every one of them visible.
-        let dash = DASHES[k % DASHES.len()];
-        let points: Vec<String> = r
-            .rows
-            .iter()
-            .map(|row| {
-                let v = row.rates.get(name).copied().unwrap_or(0.0);
-                format!("{:.1},{:.1}", x(row.t), y(v))
-            })
-            .collect();
+}
+
+/// The line of the `k`-th service (0 where a row has no rate for it) and a dot per row.
+fn svg_series(s: &mut String, f: &Frame, rows: &[Row], name: &str, k: usize) {
+    let (color, dash) = series_style(k);
+    let rate = |row: &Row| row.rates.get(name).copied().unwrap_or(0.0);
+    let points: Vec<String> = rows
+        .iter()
+        .map(|row| format!("{:.1},{:.1}", f.x(row.t), f.y(rate(row))))
+        .collect();
+    let _ = writeln!(
+        s,
+        r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"{dash}/>"#,
+        points.join(" ")
+    );
+    // A dot per row: each is the mean over the window ending there, not a sample.
+    for row in rows {
         let _ = writeln!(
             s,
-            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"{dash}/>"#,
-            points.join(" ")
-        );
-        // A dot per row: each is the mean over the window ending there, not a sample.
-        for row in &r.rows {
-            let v = row.rates.get(name).copied().unwrap_or(0.0);
-            let _ = writeln!(
-                s,
-                r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{color}"/>"#,
-                x(row.t),
-                y(v)
-            );
-        }
-        let ly = TOP + 10.0 + 20.0 * k as f64;
-        let lx = LEFT + pw + 16.0;
-        let _ = writeln!(
-            s,
-            r#"<line x1="{lx:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{color}" stroke-width="2"{dash}/>"#,
-            lx + 24.0
-        );
-        let _ = writeln!(
-            s,
-            r#"<text x="{:.1}" y="{:.1}">{}</text>"#,
-            lx + 30.0,
-            ly + 4.0,
-            xml_escape(name)
+            r#"<circle cx="{:.1}" cy="{:.1}" r="2.5" fill="{color}"/>"#,
+            f.x(row.t),
+            f.y(rate(row))
         );
     }
-    s.push_str("</svg>\n");
-    s
+}
+
+/// The `k`-th line of the legend, in the right margin: a sample of the line and the name.
+fn svg_legend_entry(s: &mut String, name: &str, k: usize) {
+    let (color, dash) = series_style(k);
+    let ly = MARGIN_TOP_PX + 10.0 + 20.0 * k as f64;
+    let lx = MARGIN_LEFT_PX + PLOT_WIDTH_PX + 16.0;
+    let _ = writeln!(
+        s,
+        r#"<line x1="{lx:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{color}" stroke-width="2"{dash}/>"#,
+        lx + 24.0
+    );
+    let _ = writeln!(
+        s,
+        r#"<text x="{:.1}" y="{:.1}">{}</text>"#,
+        lx + 30.0,
+        ly + 4.0,
+        xml_escape(name)
+    );
 }
 
 #[cfg(test)]
