@@ -50,6 +50,8 @@ impl Lab {
         Lab::start_on("127.0.0.1", n, method, record_route)
     }
 
+    /// The stateless proxy (`failover: off`): these tests read each datagram fulcrum sends,
+    /// and a held request adds fulcrum's 100 and its retransmissions (tests/failover.rs).
     fn start_on(ip: &str, n: usize, method: &str, record_route: bool) -> Lab {
         let services: Vec<UdpSocket> = (0..n).map(|_| sock(ip)).collect();
         let mut y = String::from("admin: { listen: null }\nservices:\n");
@@ -66,7 +68,7 @@ impl Lab {
             format!("\"{ip}:0\"")
         };
         y.push_str(&format!(
-            "vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [{bind}]\n    method: {method}\n    record_route: {record_route}\n    workers: 2\n    services: [{}]\n",
+            "vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [{bind}]\n    method: {method}\n    record_route: {record_route}\n    workers: 2\n    failover: off\n    services: [{}]\n",
             names.join(", ")
         ));
         let cfg = config::from_str("test.yaml", &y).expect("config");

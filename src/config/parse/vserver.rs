@@ -277,6 +277,12 @@ impl Cx {
             }
             Some(n) => n,
         };
+        // `off` reads as a boolean in YAML 1.1; `true` means the defaults.
+        match &node.value {
+            Value::Bool(false) => return Some(None),
+            Value::Bool(true) => return Some(Some(Failover::default())),
+            _ => {}
+        }
         if let Value::Str(s) = &node.value {
             if s == "off" {
                 return Some(None);
