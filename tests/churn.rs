@@ -215,6 +215,7 @@ fn strict_uas_answers_only_its_own_dialogs_and_retransmissions_alike() {
             byes_ok: 1,
             r481: 3,
             stray_acks: 1,
+            invites: 1,
         }
     );
     assert_eq!(

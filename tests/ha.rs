@@ -554,6 +554,7 @@ impl Lab {
                         byes_ok: n(3)?,
                         r481: n(4)?,
                         stray_acks: n(5)?,
+                        ..Counts::default()
                     },
                 ))
             })

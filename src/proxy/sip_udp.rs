@@ -93,6 +93,9 @@ pub(crate) fn run_worker<B: Bridge>(
         let now = elapsed_nanos(epoch);
         let core = cell.load();
         let action = core.handle_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
+        // A held request's own sends first: an INVITE's 100 (Trying) must reach the client
+        // before the service's answers, which another worker may relay at once.
+        send_all(&socket, &core, &mut sends, &send_log, now);
         let to = match action {
             Action::ToMember(m) => bridge.to_member(&core, m, &out),
             Action::ToAddr(a) => bridge.to_addr(&core, a, &out),
@@ -114,7 +117,6 @@ pub(crate) fn run_worker<B: Bridge>(
                 tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
             }
         }
-        send_all(&socket, &core, &mut sends, &send_log, now);
     }
 }
 

@@ -303,6 +303,18 @@ impl Uac {
     /// message within 5 s fails (`-recv_timeout`), so a lost message fails its call instead
     /// of stalling the run.
     pub fn start(dir: &Scratch, t: Transport, proxy: SocketAddr, load: UacLoad, tag: &str) -> Uac {
+        Uac::start_with(dir, t, proxy, load, tag, None)
+    }
+
+    /// As [`Uac::start`], with the scenario file `scenario` instead of the built-in `uac`.
+    pub fn start_with(
+        dir: &Scratch,
+        t: Transport,
+        proxy: SocketAddr,
+        load: UacLoad,
+        tag: &str,
+        scenario: Option<&Path>,
+    ) -> Uac {
         let stat = dir.path(&format!("uac-{tag}.csv"));
         let errors = dir.path(&format!("uac-{tag}-errors.log"));
         let limit = load.deadline().as_secs().to_string();
@@ -312,16 +324,11 @@ impl Uac {
         // to hold before the load counts.
         let (proc, _port) = spawn_listening(&format!("sipp uac {tag}"), t, |port| {
             let mut cmd = Command::new("timeout");
-            cmd.args([
-                "-s",
-                "KILL",
-                &limit,
-                "sipp",
-                "-sn",
-                "uac",
-                "-t",
-                t.sipp_mode(),
-            ])
+            cmd.args(["-s", "KILL", &limit, "sipp", "-t", t.sipp_mode()]);
+            match scenario {
+                Some(f) => cmd.arg("-sf").arg(f),
+                None => cmd.args(["-sn", "uac"]),
+            }
             .arg(proxy.to_string())
             .args(["-i", "127.0.0.1", "-p", &port.to_string()])
             .args(["-r", &load.rate_per_s.to_string()])

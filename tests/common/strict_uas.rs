@@ -11,6 +11,9 @@
 //! - CANCEL: 200 when the INVITE it cancels reached this UAS (the 200 to it is already sent,
 //!   so the CANCEL has no effect, §9.2), otherwise 481.
 //! - OPTIONS and other requests outside a dialog: 200.
+//! - Sick on demand ([`Sick`]), as services fail in real farms while their keep-alive may
+//!   still look fine: INVITEs answered 503 with Retry-After (OPTIONS too, or not), or never
+//!   answered at all; the ACK of its 503 is expected, not stray.
 //!
 //! Retransmission-safe: the To tag is derived from the UAS name, Call-ID and From tag, so a
 //! retransmitted INVITE gets the same answers (and sets up nothing new); an ended dialog is
@@ -55,6 +58,22 @@ pub struct Counts {
     pub r481: u64,
     /// ACKs for no dialog of this UAS.
     pub stray_acks: u64,
+    /// INVITE transactions received outside a dialog (retransmissions not counted).
+    pub invites: u64,
+}
+
+/// How a UAS is sick.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Sick {
+    #[default]
+    Healthy,
+    /// INVITE answered 503 + Retry-After; OPTIONS still 200 (an overloaded proxy whose
+    /// keep-alive passes).
+    Busy,
+    /// INVITE and OPTIONS answered 503 + Retry-After.
+    Down,
+    /// INVITE never answered (a stuck call thread); OPTIONS still 200.
+    Silent,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +96,11 @@ pub struct UasCore {
     counts: Counts,
     /// The top Via of the last request (what the hop before this UAS said of itself).
     last_via: Option<String>,
+    sick: Sick,
+    /// INVITE transactions seen outside a dialog (Call-ID, top Via branch).
+    invite_txs: std::collections::HashSet<(Vec<u8>, Vec<u8>)>,
+    /// Call-IDs this UAS refused with 503 (their ACK is expected).
+    refused: std::collections::HashSet<Vec<u8>>,
 }
 
 impl UasCore {
@@ -89,7 +113,15 @@ impl UasCore {
             calls: HashMap::new(),
             counts: Counts::default(),
             last_via: None,
+            sick: Sick::Healthy,
+            invite_txs: Default::default(),
+            refused: Default::default(),
         }
+    }
+
+    /// Turn this UAS sick (or healthy again).
+    pub fn set_sick(&mut self, sick: Sick) {
+        self.sick = sick;
     }
 
     pub fn counts(&self) -> Counts {
@@ -150,7 +182,29 @@ impl UasCore {
             _ => None,
         };
         let contact = Some(self.contact.as_str());
+        if msg.method_kind() == SipMethod::Invite && msg.to_tag().is_none() {
+            let branch = msg.top_via().and_then(|v| v.branch).unwrap_or_default();
+            if self.invite_txs.insert((call_id.to_vec(), branch.to_vec())) {
+                self.counts.invites += 1;
+            }
+        }
+        let unavailable = || {
+            let mut r = respond(&msg, 503, "Service Unavailable", Some(&tag), None, false);
+            let at = r.len() - 2;
+            r.splice(at..at, b"Retry-After: 30\r\n".iter().copied());
+            vec![r]
+        };
+        match (self.sick, msg.method_kind(), msg.to_tag()) {
+            (Sick::Busy | Sick::Down, SipMethod::Invite, None) => {
+                self.refused.insert(call_id.to_vec());
+                return unavailable();
+            }
+            (Sick::Down, SipMethod::Options, None) => return unavailable(),
+            (Sick::Silent, SipMethod::Invite, None) => return Vec::new(),
+            _ => {}
+        }
         match (msg.method_kind(), msg.to_tag()) {
+            (SipMethod::Ack, _) if self.refused.contains(call_id) => Vec::new(),
             (SipMethod::Ack, _) => {
                 if state.is_none() {
                     self.counts.stray_acks += 1;
@@ -373,6 +427,11 @@ impl StrictUas {
 
     pub fn counts(&self) -> Counts {
         self.core.lock().expect("uas core").counts()
+    }
+
+    /// Turn this UAS sick (or healthy again).
+    pub fn set_sick(&self, sick: Sick) {
+        self.core.lock().expect("uas core").set_sick(sick);
     }
 
     /// The methods received for one Call-ID, in order.
