@@ -2,7 +2,6 @@
 //! counters the data paths, balancers and monitors keep.
 
 use crate::balancer::{Balancer, Health, Path};
-use crate::core::sip::SipCounters;
 use crate::health::ServiceHealth;
 use crate::ops::Ops;
 use crate::proxy::VserverHandle;
@@ -101,7 +100,7 @@ pub(crate) fn render(ops: &Ops) -> String {
             services.add(v);
             add_selections(&mut paths, v);
             if let Some(core) = v.data.sip_core() {
-                sip.add(&v.name, &core.counters);
+                sip.add(&v.name, core);
             }
             edge.add(&mut sip.dropped, v, now);
             tls.add(v);
@@ -247,6 +246,8 @@ struct SipFamilies {
     dropped: Family,
     replies: Family,
     io_err: Family,
+    failover: Family,
+    held: Family,
 }
 
 impl SipFamilies {
@@ -272,11 +273,32 @@ impl SipFamilies {
                 "counter",
                 "Socket errors on the data path.",
             ),
+            failover: Family::new(
+                "fulcrum_sip_failover_total",
+                "counter",
+                "Requests outside a dialog held for failover, by event (docs/sip.md, Failover).",
+            ),
+            held: Family::new(
+                "fulcrum_sip_failover_held",
+                "gauge",
+                "Requests outside a dialog held for failover now.",
+            ),
         }
     }
 
-    /// The counters of vserver `n`'s SIP core.
-    fn add(&mut self, n: &str, c: &SipCounters) {
+    /// The counters of vserver `n`'s SIP core, and of the requests it holds for failover.
+    fn add(&mut self, n: &str, core: &crate::core::sip::SipCore) {
+        let c = &core.counters;
+        let t = core.transactions();
+        let events = [
+            ("held", &t.counters.started),
+            ("failover", &t.counters.failovers),
+            ("absorbed", &t.counters.absorbed),
+            ("exhausted", &t.counters.exhausted),
+            ("table_full", &t.counters.table_full),
+        ];
+        add_each(&mut self.failover, n, "event", &events);
+        self.held.add(&[("vserver", n)], t.len() as u64);
         let kinds = [
             ("requests_in", &c.requests_in),
             ("responses_in", &c.responses_in),
@@ -308,8 +330,15 @@ impl SipFamilies {
         add_each(&mut self.io_err, n, "op", &ops);
     }
 
-    fn families(&self) -> [&Family; 4] {
-        [&self.sip_in, &self.dropped, &self.replies, &self.io_err]
+    fn families(&self) -> [&Family; 6] {
+        [
+            &self.sip_in,
+            &self.dropped,
+            &self.replies,
+            &self.io_err,
+            &self.failover,
+            &self.held,
+        ]
     }
 }
 
@@ -600,6 +629,10 @@ vservers:
                 }
                 if let Some(core) = v.data.sip_core() {
                     fill_sip(&core.counters, base + 100);
+                    let t = &core.transactions().counters;
+                    let held = [&t.started, &t.failovers, &t.absorbed, &t.exhausted];
+                    store(&held, base + 150);
+                    store(&[&t.table_full], base + 160);
                 }
                 fill_transport(&*v.data, base + 200);
             }

@@ -739,6 +739,52 @@ mod tests {
     use super::*;
     use crate::config::from_str;
 
+    fn sip_with(failover: &str) -> String {
+        format!(
+            "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: sip-udp }}\nvservers:\n  - name: v\n    protocol: sip-udp\n    bind: 127.0.0.1:5060\n{failover}    services: [s1]\n"
+        )
+    }
+
+    #[test]
+    fn failover_is_on_by_default_for_sip_and_reads_its_fields() {
+        let c = from_str("t", &sip_with("")).expect("valid");
+        assert_eq!(c.vservers[0].failover, Some(Failover::default()));
+        for off in ["off", "false", "\"off\""] {
+            let c = from_str("t", &sip_with(&format!("    failover: {off}\n"))).expect("valid");
+            assert_eq!(c.vservers[0].failover, None, "{off}");
+        }
+        let c = from_str(
+            "t",
+            &sip_with("    failover: { codes: [503, 480], no_answer: 250ms, tries: 2 }\n"),
+        )
+        .expect("valid");
+        let f = c.vservers[0].failover.clone().expect("on");
+        assert_eq!(f.codes, [503, 480]);
+        assert_eq!(f.no_answer, Duration::from_millis(250));
+        assert_eq!((f.tries, f.max_pending), (2, 65_536));
+        let bad = problems(&sip_with(
+            "    failover: { codes: [200], tries: 0, retries: 1 }\n",
+        ));
+        let paths: Vec<&str> = bad.iter().map(|(_, p, _)| p.as_str()).collect();
+        assert!(paths.contains(&"vservers[0].failover.codes[0]"), "{bad:?}");
+        assert!(paths.contains(&"vservers[0].failover.tries"), "{bad:?}");
+        assert!(paths.contains(&"vservers[0].failover.retries"), "{bad:?}");
+        let tcp = "services:\n  - { name: s1, address: 127.0.0.1:5071, protocol: tcp }\nvservers:\n  - { name: v, protocol: tcp, bind: 127.0.0.1:80, failover: off, services: [s1] }\n";
+        let bad = problems(tcp);
+        assert!(
+            bad.iter()
+                .any(|(_, p, m)| p == "vservers[0].failover" && m.contains("SIP vservers only")),
+            "{bad:?}"
+        );
+        assert_eq!(
+            from_str("t", &tcp.replace(", failover: off", ""))
+                .expect("valid")
+                .vservers[0]
+                .failover,
+            None
+        );
+    }
+
     /// A null token name is a problem of its own; before, the vserver vanished from a config
     /// that `check` called valid.
     #[test]
