@@ -6,8 +6,9 @@
 //! path, and nothing is returned unless the whole file is valid, so a bad file can never
 //! half-apply.
 
+mod env;
 pub(crate) mod model;
-pub(crate) mod parse;
+mod parse;
 pub(crate) mod yaml;
 
 pub use model::*;
@@ -92,20 +93,43 @@ impl fmt::Display for ProblemLine<'_> {
     }
 }
 
-/// Parse and validate YAML text. `file` names the source in error lines.
+/// Parse and validate YAML text. `file` names the source in error lines; `${NAME}`
+/// references read the process environment.
 pub fn from_str(file: &str, text: &str) -> Result<Config, ConfigError> {
+    from_str_with_env(file, text, &|name| std::env::var(name).ok())
+}
+
+/// [`from_str`] with the environment `${NAME}` references read from `env`.
+pub fn from_str_with_env(
+    file: &str,
+    text: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, ConfigError> {
     let invalid = |problems| ConfigError::Invalid {
         file: file.to_owned(),
         problems,
     };
-    let root = yaml::parse(text).map_err(|e| {
+    let mut root = yaml::parse(text).map_err(|e| {
         invalid(vec![Problem {
             pos: e.pos,
             path: String::new(),
             message: format!("YAML syntax: {}", e.message),
         }])
     })?;
-    parse::convert(&root).map_err(invalid)
+    let mut unset = Vec::new();
+    env::substitute(&mut root, "", env, &mut unset);
+    match parse::convert(&root) {
+        Ok(c) if unset.is_empty() => Ok(c),
+        Ok(_) => Err(invalid(unset)),
+        Err(mut problems) => {
+            // A field whose reference could not be expanded is reported for that alone.
+            problems.retain(|p| !unset.iter().any(|u| u.pos == p.pos && u.path == p.path));
+            problems.extend(unset);
+            problems.sort();
+            problems.dedup();
+            Err(invalid(problems))
+        }
+    }
 }
 
 /// Read, parse and validate a config file.
