@@ -27,19 +27,19 @@ fn scenario() -> PathBuf {
 
 /// Three strict services behind a sip-udp vserver with nothing set but the services, a
 /// monitor and Record-Route: failover is the default.
-fn farm(uas: &[StrictUas]) -> String {
+fn farm(uas: &[StrictUas], protocol: &str) -> String {
     let mut y = String::from(
         "admin: { listen: null }\nmonitors:\n  - { name: ping, type: sip-options, interval: 1s, timeout: 500ms, failures_to_down: 2, successes_to_up: 2 }\nservices:\n",
     );
     for u in uas {
         y.push_str(&format!(
-            "  - {{ name: {}, address: \"{}\", protocol: sip-udp, monitor: ping }}\n",
+            "  - {{ name: {}, address: \"{}\", protocol: {protocol}, monitor: ping }}\n",
             u.name, u.addr
         ));
     }
     let names: Vec<&str> = uas.iter().map(|u| u.name.as_str()).collect();
     y.push_str(&format!(
-        "vservers:\n  - {{ name: v, protocol: sip-udp, bind: [\"127.0.0.1:0\"], record_route: true, services: [{}] }}\n",
+        "vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], record_route: true, services: [{}] }}\n",
         names.join(", ")
     ));
     y
@@ -53,18 +53,23 @@ struct Run {
     status: serde_json::Value,
 }
 
-fn run(sick: Sick, calls: u32) -> Run {
-    let uas: Vec<StrictUas> = (0..3).map(|i| StrictUas::udp(&format!("s{i}"))).collect();
+fn run(t: Transport, sick: Sick, calls: u32) -> Run {
+    let uas: Vec<StrictUas> = (0..3)
+        .map(|i| match t {
+            Transport::Udp => StrictUas::udp(&format!("s{i}")),
+            _ => StrictUas::tcp(&format!("s{i}")),
+        })
+        .collect();
     uas[1].set_sick(sick);
-    let ops = ops_of(&farm(&uas));
+    let ops = ops_of(&farm(&uas, t.protocol()));
     let vs: SocketAddr = ops.with_vservers(|v, _| v[0].bound[0]).expect("running");
-    let dir = Scratch::new(&format!("failover-{sick:?}"));
+    let dir = Scratch::new(&format!("failover-{}-{sick:?}", t.protocol()));
     let load = UacLoad {
         calls,
         rate_per_s: 50,
         hold_ms: 300,
     };
-    let uac = Uac::start_with(&dir, Transport::Udp, vs, load, "gray", Some(&scenario()));
+    let uac = Uac::start_with(&dir, t, vs, load, "gray", Some(&scenario()));
     let outcome = uac.finish();
     let status = router::status(&ops);
     Run {
@@ -76,16 +81,17 @@ fn run(sick: Sick, calls: u32) -> Run {
     }
 }
 
-fn check(sick: Sick) {
+fn check(t: Transport, sick: Sick) {
     if !sipp_available() {
         return;
     }
     let calls = 300;
-    let r = run(sick, calls);
+    let r = run(t, sick, calls);
     let invites: u64 = r.counts.iter().map(|c| c.invites).sum();
     let share = r.counts[1].invites as f64 / invites.max(1) as f64;
     println!(
-        "{sick:?}: {} ok, {} failed; INVITE transactions per service {:?} (sick share {:.1}%); services {:?}",
+        "{} {sick:?}: {} ok, {} failed; INVITE transactions per service {:?} (sick share {:.1}%); services {:?}",
+        t.protocol(),
         r.successful,
         r.failed,
         r.counts.iter().map(|c| c.invites).collect::<Vec<_>>(),
@@ -114,17 +120,27 @@ fn check(sick: Sick) {
 
 #[test]
 fn a_service_answering_invites_503_fails_no_call() {
-    check(Sick::Busy);
+    check(Transport::Udp, Sick::Busy);
 }
 
 #[test]
 fn a_service_answering_invites_and_options_503_fails_no_call() {
-    check(Sick::Down);
+    check(Transport::Udp, Sick::Down);
 }
 
 #[test]
 fn a_service_that_never_answers_invites_fails_no_call() {
-    check(Sick::Silent);
+    check(Transport::Udp, Sick::Silent);
+}
+
+#[test]
+fn over_tcp_a_service_answering_invites_503_fails_no_call() {
+    check(Transport::Tcp, Sick::Busy);
+}
+
+#[test]
+fn over_tcp_a_service_that_never_answers_invites_fails_no_call() {
+    check(Transport::Tcp, Sick::Silent);
 }
 
 #[test]
@@ -132,7 +148,7 @@ fn a_healthy_farm_loses_nothing_and_shares_evenly() {
     if !sipp_available() {
         return;
     }
-    let r = run(Sick::Healthy, 300);
+    let r = run(Transport::Udp, Sick::Healthy, 300);
     assert_eq!((r.successful, r.failed), (300, 0), "{}", r.errors);
     for (i, c) in r.counts.iter().enumerate() {
         assert!(c.invites >= 50, "s{i} got {} of 300 INVITEs", c.invites);

@@ -129,7 +129,12 @@ fn send_all(
     log: &LogLimiter,
     now: crate::stats::Nanos,
 ) {
-    for (to, bytes) in sends.drain(..) {
+    for (dest, bytes) in sends.drain(..) {
+        // A sip-udp vserver holds requests toward its UDP members only: every send is a
+        // datagram.
+        let crate::core::sip::stateful::Dest::Addr(to) = dest else {
+            continue;
+        };
         if let Err(e) = socket.send_to(&bytes, to) {
             bump(&core.counters.send_errors);
             if log.allow(now) {

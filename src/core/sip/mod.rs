@@ -379,16 +379,20 @@ impl SipCore {
         now: Nanos,
         out: &mut Vec<u8>,
     ) -> Action {
-        let origin = match self.member_of(src) {
-            // A datagram comes from a member reached over UDP: one at the address of a stream
-            // member (a sip-udp vserver's bridge, where that member's traffic arrives on its
-            // link) is a client's.
+        let origin = self.datagram_origin(src);
+        self.handle(buf, origin, src, dst, now, out)
+    }
+
+    /// Who sent a datagram from `src`: a member reached over UDP, or a client (a datagram from
+    /// the address of a stream member, a sip-udp vserver's bridge where that member's traffic
+    /// arrives on its link, is a client's).
+    fn datagram_origin(&self, src: SocketAddr) -> Origin {
+        match self.member_of(src) {
             Some(m) if self.member_leg.is_empty() || self.member_transport(m) == Transport::Udp => {
                 Origin::Member(m)
             }
             _ => Origin::Client { conn: None },
-        };
-        self.handle(buf, origin, src, dst, now, out)
+        }
     }
 
     /// Decide and rewrite one message from `src` (arrived on local address `dst`).

@@ -12,8 +12,19 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Mutex;
 
-/// A datagram the shell sends on the core's behalf, besides the one its action names.
-pub type Send = (SocketAddr, Bytes);
+/// Where a message the core sends on a held request's behalf goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dest {
+    /// A datagram to this address (a client over UDP, a member reached over UDP).
+    Addr(SocketAddr),
+    /// Member `m`'s link (a member reached over a stream).
+    Member(usize),
+    /// The client connection with this id (streams).
+    Conn(u64),
+}
+
+/// A message the shell sends on the core's behalf, besides the one its action names.
+pub type Send = (Dest, Bytes);
 
 /// Counters of the failover table.
 #[derive(Debug, Default)]
@@ -38,8 +49,8 @@ struct Held {
     request: Bytes,
     src: SocketAddr,
     dst: SocketAddr,
-    /// Where the client's responses go (its Via, RFC 3581 aware).
-    client: SocketAddr,
+    /// Where the client's responses go: its Via (RFC 3581 aware), or its connection.
+    client: Dest,
 }
 
 /// The requests a vserver holds; carried over to the core a reload builds.
@@ -84,9 +95,10 @@ impl Hops for CoreHops<'_> {
     fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<(usize, SocketAddr, Bytes)> {
         let core = self.core;
         let msg = sip::scan(self.request).ok()?;
+        // Held requests go to members of the vserver's own transport (the other legs'
+        // branches are keyed by another identity).
         let avoid = |m: usize| {
-            core.member_addrs.get(m).is_none_or(|a| tried.contains(a))
-                || core.member_transport(m) != Transport::Udp
+            core.member_addrs.get(m).is_none_or(|a| tried.contains(a)) || core.leg_of(m).is_some()
         };
         let member = core.choose_next(&msg, self.src, self.dst, self.now, &avoid)?;
         let addr = *core.member_addrs.get(member)?;
@@ -193,8 +205,8 @@ impl SipCore {
     }
 
     /// A datagram handled as [`SipCore::handle_datagram`] does, with failover: requests
-    /// outside a dialog toward UDP members are held until their final answer, and what the
-    /// held requests send besides the action's datagram is appended to `sends`.
+    /// outside a dialog are held until their final answer, and what the held requests send
+    /// besides the action's datagram is appended to `sends`.
     pub fn handle_datagram_stateful(
         &self,
         buf: &[u8],
@@ -204,31 +216,60 @@ impl SipCore {
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
     ) -> Action {
-        let Some(failover) = &self.failover else {
+        if self.failover.is_none() {
             return self.handle_datagram(buf, src, dst, now, out);
+        }
+        let origin = self.datagram_origin(src);
+        self.handle_stateful(buf, origin, src, dst, now, out, sends)
+    }
+
+    /// A message handled as [`SipCore::handle`] does, with failover (streams: `origin` says
+    /// which connection it came on).
+    #[allow(clippy::too_many_arguments)]
+    pub fn handle_stateful(
+        &self,
+        buf: &[u8],
+        origin: Origin,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+        sends: &mut Vec<Send>,
+    ) -> Action {
+        let Some(failover) = &self.failover else {
+            return self.handle(buf, origin, src, dst, now, out);
         };
         let Ok(msg) = sip::scan(buf) else {
-            return self.handle_datagram(buf, src, dst, now, out);
+            return self.handle(buf, origin, src, dst, now, out);
         };
-        // As `handle_datagram` tells them apart: a request from a member's own address is a
-        // service's, a response from a member's host is a service's (RFC 3261 §18.2.2).
-        if msg.is_request() && self.member_of(src).is_none() {
-            if let Some(action) = self.held_request(&msg, src, now, out, sends) {
-                return action;
+        match origin {
+            Origin::Client { conn } if msg.is_request() => {
+                if let Some(action) = self.held_request(&msg, src, now, out, sends) {
+                    return action;
+                }
+                let action = self.handle(buf, origin, src, dst, now, out);
+                if let Action::ToMember(m) = action {
+                    let client = match conn {
+                        Some(id) => Dest::Conn(id),
+                        None => Dest::Addr(reply_target(&msg, src)),
+                    };
+                    self.hold(failover, &msg, m, client, src, dst, now, out, sends);
+                }
+                action
             }
-            let action = self.handle_datagram(buf, src, dst, now, out);
-            if let Action::ToMember(m) = action {
-                self.hold(failover, &msg, m, src, dst, now, out, sends);
+            Origin::Member(_) | Origin::Client { conn: None } if !msg.is_request() => {
+                // As `handle` tells them apart: on datagrams a response from a member's host
+                // is a service's (RFC 3261 §18.2.2).
+                let from_member = matches!(origin, Origin::Member(_)) || self.is_member_ip(src);
+                if from_member
+                    && let Some(action) = self.held_response(&msg, buf, src, dst, now, out, sends)
+                {
+                    return action;
+                }
+                self.handle(buf, origin, src, dst, now, out)
             }
-            return action;
+            _ => self.handle(buf, origin, src, dst, now, out),
         }
-        if !msg.is_request()
-            && self.is_member_ip(src)
-            && let Some(action) = self.held_response(&msg, buf, src, dst, now, out, sends)
-        {
-            return action;
-        }
-        self.handle_datagram(buf, src, dst, now, out)
     }
 
     /// A client's request that belongs to a held one: a retransmission, its CANCEL or the ACK
@@ -295,13 +336,15 @@ impl SipCore {
     }
 
     /// Hold a request just forwarded to member `m` (its bytes in `out`), when it is one that
-    /// fails over: outside a dialog, not ACK or CANCEL, toward a UDP member, with room left.
+    /// fails over: outside a dialog, not ACK or CANCEL, toward a member of the vserver's own
+    /// transport, with room left.
     #[allow(clippy::too_many_arguments)]
     fn hold(
         &self,
         failover: &Failover,
         msg: &SipMsg<'_>,
         m: usize,
+        client: Dest,
         src: SocketAddr,
         dst: SocketAddr,
         now: Nanos,
@@ -310,7 +353,7 @@ impl SipCore {
     ) {
         if msg.to_tag().is_some()
             || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel)
-            || self.member_transport(m) != Transport::Udp
+            || self.leg_of(m).is_some()
         {
             return;
         }
@@ -325,7 +368,6 @@ impl SipCore {
             return;
         }
         let request = Bytes::copy_from_slice(msg.buf());
-        let client = reply_target(msg, src);
         let mut acts = Vec::new();
         let invite = msg.method_kind() == SipMethod::Invite;
         let sent = Bytes::copy_from_slice(out);
@@ -336,7 +378,19 @@ impl SipCore {
             dst,
             now,
         };
-        let tx = Transaction::start(now, invite, true, failover, m, addr, sent, &hops, &mut acts);
+        // Over UDP fulcrum retransmits (RFC 3261 §17.1.1.2); a stream is reliable.
+        let retransmits = self.local.transport() == Transport::Udp;
+        let tx = Transaction::start(
+            now,
+            invite,
+            retransmits,
+            failover,
+            m,
+            addr,
+            sent,
+            &hops,
+            &mut acts,
+        );
         let next = tx.poll_timeout();
         match self.transactions.held.entry(key) {
             dashmap::Entry::Occupied(_) => return,
@@ -411,7 +465,7 @@ impl SipCore {
         self.transactions.arm(key, next);
         let relayed = self.carry(client, &acts, Some((msg, src, dst)), out, sends);
         if code >= 200
-            && let Some(Action::ToAddr(_)) = relayed
+            && let Some(Action::ToAddr(_) | Action::ToConn(_)) = relayed
             && let Some(mut e) = self.transactions.held.get_mut(&key)
         {
             e.tx.relayed(Bytes::copy_from_slice(out));
@@ -426,7 +480,7 @@ impl SipCore {
     /// being handled (`response`) into `out`, returned as the action.
     fn carry(
         &self,
-        client: SocketAddr,
+        client: Dest,
         acts: &[TxAction],
         response: Option<(&SipMsg<'_>, SocketAddr, SocketAddr)>,
         out: &mut Vec<u8>,
@@ -436,7 +490,7 @@ impl SipCore {
         for a in acts {
             match a {
                 TxAction::ToClient(b) => sends.push((client, b.clone())),
-                TxAction::ToMember(addr, b) => sends.push((*addr, b.clone())),
+                TxAction::ToMember(addr, b) => sends.push((self.member_dest(*addr), b.clone())),
                 TxAction::Relay => {
                     if let Some((msg, _, _)) = response {
                         out.clear();
@@ -446,8 +500,10 @@ impl SipCore {
                 TxAction::RelayStored(b) => {
                     if let Ok(msg) = sip::scan(b) {
                         let mut relay = Vec::new();
-                        if let Action::ToAddr(to) = self.response(&msg, true, &mut relay) {
-                            sends.push((to, Bytes::from(relay)));
+                        match self.response(&msg, true, &mut relay) {
+                            Action::ToAddr(to) => sends.push((Dest::Addr(to), Bytes::from(relay))),
+                            Action::ToConn(id) => sends.push((Dest::Conn(id), Bytes::from(relay))),
+                            _ => {}
                         }
                     }
                 }
@@ -456,6 +512,14 @@ impl SipCore {
             }
         }
         action
+    }
+
+    /// Where a message to the member at `addr` goes: a datagram over UDP, else its link.
+    fn member_dest(&self, addr: SocketAddr) -> Dest {
+        match self.member_of(addr) {
+            Some(m) if self.member_transport(m) != Transport::Udp => Dest::Member(m),
+            _ => Dest::Addr(addr),
+        }
     }
 
     /// Wake the held requests whose deadline passed: their sends appended to `sends`,

@@ -3,6 +3,7 @@
 //! again, and fulcrum's 503 when none can take them. IO.
 
 use super::*;
+use crate::core::sip::stateful::{Dest, Send};
 
 /// Where fulcrum's own answers to a message go (a reply it makes, a pong): back on the
 /// connection the message came on.
@@ -17,6 +18,24 @@ pub(super) enum ReplyTo<'a> {
 }
 
 impl SipStreamShared {
+    /// Send what held requests asked for (100 Trying, the next attempt, ACK, CANCEL, the
+    /// best answer): to a client's connection, a member's link or over the UDP leg.
+    pub(super) fn carry_sends(&self, g: &Generation, sends: Vec<Send>) {
+        for (dest, bytes) in sends {
+            match dest {
+                Dest::Conn(id) => {
+                    self.to_client(id, bytes);
+                }
+                Dest::Member(m) => {
+                    self.to_service(g, m, bytes);
+                }
+                Dest::Addr(addr) => {
+                    self.to_udp(&bytes, addr);
+                }
+            }
+        }
+    }
+
     /// Queue `bytes` toward client `id`; a full queue disconnects that client only.
     pub(super) fn to_client(&self, id: u64, bytes: Bytes) -> bool {
         let Some(c) = self.clients.get(&id) else {

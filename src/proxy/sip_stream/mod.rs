@@ -407,9 +407,26 @@ async fn run_vserver(
             }
         }
     };
+    // Held requests' deadlines (no_answer, Timer C, the end of lingering), in whatever core
+    // is current; streams need no retransmission, so POLL's granularity will do.
+    let held = async {
+        let mut sends = Vec::new();
+        loop {
+            let g = shared.current.load();
+            let next = g.core.poll_transactions(shared.now(), &mut sends);
+            shared.carry_sends(&g, std::mem::take(&mut sends));
+            drop(g);
+            let wait = next.map_or(POLL, |t| {
+                Duration::from_nanos(t.saturating_sub(shared.now()))
+                    .clamp(Duration::from_millis(5), POLL)
+            });
+            tokio::time::sleep(wait).await;
+        }
+    };
     tokio::select! {
         () = signal.recv() => {}
         () = sweep => {}
+        () = held => {}
     }
     // No client is accepted after this, so none escapes the aborts below.
     for mut a in accepts {
@@ -587,7 +604,8 @@ pub(crate) fn start(
     let balancer = Arc::new(crate::balancer::Balancer::new(config, v));
     let core = Arc::new(
         SipCore::new(SipParams::of(config, v, local, Arc::clone(&balancer)).with_legs(legs))
-            .with_edge(v.edge(None)),
+            .with_edge(v.edge(None))
+            .with_failover(v.failover.clone(), Arc::default()),
     );
     let shared = launch(
         ctx,

@@ -92,9 +92,19 @@ fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'
                         let now = shared.now();
                         let g = shared.current.load();
                         let msg = inbound.front(len);
-                        let action = g
-                            .core
-                            .handle(msg, peer.origin, peer.src, peer.dst, now, out);
+                        let mut sends = Vec::new();
+                        let action = g.core.handle_stateful(
+                            msg,
+                            peer.origin,
+                            peer.src,
+                            peer.dst,
+                            now,
+                            out,
+                            &mut sends,
+                        );
+                        // A held request's own messages first: an INVITE's 100 (Trying)
+                        // goes to the client before what the service answers.
+                        shared.carry_sends(&g, sends);
                         shared.dispatch(&g, action, out, peer.origin, peer.reply);
                     }),
                     Frame::Ping => {

@@ -45,17 +45,37 @@ fn from(
     src: &str,
     now: Nanos,
     out: &mut Vec<u8>,
-    sends: &mut Vec<Send>,
+    sends: &mut Vec<(SocketAddr, Bytes)>,
 ) -> Action {
-    sends.clear();
-    c.handle_datagram_stateful(
+    let mut raw = Vec::new();
+    let a = c.handle_datagram_stateful(
         text.as_bytes(),
         src.parse().expect("src"),
         US.parse().expect("dst"),
         now,
         out,
-        sends,
-    )
+        &mut raw,
+    );
+    *sends = flat(raw);
+    a
+}
+
+/// A sip-udp vserver's sends are datagrams.
+fn flat(sends: Vec<Send>) -> Vec<(SocketAddr, Bytes)> {
+    sends
+        .into_iter()
+        .map(|(d, b)| match d {
+            Dest::Addr(a) => (a, b),
+            other => panic!("not a datagram: {other:?}"),
+        })
+        .collect()
+}
+
+fn poll(c: &SipCore, now: Nanos, timers: &mut Vec<(SocketAddr, Bytes)>) -> Option<Nanos> {
+    let mut raw = Vec::new();
+    let next = c.poll_transactions(now, &mut raw);
+    timers.extend(flat(raw));
+    next
 }
 
 fn first_line(b: &[u8]) -> String {
@@ -78,7 +98,7 @@ fn a_503_moves_the_invite_to_the_next_service_and_the_client_sees_only_the_200()
         panic!("not forwarded");
     };
     assert_eq!(sends.len(), 1);
-    assert_eq!(sends[0].0, CLIENT.parse().expect("client"));
+    assert_eq!(sends[0].0, CLIENT.parse::<SocketAddr>().expect("client"));
     assert_eq!(first_line(&sends[0].1), "SIP/2.0 100 Trying");
     let trying = String::from_utf8_lossy(&sends[0].1).into_owned();
     let to = trying.lines().find(|l| l.starts_with("To:")).expect("To");
@@ -146,12 +166,12 @@ fn a_service_that_never_answers_is_left_after_no_answer() {
     };
     let mut timers = Vec::new();
     // Timer A at 500 ms: the INVITE again to the same service.
-    let next = c.poll_transactions(S / 2, &mut timers);
+    let next = poll(&c, S / 2, &mut timers);
     assert_eq!(timers.len(), 1);
     assert_eq!(timers[0].0, c.member_addr(m0).expect("m0"));
     assert_eq!(next, Some(S));
     timers.clear();
-    c.poll_transactions(S, &mut timers);
+    poll(&c, S, &mut timers);
     assert_eq!(timers.len(), 1, "{timers:?}");
     assert_ne!(timers[0].0, c.member_addr(m0).expect("m0"));
     assert!(first_line(&timers[0].1).starts_with("INVITE"));
