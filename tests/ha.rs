@@ -372,7 +372,7 @@ impl Lab {
         for (inst, addr) in [("a", A), ("b", B)] {
             let cfg = lab.scratch.path(&format!("{inst}.yaml"));
             let yaml = format!(
-                "admin: {{ listen: \"{addr}:9090\" }}\nservices:\n{services}vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [\"{VIP}:5060\"]\n    freebind: true\n    advertise: \"{VIP}:5060\"\n    method: call_id_hash\n    record_route: {record_route}\n    workers: 1\n    services: [s0, s1, s2]\n"
+                "admin: {{ listen: \"{addr}:9090\" }}\nservices:\n{services}vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [\"{VIP}:5060\"]\n    freebind: true\n    advertise: \"{VIP}:5060\"\n    method: call_id_hash\n    record_route: {record_route}\n    workers: 1\n    failover: off\n    services: [s0, s1, s2]\n"
             );
             std::fs::write(&cfg, yaml).map_err(|e| LabError::Failed(e.to_string()))?;
             let log = std::fs::File::create(lab.scratch.path(&format!("{inst}.log")))

@@ -253,18 +253,28 @@ fn owners(uas: &[TcpUas], call_id: &str) -> Vec<usize> {
         .collect()
 }
 
-/// A sip-tcp config with services `s{i}` for the indices `members` of `uas`.
+/// A sip-tcp config with services `s{i}` for the indices `members` of `uas`. The stateless
+/// proxy (`failover: off`): these tests read one answer per request, and fulcrum would answer
+/// a held INVITE 100 first (tests/failover.rs).
 fn sip_tcp(uas: &[TcpUas], members: &[usize], method: &str, extra: &str) -> String {
     let services: Vec<(String, SocketAddr)> = members
         .iter()
         .map(|&i| (format!("s{i}"), uas[i].addr))
         .collect();
-    config("sip-tcp", "127.0.0.1:0", method, extra, &refs(&services))
+    let extra = format!("{extra}\nfailover: off");
+    config("sip-tcp", "127.0.0.1:0", method, &extra, &refs(&services))
 }
 
-/// A sip-tcp vserver (round robin) in front of one service `name` at `at`.
+/// A sip-tcp vserver (round robin) in front of one service `name` at `at` (stateless, as
+/// [`sip_tcp`]).
 fn sip_tcp_one(name: &str, at: SocketAddr) -> String {
-    config("sip-tcp", "127.0.0.1:0", "round_robin", "", &[(name, at)])
+    config(
+        "sip-tcp",
+        "127.0.0.1:0",
+        "round_robin",
+        "failover: off",
+        &[(name, at)],
+    )
 }
 
 fn tcp_counters<T>(ops: &Ops, f: impl Fn(&fulcrum::proxy::SipStreamCounters) -> T) -> T {

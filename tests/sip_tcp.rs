@@ -1,6 +1,8 @@
 //! sip-tcp vserver over real loopback sockets: framing on both sides, routing by Call-ID
 //! over pooled service connections, responses back on the originating client connection,
-//! keep-alives, in-dialog requests from a service, passive failure detection.
+//! keep-alives, in-dialog requests from a service, passive failure detection. The stateless
+//! proxy (`failover: off`): these tests read one answer per request, and fulcrum answers a
+//! held INVITE 100 first (tests/failover.rs).
 
 mod common;
 
@@ -38,7 +40,7 @@ fn start(uas: &[&TcpUas]) -> (Runtime, SocketAddr) {
     }
     let names: Vec<String> = (0..uas.len()).map(|i| format!("s{i}")).collect();
     y.push_str(&format!(
-        "vservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, method: call_id_hash, services: [{}] }}\n",
+        "vservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, method: call_id_hash, services: [{}] }}\n",
         names.join(", ")
     ));
     let cfg = config::from_str("t", &y).expect("config");
@@ -185,7 +187,7 @@ fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
     // A port with nothing listening.
     let dead_addr = common::closed_port("127.0.0.1");
     let y = format!(
-        "services:\n  - {{ name: live, address: {}, protocol: sip-tcp }}\n  - {{ name: dead, address: {dead_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [live, dead] }}\n",
+        "services:\n  - {{ name: live, address: {}, protocol: sip-tcp }}\n  - {{ name: dead, address: {dead_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, services: [live, dead] }}\n",
         live.addr
     );
     let cfg = config::from_str("t", &y).expect("config");
@@ -434,7 +436,7 @@ fn a_service_that_accepts_and_closes_is_marked_down_and_loses_no_request() {
     });
     let good = TcpUas::start();
     let y = format!(
-        "services:\n  - {{ name: bad, address: {closer_addr}, protocol: sip-tcp }}\n  - {{ name: good, address: {}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, method: round_robin, services: [bad, good] }}\n",
+        "services:\n  - {{ name: bad, address: {closer_addr}, protocol: sip-tcp }}\n  - {{ name: good, address: {}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, method: round_robin, services: [bad, good] }}\n",
         good.addr
     );
     let cfg = config::from_str("t", &y).expect("config");
@@ -537,7 +539,7 @@ fn a_service_that_answers_then_closes_stays_up() {
         }
     });
     let y = format!(
-        "services:\n  - {{ name: once, address: {addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [once] }}\n"
+        "services:\n  - {{ name: once, address: {addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, services: [once] }}\n"
     );
     let cfg = config::from_str("t", &y).expect("config");
     let rt = Runtime::start(&cfg).expect("start");
@@ -587,7 +589,7 @@ fn a_service_that_answers_then_closes_stays_up() {
 fn a_request_no_service_can_take_after_a_failed_connect_is_answered_503() {
     let dead = common::closed_port("127.0.0.1");
     let y = format!(
-        "services:\n  - {{ name: dead, address: {dead}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [dead] }}\n"
+        "services:\n  - {{ name: dead, address: {dead}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, services: [dead] }}\n"
     );
     let cfg = config::from_str("t", &y).expect("config");
     let rt = Runtime::start(&cfg).expect("start");
@@ -614,7 +616,7 @@ fn a_service_that_does_not_read_fills_its_queue_and_clients_hear_503() {
     let stuck_addr = stuck.local_addr().expect("addr");
     let held = std::thread::spawn(move || stuck.accept().map(|(s, _)| s));
     let y = format!(
-        "services:\n  - {{ name: stuck, address: {stuck_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, services: [stuck] }}\n"
+        "services:\n  - {{ name: stuck, address: {stuck_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, services: [stuck] }}\n"
     );
     let cfg = config::from_str("t", &y).expect("config");
     let rt = Runtime::start(&cfg).expect("start");

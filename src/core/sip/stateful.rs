@@ -244,15 +244,15 @@ impl SipCore {
         };
         match origin {
             Origin::Client { conn } if msg.is_request() => {
-                if let Some(action) = self.held_request(&msg, src, now, out, sends) {
+                let client = match conn {
+                    Some(id) => Dest::Conn(id),
+                    None => Dest::Addr(reply_target(&msg, src)),
+                };
+                if let Some(action) = self.held_request(&msg, client, src, now, out, sends) {
                     return action;
                 }
                 let action = self.handle(buf, origin, src, dst, now, out);
                 if let Action::ToMember(m) = action {
-                    let client = match conn {
-                        Some(id) => Dest::Conn(id),
-                        None => Dest::Addr(reply_target(&msg, src)),
-                    };
                     self.hold(failover, &msg, m, client, src, dst, now, out, sends);
                 }
                 action
@@ -277,6 +277,7 @@ impl SipCore {
     fn held_request(
         &self,
         msg: &SipMsg<'_>,
+        from: Dest,
         src: SocketAddr,
         now: Nanos,
         out: &mut Vec<u8>,
@@ -294,10 +295,13 @@ impl SipCore {
         let mut entry = self.transactions.held.get_mut(&key)?;
         // A CANCEL or ACK matches the INVITE it names; another method is another request.
         let held_method = sip::scan(&entry.request).ok()?.method_kind();
-        let matches = match event {
-            Event::Cancel | Event::Ack => held_method == SipMethod::Invite,
-            _ => held_method == msg.method_kind(),
-        };
+        // And it comes from the same client (over a stream, the same connection: a request
+        // on another one that reuses a branch is another request, RFC 3261 §17.2.3).
+        let matches = entry.client == from
+            && match event {
+                Event::Cancel | Event::Ack => held_method == SipMethod::Invite,
+                _ => held_method == msg.method_kind(),
+            };
         if !matches {
             return None;
         }
@@ -321,7 +325,7 @@ impl SipCore {
         let next = tx.poll_timeout();
         drop(entry);
         self.transactions.arm(key, next);
-        self.carry(client, &acts, None, out, sends);
+        self.carry(now, client, &acts, None, out, sends);
         bump(&self.transactions.counters.absorbed);
         if matches!(event, Event::Cancel) {
             // §16.10: a stateful proxy answers the CANCEL itself.
@@ -407,7 +411,7 @@ impl SipCore {
         bump(&self.transactions.counters.started);
         self.transactions.arm(key, next);
         let mut unused = Vec::new();
-        self.carry(client, &acts, None, &mut unused, sends);
+        self.carry(now, client, &acts, None, &mut unused, sends);
     }
 
     /// A service's response to an attempt of a held request.
@@ -463,7 +467,7 @@ impl SipCore {
         let next = tx.poll_timeout();
         drop(entry);
         self.transactions.arm(key, next);
-        let relayed = self.carry(client, &acts, Some((msg, src, dst)), out, sends);
+        let relayed = self.carry(now, client, &acts, Some((msg, src, dst)), out, sends);
         if code >= 200
             && let Some(Action::ToAddr(_) | Action::ToConn(_)) = relayed
             && let Some(mut e) = self.transactions.held.get_mut(&key)
@@ -480,6 +484,7 @@ impl SipCore {
     /// being handled (`response`) into `out`, returned as the action.
     fn carry(
         &self,
+        now: Nanos,
         client: Dest,
         acts: &[TxAction],
         response: Option<(&SipMsg<'_>, SocketAddr, SocketAddr)>,
@@ -509,9 +514,31 @@ impl SipCore {
                 }
                 TxAction::Failed { member, .. } => self.balancer.report_failure(*member),
                 TxAction::Answered { .. } => {}
+                TxAction::Won { member } => {
+                    if let Some((msg, _, _)) = response {
+                        self.pin_to(msg, *member, now);
+                    }
+                }
             }
         }
         action
+    }
+
+    /// Pin the dialog of `msg`'s Call-ID to `member`, whose 2xx the client got first: the
+    /// request may have been forwarded to another member since (an attempt given up on that
+    /// answered late), and its in-dialog requests must reach the service that holds the call.
+    fn pin_to(&self, msg: &SipMsg<'_>, member: usize, now: Nanos) {
+        let (Some(h), Ok(m)) = (msg.call_id().map(hash::key_hash), u32::try_from(member)) else {
+            return;
+        };
+        match self.dialogs.put(h, m, now / 1_000_000) {
+            Pin::New => self.open(m),
+            Pin::Moved(old) => {
+                self.close(old);
+                self.open(m);
+            }
+            Pin::Refreshed | Pin::Refused => {}
+        }
     }
 
     /// Where a message to the member at `addr` goes: a datagram over UDP, else its link.
@@ -568,7 +595,7 @@ impl SipCore {
             drop(entry);
             self.transactions.arm(key, next);
             let mut unused = Vec::new();
-            self.carry(client, &acts, None, &mut unused, sends);
+            self.carry(now, client, &acts, None, &mut unused, sends);
         }
     }
 }

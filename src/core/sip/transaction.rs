@@ -88,6 +88,8 @@ pub enum TxAction {
     },
     /// A service answered this request: for passive health.
     Answered { member: usize },
+    /// The first 2xx the client gets comes from `member`: the dialog is its.
+    Won { member: usize },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -333,6 +335,9 @@ impl Transaction {
         if (200..300).contains(&code) {
             // A 2xx goes to the client whenever it comes (§16.7 step 5, late ones too).
             out.push(TxAction::Answered { member });
+            if !final_sent {
+                out.push(TxAction::Won { member });
+            }
             out.push(TxAction::Relay);
             self.finish(now);
             return;

@@ -222,3 +222,31 @@ fn every_service_503_gives_the_client_500_and_cancel_is_answered_200() {
     assert_eq!(first_line(&out), "SIP/2.0 200 OK");
     let _ = Duration::ZERO;
 }
+
+#[test]
+fn a_held_options_gets_its_200_relayed() {
+    let c = core();
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let opt = invite("opt-1")
+        .replace("INVITE sip", "OPTIONS sip")
+        .replace("1 INVITE", "1 OPTIONS");
+    let Action::ToMember(m0) = from(&c, &opt, CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    assert!(sends.is_empty(), "no 100 for a non-INVITE: {sends:?}");
+    let fwd = out.clone();
+    let a = from(
+        &c,
+        &answer(&fwd, 200, "OK").replace("1 INVITE", "1 OPTIONS"),
+        &member_addr(&c, m0),
+        1,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(
+        a,
+        Action::ToAddr(CLIENT.parse().expect("client")),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+}
