@@ -14,7 +14,7 @@
 //! - `edge`       PURE  a vserver's access lists, flood table and drop counters
 //! - `flood`      PURE  per-source new-request limits and bans in a fixed-size table
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
-//! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine
+//! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine and `health::answer` judgement
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters

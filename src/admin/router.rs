@@ -382,6 +382,8 @@ fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
 /// The `/status` document.
 pub fn status(ops: &Ops) -> Value {
     let health = ops.health();
+    // Monitor holds run on the health board's clock.
+    let health_now = health.now();
     let vservers = ops
         .with_vservers(|vs, now| {
             vs.iter()
@@ -404,6 +406,7 @@ pub fn status(ops: &Ops) -> Value {
                                     "probes_ok": r_load(&rec, |r| r.probes_ok.load(std::sync::atomic::Ordering::Relaxed)),
                                     "probes_failed": r_load(&rec, |r| r.probes_failed.load(std::sync::atomic::Ordering::Relaxed)),
                                     "response_time_us": c.and_then(|c| c.monitor_response_time_us()),
+                                    "hold": rec.as_ref().and_then(|r| r.hold(health_now)).map(|h| hold_status(&h, health_now)),
                                 })
                             });
                             let ss = slow.as_ref().and_then(|s| s.status(mi)).map(|s| {
@@ -458,6 +461,16 @@ pub fn status(ops: &Ops) -> Value {
         })
         .unwrap_or_default();
     json!({ "vservers": vservers })
+}
+
+/// A monitor's hold: the service said 503 with Retry-After (RFC 3261 §21.5.4) and stays
+/// DOWN for `remaining_s` more (the Retry-After, capped).
+fn hold_status(h: &crate::health::Hold, now: u64) -> Value {
+    json!({
+        "reason": "retry_after",
+        "retry_after_s": h.retry_after_s,
+        "remaining_s": h.remaining(now) as f64 / 1e9,
+    })
 }
 
 fn r_load(

@@ -141,8 +141,9 @@ pub struct Monitor {
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum MonitorKind {
-    /// SIP OPTIONS over the service's transport; any final response is alive unless
-    /// `expect_codes` is non-empty.
+    /// SIP OPTIONS over the service's transport; a final response other than 5xx and 408 is
+    /// alive unless `expect_codes` is non-empty, and a 503 with Retry-After holds the
+    /// service DOWN for it (`health::answer`).
     SipOptions {
         expect_codes: Vec<u16>,
     },

@@ -22,9 +22,16 @@
 //!
 //! The operator's disable (OUT_OF_SERVICE) wins over the monitor: a disabled service keeps
 //! being probed, so its monitored state is current when it is enabled again.
+//!
+//! A `sip-options` probe's answer is judged by the PURE [`answer`]; a 503 with Retry-After
+//! holds the service DOWN for it ([`state`], "Held DOWN by Retry-After"), which `/status`
+//! shows as the monitor's `hold` and the log as `retry_after_s` / `held_s`.
 
+pub mod answer;
 pub mod probe;
 pub(crate) mod state;
+
+pub use state::{Hold, Outcome};
 
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Monitor, Protocol};
@@ -85,6 +92,11 @@ impl ServiceHealth {
             .map(|(m, s)| (m.name.clone(), s.phase()))
     }
 
+    /// The Retry-After hold in force at `now` (on [`HealthBoard::now`]'s clock), if any.
+    pub fn hold(&self, now: Nanos) -> Option<Hold> {
+        self.lock().as_ref().and_then(|(_, s)| s.hold(now))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Option<(Monitor, HealthState)>> {
         lock(&self.monitor)
     }
@@ -131,7 +143,8 @@ impl HealthBoard {
         board
     }
 
-    fn now(&self) -> Nanos {
+    /// Nanoseconds since the board's epoch: the clock of monitor holds.
+    pub fn now(&self) -> Nanos {
         u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
@@ -313,10 +326,23 @@ impl HealthBoard {
         m: &Monitor,
         result: Result<probe::ProbeReply, probe::ProbeError>,
     ) {
+        self.record_at(self.now(), name, m, result);
+    }
+
+    /// [`record`](Self::record) at `now` on the board's clock.
+    fn record_at(
+        &self,
+        now: Nanos,
+        name: &str,
+        m: &Monitor,
+        result: Result<probe::ProbeReply, probe::ProbeError>,
+    ) {
         let Some(rec) = self.service(name) else {
             return;
         };
-        let alive = result.is_ok();
+        let outcome = result
+            .as_ref()
+            .map_or_else(|e| e.outcome(), |_| Outcome::Alive);
         match &result {
             Ok(reply) => {
                 rec.probes_ok.fetch_add(1, Ordering::Relaxed);
@@ -340,35 +366,86 @@ impl HealthBoard {
             }
         }
         let passive = matches!(result, Err(probe::ProbeError::Passive));
-        let transition = {
-            let mut g = rec.lock();
-            match g.as_mut() {
-                // A probe of a monitor replaced by reload meanwhile is ignored.
-                Some((cur, st)) if cur == m => {
-                    // Before its first probe result a service is UP unconfirmed, and one
-                    // failure would take it DOWN: only a probe may do that, never a report of
-                    // the data path alone (which then counts from the next probe on).
-                    if passive && st.phase() == state::Phase::Unconfirmed {
-                        None
-                    } else {
-                        st.observe(alive)
-                    }
-                }
-                _ => None,
-            }
-        };
-        if let Some(t) = transition {
-            match t {
-                Transition::WentDown => {
-                    let why = result.err().map(|e| e.to_string()).unwrap_or_default();
-                    tracing::warn!(service = name, monitor = %m.name, reason = %why, "service DOWN");
-                }
-                Transition::CameUp => {
-                    tracing::info!(service = name, monitor = %m.name, "service UP");
-                }
-            }
+        let folded = fold(&rec, m, now, outcome, passive);
+        let why = result.err().map(|e| e.to_string()).unwrap_or_default();
+        log_folded(name, m, now, outcome, &why, &folded);
+        if folded.transition.is_some() {
             self.apply(name);
         }
+    }
+}
+
+/// What folding one probe outcome into a service's state did.
+#[derive(Debug)]
+struct Folded {
+    transition: Option<Transition>,
+    /// Whether a Retry-After hold was in force before the outcome.
+    held_before: bool,
+    /// The hold in force after it.
+    hold: Option<Hold>,
+}
+
+/// Fold `outcome` (at `now`) into the state of `rec` when `m` is still its monitor.
+fn fold(rec: &ServiceHealth, m: &Monitor, now: Nanos, outcome: Outcome, passive: bool) -> Folded {
+    let mut g = rec.lock();
+    match g.as_mut() {
+        // A probe of a monitor replaced by reload meanwhile is ignored.
+        Some((cur, st)) if cur == m => {
+            let held_before = st.hold(now).is_some();
+            // Before its first probe result a service is UP unconfirmed, and one failure
+            // would take it DOWN: only a probe may do that, never a report of the data path
+            // alone (which then counts from the next probe on).
+            let transition = if passive && st.phase() == state::Phase::Unconfirmed {
+                None
+            } else {
+                st.observe(now, outcome)
+            };
+            Folded {
+                transition,
+                held_before,
+                hold: st.hold(now),
+            }
+        }
+        _ => Folded {
+            transition: None,
+            held_before: false,
+            hold: None,
+        },
+    }
+}
+
+/// The monitor's log line for what folding `outcome` did, `why` the probe's failure.
+fn log_folded(name: &str, m: &Monitor, now: Nanos, outcome: Outcome, why: &str, f: &Folded) {
+    let held_s = |h: &Hold| h.remaining(now).div_ceil(1_000_000_000);
+    match (f.transition, f.hold) {
+        (Some(Transition::WentDown), Some(h)) => tracing::warn!(
+            service = name, monitor = %m.name, reason = %why,
+            retry_after_s = h.retry_after_s, held_s = held_s(&h),
+            "service DOWN, held for its Retry-After"
+        ),
+        (Some(Transition::WentDown), None) => {
+            tracing::warn!(service = name, monitor = %m.name, reason = %why, "service DOWN");
+        }
+        (Some(Transition::CameUp), _) => {
+            tracing::info!(service = name, monitor = %m.name, "service UP");
+        }
+        // Already DOWN: a hold that starts is worth a line, one renewed probe after probe
+        // is not.
+        (None, Some(h)) if matches!(outcome, Outcome::Unavailable { .. }) => {
+            if f.held_before {
+                tracing::debug!(
+                    service = name, monitor = %m.name, retry_after_s = h.retry_after_s,
+                    held_s = held_s(&h), "service still held DOWN"
+                );
+            } else {
+                tracing::info!(
+                    service = name, monitor = %m.name, reason = %why,
+                    retry_after_s = h.retry_after_s, held_s = held_s(&h),
+                    "service held DOWN for its Retry-After"
+                );
+            }
+        }
+        (None, _) => {}
     }
 }
 
@@ -490,6 +567,52 @@ mod tests {
         board.record("a", &m, passive());
         board.record("a", &m, passive());
         assert_eq!(b1.health(0), Some(Health::Down), "two failures of two");
+    }
+
+    /// A 503 with Retry-After takes the service DOWN in every vserver at once (the monitor
+    /// wants two failures), and answers before the Retry-After has passed do not bring it
+    /// back; the first one after it does (`successes_to_up` 1).
+    #[test]
+    fn a_retry_after_holds_the_service_down_in_every_vserver() {
+        const S: Nanos = 1_000_000_000;
+        let cfg = config();
+        let b1 = Arc::new(Balancer::new(&cfg, &cfg.vservers[0]));
+        let b2 = Arc::new(Balancer::new(&cfg, &cfg.vservers[1]));
+        let board = HealthBoard::new(&cfg, placements([&b1, &b2]), Instant::now());
+        let m = cfg.monitors[0].clone();
+        let ok = || {
+            Ok(probe::ProbeReply {
+                rtt_us: 100,
+                status: Some(200),
+                load: None,
+            })
+        };
+        let busy = || {
+            Err(probe::ProbeError::RetryAfter {
+                code: 503,
+                retry_after_s: 2,
+            })
+        };
+        board.record_at(S, "a", &m, ok());
+        board.record_at(2 * S, "a", &m, busy());
+        assert_eq!(b1.health(0), Some(Health::Down), "at once");
+        assert_eq!(b2.health(1), Some(Health::Down));
+        let rec = board.service("a").expect("a");
+        assert_eq!(
+            rec.hold(3 * S),
+            Some(Hold {
+                retry_after_s: 2,
+                until: 4 * S
+            })
+        );
+        board.record_at(3 * S, "a", &m, ok());
+        board.record_at(4 * S - 1, "a", &m, ok());
+        assert_eq!(b1.health(0), Some(Health::Down), "held");
+        board.record_at(4 * S, "a", &m, ok());
+        assert_eq!(b1.health(0), Some(Health::Up));
+        assert_eq!(b2.health(1), Some(Health::Up));
+        assert_eq!(rec.hold(4 * S), None);
+        assert!(board.service("b").is_some_and(|b| b.hold(0).is_none()));
     }
 
     /// Monitor `m` probing every hour (no probe runs during a test) of service `a`, reached

@@ -2,8 +2,10 @@
 //! at the top are PURE and unit-tested).
 //!
 //! - `sip-options`: an OPTIONS request over the service's transport (UDP, TCP for
-//!   `sip-tcp` services, TLS with the service's `tls` for `sip-tls` ones); any final response (>= 200) means alive unless `expect_codes`
-//!   lists the acceptable codes. Provisional responses are skipped.
+//!   `sip-tcp` services, TLS with the service's `tls` for `sip-tls` ones); the final answer
+//!   is judged by [`super::answer::judge`] (5xx and 408 are not alive, other final answers
+//!   are, unless `expect_codes` lists the acceptable codes; a 503 with Retry-After fails as
+//!   [`ProbeError::RetryAfter`]). Provisional responses are skipped.
 //! - `tcp-connect`: the TCP handshake completes.
 //! - `udp`: `send` is sent; a reply arrives (containing `expect` when set).
 //! - `http`: `GET path` answers one of `expect_codes` (200 when empty); over TLS with the
@@ -14,6 +16,8 @@
 //! monitor reads it from the response body, whose first line must be a decimal integer.
 //! Anything else reports no load (the method then treats the service as unloaded-unknown).
 
+use super::answer::{self, RETRY_AFTER_HEADER};
+use super::state::Outcome;
 use crate::config::{MonitorKind, Protocol};
 use crate::sip::framing::{self, Frame};
 use crate::tls::ClientTls;
@@ -40,6 +44,9 @@ pub enum ProbeError {
     BadReply,
     #[error("unexpected status {0}")]
     UnexpectedStatus(u16),
+    /// A 503 with a Retry-After (RFC 3261 §21.5.4): unavailable for that long.
+    #[error("status {code} with Retry-After {retry_after_s} s")]
+    RetryAfter { code: u16, retry_after_s: u32 },
     #[error("reply does not contain the expected payload")]
     Mismatch,
     #[error("connection closed before a reply")]
@@ -50,6 +57,28 @@ pub enum ProbeError {
     Tls(&'static str),
     #[error("a sip-tls service without loaded `tls` cannot be probed")]
     NoTls,
+}
+
+impl ProbeError {
+    /// What the failure says about the service: held DOWN for a Retry-After, or one failure.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            ProbeError::RetryAfter { retry_after_s, .. } => Outcome::Unavailable {
+                retry_after_s: *retry_after_s,
+            },
+            _ => Outcome::Dead,
+        }
+    }
+}
+
+/// The final answer to a monitor's OPTIONS, as far as the monitor reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SipAnswer {
+    pub code: u16,
+    /// `X-Load` (custom_load).
+    pub load: Option<u32>,
+    /// Retry-After in seconds, when present and valid.
+    pub retry_after_s: Option<u32>,
 }
 
 /// A successful probe.
@@ -84,12 +113,9 @@ pub fn build_options(target: SocketAddr, local: SocketAddr, transport: &str, seq
     .into_bytes()
 }
 
-/// `Some(code)` for a final SIP response to the probe with Call-ID `call_id`; `None` for
+/// `Some(answer)` for a final SIP response to the probe with Call-ID `call_id`; `None` for
 /// anything to skip (provisional, not ours, not a response). `Err` for garbage.
-pub fn sip_final_status(
-    buf: &[u8],
-    call_id: &[u8],
-) -> Result<Option<(u16, Option<u32>)>, ProbeError> {
+pub fn sip_final_status(buf: &[u8], call_id: &[u8]) -> Result<Option<SipAnswer>, ProbeError> {
     let msg = crate::sip::scan(buf).map_err(|_| ProbeError::BadReply)?;
     if msg.is_request() || msg.call_id().map(trim) != Some(call_id) {
         return Ok(None);
@@ -98,11 +124,16 @@ pub fn sip_final_status(
     if code < 200 {
         return Ok(None);
     }
-    let load = msg.header(LOAD_HEADER).and_then(parse_load);
-    Ok(Some((code, load)))
+    Ok(Some(SipAnswer {
+        code,
+        load: msg.header(LOAD_HEADER).and_then(parse_load),
+        retry_after_s: msg
+            .header(RETRY_AFTER_HEADER)
+            .and_then(answer::parse_retry_after),
+    }))
 }
 
-/// Is `code` acceptable? Empty `expect` = `default` rule.
+/// Is `code` acceptable? Empty `expect` = `default` rule (http monitors).
 pub fn status_ok(code: u16, expect: &[u16], default: impl Fn(u16) -> bool) -> bool {
     if expect.is_empty() {
         default(code)
@@ -239,20 +270,23 @@ async fn probe_inner(
 ) -> Result<ProbeReply, ProbeError> {
     match kind {
         MonitorKind::SipOptions { expect_codes } => {
-            let (code, load, rtt_us) = match (protocol, tls) {
+            let (a, rtt_us) = match (protocol, tls) {
                 (Protocol::SipTls, Some(tls)) => sip_tls(target, tls).await?,
                 (Protocol::SipTls, None) => return Err(ProbeError::NoTls),
                 (Protocol::SipTcp | Protocol::Tcp, _) => sip_tcp(target).await?,
                 _ => sip_udp(target).await?,
             };
-            if status_ok(code, expect_codes, |c| c >= 200) {
-                Ok(ProbeReply {
+            match answer::judge(a.code, a.retry_after_s, expect_codes) {
+                Outcome::Alive => Ok(ProbeReply {
                     rtt_us,
-                    status: Some(code),
-                    load,
-                })
-            } else {
-                Err(ProbeError::UnexpectedStatus(code))
+                    status: Some(a.code),
+                    load: a.load,
+                }),
+                Outcome::Dead => Err(ProbeError::UnexpectedStatus(a.code)),
+                Outcome::Unavailable { retry_after_s } => Err(ProbeError::RetryAfter {
+                    code: a.code,
+                    retry_after_s,
+                }),
             }
         }
         MonitorKind::TcpConnect => {
@@ -351,7 +385,7 @@ fn call_id_of(seq: u64) -> Vec<u8> {
     format!("fmon-{seq:x}@fulcrum").into_bytes()
 }
 
-async fn sip_udp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeError> {
+async fn sip_udp(target: SocketAddr) -> Result<(SipAnswer, u64), ProbeError> {
     let sock = UdpSocket::bind(unspecified_for(target)).await?;
     sock.connect(target).await?;
     let local = sock.local_addr()?;
@@ -362,13 +396,13 @@ async fn sip_udp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeErr
     let mut buf = vec![0u8; MAX_REPLY];
     loop {
         let n = sock.recv(&mut buf).await?;
-        if let Ok(Some((code, load))) = sip_final_status(&buf[..n], &call_id) {
-            return Ok((code, load, micros(start)));
+        if let Ok(Some(a)) = sip_final_status(&buf[..n], &call_id) {
+            return Ok((a, micros(start)));
         }
     }
 }
 
-async fn sip_tcp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeError> {
+async fn sip_tcp(target: SocketAddr) -> Result<(SipAnswer, u64), ProbeError> {
     let start = Instant::now();
     let s = TcpStream::connect(target).await?;
     let local = s.local_addr()?;
@@ -377,10 +411,7 @@ async fn sip_tcp(target: SocketAddr) -> Result<(u16, Option<u32>, u64), ProbeErr
 
 /// OPTIONS over TLS: the TCP connect and the handshake are part of the round trip, as the
 /// TCP connect is for [`sip_tcp`].
-async fn sip_tls(
-    target: SocketAddr,
-    tls: &ClientTls,
-) -> Result<(u16, Option<u32>, u64), ProbeError> {
+async fn sip_tls(target: SocketAddr, tls: &ClientTls) -> Result<(SipAnswer, u64), ProbeError> {
     let start = Instant::now();
     let s = TcpStream::connect(target).await?;
     let local = s.local_addr()?;
@@ -394,7 +425,7 @@ async fn sip_stream<S: AsyncRead + AsyncWrite + Unpin>(
     local: SocketAddr,
     transport: &str,
     start: Instant,
-) -> Result<(u16, Option<u32>, u64), ProbeError> {
+) -> Result<(SipAnswer, u64), ProbeError> {
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
     s.write_all(&build_options(target, local, transport, seq))
         .await?;
@@ -415,7 +446,7 @@ async fn sip_stream<S: AsyncRead + AsyncWrite + Unpin>(
                     let len = frame.len();
                     if let Frame::Message { .. } = frame {
                         match sip_final_status(&buf[..len], &call_id) {
-                            Ok(Some((code, load))) => return Ok((code, load, micros(start))),
+                            Ok(Some(a)) => return Ok((a, micros(start))),
                             Ok(None) => {}
                             Err(e) => return Err(e),
                         }
@@ -446,7 +477,22 @@ mod tests {
         );
         assert_eq!(
             sip_final_status(resp.as_bytes(), &cid).ok(),
-            Some(Some((200, Some(42))))
+            Some(Some(SipAnswer {
+                code: 200,
+                load: Some(42),
+                retry_after_s: None
+            }))
+        );
+        let busy = resp
+            .replace("200 OK", "503 Service Unavailable")
+            .replace("X-Load: 42", "retry-after: 120 (maintenance);duration=60");
+        assert_eq!(
+            sip_final_status(busy.as_bytes(), &cid).ok(),
+            Some(Some(SipAnswer {
+                code: 503,
+                load: None,
+                retry_after_s: Some(120)
+            }))
         );
         let prov = resp.replace("200 OK", "100 Trying");
         assert_eq!(sip_final_status(prov.as_bytes(), &cid).ok(), Some(None));
@@ -456,8 +502,13 @@ mod tests {
 
     #[test]
     fn verdicts() {
-        assert!(status_ok(503, &[], |c| c >= 200));
-        assert!(!status_ok(503, &[200], |c| c >= 200));
+        let held = ProbeError::RetryAfter {
+            code: 503,
+            retry_after_s: 7,
+        };
+        assert_eq!(held.outcome(), Outcome::Unavailable { retry_after_s: 7 });
+        assert_eq!(ProbeError::UnexpectedStatus(503).outcome(), Outcome::Dead);
+        assert_eq!(ProbeError::Timeout.outcome(), Outcome::Dead);
         assert!(status_ok(200, &[], |c| c == 200));
         assert!(!status_ok(404, &[], |c| c == 200));
         assert_eq!(body_load(b" 17 \nrest"), Some(17));
