@@ -406,18 +406,36 @@ impl SipCore {
         out: &mut Vec<u8>,
     ) -> Action {
         out.clear();
-        // The access lists, before anything is parsed; a service's traffic is never checked.
-        if matches!(origin, Origin::Client { .. })
-            && self.edge.has_acl()
-            && !self.is_member_ip(src)
-            && !self.edge.admits(src.ip())
-        {
+        if self.refused_by_acl(origin, src) {
             return Action::Drop(DropReason::Acl);
         }
         let msg = match sip::scan(buf) {
             Ok(m) => m,
             Err(e) => return self.unscannable(buf, e, origin, src, out),
         };
+        self.handle_scanned(&msg, origin, src, dst, now, out)
+    }
+
+    /// The access lists, before anything is parsed; a service's traffic is never checked.
+    fn refused_by_acl(&self, origin: Origin, src: SocketAddr) -> bool {
+        matches!(origin, Origin::Client { .. })
+            && self.edge.has_acl()
+            && !self.is_member_ip(src)
+            && !self.edge.admits(src.ip())
+    }
+
+    /// [`SipCore::handle`] for a message already scanned (and past the access lists).
+    fn handle_scanned(
+        &self,
+        msg: &SipMsg<'_>,
+        origin: Origin,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        out.clear();
+        let msg = *msg;
         if msg.is_request() {
             bump(&self.counters.requests_in);
             match origin {

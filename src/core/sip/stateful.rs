@@ -47,6 +47,8 @@ struct Held {
     tx: Transaction,
     /// The client's request as it arrived, forwarded again for each attempt.
     request: Bytes,
+    /// Its method (a CANCEL or ACK matches an INVITE).
+    method: SipMethod,
     src: SocketAddr,
     dst: SocketAddr,
     /// Where the client's responses go: its Via (RFC 3581 aware), or its connection.
@@ -57,6 +59,8 @@ struct Held {
 #[derive(Debug, Default)]
 pub struct Transactions {
     held: DashMap<u64, Held>,
+    /// How many are held (read per message; the map's own count locks every shard).
+    count: std::sync::atomic::AtomicUsize,
     /// Deadlines by key; an entry whose transaction has a later deadline (or is gone) is
     /// stale and skipped.
     timers: Mutex<BinaryHeap<Reverse<(Nanos, u64)>>>,
@@ -66,12 +70,19 @@ pub struct Transactions {
 impl Transactions {
     /// Requests held now.
     pub fn len(&self) -> usize {
-        self.held.len()
+        self.count.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Whether none is held.
     pub fn is_empty(&self) -> bool {
-        self.held.is_empty()
+        self.len() == 0
+    }
+
+    fn remove(&self, key: u64) {
+        if self.held.remove(&key).is_some() {
+            self.count
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     fn arm(&self, key: u64, at: Option<Nanos>) {
@@ -84,8 +95,9 @@ impl Transactions {
 /// The core's side of one held request.
 struct CoreHops<'a> {
     core: &'a SipCore,
-    /// The client's request as it arrived.
+    /// The client's request as it arrived, and scanned when the caller has it so.
     request: &'a [u8],
+    scanned: Option<SipMsg<'a>>,
     src: SocketAddr,
     dst: SocketAddr,
     now: Nanos,
@@ -94,7 +106,10 @@ struct CoreHops<'a> {
 impl Hops for CoreHops<'_> {
     fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<(usize, SocketAddr, Bytes)> {
         let core = self.core;
-        let msg = sip::scan(self.request).ok()?;
+        let msg = match self.scanned {
+            Some(m) => m,
+            None => sip::scan(self.request).ok()?,
+        };
         // Held requests go to members of the vserver's own transport (the other legs'
         // branches are keyed by another identity).
         let avoid = |m: usize| {
@@ -122,7 +137,10 @@ impl Hops for CoreHops<'_> {
     }
 
     fn reply(&self, code: u16) -> Option<Bytes> {
-        let msg = sip::scan(self.request).ok()?;
+        let msg = match self.scanned {
+            Some(m) => m,
+            None => sip::scan(self.request).ok()?,
+        };
         let reason = match code {
             100 => "Trying",
             408 => "Request Timeout",
@@ -239,6 +257,11 @@ impl SipCore {
         let Some(failover) = &self.failover else {
             return self.handle(buf, origin, src, dst, now, out);
         };
+        if self.refused_by_acl(origin, src) {
+            out.clear();
+            return Action::Drop(DropReason::Acl);
+        }
+        // Scanned once: what is not held is decided from the same scan.
         let Ok(msg) = sip::scan(buf) else {
             return self.handle(buf, origin, src, dst, now, out);
         };
@@ -251,7 +274,7 @@ impl SipCore {
                 if let Some(action) = self.held_request(&msg, client, src, now, out, sends) {
                     return action;
                 }
-                let action = self.handle(buf, origin, src, dst, now, out);
+                let action = self.handle_scanned(&msg, origin, src, dst, now, out);
                 if let Action::ToMember(m) = action {
                     self.hold(failover, &msg, m, client, src, dst, now, out, sends);
                 }
@@ -266,9 +289,9 @@ impl SipCore {
                 {
                     return action;
                 }
-                self.handle(buf, origin, src, dst, now, out)
+                self.handle_scanned(&msg, origin, src, dst, now, out)
             }
-            _ => self.handle(buf, origin, src, dst, now, out),
+            _ => self.handle_scanned(&msg, origin, src, dst, now, out),
         }
     }
 
@@ -294,7 +317,7 @@ impl SipCore {
         };
         let mut entry = self.transactions.held.get_mut(&key)?;
         // A CANCEL or ACK matches the INVITE it names; another method is another request.
-        let held_method = sip::scan(&entry.request).ok()?.method_kind();
+        let held_method = entry.method;
         // And it comes from the same client (over a stream, the same connection: a request
         // on another one that reuses a branch is another request, RFC 3261 §17.2.3).
         let matches = entry.client == from
@@ -305,6 +328,7 @@ impl SipCore {
         if !matches {
             return None;
         }
+        bump(&self.counters.requests_in);
         let mut acts = Vec::new();
         let Held {
             tx,
@@ -312,10 +336,12 @@ impl SipCore {
             src: from,
             dst,
             client,
+            ..
         } = &mut *entry;
         let hops = CoreHops {
             core: self,
             request,
+            scanned: None,
             src: *from,
             dst: *dst,
             now,
@@ -367,7 +393,7 @@ impl SipCore {
         ) else {
             return;
         };
-        if self.transactions.held.len() >= failover.max_pending {
+        if self.transactions.len() >= failover.max_pending {
             bump(&self.transactions.counters.table_full);
             return;
         }
@@ -378,6 +404,7 @@ impl SipCore {
         let hops = CoreHops {
             core: self,
             request: &request,
+            scanned: Some(*msg),
             src,
             dst,
             now,
@@ -402,10 +429,14 @@ impl SipCore {
                 v.insert(Held {
                     tx,
                     request,
+                    method: msg.method_kind(),
                     src,
                     dst,
                     client,
                 });
+                self.transactions
+                    .count
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
         bump(&self.transactions.counters.started);
@@ -441,6 +472,7 @@ impl SipCore {
             })
             .and_then(|n| u32::try_from(n).ok());
         let mut entry = self.transactions.held.get_mut(&key)?;
+        bump(&self.counters.responses_in);
         let mut acts = Vec::new();
         let Held {
             tx,
@@ -448,10 +480,12 @@ impl SipCore {
             src: from,
             dst: to,
             client,
+            ..
         } = &mut *entry;
         let hops = CoreHops {
             core: self,
             request,
+            scanned: None,
             src: *from,
             dst: *to,
             now,
@@ -567,7 +601,7 @@ impl SipCore {
             };
             if entry.tx.is_finished(now) {
                 drop(entry);
-                self.transactions.held.remove(&key);
+                self.transactions.remove(key);
                 continue;
             }
             // A stale timer: the transaction's deadline moved later.
@@ -581,10 +615,12 @@ impl SipCore {
                 src,
                 dst,
                 client,
+                ..
             } = &mut *entry;
             let hops = CoreHops {
                 core: self,
                 request,
+                scanned: None,
                 src: *src,
                 dst: *dst,
                 now,
