@@ -27,6 +27,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "allow",
     "deny",
     "flood",
+    "eject",
     "max_sessions",
     "transparent",
     "freebind",
@@ -107,6 +108,7 @@ impl Cx {
             idle_timeout,
             drain_timeout,
             edge: self.edge_fields(f, path),
+            eject: self.eject_field(f, path),
             options: self.proxy_options(f, path),
         }
     }
@@ -556,6 +558,8 @@ struct VserverFields {
     idle_timeout: Option<Duration>,
     drain_timeout: Option<Duration>,
     edge: Option<EdgeFields>,
+    /// `eject` (`Some(None)` when off).
+    eject: Option<Option<crate::eject::EjectParams>>,
     options: ProxyOptions,
     /// `tls` with `tls_handshake_timeout` (`Some(None)` when absent).
     tls: Option<Option<VserverTls>>,
@@ -614,6 +618,7 @@ impl VserverFields {
             allow: edge.allow,
             deny: edge.deny,
             flood: edge.flood,
+            eject: self.eject?,
             max_sessions: o.max_sessions? as usize,
             transparent: o.transparent?,
             freebind: o.freebind?,
