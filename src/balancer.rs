@@ -10,8 +10,16 @@
 //!    (`round_robin` for an unparseable `url_hash` / `domain_hash` request).
 //! 3. Non-hash methods run through slow start, which withholds requests from new members
 //!    beyond their allowed rate; those requests go to the others by the same method.
+//!
+//! Passive ejection ([`crate::eject`], docs/ejection.md): the data paths report each
+//! request's outcome ([`Balancer::report_outcome`]); a member ejected there is not usable for
+//! new flows (the hash ranking passes it over like a member that is not UP, the methods skip
+//! it) but still accepts its established ones; a member in half-open is chosen for one trial
+//! flow at a time. The per-request path reads one atomic per member for it, and takes the
+//! ejection lock only when it chooses a member under ejection or an outcome changes something.
 
 use crate::config::{Config, Method, Vserver};
+use crate::eject::{EjectParams, EjectStatus, EjectView, Failure, Outcome, Report};
 use crate::hash;
 use crate::methods::{self, MethodState};
 use crate::select::{self, HashSelector};
@@ -19,7 +27,7 @@ use crate::slow_start::SlowStart;
 use crate::stats::{Nanos, ServiceCounters};
 use crate::sync::lock;
 use arc_swap::ArcSwap;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// Operational state of a member (docs/config.md, Model).
@@ -123,8 +131,56 @@ pub struct MemberInfo {
     pub draining: bool,
 }
 
+/// Passive ejection of a vserver's members (`eject:`): the pure [`EjectView`] behind a lock,
+/// and per member the mirrors of it that the per-request path reads without the lock.
+struct Ejector {
+    view: Mutex<EjectView>,
+    /// New flows from this time on (0: any time): [`EjectView::not_before`].
+    gate: Vec<AtomicU64>,
+    /// Ejected or half-open: a new flow must take the trial through the view.
+    restricted: Vec<AtomicBool>,
+    /// Failures in a row, so that a success with nothing to reset takes no lock.
+    failures: Vec<AtomicU32>,
+}
+
+impl Ejector {
+    fn new(params: EjectParams, members: usize, serving: usize) -> Ejector {
+        Ejector {
+            view: Mutex::new(EjectView::new(params, members, serving)),
+            gate: (0..members).map(|_| AtomicU64::new(0)).collect(),
+            restricted: (0..members).map(|_| AtomicBool::new(false)).collect(),
+            failures: (0..members).map(|_| AtomicU32::new(0)).collect(),
+        }
+    }
+
+    /// Store member `m`'s mirrors of `v` (with `v`'s lock held, so they follow its order).
+    fn mirror(&self, v: &EjectView, m: usize) {
+        let not_before = v.not_before(m);
+        if let (Some(g), Some(r), Some(f)) = (
+            self.gate.get(m),
+            self.restricted.get(m),
+            self.failures.get(m),
+        ) {
+            g.store(not_before.unwrap_or(0), Ordering::Release);
+            r.store(not_before.is_some(), Ordering::Release);
+            let n = v.get(m).map_or(0, |s| s.consecutive_failures());
+            f.store(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether member `m` may take a new flow at `now` as far as ejection goes, taking
+    /// nothing (the trial is taken once the member is chosen, [`Balancer::takes_new_flow`]).
+    fn admits(&self, m: usize, now: Nanos) -> bool {
+        self.gate
+            .get(m)
+            .is_none_or(|g| now >= g.load(Ordering::Relaxed))
+    }
+}
+
 /// The balancer of one vserver. Shared by all workers (`&self` everywhere).
 pub struct Balancer {
+    /// The vserver's name (for the logs).
+    name: String,
     method: Method,
     balance_factor: Option<u32>,
     members: Vec<MemberInfo>,
@@ -151,6 +207,8 @@ pub struct Balancer {
     /// Failures the data paths saw since the monitor last looked (connect refused, ICMP
     /// unreachable on a connected socket); the monitor counts them toward DOWN.
     passive_failures: Vec<AtomicU64>,
+    /// Passive ejection; `None` with `eject: off`.
+    eject: Option<Ejector>,
 }
 
 impl std::fmt::Debug for Balancer {
@@ -236,6 +294,10 @@ impl Balancer {
                 Mutex::new(ss)
             });
         Balancer {
+            name: vserver.name.clone(),
+            eject: vserver
+                .eject
+                .map(|p| Ejector::new(p, members.len(), serving)),
             method: vserver.method,
             balance_factor: vserver.hash.hash_balance_factor,
             health: members
@@ -263,14 +325,34 @@ impl Balancer {
     /// Build the balancer of `vserver` for a reload of the vserver `old` balanced: members
     /// present in both (by service name) share their counters with `old`, so flows
     /// established before the reload keep counting (and closing) where the new balancer
-    /// reads them; every member starts UP.
+    /// reads them; every member starts UP. Their ejections go on (passive ejection, within
+    /// the new vserver's `max_fraction`).
     pub fn carrying(config: &Config, vserver: &Vserver, old: &Balancer) -> Balancer {
         let mut b = Balancer::new(config, vserver);
+        let old_view = old.eject.as_ref().map(|e| lock(&e.view).clone());
+        let mut view = b.eject.as_mut().map(|e| {
+            e.view
+                .get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        });
         for (i, m) in b.members.iter().enumerate() {
-            if let Some(j) = old.members.iter().position(|o| o.name == m.name)
-                && let (Some(slot), Some(c)) = (b.counters.get_mut(i), old.counters.get(j))
-            {
+            let Some(j) = old.members.iter().position(|o| o.name == m.name) else {
+                continue;
+            };
+            if let (Some(slot), Some(c)) = (b.counters.get_mut(i), old.counters.get(j)) {
                 *slot = Arc::clone(c);
+            }
+            if let (Some(v), Some(state)) = (
+                view.as_deref_mut(),
+                old_view.as_ref().and_then(|o| o.get(j)),
+            ) {
+                v.carry(i, state.clone());
+            }
+        }
+        if let Some(e) = &b.eject {
+            let v = lock(&e.view);
+            for i in 0..b.members.len() {
+                e.mirror(&v, i);
             }
         }
         b
@@ -310,6 +392,105 @@ impl Balancer {
         if let Some(c) = self.passive_failures.get(member) {
             c.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Report the outcome of a request (or connection) a data path gave `member` at `now`,
+    /// for passive ejection (docs/ejection.md). The data path decides what is a failure and
+    /// reports only what is the service's: a SIP failover code answer (with the response's
+    /// Retry-After, RFC 3261 §20.33, in [`Failure::retry_after`]), no answer in time, a
+    /// refused connect, a write without progress; never fulcrum's own local errors (EMFILE,
+    /// EADDRNOTAVAIL: [`crate::eject::Cause::of_stream_error`] tells them apart), and on a
+    /// `udp` vserver only ICMP errors, never silence
+    /// ([`crate::eject::Cause::of_datagram_error`]). A success is an answer that is not a
+    /// failure.
+    ///
+    /// Cheap on the per-request path: a success with no failure on record and no ejection
+    /// running reads two atomics and takes no lock. Returns what a failure led to (`None` for
+    /// a success, with `eject: off`, or for a member the vserver does not have). Independent of
+    /// [`Balancer::report_failure`] (the monitor's passive detection), which a data path
+    /// calls too where it applies.
+    pub fn report_outcome(&self, member: usize, outcome: Outcome, now: Nanos) -> Option<Report> {
+        let e = self.eject.as_ref()?;
+        let info = self.members.get(member)?;
+        match outcome {
+            Outcome::Success => {
+                let quiet = e.failures[member].load(Ordering::Relaxed) == 0
+                    && !e.restricted[member].load(Ordering::Relaxed);
+                if !quiet {
+                    let mut v = lock(&e.view);
+                    v.success(member, now);
+                    e.mirror(&v, member);
+                }
+                None
+            }
+            Outcome::Failure(f) => {
+                let report = {
+                    let mut v = lock(&e.view);
+                    let r = v.failure(member, now, f);
+                    e.mirror(&v, member);
+                    r
+                };
+                match report {
+                    Report::Ejected { until } => tracing::warn!(
+                        vserver = %self.name,
+                        service = %info.name,
+                        reason = %f.cause.name(),
+                        for_s = until.saturating_sub(now) as f64 / 1e9,
+                        "service ejected"
+                    ),
+                    Report::Refused => tracing::debug!(
+                        vserver = %self.name,
+                        service = %info.name,
+                        reason = %f.cause.name(),
+                        "not ejected: max_fraction of the services are ejected already"
+                    ),
+                    Report::Counted | Report::Ignored => {}
+                }
+                Some(report)
+            }
+        }
+    }
+
+    /// [`Balancer::report_outcome`] of a success.
+    pub fn report_success(&self, member: usize, now: Nanos) {
+        self.report_outcome(member, Outcome::Success, now);
+    }
+
+    /// [`Balancer::report_outcome`] of a failure.
+    pub fn report_failure_with(
+        &self,
+        member: usize,
+        failure: Failure,
+        now: Nanos,
+    ) -> Option<Report> {
+        self.report_outcome(member, Outcome::Failure(failure), now)
+    }
+
+    /// End `member`'s ejection now (the operator's enable): true when it was ejected.
+    pub fn end_ejection(&self, member: usize) -> bool {
+        let Some(e) = &self.eject else {
+            return false;
+        };
+        let mut v = lock(&e.view);
+        let ended = v.end(member);
+        e.mirror(&v, member);
+        ended
+    }
+
+    /// `member`'s ejection as status pages show it at `now`; `None` with `eject: off`.
+    pub fn ejection(&self, member: usize, now: Nanos) -> Option<EjectStatus> {
+        let e = self.eject.as_ref()?;
+        lock(&e.view).status(member, now)
+    }
+
+    /// The vserver's ejection parameters; `None` with `eject: off`.
+    pub fn eject_params(&self) -> Option<EjectParams> {
+        self.eject.as_ref().map(|e| *lock(&e.view).params())
+    }
+
+    /// Ejections not made because `max_fraction` of the members were ejected already.
+    pub fn ejections_refused(&self) -> u64 {
+        self.eject.as_ref().map_or(0, |e| lock(&e.view).refused())
     }
 
     /// Passive failures reported since the last call (the monitor drains them).
@@ -388,13 +569,15 @@ impl Balancer {
 
     /// Whether an established flow (dialog, session, connection) pinned to `member` may
     /// continue there: UP, or OUT_OF_SERVICE (the operator's graceful drain), draining or
-    /// not; a DOWN member's flows go elsewhere.
+    /// not, ejected or not (ejection bars new flows only); a DOWN member's flows go
+    /// elsewhere.
     pub fn accepts_existing(&self, member: usize) -> bool {
         matches!(self.health(member), Some(Health::Up | Health::OutOfService))
     }
 
-    /// UP, below `max_clients`, and (with bounded loads) not above factor × average load.
-    pub fn is_usable(&self, member: usize) -> bool {
+    /// UP, not ejected at `now` (a member in half-open counts while its trial is free),
+    /// below `max_clients`, and (with bounded loads) not above factor × average load.
+    pub fn is_usable(&self, member: usize, now: Nanos) -> bool {
         let Some(h) = self.health.get(member) else {
             return false;
         };
@@ -403,6 +586,11 @@ impl Balancer {
         }
         let info = &self.members[member];
         if info.draining {
+            return false;
+        }
+        if let Some(e) = &self.eject
+            && !e.admits(member, now)
+        {
             return false;
         }
         let active = self.counters[member].active();
@@ -476,7 +664,28 @@ impl Balancer {
         avoid: &dyn Fn(usize) -> bool,
         holds: &dyn Fn(usize) -> bool,
     ) -> Option<Choice> {
-        let choice = if self.method.is_hash() {
+        let mut choice = self.choose_once(key, now, avoid, holds)?;
+        // A member in half-open whose one trial another flow took between the look and the
+        // take is passed over like `avoid`'s. Rare, so only then is there a list to keep;
+        // each round passes over one more member, so the loop ends.
+        let mut passed: Vec<usize> = Vec::new();
+        while !self.takes_new_flow(choice.member, now, holds) {
+            passed.push(choice.member);
+            let skip = |i: usize| avoid(i) || passed.contains(&i);
+            choice = self.choose_once(key, now, &skip, holds)?;
+        }
+        self.paths[choice.path as usize].fetch_add(1, Ordering::Relaxed);
+        Some(choice)
+    }
+
+    fn choose_once(
+        &self,
+        key: KeyInput,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+        holds: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
+        if self.method.is_hash() {
             self.choose_hash(key, now, avoid, holds)
         } else {
             self.choose_method(self.method, now, avoid)
@@ -484,11 +693,22 @@ impl Balancer {
                     member,
                     path: Path::Method,
                 })
-        };
-        if let Some(c) = choice {
-            self.paths[c.path as usize].fetch_add(1, Ordering::Relaxed);
         }
-        choice
+    }
+
+    /// Whether the chosen `member` takes the flow: always unless it is under ejection; in
+    /// half-open only as its one trial (taken here); a flow it holds already always.
+    fn takes_new_flow(&self, member: usize, now: Nanos, holds: &dyn Fn(usize) -> bool) -> bool {
+        let Some(e) = &self.eject else {
+            return true;
+        };
+        if !e.restricted[member].load(Ordering::Acquire) || holds(member) {
+            return true;
+        }
+        let mut v = lock(&e.view);
+        let took = v.take_for_new(member, now);
+        e.mirror(&v, member);
+        took
     }
 
     /// Count a decision made outside [`Balancer::choose`] (dialog / session affinity).
@@ -507,7 +727,7 @@ impl Balancer {
             KeyInput::Hash(h) => {
                 let selector = self.selector.load();
                 let eligible = |i: usize| {
-                    !avoid(i) && (self.is_usable(i) || holds(i) && self.accepts_existing(i))
+                    !avoid(i) && (self.is_usable(i, now) || holds(i) && self.accepts_existing(i))
                 };
                 if let Some((member, rank)) = selector.pick(h, eligible) {
                     let path = if rank == 0 {
@@ -551,7 +771,7 @@ impl Balancer {
                 &self.method_state,
                 &self.counters,
                 &self.weights,
-                |i| self.is_usable(i) && !avoid(i) && cap(i),
+                |i| self.is_usable(i, now) && !avoid(i) && cap(i),
                 now,
             )
         };
@@ -720,6 +940,126 @@ mod tests {
             }
         }
         assert_eq!(to_new, 30);
+    }
+
+    const S: Nanos = 1_000_000_000;
+
+    fn refused() -> Failure {
+        Failure::new(crate::eject::Cause::Refused)
+    }
+
+    /// A key whose ranking puts member `m` first.
+    fn key_ranking_first(b: &Balancer, m: usize) -> u64 {
+        (0u64..)
+            .map(|i| hash::key_hash(&i.to_le_bytes()))
+            .find(|&h| b.selector.load().ranking(h).first() == Some(&m))
+            .expect("some key ranks the member first")
+    }
+
+    #[test]
+    fn an_ejected_member_passes_its_keys_to_the_next_ranked_and_gets_them_back() {
+        let b = balancer("source_ip_hash", "", 3);
+        let h = key_ranking_first(&b, 1);
+        let next = b.selector.load().ranking(h)[1];
+        for k in 0..3 {
+            let r = b.report_failure_with(1, refused(), S);
+            assert_eq!(
+                r.is_some_and(|r| matches!(r, Report::Ejected { .. })),
+                k == 2
+            );
+        }
+        let c = b.choose(KeyInput::Hash(h), 2 * S).expect("choice");
+        assert_eq!((c.member, c.path), (next, Path::NextRanked));
+        // Established flows go on; the status tells why and for how long.
+        assert!(b.accepts_existing(1));
+        let st = b.ejection(1, 2 * S).expect("eject on");
+        assert!(st.is_ejected());
+        assert_eq!(st.remaining_ns, 9 * S);
+        // After `base` (10 s): one trial; the key's next new flows wait for its outcome.
+        let at = 11 * S;
+        assert_eq!(b.choose(KeyInput::Hash(h), at).map(|c| c.member), Some(1));
+        assert_eq!(
+            b.choose(KeyInput::Hash(h), at).map(|c| c.member),
+            Some(next)
+        );
+        b.report_success(1, at);
+        assert_eq!(
+            b.choose(KeyInput::Hash(h), at),
+            Some(Choice {
+                member: 1,
+                path: Path::Hash
+            })
+        );
+        assert!(b.ejection(1, at).is_some_and(|s| !s.is_ejected()));
+    }
+
+    #[test]
+    fn methods_skip_an_ejected_member_and_the_bound_holds() {
+        let b = balancer("round_robin", "", 4);
+        for m in [0, 1, 2] {
+            for _ in 0..3 {
+                b.report_failure_with(m, refused(), 0);
+            }
+        }
+        // At most half of the four.
+        let ejected: Vec<usize> = (0..4)
+            .filter(|&m| b.ejection(m, 0).is_some_and(|s| s.is_ejected()))
+            .collect();
+        assert_eq!(ejected, [0, 1]);
+        assert_eq!(b.ejections_refused(), 1);
+        for _ in 0..10 {
+            let c = b.choose(KeyInput::NoKey, S).expect("choice");
+            assert!(c.member >= 2, "{c:?}");
+        }
+    }
+
+    #[test]
+    fn a_held_flow_stays_on_an_ejected_member() {
+        let b = balancer("source_ip_hash", "", 3);
+        let h = key_ranking_first(&b, 2);
+        for _ in 0..3 {
+            b.report_failure_with(2, refused(), 0);
+        }
+        let held = b.choose_holding(KeyInput::Hash(h), S, &|m| m == 2);
+        assert_eq!(held.map(|c| c.member), Some(2));
+        assert_ne!(b.choose(KeyInput::Hash(h), S).map(|c| c.member), Some(2));
+    }
+
+    #[test]
+    fn the_operator_ends_an_ejection_and_a_reload_keeps_one() {
+        let c = config("round_robin", "", 3);
+        let b = Balancer::new(&c, &c.vservers[0]);
+        for _ in 0..3 {
+            b.report_failure_with(1, refused(), 0);
+        }
+        let rebuilt = Balancer::carrying(&c, &c.vservers[0], &b);
+        assert!(rebuilt.ejection(1, S).is_some_and(|s| s.is_ejected()));
+        assert!((0..6).all(|_| rebuilt.choose(KeyInput::NoKey, S).map(|c| c.member) != Some(1)));
+        assert!(rebuilt.end_ejection(1));
+        assert!(!rebuilt.end_ejection(1));
+        assert!((0..6).any(|_| rebuilt.choose(KeyInput::NoKey, S).map(|c| c.member) == Some(1)));
+    }
+
+    #[test]
+    fn eject_off_reports_nothing() {
+        let b = balancer("round_robin", "    eject: off\n", 3);
+        for _ in 0..10 {
+            assert_eq!(b.report_failure_with(0, refused(), 0), None);
+        }
+        assert_eq!(b.ejection(0, 0), None);
+        assert!((0..3).any(|_| b.choose(KeyInput::NoKey, 0).map(|c| c.member) == Some(0)));
+    }
+
+    #[test]
+    fn a_success_with_nothing_on_record_changes_nothing() {
+        let b = balancer("round_robin", "", 3);
+        b.report_success(0, 0);
+        let e = b.eject.as_ref().expect("on by default");
+        assert_eq!(e.failures[0].load(Ordering::Relaxed), 0);
+        b.report_failure_with(0, refused(), 0);
+        assert_eq!(e.failures[0].load(Ordering::Relaxed), 1);
+        b.report_success(0, 0);
+        assert_eq!(e.failures[0].load(Ordering::Relaxed), 0);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
 //! - `drain`      PURE  services a reload removed, kept while their flows finish
 //! - `edge`       PURE  a vserver's access lists, flood table and drop counters
+//! - `eject`      PURE  passive ejection: a service's failures in a row eject it for a while, half-open trials, max_fraction
 //! - `flood`      PURE  per-source new-request limits and bans in a fixed-size table
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
 //! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine and `health::answer` judgement
@@ -48,6 +49,7 @@ pub mod demo;
 pub(crate) mod dialog;
 pub(crate) mod drain;
 pub(crate) mod edge;
+pub mod eject;
 pub(crate) mod flood;
 pub mod hash;
 pub mod health;

@@ -11,7 +11,7 @@
 //! - a vserver whose only change is `slow_start.new_service_request_rate`: the rate is set
 //!   (as `PUT /vservers/{name}/slow-start`), nothing else moves.
 //! - a vserver of any protocol whose services (added, removed, reordered, or their
-//!   address, weight, max_clients, hash_id), method, hash parameters, slow start,
+//!   address, weight, max_clients, hash_id), method, hash parameters, slow start, eject,
 //!   record_route, idle_timeout or max_sessions changed is rebuilt behind its unchanged
 //!   sockets ([`crate::proxy::reconfig`]): dialogs, sessions and connections of surviving
 //!   services stay on them, added services enter slow start, removed services get no new
@@ -262,6 +262,16 @@ mod tests {
         let p = plan(&old, &new).expect("in place");
         assert!(p.monitors_changed);
         assert_eq!(p.slow_start_rates, vec![("v".to_owned(), 20)]);
+    }
+
+    /// The balancer holds the ejection parameters: a change rebuilds the vserver in place.
+    #[test]
+    fn an_eject_change_rebuilds_in_place() {
+        let old = cfg("", "a, b", 10, "1s");
+        let mut new = old.clone();
+        new.vservers[0].eject = None;
+        let p = plan(&old, &new).expect("in place");
+        assert_eq!(p.rebuild, vec!["v".to_owned()]);
     }
 
     #[test]

@@ -116,11 +116,12 @@ fn check(t: Transport, sick: Sick) {
     let byes: u64 = r.counts.iter().map(|c| c.byes_ok).sum();
     assert_eq!(byes, u64::from(calls));
     assert_eq!(r.counts[1].byes_ok, 0, "the sick service set up no call");
-    if sick == Sick::Down {
-        // Its OPTIONS answered 503 with Retry-After: its monitor takes it out at the first
-        // probe and holds it out, so it sees almost none of the calls.
-        assert!(share <= 0.05, "sick share {:.1}%", 100.0 * share);
-    }
+    // Down: its OPTIONS answered 503 with Retry-After, its monitor takes it out at the first
+    // probe and holds it out. Busy: its third 503 ejects it for at least the Retry-After.
+    // Silent: each of its first three failures takes `no_answer` (1 s) to show while calls keep
+    // coming, so over this 6 s run it sees more of them (over 15 s, as bench/gray.sh, less).
+    let bound = if sick == Sick::Silent { 0.10 } else { 0.05 };
+    assert!(share <= bound, "sick share {:.1}%", 100.0 * share);
 }
 
 #[test]

@@ -478,6 +478,9 @@ pub struct Vserver {
     pub flood: Option<crate::flood::FloodParams>,
     /// `failover` of requests outside a dialog (SIP vservers; `None`: off, or not SIP).
     pub failover: Option<Failover>,
+    /// `eject`: passive ejection of services that fail live requests (`None`: `eject: off`;
+    /// docs/ejection.md).
+    pub eject: Option<crate::eject::EjectParams>,
     /// Not read from YAML: services removed from this vserver by a reload that still carry
     /// flows there (indices into [`Config::services`], not in `services`). The running proxy
     /// keeps them as members at the end of the vserver's member list, where no new flow is

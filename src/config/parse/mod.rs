@@ -5,11 +5,12 @@
 //! lines an operator can act on without reading code.
 //!
 //! One submodule per section of the file ([`lb`] with `admin` and `logging`, [`monitor`],
-//! [`service`], [`vserver`], with the `tls` blocks in [`tls`] and `allow`, `deny` and
-//! `flood` in [`edge`]), each adding the readers of its section to [`Cx`]; the readers every
-//! section shares, and the file as a whole, are here.
+//! [`service`], [`vserver`], with the `tls` blocks in [`tls`], `allow`, `deny` and `flood`
+//! in [`edge`] and `eject` in [`eject`]), each adding the readers of its section to [`Cx`];
+//! the readers every section shares, and the file as a whole, are here.
 
 mod edge;
+mod eject;
 mod lb;
 mod monitor;
 mod service;

@@ -28,6 +28,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "deny",
     "flood",
     "failover",
+    "eject",
     "max_sessions",
     "transparent",
     "freebind",
@@ -111,6 +112,7 @@ impl Cx {
             idle_timeout,
             drain_timeout,
             edge: self.edge_fields(f, path),
+            eject: self.eject_field(f, path),
             options: self.proxy_options(f, path),
         }
     }
@@ -637,6 +639,8 @@ struct VserverFields {
     idle_timeout: Option<Duration>,
     drain_timeout: Option<Duration>,
     edge: Option<EdgeFields>,
+    /// `eject` (`Some(None)` when off).
+    eject: Option<Option<crate::eject::EjectParams>>,
     options: ProxyOptions,
     /// `tls` with `tls_handshake_timeout` (`Some(None)` when absent).
     tls: Option<Option<VserverTls>>,
@@ -696,6 +700,7 @@ impl VserverFields {
             deny: edge.deny,
             flood: edge.flood,
             failover: self.failover?,
+            eject: self.eject?,
             max_sessions: o.max_sessions? as usize,
             transparent: o.transparent?,
             freebind: o.freebind?,

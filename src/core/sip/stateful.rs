@@ -6,6 +6,7 @@
 
 use super::transaction::{Event, Failover, Hops, Transaction, TxAction};
 use super::*;
+use crate::eject::{Cause, Failure};
 use bytes::Bytes;
 use dashmap::DashMap;
 use std::cmp::Reverse;
@@ -546,8 +547,20 @@ impl SipCore {
                         }
                     }
                 }
-                TxAction::Failed { member, .. } => self.balancer.report_failure(*member),
-                TxAction::Answered { .. } => {}
+                // Passive health: the monitor hears of it before its next probe, and ejection
+                // counts it (a live request's answer is what ends a service's ejection).
+                TxAction::Failed {
+                    member,
+                    code,
+                    retry_after_s,
+                } => {
+                    self.balancer.report_failure(*member);
+                    let cause = code.map_or(Cause::Timeout, Cause::Code);
+                    let retry = retry_after_s.map(|s| Duration::from_secs(u64::from(s)));
+                    let failure = Failure::new(cause).with_retry_after(retry);
+                    self.balancer.report_failure_with(*member, failure, now);
+                }
+                TxAction::Answered { member } => self.balancer.report_success(*member, now),
                 TxAction::Won { member } => {
                     if let Some((msg, _, _)) = response {
                         self.pin_to(msg, *member, now);

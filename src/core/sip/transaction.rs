@@ -81,9 +81,11 @@ pub enum TxAction {
     RelayStored(Bytes),
     /// Send bytes to a service: an attempt, its retransmission, an ACK or a CANCEL.
     ToMember(SocketAddr, Bytes),
-    /// A service failed this request (failover code, no answer): for passive health.
+    /// A service failed this request (failover code `code`, or no answer when `None`): for
+    /// passive health.
     Failed {
         member: usize,
+        code: Option<u16>,
         retry_after_s: Option<u32>,
     },
     /// A service answered this request: for passive health.
@@ -354,6 +356,7 @@ impl Transaction {
         }
         out.push(TxAction::Failed {
             member,
+            code: Some(code),
             retry_after_s,
         });
         if self.best.as_ref().is_none_or(|(c, _)| better(code, *c)) {
@@ -396,6 +399,7 @@ impl Transaction {
                 a.retransmit_at = None;
                 out.push(TxAction::Failed {
                     member: a.member,
+                    code: None,
                     retry_after_s: None,
                 });
                 if canceled {

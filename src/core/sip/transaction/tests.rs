@@ -125,6 +125,7 @@ fn an_invite_gets_100_at_once_and_a_503_moves_it_to_the_next_service_unseen() {
     assert_eq!(sent[1], (1, "INVITE attempt 1 to 1".to_owned()));
     assert!(out.contains(&TxAction::Failed {
         member: 0,
+        code: Some(503),
         retry_after_s: Some(30)
     }));
     let out = respond(&mut tx, &core, S / 5, 1, 180);
@@ -153,6 +154,7 @@ fn an_attempt_that_never_answers_is_retransmitted_then_left_after_no_answer() {
     assert_eq!(to_members(&out), [(1, "INVITE attempt 1 to 1".to_owned())]);
     assert!(out.contains(&TxAction::Failed {
         member: 0,
+        code: None,
         retry_after_s: None
     }));
     // The abandoned attempt rings late: cancelled, not relayed.
