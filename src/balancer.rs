@@ -57,6 +57,9 @@ impl Health {
     }
 }
 
+/// Every state [`Balancer::state_name`] may give, in the order the metrics list them.
+pub const STATE_NAMES: [&str; 5] = ["UP", "DOWN", "OUT_OF_SERVICE", "EJECTED", "DRAINING"];
+
 /// What the key extraction produced, hashed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyInput {
@@ -567,6 +570,25 @@ impl Balancer {
         self.slow_start.as_ref().map(|ss| lock(ss).clone())
     }
 
+    /// The state status pages show for `member` at `now` (one of [`STATE_NAMES`]): DRAINING
+    /// while a reload's drain keeps it, else its health when that is not UP, else EJECTED
+    /// while under passive ejection (ejected or half-open), else UP.
+    pub fn state_name(&self, member: usize, now: Nanos) -> &'static str {
+        if self.is_draining(member) {
+            return "DRAINING";
+        }
+        match self.health(member) {
+            Some(Health::Up) => {}
+            Some(h) => return h.name(),
+            None => return "?",
+        }
+        if self.ejection(member, now).is_some_and(|e| e.is_ejected()) {
+            "EJECTED"
+        } else {
+            "UP"
+        }
+    }
+
     /// Whether an established flow (dialog, session, connection) pinned to `member` may
     /// continue there: UP, or OUT_OF_SERVICE (the operator's graceful drain), draining or
     /// not, ejected or not (ejection bars new flows only); a DOWN member's flows go
@@ -972,6 +994,10 @@ mod tests {
         assert_eq!((c.member, c.path), (next, Path::NextRanked));
         // Established flows go on; the status tells why and for how long.
         assert!(b.accepts_existing(1));
+        assert_eq!(b.state_name(1, 2 * S), "EJECTED");
+        b.set_health(1, Health::OutOfService, 2 * S);
+        assert_eq!(b.state_name(1, 2 * S), "OUT_OF_SERVICE");
+        b.set_health(1, Health::Up, 2 * S);
         let st = b.ejection(1, 2 * S).expect("eject on");
         assert!(st.is_ejected());
         assert_eq!(st.remaining_ns, 9 * S);
@@ -991,6 +1017,7 @@ mod tests {
             })
         );
         assert!(b.ejection(1, at).is_some_and(|s| !s.is_ejected()));
+        assert_eq!(b.state_name(1, at), "UP");
     }
 
     #[test]

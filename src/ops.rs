@@ -224,9 +224,16 @@ impl Ops {
         readiness::readiness(facts.as_deref(), self.is_draining())
     }
 
-    /// Operator disable / enable of a service in every vserver. `false` if unknown.
+    /// Operator disable / enable of a service in every vserver. `false` if unknown. Enable
+    /// also ends the service's passive ejections (docs/ejection.md): the operator vouches
+    /// for it.
     pub fn set_disabled(&self, service: &str, disabled: bool) -> bool {
         let ok = self.health.set_disabled(service, disabled);
+        if ok && !disabled {
+            for vserver in self.end_ejections(service) {
+                tracing::info!(vserver, service, "operator: ejection ended");
+            }
+        }
         if ok {
             tracing::info!(
                 service,
@@ -239,6 +246,27 @@ impl Ops {
             );
         }
         ok
+    }
+
+    /// End the passive ejection of `service` in every vserver; the vservers where it was
+    /// ejected.
+    fn end_ejections(&self, service: &str) -> Vec<String> {
+        self.with_vservers(|vs, _| {
+            vs.iter()
+                .filter(|v| {
+                    let b = v.balancer();
+                    let mine = b
+                        .members()
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, m)| m.name == service);
+                    // Every one ended, not only the first.
+                    mine.fold(false, |any, (i, _)| b.end_ejection(i) || any)
+                })
+                .map(|v| v.name.clone())
+                .collect()
+        })
+        .unwrap_or_default()
     }
 
     /// Sources banned by flood control now: (vserver, source, seconds left).

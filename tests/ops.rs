@@ -764,3 +764,55 @@ fn readyz_follows_usable_services_and_the_drain() {
         503
     );
 }
+
+/// Passive ejection on the operator surface, through the router: a service whose requests
+/// failed in a row is EJECTED in `/status` (reason, seconds left) and in `/metrics`, and
+/// `POST /services/NAME/enable` ends the ejection.
+#[test]
+fn an_ejection_shows_in_status_and_metrics_and_enable_ends_it() {
+    use fulcrum::eject::{Cause, Failure};
+    let y = "admin: { listen: null }\nservices:\n  - { name: s0, address: 127.0.0.1:9, protocol: udp }\n  - { name: s1, address: 127.0.0.1:10, protocol: udp }\n  - { name: s2, address: 127.0.0.1:11, protocol: udp }\nvservers:\n  - { name: v, protocol: udp, bind: [127.0.0.1:0], method: round_robin, workers: 1, eject: { after: 2, base: 1m }, services: [s0, s1, s2] }\n";
+    let ops = start(y);
+    ops.with_vservers(|vs, now| {
+        for _ in 0..2 {
+            vs[0]
+                .balancer()
+                .report_failure_with(1, Failure::new(Cause::Refused), now);
+        }
+    })
+    .expect("running");
+    let st = get(&ops, "/status");
+    let s1 = service(&st, "s1");
+    assert_eq!(s1["state"], "EJECTED", "{s1}");
+    assert_eq!(s1["health"], "UP", "{s1}");
+    assert_eq!(s1["ejection"]["phase"], "ejected", "{s1}");
+    assert_eq!(s1["ejection"]["reason"], "refused", "{s1}");
+    assert_eq!(s1["ejection"]["ejections_total"], 1, "{s1}");
+    let left = s1["ejection"]["remaining_s"]
+        .as_f64()
+        .expect("seconds left");
+    assert!(left > 30.0 && left <= 60.0, "{left}");
+    assert_eq!(service(&st, "s0")["state"], "UP");
+    assert_eq!(st["vservers"][0]["eject"]["after"], 2);
+    assert_eq!(st["vservers"][0]["eject"]["max_fraction"], 0.5);
+    let metrics = router::handle(&ops, &Request::new("GET", "/metrics")).body;
+    for line in [
+        "fulcrum_service_ejected{vserver=\"v\",service=\"s1\"} 1",
+        "fulcrum_service_ejected{vserver=\"v\",service=\"s0\"} 0",
+        "fulcrum_service_ejections_total{vserver=\"v\",service=\"s1\"} 1",
+        "fulcrum_service_state{vserver=\"v\",service=\"s1\",state=\"EJECTED\"} 1",
+        "fulcrum_service_state{vserver=\"v\",service=\"s1\",state=\"UP\"} 0",
+        "fulcrum_ejections_refused_total{vserver=\"v\"} 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} missing");
+    }
+    let r = router::handle(&ops, &Request::new("POST", "/services/s1/enable"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let st = get(&ops, "/status");
+    let s1 = service(&st, "s1");
+    assert_eq!(s1["state"], "UP", "{s1}");
+    assert!(s1["ejection"]["phase"].is_null(), "{s1}");
+    assert_eq!(s1["ejection"]["consecutive_failures"], 0, "{s1}");
+    assert_eq!(s1["ejection"]["ejections_total"], 1, "{s1}");
+    ops.shutdown();
+}

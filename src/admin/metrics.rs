@@ -1,7 +1,7 @@
 //! `GET /metrics`: Prometheus text exposition format 0.0.4. IO-free rendering of the
 //! counters the data paths, balancers and monitors keep.
 
-use crate::balancer::{Balancer, Health, Path};
+use crate::balancer::{Balancer, Path, STATE_NAMES};
 use crate::health::ServiceHealth;
 use crate::ops::Ops;
 use crate::proxy::VserverHandle;
@@ -97,7 +97,7 @@ pub(crate) fn render(ops: &Ops) -> String {
     let health = ops.health();
     ops.with_vservers(|vs, now| {
         for v in vs {
-            services.add(v);
+            services.add(v, now);
             add_selections(&mut paths, v);
             if let Some(core) = v.data.sip_core() {
                 sip.add(&v.name, core);
@@ -133,8 +133,9 @@ fn add_each(f: &mut Family, n: &str, label: &str, list: &[(&str, &AtomicU64)]) {
     }
 }
 
-/// The families with one series per (vserver, service): traffic counters, state, weight
-/// and slow-start rate.
+/// The families with one series per (vserver, service): traffic counters, state, weight,
+/// slow-start rate and passive ejection; and per vserver the ejections refused by
+/// `max_fraction`.
 struct ServiceFamilies {
     requests: Family,
     bytes: Family,
@@ -143,6 +144,9 @@ struct ServiceFamilies {
     state: Family,
     weight: Family,
     slow: Family,
+    ejections: Family,
+    ejected: Family,
+    refused: Family,
 }
 
 impl ServiceFamilies {
@@ -179,12 +183,31 @@ impl ServiceFamilies {
                 "gauge",
                 "Current slow-start limit of a new service (requests/s or percent).",
             ),
+            ejections: Family::new(
+                "fulcrum_service_ejections_total",
+                "counter",
+                "Passive ejections of a service by a vserver (its requests failed in a row).",
+            ),
+            ejected: Family::new(
+                "fulcrum_service_ejected",
+                "gauge",
+                "1 while a service is ejected or half-open on a vserver.",
+            ),
+            refused: Family::new(
+                "fulcrum_ejections_refused_total",
+                "counter",
+                "Ejections not made because max_fraction of the vserver's services were ejected.",
+            ),
         }
     }
 
-    /// Every member of vserver `v`.
-    fn add(&mut self, v: &VserverHandle) {
+    /// Every member of vserver `v` at `now`.
+    fn add(&mut self, v: &VserverHandle, now: u64) {
         let b = v.balancer();
+        if b.eject_params().is_some() {
+            self.refused
+                .add(&[("vserver", v.name.as_str())], b.ejections_refused());
+        }
         let slow_state = b.slow_start();
         for (mi, m) in b.members().iter().enumerate() {
             let l = [("vserver", v.name.as_str()), ("service", m.name.as_str())];
@@ -194,28 +217,29 @@ impl ServiceFamilies {
                 self.packets.add(&l, c.packets_total());
                 self.active.add(&l, c.active());
             }
-            self.add_state(b, mi, l);
+            self.add_state(b, mi, l, now);
             self.weight.add(&l, m.weight);
             if let Some(st) = slow_state.as_ref().and_then(|s| s.status(mi)) {
                 self.slow.add(&l, st.rate);
             }
+            if let Some(e) = b.ejection(mi, now) {
+                self.ejections.add(&l, e.ejections);
+                self.ejected.add(&l, u8::from(e.is_ejected()));
+            }
         }
     }
 
-    /// One series per state, 1 for member `mi`'s.
-    fn add_state(&mut self, b: &Balancer, mi: usize, l: [(&str, &str); 2]) {
-        // A draining member shows as DRAINING alone (its health is in /status).
-        let draining = b.is_draining(mi);
-        let cur = b.health(mi).filter(|_| !draining);
-        for h in [Health::Up, Health::Down, Health::OutOfService] {
-            let s = [l[0], l[1], ("state", h.name())];
-            self.state.add(&s, u8::from(cur == Some(h)));
+    /// One series per state, 1 for member `mi`'s (as `/status` names it: a draining member
+    /// is DRAINING alone, an ejected one that is otherwise UP is EJECTED).
+    fn add_state(&mut self, b: &Balancer, mi: usize, l: [(&str, &str); 2], now: u64) {
+        let cur = b.state_name(mi, now);
+        for name in STATE_NAMES {
+            let s = [l[0], l[1], ("state", name)];
+            self.state.add(&s, u8::from(cur == name));
         }
-        self.state
-            .add(&[l[0], l[1], ("state", "DRAINING")], u8::from(draining));
     }
 
-    fn families(&self) -> [&Family; 7] {
+    fn families(&self) -> [&Family; 10] {
         [
             &self.requests,
             &self.bytes,
@@ -224,6 +248,9 @@ impl ServiceFamilies {
             &self.state,
             &self.weight,
             &self.slow,
+            &self.ejections,
+            &self.ejected,
+            &self.refused,
         ]
     }
 }
@@ -528,6 +555,7 @@ impl MonitorFamilies {
 mod tests {
     use super::*;
     use crate::balancer::Health;
+    use crate::eject::{Cause, Failure};
     use std::sync::Arc;
 
     /// The golden exposition, `fixtures/golden/metrics.prom`: [`render`] over [`GOLDEN_CONFIG`]
@@ -601,7 +629,8 @@ vservers:
     }
 
     /// Distinct values in every counter [`render`] reads; `a2` disabled, `a3` draining (a
-    /// reload dropped it while it held a flow), `s2` new in slow start.
+    /// reload dropped it while it held a flow), `s2` new in slow start, `a1` ejected, and
+    /// an ejection refused on `vt`.
     fn fill(ops: &Ops) {
         assert!(ops.set_disabled("a2", true));
         ops.with_vservers(|vs, _| vs[0].balancer().counters(2).expect("a3").open());
@@ -626,6 +655,13 @@ vservers:
                 if v.name == "vs" {
                     b.set_health(1, Health::Down, now);
                     b.set_health(1, Health::Up, now);
+                }
+                // `a1` ejected (one of vu's two serving members); `t1`, vt's only member,
+                // may not be: a refusal.
+                if matches!(v.name.as_str(), "vu" | "vt") {
+                    for _ in 0..3 {
+                        b.report_failure_with(0, Failure::new(Cause::Refused), now);
+                    }
                 }
                 if let Some(core) = v.data.sip_core() {
                     fill_sip(&core.counters, base + 100);

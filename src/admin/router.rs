@@ -7,7 +7,7 @@
 //! | `GET /status` | JSON: vservers, services with state, weight, load, rates, slow start |
 //! | `GET /metrics` | Prometheus text format ([`super::metrics`]) |
 //! | `POST /services/{name}/disable` | OUT_OF_SERVICE: no new flows, established ones continue |
-//! | `POST /services/{name}/enable` | back to the monitor's state (UP when unmonitored) |
+//! | `POST /services/{name}/enable` | back to the monitor's state (UP when unmonitored), ending a passive ejection |
 //! | `PUT /vservers/{name}/slow-start` | body `{"new_service_request_rate": N}` (optionally with the configured `unit` / `increment_interval`) |
 //! | `POST /reload` | re-read the config file; 200 with the changes, 400 invalid, 409 needs restart |
 //! | `GET /healthz` | 200 `ok` while the proxy serves (liveness) |
@@ -222,6 +222,23 @@ fn edge_status(e: &crate::edge::Edge, now: u64) -> Value {
     })
 }
 
+/// A service's passive ejection in `/status` (docs/ejection.md): `phase` is `null` while it
+/// serves, else `ejected` (`remaining_s` left) or `half_open` (one trial flow at a time);
+/// `reason` is the cause of the failure that ejected it.
+fn ejection_status(e: &crate::eject::EjectStatus) -> Value {
+    let phase = e.phase.map(|p| match p {
+        crate::eject::Phase::HalfOpen { .. } => "half_open",
+        _ => "ejected",
+    });
+    json!({
+        "phase": phase,
+        "reason": e.reason.map(crate::eject::Cause::name),
+        "remaining_s": e.remaining_ns as f64 / 1e9,
+        "consecutive_failures": e.consecutive_failures,
+        "ejections_total": e.ejections,
+    })
+}
+
 /// The handshakes toward a service reached over TLS, in `/status`: completed, and failed by
 /// reason (every reason listed).
 fn handshakes_status(c: &crate::tls::HandshakeCounters) -> Value {
@@ -429,9 +446,10 @@ pub fn status(ops: &Ops) -> Value {
                             });
                             json!({
                                 "name": m.name,
-                                "state": if b.is_draining(mi) { "DRAINING" } else { health },
+                                "state": b.state_name(mi, now),
                                 "health": health,
                                 "draining": drain,
+                                "ejection": b.ejection(mi, now).map(|e| ejection_status(&e)),
                                 "weight": m.weight,
                                 "active": c.map_or(0, |c| c.active()),
                                 "requests_total": c.map_or(0, |c| c.requests_total()),
@@ -455,6 +473,13 @@ pub fn status(ops: &Ops) -> Value {
                         })),
                         "services": services,
                         "edge": edge_status(v.data.edge(), now),
+                        "eject": b.eject_params().map(|p| json!({
+                            "after": p.after,
+                            "base_s": p.base_ns as f64 / 1e9,
+                            "max_s": p.max_ns as f64 / 1e9,
+                            "max_fraction": f64::from(p.max_fraction_e4) / 1e4,
+                            "refused_total": b.ejections_refused(),
+                        })),
                     })
                 })
                 .collect::<Vec<_>>()

@@ -130,7 +130,7 @@ try {
     const low = await page.evaluate(() => {
       const sample = document.createElement("div");
       sample.className = "panel";
-      for (const st of ["UP", "DOWN", "OUT_OF_SERVICE", "DRAINING", "other"]) {
+      for (const st of ["UP", "DOWN", "OUT_OF_SERVICE", "EJECTED", "DRAINING", "other"]) {
         const badge = document.createElement("span");
         badge.className = "state st-" + st;
         badge.textContent = st;
