@@ -226,6 +226,48 @@ fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
     }
 }
 
+/// Passive ejection on a service link (docs/ejection.md): the link's failed reconnects to a
+/// service that refuses connections are its failures, so after `after` of them it is
+/// EJECTED with reason `refused`; the live service's answers are successes, which leave it
+/// with no failure on record.
+#[test]
+fn a_service_whose_connects_keep_failing_is_ejected() {
+    use fulcrum::eject::{Cause, Phase};
+    let live = TcpUas::start();
+    let dead_addr = common::closed_port("127.0.0.1");
+    let y = format!(
+        "services:\n  - {{ name: live, address: {}, protocol: sip-tcp }}\n  - {{ name: dead, address: {dead_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, eject: {{ after: 2, base: 1m }}, services: [live, dead] }}\n",
+        live.addr
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let proxy = rt.vserver("v").expect("v").bound[0];
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    let mut buf = Vec::new();
+    for i in 0..20 {
+        client
+            .write_all(request("OPTIONS", &format!("e{i}@x"), local, &format!("e{i}")).as_bytes())
+            .expect("write");
+        assert!(
+            read_message(&mut client, &mut buf).is_some(),
+            "request {i} answered"
+        );
+    }
+    let b = rt.vserver("v").expect("v").balancer();
+    // The first refusal marks it DOWN; the link's reconnects (100 ms, then 200 ms) fail too.
+    assert!(wait_until(Duration::from_secs(5), || b
+        .ejection(1, rt.now())
+        .is_some_and(|e| matches!(
+            e.phase,
+            Some(Phase::Ejected { .. })
+        ))));
+    let dead = b.ejection(1, rt.now()).expect("eject on");
+    assert_eq!(dead.reason, Some(Cause::Refused));
+    let live = b.ejection(0, rt.now()).expect("eject on");
+    assert_eq!((live.phase, live.consecutive_failures), (None, 0));
+}
+
 #[test]
 fn a_client_that_does_not_read_is_disconnected_and_others_are_served() {
     let uas = TcpUas::start();

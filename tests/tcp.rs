@@ -512,3 +512,85 @@ fn idle_tcp_connection_holds_no_buffer_of_its_own() {
     drop(conns);
     assert!(wait_until(Duration::from_secs(5), || core.connections() == 0));
 }
+
+/// `/status` of `ops` as JSON, through the admin router (no socket).
+fn status(ops: &fulcrum::ops::Ops) -> serde_json::Value {
+    use fulcrum::admin::router::{self, Request};
+    let r = router::handle(ops, &Request::new("GET", "/status"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    serde_json::from_str(&r.body).expect("JSON")
+}
+
+/// Service `name` of the first vserver in `status`.
+fn service_status(status: &serde_json::Value, name: &str) -> serde_json::Value {
+    status["vservers"][0]["services"]
+        .as_array()
+        .and_then(|s| s.iter().find(|x| x["name"] == name))
+        .cloned()
+        .expect("service in /status")
+}
+
+/// Passive ejection (docs/ejection.md) over real sockets: a tcp vserver over three services,
+/// one of which refuses connections. After `after` refused connects it is EJECTED (`/status`
+/// says why and for how long) and new connections no longer try it; once `base` has passed
+/// one trial connect goes to it (refused: ejected again, for twice as long); `enable` ends
+/// the ejection. Every client connection is served throughout.
+#[test]
+fn a_refusing_service_is_ejected_tried_once_after_base_and_enabled_again() {
+    use fulcrum::admin::router::{self, Request};
+    let svc = services("tcp", 2, "127.0.0.1");
+    let mut all = refs(&svc);
+    all.insert(1, ("dead", closed_port("127.0.0.1")));
+    let yaml = config(
+        "tcp",
+        "127.0.0.1:0",
+        "round_robin",
+        "eject: { after: 2, base: 300ms, max: 5s }",
+        &all,
+    );
+    let cfg = fulcrum::config::from_str("t.yaml", &yaml).expect("valid");
+    let ops = fulcrum::ops::Ops::start(cfg, None).expect("start");
+    let (vs, core) = ops
+        .with_vservers(|v, _| {
+            let p = v[0].path::<TcpPath>().expect("tcp");
+            (v[0].bound[0], Arc::clone(p.core()))
+        })
+        .expect("running");
+    let failures = || core.counters.connect_failures.load(Ordering::Relaxed);
+    let served = |n: usize| {
+        for _ in 0..n {
+            let a = tcp_ask(vs, b"x").expect("every connection is served");
+            assert_ne!(a.service, "dead");
+        }
+    };
+    // Round robin passes "dead" every third connection: two refusals within six.
+    served(6);
+    assert_eq!(failures(), 2);
+    let dead = service_status(&status(&ops), "dead");
+    assert_eq!(dead["state"], "EJECTED", "{dead}");
+    assert_eq!(dead["ejection"]["phase"], "ejected", "{dead}");
+    assert_eq!(dead["ejection"]["reason"], "refused", "{dead}");
+    let left = dead["ejection"]["remaining_s"].as_f64().expect("seconds");
+    assert!(left > 0.0 && left <= 0.3, "{left}");
+    // Ejected: new connections do not try it (two rounds of the others).
+    served(4);
+    assert_eq!(failures(), 2, "no connect tried while ejected");
+    // Once `base` has passed it is half-open: one trial among the next connections.
+    assert!(wait_until(ANSWER, || service_status(&status(&ops), "dead")
+        ["ejection"]["phase"]
+        == "half_open"));
+    served(4);
+    assert_eq!(failures(), 3, "exactly one trial connect");
+    let dead = service_status(&status(&ops), "dead");
+    assert_eq!(dead["state"], "EJECTED", "{dead}");
+    assert_eq!(dead["ejection"]["ejections_total"], 2, "{dead}");
+    let left = dead["ejection"]["remaining_s"].as_f64().expect("seconds");
+    assert!(left > 0.0 && left <= 0.6, "doubled: {left}");
+    // The operator ends the ejection: connections try it again at once.
+    let r = router::handle(&ops, &Request::new("POST", "/services/dead/enable"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(service_status(&status(&ops), "dead")["state"], "UP");
+    served(3);
+    assert_eq!(failures(), 4, "tried again after enable");
+    ops.shutdown();
+}

@@ -363,9 +363,11 @@ fn handshakes_toward_services_are_counted_per_service_and_survive_a_reload() {
     let (bad, good) = bad_and_good_services(&f);
     let plain = services("tcp", 1, "127.0.0.1");
     let p0 = plain[0].1;
+    // `eject: off`: every connection keeps trying `bad`, whose failures are counted here
+    // (passive ejection would stop trying it after three, docs/ejection.md).
     let yaml = |members: &str, good_weight: u32| {
         format!(
-            "admin: {{ listen: null }}\nservices:\n  - {{ name: bad, address: \"{bad}\", protocol: tcp, tls: {{ ca: ca.pem, server_name: backend.internal }} }}\n  - {{ name: good, address: \"{good}\", protocol: tcp, weight: {good_weight}, tls: {{ ca: ca.pem, server_name: backend.internal }} }}\n  - {{ name: s0, address: \"{p0}\", protocol: tcp }}\nvservers:\n  - {{ name: v, protocol: tcp, bind: [\"127.0.0.1:0\"], method: round_robin, services: [{members}] }}\n"
+            "admin: {{ listen: null }}\nservices:\n  - {{ name: bad, address: \"{bad}\", protocol: tcp, tls: {{ ca: ca.pem, server_name: backend.internal }} }}\n  - {{ name: good, address: \"{good}\", protocol: tcp, weight: {good_weight}, tls: {{ ca: ca.pem, server_name: backend.internal }} }}\n  - {{ name: s0, address: \"{p0}\", protocol: tcp }}\nvservers:\n  - {{ name: v, protocol: tcp, bind: [\"127.0.0.1:0\"], method: round_robin, eject: off, services: [{members}] }}\n"
         )
     };
     f.write(&yaml("bad, good, s0", 1));

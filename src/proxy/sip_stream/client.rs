@@ -147,6 +147,7 @@ pub(super) async fn serve_client<S: SipStream>(
         reply: ReplyTo::Client(id),
         heard: None,
         queue: Some(&level),
+        link: None,
     };
     read_messages(&shared, read, peer).await;
     shared.forget_client(id, src);

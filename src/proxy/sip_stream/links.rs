@@ -1,6 +1,8 @@
 //! Service links: the one connection per member a SIP stream vserver (or a sip-udp vserver's
 //! bridge) keeps, driven by the pure [`Link`] machine: connect on demand with backoff,
-//! write, read what the service sends, retire on reload, mark the service DOWN / UP. IO.
+//! write, read what the service sends, retire on reload, mark the service DOWN / UP, and
+//! report failed connects (and, in the reader, answers) for passive ejection
+//! (docs/ejection.md). IO.
 
 use super::*;
 
@@ -104,6 +106,8 @@ pub(super) async fn drive_link<C: Connector>(
     // The bytes of the write `machine` asked for.
     let mut writing: Option<Bytes> = None;
     let mut actions = Vec::new();
+    // The error of the connect that just failed, for what it says of the service.
+    let mut connect_error: Option<std::io::Error> = None;
     loop {
         let event = match machine.phase() {
             Phase::Idle => tokio::select! {
@@ -119,7 +123,10 @@ pub(super) async fn drive_link<C: Connector>(
                         conn = Some(open_link_conn(&shared, &link, stream));
                         LinkEvent::ConnectOk
                     }
-                    Err(_) => LinkEvent::ConnectFailed,
+                    Err(e) => {
+                        connect_error = Some(e);
+                        LinkEvent::ConnectFailed
+                    }
                 },
                 () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
                 () = link.retired() => LinkEvent::Retired,
@@ -167,6 +174,7 @@ pub(super) async fn drive_link<C: Connector>(
         {
             machine.handle(now, LinkEvent::MessageRead, &mut actions);
         }
+        let cause = failure_cause(&event, machine.phase(), connect_error.take());
         machine.handle(now, event, &mut actions);
         for action in actions.drain(..) {
             match action {
@@ -176,7 +184,7 @@ pub(super) async fn drive_link<C: Connector>(
                 LinkAction::Redispatch(b) => shared.redispatch(&link, b),
                 LinkAction::RedispatchQueue => shared.redispatch_queued(&link, None, &mut rx),
                 LinkAction::CloseQueue => rx.close(),
-                LinkAction::MarkDown => mark_down(&shared, &link),
+                LinkAction::MarkDown => mark_down(&shared, &link, cause),
                 LinkAction::MarkUp => mark_up_again(&shared, &link),
                 LinkAction::CountLost => bump(&shared.counters.service_connections_lost),
                 LinkAction::CountRetired => bump(&shared.counters.services_retired),
@@ -199,6 +207,23 @@ pub(super) async fn drive_link<C: Connector>(
                 LinkAction::Close => return,
             }
         }
+    }
+}
+
+/// What a link failure on `event` (in `phase`) says of the service, should the machine mark
+/// it DOWN: a connect's error (`None` for fulcrum's own local errors, which never count
+/// against a service; an error of no other kind is the TLS connector's failed handshake), a
+/// connect that ran out of time, or else a connection the service closed at once.
+pub(super) fn failure_cause(
+    event: &LinkEvent,
+    phase: Phase,
+    connect_error: Option<std::io::Error>,
+) -> Option<Cause> {
+    match (event, phase, connect_error) {
+        (LinkEvent::ConnectFailed, _, Some(e)) => Cause::of_stream_error(&e)
+            .or_else(|| (e.kind() == std::io::ErrorKind::Other).then_some(Cause::Handshake)),
+        (LinkEvent::TimerFired, Phase::Connecting, _) => Some(Cause::Timeout),
+        _ => Some(Cause::Refused),
     }
 }
 
@@ -227,7 +252,7 @@ pub(super) async fn sleep_until(t: Option<std::time::Instant>) {
 /// what the service sends to the current core.
 pub(super) fn open_link_conn<S: SipStream>(
     shared: &Arc<SipStreamShared>,
-    link: &ServiceLink,
+    link: &Arc<ServiceLink>,
     stream: S,
 ) -> LinkConn<S::Write> {
     let addr = link.addr;
@@ -248,6 +273,7 @@ pub(super) fn open_link_conn<S: SipStream>(
     let reader = AbortOnDrop(tokio::spawn({
         let shared = Arc::clone(shared);
         let heard = Arc::clone(&heard);
+        let link = Arc::clone(link);
         async move {
             let peer = Peer {
                 origin,
@@ -256,6 +282,7 @@ pub(super) fn open_link_conn<S: SipStream>(
                 reply: ReplyTo::Link(&reply_tx),
                 heard: Some(&heard),
                 queue: None,
+                link: Some(&link),
             };
             read_messages(&shared, read, peer).await;
         }
@@ -270,14 +297,18 @@ pub(super) fn open_link_conn<S: SipStream>(
 }
 
 /// A connect to `link`'s service failed (or the connection closed at once): count it, report
-/// it to the service's monitor and mark the service DOWN (a member the operator took
-/// OUT_OF_SERVICE stays so).
-pub(super) fn mark_down(shared: &SipStreamShared, link: &ServiceLink) {
+/// it to the service's monitor and, when `cause` is the service's (not a local error), for
+/// passive ejection, and mark the service DOWN (a member the operator took OUT_OF_SERVICE
+/// stays so).
+pub(super) fn mark_down(shared: &SipStreamShared, link: &ServiceLink, cause: Option<Cause>) {
     bump(&shared.counters.service_connect_failures);
     let g = shared.current.load();
     if let Some(m) = g.index_of(link) {
         let b = g.core.balancer();
         b.report_failure(m);
+        if let Some(cause) = cause {
+            b.report_failure_with(m, Failure::new(cause), shared.now());
+        }
         // Checked against the current balancer: a reload may have built one that starts
         // this member UP again.
         if b.health(m) == Some(Health::Up) {
@@ -296,5 +327,39 @@ pub(super) fn mark_up_again(shared: &SipStreamShared, link: &ServiceLink) {
     {
         g.core.balancer().set_health(m, Health::Up, shared.now());
         tracing::info!(vserver = %shared.name, service = %link.addr, "connected again: service marked UP");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a link's failure tells of its service: local errors nothing, a TLS handshake
+    /// (the connector's `Other` error) its own cause, a connect timer a timeout, a connection
+    /// closed at once a refusal.
+    #[test]
+    fn failure_causes() {
+        let os = |e: nix::errno::Errno| Some(std::io::Error::from_raw_os_error(e as i32));
+        let failed = LinkEvent::ConnectFailed;
+        let connecting = Phase::Connecting;
+        use nix::errno::Errno::{ECONNREFUSED, EMFILE};
+        assert_eq!(
+            failure_cause(&failed, connecting, os(ECONNREFUSED)),
+            Some(Cause::Refused)
+        );
+        assert_eq!(failure_cause(&failed, connecting, os(EMFILE)), None);
+        let tls = Some(std::io::Error::other("TLS handshake failed: unknown_ca"));
+        assert_eq!(
+            failure_cause(&failed, connecting, tls),
+            Some(Cause::Handshake)
+        );
+        assert_eq!(
+            failure_cause(&LinkEvent::TimerFired, connecting, None),
+            Some(Cause::Timeout)
+        );
+        assert_eq!(
+            failure_cause(&LinkEvent::ReaderClosed, Phase::Connected, None),
+            Some(Cause::Refused)
+        );
     }
 }

@@ -33,6 +33,7 @@
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol, Vserver};
 use crate::core::sip::{Action, Origin, SipCore, SipParams};
+use crate::eject::{Cause, Failure};
 use crate::proxy::context::{
     DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };

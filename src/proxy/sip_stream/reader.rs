@@ -20,6 +20,8 @@ pub(super) struct Peer<'a> {
     pub(super) heard: Option<&'a AtomicBool>,
     /// A client's write queue.
     pub(super) queue: Option<&'a Level>,
+    /// A service link's: its answers count as successes for passive ejection.
+    pub(super) link: Option<&'a ServiceLink>,
 }
 
 /// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
@@ -92,6 +94,12 @@ fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'
                         let now = shared.now();
                         let g = shared.current.load();
                         let msg = inbound.front(len);
+                        if let Some(link) = peer.link
+                            && is_answer(msg)
+                            && let Some(m) = g.index_of(link)
+                        {
+                            g.core.balancer().report_success(m, now);
+                        }
                         let mut sends = Vec::new();
                         let action = g.core.handle_stateful(
                             msg,
@@ -125,6 +133,13 @@ fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'
             }
         }
     }
+}
+
+/// Whether a service's message is an answer that shows it working, a success for passive
+/// ejection (docs/ejection.md): a response of any class but 5xx (RFC 3261 §21.5, server
+/// failure; which of those count as failures the SIP failover decides and reports).
+fn is_answer(msg: &[u8]) -> bool {
+    scan::is_response(msg) && msg.get(8).is_some_and(|c| matches!(c, b'1'..=b'4' | b'6'))
 }
 
 /// How a wait for more bytes ended.
@@ -192,6 +207,32 @@ async fn read_when_ready<R: StreamRead>(
         std::task::Poll::Pending => {
             tokio::task::yield_now().await;
             More::Bytes
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_that_show_a_service_working() {
+        for ok in [
+            &b"SIP/2.0 100 Trying\r\n"[..],
+            b"SIP/2.0 200 OK\r\n",
+            b"sip/2.0 486 Busy Here\r\n",
+            b"SIP/2.0 603 Decline\r\n",
+        ] {
+            assert!(is_answer(ok), "{}", String::from_utf8_lossy(ok));
+        }
+        for not in [
+            &b"SIP/2.0 503 Service Unavailable\r\n"[..],
+            b"SIP/2.0 500 Server Internal Error\r\n",
+            b"INVITE sip:a@b SIP/2.0\r\n",
+            b"SIP/2.0 ",
+            b"",
+        ] {
+            assert!(!is_answer(not), "{}", String::from_utf8_lossy(not));
         }
     }
 }

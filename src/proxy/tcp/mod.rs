@@ -4,7 +4,8 @@
 //! request head for `url_hash` / `domain_hash` / `token` on `http`; `offset + length` bytes
 //! for `token` on the payload of `tcp`), bounded in size and time; choose a member; connect
 //! with a timeout, and on failure pass over that member and choose again (the key's next
-//! ranked member, or the method's next pick), counting each failure; then copy both ways
+//! ranked member, or the method's next pick), counting each failure and reporting it (and a
+//! completed connect) for passive ejection (docs/ejection.md); then copy both ways
 //! until both sides have finished, honouring half-close (a FIN from one side becomes a
 //! shutdown of the write side toward the other), or until the idle timeout.
 //!
@@ -27,6 +28,7 @@ use crate::balancer::{Balancer, KeyInput};
 use crate::config::{Config, Protocol, ProxyProtocol, Vserver};
 use crate::core::CONNECT_TIMEOUT;
 use crate::core::tcp::{ConnectionKeys, FirstBytes};
+use crate::eject::{Cause, Failure};
 use crate::http::{self};
 use crate::net;
 use crate::proxy::context::elapsed_nanos;
@@ -684,7 +686,7 @@ async fn connect_any_then<'a, T, F, Fut>(
 ) -> Option<T>
 where
     F: Fn(usize, TcpStream) -> Fut,
-    Fut: std::future::Future<Output = Result<T, &'static str>>,
+    Fut: std::future::Future<Output = Result<T, (Cause, &'static str)>>,
 {
     let mut failed: Vec<usize> = Vec::new();
     loop {
@@ -701,26 +703,43 @@ where
         if let Some(c) = live.member {
             c.open();
         }
-        match tokio::time::timeout(CONNECT_TIMEOUT, connect(addr, client, core.transparent)).await {
+        // What the failure says of the service, for passive ejection (docs/ejection.md):
+        // `None` for fulcrum's own local errors, which never count against it.
+        let cause = match tokio::time::timeout(
+            CONNECT_TIMEOUT,
+            connect(addr, client, core.transparent),
+        )
+        .await
+        {
             Ok(Ok(s)) => match finish(choice.member, s).await {
-                Ok(s) => return Some(s),
-                Err(why) => {
+                Ok(s) => {
+                    core.balancer.report_success(choice.member, core.now());
+                    return Some(s);
+                }
+                Err((cause, why)) => {
                     tracing::debug!(vserver = %core.name, service = %addr, why, "service connection failed");
+                    Some(cause)
                 }
             },
             Ok(Err(e)) => {
                 tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
+                Cause::of_stream_error(&e)
             }
             Err(_) => {
                 tracing::debug!(vserver = %core.name, service = %addr, "connect timed out");
+                Some(Cause::Timeout)
             }
-        }
+        };
         if let Some(c) = live.member.take() {
             c.close();
         }
         bump(&core.counters.connect_failures);
         // Passive detection (README.md, "Health monitors"): the service's monitor counts this as a failure.
         core.balancer.report_failure(choice.member);
+        if let Some(cause) = cause {
+            core.balancer
+                .report_failure_with(choice.member, Failure::new(cause), core.now());
+        }
         failed.push(choice.member);
         if failed.len() >= core.member_addrs.len() {
             return None;

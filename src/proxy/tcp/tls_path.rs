@@ -130,20 +130,21 @@ async fn connect_any_stream<'a>(
     .await
 }
 
-/// The PROXY header, then TLS toward the service when it has a connector.
+/// The PROXY header, then TLS toward the service when it has a connector. A failure says
+/// what it tells of the service (passive ejection) and why (the log).
 async fn finish_connect(
     core: &TcpCore,
     s: TcpStream,
     connector: Option<&Arc<TlsConnector>>,
     client: SocketAddr,
     local: SocketAddr,
-) -> Result<MaybeTls<TcpStream>, &'static str> {
+) -> Result<MaybeTls<TcpStream>, (Cause, &'static str)> {
     if core.send_proxy {
         let mut hdr = [0u8; MAX_V2_LEN];
         let n = proxy_protocol::encode_v2(client, local, Transport::Stream, &mut hdr);
         write_all(&s, &hdr[..n])
             .await
-            .map_err(|_| "PROXY header not written")?;
+            .map_err(|_| (Cause::Refused, "PROXY header not written"))?;
     }
     match connector {
         None => Ok(MaybeTls::Plain(s)),
@@ -151,7 +152,7 @@ async fn finish_connect(
             .connect(s, CONNECT_TIMEOUT)
             .await
             .map(MaybeTls::from)
-            .map_err(crate::tls::Reason::name),
+            .map_err(|r| (Cause::Handshake, r.name())),
     }
 }
 
