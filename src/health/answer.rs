@@ -40,31 +40,10 @@ pub fn is_alive_by_default(code: u16) -> bool {
     matches!(code, 200..=499 | 600..=699) && code != 408
 }
 
-/// The delta-seconds of a Retry-After value (RFC 3261 §20.33:
-/// `delta-seconds [ comment ] *( SEMI retry-param )`, e.g. `120 (in a meeting);duration=60`).
-/// A value past 2^32-1 counts as 2^32-1 (the hold is capped far below that anyway); `None`
-/// for a value that does not start with delta-seconds (an HTTP-date, which SIP's grammar
-/// does not allow here, or garbage).
-pub fn parse_retry_after(value: &[u8]) -> Option<u32> {
-    let start = value.iter().position(|b| !b.is_ascii_whitespace())?;
-    let value = &value[start..];
-    let digits = value.iter().take_while(|b| b.is_ascii_digit()).count();
-    if digits == 0 {
-        return None;
-    }
-    match value.get(digits) {
-        None | Some(b'(' | b';') => {}
-        Some(b) if b.is_ascii_whitespace() => {}
-        Some(_) => return None,
-    }
-    Some(value[..digits].iter().fold(0u32, |n, d| {
-        n.saturating_mul(10).saturating_add(u32::from(d - b'0'))
-    }))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sip::parse_retry_after;
     use proptest::prelude::*;
 
     #[test]

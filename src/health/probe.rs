@@ -129,7 +129,7 @@ pub fn sip_final_status(buf: &[u8], call_id: &[u8]) -> Result<Option<SipAnswer>,
         load: msg.header(LOAD_HEADER).and_then(parse_load),
         retry_after_s: msg
             .header(RETRY_AFTER_HEADER)
-            .and_then(answer::parse_retry_after),
+            .and_then(crate::sip::parse_retry_after),
     }))
 }
 

@@ -62,5 +62,6 @@ pub use scan::{
     scan_for_reply,
 };
 pub use values::{
-    CSeq, MaxForwards, NameAddr, Rport, Uri, Via, parse_ip, parse_name_addr, parse_uri,
+    CSeq, MaxForwards, NameAddr, Rport, Uri, Via, parse_ip, parse_name_addr, parse_retry_after,
+    parse_uri,
 };

@@ -385,3 +385,25 @@ pub struct CSeq<'a> {
     pub seq: u32,
     pub method: &'a [u8],
 }
+
+/// The delta-seconds of a Retry-After value (RFC 3261 §20.33:
+/// `delta-seconds [ comment ] *( SEMI retry-param )`, e.g. `120 (in a meeting);duration=60`).
+/// A value past 2^32-1 counts as 2^32-1 (the hold is capped far below that anyway); `None`
+/// for a value that does not start with delta-seconds (an HTTP-date, which SIP's grammar
+/// does not allow here, or garbage).
+pub fn parse_retry_after(value: &[u8]) -> Option<u32> {
+    let start = value.iter().position(|b| !b.is_ascii_whitespace())?;
+    let value = &value[start..];
+    let digits = value.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 {
+        return None;
+    }
+    match value.get(digits) {
+        None | Some(b'(' | b';') => {}
+        Some(b) if b.is_ascii_whitespace() => {}
+        Some(_) => return None,
+    }
+    Some(value[..digits].iter().fold(0u32, |n, d| {
+        n.saturating_mul(10).saturating_add(u32::from(d - b'0'))
+    }))
+}
