@@ -462,6 +462,19 @@ impl SipCore {
         self.member_addrs.iter().any(|m| m.ip() == ip)
     }
 
+    /// Pin the dialog of Call-ID hash `h` to `member`, its load counted there (moved from the
+    /// member it was on, if any).
+    fn pin(&self, h: u64, member: u32, now_ms: u64) {
+        match self.dialogs.put(h, member, now_ms) {
+            Pin::New => self.open(member),
+            Pin::Moved(old) => {
+                self.close(old);
+                self.open(member);
+            }
+            Pin::Refreshed | Pin::Refused => {}
+        }
+    }
+
     /// Count one more open dialog (or flow) on `member`.
     pub(crate) fn open(&self, member: u32) {
         if let Some(c) = self.balancer.counters(member as usize) {

@@ -323,14 +323,7 @@ impl SipCore {
             self.end_dialog(h, now_ms);
         }
         match call_hash {
-            Some(h) if pins_dialog(msg) => match self.dialogs.put(h, member, now_ms) {
-                Pin::New => self.open(member),
-                Pin::Moved(old) => {
-                    self.close(old);
-                    self.open(member);
-                }
-                Pin::Refreshed | Pin::Refused => {}
-            },
+            Some(h) if pins_dialog(msg) => self.pin(h, member, now_ms),
             // No dialog: only its retransmissions follow it (a MESSAGE delivered twice by two
             // services would be a duplicate the user sees), uncounted. An ACK has none.
             Some(h) if msg.method_kind() != SipMethod::Ack => {

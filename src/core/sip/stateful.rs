@@ -207,15 +207,8 @@ impl SipCore {
         let member = self.balancer.choose_avoiding(key, now, avoid)?.member;
         let now_ms = now / 1_000_000;
         if let (Some(h), Ok(m)) = (call_hash, u32::try_from(member)) {
-            if pins_dialog_request(msg) {
-                match self.dialogs.put(h, m, now_ms) {
-                    Pin::New => self.open(m),
-                    Pin::Moved(old) => {
-                        self.close(old);
-                        self.open(m);
-                    }
-                    Pin::Refreshed | Pin::Refused => {}
-                }
+            if super::checks::pins_dialog(msg) {
+                self.pin(h, m, now_ms);
             } else {
                 self.dialogs.linger(h, m, now_ms);
             }
@@ -272,12 +265,17 @@ impl SipCore {
                     Some(id) => Dest::Conn(id),
                     None => Dest::Addr(reply_target(&msg, src)),
                 };
-                if let Some(action) = self.held_request(&msg, client, src, now, out, sends) {
+                // The branch fulcrum gives the request: the key of its transaction, which a
+                // retransmission, the CANCEL and the non-2xx ACK share.
+                let key = sip::transaction_key(&msg, &self.local);
+                if let Some(key) = key
+                    && let Some(action) = self.held_request(&msg, key, client, src, now, out, sends)
+                {
                     return action;
                 }
                 let action = self.handle_scanned(&msg, origin, src, dst, now, out);
-                if let Action::ToMember(m) = action {
-                    self.hold(failover, &msg, m, client, src, dst, now, out, sends);
+                if let (Action::ToMember(m), Some(key)) = (action, key) {
+                    self.hold(failover, &msg, key, m, client, src, dst, now, out, sends);
                 }
                 action
             }
@@ -285,8 +283,7 @@ impl SipCore {
                 // As `handle` tells them apart: on datagrams a response from a member's host
                 // is a service's (RFC 3261 §18.2.2).
                 let from_member = matches!(origin, Origin::Member(_)) || self.is_member_ip(src);
-                if from_member
-                    && let Some(action) = self.held_response(&msg, buf, src, dst, now, out, sends)
+                if from_member && let Some(action) = self.held_response(&msg, buf, now, out, sends)
                 {
                     return action;
                 }
@@ -298,9 +295,11 @@ impl SipCore {
 
     /// A client's request that belongs to a held one: a retransmission, its CANCEL or the ACK
     /// of its non-2xx final answer.
+    #[allow(clippy::too_many_arguments)]
     fn held_request(
         &self,
         msg: &SipMsg<'_>,
+        key: u64,
         from: Dest,
         src: SocketAddr,
         now: Nanos,
@@ -310,48 +309,25 @@ impl SipCore {
         if self.transactions.is_empty() {
             return None;
         }
-        let key = sip::transaction_key(msg, &self.local)?;
-        let event = match msg.method_kind() {
+        let method = msg.method_kind();
+        let event = match method {
             SipMethod::Cancel => Event::Cancel,
             SipMethod::Ack => Event::Ack,
             _ => Event::Retransmission,
         };
-        let mut entry = self.transactions.held.get_mut(&key)?;
-        // A CANCEL or ACK matches the INVITE it names; another method is another request.
-        let held_method = entry.method;
-        // And it comes from the same client (over a stream, the same connection: a request
-        // on another one that reuses a branch is another request, RFC 3261 §17.2.3).
-        let matches = entry.client == from
-            && match event {
-                Event::Cancel | Event::Ack => held_method == SipMethod::Invite,
-                _ => held_method == msg.method_kind(),
-            };
-        if !matches {
-            return None;
-        }
+        let (client, acts) = self.drive(key, now, |held| {
+            // A CANCEL or ACK matches the INVITE it names; another method is another
+            // request. And it comes from the same client (over a stream, the same
+            // connection: a request on another one that reuses a branch is another
+            // request, RFC 3261 §17.2.3).
+            let matches = held.client == from
+                && match event {
+                    Event::Cancel | Event::Ack => held.method == SipMethod::Invite,
+                    _ => held.method == method,
+                };
+            matches.then_some(event)
+        })?;
         bump(&self.counters.requests_in);
-        let mut acts = Vec::new();
-        let Held {
-            tx,
-            request,
-            src: from,
-            dst,
-            client,
-            ..
-        } = &mut *entry;
-        let hops = CoreHops {
-            core: self,
-            request,
-            scanned: None,
-            src: *from,
-            dst: *dst,
-            now,
-        };
-        tx.handle(now, event, &hops, &mut acts);
-        let client = *client;
-        let next = tx.poll_timeout();
-        drop(entry);
-        self.transactions.arm(key, next);
         self.carry(now, client, &acts, None, out, sends);
         bump(&self.transactions.counters.absorbed);
         if matches!(event, Event::Cancel) {
@@ -366,6 +342,40 @@ impl SipCore {
         Some(Action::Drop(DropReason::Absorbed))
     }
 
+    /// Feed the held request `key` the event `admit` gives for it (none: the message is not
+    /// its), then re-arm its timer: where its client is, and what it asks for.
+    fn drive<'e>(
+        &self,
+        key: u64,
+        now: Nanos,
+        admit: impl FnOnce(&Held) -> Option<Event<'e>>,
+    ) -> Option<(Dest, Vec<TxAction>)> {
+        let mut entry = self.transactions.held.get_mut(&key)?;
+        let event = admit(&entry)?;
+        let Held {
+            tx,
+            request,
+            src,
+            dst,
+            client,
+            ..
+        } = &mut *entry;
+        let hops = CoreHops {
+            core: self,
+            request,
+            scanned: None,
+            src: *src,
+            dst: *dst,
+            now,
+        };
+        let mut acts = Vec::new();
+        tx.handle(now, event, &hops, &mut acts);
+        let (client, next) = (*client, tx.poll_timeout());
+        drop(entry);
+        self.transactions.arm(key, next);
+        Some((client, acts))
+    }
+
     /// Hold a request just forwarded to member `m` (its bytes in `out`), when it is one that
     /// fails over: outside a dialog, not ACK or CANCEL, toward a member of the vserver's own
     /// transport, with room left.
@@ -374,6 +384,7 @@ impl SipCore {
         &self,
         failover: &Failover,
         msg: &SipMsg<'_>,
+        key: u64,
         m: usize,
         client: Dest,
         src: SocketAddr,
@@ -388,10 +399,7 @@ impl SipCore {
         {
             return;
         }
-        let (Some(key), Some(&addr)) = (
-            sip::transaction_key(msg, &self.local),
-            self.member_addrs.get(m),
-        ) else {
+        let Some(&addr) = self.member_addrs.get(m) else {
             return;
         };
         if self.transactions.len() >= failover.max_pending {
@@ -447,13 +455,10 @@ impl SipCore {
     }
 
     /// A service's response to an attempt of a held request.
-    #[allow(clippy::too_many_arguments)]
     fn held_response(
         &self,
         msg: &SipMsg<'_>,
         buf: &[u8],
-        src: SocketAddr,
-        dst: SocketAddr,
         now: Nanos,
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
@@ -464,45 +469,16 @@ impl SipCore {
         let branch = msg.top_via()?.branch?;
         let (key, attempt) = sip::transaction_of(branch)?;
         let code = msg.status_code()?;
-        let retry_after_s = msg
-            .header(b"Retry-After")
-            .and_then(|v| {
-                sip::lex::parse_decimal(sip::lex::trim_lws(
-                    v.split(|&c| c == b';' || c == b'(').next().unwrap_or(v),
-                ))
-            })
-            .and_then(|n| u32::try_from(n).ok());
-        let mut entry = self.transactions.held.get_mut(&key)?;
-        bump(&self.counters.responses_in);
-        let mut acts = Vec::new();
-        let Held {
-            tx,
-            request,
-            src: from,
-            dst: to,
-            client,
-            ..
-        } = &mut *entry;
-        let hops = CoreHops {
-            core: self,
-            request,
-            scanned: None,
-            src: *from,
-            dst: *to,
-            now,
-        };
-        let ev = Event::Response {
+        let retry_after_s = msg.header(b"Retry-After").and_then(sip::parse_retry_after);
+        let event = Event::Response {
             attempt,
             code,
             retry_after_s,
             bytes: buf,
         };
-        tx.handle(now, ev, &hops, &mut acts);
-        let client = *client;
-        let next = tx.poll_timeout();
-        drop(entry);
-        self.transactions.arm(key, next);
-        let relayed = self.carry(now, client, &acts, Some((msg, src, dst)), out, sends);
+        let (client, acts) = self.drive(key, now, |_| Some(event))?;
+        bump(&self.counters.responses_in);
+        let relayed = self.carry(now, client, &acts, Some(msg), out, sends);
         if code >= 200
             && let Some(Action::ToAddr(_) | Action::ToConn(_)) = relayed
             && let Some(mut e) = self.transactions.held.get_mut(&key)
@@ -522,7 +498,7 @@ impl SipCore {
         now: Nanos,
         client: Dest,
         acts: &[TxAction],
-        response: Option<(&SipMsg<'_>, SocketAddr, SocketAddr)>,
+        response: Option<&SipMsg<'_>>,
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
     ) -> Option<Action> {
@@ -532,7 +508,7 @@ impl SipCore {
                 TxAction::ToClient(b) => sends.push((client, b.clone())),
                 TxAction::ToMember(addr, b) => sends.push((self.member_dest(*addr), b.clone())),
                 TxAction::Relay => {
-                    if let Some((msg, _, _)) = response {
+                    if let Some(msg) = response {
                         out.clear();
                         action = Some(self.response(msg, true, out));
                     }
@@ -562,7 +538,7 @@ impl SipCore {
                 }
                 TxAction::Answered { member } => self.balancer.report_success(*member, now),
                 TxAction::Won { member } => {
-                    if let Some((msg, _, _)) = response {
+                    if let Some(msg) = response {
                         self.pin_to(msg, *member, now);
                     }
                 }
@@ -575,16 +551,8 @@ impl SipCore {
     /// request may have been forwarded to another member since (an attempt given up on that
     /// answered late), and its in-dialog requests must reach the service that holds the call.
     fn pin_to(&self, msg: &SipMsg<'_>, member: usize, now: Nanos) {
-        let (Some(h), Ok(m)) = (msg.call_id().map(hash::key_hash), u32::try_from(member)) else {
-            return;
-        };
-        match self.dialogs.put(h, m, now / 1_000_000) {
-            Pin::New => self.open(m),
-            Pin::Moved(old) => {
-                self.close(old);
-                self.open(m);
-            }
-            Pin::Refreshed | Pin::Refused => {}
+        if let (Some(h), Ok(m)) = (msg.call_id().map(hash::key_hash), u32::try_from(member)) {
+            self.pin(h, m, now / 1_000_000);
         }
     }
 
@@ -609,50 +577,29 @@ impl SipCore {
                 }
             };
             let Some(key) = key else { continue };
-            let Some(mut entry) = self.transactions.held.get_mut(&key) else {
+            let finished = self
+                .transactions
+                .held
+                .get(&key)
+                .map(|h| h.tx.is_finished(now));
+            match finished {
+                None => continue,
+                Some(true) => {
+                    self.transactions.remove(key);
+                    continue;
+                }
+                Some(false) => {}
+            }
+            // A stale timer (the transaction's deadline moved later) wakes nothing.
+            let due = |h: &Held| h.tx.poll_timeout().is_none_or(|t| t <= now);
+            let Some((client, acts)) = self.drive(key, now, |h| due(h).then_some(Event::Timer))
+            else {
                 continue;
             };
-            if entry.tx.is_finished(now) {
-                drop(entry);
-                self.transactions.remove(key);
-                continue;
-            }
-            // A stale timer: the transaction's deadline moved later.
-            if entry.tx.poll_timeout().is_some_and(|t| t > now) {
-                continue;
-            }
-            let mut acts = Vec::new();
-            let Held {
-                tx,
-                request,
-                src,
-                dst,
-                client,
-                ..
-            } = &mut *entry;
-            let hops = CoreHops {
-                core: self,
-                request,
-                scanned: None,
-                src: *src,
-                dst: *dst,
-                now,
-            };
-            tx.handle(now, Event::Timer, &hops, &mut acts);
-            let client = *client;
-            let next = tx.poll_timeout();
-            drop(entry);
-            self.transactions.arm(key, next);
             let mut unused = Vec::new();
             self.carry(now, client, &acts, None, &mut unused, sends);
         }
     }
-}
-
-/// Whether a request outside a dialog opens one (its Call-ID is pinned to the member that
-/// takes it), as the stateless choice decides.
-fn pins_dialog_request(msg: &SipMsg<'_>) -> bool {
-    super::checks::pins_dialog(msg)
 }
 
 #[cfg(test)]
