@@ -41,7 +41,7 @@ pub enum RuntimeError {
 /// protocol. Each data path implements it; the runtime, reloads, metrics and the admin API
 /// use nothing else of it, so a new protocol is its own module and one line in
 /// `runtime::starter`.
-pub trait DataPath: std::fmt::Debug + Send + Sync + std::any::Any {
+pub trait DataPath: std::fmt::Debug + Send + Sync + AsAny {
     /// The vserver's access lists, flood table and drop counters.
     fn edge(&self) -> &crate::edge::Edge;
 
@@ -75,14 +75,19 @@ pub trait DataPath: std::fmt::Debug + Send + Sync + std::any::Any {
         v: &Vserver,
     ) -> Result<Rebuild, RuntimeError>;
 
-    /// Whether a vserver of protocol `p` can be rebuilt by this data path.
-    fn fits(&self, p: Protocol) -> bool;
+    /// The protocols of the vservers this data path runs (and so can rebuild).
+    fn protocols(&self) -> &'static [Protocol];
+}
 
-    /// The protocols [`DataPath::fits`] takes, for messages ("sip-tcp or sip-tls").
-    fn kind(&self) -> &'static str;
-
-    /// For [`VserverHandle::path`].
+/// A value as `Any`, for [`VserverHandle::path`]'s downcast of a `dyn DataPath`.
+pub trait AsAny: std::any::Any {
     fn as_any(&self) -> &dyn std::any::Any;
+}
+
+impl<T: std::any::Any> AsAny for T {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }
 
 /// How long an accept loop waits after a failed accept: out of descriptors (EMFILE, ENFILE)
@@ -183,7 +188,8 @@ impl VserverHandle {
 
     /// The data path as its own type `P` (for tests and tools that look inside one).
     pub fn path<P: DataPath>(&self) -> Option<&P> {
-        self.data.as_any().downcast_ref::<P>()
+        // Through the `dyn DataPath`: the `Arc` around it is `Any` too.
+        AsAny::as_any(&*self.data).downcast_ref::<P>()
     }
 
     /// The handshake counters toward each member the vserver reaches over TLS, by service

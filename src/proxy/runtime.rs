@@ -173,11 +173,12 @@ impl Runtime {
         let v = config
             .vservers
             .iter()
-            .find(|v| v.name == name && handle.data.fits(v.protocol))
+            .find(|v| v.name == name && handle.data.protocols().contains(&v.protocol))
             .ok_or_else(|| {
+                let names: Vec<&str> = handle.data.protocols().iter().map(|p| p.name()).collect();
                 setup(&format!(
                     "not a {} vserver of the new config",
-                    handle.data.kind()
+                    names.join(" or ")
                 ))
             })?;
         let cx = RebuildCx {

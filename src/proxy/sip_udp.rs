@@ -359,16 +359,8 @@ impl DataPath for SipUdpPath {
         })
     }
 
-    fn fits(&self, p: Protocol) -> bool {
-        p == Protocol::SipUdp
-    }
-
-    fn kind(&self) -> &'static str {
-        "sip-udp"
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+    fn protocols(&self) -> &'static [Protocol] {
+        &[Protocol::SipUdp]
     }
 }
 

@@ -117,16 +117,8 @@ impl DataPath for UdpPath {
         })
     }
 
-    fn fits(&self, p: Protocol) -> bool {
-        p == Protocol::Udp
-    }
-
-    fn kind(&self) -> &'static str {
-        "udp"
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+    fn protocols(&self) -> &'static [Protocol] {
+        &[Protocol::Udp]
     }
 }
 

@@ -555,16 +555,8 @@ impl DataPath for SipStreamPath {
         })
     }
 
-    fn fits(&self, p: Protocol) -> bool {
-        p.is_sip_stream()
-    }
-
-    fn kind(&self) -> &'static str {
-        "sip-tcp or sip-tls"
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+    fn protocols(&self) -> &'static [Protocol] {
+        &[Protocol::SipTcp, Protocol::SipTls]
     }
 }
 

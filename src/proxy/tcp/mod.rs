@@ -384,16 +384,8 @@ impl DataPath for TcpPath {
         })
     }
 
-    fn fits(&self, p: Protocol) -> bool {
-        matches!(p, Protocol::Tcp | Protocol::Http)
-    }
-
-    fn kind(&self) -> &'static str {
-        "tcp or http"
-    }
-
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
+    fn protocols(&self) -> &'static [Protocol] {
+        &[Protocol::Tcp, Protocol::Http]
     }
 }
 
