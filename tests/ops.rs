@@ -4,8 +4,8 @@
 
 mod common;
 
-use common::ConfigFile;
 use common::strict_uas::StrictUas;
+use common::{ConfigFile, wait_for};
 use fulcrum::admin::router::{self, Request};
 use fulcrum::config;
 use fulcrum::ops::Ops;
@@ -17,18 +17,6 @@ use std::time::{Duration, Instant};
 
 fn any() -> SocketAddr {
     "127.0.0.1:0".parse().expect("addr")
-}
-
-/// Poll `f` every 20 ms until it returns `Some`, or panic after `limit`.
-fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 fn yaml(ports: &[u16], token: &str, monitor: &str, slow: &str, method: &str) -> String {

@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::wait_for;
+
 use fulcrum::admin::router::{self, Request};
 use fulcrum::config::{MonitorKind, Protocol};
 use fulcrum::health::probe::{ProbeError, probe};
@@ -357,18 +359,6 @@ fn service_status(ops: &Ops, name: &str) -> Value {
         .and_then(|s| s.iter().find(|x| x["name"] == name))
         .cloned()
         .unwrap_or_else(|| panic!("{name} not in {st}"))
-}
-
-/// Poll `f` every 10 ms until it returns `Some`, or panic after `limit`.
-fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }
 
 /// The monitor probes every 100 ms and wants three failures for DOWN, two successes for UP.

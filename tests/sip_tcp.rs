@@ -181,49 +181,54 @@ fn in_dialog_request_from_service_reaches_the_client_connection() {
     assert_eq!(msg.vias().count(), 2);
 }
 
-#[test]
-fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
+/// A sip-tcp vserver (with `options` in its flow mapping) over a live service and `dead`, a
+/// port with nothing listening; a client connected to it.
+fn live_and_dead(options: &str) -> (TcpUas, Runtime, TcpStream) {
     let live = TcpUas::start();
-    // A port with nothing listening.
     let dead_addr = common::closed_port("127.0.0.1");
     let y = format!(
-        "services:\n  - {{ name: live, address: {}, protocol: sip-tcp }}\n  - {{ name: dead, address: {dead_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, services: [live, dead] }}\n",
+        "services:\n  - {{ name: live, address: {}, protocol: sip-tcp }}\n  - {{ name: dead, address: {dead_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, {options}, services: [live, dead] }}\n",
         live.addr
     );
     let cfg = config::from_str("t", &y).expect("config");
     let rt = Runtime::start(&cfg).expect("start");
     let proxy = rt.vserver("v").expect("v").bound[0];
-    let mut client = TcpStream::connect(proxy).expect("connect");
+    let client = TcpStream::connect(proxy).expect("connect");
+    (live, rt, client)
+}
+
+/// Send `n` OPTIONS (Call-IDs `{tag}{i}@x`) on `client`, each answered before the next.
+fn each_answered(client: &mut TcpStream, buf: &mut Vec<u8>, tag: &str, n: usize) {
     let local = client.local_addr().expect("local");
+    for i in 0..n {
+        let req = request(
+            "OPTIONS",
+            &format!("{tag}{i}@x"),
+            local,
+            &format!("{tag}{i}"),
+        );
+        client.write_all(req.as_bytes()).expect("write");
+        assert!(
+            read_message(client, buf).is_some(),
+            "request {tag}{i} answered"
+        );
+    }
+}
+
+#[test]
+fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
+    let (_live, rt, mut client) = live_and_dead("failover: off");
     let mut buf = Vec::new();
     // Requests that hash to the dead service are moved to the next-ranked one when its
     // connect fails (docs/sip.md, SIP over TCP), so every request is answered, none lost.
-    for i in 0..20 {
-        client
-            .write_all(request("OPTIONS", &format!("c{i}@x"), local, &format!("b{i}")).as_bytes())
-            .expect("write");
-        assert!(
-            read_message(&mut client, &mut buf).is_some(),
-            "request {i} answered"
-        );
-    }
+    each_answered(&mut client, &mut buf, "c", 20);
     let b = rt.vserver("v").expect("v").balancer();
     assert_eq!(b.health(1), Some(Health::Down));
     let shared = vserver_shared(&rt);
     assert!(shared.counters.requests_rerouted.load(Ordering::Relaxed) >= 1);
     assert_eq!(shared.counters.requests_lost.load(Ordering::Relaxed), 0);
     // Now everything lands on the live service.
-    for i in 0..10 {
-        client
-            .write_all(
-                request("OPTIONS", &format!("after{i}@x"), local, &format!("a{i}")).as_bytes(),
-            )
-            .expect("write");
-        assert!(
-            read_message(&mut client, &mut buf).is_some(),
-            "call {i} answered"
-        );
-    }
+    each_answered(&mut client, &mut buf, "after", 10);
 }
 
 /// Passive ejection on a service link (docs/ejection.md): the link's failed reconnects to a
@@ -233,27 +238,9 @@ fn a_service_that_refuses_connections_is_marked_down_and_calls_go_elsewhere() {
 #[test]
 fn a_service_whose_connects_keep_failing_is_ejected() {
     use fulcrum::eject::{Cause, Phase};
-    let live = TcpUas::start();
-    let dead_addr = common::closed_port("127.0.0.1");
-    let y = format!(
-        "services:\n  - {{ name: live, address: {}, protocol: sip-tcp }}\n  - {{ name: dead, address: {dead_addr}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, eject: {{ after: 2, base: 1m }}, services: [live, dead] }}\n",
-        live.addr
-    );
-    let cfg = config::from_str("t", &y).expect("config");
-    let rt = Runtime::start(&cfg).expect("start");
-    let proxy = rt.vserver("v").expect("v").bound[0];
-    let mut client = TcpStream::connect(proxy).expect("connect");
-    let local = client.local_addr().expect("local");
+    let (_live, rt, mut client) = live_and_dead("eject: { after: 2, base: 1m }");
     let mut buf = Vec::new();
-    for i in 0..20 {
-        client
-            .write_all(request("OPTIONS", &format!("e{i}@x"), local, &format!("e{i}")).as_bytes())
-            .expect("write");
-        assert!(
-            read_message(&mut client, &mut buf).is_some(),
-            "request {i} answered"
-        );
-    }
+    each_answered(&mut client, &mut buf, "e", 20);
     let b = rt.vserver("v").expect("v").balancer();
     // The first refusal marks it DOWN; the link's reconnects (100 ms, then 200 ms) fail too.
     assert!(wait_until(Duration::from_secs(5), || b

@@ -278,6 +278,18 @@ pub fn tcp_ask(to: SocketAddr, payload: &[u8]) -> std::io::Result<Answer> {
     tcp_ask_from(to, None, payload)
 }
 
+/// Poll `f` every 10 ms until it returns `Some`, or panic naming `what` after `limit`.
+pub fn wait_for<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// Wait until `cond` holds, checking every few milliseconds, for at most `limit`.
 pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + limit;
