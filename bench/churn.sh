@@ -41,7 +41,7 @@
 #        RATE=150 CALLS=1800 HOLD=2000 KINDS="reload kill disable" PROXIES="fulcrum kamailio" bench/churn.sh
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
-. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, col, kamailio_head
+. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, wait_lines, stop_proxy, col, kamailio_head
 RATE=${RATE:-150}
 CALLS=${CALLS:-1800}
 HOLD=${HOLD:-2000}          # ms each call is held between ACK and BYE
@@ -74,16 +74,6 @@ if [ ! -x "$FULCRUM" ] || [ ! -x "$UAS_BIN" ]; then
 fi
 mkdir -p "$OUT"; cd "$OUT" || exit 2
 
-# wait (bounded, 10 s) until file $1 has at least $2 lines matching $3
-wait_lines() {
-  local i c
-  for i in $(seq 1 100); do
-    c=$(grep -c -- "$3" "$1" 2>/dev/null)
-    [ "${c:-0}" -ge "$2" ] && return 0
-    sleep 0.1
-  done
-  echo "no $2 x '$3' in $1" >&2; return 1
-}
 # --- configs -------------------------------------------------------------------------
 fulcrum_config() {   # $1 = members, comma-separated
   local s
@@ -163,13 +153,6 @@ start_proxy() {   # $1 = fulcrum | kamailio
   if [ "$1" = kamailio ]; then
     local i; for i in $(seq 1 50); do kam core.version >/dev/null 2>&1 && break; sleep 0.1; done
   fi
-}
-stop_proxy() {
-  local i
-  kill -TERM "$PROXY_PID" 2>/dev/null
-  for i in $(seq 1 50); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$PROXY_PID" 2>/dev/null
-  wait "$PROXY_WRAP" 2>/dev/null
 }
 
 # churn event $3 (0, 1, ...) of kind $1 on proxy $2: even = take s3 away, odd = give it back

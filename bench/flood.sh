@@ -44,7 +44,7 @@
 #          PHASES="flood ab" PROXIES="fulcrum kamailio" bench/flood.sh
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
-. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, tree_ticks, rcvbuf_errors, col, kamailio_head
+. "$HERE/lib.sh"   # ROOT, PIDS, cleanup (on exit), child_of, wait_port, stop_proxy, tree_ticks, rcvbuf_errors, col, kamailio_head
 FLOODS=${FLOODS:-"0 5000 20000 max"}
 RATE=${RATE:-50}             # legitimate calls/s (INVITEs per second stay under LIMIT)
 DUR=${DUR:-15}               # s of legitimate calls per flood run
@@ -198,13 +198,6 @@ start_proxy() {   # $1 = fulcrum | kamailio, $2 = log
   else
     local i; for i in $(seq 1 50); do timeout 2 curl -sf "127.0.0.1:$ADMIN_PORT/status" >/dev/null && break; sleep 0.1; done
   fi
-}
-stop_proxy() {
-  local i
-  kill -TERM "$PROXY_PID" 2>/dev/null
-  for i in $(seq 1 50); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$PROXY_PID" 2>/dev/null
-  wait "$PROXY_WRAP" 2>/dev/null
 }
 
 # --- phase flood ---------------------------------------------------------------------

@@ -44,7 +44,7 @@
 #        RATE=100 CALLS=1500 HOLD=1000 ROWS="busy down silent none" PROXIES="fulcrum kamailio" bench/gray.sh
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
-. "$HERE/lib.sh"   # ROOT, PEERS, PIDS, cleanup (on exit), child_of, wait_port, col, rcvbuf_errors
+. "$HERE/lib.sh"   # ROOT, PEERS, PIDS, cleanup (on exit), child_of, wait_port, wait_lines, stop_proxy, col, rcvbuf_errors
 RATE=${RATE:-100}
 CALLS=${CALLS:-1500}
 HOLD=${HOLD:-1000}          # ms each call is held between ACK and BYE
@@ -86,16 +86,6 @@ mean_ms() {
   awk -F';' 'NR==1{for(i=1;i<=NF;i++) if($i=="ResponseTime1(C)") c=i; next} NF{last=$0}
     END{split(last, a, ";"); n=split(a[c], t, ":"); if (!c || n != 4) {print "NA"; exit}
         printf "%.0f", (t[1]*3600 + t[2]*60 + t[3])*1000 + t[4]/1000}' "$1"
-}
-# wait (bounded, 10 s) until file $1 has at least $2 lines matching $3
-wait_lines() {
-  local c
-  for _ in $(seq 1 100); do
-    c=$(grep -c -- "$3" "$1" 2>/dev/null)
-    [ "${c:-0}" -ge "$2" ] && return 0
-    sleep 0.1
-  done
-  echo "no $2 x '$3' in $1" >&2; return 1
 }
 
 # --- configs -------------------------------------------------------------------------
@@ -144,12 +134,6 @@ start_proxy() {   # $1 = fulcrum | kamailio
   PROXY_PID=$(child_of "$PROXY_WRAP") || { echo "$1 did not start" >&2; return 1; }
   PIDS+=("$PROXY_PID")
   wait_port "$PROXY_PORT" || return 1
-}
-stop_proxy() {
-  kill -TERM "$PROXY_PID" 2>/dev/null
-  for _ in $(seq 1 50); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
-  kill -KILL "$PROXY_PID" 2>/dev/null
-  wait "$PROXY_WRAP" 2>/dev/null
 }
 
 SUMMARY=summary.tsv

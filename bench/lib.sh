@@ -111,12 +111,26 @@ col() {
     END{split(last, a, ";"); print (c ? a[c] + 0 : "NA")}' "$1"
 }
 
-# stop_proxy: SIGTERM the proxy PROXY_PID, SIGKILL after 5 s, and forget it.
+# stop_proxy: SIGTERM the proxy PROXY_PID, SIGKILL after 5 s, reap the `timeout` wrapper
+# PROXY_WRAP that started it (when a script keeps one), and forget both.
 stop_proxy() {
   [ -n "$PROXY_PID" ] && kill -TERM "$PROXY_PID" 2>/dev/null
   local i; for i in $(seq 1 50); do kill -0 "$PROXY_PID" 2>/dev/null || break; sleep 0.1; done
   kill -KILL "$PROXY_PID" 2>/dev/null
-  PROXY_PID=""
+  [ -n "${PROXY_WRAP:-}" ] && wait "$PROXY_WRAP" 2>/dev/null
+  PROXY_PID=""; PROXY_WRAP=""
+}
+
+# wait_lines FILE N PATTERN: wait (bounded, 10 s) until FILE has at least N lines matching
+# PATTERN.
+wait_lines() {
+  local i c
+  for i in $(seq 1 100); do
+    c=$(grep -c -- "$3" "$1" 2>/dev/null)
+    [ "${c:-0}" -ge "$2" ] && return 0
+    sleep 0.1
+  done
+  echo "no $2 x '$3' in $1" >&2; return 1
 }
 
 # print_ladder TITLE: each proxy of PROXIES with its highest clean rate (the MAX array, over
