@@ -126,7 +126,7 @@ pub struct Transaction {
     invite: bool,
     /// The member is reached over UDP: fulcrum retransmits (on streams the link does).
     retransmits: bool,
-    codes: Vec<u16>,
+    codes: Codes,
     no_answer: Nanos,
     tries: u8,
     attempts: Vec<Attempt>,
@@ -158,7 +158,7 @@ impl Transaction {
         let mut tx = Transaction {
             invite,
             retransmits,
-            codes: params.codes.clone(),
+            codes: Codes::of(&params.codes),
             no_answer: u64::try_from(params.no_answer.as_nanos()).unwrap_or(u64::MAX),
             tries: params.tries.max(1),
             attempts: Vec::new(),
@@ -348,7 +348,7 @@ impl Transaction {
             // A retransmitted final, or the answer of an attempt given up on: absorbed.
             return;
         }
-        if !self.codes.contains(&code) {
+        if !self.codes.contains(code) {
             out.push(TxAction::Answered { member });
             out.push(TxAction::Relay);
             self.finish(now);
@@ -464,6 +464,29 @@ fn send_cancel(a: &mut Attempt, hops: &dyn Hops, out: &mut Vec<TxAction>) {
     if let Some(c) = hops.hop(&a.sent, b"CANCEL", None) {
         a.cancel_sent = true;
         out.push(TxAction::ToMember(a.addr, c));
+    }
+}
+
+/// The failover codes as a set of final answers (300..=699), copied into each transaction
+/// without an allocation.
+#[derive(Debug, Clone, Copy)]
+struct Codes([u64; 7]);
+
+impl Codes {
+    fn of(codes: &[u16]) -> Codes {
+        let mut set = Codes([0; 7]);
+        for &c in codes {
+            if let Some(bit) = c.checked_sub(300).filter(|&b| b < 400) {
+                set.0[usize::from(bit / 64)] |= 1 << (bit % 64);
+            }
+        }
+        set
+    }
+
+    fn contains(&self, code: u16) -> bool {
+        code.checked_sub(300)
+            .filter(|&b| b < 400)
+            .is_some_and(|b| self.0[usize::from(b / 64)] & (1 << (b % 64)) != 0)
     }
 }
 

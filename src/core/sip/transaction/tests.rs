@@ -335,6 +335,17 @@ fn a_retransmitted_request_gets_the_last_answer_again() {
 }
 
 #[test]
+fn the_failover_codes_are_a_set_of_final_answers() {
+    let codes = Codes::of(&[500, 503, 504, 300, 699, 200, 700]);
+    for c in [300, 500, 503, 504, 699] {
+        assert!(codes.contains(c), "{c}");
+    }
+    for c in [0, 100, 200, 299, 301, 486, 501, 700, 65535] {
+        assert!(!codes.contains(c), "{c}");
+    }
+}
+
+#[test]
 fn the_best_answer_is_the_lowest_class_and_503_last() {
     assert!(better(486, 503));
     assert!(better(500, 503));
