@@ -867,7 +867,7 @@ mod tests {
         fn a_sick_service_gets_one_request_per_ejection(
             p in params_strategy(),
             step_ms in 1u64..2_000,
-            steps in 1usize..600,
+            steps in 2usize..600,
             answered in proptest::bool::ANY,
         ) {
             let p = EjectParams { max_fraction_e4: 10_000, ..p };

@@ -30,8 +30,9 @@
 //! # Needs a restart (the reload is refused and nothing changes)
 //! - `lb` (hash algorithm, fingers), `admin.listen`;
 //! - adding, removing, renaming or reordering vservers;
-//! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `transparent`, `freebind`,
-//!   `send_proxy` (its sockets, threads and Via identity), and adding or removing its `tls`.
+//! - a vserver's `bind`, `protocol`, `workers`, `advertise`, `service_source`, `transparent`,
+//!   `freebind`, `send_proxy` (its sockets, threads and Via identity), and adding or removing
+//!   its `tls`.
 
 use crate::config::{Config, Protocol, Service, Vserver};
 
@@ -94,6 +95,7 @@ fn same_listener(a: &Vserver, b: &Vserver) -> bool {
         && a.protocol == b.protocol
         && a.workers == b.workers
         && a.advertise == b.advertise
+        && a.service_source == b.service_source
         && a.transparent == b.transparent
         && a.freebind == b.freebind
         && a.send_proxy == b.send_proxy
@@ -136,7 +138,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
         }
         if !same_listener(a, b) {
             restart.push(format!(
-                "vservers.{}: bind, protocol, workers, advertise, transparent, freebind, send_proxy or tls (on or off) changed (the listener is only set up at start)",
+                "vservers.{}: bind, protocol, workers, advertise, service_source, transparent, freebind, send_proxy or tls (on or off) changed (the listener is only set up at start)",
                 a.name
             ));
             continue;

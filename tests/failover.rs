@@ -26,8 +26,8 @@ fn scenario() -> PathBuf {
 }
 
 /// Three strict services behind a sip-udp vserver with nothing set but the services, a
-/// monitor and Record-Route: failover is the default.
-fn farm(uas: &[StrictUas], protocol: &str) -> String {
+/// monitor, Record-Route and `extra` fields (`, field: value`): failover is the default.
+fn farm_with(uas: &[StrictUas], protocol: &str, extra: &str) -> String {
     let mut y = String::from(
         "admin: { listen: null }\nmonitors:\n  - { name: ping, type: sip-options, interval: 1s, timeout: 500ms, failures_to_down: 2, successes_to_up: 2 }\nservices:\n",
     );
@@ -39,7 +39,7 @@ fn farm(uas: &[StrictUas], protocol: &str) -> String {
     }
     let names: Vec<&str> = uas.iter().map(|u| u.name.as_str()).collect();
     y.push_str(&format!(
-        "vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], record_route: true, services: [{}] }}\n",
+        "vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], record_route: true{extra}, services: [{}] }}\n",
         names.join(", ")
     ));
     y
@@ -50,10 +50,16 @@ struct Run {
     failed: u64,
     errors: String,
     counts: Vec<Counts>,
+    /// The top Via of each service's last request of a call: fulcrum's.
+    vias: Vec<Option<String>>,
     status: serde_json::Value,
 }
 
 fn run(t: Transport, sick: Sick, calls: u32) -> Run {
+    run_with(t, sick, calls, "")
+}
+
+fn run_with(t: Transport, sick: Sick, calls: u32, extra: &str) -> Run {
     let uas: Vec<StrictUas> = (0..3)
         .map(|i| match t {
             Transport::Udp => StrictUas::udp(&format!("s{i}")),
@@ -61,7 +67,7 @@ fn run(t: Transport, sick: Sick, calls: u32) -> Run {
         })
         .collect();
     uas[1].set_sick(sick);
-    let ops = ops_of(&farm(&uas, t.protocol()));
+    let ops = ops_of(&farm_with(&uas, t.protocol(), extra));
     let vs: SocketAddr = ops.with_vservers(|v, _| v[0].bound[0]).expect("running");
     let dir = Scratch::new(&format!("failover-{}-{sick:?}", t.protocol()));
     let load = UacLoad {
@@ -77,6 +83,7 @@ fn run(t: Transport, sick: Sick, calls: u32) -> Run {
         failed: outcome.failed,
         errors: outcome.errors,
         counts: uas.iter().map(StrictUas::counts).collect(),
+        vias: uas.iter().map(StrictUas::last_call_via).collect(),
         status,
     }
 }
@@ -160,4 +167,39 @@ fn a_healthy_farm_loses_nothing_and_shares_evenly() {
         assert!(c.invites >= 50, "s{i} got {} of 300 INVITEs", c.invites);
         assert_eq!(c.r481, 0);
     }
+}
+
+/// With `service_source`, requests toward services leave from that address and name it in
+/// their Via: the answers (the sick service's 503s included) come back there, to the instance
+/// that holds the transaction, and failover works as without it.
+#[test]
+fn with_a_service_source_services_answer_there_and_no_call_fails() {
+    if !sipp_available() {
+        return;
+    }
+    let calls = 200;
+    let r = run_with(
+        Transport::Udp,
+        Sick::Busy,
+        calls,
+        ", service_source: 127.0.0.2",
+    );
+    assert_eq!(
+        (r.successful, r.failed),
+        (u64::from(calls), 0),
+        "{}\n{}",
+        r.errors,
+        r.status
+    );
+    for (i, v) in r.vias.iter().enumerate() {
+        let v = v.as_deref().unwrap_or_default();
+        assert!(
+            v.starts_with("SIP/2.0/UDP 127.0.0.2:"),
+            "s{i}'s top Via: {v}"
+        );
+    }
+    for c in &r.counts {
+        assert_eq!((c.r481, c.stray_acks), (0, 0), "{c:?}");
+    }
+    assert_eq!(r.counts[1].byes_ok, 0, "the sick service set up no call");
 }

@@ -30,7 +30,7 @@
 mod common;
 
 use common::sipp::{Proc, Scratch, sipp_available, uac_counts};
-use common::strict_uas::{Counts, StrictUas};
+use common::strict_uas::{Counts, Sick, StrictUas};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -49,7 +49,8 @@ const SERVICES: [(&str, &str); 3] = [
 ];
 
 /// Services role: the three strict UAS on their addresses; their counts are written to
-/// `FULCRUM_HA_COUNTS` (one line per UAS: name requests dialogs byes_ok r481 stray_acks)
+/// `FULCRUM_HA_COUNTS` (one line per UAS: name requests dialogs byes_ok r481 stray_acks
+/// invites; s1 answers INVITEs 503 when `FULCRUM_HA_SICK=s1`)
 /// every 50 ms and once more when stdin closes, which ends the role.
 #[test]
 fn helper_ha_uas() {
@@ -61,6 +62,10 @@ fn helper_ha_uas() {
         .iter()
         .map(|(n, a)| StrictUas::udp_at(n, a.parse().expect("service address")))
         .collect();
+    let sick = std::env::var("FULCRUM_HA_SICK").unwrap_or_default();
+    for u in uas.iter().filter(|u| u.name == sick) {
+        u.set_sick(Sick::Busy);
+    }
     let (tx, rx) = mpsc::channel::<()>();
     std::thread::spawn(move || {
         let _ = std::io::stdin().read_to_end(&mut Vec::new());
@@ -77,8 +82,8 @@ fn helper_ha_uas() {
             .map(|u| {
                 let c = u.counts();
                 format!(
-                    "{} {} {} {} {} {}\n",
-                    u.name, c.requests, c.dialogs, c.byes_ok, c.r481, c.stray_acks
+                    "{} {} {} {} {} {} {}\n",
+                    u.name, c.requests, c.dialogs, c.byes_ok, c.r481, c.stray_acks, c.invites
                 )
             })
             .collect();
@@ -122,6 +127,21 @@ fn netns_unavailable() -> Option<String> {
 /// A lab for test `name`, or None when it cannot run here (printed, or a panic under
 /// `FULCRUM_REQUIRE_NETNS=1`). Every other failure to build it panics.
 fn lab_or_skip(name: &str, slot: u32, record_route: bool) -> Option<Lab> {
+    lab_or_skip_with(name, slot, record_route, Gray::No)
+}
+
+/// Whether the lab's instances fail over (each with its own `service_source`) and one of its
+/// services is sick.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Gray {
+    /// `failover: off`, every service healthy.
+    No,
+    /// Failover on (the default), `service_source: "${FULCRUM_UNICAST}"` set to each
+    /// instance's own address, and s1 answering every INVITE 503 (OPTIONS 200).
+    SickS1,
+}
+
+fn lab_or_skip_with(name: &str, slot: u32, record_route: bool, gray: Gray) -> Option<Lab> {
     let skip = |why: String| {
         assert!(
             std::env::var("FULCRUM_REQUIRE_NETNS").as_deref() != Ok("1"),
@@ -139,7 +159,7 @@ fn lab_or_skip(name: &str, slot: u32, record_route: bool) -> Option<Lab> {
     if !sipp_available() {
         return None;
     }
-    match Lab::start(slot, record_route) {
+    match Lab::start(slot, record_route, gray) {
         Ok(lab) => Some(lab),
         Err(LabError::NoNetns(e)) => skip(format!("cannot create a network namespace: {e}")),
         Err(LabError::Failed(e)) => panic!("{name}: {e}"),
@@ -277,7 +297,7 @@ impl Lab {
 
     /// Build the namespaces and links, the router's ECMP route, the UAS and both instances
     /// (ready, as their `/readyz` says from the router).
-    fn start(slot: u32, record_route: bool) -> Result<Lab, LabError> {
+    fn start(slot: u32, record_route: bool, gray: Gray) -> Result<Lab, LabError> {
         let tag = format!("{}{slot}", std::process::id() % 10_000);
         let mut lab = Lab {
             scratch: Scratch::new(&format!("ha-{tag}")),
@@ -357,6 +377,10 @@ impl Lab {
             .args(["--exact", "helper_ha_uas", "--nocapture"])
             .env(ROLE, "ha-uas")
             .env("FULCRUM_HA_COUNTS", &lab.counts)
+            .env(
+                "FULCRUM_HA_SICK",
+                if gray == Gray::SickS1 { "s1" } else { "" },
+            )
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -371,8 +395,14 @@ impl Lab {
             .collect();
         for (inst, addr) in [("a", A), ("b", B)] {
             let cfg = lab.scratch.path(&format!("{inst}.yaml"));
+            // Gray: one file for both instances, each naming its own address through the
+            // environment (docs/deployment.md, "Failover in an ECMP pool").
+            let failover = match gray {
+                Gray::No => "    failover: off\n",
+                Gray::SickS1 => "    service_source: \"${FULCRUM_UNICAST}\"\n",
+            };
             let yaml = format!(
-                "admin: {{ listen: \"{addr}:9090\" }}\nservices:\n{services}vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [\"{VIP}:5060\"]\n    freebind: true\n    advertise: \"{VIP}:5060\"\n    method: call_id_hash\n    record_route: {record_route}\n    workers: 1\n    failover: off\n    services: [s0, s1, s2]\n"
+                "admin: {{ listen: \"{addr}:9090\" }}\nservices:\n{services}vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [\"{VIP}:5060\"]\n    freebind: true\n    advertise: \"{VIP}:5060\"\n    method: call_id_hash\n    record_route: {record_route}\n    workers: 1\n{failover}    services: [s0, s1, s2]\n"
             );
             std::fs::write(&cfg, yaml).map_err(|e| LabError::Failed(e.to_string()))?;
             let log = std::fs::File::create(lab.scratch.path(&format!("{inst}.log")))
@@ -387,6 +417,7 @@ impl Lab {
                 .args(["run", "--drain-timeout", "1s", "--config"])
                 .arg(&cfg)
                 .env("RUST_LOG", "info")
+                .env("FULCRUM_UNICAST", addr)
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log)
@@ -460,6 +491,31 @@ impl Lab {
                 &format!("http://{addr}:9090/services/{service}/disable"),
             ],
         )
+    }
+
+    /// `fulcrum_sip_failover_total{event="failover"}` of the instance at `addr` (0 when
+    /// absent or unreadable).
+    fn failovers(&self, addr: &str) -> u64 {
+        let text = run(
+            "ip",
+            &[
+                "netns",
+                "exec",
+                &self.ns("rtr"),
+                "curl",
+                "-fsS",
+                "-m",
+                "2",
+                &format!("http://{addr}:9090/metrics"),
+            ],
+        )
+        .unwrap_or_default();
+        text.lines()
+            .filter(|l| {
+                l.starts_with("fulcrum_sip_failover_total{") && l.contains("event=\"failover\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
     }
 
     /// The instance the router sends a client flow from `port` to, as `ip route get` says.
@@ -554,7 +610,7 @@ impl Lab {
                         byes_ok: n(3)?,
                         r481: n(4)?,
                         stray_acks: n(5)?,
-                        ..Counts::default()
+                        invites: n(6)?,
                     },
                 ))
             })
@@ -744,4 +800,70 @@ fn ha_in_dialog_requests_follow_fc_svc_across_health_views() {
         "s0 (disabled on A) got requests"
     );
     assert_eq!((ok, failed), (u64::from(calls), 0), "(successful, failed)");
+}
+
+/// Failover in an ECMP pool: both instances run one file with `service_source:
+/// "${FULCRUM_UNICAST}"`, so each sends to the services from its own address and gets their
+/// answers there, though the router would hand a service's answers to the VIP to one instance
+/// only. s1 answers every INVITE 503 (its OPTIONS 200): flows through A and through B lose no
+/// call, s1 sets up none, and both instances moved INVITEs on (their failover counters).
+#[test]
+fn ha_both_instances_fail_over_with_their_own_service_source() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let Some(mut lab) = lab_or_skip_with(
+        "ha_both_instances_fail_over_with_their_own_service_source",
+        2,
+        true,
+        Gray::SickS1,
+    ) else {
+        return;
+    };
+    let scen = lab.scratch.path("uac.xml");
+    std::fs::write(&scen, scenario(0, 500)).expect("scenario");
+    let to_a = lab.ports_to("A", 2, 5100).expect("ports to A");
+    let to_b = lab.ports_to("B", 2, 5100).expect("ports to B");
+    let calls = 30;
+    let uacs: Vec<Uac> = [
+        ("a0", "A", to_a[0]),
+        ("a1", "A", to_a[1]),
+        ("b0", "B", to_b[0]),
+        ("b1", "B", to_b[1]),
+    ]
+    .into_iter()
+    .map(|(l, via, p)| lab.uac(l, via, &scen, p, 10, calls))
+    .collect();
+    let done: Vec<_> = uacs.into_iter().map(Uac::finish).collect();
+    let failovers = [A, B].map(|addr| lab.failovers(addr));
+    let counts = lab.final_counts();
+    for (label, via, calls, ok, failed) in &done {
+        println!("{label} flow to {via}: {calls} calls, {ok} successful, {failed} failed");
+    }
+    for (n, c) in &counts {
+        println!("{n}: {c:?}");
+    }
+    println!("INVITEs moved on: A {}, B {}", failovers[0], failovers[1]);
+    for (label, _, calls, ok, failed) in &done {
+        assert_eq!(
+            (*ok, *failed),
+            (u64::from(*calls), 0),
+            "{label}: (successful, failed); logs in {}",
+            lab.scratch.0.display()
+        );
+    }
+    assert_eq!(sum(&counts, |c| c.r481), 0, "481s at the services");
+    assert_eq!(sum(&counts, |c| c.stray_acks), 0, "stray ACKs");
+    let s1 = counts.iter().find(|(n, _)| n == "s1").map(|(_, c)| *c);
+    assert_eq!(s1.map(|c| c.byes_ok), Some(0), "the sick s1 set up calls");
+    assert!(
+        s1.is_some_and(|c| c.invites > 0),
+        "s1 got no INVITE: the test shows nothing"
+    );
+    assert!(
+        failovers.iter().all(|&f| f > 0),
+        "each instance moved INVITEs on from s1: A {}, B {}",
+        failovers[0],
+        failovers[1]
+    );
 }

@@ -707,3 +707,96 @@ fn a_service_that_does_not_read_fills_its_queue_and_clients_hear_503() {
     drop(rt);
     drop(held);
 }
+
+/// A service that stops reading its connection (a stuck process whose socket stays open):
+/// the link's write makes no progress for the service's `write_timeout`, the connection ends,
+/// the service is marked DOWN and the stall counted, and the requests it was given unanswered
+/// (and the one cut short) go to the other service: every request is answered, by it.
+#[test]
+fn a_service_that_stops_reading_is_left_at_write_timeout_and_loses_no_request() {
+    // Accepts, never reads, keeps every connection open; a small receive buffer fills soon.
+    let deaf =
+        socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).expect("socket");
+    deaf.set_recv_buffer_size(4096).expect("rcvbuf");
+    deaf.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .expect("bind");
+    deaf.listen(16).expect("listen");
+    let deaf: TcpListener = deaf.into();
+    let deaf_addr = deaf.local_addr().expect("addr");
+    deaf.set_nonblocking(true).expect("nonblocking");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = std::sync::Arc::clone(&stop);
+    let deaf_thread = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        while !stop2.load(Ordering::Relaxed) {
+            match deaf.accept() {
+                Ok((s, _)) => held.push(s),
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+        held.len()
+    });
+    let good = TcpUas::start();
+    let y = format!(
+        "services:\n  - {{ name: deaf, address: {deaf_addr}, protocol: sip-tcp, write_timeout: 1s }}\n  - {{ name: good, address: {}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, method: round_robin, services: [deaf, good] }}\n",
+        good.addr
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let proxy = rt.vserver("v").expect("v").bound[0];
+    let shared = vserver_shared(&rt);
+    let mut client = TcpStream::connect(proxy).expect("connect");
+    let local = client.local_addr().expect("local");
+    // Answers are read as they come, so that fulcrum never waits on this client.
+    let mut reader = client.try_clone().expect("clone");
+    let (tx, answers) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        while let Some(m) = read_message(&mut reader, &mut buf) {
+            if tx.send(m).is_err() {
+                return;
+            }
+        }
+    });
+    // 200 requests of 32 KB: the deaf service's half (3.2 MB) is more than the kernel
+    // buffers between fulcrum and it take.
+    let body = "x".repeat(32 * 1024);
+    let n = 200;
+    for i in 0..n {
+        let req = request("OPTIONS", &format!("deaf-{i}@x"), local, &format!("d{i}")).replace(
+            "Content-Length: 0\r\n\r\n",
+            &format!(
+                "Content-Type: text/plain\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            ),
+        );
+        client.write_all(req.as_bytes()).expect("write");
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut ok = 0;
+    while ok < n {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(m) = answers.recv_timeout(left) else {
+            break;
+        };
+        if sip::scan(&m).ok().and_then(|m| m.status_code()) == Some(200) {
+            ok += 1;
+        }
+    }
+    let stalled = shared
+        .counters
+        .service_writes_stalled
+        .load(Ordering::Relaxed);
+    let health = shared.core().balancer().health(0);
+    stop.store(true, Ordering::Relaxed);
+    let held = deaf_thread.join().expect("deaf thread");
+    assert!(held >= 1, "the deaf service was never connected to");
+    assert_eq!(ok, n, "requests answered 200 (stalled writes: {stalled})");
+    assert!(stalled >= 1, "no write counted as stalled");
+    assert_eq!(health, Some(Health::Down));
+    assert_eq!(
+        good.calls().len(),
+        n,
+        "the good service answered every request"
+    );
+}

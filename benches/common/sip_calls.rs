@@ -38,6 +38,7 @@ pub fn core(record_route: bool) -> SipCore {
         dialog_idle: Duration::from_secs(3600),
         member_transports: Vec::new(),
         legs: Vec::new(),
+        service_source: None,
     })
 }
 

@@ -306,7 +306,13 @@ pub struct Service {
     pub hash_id: Option<String>,
     /// Originate TLS toward the service (`None`: plain).
     pub tls: Option<ServiceTls>,
+    /// sip-tcp / sip-tls: a write toward the service that makes no progress this long ends
+    /// the connection and counts as the service's failure (default 5 s).
+    pub write_timeout: Duration,
 }
+
+/// The default `write_timeout` of a service.
+pub const DEFAULT_WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Load-balancing method (docs/methods.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -465,6 +471,10 @@ pub struct Vserver {
     pub advertise: Option<String>,
     /// Add Record-Route to requests (SIP).
     pub record_route: bool,
+    /// `service_source` (sip-udp): the address fulcrum sends from toward its services and
+    /// names in its Via, so that their answers come back to this instance; port 0 means the
+    /// vserver's own (bound) port. `None`: the vserver's sockets, as for clients.
+    pub service_source: Option<SocketAddr>,
     /// Idle timeout of sessions / connections / dialog affinity entries.
     pub idle_timeout: Duration,
     /// How long a service removed from this vserver by a reload keeps the flows pinned to it

@@ -15,6 +15,10 @@
 //!   requests while staying UP): the backoff it would have had is kept, and the requests
 //!   written on it (up to [`UNANSWERED_KEPT`]) are chosen again. A service that answered,
 //!   then closed, is only reconnected.
+//! - A write that makes no progress for the service's `write_timeout` (a service that stopped
+//!   reading) ends the connection as a refused connect does: the service is marked DOWN and
+//!   counted as failed, the request cut short and the requests it was given unanswered are
+//!   chosen again, and the link backs off.
 //! - Retired (a reload removed its member) between two writes, the connection drains for
 //!   [`RETIRED_DRAIN`]: what the service still sends is relayed and replies are written to
 //!   it, but no new request; retired in the middle of a write, it closes at once (the
@@ -33,6 +37,9 @@ pub(crate) const RETIRED_DRAIN: Duration = Duration::from_secs(32);
 /// A service connection that ends this soon after it was made counts as a failed connect
 /// (a service that accepts and closes must not swallow requests while staying UP).
 pub(crate) const SHORT_LIVED: Duration = Duration::from_secs(1);
+/// How long a write toward a service may make no progress unless the service says otherwise
+/// (its `write_timeout`).
+pub(crate) const WRITE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Requests written on a service connection that has not answered yet, kept to be chosen
 /// again should it close first.
 pub(crate) const UNANSWERED_KEPT: usize = 256;
@@ -83,6 +90,8 @@ pub(crate) enum LinkAction {
     MarkUp,
     /// Count a connection the service ended.
     CountLost,
+    /// Count a write the service stopped taking (its `write_timeout` passed).
+    CountStalled,
     /// Count the link's retirement.
     CountRetired,
     /// Drop the connection (its reader and writer).
@@ -105,7 +114,8 @@ pub(crate) enum Phase {
     Connecting,
     /// `Retired`, `TimerFired`.
     Backoff,
-    /// A write is under way: `WriteDone` / `WriteFailed`, `Retired`.
+    /// A write is under way: `WriteDone` / `WriteFailed`, `Retired`, `TimerFired` (the write
+    /// timeout).
     Writing,
     /// Connected and between writes: `Queued` / `QueueClosed`, `Reply`, `ReaderClosed`,
     /// `Retired`, `TimerFired`.
@@ -137,6 +147,8 @@ struct Conn {
     /// Requests written before the service said anything.
     unanswered: Vec<Bytes>,
     writing: Option<Writing>,
+    /// When the write under way started.
+    write_started: Instant,
 }
 
 #[derive(Debug)]
@@ -166,6 +178,8 @@ pub(crate) struct Link {
     /// A failure marked the service DOWN: keep probing until a connection proves itself.
     down: bool,
     retired: bool,
+    /// How long a write may make no progress ([`Link::set_write_timeout`]).
+    write_timeout: Duration,
 }
 
 impl Default for Link {
@@ -181,7 +195,14 @@ impl Link {
             backoff: BACKOFF_MIN,
             down: false,
             retired: false,
+            write_timeout: WRITE_TIMEOUT,
         }
+    }
+
+    /// The service's `write_timeout` (a reload may change it; the write under way is measured
+    /// against the current one).
+    pub(crate) fn set_write_timeout(&mut self, d: Duration) {
+        self.write_timeout = d;
     }
 
     pub(crate) fn phase(&self) -> Phase {
@@ -207,14 +228,16 @@ impl Link {
     }
 
     /// The next instant at which the link wants `TimerFired`: the connect timeout, the end
-    /// of the backoff, a new connection's proof (not during a write), the end of a drain.
+    /// of the backoff, the write timeout during a write, else a new connection's proof, the
+    /// end of a drain.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
         match &self.state {
             State::Connecting { deadline, .. } => Some(*deadline),
             State::Backoff { until } | State::Draining { until, .. } => Some(*until),
-            State::Connected(c) if !c.proven && c.writing.is_none() => {
-                Some(c.connected_at + SHORT_LIVED)
+            State::Connected(c) if c.writing.is_some() => {
+                Some(c.write_started + self.write_timeout)
             }
+            State::Connected(c) if !c.proven => Some(c.connected_at + SHORT_LIVED),
             _ => None,
         }
     }
@@ -273,6 +296,7 @@ impl Link {
                     proven: false,
                     unanswered: Vec::new(),
                     writing: None,
+                    write_started: now,
                 };
                 self.backoff = BACKOFF_MIN;
                 if let Some(b) = pending {
@@ -304,11 +328,13 @@ impl Link {
             }
             E::Queued(b) if c.writing.is_none() => {
                 c.writing = Some(Writing::Request(b.clone()));
+                c.write_started = now;
                 out.push(LinkAction::Write(b));
                 State::Connected(c)
             }
             E::Reply(b) if c.writing.is_none() => {
                 c.writing = Some(Writing::Reply);
+                c.write_started = now;
                 out.push(LinkAction::Write(b));
                 State::Connected(c)
             }
@@ -332,6 +358,17 @@ impl Link {
             E::ReaderClosed if c.writing.is_none() => {
                 out.push(LinkAction::CountLost);
                 self.connection_failed(now, c, None, out)
+            }
+            E::TimerFired if c.writing.is_some() && now >= c.write_started + self.write_timeout => {
+                // The service stopped reading: as good as refused.
+                out.push(LinkAction::CountStalled);
+                out.push(LinkAction::Disconnect);
+                let request = match c.writing.take() {
+                    Some(Writing::Request(b)) => Some(b),
+                    _ => None,
+                };
+                let unanswered = if c.heard { Vec::new() } else { c.unanswered };
+                self.connect_failed(now, request, unanswered, out)
             }
             E::TimerFired => {
                 if c.writing.is_none() && !c.proven && now >= c.connected_at + SHORT_LIVED {
@@ -578,6 +615,59 @@ mod tests {
         Bytes::from(format!("INVITE {n}"))
     }
 
+    /// A service that stops reading: the write makes no progress for `write_timeout`, the
+    /// connection ends as a refused connect (DOWN, the cut request and the unanswered ones
+    /// chosen again, backoff), counted; a write that finishes in time is not touched.
+    #[test]
+    fn a_write_without_progress_ends_the_connection_at_write_timeout() {
+        let mut s = Sim::new();
+        s.link.set_write_timeout(2 * Duration::from_secs(1));
+        s.connected_with(&msg(1));
+        assert_eq!(s.link.phase(), Phase::Writing);
+        assert_eq!(s.wait(), Some(Duration::from_secs(2)));
+        // In time: done, and the next write has its own deadline.
+        assert_eq!(s.after(Duration::from_millis(1900), E::WriteDone), vec![]);
+        assert_eq!(
+            s.after(Duration::from_secs(1), E::Queued(msg(2))),
+            vec![A::Write(msg(2))]
+        );
+        assert_eq!(s.wait(), Some(Duration::from_secs(2)));
+        assert_eq!(
+            s.after(Duration::from_secs(1), E::TimerFired),
+            vec![],
+            "not yet"
+        );
+        assert_eq!(
+            s.fire(),
+            vec![
+                A::CountStalled,
+                A::Disconnect,
+                A::MarkDown,
+                A::Redispatch(msg(1)),
+                A::Redispatch(msg(2)),
+                A::RedispatchQueue,
+            ]
+        );
+        assert_eq!(s.link.phase(), Phase::Backoff);
+        // Once the service has answered, only the request cut short goes elsewhere.
+        let mut s = Sim::new();
+        s.connected_with(&msg(1));
+        s.ev(E::MessageRead);
+        assert_eq!(s.after(MS, E::WriteDone), vec![]);
+        assert_eq!(s.ev(E::Queued(msg(2))), vec![A::Write(msg(2))]);
+        assert_eq!(s.wait(), Some(WRITE_TIMEOUT));
+        assert_eq!(
+            s.fire(),
+            vec![
+                A::CountStalled,
+                A::Disconnect,
+                A::MarkDown,
+                A::Redispatch(msg(2)),
+                A::RedispatchQueue,
+            ]
+        );
+    }
+
     #[test]
     fn connects_only_when_something_is_queued() {
         let mut s = Sim::new();
@@ -718,10 +808,10 @@ mod tests {
         assert_eq!(s.ev(E::ConnectOk), vec![]);
         assert_eq!(s.wait(), Some(SHORT_LIVED));
         assert_eq!(s.after(SHORT_LIVED - MS, E::TimerFired), vec![]);
-        // The proof waits for a write under way.
+        // The proof waits for a write under way (whose own deadline is the write timeout).
         let a = msg(1);
         assert_eq!(s.ev(E::Queued(a.clone())), vec![A::Write(a)]);
-        assert_eq!(s.wait(), None);
+        assert_eq!(s.wait(), Some(WRITE_TIMEOUT));
         assert_eq!(s.after(MS, E::TimerFired), vec![]);
         assert_eq!(s.ev(E::WriteDone), vec![]);
         assert_eq!(s.ev(E::TimerFired), vec![A::MarkUp]);

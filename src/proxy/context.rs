@@ -242,6 +242,30 @@ pub(crate) fn bind_udp(
     )
 }
 
+/// The sockets a sip-udp vserver sends to its services from (`service_source`, port 0 taking
+/// the vserver's first bound port), `workers` of them with SO_REUSEPORT, and their address;
+/// `None` without a `service_source`.
+pub(crate) fn bind_service_source(
+    v: &Vserver,
+    bound: &[SocketAddr],
+    workers: usize,
+) -> Result<Option<(Vec<std::net::UdpSocket>, SocketAddr)>, RuntimeError> {
+    let Some(mut addr) = v.service_source else {
+        return Ok(None);
+    };
+    if addr.port() == 0 {
+        addr.set_port(bound.first().map_or(0, SocketAddr::port));
+    }
+    let socks = net::bind_udp_workers(addr, workers, listen_options(v))
+        .map_err(|e| bind_error(v, addr, e))?;
+    let bound = match socks.first().map(std::net::UdpSocket::local_addr) {
+        Some(Ok(a)) => a,
+        Some(Err(e)) => return Err(bind_error(v, addr, e)),
+        None => return Err(bind_error(v, addr, std::io::ErrorKind::InvalidInput.into())),
+    };
+    Ok(Some((socks, bound)))
+}
+
 /// Bind `workers` SO_REUSEPORT TCP listeners on every bind address of `v` (not yet
 /// registered with any runtime): the listeners per address, and the addresses actually
 /// bound (port 0 resolved).

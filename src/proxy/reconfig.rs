@@ -102,9 +102,13 @@ pub(crate) fn sip_core(
     balancer: &Arc<Balancer>,
 ) -> SipCore {
     let (local, legs) = old.identities();
-    SipCore::new(SipParams::of(config, v, local, Arc::clone(balancer)).with_legs(legs))
-        .with_edge(v.edge(Some(old.edge())))
-        .with_failover(v.failover.clone(), Arc::clone(old.transactions()))
+    SipCore::new(
+        SipParams::of(config, v, local, Arc::clone(balancer))
+            .with_legs(legs)
+            .with_service_source(old.service_source()),
+    )
+    .with_edge(v.edge(Some(old.edge())))
+    .with_failover(v.failover.clone(), Arc::clone(old.transactions()))
 }
 
 /// Copy the live dialogs of `old` into `new`, renumbering members by service name; dialogs

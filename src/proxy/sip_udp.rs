@@ -3,6 +3,11 @@
 //! keeps each 4-tuple on one socket and each worker sends in the order it received, the
 //! messages of one call leave fulcrum in the order they arrived.
 //!
+//! With `service_source`, requests toward services leave from sockets bound there instead
+//! (and name it in their Via), so that the services' answers come back to this instance even
+//! where the vserver's address is shared (an ECMP pool); each of those sockets has its own
+//! worker, and what they relay to clients leaves from one of the vserver's sockets.
+//!
 //! Members that speak sip-tcp or sip-tls (the transports bridge, docs/sip.md) are reached
 //! over the stream shell's links ([`crate::proxy::sip_stream::start_bridge`]): a worker hands
 //! what its core sends them to the links, which connect on demand and hand what the services
@@ -15,7 +20,8 @@ use crate::core::sip::SipParams;
 use crate::core::sip::{Action, SipCore};
 use crate::net;
 use crate::proxy::context::{
-    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_udp, local_identity,
+    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_service_source,
+    bind_udp, local_identity,
 };
 use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
 use crate::proxy::reconfig::{
@@ -41,6 +47,7 @@ use std::time::Instant;
 /// loop is then compiled as if there were no bridge at all), else their links.
 pub(crate) fn run_worker<B: Bridge>(
     socket: UdpSocket,
+    out_socks: Senders,
     cell: SipUdpCell,
     bridge: B,
     epoch: Instant,
@@ -95,11 +102,15 @@ pub(crate) fn run_worker<B: Bridge>(
         let action = core.handle_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
         // A held request's own sends first: an INVITE's 100 (Trying) must reach the client
         // before the service's answers, which another worker may relay at once.
-        send_all(&socket, &core, &mut sends, &send_log, now);
+        send_all(&out_socks, &core, &mut sends, &send_log, now);
         let to = match action {
-            Action::ToMember(m) => bridge.to_member(&core, m, &out),
-            Action::ToAddr(a) => bridge.to_addr(&core, a, &out),
-            Action::Reply(a) => Some(a),
+            Action::ToMember(m) => bridge
+                .to_member(&core, m, &out)
+                .map(|a| (&out_socks.services, a)),
+            Action::ToAddr(a) => bridge
+                .to_addr(&core, a, &out)
+                .map(|a| (&out_socks.clients, a)),
+            Action::Reply(a) => Some((&out_socks.clients, a)),
             // Connection ids exist only on streams.
             Action::ToConn(_) => None,
             Action::Drop(reason) => {
@@ -109,8 +120,8 @@ pub(crate) fn run_worker<B: Bridge>(
                 None
             }
         };
-        if let Some(to) = to
-            && let Err(e) = socket.send_to(&out, to)
+        if let Some((via, to)) = to
+            && let Err(e) = via.send_to(&out, to)
         {
             bump(&core.counters.send_errors);
             if send_log.allow(now) {
@@ -120,20 +131,40 @@ pub(crate) fn run_worker<B: Bridge>(
     }
 }
 
+/// The sockets a worker sends from: toward clients (one of the vserver's) and toward
+/// services (one bound at `service_source`, else the same as toward clients).
+pub(crate) struct Senders {
+    pub clients: UdpSocket,
+    pub services: UdpSocket,
+}
+
+impl Senders {
+    /// Clones of `clients` and, when given, `services` (else `clients` again).
+    fn of(clients: &UdpSocket, services: Option<&UdpSocket>) -> std::io::Result<Senders> {
+        Ok(Senders {
+            clients: clients.try_clone()?,
+            services: services.unwrap_or(clients).try_clone()?,
+        })
+    }
+}
+
 /// Send what held requests asked for (100 Trying, retransmissions, the next attempt, ACK,
 /// CANCEL); a failed send is counted like any other.
 fn send_all(
-    socket: &UdpSocket,
+    socks: &Senders,
     core: &SipCore,
     sends: &mut Vec<crate::core::sip::stateful::Send>,
     log: &LogLimiter,
     now: crate::stats::Nanos,
 ) {
+    use crate::core::sip::stateful::Dest;
     for (dest, bytes) in sends.drain(..) {
         // A sip-udp vserver holds requests toward its UDP members only: every send is a
-        // datagram.
-        let crate::core::sip::stateful::Dest::Addr(to) = dest else {
-            continue;
+        // datagram, to a client or to a service.
+        let (socket, to) = match dest {
+            Dest::Addr(a) => (&socks.clients, a),
+            Dest::Service(a) => (&socks.services, a),
+            Dest::Member(_) | Dest::Conn(_) => continue,
         };
         if let Err(e) = socket.send_to(&bytes, to) {
             bump(&core.counters.send_errors);
@@ -150,11 +181,11 @@ const TRANSACTION_TICK: std::time::Duration = std::time::Duration::from_millis(1
 
 /// The thread that wakes held requests at their deadlines (retransmissions toward services,
 /// `no_answer`, Timer C, the end of lingering), in whatever core is current; it sends from
-/// `socket`, one of the vserver's, so services see the vserver's address.
+/// `socks`, so services see the address the workers send them from.
 fn start_transaction_timers(
     ctx: &mut StartCtx<'_>,
     v: &Vserver,
-    socket: UdpSocket,
+    socks: Senders,
     cell: SipUdpCell,
 ) -> Result<(), RuntimeError> {
     let (sleeper, epoch) = (ctx.shutdown.sleeper(), ctx.epoch);
@@ -167,7 +198,7 @@ fn start_transaction_timers(
                 let now = elapsed_nanos(epoch);
                 let core = cell.load();
                 let next = core.poll_transactions(now, &mut sends);
-                send_all(&socket, &core, &mut sends, &log, now);
+                send_all(&socks, &core, &mut sends, &log, now);
                 let wait = next.map_or(POLL, |t| {
                     std::time::Duration::from_nanos(t.saturating_sub(now)).min(POLL)
                 });
@@ -321,6 +352,7 @@ impl DataPath for SipUdpPath {
                 max_clients: 0,
                 idle: v.idle_timeout,
                 tls: Install::member_tls(config, v),
+                write_timeouts: Install::member_write_timeouts(config, v),
             });
             if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
                 tracing::warn!(vserver = %v.name, "a link kept the old core past the hand-over limit");
@@ -376,12 +408,14 @@ pub(crate) fn start(
     let sockets: Vec<UdpSocket> = per_addr.into_iter().flatten().collect();
     let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Udp)?;
+    let service_side = bind_service_source(v, &bound, workers)?;
     let balancer = Arc::new(Balancer::new(config, v));
     let streams = v
         .members()
         .filter_map(|i| config.services.get(i))
         .any(|s| s.protocol.is_sip_stream());
-    let mut params = SipParams::of(config, v, local.clone(), balancer);
+    let mut params = SipParams::of(config, v, local.clone(), balancer)
+        .with_service_source(service_side.as_ref().map(|(_, a)| *a));
     if streams {
         // The stream legs share the vserver's address (their links connect out; a service's
         // requests come back on them). Both are given, so a reload may add either kind.
@@ -396,8 +430,13 @@ pub(crate) fn start(
             .with_failover(v.failover.clone(), Arc::default()),
     );
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
+    let (service_socks, service_addr) = match service_side {
+        Some((socks, a)) => (socks, Some(a)),
+        None => (Vec::new(), None),
+    };
     if let Some(first) = sockets.first() {
-        start_transaction_timers(ctx, v, first.try_clone()?, Arc::clone(&cell))?;
+        let socks = Senders::of(first, service_socks.first())?;
+        start_transaction_timers(ctx, v, socks, Arc::clone(&cell))?;
     }
     let bridge = match sockets.first() {
         Some(first) if streams => {
@@ -408,19 +447,37 @@ pub(crate) fn start(
         }
         _ => None,
     };
-    for (i, socket) in sockets.into_iter().enumerate() {
+    // A worker per socket: the vserver's, then the service source's (which relay what they
+    // receive for clients from the vserver's socket of the same rank).
+    let mut receivers = Vec::new();
+    for (i, socket) in sockets.iter().enumerate() {
+        let senders = Senders::of(socket, service_socks.get(i % service_socks.len().max(1)))?;
+        receivers.push((format!("{}-{i}", v.name), socket.try_clone()?, senders));
+    }
+    for (i, socket) in service_socks.iter().enumerate() {
+        let Some(front) = sockets.get(i % sockets.len().max(1)) else {
+            break;
+        };
+        let senders = Senders::of(front, Some(socket))?;
+        receivers.push((format!("{}-svc{i}", v.name), socket.try_clone()?, senders));
+    }
+    drop((sockets, service_socks));
+    for (name, socket, senders) in receivers {
         wake_on_shutdown(ctx.shutdown, &socket)?;
         let cell = Arc::clone(&cell);
         let bridge = bridge.clone();
         let stop = ctx.shutdown.flag();
         let epoch = ctx.epoch;
         let t = std::thread::Builder::new()
-            .name(format!("{}-{i}", v.name))
+            .name(name)
             .spawn(move || match bridge {
-                None => run_worker(socket, cell, (), epoch, stop),
-                Some(b) => run_worker(socket, cell, b, epoch, stop),
+                None => run_worker(socket, senders, cell, (), epoch, stop),
+                Some(b) => run_worker(socket, senders, cell, b, epoch, stop),
             })?;
         ctx.threads.push(t);
+    }
+    if let Some(a) = service_addr {
+        tracing::info!(vserver = %v.name, service_source = %a, "requests toward services leave from the service source");
     }
     if bridge.is_some() {
         tracing::info!(vserver = %v.name, "links toward sip-tcp / sip-tls services started");

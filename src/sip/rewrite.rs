@@ -200,6 +200,24 @@ impl Local {
         )
     }
 
+    /// This identity as it faces services from another address (`service_source`): its Via
+    /// names `from`, so that services answer there, and everything else (Record-Route, the
+    /// branch, what counts as fulcrum) stays this identity's. `from` becomes an alias.
+    pub fn sending_from(&self, from: SocketAddr) -> Local {
+        let sent_by = Local::from_addr(from, self.transport);
+        let mut l = self.clone().with_alias(from);
+        l.via_prefix = sent_by.via_prefix;
+        l
+    }
+
+    /// This identity with `addr` also meaning fulcrum (kept once).
+    pub fn with_alias(mut self, addr: SocketAddr) -> Local {
+        if !self.is_local_addr(addr) {
+            self.aliases.push(addr);
+        }
+        self
+    }
+
     /// Other addresses that are also fulcrum (the bound sockets, other listeners).
     pub fn with_aliases(mut self, aliases: &[SocketAddr]) -> Local {
         self.aliases = aliases.to_vec();
@@ -1429,6 +1447,40 @@ Content-Length: 0\r\n\r\n";
             .replace("INVITE", "CANCEL");
         forward_request(&scan(cancel.as_bytes()).unwrap(), &rw(&l), &mut c).unwrap();
         assert_eq!(top_branch(&a), top_branch(&c));
+    }
+
+    /// Toward services from `service_source`: the Via names that address (their answers go
+    /// there), while Record-Route, the branch and what counts as fulcrum stay the vserver's.
+    #[test]
+    fn sending_from_changes_only_the_via() {
+        let l = local();
+        let from: SocketAddr = "10.1.0.7:5070".parse().unwrap();
+        let s = l.sending_from(from);
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        let mut with_rr = rw(&l);
+        with_rr.record_route = true;
+        forward_request(&scan(REQ).unwrap(), &with_rr, &mut a).unwrap();
+        let mut with_rr = rw(&s);
+        with_rr.record_route = true;
+        forward_request(&scan(REQ).unwrap(), &with_rr, &mut b).unwrap();
+        let text = String::from_utf8(b.clone()).unwrap();
+        assert!(
+            text.contains("Via: SIP/2.0/UDP 10.1.0.7:5070;branch="),
+            "{text}"
+        );
+        assert!(
+            text.contains("Record-Route: <sip:192.0.2.1:5060;lr>"),
+            "{text}"
+        );
+        assert_eq!(top_branch(&a), top_branch(&b));
+        assert!(s.is_local(b"10.1.0.7", Some(5070)));
+        assert!(s.is_local(b"192.0.2.1", None));
+        assert!(
+            !l.is_local(b"10.1.0.7", Some(5070)),
+            "the client-side identity is unchanged"
+        );
+        // Given twice, the alias is kept once.
+        assert_eq!(s.sending_from(from).addrs().count(), s.addrs().count());
     }
 
     /// A `received` the client wrote itself never survives: the response is routed by it.

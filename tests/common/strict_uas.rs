@@ -96,6 +96,8 @@ pub struct UasCore {
     counts: Counts,
     /// The top Via of the last request (what the hop before this UAS said of itself).
     last_via: Option<String>,
+    /// The top Via of the last request other than OPTIONS (a call's, not a monitor's).
+    last_call_via: Option<String>,
     sick: Sick,
     /// INVITE transactions seen outside a dialog (Call-ID, top Via branch).
     invite_txs: std::collections::HashSet<(Vec<u8>, Vec<u8>)>,
@@ -113,6 +115,7 @@ impl UasCore {
             calls: HashMap::new(),
             counts: Counts::default(),
             last_via: None,
+            last_call_via: None,
             sick: Sick::Healthy,
             invite_txs: Default::default(),
             refused: Default::default(),
@@ -138,6 +141,11 @@ impl UasCore {
         self.last_via.clone()
     }
 
+    /// The top Via value of the last request other than OPTIONS.
+    pub fn last_call_via(&self) -> Option<String> {
+        self.last_call_via.clone()
+    }
+
     /// The tag this UAS gives the dialog of (Call-ID, From tag): stable across
     /// retransmissions, different per UAS.
     fn local_tag(&self, call_id: &[u8], from_tag: &[u8]) -> String {
@@ -159,6 +167,9 @@ impl UasCore {
             .via_header()
             .map(|v| String::from_utf8_lossy(v).into_owned());
         let method = String::from_utf8_lossy(msg.method().unwrap_or(b"?")).into_owned();
+        if method != "OPTIONS" {
+            self.last_call_via.clone_from(&self.last_via);
+        }
         let (Some(call_id), Some(from_tag), Some(_), Some(_)) =
             (msg.call_id(), msg.from_tag(), msg.cseq(), msg.top_via())
         else {
@@ -442,6 +453,11 @@ impl StrictUas {
     /// The top Via value of the last request received.
     pub fn last_via(&self) -> Option<String> {
         self.core.lock().expect("uas core").last_via()
+    }
+
+    /// The top Via value of the last request other than OPTIONS.
+    pub fn last_call_via(&self) -> Option<String> {
+        self.core.lock().expect("uas core").last_call_via()
     }
 }
 

@@ -13,6 +13,7 @@ const SERVICE_FIELDS: &[&str] = &[
     "max_clients",
     "hash_id",
     "tls",
+    "write_timeout",
 ];
 
 impl Cx {
@@ -74,6 +75,20 @@ impl Cx {
             }
         };
         let hash_id = self.opt_string(&f, path, "hash_id");
+        let write_timeout =
+            self.duration_field(&f, path, "write_timeout", DEFAULT_WRITE_TIMEOUT, false);
+        if let (Some(p), Some(n)) = (protocol, f.get("write_timeout"))
+            && !p.is_sip_stream()
+        {
+            self.problem(
+                n.pos,
+                &join(path, "write_timeout"),
+                format!(
+                    "`write_timeout` applies to sip-tcp and sip-tls services only, not {}",
+                    p.name()
+                ),
+            );
+        }
         let tls = self.optional(&f, path, "tls", Cx::service_tls);
         if let (Some(p), Some(Some(_)), Some(n)) = (protocol, &tls, f.get("tls")) {
             self.tls_fits_protocol(n, &join(path, "tls"), p, "service");
@@ -99,6 +114,7 @@ impl Cx {
             max_clients: max_clients? as u32,
             hash_id,
             tls: tls?,
+            write_timeout: write_timeout?,
         })
     }
 }

@@ -21,6 +21,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "slow_start",
     "services",
     "advertise",
+    "service_source",
     "record_route",
     "idle_timeout",
     "drain_timeout",
@@ -107,6 +108,7 @@ impl Cx {
             hash: self.hash_fields(f, path),
             slow_start: self.optional(f, path, "slow_start", Cx::slow_start),
             advertise: self.advertise(f, path),
+            service_source: self.service_source(f, path, protocol),
             record_route: self.bool_field(f, path, "record_route", false),
             failover: self.failover_field(f, path, protocol),
             idle_timeout,
@@ -243,6 +245,58 @@ impl Cx {
                     None
                 }
             })
+    }
+
+    /// `service_source: IP[:PORT]` (`Some(None)` when absent; port 0 when not given: the
+    /// vserver's own). sip-udp only: a stream service answers on the connection fulcrum
+    /// opened, whatever its Via says.
+    fn service_source(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> Option<Option<SocketAddr>> {
+        let Some(node) = f.get("service_source") else {
+            return Some(None);
+        };
+        let p = join(path, "service_source");
+        if let Some(pr) = protocol
+            && pr != Protocol::SipUdp
+        {
+            self.problem(
+                node.pos,
+                &p,
+                format!(
+                    "`service_source` applies to sip-udp vservers only, not {} (a stream service answers on the connection fulcrum opened)",
+                    pr.name()
+                ),
+            );
+            return None;
+        }
+        let s = self.string(node, &p)?;
+        let addr = match s.trim().parse::<std::net::IpAddr>() {
+            Ok(ip) => Some(SocketAddr::new(ip, 0)),
+            Err(_) => s.trim().parse::<SocketAddr>().ok(),
+        };
+        match addr {
+            Some(a) if a.ip().is_unspecified() || a.ip().is_multicast() => {
+                self.problem(
+                    node.pos,
+                    &p,
+                    format!("`{s}` is not a unicast address of this instance"),
+                );
+                None
+            }
+            Some(a) => Some(Some(a)),
+            None => {
+                self.problem(
+                    node.pos,
+                    &p,
+                    format!("`{s}` is not IP or IP:PORT (IPv6 as [ADDR]:PORT)"),
+                );
+                None
+            }
+        }
     }
 
     /// `advertise`, reported (and kept) when it is not HOST:PORT.
@@ -634,6 +688,7 @@ struct VserverFields {
     hash: HashFields,
     slow_start: Option<Option<SlowStart>>,
     advertise: Option<String>,
+    service_source: Option<Option<SocketAddr>>,
     record_route: Option<bool>,
     failover: Option<Option<Failover>>,
     idle_timeout: Option<Duration>,
@@ -692,6 +747,7 @@ impl VserverFields {
             slow_start: self.slow_start?,
             services: members?,
             advertise: self.advertise,
+            service_source: self.service_source?,
             record_route: self.record_route?,
             idle_timeout: self.idle_timeout?,
             drain_timeout: self.drain_timeout?,
@@ -787,6 +843,75 @@ mod tests {
                 .vservers[0]
                 .failover,
             None
+        );
+    }
+
+    #[test]
+    fn service_source_is_an_ip_with_an_optional_port_on_sip_udp() {
+        let read = |v: &str| {
+            from_str("t", &sip_with(&format!("    service_source: \"{v}\"\n")))
+                .expect("valid")
+                .vservers[0]
+                .service_source
+        };
+        assert_eq!(read("10.0.0.7"), Some("10.0.0.7:0".parse().expect("addr")));
+        assert_eq!(
+            read("10.0.0.7:5070"),
+            Some("10.0.0.7:5070".parse().expect("addr"))
+        );
+        assert_eq!(
+            read("2001:db8::7"),
+            Some("[2001:db8::7]:0".parse().expect("addr"))
+        );
+        assert_eq!(
+            read("[2001:db8::7]:5070"),
+            Some("[2001:db8::7]:5070".parse().expect("addr"))
+        );
+        assert_eq!(
+            from_str("t", &sip_with("")).expect("valid").vservers[0].service_source,
+            None
+        );
+        for bad in ["sip.example.com", "0.0.0.0", "10.0.0.7:x", "224.0.0.1:5060"] {
+            let p = problems(&sip_with(&format!("    service_source: \"{bad}\"\n")));
+            assert!(
+                p.iter()
+                    .any(|(line, path, _)| path == "vservers[0].service_source" && *line == 7),
+                "{bad}: {p:?}"
+            );
+        }
+        let tcp = sip_with("    service_source: 10.0.0.7\n").replace("sip-udp", "sip-tcp");
+        let p = problems(&tcp);
+        assert!(
+            p.iter()
+                .any(|(_, path, m)| path == "vservers[0].service_source"
+                    && m.contains("sip-udp vservers only")),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn write_timeout_is_a_stream_service_field_with_a_default() {
+        let svc = |proto: &str, extra: &str| {
+            format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: {proto}{extra} }}\nvservers:\n  - {{ name: v, protocol: {proto}, bind: 127.0.0.1:5060, services: [s1] }}\n"
+            )
+        };
+        let c = from_str("t", &svc("sip-tcp", "")).expect("valid");
+        assert_eq!(c.services[0].write_timeout, DEFAULT_WRITE_TIMEOUT);
+        let c = from_str("t", &svc("sip-tcp", ", write_timeout: 750ms")).expect("valid");
+        assert_eq!(c.services[0].write_timeout, Duration::from_millis(750));
+        let p = problems(&svc("sip-tcp", ", write_timeout: 0s"));
+        assert!(
+            p.iter()
+                .any(|(_, path, _)| path == "services[0].write_timeout"),
+            "{p:?}"
+        );
+        let p = problems(&svc("sip-udp", ", write_timeout: 2s"));
+        assert!(
+            p.iter()
+                .any(|(_, path, m)| path == "services[0].write_timeout"
+                    && m.contains("sip-tcp and sip-tls services only")),
+            "{p:?}"
         );
     }
 

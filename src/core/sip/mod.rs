@@ -124,6 +124,9 @@ pub struct SipCore {
     member_leg: Vec<u8>,
     /// `local` and the legs as given, before [`Local::bridged_with`]: what a rebuild starts from.
     given: (Local, Vec<Local>),
+    /// `local` as it faces members on the vserver's own transport from `service_source`
+    /// ([`Local::sending_from`]), with that address; `None` without one.
+    toward_services: Option<(Local, SocketAddr)>,
     record_route: bool,
     method: Method,
     hash_params: HashParams,
@@ -165,6 +168,9 @@ pub struct SipParams {
     pub member_transports: Vec<Transport>,
     /// fulcrum's identities on other transports ([`SipParams::with_legs`]).
     pub legs: Vec<Local>,
+    /// The address requests toward members on the vserver's own transport leave from and
+    /// name in their Via (`service_source`, port resolved); `None`: `local`'s.
+    pub service_source: Option<SocketAddr>,
 }
 
 impl SipParams {
@@ -179,6 +185,7 @@ impl SipParams {
         SipParams {
             name: v.name.clone(),
             legs: Vec::new(),
+            service_source: None,
             record_route: v.record_route,
             method: v.method,
             hash_params: v.hash.clone(),
@@ -207,6 +214,13 @@ impl SipParams {
         self.legs = legs;
         self
     }
+
+    /// Requests toward members on the vserver's own transport leave from `addr` and name it
+    /// in their Via, so that their answers come back to this instance (`service_source`).
+    pub fn with_service_source(mut self, addr: Option<SocketAddr>) -> SipParams {
+        self.service_source = addr;
+        self
+    }
 }
 
 /// The SIP transport of a service protocol, `None` for the non-SIP ones.
@@ -229,6 +243,19 @@ impl SipCore {
             .map(|m| hash::service_digest(m.id_hash))
             .collect();
         let given = (p.local.clone(), p.legs.clone());
+        // A Via naming `service_source` is fulcrum's on every leg.
+        let (p_local, p_legs) = match p.service_source {
+            Some(a) => (
+                p.local.with_alias(a),
+                p.legs.into_iter().map(|l| l.with_alias(a)).collect(),
+            ),
+            None => (p.local, p.legs),
+        };
+        let p = SipParams {
+            local: p_local,
+            legs: p_legs,
+            ..p
+        };
         let own = p.local.transport();
         // A leg per member: the vserver's own, or the first given leg of its transport.
         let member_leg: Vec<u8> = p
@@ -262,10 +289,12 @@ impl SipCore {
         } else {
             (p.local, Vec::new(), Vec::new())
         };
+        let toward_services = p.service_source.map(|a| (local.sending_from(a), a));
         SipCore {
             digests,
             edge: crate::edge::Edge::default(),
             name: p.name,
+            toward_services,
             local,
             legs,
             member_leg,
@@ -311,6 +340,22 @@ impl SipCore {
     /// learnt each other: what a rebuild of the vserver starts from.
     pub fn identities(&self) -> (Local, Vec<Local>) {
         self.given.clone()
+    }
+
+    /// The address requests toward members on the vserver's own transport leave from
+    /// (`service_source`), when it is not the vserver's.
+    pub fn service_source(&self) -> Option<SocketAddr> {
+        self.toward_services.as_ref().map(|(_, a)| *a)
+    }
+
+    /// fulcrum's identity in a request toward member `m`: its leg's on another transport, else
+    /// the vserver's own as it faces services (`service_source`).
+    fn identity_toward(&self, m: usize) -> &Local {
+        self.leg_of(m).unwrap_or_else(|| {
+            self.toward_services
+                .as_ref()
+                .map_or(&self.local, |(l, _)| l)
+        })
     }
 
     /// fulcrum's identity on the leg toward member `m` when it is not the vserver's own

@@ -135,7 +135,7 @@ impl SipCore {
         // of the client leg's (RFC 5658 §3.2).
         let leg = self.leg_of(member);
         let rw = RequestRewrite {
-            local: leg.unwrap_or(&self.local),
+            local: self.identity_toward(member),
             src,
             record_route: self.record_route,
             force_rport: false,

@@ -16,8 +16,11 @@ use std::sync::Mutex;
 /// Where a message the core sends on a held request's behalf goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dest {
-    /// A datagram to this address (a client over UDP, a member reached over UDP).
+    /// A datagram to this address (a client over UDP).
     Addr(SocketAddr),
+    /// A datagram to the member at this address (reached over UDP): from `service_source`
+    /// when the vserver has one.
+    Service(SocketAddr),
     /// Member `m`'s link (a member reached over a stream).
     Member(usize),
     /// The client connection with this id (streams).
@@ -119,7 +122,7 @@ impl Hops for CoreHops<'_> {
         let member = core.choose_next(&msg, self.src, self.dst, self.now, &avoid)?;
         let addr = *core.member_addrs.get(member)?;
         let rw = RequestRewrite {
-            local: &core.local,
+            local: core.identity_toward(member),
             src: self.src,
             record_route: core.record_route,
             force_rport: false,
@@ -560,7 +563,7 @@ impl SipCore {
     fn member_dest(&self, addr: SocketAddr) -> Dest {
         match self.member_of(addr) {
             Some(m) if self.member_transport(m) != Transport::Udp => Dest::Member(m),
-            _ => Dest::Addr(addr),
+            _ => Dest::Service(addr),
         }
     }
 

@@ -32,6 +32,7 @@ fn core_with(record_route: bool, method: &str) -> SipCore {
         dialog_idle: Duration::from_secs(3600),
         member_transports: Vec::new(),
         legs: Vec::new(),
+        service_source: None,
     })
 }
 

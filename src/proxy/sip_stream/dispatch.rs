@@ -29,7 +29,7 @@ impl SipStreamShared {
                 Dest::Member(m) => {
                     self.to_service(g, m, bytes);
                 }
-                Dest::Addr(addr) => {
+                Dest::Addr(addr) | Dest::Service(addr) => {
                     self.to_udp(&bytes, addr);
                 }
             }

@@ -1,8 +1,9 @@
 //! Service links: the one connection per member a SIP stream vserver (or a sip-udp vserver's
 //! bridge) keeps, driven by the pure [`Link`] machine: connect on demand with backoff,
-//! write, read what the service sends, retire on reload, mark the service DOWN / UP, and
-//! report failed connects (and, in the reader, answers) for passive ejection
-//! (docs/ejection.md). IO.
+//! write (ending a connection whose write makes no progress for the service's
+//! `write_timeout`), read what the service sends, retire on reload, mark the service DOWN /
+//! UP, and report failed connects and stalled writes (and, in the reader, answers) for
+//! passive ejection (docs/ejection.md). IO.
 
 use super::*;
 
@@ -19,6 +20,8 @@ pub(super) struct ServiceLink {
     pub(super) udp: bool,
     pub(super) retired: AtomicBool,
     pub(super) retire: Notify,
+    /// The service's `write_timeout` in nanoseconds (a reload may change it).
+    write_timeout: AtomicU64,
 }
 
 impl ServiceLink {
@@ -37,8 +40,21 @@ impl ServiceLink {
             udp,
             retired: AtomicBool::new(false),
             retire: Notify::new(),
+            write_timeout: AtomicU64::new(
+                u64::try_from(crate::core::link::WRITE_TIMEOUT.as_nanos()).unwrap_or(u64::MAX),
+            ),
         };
         (Arc::new(link), rx)
+    }
+
+    /// How long a write toward the service may make no progress (its `write_timeout`).
+    pub(super) fn set_write_timeout(&self, d: std::time::Duration) {
+        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.write_timeout.store(nanos, Ordering::Relaxed);
+    }
+
+    fn write_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.write_timeout.load(Ordering::Relaxed))
     }
 
     pub(super) fn retire(&self) {
@@ -62,6 +78,9 @@ impl ServiceLink {
         }
     }
 }
+
+/// How long closing a service connection's write side (a TLS close_notify) may take.
+pub(super) const CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Own the connection over `link` (TCP, or TLS for a sip-tls service): see [`drive_link`].
 pub(super) async fn service_loop(
@@ -167,6 +186,7 @@ pub(super) async fn drive_link<C: Connector>(
             Phase::Closed => return,
         };
         let now = tokio::time::Instant::now().into_std();
+        machine.set_write_timeout(link.write_timeout());
         if !machine.is_heard()
             && conn
                 .as_ref()
@@ -187,6 +207,10 @@ pub(super) async fn drive_link<C: Connector>(
                 LinkAction::MarkDown => mark_down(&shared, &link, cause),
                 LinkAction::MarkUp => mark_up_again(&shared, &link),
                 LinkAction::CountLost => bump(&shared.counters.service_connections_lost),
+                LinkAction::CountStalled => {
+                    bump(&shared.counters.service_writes_stalled);
+                    tracing::warn!(vserver = %shared.name, service = %addr, "a write made no progress for the service's write_timeout: connection closed, its requests chosen again");
+                }
                 LinkAction::CountRetired => bump(&shared.counters.services_retired),
                 LinkAction::Disconnect => conn = None,
                 LinkAction::StartDrain => {
@@ -200,7 +224,9 @@ pub(super) async fn drive_link<C: Connector>(
                             .draining
                             .remove_if(&addr, |_, tx| tx.same_channel(&c.drain_tx));
                         c.reader.0.abort();
-                        let _ = c.write.shutdown().await;
+                        // Bounded: a TLS close_notify toward a service that stopped
+                        // reading would wait for ever.
+                        let _ = tokio::time::timeout(CLOSE_LIMIT, c.write.shutdown()).await;
                         tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
                     }
                 }
@@ -223,6 +249,7 @@ pub(super) fn failure_cause(
         (LinkEvent::ConnectFailed, _, Some(e)) => Cause::of_stream_error(&e)
             .or_else(|| (e.kind() == std::io::ErrorKind::Other).then_some(Cause::Handshake)),
         (LinkEvent::TimerFired, Phase::Connecting, _) => Some(Cause::Timeout),
+        (LinkEvent::TimerFired, Phase::Writing, _) => Some(Cause::WriteStalled),
         _ => Some(Cause::Refused),
     }
 }

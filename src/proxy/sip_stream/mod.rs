@@ -110,6 +110,9 @@ pub struct SipStreamCounters {
     /// Service connections that ended from the service's side (closed, reset, or a message
     /// that does not frame); each is made again on the next request.
     pub service_connections_lost: AtomicU64,
+    /// Writes toward a service that made no progress for its `write_timeout` (it stopped
+    /// reading): the connection ended, its requests chosen again.
+    pub service_writes_stalled: AtomicU64,
     pub service_queue_full: AtomicU64,
     /// Requests moved to the next-ranked member after their member's connection failed or
     /// a reload removed it.
@@ -128,7 +131,7 @@ pub struct SipStreamCounters {
 
 impl SipStreamCounters {
     /// Each counter by its event name, in the order metrics lists them.
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 16] {
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 17] {
         [
             ("clients_accepted", &self.clients_accepted),
             ("clients_refused", &self.clients_refused),
@@ -140,6 +143,7 @@ impl SipStreamCounters {
             ("in_dialog_no_client", &self.in_dialog_no_client),
             ("service_connect_failures", &self.service_connect_failures),
             ("service_connections_lost", &self.service_connections_lost),
+            ("service_writes_stalled", &self.service_writes_stalled),
             ("service_queue_full", &self.service_queue_full),
             ("requests_rerouted", &self.requests_rerouted),
             ("requests_lost", &self.requests_lost),
@@ -226,9 +230,23 @@ pub(crate) struct Install {
     pub idle: Duration,
     /// Per member (same index): TLS toward it, for sip-tls services.
     pub tls: Vec<Option<crate::tls::ClientTls>>,
+    /// Per member (same index): its service's `write_timeout`.
+    pub write_timeouts: Vec<Duration>,
 }
 
 impl Install {
+    /// The `write_timeout` of each member of `v`'s service ([`Install::write_timeouts`]).
+    pub(crate) fn member_write_timeouts(config: &Config, v: &Vserver) -> Vec<Duration> {
+        v.members()
+            .map(|i| {
+                config
+                    .services
+                    .get(i)
+                    .map_or(crate::core::link::WRITE_TIMEOUT, |s| s.write_timeout)
+            })
+            .collect()
+    }
+
     /// The TLS of each member of `v` toward its service ([`Install::tls`]).
     pub(crate) fn member_tls(config: &Config, v: &Vserver) -> Vec<Option<crate::tls::ClientTls>> {
         v.members()
@@ -285,6 +303,11 @@ impl SipStreamShared {
                     .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
                 let tls = next.tls.get(m).cloned().flatten();
                 let udp = next.core.member_transport(m) == Transport::Udp;
+                let write_timeout = next
+                    .write_timeouts
+                    .get(m)
+                    .copied()
+                    .unwrap_or(crate::core::link::WRITE_TIMEOUT);
                 // A link is kept while the service is the same one, reached the same way
                 // (UDP, TLS or TCP); new certificates go to its next connection.
                 let kept = old.links.iter().find(|l| {
@@ -298,6 +321,7 @@ impl SipStreamShared {
                         if let (Some(c), Some(t)) = (&l.tls, tls) {
                             c.store(t);
                         }
+                        l.set_write_timeout(write_timeout);
                         Arc::clone(l)
                     }
                     (None, tls) => {
@@ -307,6 +331,7 @@ impl SipStreamShared {
                         let was = was.and_then(|l| l.tls.as_deref());
                         let tls = tls.map(|t| crate::tls::TlsConnector::carrying(t, was));
                         let (link, rx) = ServiceLink::new(name, addr, tls, udp);
+                        link.set_write_timeout(write_timeout);
                         // A sip-udp member's datagrams go out on the UDP leg: no task.
                         if !udp {
                             fresh.push((Arc::clone(&link), rx));
@@ -530,6 +555,7 @@ impl DataPath for SipStreamPath {
             max_clients: v.max_sessions,
             idle: v.idle_timeout,
             tls: Install::member_tls(config, v),
+            write_timeouts: Install::member_write_timeouts(config, v),
         });
         // Held here only: the link set the workers read before the switch.
         if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
@@ -677,6 +703,7 @@ fn launch(
         max_clients: sh.max_clients,
         idle: v.idle_timeout,
         tls: Install::member_tls(config, v),
+        write_timeouts: Install::member_write_timeouts(config, v),
     });
     shared
 }

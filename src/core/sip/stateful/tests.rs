@@ -65,7 +65,7 @@ fn flat(sends: Vec<Send>) -> Vec<(SocketAddr, Bytes)> {
     sends
         .into_iter()
         .map(|(d, b)| match d {
-            Dest::Addr(a) => (a, b),
+            Dest::Addr(a) | Dest::Service(a) => (a, b),
             other => panic!("not a datagram: {other:?}"),
         })
         .collect()
@@ -249,4 +249,80 @@ fn a_held_options_gets_its_200_relayed() {
         "{}",
         String::from_utf8_lossy(&out)
     );
+}
+
+/// With `service_source`, requests toward services name it in their Via and leave from it
+/// (`Dest::Service`), answers naming it are fulcrum's, and what goes to the client stays a
+/// plain datagram from the vserver's address (`Dest::Addr`).
+#[test]
+fn with_a_service_source_services_answer_there_and_failover_works() {
+    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, service_source: 127.0.0.2, record_route: true, services: [a, b] }\n";
+    let cfg = config::from_str("t", y).expect("config");
+    let v = &cfg.vservers[0];
+    assert_eq!(v.service_source, Some("127.0.0.2:0".parse().expect("addr")));
+    let src: SocketAddr = "127.0.0.2:5060".parse().expect("addr");
+    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
+    let balancer = Arc::new(Balancer::new(&cfg, v));
+    let c = SipCore::new(SipParams::of(&cfg, v, local, balancer).with_service_source(Some(src)))
+        .with_failover(v.failover.clone(), Arc::default());
+    assert_eq!(c.service_source(), Some(src));
+    let mut out = Vec::new();
+    let mut raw = Vec::new();
+    let client: SocketAddr = CLIENT.parse().expect("client");
+    let Action::ToMember(m0) = c.handle_datagram_stateful(
+        invite("call-s").as_bytes(),
+        client,
+        US.parse().expect("dst"),
+        0,
+        &mut out,
+        &mut raw,
+    ) else {
+        panic!("not forwarded");
+    };
+    let text = String::from_utf8_lossy(&out).into_owned();
+    assert!(
+        text.contains("Via: SIP/2.0/UDP 127.0.0.2:5060;branch="),
+        "{text}"
+    );
+    assert!(
+        text.contains("Record-Route: <sip:127.0.0.1:5060;lr"),
+        "{text}"
+    );
+    assert!(
+        matches!(raw.as_slice(), [(Dest::Addr(a), _)] if *a == client),
+        "{raw:?}"
+    );
+    let first = out.clone();
+    raw.clear();
+    let a = c.handle_datagram_stateful(
+        answer(&first, 503, "Service Unavailable").as_bytes(),
+        c.member_addr(m0).expect("m0"),
+        src,
+        S / 10,
+        &mut out,
+        &mut raw,
+    );
+    assert_eq!(a, Action::Drop(DropReason::Absorbed));
+    // The ACK of the 503 and the next attempt: both toward services, from the service source.
+    assert_eq!(raw.len(), 2, "{raw:?}");
+    assert!(
+        raw.iter().all(|(d, _)| matches!(d, Dest::Service(_))),
+        "{raw:?}"
+    );
+    let next = raw[1].clone();
+    let Dest::Service(to) = next.0 else {
+        unreachable!()
+    };
+    assert!(String::from_utf8_lossy(&next.1).contains("Via: SIP/2.0/UDP 127.0.0.2:5060;branch="));
+    raw.clear();
+    let a = c.handle_datagram_stateful(
+        answer(&next.1, 200, "OK").as_bytes(),
+        to,
+        src,
+        S / 5,
+        &mut out,
+        &mut raw,
+    );
+    assert_eq!(a, Action::ToAddr(client));
+    assert_eq!(first_line(&out), "SIP/2.0 200 OK");
 }
