@@ -412,13 +412,15 @@ impl EdgeFamilies {
 }
 
 /// Handshakes of the vservers that terminate TLS, and of every vserver toward its services
-/// with `tls` (docs/tls.md): completed, and failed by reason (every reason listed, zero or
-/// not).
+/// with `tls` (docs/tls.md): completed, failed by reason (every reason listed, zero or not),
+/// and renegotiations refused.
 struct TlsFamilies {
     completed: Family,
     failed: Family,
+    refused: Family,
     service_completed: Family,
     service_failed: Family,
+    service_refused: Family,
 }
 
 impl TlsFamilies {
@@ -434,6 +436,11 @@ impl TlsFamilies {
                 "counter",
                 "TLS handshakes that failed on a vserver's listener, by reason.",
             ),
+            refused: Family::new(
+                "fulcrum_tls_renegotiations_refused_total",
+                "counter",
+                "TLS 1.2 renegotiations clients asked for on a vserver's listener, refused.",
+            ),
             service_completed: Family::new(
                 "fulcrum_tls_service_handshakes_total",
                 "counter",
@@ -444,18 +451,21 @@ impl TlsFamilies {
                 "counter",
                 "TLS handshakes toward a service that failed, by reason.",
             ),
+            service_refused: Family::new(
+                "fulcrum_tls_service_renegotiations_refused_total",
+                "counter",
+                "TLS 1.2 renegotiations a service asked for, refused.",
+            ),
         }
     }
 
     fn add(&mut self, v: &VserverHandle) {
         let n = v.name.as_str();
-        if let Some(l) = v.tls() {
-            add_handshakes(
-                &mut self.completed,
-                &mut self.failed,
-                &[("vserver", n)],
-                &l.counters,
-            );
+        if let Some(listener) = v.tls() {
+            let c = &listener.counters;
+            let l = [("vserver", n)];
+            add_handshakes(&mut self.completed, &mut self.failed, &l, c);
+            self.refused.add(&l, load(&c.renegotiations_refused));
         }
         for (service, c) in v.service_tls() {
             let l = [("vserver", n), ("service", service.as_str())];
@@ -465,15 +475,19 @@ impl TlsFamilies {
                 &l,
                 &c,
             );
+            self.service_refused
+                .add(&l, load(&c.renegotiations_refused));
         }
     }
 
-    fn families(&self) -> [&Family; 4] {
+    fn families(&self) -> [&Family; 6] {
         [
             &self.completed,
             &self.failed,
+            &self.refused,
             &self.service_completed,
             &self.service_failed,
+            &self.service_refused,
         ]
     }
 }

@@ -238,15 +238,19 @@ fn ejection_status(e: &crate::eject::EjectStatus) -> Value {
     })
 }
 
-/// The handshakes toward a service reached over TLS, in `/status`: completed, and failed by
-/// reason (every reason listed).
+/// The handshakes toward a service reached over TLS, in `/status`: completed, failed by
+/// reason (every reason listed), and the service's renegotiations refused.
 fn handshakes_status(c: &crate::tls::HandshakeCounters) -> Value {
     let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
     let failures: serde_json::Map<String, Value> = crate::tls::Reason::ALL
         .iter()
         .map(|r| (r.name().to_owned(), json!(n(c.failed(*r)))))
         .collect();
-    json!({ "handshakes": n(&c.completed), "handshake_failures": failures })
+    json!({
+        "handshakes": n(&c.completed),
+        "handshake_failures": failures,
+        "renegotiations_refused": n(&c.renegotiations_refused),
+    })
 }
 
 /// `/healthz` and `/readyz`, answered before the token check; `None` for any other path.
