@@ -520,6 +520,7 @@ fn add_transport_events(events: &mut Family, v: &VserverHandle) {
 /// latency, and whether the monitor considers the service alive.
 struct MonitorFamilies {
     probes: Family,
+    local_errors: Family,
     latency: Family,
     mon_up: Family,
 }
@@ -531,6 +532,11 @@ impl MonitorFamilies {
                 "fulcrum_monitor_probes_total",
                 "counter",
                 "Monitor probes by result.",
+            ),
+            local_errors: Family::new(
+                "fulcrum_monitor_local_errors_total",
+                "counter",
+                "Monitor probes that failed on fulcrum's own side (no descriptor, buffer, memory or local address): not counted against the service.",
             ),
             latency: Family::new(
                 "fulcrum_monitor_latency_seconds",
@@ -554,14 +560,20 @@ impl MonitorFamilies {
         let probes = &mut self.probes;
         probes.add(&[l[0], l[1], ("result", "ok")], load(&s.probes_ok));
         probes.add(&[l[0], l[1], ("result", "failed")], load(&s.probes_failed));
+        self.local_errors.add(&l, load(&s.local_errors));
         let latency = &mut self.latency;
         latency.add_suffixed("_sum", &l, load(&s.rtt_sum_us) as f64 / 1e6);
         latency.add_suffixed("_count", &l, load(&s.probes_ok));
         self.mon_up.add(&l, u8::from(phase.is_up()));
     }
 
-    fn families(&self) -> [&Family; 3] {
-        [&self.probes, &self.latency, &self.mon_up]
+    fn families(&self) -> [&Family; 4] {
+        [
+            &self.probes,
+            &self.local_errors,
+            &self.latency,
+            &self.mon_up,
+        ]
     }
 }
 
@@ -690,7 +702,10 @@ vservers:
         .expect("running");
         for (i, s) in ops.health().services().iter().enumerate() {
             let i = i as u64;
-            store(&[&s.probes_ok, &s.probes_failed], 10 * i + 1);
+            store(
+                &[&s.probes_ok, &s.probes_failed, &s.local_errors],
+                10 * i + 1,
+            );
             s.rtt_sum_us.store(1_234_567 * (i + 1), Ordering::Relaxed);
         }
     }

@@ -465,6 +465,7 @@ pub fn status(ops: &Ops) -> Value {
                                     "state": phase.name(),
                                     "probes_ok": r_load(&rec, |r| r.probes_ok.load(std::sync::atomic::Ordering::Relaxed)),
                                     "probes_failed": r_load(&rec, |r| r.probes_failed.load(std::sync::atomic::Ordering::Relaxed)),
+                                    "local_errors": r_load(&rec, |r| r.local_errors.load(std::sync::atomic::Ordering::Relaxed)),
                                     "response_time_us": c.and_then(|c| c.monitor_response_time_us()),
                                     "hold": rec.as_ref().and_then(|r| r.hold(health_now)).map(|h| hold_status(&h, health_now)),
                                 })
