@@ -105,6 +105,9 @@ impl Cause {
     /// is fulcrum's own (no descriptor or buffer left, no local address or port, a local
     /// policy refusing the socket) and says nothing of the service.
     pub fn of_stream_error(e: &io::Error) -> Option<Cause> {
+        if is_local_error(e) {
+            return None;
+        }
         match e.kind() {
             io::ErrorKind::ConnectionRefused
             | io::ErrorKind::ConnectionReset
@@ -123,6 +126,9 @@ impl Cause {
     /// a connected socket (port or host unreachable, RFC 1122 §4.1.3.3) are; silence never
     /// is, nor a local error.
     pub fn of_datagram_error(e: &io::Error) -> Option<Cause> {
+        if is_local_error(e) {
+            return None;
+        }
         match e.kind() {
             io::ErrorKind::ConnectionRefused
             | io::ErrorKind::HostUnreachable
@@ -143,6 +149,26 @@ impl Cause {
             Cause::Handshake => "handshake".into(),
         }
     }
+}
+
+/// Whether `e` is fulcrum's own trouble, which says nothing of the service it was meant for:
+/// no file descriptor left (EMFILE, ENFILE), no buffer or memory (ENOBUFS, ENOMEM), no local
+/// address or port (EADDRNOTAVAIL, EADDRINUSE). A monitor's probe that meets one leaves the
+/// service's state as it was (docs/ejection.md, README.md "Health monitors"), a data path's
+/// connect that meets one is no failure of the service, for ejection nor for its monitor.
+pub fn is_local_error(e: &io::Error) -> bool {
+    use nix::libc;
+    matches!(
+        e.raw_os_error(),
+        Some(
+            libc::EMFILE
+                | libc::ENFILE
+                | libc::ENOBUFS
+                | libc::ENOMEM
+                | libc::EADDRNOTAVAIL
+                | libc::EADDRINUSE
+        )
+    )
 }
 
 /// One failure as a data path reports it: its cause and, for a 503 that carried one, the
@@ -751,6 +777,23 @@ mod tests {
     fn local_errors_are_not_failures() {
         let os = |e: nix::errno::Errno| io::Error::from_raw_os_error(e as i32);
         use nix::errno::Errno::*;
+        for local in [EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL, EADDRINUSE] {
+            assert!(is_local_error(&os(local)), "{local}");
+        }
+        // The service's (or the path's) doing, or nothing the kernel said.
+        for theirs in [
+            ECONNREFUSED,
+            ECONNRESET,
+            ETIMEDOUT,
+            EHOSTUNREACH,
+            ENETUNREACH,
+            EPERM,
+            EACCES,
+        ] {
+            assert!(!is_local_error(&os(theirs)), "{theirs}");
+        }
+        assert!(!is_local_error(&io::ErrorKind::OutOfMemory.into()));
+        assert!(!is_local_error(&io::Error::other("TLS handshake failed")));
         for local in [
             EMFILE,
             ENFILE,

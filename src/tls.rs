@@ -354,11 +354,16 @@ impl Reason {
     }
 }
 
-/// Handshakes of one listener, or toward one service: completed, and failed by reason.
+/// Handshakes of one listener, or toward one service: completed, failed by reason, and the
+/// renegotiations the peer asked for on an established connection and was refused.
 #[derive(Debug, Default)]
 pub struct HandshakeCounters {
     pub completed: AtomicU64,
     failed: [AtomicU64; Reason::ALL.len()],
+    /// TLS 1.2 renegotiations refused ([`MaybeTls`]): the peer asked for a new handshake (a
+    /// client's ClientHello, a service's HelloRequest) and got the `no_renegotiation` warning
+    /// alert (RFC 5246 section 7.2.2), or, asking again, a fatal alert and the close.
+    pub renegotiations_refused: AtomicU64,
 }
 
 impl HandshakeCounters {
@@ -408,14 +413,14 @@ pub struct ServerTls {
 #[derive(Debug)]
 pub struct TlsListener {
     current: ArcSwap<ServerTls>,
-    pub counters: HandshakeCounters,
+    pub counters: Arc<HandshakeCounters>,
 }
 
 impl TlsListener {
     pub fn new(tls: ServerTls) -> TlsListener {
         TlsListener {
             current: ArcSwap::from_pointee(tls),
-            counters: HandshakeCounters::default(),
+            counters: Arc::default(),
         }
     }
 
@@ -429,8 +434,9 @@ impl TlsListener {
         self.current.load_full()
     }
 
-    /// Run the server handshake on `io` within the handshake timeout, counting the outcome.
-    pub async fn accept<IO>(&self, io: IO) -> Result<tokio_rustls::server::TlsStream<IO>, Reason>
+    /// Run the server handshake on `io` within the handshake timeout, counting the outcome; the
+    /// stream counts its refused renegotiations here too.
+    pub async fn accept<IO>(&self, io: IO) -> Result<MaybeTls<IO>, Reason>
     where
         IO: AsyncRead + AsyncWrite + Unpin,
     {
@@ -438,6 +444,7 @@ impl TlsListener {
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::clone(&tls.config));
         self.counters
             .count(tokio::time::timeout(tls.handshake_timeout, acceptor.accept(io)).await)
+            .map(|s| MaybeTls::counted(s.into(), &self.counters))
     }
 }
 
@@ -482,12 +489,9 @@ impl TlsConnector {
         self.current.load_full()
     }
 
-    /// Run the client handshake on `io` within `timeout`, counting the outcome.
-    pub async fn connect<IO>(
-        &self,
-        io: IO,
-        timeout: Duration,
-    ) -> Result<tokio_rustls::client::TlsStream<IO>, Reason>
+    /// Run the client handshake on `io` within `timeout`, counting the outcome; the stream
+    /// counts its refused renegotiations here too.
+    pub async fn connect<IO>(&self, io: IO, timeout: Duration) -> Result<MaybeTls<IO>, Reason>
     where
         IO: AsyncRead + AsyncWrite + Unpin,
     {
@@ -500,7 +504,7 @@ impl TlsConnector {
         &self,
         io: IO,
         deadline: tokio::time::Instant,
-    ) -> Result<tokio_rustls::client::TlsStream<IO>, Reason>
+    ) -> Result<MaybeTls<IO>, Reason>
     where
         IO: AsyncRead + AsyncWrite + Unpin,
     {
@@ -509,6 +513,7 @@ impl TlsConnector {
         let handshake = connector.connect(tls.server_name.clone(), io);
         self.counters
             .count(tokio::time::timeout_at(deadline, handshake).await)
+            .map(|s| MaybeTls::counted(s.into(), &self.counters))
     }
 }
 
@@ -565,35 +570,168 @@ impl<T> std::fmt::Debug for Loaded<T> {
 }
 
 /// A stream that is plain or TLS (either side), so one data path serves both.
+///
+/// Reading a TLS stream can make rustls queue records of its own to send: after the handshake,
+/// a TLS 1.2 peer's renegotiation request (a client's ClientHello, a service's HelloRequest)
+/// is refused with the `no_renegotiation` warning alert (RFC 5246 section 7.2.2; a second
+/// request ends the connection with a fatal alert). tokio-rustls sends such records only with
+/// the next write, which may never come (a SIP client that waits for its answer, a relay
+/// direction that is quiet), so the peer would wait on a connection that looks dead. A read
+/// sends them at once ([`answer_after_read`]).
 #[derive(Debug)]
 pub enum MaybeTls<IO> {
     Plain(IO),
-    Tls(Box<tokio_rustls::TlsStream<IO>>),
+    Tls {
+        stream: Box<tokio_rustls::TlsStream<IO>>,
+        /// Where refused renegotiations are counted: the listener's, or the service's.
+        counters: Option<Arc<HandshakeCounters>>,
+    },
 }
 
 impl<IO> MaybeTls<IO> {
+    /// A TLS stream whose refused renegotiations count in `counters`.
+    pub fn counted(stream: tokio_rustls::TlsStream<IO>, counters: &Arc<HandshakeCounters>) -> Self {
+        MaybeTls::Tls {
+            stream: Box::new(stream),
+            counters: Some(Arc::clone(counters)),
+        }
+    }
+
     /// The TCP (or other) stream under the TLS layer.
     pub fn get_ref(&self) -> &IO {
         match self {
             MaybeTls::Plain(io) => io,
-            MaybeTls::Tls(s) => s.get_ref().0,
+            MaybeTls::Tls { stream, .. } => stream.get_ref().0,
         }
     }
 }
 
 impl<IO> From<tokio_rustls::server::TlsStream<IO>> for MaybeTls<IO> {
     fn from(s: tokio_rustls::server::TlsStream<IO>) -> Self {
-        MaybeTls::Tls(Box::new(tokio_rustls::TlsStream::Server(s)))
+        MaybeTls::Tls {
+            stream: Box::new(tokio_rustls::TlsStream::Server(s)),
+            counters: None,
+        }
     }
 }
 
 impl<IO> From<tokio_rustls::client::TlsStream<IO>> for MaybeTls<IO> {
     fn from(s: tokio_rustls::client::TlsStream<IO>) -> Self {
-        MaybeTls::Tls(Box::new(tokio_rustls::TlsStream::Client(s)))
+        MaybeTls::Tls {
+            stream: Box::new(tokio_rustls::TlsStream::Client(s)),
+            counters: None,
+        }
     }
 }
 
-impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for MaybeTls<IO> {
+/// A write that never waits: it takes what the socket takes now and never registers the
+/// task for write readiness. A read half that wrote with `poll_write` would take over the
+/// writer task's wake-up for the socket (one waker per direction), and that task could then
+/// wait forever.
+pub trait TryWrite {
+    /// Write what the socket takes now; `WouldBlock` when it takes nothing.
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize>;
+}
+
+impl TryWrite for tokio::net::TcpStream {
+    fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        tokio::net::TcpStream::try_write(self, buf)
+    }
+}
+
+/// [`TryWrite`] as the `io::Write` rustls writes its records into.
+struct TryWriter<'a, IO>(&'a IO);
+
+impl<IO: TryWrite> io::Write for TryWriter<'_, IO> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.try_write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Whether rustls has records of its own waiting to go out on `stream`.
+fn has_pending<IO>(stream: &tokio_rustls::TlsStream<IO>) -> bool {
+    stream.get_ref().1.wants_write()
+}
+
+/// What a read of a TLS stream left to do: send the records rustls queued while reading
+/// ([`MaybeTls`]), as far as the socket takes them now (the rest goes with the next write),
+/// and count a refused renegotiation. `was_pending`: records were waiting before the read.
+fn answer_after_read<IO: TryWrite>(
+    stream: &mut tokio_rustls::TlsStream<IO>,
+    counters: Option<&HandshakeCounters>,
+    was_pending: bool,
+    read: &Poll<io::Result<()>>,
+) {
+    let queued = has_pending(stream);
+    if let Some(c) = counters
+        && is_renegotiation_refused(
+            stream.get_ref().1.protocol_version(),
+            queued && !was_pending,
+            read,
+        )
+    {
+        c.renegotiations_refused.fetch_add(1, Ordering::Relaxed);
+    }
+    if !queued {
+        return;
+    }
+    let sent = match stream {
+        tokio_rustls::TlsStream::Server(s) => {
+            let (io, conn) = s.get_mut();
+            write_pending(conn, io)
+        }
+        tokio_rustls::TlsStream::Client(s) => {
+            let (io, conn) = s.get_mut();
+            write_pending(conn, io)
+        }
+    };
+    if let Err(e) = sent {
+        tracing::trace!(error = %e, "TLS records queued by a read wait for the next write");
+    }
+}
+
+/// Write the records `conn` has queued into `io` until it takes no more.
+fn write_pending<D, IO: TryWrite>(
+    conn: &mut rustls::ConnectionCommon<D>,
+    io: &IO,
+) -> io::Result<()> {
+    while conn.wants_write() {
+        if conn.write_tls(&mut TryWriter(io))? == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+    }
+    Ok(())
+}
+
+/// Whether a read that ended in `read` refused a renegotiation. PURE. In TLS 1.2 after the
+/// handshake, the one record rustls queues while reading is the `no_renegotiation` alert
+/// (`queued_by_read`: nothing was waiting before the read, something is after it); a peer
+/// that asks again gets a fatal alert and the read fails. Records that were already waiting
+/// (a write the socket did not take) hide an alert queued behind them: not counted then.
+pub fn is_renegotiation_refused(
+    version: Option<rustls::ProtocolVersion>,
+    queued_by_read: bool,
+    read: &Poll<io::Result<()>>,
+) -> bool {
+    if version != Some(rustls::ProtocolVersion::TLSv1_2) {
+        return false;
+    }
+    match read {
+        Poll::Ready(Err(e)) => matches!(
+            e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()),
+            Some(rustls::Error::PeerMisbehaved(
+                rustls::PeerMisbehaved::TooManyRenegotiationRequests
+            ))
+        ),
+        _ => queued_by_read,
+    }
+}
+
+impl<IO: AsyncRead + AsyncWrite + TryWrite + Unpin> AsyncRead for MaybeTls<IO> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -601,7 +739,12 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for MaybeTls<IO> {
     ) -> Poll<io::Result<()>> {
         match self.get_mut() {
             MaybeTls::Plain(io) => Pin::new(io).poll_read(cx, buf),
-            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            MaybeTls::Tls { stream, counters } => {
+                let was_pending = has_pending(stream);
+                let read = Pin::new(stream.as_mut()).poll_read(cx, buf);
+                answer_after_read(stream, counters.as_deref(), was_pending, &read);
+                read
+            }
         }
     }
 }
@@ -614,14 +757,14 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for MaybeTls<IO> {
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
             MaybeTls::Plain(io) => Pin::new(io).poll_write(cx, buf),
-            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            MaybeTls::Tls { stream, .. } => Pin::new(stream.as_mut()).poll_write(cx, buf),
         }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             MaybeTls::Plain(io) => Pin::new(io).poll_flush(cx),
-            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            MaybeTls::Tls { stream, .. } => Pin::new(stream.as_mut()).poll_flush(cx),
         }
     }
 
@@ -630,7 +773,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncWrite for MaybeTls<IO> {
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             MaybeTls::Plain(io) => Pin::new(io).poll_shutdown(cx),
-            MaybeTls::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            MaybeTls::Tls { stream, .. } => Pin::new(stream.as_mut()).poll_shutdown(cx),
         }
     }
 }
@@ -816,6 +959,31 @@ mod tests {
         unique.sort_unstable();
         unique.dedup();
         assert_eq!(names.len(), unique.len(), "{names:?}");
+    }
+
+    #[test]
+    fn a_record_a_tls12_read_queues_is_a_refused_renegotiation() {
+        use rustls::ProtocolVersion::{TLSv1_2, TLSv1_3};
+        let read = Poll::Ready(Ok(()));
+        let tls12 = Some(TLSv1_2);
+        assert!(is_renegotiation_refused(tls12, true, &read));
+        assert!(
+            is_renegotiation_refused(tls12, true, &Poll::Pending),
+            "a ClientHello alone gives the reader no bytes"
+        );
+        assert!(!is_renegotiation_refused(tls12, false, &read));
+        assert!(!is_renegotiation_refused(Some(TLSv1_3), true, &read));
+        assert!(!is_renegotiation_refused(None, true, &read));
+        let failed =
+            |e: rustls::Error| Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, e)));
+        let again =
+            rustls::Error::PeerMisbehaved(rustls::PeerMisbehaved::TooManyRenegotiationRequests);
+        assert!(is_renegotiation_refused(tls12, false, &failed(again)));
+        assert!(!is_renegotiation_refused(
+            tls12,
+            true,
+            &failed(rustls::Error::DecryptError)
+        ));
     }
 
     #[test]

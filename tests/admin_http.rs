@@ -134,6 +134,54 @@ fn bodies_and_heads_over_the_bounds_are_refused() {
     ops.shutdown();
 }
 
+/// `GET /healthz` with `fields` header field lines `line` (each with its CRLF) after `Host`.
+fn head_with_fields(fields: usize, line: &str) -> String {
+    format!(
+        "GET /healthz HTTP/1.1\r\nHost: x\r\n{}\r\n",
+        line.repeat(fields)
+    )
+}
+
+/// The head's size is the one bound: a head under 16 KiB is served however many fields it
+/// holds (hyper alone refuses more than 100), one over it is refused with 431 whatever its
+/// fields.
+#[test]
+fn a_head_under_the_size_bound_is_served_however_many_fields_it_holds() {
+    let (ops, addr, _task, _uas) = start(Limits::default());
+    let bound = Limits::default().max_head_bytes;
+    let value = "v".repeat(140);
+    let cases = [
+        // 100 ordinary fields, ~15 KB.
+        (100, format!("X-Field: {value}\r\n"), 200),
+        (101, format!("X-Field: {value}\r\n"), 200),
+        // The shortest field there is, as many as fit under the bound.
+        ((bound - 64) / 4, "a:\r\n".to_owned(), 200),
+        // Over the bound: ordinary fields, or the shortest, one more than fits.
+        (110, format!("X-Field: {value}\r\n"), 431),
+        (bound / 4 + 1, "a:\r\n".to_owned(), 431),
+    ];
+    for (fields, line, want) in cases {
+        let head = head_with_fields(fields, &line);
+        assert_eq!(
+            head.len() <= bound,
+            want == 200,
+            "{fields} fields: {} bytes",
+            head.len()
+        );
+        let mut s = connect(addr);
+        let _ = s.write_all(head.as_bytes());
+        let got = response(&mut s).map(|r| r.0);
+        assert_eq!(
+            got,
+            Some(want),
+            "{fields} fields of {:?}, {} bytes",
+            line,
+            head.len()
+        );
+    }
+    ops.shutdown();
+}
+
 #[test]
 fn connections_past_the_bound_wait_their_turn() {
     let limits = Limits {

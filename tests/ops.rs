@@ -234,6 +234,21 @@ fn disable_drains_established_calls() {
         router::handle(&ops, &Request::new("POST", "/services/nope/disable")).status,
         404
     );
+    // A path with an empty segment is an unknown path (404), not a spelling of a route.
+    for path in [
+        format!("//services/s{owner}/disable"),
+        format!("/services//s{owner}/disable"),
+        format!("/services/s{owner}//disable"),
+        format!("/services/s{owner}/disable/"),
+    ] {
+        let r = router::handle(&ops, &Request::new("POST", &path));
+        assert_eq!(r.status, 404, "{path}: {}", r.body);
+    }
+    assert_eq!(
+        service(&get(&ops, "/status"), &format!("s{owner}"))["state"],
+        "UP",
+        "no disable went through"
+    );
     // Names in the path are percent-decoded (`%73` is `s`); a broken escape is a 400.
     assert_eq!(
         router::handle(
@@ -275,6 +290,19 @@ fn admin_requires_the_token_when_set() {
         service(&get_with(&ops, "s3cret"), "s0")["state"],
         "UP",
         "the disable above was refused"
+    );
+    // `//healthz` is not the probe: an unknown path, behind the token like any other.
+    assert_eq!(
+        router::handle(&ops, &Request::new("GET", "//healthz")).status,
+        401
+    );
+    assert_eq!(
+        router::handle(&ops, &Request::new("GET", "//healthz").bearer("s3cret")).status,
+        404
+    );
+    assert_eq!(
+        router::handle(&ops, &Request::new("GET", "/healthz")).status,
+        200
     );
 
     // Once over a real socket, to exercise the HTTP server around the router.

@@ -102,6 +102,34 @@ impl Lab {
     }
 }
 
+/// A TLS 1.2 client that asks for a renegotiation gets the `no_renegotiation` alert at once,
+/// though it has sent no SIP message fulcrum could answer; the refusal is counted.
+#[test]
+fn a_renegotiation_request_is_answered_and_counted() {
+    let required = std::env::var_os("FULCRUM_REQUIRE_OPENSSL").is_some_and(|v| v == "1");
+    let lab = Lab::new("sip-tls-reneg");
+    let ops = lab.start(&lab.yaml("", ""));
+    let ca = lab.f.path.with_file_name("ca.crt");
+    let wait = Duration::from_secs(5);
+    let Some((ended, out)) =
+        common::tls::openssl_renegotiate(addr(&ops, "v"), &ca, "fulcrum.test", wait)
+    else {
+        assert!(!required, "FULCRUM_REQUIRE_OPENSSL=1 but no openssl binary");
+        println!("skipped: no openssl binary");
+        return;
+    };
+    assert!(ended, "s_client still waits for an answer: {out}");
+    assert!(out.contains("no renegotiation"), "the alert: {out}");
+    let refused = &listener(&ops, "v").counters.renegotiations_refused;
+    assert_eq!(refused.load(Ordering::Relaxed), 1);
+    let m = metrics(&ops);
+    assert!(
+        m.contains("fulcrum_tls_renegotiations_refused_total{vserver=\"v\"} 1"),
+        "{m}"
+    );
+    ops.shutdown();
+}
+
 #[test]
 fn calls_over_tls_reach_strict_services_over_tls_and_every_hop_says_tls() {
     let lab = Lab::new("sip-tls-calls");

@@ -589,6 +589,40 @@ fn openssl_s_client_sees_the_configured_certificate() {
     ops.shutdown();
 }
 
+/// A TLS 1.2 client that asks for a renegotiation gets its answer at once, the
+/// `no_renegotiation` alert (RFC 5246 section 7.2.2), though fulcrum has nothing to write to
+/// it; the refusal is counted.
+#[test]
+fn a_renegotiation_request_is_answered_and_counted() {
+    let required = std::env::var_os("FULCRUM_REQUIRE_OPENSSL").is_some_and(|v| v == "1");
+    let f = ConfigFile::new("tls-reneg", "");
+    let ca = Ca::new("fulcrum test CA");
+    ca.issue(&f, "www", "www.test", "www.test");
+    let ca_path = ca.write(&f, "ca.pem");
+    let svc = services("tcp", 1, "127.0.0.1");
+    f.write(&tcp_yaml(&refs(&svc), "", ""));
+    let ops = start(&f);
+    let wait = Duration::from_secs(5);
+    let Some((ended, out)) =
+        common::tls::openssl_renegotiate(addr(&ops, "v"), &ca_path, "www.test", wait)
+    else {
+        assert!(!required, "FULCRUM_REQUIRE_OPENSSL=1 but no openssl binary");
+        println!("skipped: no openssl binary");
+        return;
+    };
+    assert!(ended, "s_client still waits for an answer: {out}");
+    assert!(out.contains("RENEGOTIATING"), "{out}");
+    assert!(out.contains("no renegotiation"), "the alert: {out}");
+    let l = listener(&ops, "v");
+    assert_eq!(l.counters.renegotiations_refused.load(Ordering::Relaxed), 1);
+    assert!(
+        metrics(&ops).contains("fulcrum_tls_renegotiations_refused_total{vserver=\"v\"} 1"),
+        "{}",
+        metrics(&ops)
+    );
+    ops.shutdown();
+}
+
 #[test]
 fn reload_swaps_the_certificate_for_new_handshakes_and_keeps_established_ones() {
     let f = ConfigFile::new("tls-reload", "");

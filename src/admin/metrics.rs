@@ -412,13 +412,15 @@ impl EdgeFamilies {
 }
 
 /// Handshakes of the vservers that terminate TLS, and of every vserver toward its services
-/// with `tls` (docs/tls.md): completed, and failed by reason (every reason listed, zero or
-/// not).
+/// with `tls` (docs/tls.md): completed, failed by reason (every reason listed, zero or not),
+/// and renegotiations refused.
 struct TlsFamilies {
     completed: Family,
     failed: Family,
+    refused: Family,
     service_completed: Family,
     service_failed: Family,
+    service_refused: Family,
 }
 
 impl TlsFamilies {
@@ -434,6 +436,11 @@ impl TlsFamilies {
                 "counter",
                 "TLS handshakes that failed on a vserver's listener, by reason.",
             ),
+            refused: Family::new(
+                "fulcrum_tls_renegotiations_refused_total",
+                "counter",
+                "TLS 1.2 renegotiations clients asked for on a vserver's listener, refused.",
+            ),
             service_completed: Family::new(
                 "fulcrum_tls_service_handshakes_total",
                 "counter",
@@ -444,18 +451,21 @@ impl TlsFamilies {
                 "counter",
                 "TLS handshakes toward a service that failed, by reason.",
             ),
+            service_refused: Family::new(
+                "fulcrum_tls_service_renegotiations_refused_total",
+                "counter",
+                "TLS 1.2 renegotiations a service asked for, refused.",
+            ),
         }
     }
 
     fn add(&mut self, v: &VserverHandle) {
         let n = v.name.as_str();
-        if let Some(l) = v.tls() {
-            add_handshakes(
-                &mut self.completed,
-                &mut self.failed,
-                &[("vserver", n)],
-                &l.counters,
-            );
+        if let Some(listener) = v.tls() {
+            let c = &listener.counters;
+            let l = [("vserver", n)];
+            add_handshakes(&mut self.completed, &mut self.failed, &l, c);
+            self.refused.add(&l, load(&c.renegotiations_refused));
         }
         for (service, c) in v.service_tls() {
             let l = [("vserver", n), ("service", service.as_str())];
@@ -465,15 +475,19 @@ impl TlsFamilies {
                 &l,
                 &c,
             );
+            self.service_refused
+                .add(&l, load(&c.renegotiations_refused));
         }
     }
 
-    fn families(&self) -> [&Family; 4] {
+    fn families(&self) -> [&Family; 6] {
         [
             &self.completed,
             &self.failed,
+            &self.refused,
             &self.service_completed,
             &self.service_failed,
+            &self.service_refused,
         ]
     }
 }
@@ -506,6 +520,7 @@ fn add_transport_events(events: &mut Family, v: &VserverHandle) {
 /// latency, and whether the monitor considers the service alive.
 struct MonitorFamilies {
     probes: Family,
+    local_errors: Family,
     latency: Family,
     mon_up: Family,
 }
@@ -517,6 +532,11 @@ impl MonitorFamilies {
                 "fulcrum_monitor_probes_total",
                 "counter",
                 "Monitor probes by result.",
+            ),
+            local_errors: Family::new(
+                "fulcrum_monitor_local_errors_total",
+                "counter",
+                "Monitor probes that failed on fulcrum's own side (no descriptor, buffer, memory or local address): not counted against the service.",
             ),
             latency: Family::new(
                 "fulcrum_monitor_latency_seconds",
@@ -540,14 +560,20 @@ impl MonitorFamilies {
         let probes = &mut self.probes;
         probes.add(&[l[0], l[1], ("result", "ok")], load(&s.probes_ok));
         probes.add(&[l[0], l[1], ("result", "failed")], load(&s.probes_failed));
+        self.local_errors.add(&l, load(&s.local_errors));
         let latency = &mut self.latency;
         latency.add_suffixed("_sum", &l, load(&s.rtt_sum_us) as f64 / 1e6);
         latency.add_suffixed("_count", &l, load(&s.probes_ok));
         self.mon_up.add(&l, u8::from(phase.is_up()));
     }
 
-    fn families(&self) -> [&Family; 3] {
-        [&self.probes, &self.latency, &self.mon_up]
+    fn families(&self) -> [&Family; 4] {
+        [
+            &self.probes,
+            &self.local_errors,
+            &self.latency,
+            &self.mon_up,
+        ]
     }
 }
 
@@ -676,7 +702,10 @@ vservers:
         .expect("running");
         for (i, s) in ops.health().services().iter().enumerate() {
             let i = i as u64;
-            store(&[&s.probes_ok, &s.probes_failed], 10 * i + 1);
+            store(
+                &[&s.probes_ok, &s.probes_failed, &s.local_errors],
+                10 * i + 1,
+            );
             s.rtt_sum_us.store(1_234_567 * (i + 1), Ordering::Relaxed);
         }
     }

@@ -13,6 +13,9 @@
 //! | `GET /healthz` | 200 `ok` while the proxy serves (liveness) |
 //! | `GET /readyz` | 200 when it should get new traffic, else 503 with the reasons ([`crate::readiness`]) |
 //!
+//! A path is read as written: one with an empty segment (`//status`, `/services//disable`, a
+//! trailing `/`) is an unknown path (404), never a spelling of a route ([`Path`]).
+//!
 //! With `admin.token` set every route but the two probes and the page needs
 //! `Authorization: Bearer TOKEN` (compared in constant time), else 401. The probes are asked by
 //! keepalived, BIRD or ExaBGP scripts, which hold no token, and say nothing but their verdict
@@ -123,10 +126,11 @@ pub const DASHBOARD_HTML: &str = include_str!("dashboard.html");
 
 /// Answer one request.
 pub fn handle(ops: &Ops, req: &Request) -> Response {
-    if let Some(r) = probe(ops, req) {
+    let path = parse_path(&req.path);
+    if let Some(r) = probe(ops, req, &path) {
         return r;
     }
-    if req.path.trim_matches('/').is_empty() {
+    if matches!(&path, Path::Segments(s) if s.is_empty()) {
         return dashboard(&req.method);
     }
     if is_cross_site_change(req) {
@@ -137,18 +141,13 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
         r.content_type = "application/json";
         return r;
     }
-    // Names are percent-decoded (RFC 3986 section 2.1), so `curl .../services/my%20svc/disable`
-    // reaches the service `my svc`.
-    let Some(decoded) = req
-        .path
-        .trim_matches('/')
-        .split('/')
-        .map(percent_decode)
-        .collect::<Option<Vec<String>>>()
-    else {
-        return Response::error(400, "bad percent-encoding in the path");
+    // An unknown path goes on as one with no segments, which no route below matches (the
+    // dashboard, which has none, was answered above): a 404 like any other unknown path.
+    let segs: Vec<&str> = match &path {
+        Path::Segments(s) => s.iter().map(String::as_str).collect(),
+        Path::Unknown => Vec::new(),
+        Path::BadEncoding => return Response::error(400, "bad percent-encoding in the path"),
     };
-    let segs: Vec<&str> = decoded.iter().map(String::as_str).collect();
     // During a graceful stop every service is draining: nothing may bring one back.
     if ops.is_draining() && matches!(req.method.as_str(), "POST" | "PUT") {
         return Response::error(503, "the proxy is shutting down");
@@ -239,21 +238,30 @@ fn ejection_status(e: &crate::eject::EjectStatus) -> Value {
     })
 }
 
-/// The handshakes toward a service reached over TLS, in `/status`: completed, and failed by
-/// reason (every reason listed).
+/// The handshakes toward a service reached over TLS, in `/status`: completed, failed by
+/// reason (every reason listed), and the service's renegotiations refused.
 fn handshakes_status(c: &crate::tls::HandshakeCounters) -> Value {
     let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
     let failures: serde_json::Map<String, Value> = crate::tls::Reason::ALL
         .iter()
         .map(|r| (r.name().to_owned(), json!(n(c.failed(*r)))))
         .collect();
-    json!({ "handshakes": n(&c.completed), "handshake_failures": failures })
+    json!({
+        "handshakes": n(&c.completed),
+        "handshake_failures": failures,
+        "renegotiations_refused": n(&c.renegotiations_refused),
+    })
 }
 
 /// `/healthz` and `/readyz`, answered before the token check; `None` for any other path.
-fn probe(ops: &Ops, req: &Request) -> Option<Response> {
-    let route = req.path.trim_matches('/');
-    if !matches!(route, "healthz" | "readyz") {
+fn probe(ops: &Ops, req: &Request, path: &Path) -> Option<Response> {
+    let Path::Segments(segs) = path else {
+        return None;
+    };
+    let [route] = segs.as_slice() else {
+        return None;
+    };
+    if !matches!(route.as_str(), "healthz" | "readyz") {
         return None;
     }
     if req.method != "GET" {
@@ -315,6 +323,41 @@ fn readyz(r: &Readiness) -> Response {
 
 /// `seg` with its `%XX` escapes decoded; `None` when an escape is malformed or the result is
 /// not UTF-8.
+/// A request path as the routes read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Path {
+    /// Its segments, percent-decoded (RFC 3986 section 2.1), so that
+    /// `curl .../services/my%20svc/disable` reaches the service `my svc`; none for `/`.
+    Segments(Vec<String>),
+    /// A path with an empty segment (`//status`, `/services//disable`, `/status/`), or one
+    /// that does not start with `/`: no route has one, and none is read as if it were a
+    /// route's spelling (RFC 3986 section 3.3 makes `/a//b` and `/a/b` different paths).
+    Unknown,
+    /// A segment with a broken `%` escape.
+    BadEncoding,
+}
+
+/// The [`Path`] of `path` (without its query string).
+fn parse_path(path: &str) -> Path {
+    let Some(rest) = path.strip_prefix('/') else {
+        return Path::Unknown;
+    };
+    if rest.is_empty() {
+        return Path::Segments(Vec::new());
+    }
+    let mut segs = Vec::new();
+    for raw in rest.split('/') {
+        if raw.is_empty() {
+            return Path::Unknown;
+        }
+        match percent_decode(raw) {
+            Some(s) => segs.push(s),
+            None => return Path::BadEncoding,
+        }
+    }
+    Path::Segments(segs)
+}
+
 fn percent_decode(seg: &str) -> Option<String> {
     let bytes = seg.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
@@ -422,6 +465,7 @@ pub fn status(ops: &Ops) -> Value {
                                     "state": phase.name(),
                                     "probes_ok": r_load(&rec, |r| r.probes_ok.load(std::sync::atomic::Ordering::Relaxed)),
                                     "probes_failed": r_load(&rec, |r| r.probes_failed.load(std::sync::atomic::Ordering::Relaxed)),
+                                    "local_errors": r_load(&rec, |r| r.local_errors.load(std::sync::atomic::Ordering::Relaxed)),
                                     "response_time_us": c.and_then(|c| c.monitor_response_time_us()),
                                     "hold": rec.as_ref().and_then(|r| r.hold(health_now)).map(|h| hold_status(&h, health_now)),
                                 })
@@ -583,6 +627,33 @@ mod tests {
             assert!(!page.body.contains(outside), "{outside}");
         }
         assert_eq!(dashboard("POST").status, 405);
+    }
+
+    #[test]
+    fn a_path_with_an_empty_segment_is_unknown() {
+        let segs = |v: &[&str]| Path::Segments(v.iter().map(|s| (*s).to_owned()).collect());
+        assert_eq!(parse_path("/"), segs(&[]));
+        assert_eq!(parse_path("/status"), segs(&["status"]));
+        assert_eq!(
+            parse_path("/services/my%20svc/disable"),
+            segs(&["services", "my svc", "disable"])
+        );
+        for unknown in [
+            "",
+            "//",
+            "//status",
+            "//services/s/disable",
+            "/services//disable",
+            "/services/s//disable",
+            "/services/s/disable/",
+            "/status/",
+            "/healthz/",
+            "status",
+            "*",
+        ] {
+            assert_eq!(parse_path(unknown), Path::Unknown, "{unknown:?}");
+        }
+        assert_eq!(parse_path("/services/s%zz/enable"), Path::BadEncoding);
     }
 
     #[test]

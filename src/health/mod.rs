@@ -20,6 +20,11 @@
 //! in fewer probe rounds; with `failures_to_down` >= 2 never on passive reports alone when
 //! it answers its probes; an unmonitored service is never taken down by them).
 //!
+//! A probe that fails on fulcrum's own side (no file descriptor, buffer, memory or local
+//! address: [`crate::eject::is_local_error`]) is no observation of the service: its state is
+//! left as it was, the probe is counted apart (`fulcrum_monitor_local_errors_total`) and logged
+//! as fulcrum's trouble, once a second at most.
+//!
 //! The operator's disable (OUT_OF_SERVICE) wins over the monitor: a disabled service keeps
 //! being probed, so its monitored state is current when it is enabled again.
 //!
@@ -35,7 +40,7 @@ pub use state::{Hold, Outcome};
 
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Monitor, Protocol};
-use crate::stats::Nanos;
+use crate::stats::{LogLimiter, Nanos};
 use crate::sync::lock;
 use crate::tls::ClientTls;
 use arc_swap::ArcSwapOption;
@@ -59,6 +64,9 @@ pub struct ServiceHealth {
     monitor: Mutex<Option<(Monitor, HealthState)>>,
     pub probes_ok: AtomicU64,
     pub probes_failed: AtomicU64,
+    /// Probes that failed on fulcrum's own side ([`probe::ProbeError::is_local`]): neither
+    /// ok nor failed, the service's state left as it was.
+    pub local_errors: AtomicU64,
     /// Last successful probe's round-trip time (µs); 0 = none yet.
     pub last_rtt_us: AtomicU64,
     /// Sum of successful probes' round-trip times (µs), for the latency metric.
@@ -76,6 +84,7 @@ impl ServiceHealth {
             })),
             probes_ok: AtomicU64::new(0),
             probes_failed: AtomicU64::new(0),
+            local_errors: AtomicU64::new(0),
             last_rtt_us: AtomicU64::new(0),
             rtt_sum_us: AtomicU64::new(0),
         }
@@ -128,6 +137,9 @@ pub struct HealthBoard {
     epoch: Instant,
     /// The probe task of each monitored service, by service name.
     tasks: Mutex<HashMap<String, MonitorTask>>,
+    /// Probes failing on fulcrum's own side: one line a second at most, for all monitors (the
+    /// trouble is the host's, and hits every monitor at once).
+    local_log: LogLimiter,
 }
 
 impl HealthBoard {
@@ -138,6 +150,7 @@ impl HealthBoard {
             placements: Mutex::new(Arc::new(placements)),
             epoch,
             tasks: Mutex::new(HashMap::new()),
+            local_log: LogLimiter::default(),
         });
         board.sync_services(config);
         board
@@ -340,6 +353,20 @@ impl HealthBoard {
         let Some(rec) = self.service(name) else {
             return;
         };
+        // fulcrum's own trouble says nothing of the service: as if no probe had run, but
+        // counted and said.
+        if let Err(e) = &result
+            && e.is_local()
+        {
+            rec.local_errors.fetch_add(1, Ordering::Relaxed);
+            if self.local_log.allow(now) {
+                tracing::warn!(
+                    service = name, monitor = %m.name, error = %e,
+                    "probe failed on fulcrum's side (out of descriptors, buffers, memory or local ports?): not counted against the service"
+                );
+            }
+            return;
+        }
         let outcome = result
             .as_ref()
             .map_or_else(|e| e.outcome(), |_| Outcome::Alive);
@@ -567,6 +594,58 @@ mod tests {
         board.record("a", &m, passive());
         board.record("a", &m, passive());
         assert_eq!(b1.health(0), Some(Health::Down), "two failures of two");
+    }
+
+    /// A probe that fails on fulcrum's own side is no observation of the service: an
+    /// unconfirmed service is not taken down by it, a run of failures is neither broken nor
+    /// lengthened, a DOWN service stays DOWN; it is counted apart from the probes' results.
+    #[test]
+    fn a_local_error_leaves_the_service_as_it_was() {
+        let cfg = config();
+        let b1 = Arc::new(Balancer::new(&cfg, &cfg.vservers[0]));
+        let b2 = Arc::new(Balancer::new(&cfg, &cfg.vservers[1]));
+        let board = HealthBoard::new(&cfg, placements([&b1, &b2]), Instant::now());
+        let m = cfg.monitors[0].clone();
+        let rec = board.service("a").expect("a");
+        let phase = || rec.monitor().map(|(_, p)| p);
+        let local = |e: i32| Err(probe::ProbeError::Io(std::io::Error::from_raw_os_error(e)));
+        let fail = || Err(probe::ProbeError::Timeout);
+        let ok = || {
+            Ok(probe::ProbeReply {
+                rtt_us: 100,
+                status: None,
+                load: None,
+            })
+        };
+        use nix::libc::{EADDRNOTAVAIL, EMFILE, ENFILE, ENOBUFS, ENOMEM};
+        board.record("a", &m, local(EMFILE));
+        assert_eq!(
+            phase(),
+            Some(Phase::Unconfirmed),
+            "one failure would take it down"
+        );
+        assert_eq!(b1.health(0), Some(Health::Up));
+        board.record("a", &m, ok());
+        board.record("a", &m, fail());
+        for e in [ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL] {
+            board.record("a", &m, local(e));
+        }
+        assert_eq!(b1.health(0), Some(Health::Up), "still one failure of two");
+        board.record("a", &m, fail());
+        assert_eq!(b1.health(0), Some(Health::Down), "the run went on");
+        board.record("a", &m, local(EMFILE));
+        assert_eq!(b2.health(1), Some(Health::Down));
+        board.record("a", &m, ok());
+        assert_eq!(b2.health(1), Some(Health::Up));
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        assert_eq!(
+            (
+                n(&rec.probes_ok),
+                n(&rec.probes_failed),
+                n(&rec.local_errors)
+            ),
+            (2, 2, 6)
+        );
     }
 
     /// A 503 with Retry-After takes the service DOWN in every vserver at once (the monitor

@@ -60,6 +60,13 @@ pub enum ProbeError {
 }
 
 impl ProbeError {
+    /// Whether the probe failed on fulcrum's own side (no descriptor, buffer, memory or local
+    /// address: [`crate::eject::is_local_error`]): it says nothing of the service, whose state
+    /// stays as it was ([`super::HealthBoard::record`]).
+    pub fn is_local(&self) -> bool {
+        matches!(self, ProbeError::Io(e) if crate::eject::is_local_error(e))
+    }
+
     /// What the failure says about the service: held DOWN for a Retry-After, or one failure.
     pub fn outcome(&self) -> Outcome {
         match self {
@@ -509,6 +516,17 @@ mod tests {
         assert_eq!(held.outcome(), Outcome::Unavailable { retry_after_s: 7 });
         assert_eq!(ProbeError::UnexpectedStatus(503).outcome(), Outcome::Dead);
         assert_eq!(ProbeError::Timeout.outcome(), Outcome::Dead);
+        // fulcrum's own trouble, not the service's.
+        let os = |e: nix::errno::Errno| ProbeError::Io(std::io::Error::from_raw_os_error(e as i32));
+        use nix::errno::Errno::*;
+        for local in [EMFILE, ENFILE, ENOBUFS, ENOMEM, EADDRNOTAVAIL] {
+            assert!(os(local).is_local(), "{local}");
+        }
+        for theirs in [ECONNREFUSED, ECONNRESET, EHOSTUNREACH] {
+            assert!(!os(theirs).is_local(), "{theirs}");
+        }
+        assert!(!ProbeError::Timeout.is_local());
+        assert!(!ProbeError::Passive.is_local());
         assert!(status_ok(200, &[], |c| c == 200));
         assert!(!status_ok(404, &[], |c| c == 200));
         assert_eq!(body_load(b" 17 \nrest"), Some(17));

@@ -765,13 +765,16 @@ impl Worker {
                 Ok(k) => k,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return true,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => {
+                Err(e) => {
                     // ICMP unreachable from the service (connected socket): reported to the
-                    // service's monitor as a passive failure, which decides its health; the
-                    // session stays so a transient error does not move the flow.
+                    // service's monitor as a passive failure, which decides its health (not
+                    // fulcrum's own trouble, which says nothing of the service); the session
+                    // stays so a transient error does not move the flow.
                     handled += 1;
                     bump(&self.core.counters.service_errors);
-                    self.core.balancer().report_failure(member);
+                    if !crate::eject::is_local_error(&e) {
+                        self.core.balancer().report_failure(member);
+                    }
                     continue;
                 }
             };

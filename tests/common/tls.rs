@@ -11,7 +11,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
@@ -130,6 +130,85 @@ pub fn connect(
         s.conn.complete_io(&mut s.sock)?;
     }
     Ok(s)
+}
+
+/// What `openssl s_client -tls1_2` printed when it asked `to` (for `name`, verified against
+/// the CA file `ca`) for a renegotiation once its handshake was done (its `R` command), and
+/// whether it ended within `wait` of asking: a server that answers (the `no_renegotiation`
+/// alert, or a close) ends it, one that never answers leaves it waiting (killed then). `None`
+/// when there is no openssl binary.
+pub fn openssl_renegotiate(
+    to: SocketAddr,
+    ca: &std::path::Path,
+    name: &str,
+    wait: Duration,
+) -> Option<(bool, String)> {
+    use std::io::{BufRead, Write};
+    use std::process::{Command, Stdio};
+    Command::new("openssl").arg("version").output().ok()?;
+    let mut child = Command::new("openssl")
+        .args(["s_client", "-tls1_2", "-brief", "-verify_return_error"])
+        .args(["-connect", &to.to_string(), "-servername", name])
+        .arg("-CAfile")
+        .arg(ca)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run openssl");
+    let (tx, lines) = std::sync::mpsc::channel::<String>();
+    let stderr = child.stderr.take().expect("stderr");
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let mut out = String::new();
+    let deadline = Instant::now() + wait;
+    // `-brief` says so once the handshake is done.
+    while !out.contains("CONNECTION ESTABLISHED") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(l) => out.push_str(&(l + "\n")),
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("no TLS 1.2 connection to {to}: {out}");
+            }
+        }
+    }
+    // The stdin stays open: its end would end s_client whatever the server does.
+    let mut stdin = child.stdin.take().expect("stdin");
+    stdin.write_all(b"R\n").expect("ask for a renegotiation");
+    stdin.flush().expect("flush");
+    let deadline = Instant::now() + wait;
+    let ended = loop {
+        if child.try_wait().expect("wait").is_some() {
+            break true;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break false;
+        }
+        match lines.recv_timeout(Duration::from_millis(20)) {
+            Ok(l) => out.push_str(&(l + "\n")),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    drop(stdin);
+    while let Ok(l) = lines.recv_timeout(Duration::from_millis(200)) {
+        out.push_str(&(l + "\n"));
+    }
+    Some((ended, out))
 }
 
 /// fulcrum started from the config file `f` (its TLS files read beside it).

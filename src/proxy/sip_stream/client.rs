@@ -201,10 +201,7 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                     // The handshake runs here, bounded in time, not in the accept loop: a
                     // client that never finishes it costs this task's timer only.
                     Some(tls) => match tls.accept(stream).await {
-                        Ok(s) => {
-                            let s = crate::tls::MaybeTls::from(s);
-                            serve_client(shared, s, id, src, dst, rx, level).await;
-                        }
+                        Ok(s) => serve_client(shared, s, id, src, dst, rx, level).await,
                         Err(reason) => {
                             if shared.log.allow(shared.now()) {
                                 tracing::info!(vserver = %shared.name, %src, reason = reason.name(), "TLS handshake failed");

@@ -194,7 +194,7 @@ pub(super) async fn drive_link<C: Connector>(
         {
             machine.handle(now, LinkEvent::MessageRead, &mut actions);
         }
-        let cause = failure_cause(&event, machine.phase(), connect_error.take());
+        let blame = failure_blame(&event, machine.phase(), connect_error.take());
         machine.handle(now, event, &mut actions);
         for action in actions.drain(..) {
             match action {
@@ -204,7 +204,10 @@ pub(super) async fn drive_link<C: Connector>(
                 LinkAction::Redispatch(b) => shared.redispatch(&link, b),
                 LinkAction::RedispatchQueue => shared.redispatch_queued(&link, None, &mut rx),
                 LinkAction::CloseQueue => rx.close(),
-                LinkAction::MarkDown => mark_down(&shared, &link, cause),
+                LinkAction::MarkDown => match blame {
+                    Blame::Service(cause) => mark_down(&shared, &link, cause),
+                    Blame::Local => local_trouble(&shared, &link),
+                },
                 LinkAction::MarkUp => mark_up_again(&shared, &link),
                 LinkAction::CountLost => bump(&shared.counters.service_connections_lost),
                 LinkAction::CountStalled => {
@@ -236,21 +239,36 @@ pub(super) async fn drive_link<C: Connector>(
     }
 }
 
-/// What a link failure on `event` (in `phase`) says of the service, should the machine mark
-/// it DOWN: a connect's error (`None` for fulcrum's own local errors, which never count
-/// against a service; an error of no other kind is the TLS connector's failed handshake), a
-/// connect that ran out of time, or else a connection the service closed at once.
-pub(super) fn failure_cause(
+/// Whose a link failure is.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Blame {
+    /// fulcrum's own: a connect that failed for want of a descriptor, buffer, memory or local
+    /// port ([`crate::eject::is_local_error`]). The service is not marked DOWN, nor does its
+    /// monitor or ejection hear of it.
+    Local,
+    /// The service's, for its monitor; for passive ejection too when the cause is known.
+    Service(Option<Cause>),
+}
+
+/// Whose a link failure on `event` (in `phase`) is, should the machine mark the service
+/// DOWN: a connect's error (fulcrum's own local errors are [`Blame::Local`]; an error of no
+/// other kind is the TLS connector's failed handshake; another one that names no cause counts
+/// for the monitor only), a connect that ran out of time, or else a connection the service
+/// closed at once.
+pub(super) fn failure_blame(
     event: &LinkEvent,
     phase: Phase,
     connect_error: Option<std::io::Error>,
-) -> Option<Cause> {
+) -> Blame {
     match (event, phase, connect_error) {
-        (LinkEvent::ConnectFailed, _, Some(e)) => Cause::of_stream_error(&e)
-            .or_else(|| (e.kind() == std::io::ErrorKind::Other).then_some(Cause::Handshake)),
-        (LinkEvent::TimerFired, Phase::Connecting, _) => Some(Cause::Timeout),
-        (LinkEvent::TimerFired, Phase::Writing, _) => Some(Cause::WriteStalled),
-        _ => Some(Cause::Refused),
+        (LinkEvent::ConnectFailed, _, Some(e)) if crate::eject::is_local_error(&e) => Blame::Local,
+        (LinkEvent::ConnectFailed, _, Some(e)) => Blame::Service(
+            Cause::of_stream_error(&e)
+                .or_else(|| (e.kind() == std::io::ErrorKind::Other).then_some(Cause::Handshake)),
+        ),
+        (LinkEvent::TimerFired, Phase::Connecting, _) => Blame::Service(Some(Cause::Timeout)),
+        (LinkEvent::TimerFired, Phase::Writing, _) => Blame::Service(Some(Cause::WriteStalled)),
+        _ => Blame::Service(Some(Cause::Refused)),
     }
 }
 
@@ -323,6 +341,15 @@ pub(super) fn open_link_conn<S: SipStream>(
     }
 }
 
+/// A connect to `link`'s service failed on fulcrum's own side: counted as a failed connect and
+/// logged as fulcrum's trouble (once a second at most), the service left as it was.
+pub(super) fn local_trouble(shared: &SipStreamShared, link: &ServiceLink) {
+    bump(&shared.counters.service_connect_failures);
+    if shared.log.allow(shared.now()) {
+        tracing::warn!(vserver = %shared.name, service = %link.addr, "cannot connect for want of local resources (descriptors, buffers, memory or ports): the service is not marked DOWN");
+    }
+}
+
 /// A connect to `link`'s service failed (or the connection closed at once): count it, report
 /// it to the service's monitor and, when `cause` is the service's (not a local error), for
 /// passive ejection, and mark the service DOWN (a member the operator took OUT_OF_SERVICE
@@ -361,32 +388,47 @@ pub(super) fn mark_up_again(shared: &SipStreamShared, link: &ServiceLink) {
 mod tests {
     use super::*;
 
-    /// What a link's failure tells of its service: local errors nothing, a TLS handshake
-    /// (the connector's `Other` error) its own cause, a connect timer a timeout, a connection
-    /// closed at once a refusal.
+    /// What a link's failure tells of its service: local errors are fulcrum's, a TLS
+    /// handshake (the connector's `Other` error) its own cause, a connect timer a timeout, a
+    /// connection closed at once a refusal; an error naming nothing counts for the monitor.
     #[test]
-    fn failure_causes() {
+    fn failure_blames() {
         let os = |e: nix::errno::Errno| Some(std::io::Error::from_raw_os_error(e as i32));
         let failed = LinkEvent::ConnectFailed;
         let connecting = Phase::Connecting;
-        use nix::errno::Errno::{ECONNREFUSED, EMFILE};
+        let service = |c| Blame::Service(Some(c));
+        use nix::errno::Errno::{EACCES, EADDRNOTAVAIL, ECONNREFUSED, EMFILE, ENFILE, ENOBUFS};
         assert_eq!(
-            failure_cause(&failed, connecting, os(ECONNREFUSED)),
-            Some(Cause::Refused)
+            failure_blame(&failed, connecting, os(ECONNREFUSED)),
+            service(Cause::Refused)
         );
-        assert_eq!(failure_cause(&failed, connecting, os(EMFILE)), None);
+        for local in [EMFILE, ENFILE, ENOBUFS, EADDRNOTAVAIL] {
+            assert_eq!(
+                failure_blame(&failed, connecting, os(local)),
+                Blame::Local,
+                "{local}"
+            );
+        }
+        assert_eq!(
+            failure_blame(&failed, connecting, os(EACCES)),
+            Blame::Service(None)
+        );
         let tls = Some(std::io::Error::other("TLS handshake failed: unknown_ca"));
         assert_eq!(
-            failure_cause(&failed, connecting, tls),
-            Some(Cause::Handshake)
+            failure_blame(&failed, connecting, tls),
+            service(Cause::Handshake)
         );
         assert_eq!(
-            failure_cause(&LinkEvent::TimerFired, connecting, None),
-            Some(Cause::Timeout)
+            failure_blame(&LinkEvent::TimerFired, connecting, None),
+            service(Cause::Timeout)
         );
         assert_eq!(
-            failure_cause(&LinkEvent::ReaderClosed, Phase::Connected, None),
-            Some(Cause::Refused)
+            failure_blame(&LinkEvent::TimerFired, Phase::Writing, None),
+            service(Cause::WriteStalled)
+        );
+        assert_eq!(
+            failure_blame(&LinkEvent::ReaderClosed, Phase::Connected, None),
+            service(Cause::Refused)
         );
     }
 }

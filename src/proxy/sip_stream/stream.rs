@@ -79,7 +79,6 @@ impl Connector for TlsLinkConnector {
             let tcp = TcpStream::connect(addr).await?;
             tls.connect_by(tcp, tokio::time::Instant::from_std(deadline))
                 .await
-                .map(MaybeTls::from)
                 .map_err(|r| std::io::Error::other(format!("TLS handshake failed: {}", r.name())))
         }
     }

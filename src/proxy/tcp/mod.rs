@@ -696,7 +696,9 @@ where
             c.open();
         }
         // What the failure says of the service, for passive ejection (docs/ejection.md):
-        // `None` for fulcrum's own local errors, which never count against it.
+        // `None` for fulcrum's own local errors, which never count against it; `local` when
+        // it is one, which its monitor does not hear of either.
+        let mut local = false;
         let cause = match tokio::time::timeout(
             CONNECT_TIMEOUT,
             connect(addr, client, core.transparent),
@@ -715,6 +717,7 @@ where
             },
             Ok(Err(e)) => {
                 tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
+                local = crate::eject::is_local_error(&e);
                 Cause::of_stream_error(&e)
             }
             Err(_) => {
@@ -726,8 +729,11 @@ where
             c.close();
         }
         bump(&core.counters.connect_failures);
-        // Passive detection (README.md, "Health monitors"): the service's monitor counts this as a failure.
-        core.balancer.report_failure(choice.member);
+        // Passive detection (README.md, "Health monitors"): the service's monitor counts this
+        // as a failure, unless it was fulcrum's own.
+        if !local {
+            core.balancer.report_failure(choice.member);
+        }
         if let Some(cause) = cause {
             core.balancer
                 .report_failure_with(choice.member, Failure::new(cause), core.now());

@@ -37,7 +37,7 @@ pub(super) async fn serve_stream(
     };
     let mut client = match tls {
         Some(l) => match l.accept(client).await {
-            Ok(s) => MaybeTls::from(s),
+            Ok(s) => s,
             Err(reason) => {
                 tracing::debug!(vserver = %core.name, client = %peer, reason = reason.name(), "TLS handshake failed");
                 return;
@@ -151,7 +151,6 @@ async fn finish_connect(
         Some(c) => c
             .connect(s, CONNECT_TIMEOUT)
             .await
-            .map(MaybeTls::from)
             .map_err(|r| (Cause::Handshake, r.name())),
     }
 }
