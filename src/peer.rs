@@ -2,10 +2,13 @@
 //!
 //! The UAS answers like a callee: INVITE → 180 + 200 (with a to-tag), BYE / OPTIONS /
 //! CANCEL / REGISTER → 200, ACK → nothing, and records every message per Call-ID so tests
-//! can check affinity. The UAC places whole calls (INVITE, 200, ACK, BYE, 200). They use
-//! fulcrum's own scanner and reply builder, which are tested against rsip elsewhere.
+//! can check affinity. Switched sick ([`Uas::set_sick`]) it answers INVITEs 503 with
+//! Retry-After and everything else as before: an overloaded server whose keep-alive still
+//! looks fine. The UAC places whole calls (INVITE, 200, ACK, BYE, 200), telling a call never
+//! set up from one set up and then cut. They use fulcrum's own scanner and reply builder,
+//! which are tested against rsip elsewhere.
 
-use crate::sip::{self, Reply, SipMethod};
+use crate::sip::{self, Reply, SipMethod, SipMsg};
 use std::collections::HashMap;
 use std::io;
 use std::net::{SocketAddr, UdpSocket};
@@ -19,7 +22,10 @@ use std::time::{Duration, Instant};
 pub struct UasLog {
     /// Call-ID → methods received, in order.
     pub calls: Mutex<HashMap<String, Vec<String>>>,
+    /// INVITEs received, answered or refused.
     pub invites: AtomicU64,
+    /// INVITEs refused 503 while sick.
+    pub refused: AtomicU64,
     pub messages: AtomicU64,
 }
 
@@ -45,6 +51,8 @@ pub struct Uas {
     pub addr: SocketAddr,
     pub log: Arc<UasLog>,
     stop: Arc<AtomicBool>,
+    /// 0 while healthy, else the Retry-After seconds of its 503s plus one.
+    sick: Arc<AtomicU64>,
     /// A clone of the socket, to end the thread's blocking receive on [`Uas::stop`].
     wake: Option<UdpSocket>,
     thread: Option<JoinHandle<()>>,
@@ -58,17 +66,53 @@ impl Uas {
         let addr = socket.local_addr()?;
         let log = Arc::new(UasLog::default());
         let stop = Arc::new(AtomicBool::new(false));
-        let (log2, stop2) = (Arc::clone(&log), Arc::clone(&stop));
+        let sick = Arc::new(AtomicU64::new(0));
+        let (log2, stop2, sick2) = (Arc::clone(&log), Arc::clone(&stop), Arc::clone(&sick));
         let thread = std::thread::Builder::new()
             .name(format!("uas-{}", addr.port()))
-            .spawn(move || uas_loop(&socket, &log2, &stop2))?;
+            .spawn(move || uas_loop(&socket, &log2, &stop2, &sick2))?;
         Ok(Uas {
             addr,
             log,
             stop,
+            sick,
             wake: Some(wake),
             thread: Some(thread),
         })
+    }
+
+    /// Start again on the same address after [`Uas::stop`] (or at once, stopping first),
+    /// keeping its log and its sick mode: a service that restarts.
+    pub fn restart(&mut self) -> io::Result<()> {
+        self.stop();
+        let socket = UdpSocket::bind(self.addr)?;
+        let wake = socket.try_clone()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (log, stop2, sick) = (
+            Arc::clone(&self.log),
+            Arc::clone(&stop),
+            Arc::clone(&self.sick),
+        );
+        let thread = std::thread::Builder::new()
+            .name(format!("uas-{}", self.addr.port()))
+            .spawn(move || uas_loop(&socket, &log, &stop2, &sick))?;
+        self.stop = stop;
+        self.wake = Some(wake);
+        self.thread = Some(thread);
+        Ok(())
+    }
+
+    /// Turn sick (`Some(retry_after_s)`): answer every INVITE 503 Service Unavailable with
+    /// `Retry-After: retry_after_s` (RFC 3261 §21.5.4, §20.33) while OPTIONS, BYE and the rest
+    /// still get 200, so a sip-options monitor keeps it UP. `None`: answer normally again.
+    pub fn set_sick(&self, retry_after_s: Option<u32>) {
+        let v = retry_after_s.map_or(0, |s| u64::from(s) + 1);
+        self.sick.store(v, Ordering::Relaxed);
+    }
+
+    /// Whether INVITEs are refused now ([`Uas::set_sick`]).
+    pub fn is_sick(&self) -> bool {
+        self.sick.load(Ordering::Relaxed) != 0
     }
 
     /// Stop answering (the socket closes: later datagrams get ICMP port unreachable).
@@ -91,7 +135,7 @@ impl Drop for Uas {
     }
 }
 
-fn uas_loop(socket: &UdpSocket, log: &UasLog, stop: &AtomicBool) {
+fn uas_loop(socket: &UdpSocket, log: &UasLog, stop: &AtomicBool, sick: &AtomicU64) {
     let mut buf = vec![0u8; 65_536];
     let mut out = Vec::with_capacity(2048);
     while !stop.load(Ordering::Acquire) {
@@ -122,6 +166,15 @@ fn uas_loop(socket: &UdpSocket, log: &UasLog, stop: &AtomicBool) {
         if kind == SipMethod::Invite {
             log.invites.fetch_add(1, Ordering::Relaxed);
             out.clear();
+            let retry_after = sick.load(Ordering::Relaxed);
+            if retry_after != 0 {
+                log.refused.fetch_add(1, Ordering::Relaxed);
+                let s = u32::try_from(retry_after - 1).unwrap_or(u32::MAX);
+                if sip::build_response(&msg, &Reply::service_unavailable(s), &mut out).is_ok() {
+                    let _ = socket.send_to(&out, src);
+                }
+                continue;
+            }
             let ringing = Reply {
                 code: 180,
                 reason: "Ringing",
@@ -149,6 +202,16 @@ pub enum CallError {
     Timeout(&'static str),
     Status(u16),
     Io(String),
+    /// The call was set up (its INVITE answered 200, the ACK sent) and then lost: its BYE
+    /// failed so. The service that took the call went away under it.
+    Cut(Box<CallError>),
+}
+
+impl CallError {
+    /// Whether the call was set up before it failed ([`CallError::Cut`]).
+    pub fn is_cut(&self) -> bool {
+        matches!(self, CallError::Cut(_))
+    }
 }
 
 /// A UAC placing calls through `proxy` from its own socket.
@@ -221,6 +284,28 @@ impl Uac {
         &mut self,
         timeout: Duration,
     ) -> Result<(u16, String, Vec<u8>), CallError> {
+        self.final_response_matching(timeout, |_| true)
+    }
+
+    /// Wait for the final response to this UAC's `method` request of Call-ID `call_id`, up to
+    /// `timeout`, passing over any other (a late answer to an earlier call given up on).
+    pub fn final_response_to(
+        &mut self,
+        call_id: &str,
+        method: &str,
+        timeout: Duration,
+    ) -> Result<(u16, String, Vec<u8>), CallError> {
+        self.final_response_matching(timeout, |msg| {
+            msg.call_id() == Some(call_id.as_bytes())
+                && msg.cseq().is_some_and(|c| c.method == method.as_bytes())
+        })
+    }
+
+    fn final_response_matching(
+        &mut self,
+        timeout: Duration,
+        is_wanted: impl Fn(&SipMsg<'_>) -> bool,
+    ) -> Result<(u16, String, Vec<u8>), CallError> {
         let deadline = Instant::now() + timeout;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -246,7 +331,7 @@ impl Uac {
                 continue;
             };
             match msg.status_code() {
-                Some(code) if code >= 200 => {
+                Some(code) if code >= 200 && is_wanted(&msg) => {
                     let to = String::from_utf8_lossy(msg.to_header().unwrap_or(b"")).into_owned();
                     return Ok((code, to, self.buf[..n].to_vec()));
                 }
@@ -255,7 +340,9 @@ impl Uac {
         }
     }
 
-    /// One complete call: INVITE → 200 → ACK → BYE → 200. Returns the Call-ID.
+    /// One complete call: INVITE → 200 → ACK → BYE → 200, waiting up to `timeout` for each
+    /// final answer. Returns the Call-ID; a call that fails after its 200 is
+    /// [`CallError::Cut`].
     pub fn call(&mut self, timeout: Duration) -> Result<String, CallError> {
         self.seq += 1;
         let call_id = format!("{}-{}@fulcrum-demo", self.tag, self.seq);
@@ -268,7 +355,7 @@ impl Uac {
         );
         self.send_raw(invite.as_bytes())
             .map_err(|e| CallError::Io(e.to_string()))?;
-        let (code, to, _) = self.final_response(timeout)?;
+        let (code, to, _) = self.final_response_to(&call_id, "INVITE", timeout)?;
         if code != 200 {
             return Err(CallError::Status(code));
         }
@@ -292,11 +379,14 @@ impl Uac {
             &format!("{}b{}", self.tag, self.seq),
             to_tag.as_deref(),
         );
+        let cut = |e: CallError| CallError::Cut(Box::new(e));
         self.send_raw(bye.as_bytes())
-            .map_err(|e| CallError::Io(e.to_string()))?;
-        let (code, _, _) = self.final_response(timeout)?;
+            .map_err(|e| cut(CallError::Io(e.to_string())))?;
+        let (code, _, _) = self
+            .final_response_to(&call_id, "BYE", timeout)
+            .map_err(cut)?;
         if code != 200 {
-            return Err(CallError::Status(code));
+            return Err(cut(CallError::Status(code)));
         }
         Ok(call_id)
     }
