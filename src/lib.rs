@@ -43,6 +43,7 @@
 pub(crate) mod acl;
 pub mod admin;
 pub mod balancer;
+pub mod budget;
 pub mod config;
 pub mod core;
 pub mod demo;

@@ -167,6 +167,13 @@ impl Ops {
         g.as_ref().map(|rt| f(rt.vservers(), rt.now()))
     }
 
+    /// The open files client connections and sessions draw from; `None` once shut down.
+    pub fn budget(&self) -> Option<std::sync::Arc<crate::budget::FileBudget>> {
+        self.runtime()
+            .as_ref()
+            .map(|rt| std::sync::Arc::clone(rt.budget()))
+    }
+
     fn runtime(&self) -> MutexGuard<'_, Option<Runtime>> {
         lock(&self.rt)
     }
@@ -408,7 +415,7 @@ impl Ops {
                 rt.vservers().iter().map(|v| v.balancer()),
             ));
             // A rebuild may raise max_sessions: warn again if the total no longer fits.
-            crate::proxy::fd_limit::check_capacity(&new.vservers);
+            crate::proxy::fd_limit::check_capacity(&new.vservers, rt.budget());
             // Request rates are indexed by member position, which a rebuild may change.
             *lock(&self.rates) = RateSample::default();
         }

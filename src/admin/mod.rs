@@ -42,10 +42,13 @@ pub struct Limits {
     pub body_timeout: Duration,
 }
 
+/// Admin connections served at once by default (kept in the open-file reserve).
+pub const MAX_CONNECTIONS: usize = 256;
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_connections: 256,
+            max_connections: MAX_CONNECTIONS,
             max_head_bytes: 16 * 1024,
             max_body_bytes: 64 * 1024,
             head_timeout: Duration::from_secs(10),

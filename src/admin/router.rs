@@ -517,6 +517,11 @@ pub fn status(ops: &Ops) -> Value {
                         })),
                         "services": services,
                         "edge": edge_status(v.data.edge(), now),
+                        "admission": v.data.gate().map(|g| json!({
+                            "max_per_source": g.sources().max(),
+                            "sources": g.sources().sources(),
+                            "refused": g.refusals().iter().map(|(r, n)| (r.name().to_owned(), json!(n))).collect::<serde_json::Map<_, _>>(),
+                        })),
                         "eject": b.eject_params().map(|p| json!({
                             "after": p.after,
                             "base_s": p.base_ns as f64 / 1e9,
@@ -529,7 +534,16 @@ pub fn status(ops: &Ops) -> Value {
                 .collect::<Vec<_>>()
         })
         .unwrap_or_default();
-    json!({ "vservers": vservers })
+    let files = ops.budget().map(|b| {
+        json!({
+            "limit": b.limit(),
+            "reserve": b.reserve(),
+            "pool": b.pool(),
+            "used": b.used(),
+            "refused": b.refused.load(std::sync::atomic::Ordering::Relaxed),
+        })
+    });
+    json!({ "vservers": vservers, "open_files": files })
 }
 
 /// A monitor's hold: the service said 503 with Retry-After (RFC 3261 §21.5.4) and stays

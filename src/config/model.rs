@@ -498,6 +498,9 @@ pub struct Vserver {
     pub draining: Vec<usize>,
     /// Bound of the session / connection / dialog table.
     pub max_sessions: usize,
+    /// Concurrent connections from one source (an IPv4 address, an IPv6 /64) on a stream
+    /// listener (sip-tcp, sip-tls, tcp, http); `None`: no limit (docs/limits.md).
+    pub max_per_source: Option<u32>,
     /// IP_TRANSPARENT toward services (firewall pools).
     pub transparent: bool,
     /// IP_FREEBIND on the listening sockets: bind addresses the host does not hold yet (a

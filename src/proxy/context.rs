@@ -45,6 +45,12 @@ pub trait DataPath: std::fmt::Debug + Send + Sync + AsAny {
     /// The vserver's access lists, flood table and drop counters.
     fn edge(&self) -> &crate::edge::Edge;
 
+    /// The admission of a stream listener's client connections (the file pool, the
+    /// per-source limit), else `None`.
+    fn gate(&self) -> Option<&crate::budget::Gate> {
+        None
+    }
+
     /// The SIP core of a SIP vserver (its counters, dialogs), else `None`.
     fn sip_core(&self) -> Option<&Arc<crate::core::sip::SipCore>> {
         None
@@ -219,6 +225,8 @@ impl VserverHandle {
 /// runtime for async paths.
 pub(crate) struct StartCtx<'a> {
     pub epoch: Instant,
+    /// The process's open files for client connections and sessions ([`crate::budget`]).
+    pub budget: &'a Arc<crate::budget::FileBudget>,
     pub shutdown: &'a Shutdown,
     pub threads: &'a mut Vec<JoinHandle<()>>,
     pub tokio: &'a tokio::runtime::Handle,

@@ -5,7 +5,7 @@
 //! to the hard limit once per process, and the result logged; when the vservers'
 //! `max_sessions` together cannot fit in the result, the start says so.
 
-use crate::config::{Protocol, Vserver};
+use crate::config::{Config, Protocol, Vserver};
 use nix::sys::resource::{Resource, getrlimit, setrlimit};
 use std::sync::OnceLock;
 
@@ -48,26 +48,63 @@ fn fds_at_max(v: &Vserver) -> u64 {
     (v.max_sessions as u64).saturating_mul(each)
 }
 
-/// Raise the limit, and warn when the vservers at their `max_sessions` together need more
-/// descriptors than it allows (sessions beyond fail to open and are counted as socket
-/// errors). One warning for the process, as the limit is the process's: the vservers draw
-/// on it together.
-pub(crate) fn check_capacity(vservers: &[Vserver]) {
-    let Some(limit) = raise_nofile_limit() else {
-        return;
-    };
+/// The files the config needs kept whatever clients do ([`crate::budget::Needs`]).
+pub(crate) fn needs(config: &Config) -> crate::budget::Needs {
+    let mut n = crate::budget::Needs::default();
+    for v in &config.vservers {
+        let workers = crate::net::worker_count(v.workers) as u64;
+        let sockets = workers * v.bind.len() as u64 * (1 + u64::from(v.service_source.is_some()));
+        // A timer thread's and a UDP leg's sockets, an io_uring ring per worker.
+        n.listeners += sockets + workers + 2;
+        if v.protocol.is_sip() {
+            n.links += v.services.len() as u64;
+        }
+    }
+    n.probes = config
+        .services
+        .iter()
+        .filter(|s| s.monitor.is_some())
+        .count() as u64;
+    if config.admin.listen.is_some() {
+        // The listener and the connections the admin API serves at once.
+        n.admin = 1 + crate::admin::MAX_CONNECTIONS as u64;
+    }
+    n
+}
+
+/// The budget of a process running `config`: its open-file limit (raised) divided into the
+/// reserve and the pool.
+pub(crate) fn budget(config: &Config) -> crate::budget::FileBudget {
+    match raise_nofile_limit() {
+        Some(limit) => crate::budget::FileBudget::new(limit, &needs(config)),
+        None => crate::budget::FileBudget::unlimited(),
+    }
+}
+
+/// Warn when the vservers at their `max_sessions` together need more files than the pool
+/// holds (connections and sessions beyond it are refused and counted), naming each field.
+/// One warning for the process, as the pool is the process's: the vservers draw on it
+/// together.
+pub(crate) fn check_capacity(vservers: &[Vserver], budget: &crate::budget::FileBudget) {
     let need: u64 = vservers.iter().map(fds_at_max).fold(0, u64::saturating_add);
-    if need > limit {
+    tracing::info!(
+        open_file_limit = budget.limit(),
+        reserve = budget.reserve(),
+        pool = budget.pool(),
+        "open files: a reserve for monitors, admin and service links; the pool for client connections and sessions"
+    );
+    if need > budget.pool() {
         let each: Vec<String> = vservers
             .iter()
-            .filter(|v| fds_at_max(v) > 0)
-            .map(|v| format!("{}={}", v.name, fds_at_max(v)))
+            .enumerate()
+            .filter(|(_, v)| fds_at_max(v) > 0)
+            .map(|(i, v)| format!("vservers[{i}].max_sessions ({})={}", v.name, fds_at_max(v)))
             .collect();
         tracing::warn!(
-            open_file_limit = limit,
+            pool = budget.pool(),
             needed = need,
-            by_vserver = %each.join(" "),
-            "the vservers' max_sessions need more descriptors than the open-file limit allows: sessions beyond it will fail to open"
+            by_field = %each.join(" "),
+            "the vservers' max_sessions need more open files than the pool holds: connections and sessions beyond it are refused and counted (docs/limits.md)"
         );
     }
 }

@@ -13,6 +13,8 @@ use std::time::Instant;
 /// All running vservers of one config.
 pub struct Runtime {
     epoch: Instant,
+    /// The open files client connections and sessions draw from.
+    budget: std::sync::Arc<crate::budget::FileBudget>,
     shutdown: Shutdown,
     vservers: Vec<VserverHandle>,
     threads: Vec<JoinHandle<()>>,
@@ -35,14 +37,16 @@ impl Runtime {
             .enable_all()
             .thread_name("fulcrum-io")
             .build()?;
+        let budget = std::sync::Arc::new(crate::proxy::fd_limit::budget(config));
         let mut rt = Runtime {
+            budget,
             epoch: Instant::now(),
             shutdown: Shutdown::new(),
             vservers: Vec::new(),
             threads: Vec::new(),
             tokio: Some(tokio),
         };
-        crate::proxy::fd_limit::check_capacity(&config.vservers);
+        crate::proxy::fd_limit::check_capacity(&config.vservers, &rt.budget);
         for v in &config.vservers {
             if let Err(e) = rt.start_vserver(config, v) {
                 rt.stop_all();
@@ -55,6 +59,11 @@ impl Runtime {
     /// Monotonic nanoseconds since start: the `now` handed to the pure core.
     pub fn now(&self) -> Nanos {
         crate::proxy::context::elapsed_nanos(self.epoch)
+    }
+
+    /// The open files client connections and sessions draw from (docs/limits.md).
+    pub fn budget(&self) -> &std::sync::Arc<crate::budget::FileBudget> {
+        &self.budget
     }
 
     /// The clock origin of [`Runtime::now`] (monitors and the admin API use it too).
@@ -132,6 +141,7 @@ impl Runtime {
             });
         };
         let mut ctx = StartCtx {
+            budget: &self.budget,
             epoch: self.epoch,
             shutdown: &self.shutdown,
             threads: &mut self.threads,

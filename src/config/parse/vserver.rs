@@ -31,6 +31,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "failover",
     "eject",
     "max_sessions",
+    "max_per_source",
     "transparent",
     "freebind",
     "send_proxy",
@@ -421,7 +422,20 @@ impl Cx {
                 .choice(n, &join(path, "send_proxy"), &[("v2", ProxyProtocol::V2)])
                 .map(Some),
         };
+        let max_per_source = match f.get("max_per_source") {
+            None => Some(Some(crate::budget::DEFAULT_MAX_PER_SOURCE)),
+            Some(n)
+                if matches!(&n.value, Value::Str(s) if s == "off")
+                    || n.value == Value::Bool(false) =>
+            {
+                Some(None)
+            }
+            Some(n) => self
+                .int_in(n, &join(path, "max_per_source"), 1, i128::from(u32::MAX))
+                .map(|v| Some(v as u32)),
+        };
         ProxyOptions {
+            max_per_source,
             max_sessions: self.int_field(f, path, "max_sessions", (1, 10_000_000), 100_000),
             workers: self.int_field(f, path, "workers", (0, 256), 0),
             transparent: self.bool_field(f, path, "transparent", false),
@@ -664,6 +678,18 @@ impl Cx {
                 );
             }
         }
+        if let (Some(p), Some(n)) = (protocol, f.get("max_per_source"))
+            && matches!(p, Protocol::Udp | Protocol::SipUdp)
+        {
+            self.problem(
+                n.pos,
+                &join(path, "max_per_source"),
+                format!(
+                    "`max_per_source` applies to stream listeners (sip-tcp, sip-tls, tcp, http), not {}",
+                    p.name()
+                ),
+            );
+        }
         for field in ["advertise", "record_route", "failover"] {
             if let (Some(p), Some(n)) = (protocol, f.get(field))
                 && !p.is_sip()
@@ -713,6 +739,7 @@ struct HashFields {
 
 /// The listener and forwarding options as read.
 struct ProxyOptions {
+    max_per_source: Option<Option<u32>>,
     max_sessions: Option<i128>,
     workers: Option<i128>,
     transparent: Option<bool>,
@@ -758,6 +785,7 @@ impl VserverFields {
             failover: self.failover?,
             eject: self.eject?,
             max_sessions: o.max_sessions? as usize,
+            max_per_source: o.max_per_source?,
             transparent: o.transparent?,
             freebind: o.freebind?,
             send_proxy: o.send_proxy?,
@@ -911,6 +939,33 @@ mod tests {
             p.iter()
                 .any(|(_, path, m)| path == "services[0].write_timeout"
                     && m.contains("sip-tcp and sip-tls services only")),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn max_per_source_has_a_default_an_off_and_applies_to_streams() {
+        let tcp = |extra: &str| {
+            format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: tcp }}\nvservers:\n  - {{ name: v, protocol: tcp, bind: 127.0.0.1:80{extra}, services: [s1] }}\n"
+            )
+        };
+        let read =
+            |extra: &str| from_str("t", &tcp(extra)).expect("valid").vservers[0].max_per_source;
+        assert_eq!(read(""), Some(crate::budget::DEFAULT_MAX_PER_SOURCE));
+        assert_eq!(read(", max_per_source: 50"), Some(50));
+        assert_eq!(read(", max_per_source: off"), None);
+        let p = problems(&tcp(", max_per_source: 0"));
+        assert!(
+            p.iter()
+                .any(|(_, path, _)| path == "vservers[0].max_per_source"),
+            "{p:?}"
+        );
+        let p = problems(&sip_with("    max_per_source: 10\n"));
+        assert!(
+            p.iter()
+                .any(|(_, path, m)| path == "vservers[0].max_per_source"
+                    && m.contains("stream listeners")),
             "{p:?}"
         );
     }

@@ -9,6 +9,8 @@ pub(super) struct Client {
     pub(super) remote: SocketAddr,
     /// The client's task; aborting it ends its writer too (see [`AbortOnDrop`]).
     pub(super) abort: tokio::task::AbortHandle,
+    /// What it has done, for eviction when the file pool runs low (docs/limits.md).
+    pub(super) activity: Arc<crate::budget::Activity>,
 }
 
 /// Most bytes gathered into one write toward a client.
@@ -107,6 +109,14 @@ pub(super) async fn write_messages<W: AsyncWrite + Unpin>(
     WriterEnd::Done
 }
 
+/// What a client's task owns besides its stream: its write queue's receiver and level, and
+/// its activity.
+pub(super) struct ClientOwn {
+    rx: mpsc::UnboundedReceiver<Bytes>,
+    level: Arc<Level>,
+    activity: Arc<crate::budget::Activity>,
+}
+
 /// Read a client's messages until it is done, then give what is queued toward it a bounded
 /// time to be written: a client that half-closed and does not read must not keep the socket.
 /// A writer that fails or stalls first ends the client (and with it this task).
@@ -116,9 +126,13 @@ pub(super) async fn serve_client<S: SipStream>(
     id: u64,
     src: SocketAddr,
     dst: SocketAddr,
-    rx: mpsc::UnboundedReceiver<Bytes>,
-    level: Arc<Level>,
+    own: ClientOwn,
 ) {
+    let ClientOwn {
+        rx,
+        level,
+        activity,
+    } = own;
     // TCP_NODELAY is inherited from the listener (`net::bind_tcp_listener`). The writer is a
     // task of its own, so a client's replies are written while its next requests are read.
     let (read, write) = stream.split();
@@ -148,6 +162,7 @@ pub(super) async fn serve_client<S: SipStream>(
         heard: None,
         queue: Some(&level),
         link: None,
+        activity: Some(&activity),
     };
     read_messages(&shared, read, peer).await;
     shared.forget_client(id, src);
@@ -178,11 +193,31 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
             drop(stream);
             continue;
         }
+        // Its file from the process's pool and its place among its source's, held by the
+        // client's task: given back however it ends (docs/limits.md). A pool running low
+        // first makes room by evicting idle clients.
+        let admission = match shared.admit_client(src.ip()).await {
+            Ok(a) => a,
+            Err(why) => {
+                bump(&shared.counters.clients_refused);
+                if shared.log.allow(shared.now()) {
+                    tracing::warn!(vserver = %shared.name, %src, reason = why.name(), "client connection refused");
+                }
+                drop(stream);
+                continue;
+            }
+        };
         let src = SocketAddr::new(src.ip().to_canonical(), src.port());
         let dst = stream.local_addr().unwrap_or(src);
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         let (outbox, rx) = Outbox::new();
         let level = outbox.level();
+        let activity = Arc::new(crate::budget::Activity::new(shared.now() / 1_000_000));
+        let own = ClientOwn {
+            rx,
+            level,
+            activity: Arc::clone(&activity),
+        };
         bump(&shared.counters.clients_accepted);
         shared.counters.clients_open.fetch_add(1, Ordering::Relaxed);
         // The task starts serving once its entry is in the tables: one that ended before
@@ -193,15 +228,16 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
             let guard = shared.tasks.guard();
             async move {
                 let _guard = guard;
+                let _admission = admission;
                 if wait_registered.await.is_err() {
                     return;
                 }
                 match shared.tls.clone() {
-                    None => serve_client(shared, stream, id, src, dst, rx, level).await,
+                    None => serve_client(shared, stream, id, src, dst, own).await,
                     // The handshake runs here, bounded in time, not in the accept loop: a
                     // client that never finishes it costs this task's timer only.
                     Some(tls) => match tls.accept(stream).await {
-                        Ok(s) => serve_client(shared, s, id, src, dst, rx, level).await,
+                        Ok(s) => serve_client(shared, s, id, src, dst, own).await,
                         Err(reason) => {
                             if shared.log.allow(shared.now()) {
                                 tracing::info!(vserver = %shared.name, %src, reason = reason.name(), "TLS handshake failed");
@@ -218,6 +254,7 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                 outbox,
                 remote: src,
                 abort: task.abort_handle(),
+                activity,
             },
         );
         shared.by_remote.insert(src, id);

@@ -67,6 +67,53 @@ impl SipStreamShared {
         }
     }
 
+    /// Admit a new client from `ip` ([`crate::budget::Gate`]). While the process's file pool
+    /// runs low, each new client first evicts one: clients that never completed a message
+    /// before any that did, the longest idle first; a new client refused for want of files
+    /// waits a little for an eviction's file to come back.
+    pub(super) async fn admit_client(
+        &self,
+        ip: std::net::IpAddr,
+    ) -> Result<crate::budget::Admission, crate::budget::Refusal> {
+        let evicted = self.gate.budget().is_low() && self.evict_idle(1) > 0;
+        let mut r = self.gate.admit(ip);
+        if evicted {
+            // An evicted client's task gives its file back when it is next polled.
+            for _ in 0..EVICTION_WAIT_STEPS {
+                if !matches!(r, Err(crate::budget::Refusal::Budget)) {
+                    break;
+                }
+                tokio::time::sleep(EVICTION_WAIT_STEP).await;
+                r = self.gate.admit(ip);
+            }
+        }
+        r
+    }
+
+    /// Close up to `n` clients, in eviction order (`budget::victims`); how many were.
+    pub(super) fn evict_idle(&self, n: usize) -> usize {
+        let ranks = self
+            .clients
+            .iter()
+            .map(|e| (*e.key(), e.value().activity.rank()));
+        let mut closed = 0;
+        for id in crate::budget::victims(ranks, n) {
+            let Some((abort, remote)) = self.clients.get(&id).map(|c| (c.abort.clone(), c.remote))
+            else {
+                continue;
+            };
+            if self.forget_client(id, remote) {
+                bump(&self.counters.clients_evicted);
+                if self.log.allow(self.now()) {
+                    tracing::info!(vserver = %self.name, %remote, "idle client evicted: the open-file pool runs low");
+                }
+                abort.abort();
+                closed += 1;
+            }
+        }
+        closed
+    }
+
     /// Send one of fulcrum's own replies (or a pong) back on the connection of `to`.
     pub(super) fn reply(&self, to: ReplyTo<'_>, bytes: Bytes) {
         match to {

@@ -328,6 +328,7 @@ pub(super) fn open_link_conn<S: SipStream>(
                 heard: Some(&heard),
                 queue: None,
                 link: Some(&link),
+                activity: None,
             };
             read_messages(&shared, read, peer).await;
         }

@@ -83,6 +83,10 @@ use outbox::{Level, Outbox, Push};
 pub(crate) const LINK_REPLY_QUEUE: usize = 1024;
 /// Messages queued toward one service while its connection is (re)established.
 pub(crate) const SERVICE_QUEUE: usize = 8192;
+/// How long a new client refused for want of files waits for an evicted client's file, in
+/// steps.
+pub(crate) const EVICTION_WAIT_STEPS: usize = 10;
+pub(crate) const EVICTION_WAIT_STEP: Duration = Duration::from_millis(5);
 /// Longest message a service may send: twice a client's, since a response repeats the
 /// request's Vias and adds fulcrum's, and one client's large request must not cut the
 /// connection every client shares.
@@ -97,6 +101,8 @@ pub(crate) const CLIENT_SEND_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct SipStreamCounters {
     pub clients_accepted: AtomicU64,
     pub clients_refused: AtomicU64,
+    /// Idle clients closed to make room while the open-file pool ran low.
+    pub clients_evicted: AtomicU64,
     pub clients_open: AtomicU64,
     pub slow_clients_closed: AtomicU64,
     /// Times a client's requests stopped being read until its write queue drained (it sent
@@ -131,10 +137,11 @@ pub struct SipStreamCounters {
 
 impl SipStreamCounters {
     /// Each counter by its event name, in the order metrics lists them.
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 17] {
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 18] {
         [
             ("clients_accepted", &self.clients_accepted),
             ("clients_refused", &self.clients_refused),
+            ("clients_evicted", &self.clients_evicted),
             ("slow_clients_closed", &self.slow_clients_closed),
             ("client_reads_paused", &self.client_reads_paused),
             ("framing_errors", &self.framing_errors),
@@ -211,6 +218,9 @@ pub struct SipStreamShared {
     /// answered over UDP from this socket (a clone of one of the vserver's own, blocking:
     /// sent to without waiting), not over client connections.
     front: Option<std::net::UdpSocket>,
+    /// Client connections' admission: one open file each from the process's pool, and at
+    /// most `max_per_source` from one source (docs/limits.md).
+    pub gate: crate::budget::Gate,
 }
 
 impl std::fmt::Debug for SipStreamShared {
@@ -492,6 +502,10 @@ impl DataPath for SipStreamPath {
         self.core.edge()
     }
 
+    fn gate(&self) -> Option<&crate::budget::Gate> {
+        Some(&self.shared.gate)
+    }
+
     fn sip_core(&self) -> Option<&Arc<SipCore>> {
         Some(&self.core)
     }
@@ -550,6 +564,7 @@ impl DataPath for SipStreamPath {
         for &m in &moved.refused_open {
             core.close(m);
         }
+        shared.gate.set_max_per_source(v.max_per_source);
         let superseded = shared.install(Install {
             core: Arc::clone(&core),
             max_clients: v.max_sessions,
@@ -697,6 +712,7 @@ fn launch(
         tls: sh.tls,
         udp: sh.udp,
         front: sh.front,
+        gate: crate::budget::Gate::new(Arc::clone(ctx.budget), 1, v.max_per_source),
     });
     shared.install(Install {
         core,

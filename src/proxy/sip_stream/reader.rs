@@ -22,6 +22,8 @@ pub(super) struct Peer<'a> {
     pub(super) queue: Option<&'a Level>,
     /// A service link's: its answers count as successes for passive ejection.
     pub(super) link: Option<&'a ServiceLink>,
+    /// A client's: what it has done, for eviction under pressure.
+    pub(super) activity: Option<&'a crate::budget::Activity>,
 }
 
 /// Read framed SIP messages from `read`, hand each to the current core, until EOF, error,
@@ -92,6 +94,9 @@ fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'
                             h.store(true, Ordering::Relaxed);
                         }
                         let now = shared.now();
+                        if let Some(a) = peer.activity {
+                            a.touch(now / 1_000_000, true);
+                        }
                         let g = shared.current.load();
                         let msg = inbound.front(len);
                         if let Some(link) = peer.link
@@ -117,6 +122,9 @@ fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'
                     }),
                     Frame::Ping => {
                         bump(&shared.counters.keepalive_pings);
+                        if let Some(a) = peer.activity {
+                            a.touch(shared.now() / 1_000_000, false);
+                        }
                         shared.reply(peer.reply, Bytes::from_static(PONG));
                     }
                     Frame::Pong => {}

@@ -124,6 +124,10 @@ pub struct TcpCore {
     /// Open client connections; shared with the cores a reload builds from this one, so
     /// connections accepted before a reload still count toward `max_sessions`.
     live: Arc<AtomicUsize>,
+    /// Admission of client connections: two open files each (client and service side) from
+    /// the process's pool, at most `max_per_source` from one source (docs/limits.md); kept
+    /// across reloads.
+    gate: Arc<crate::budget::Gate>,
     /// Per member: raised when the member's drain times out, which closes the connections
     /// still open on it. Shared by name with the cores a reload builds from this one.
     cuts: Vec<Arc<watch::Sender<bool>>>,
@@ -170,6 +174,11 @@ impl TcpCore {
             first_timeout: FIRST_BYTES_TIMEOUT.min(v.idle_timeout),
             max_connections: v.max_sessions,
             live: Arc::new(AtomicUsize::new(0)),
+            gate: Arc::new(crate::budget::Gate::new(
+                Arc::new(crate::budget::FileBudget::unlimited()),
+                2,
+                v.max_per_source,
+            )),
             cuts: v
                 .members()
                 .map(|_| Arc::new(watch::Sender::new(false)))
@@ -207,6 +216,8 @@ impl TcpCore {
         let mut core = TcpCore::new(config, v, epoch);
         core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
         core.live = Arc::clone(&old.live);
+        core.gate = Arc::clone(&old.gate);
+        core.gate.set_max_per_source(v.max_per_source);
         core.edge = v.edge(Some(&old.edge));
         let old_names = old.balancer.members();
         let members = core.balancer.members().iter();
@@ -229,6 +240,11 @@ impl TcpCore {
     }
 
     /// The handshake counters of each member reached over TLS, by service name.
+    /// The admission of the vserver's client connections.
+    pub fn gate(&self) -> &crate::budget::Gate {
+        &self.gate
+    }
+
     pub fn service_tls(&self) -> Vec<(String, Arc<HandshakeCounters>)> {
         let members = self.balancer.members().iter();
         members
@@ -343,6 +359,10 @@ impl DataPath for TcpPath {
         self.core.edge()
     }
 
+    fn gate(&self) -> Option<&crate::budget::Gate> {
+        Some(self.core.gate())
+    }
+
     fn service_tls(&self) -> Vec<(String, Arc<HandshakeCounters>)> {
         self.core.service_tls()
     }
@@ -399,7 +419,13 @@ pub(crate) fn start(
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
     let tls = crate::proxy::context::tls_listener(v)?;
-    let core = Arc::new(TcpCore::new(config, v, ctx.epoch));
+    let mut core = TcpCore::new(config, v, ctx.epoch);
+    core.gate = Arc::new(crate::budget::Gate::new(
+        Arc::clone(ctx.budget),
+        2,
+        v.max_per_source,
+    ));
+    let core = Arc::new(core);
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_tcp_workers(v, workers)?;
     let cell: TcpCell = Arc::new(ArcSwap::new(Arc::clone(&core)));
@@ -494,6 +520,18 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
         {
             continue;
         }
+        // Its files from the process's pool and its place among its source's, held by the
+        // connection's task (docs/limits.md).
+        let admission = match core.gate.admit(peer.ip()) {
+            Ok(a) => a,
+            Err(why) => {
+                bump(&core.counters.refused);
+                if log.allow(core.now()) {
+                    tracing::warn!(vserver = %core.name, %peer, reason = why.name(), "connection refused");
+                }
+                continue;
+            }
+        };
         let reserved = core
             .live
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -509,9 +547,16 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
         // TLS on either side takes the stream path; plain to plain keeps the
         // single-buffer relay below.
         if tls.is_some() || core.has_tls_members() {
-            tokio::spawn(serve_stream(core, stream, peer, tls.clone()));
+            let tls = tls.clone();
+            tokio::spawn(async move {
+                let _admission = admission;
+                serve_stream(core, stream, peer, tls).await;
+            });
         } else {
-            tokio::spawn(serve(core, stream, peer));
+            tokio::spawn(async move {
+                let _admission = admission;
+                serve(core, stream, peer).await;
+            });
         }
     }
 }

@@ -1,0 +1,327 @@
+//! One client cannot take fulcrum down by holding connections (docs/limits.md): fulcrum runs
+//! as its own process under a small open-file limit (`prlimit`), attackers on other loopback
+//! addresses hold silent connections, and what must keep working keeps working: legitimate
+//! clients from other addresses, the services' monitors, the sip-udp vserver beside, the admin
+//! API. Needs `prlimit` (util-linux) and Linux's whole 127.0.0.0/8 on `lo`.
+
+mod common;
+
+use common::sip_tcp::{read_message, request};
+use common::strict_uas::StrictUas;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// fulcrum under `prlimit --nofile=N:N`, its log lines, the addresses it bound.
+struct Fulcrum {
+    child: Child,
+    _lines: mpsc::Receiver<String>,
+    admin: SocketAddr,
+    sip_tcp: SocketAddr,
+    sip_udp: SocketAddr,
+    pool: u64,
+    _dir: common::sipp::Scratch,
+}
+
+impl Drop for Fulcrum {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The value after `key=` in a log line (up to a space; `[...]` whole).
+fn field(line: &str, key: &str) -> Option<String> {
+    let at = line.find(&format!("{key}="))? + key.len() + 1;
+    let rest = &line[at..];
+    let end = if rest.starts_with('[') {
+        rest.find(']')? + 1
+    } else {
+        rest.find(' ').unwrap_or(rest.len())
+    };
+    Some(rest[..end].trim_matches(['[', ']', '"']).to_owned())
+}
+
+fn start(nofile: u32, max_per_source: &str, udp: &StrictUas, tcp: &StrictUas) -> Fulcrum {
+    let dir = common::sipp::Scratch::new(&format!("limits-{nofile}"));
+    let cfg = dir.path("fulcrum.yaml");
+    let yaml = format!(
+        "admin: {{ listen: \"127.0.0.1:0\" }}\nmonitors:\n  - {{ name: ping, type: sip-options, interval: 500ms, timeout: 400ms, failures_to_down: 2, successes_to_up: 2 }}\nservices:\n  - {{ name: u, address: \"{}\", protocol: sip-udp, monitor: ping }}\n  - {{ name: t, address: \"{}\", protocol: sip-tcp, monitor: ping }}\nvservers:\n  - {{ name: udp, protocol: sip-udp, bind: [\"127.0.0.1:0\"], workers: 1, services: [u] }}\n  - {{ name: tcp, protocol: sip-tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: {max_per_source}, services: [t] }}\n",
+        udp.addr, tcp.addr
+    );
+    std::fs::write(&cfg, yaml).expect("config");
+    let mut child = Command::new("prlimit")
+        .arg(format!("--nofile={nofile}:{nofile}"))
+        .arg(env!("CARGO_BIN_EXE_fulcrum"))
+        .args(["run", "--config"])
+        .arg(&cfg)
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn prlimit fulcrum");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let (mut admin, mut sip_tcp, mut sip_udp, mut pool) = (None, None, None, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin.is_none() || sip_tcp.is_none() || sip_udp.is_none() || pool.is_none() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx.recv_timeout(left).expect("fulcrum's start lines");
+        if line.contains("open files") {
+            pool = field(&line, "pool").and_then(|p| p.parse::<u64>().ok());
+        } else if line.contains("admin API listening") {
+            admin = field(&line, "bound").and_then(|a| a.parse().ok());
+        } else if line.contains("listening") && line.contains("vserver=tcp") {
+            sip_tcp = field(&line, "bound").and_then(|a| a.parse().ok());
+        } else if line.contains("listening") && line.contains("vserver=udp") {
+            sip_udp = field(&line, "bound").and_then(|a| a.parse().ok());
+        }
+    }
+    let f = Fulcrum {
+        child,
+        _lines: rx,
+        admin: admin.expect("admin"),
+        sip_tcp: sip_tcp.expect("tcp"),
+        sip_udp: sip_udp.expect("udp"),
+        pool: pool.expect("pool"),
+        _dir: dir,
+    };
+    assert!(
+        common::wait_until(Duration::from_secs(10), || f.get("/readyz").0 == 200),
+        "not ready: {:?}",
+        f.get("/readyz")
+    );
+    f
+}
+
+impl Fulcrum {
+    /// `GET path` on the admin API: (status, body); (0, error) when it does not answer in 3 s.
+    fn get(&self, path: &str) -> (u16, String) {
+        let mut s = match TcpStream::connect_timeout(&self.admin, Duration::from_secs(3)) {
+            Ok(s) => s,
+            Err(e) => return (0, e.to_string()),
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
+        let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        if let Err(e) = s.write_all(req.as_bytes()) {
+            return (0, e.to_string());
+        }
+        let mut out = String::new();
+        if let Err(e) = s.read_to_string(&mut out) {
+            return (0, e.to_string());
+        }
+        let code = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        (code, out)
+    }
+
+    /// A value of the metrics exposition: the sample whose line starts with `prefix`.
+    fn metric(&self, prefix: &str) -> u64 {
+        let (_, body) = self.get("/metrics");
+        body.lines()
+            .find(|l| l.starts_with(prefix))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// The services' states in `/status` (every vserver's), e.g. "UP".
+    fn states(&self) -> Vec<String> {
+        let (_, body) = self.get("/status");
+        let json = body.split("\r\n\r\n").nth(1).unwrap_or_default();
+        let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+        v["vservers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|vs| vs["services"].as_array().into_iter().flatten())
+            .map(|s| s["state"].as_str().unwrap_or("?").to_owned())
+            .collect()
+    }
+}
+
+/// A silent TCP connection to `to` from `ip` (any port).
+fn hold_from(ip: IpAddr, to: SocketAddr) -> Option<TcpStream> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
+    s.bind(&SocketAddr::new(ip, 0).into()).ok()?;
+    s.connect_timeout(&to.into(), Duration::from_secs(2)).ok()?;
+    Some(s.into())
+}
+
+/// How many of `held` fulcrum has closed (a read sees EOF or a reset at once).
+fn closed_by_peer(held: &[TcpStream]) -> usize {
+    held.iter()
+        .filter(|s| {
+            let _ = s.set_nonblocking(true);
+            let mut b = [0u8; 1];
+            let gone = match (&**s).read(&mut b) {
+                Ok(0) => true,
+                Ok(_) => false,
+                Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+            };
+            let _ = s.set_nonblocking(false);
+            gone
+        })
+        .count()
+}
+
+/// An OPTIONS over a new sip-tcp connection from 127.0.0.1: its answer's status code.
+fn sip_tcp_options(to: SocketAddr, tag: &str) -> Option<u16> {
+    let mut c = TcpStream::connect_timeout(&to, Duration::from_secs(3)).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    let local = c.local_addr().ok()?;
+    c.write_all(request("OPTIONS", &format!("{tag}@x"), local, tag).as_bytes())
+        .ok()?;
+    let mut buf = Vec::new();
+    let m = read_message(&mut c, &mut buf)?;
+    fulcrum::sip::scan(&m).ok()?.status_code()
+}
+
+/// An OPTIONS to the sip-udp vserver: its answer's status code.
+fn sip_udp_options(to: SocketAddr, tag: &str) -> Option<u16> {
+    let c = UdpSocket::bind("127.0.0.1:0").ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    let local = c.local_addr().ok()?;
+    let req =
+        request("OPTIONS", &format!("{tag}@x"), local, tag).replace("SIP/2.0/TCP", "SIP/2.0/UDP");
+    c.send_to(req.as_bytes(), to).ok()?;
+    let mut b = [0u8; 4096];
+    let (n, _) = c.recv_from(&mut b).ok()?;
+    fulcrum::sip::scan(&b[..n]).ok()?.status_code()
+}
+
+/// Raise this test process's open-file soft limit to at least `n` (within its hard limit).
+fn raise_own_limit(n: u64) {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
+        && soft < n
+    {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, n.min(hard), hard);
+    }
+}
+
+fn prlimit_available() -> bool {
+    Command::new("prlimit")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Two sources each open many more silent connections than `max_per_source` allows: each
+/// keeps its limit and no more (the rest closed at once, counted), while a third address is
+/// served, the monitors keep both services UP and the admin API answers.
+#[test]
+fn two_sources_holding_connections_keep_their_limit_and_others_are_served() {
+    if !prlimit_available() {
+        println!("SKIP: no prlimit");
+        return;
+    }
+    let (udp, tcp) = (StrictUas::udp("u"), StrictUas::tcp("t"));
+    let f = start(2_000, "100", &udp, &tcp);
+    let mut held = Vec::new();
+    for src in ["127.0.0.2", "127.0.0.3"] {
+        let ip: IpAddr = src.parse().expect("ip");
+        held.push(
+            (0..160)
+                .filter_map(|_| hold_from(ip, f.sip_tcp))
+                .collect::<Vec<_>>(),
+        );
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let closed: Vec<usize> = held.iter().map(|h| closed_by_peer(h)).collect();
+    let refused = f.metric("fulcrum_refused_total{vserver=\"tcp\",reason=\"per_source\"}");
+    println!(
+        "held {:?}, closed by fulcrum {closed:?}, per-source refusals {refused}",
+        held.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    for (h, c) in held.iter().zip(&closed) {
+        assert_eq!(h.len() - c, 100, "a source keeps exactly its limit");
+    }
+    assert_eq!(refused, 120);
+    assert_eq!(sip_tcp_options(f.sip_tcp, "legit1"), Some(200));
+    assert_eq!(sip_udp_options(f.sip_udp, "legit2"), Some(200));
+    assert_eq!(f.get("/healthz").0, 200);
+    assert_eq!(f.get("/readyz").0, 200);
+    std::thread::sleep(Duration::from_millis(1_200));
+    assert_eq!(f.states(), ["UP", "UP"]);
+}
+
+/// Many sources (addresses of 127.1.0.0/16) hold silent connections until the file pool is
+/// full: fulcrum refuses or evicts beyond it and never touches its reserve, so the monitors
+/// keep the services UP (no "Too many open files"), the sip-udp vserver and the admin API
+/// answer, and a new legitimate sip-tcp client is served by evicting an idle one. When the
+/// attackers leave, the pool is empty again.
+#[test]
+fn sources_filling_the_pool_never_take_the_reserve_and_a_new_client_is_served() {
+    if !prlimit_available() {
+        println!("SKIP: no prlimit");
+        return;
+    }
+    let (udp, tcp) = (StrictUas::udp("u"), StrictUas::tcp("t"));
+    let f = start(700, "off", &udp, &tcp);
+    assert!(f.pool > 50 && f.pool < 700, "pool {}", f.pool);
+    // More than fulcrum's whole open-file limit: without the pool, it would run out of files
+    // for its monitors and its other listeners.
+    raise_own_limit(2_000);
+    let attackers = 800;
+    let mut held = Vec::new();
+    for i in 0..attackers {
+        let ip = IpAddr::from([127, 1, (i / 250) as u8, (i % 250) as u8 + 1]);
+        if let Some(s) = hold_from(ip, f.sip_tcp) {
+            held.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let used = f.metric("fulcrum_open_files{kind=\"used\"}");
+    let open = held.len() - closed_by_peer(&held);
+    println!(
+        "pool {}, {} attacker connections made, {open} still open, pool used {used}",
+        f.pool,
+        held.len()
+    );
+    assert!(used <= f.pool, "the pool was passed: {used} > {}", f.pool);
+    assert!(
+        used * 10 >= f.pool * 8,
+        "the attack did not fill the pool: {used} of {}",
+        f.pool
+    );
+    // What must keep working does.
+    assert_eq!(f.get("/healthz").0, 200);
+    assert_eq!(f.get("/readyz").0, 200, "{}", f.get("/readyz").1);
+    assert_eq!(sip_udp_options(f.sip_udp, "legit-udp"), Some(200));
+    assert_eq!(
+        sip_tcp_options(f.sip_tcp, "legit-tcp"),
+        Some(200),
+        "a new client is served by eviction"
+    );
+    std::thread::sleep(Duration::from_millis(1_200));
+    assert_eq!(f.states(), ["UP", "UP"], "monitors kept the services UP");
+    let evicted =
+        f.metric("fulcrum_transport_events_total{vserver=\"tcp\",event=\"clients_evicted\"}");
+    assert!(evicted >= 1, "no client was evicted");
+    let local_errors = f.get("/status").1.matches("\"local_errors\":0").count();
+    assert_eq!(local_errors, 2, "monitors met no local error");
+    drop(held);
+    assert!(
+        common::wait_until(Duration::from_secs(5), || f
+            .metric("fulcrum_open_files{kind=\"used\"}")
+            == 0),
+        "the pool is empty again once the attackers leave"
+    );
+}
