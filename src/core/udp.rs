@@ -87,6 +87,8 @@ pub struct UdpCore {
     pub(crate) idle_ns: Nanos,
     pub(crate) max_sessions: usize,
     live: Arc<AtomicUsize>,
+    /// The process's open files: each session's socket is one ([`crate::budget`]).
+    budget: Arc<crate::budget::FileBudget>,
     pub(crate) transparent: bool,
     pub(crate) send_proxy: bool,
     /// Access lists (every client datagram) and flood control (new sessions).
@@ -124,6 +126,7 @@ impl UdpCore {
             idle_ns: nanos(v.idle_timeout),
             max_sessions: v.max_sessions,
             live: Arc::new(AtomicUsize::new(0)),
+            budget: Arc::new(crate::budget::FileBudget::unlimited()),
             transparent: v.transparent,
             send_proxy: v.send_proxy == Some(ProxyProtocol::V2),
             edge: v.edge(None),
@@ -138,6 +141,7 @@ impl UdpCore {
         let mut core = UdpCore::new(config, v);
         core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
         core.live = Arc::clone(&old.live);
+        core.budget = Arc::clone(&old.budget);
         core.edge = v.edge(Some(&old.edge));
         core
     }
@@ -174,9 +178,16 @@ impl UdpCore {
         self.live.load(Ordering::Relaxed)
     }
 
+    /// The core drawing its sessions' files from `budget`.
+    pub fn with_budget(mut self, budget: Arc<crate::budget::FileBudget>) -> UdpCore {
+        self.budget = budget;
+        self
+    }
+
     /// A new, empty session table for one worker.
     pub fn table<R>(&self) -> SessionTable<R> {
         SessionTable::new(self.idle_ns, self.max_sessions, Arc::clone(&self.live))
+            .with_budget(Arc::clone(&self.budget))
     }
 
     pub fn member_addr(&self, member: usize) -> Option<SocketAddr> {

@@ -133,7 +133,7 @@ pub(crate) fn start(
 ) -> Result<VserverHandle, RuntimeError> {
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_udp(v, workers)?;
-    let core = Arc::new(UdpCore::new(config, v));
+    let core = Arc::new(UdpCore::new(config, v).with_budget(Arc::clone(ctx.budget)));
     let cell: UdpCell = Arc::new(ArcSwap::new(Arc::clone(&core)));
     // Worker i takes the i-th socket of every bind address.
     let mut sets: Vec<Vec<UdpSocket>> = (0..workers).map(|_| Vec::new()).collect();
@@ -662,12 +662,22 @@ impl Worker {
             close_session(&self.core, self.poll.registry(), s);
             bump(&self.core.counters.sessions_expired);
         }
-        if self.table.admit() == Admit::Full {
-            bump(&self.core.counters.sessions_refused);
-            if self.log.allow(now) {
-                tracing::warn!(vserver = %self.core.name, max = self.core.max_sessions, "session table full: new session refused");
+        match self.table.admit() {
+            Admit::Reserved => {}
+            Admit::Full => {
+                bump(&self.core.counters.sessions_refused);
+                if self.log.allow(now) {
+                    tracing::warn!(vserver = %self.core.name, max = self.core.max_sessions, "session table full: new session refused");
+                }
+                return None;
             }
-            return None;
+            Admit::NoFiles => {
+                bump(&self.core.counters.sessions_refused);
+                if self.log.allow(now) {
+                    tracing::warn!(vserver = %self.core.name, "no open file left in the pool: new session refused (docs/limits.md)");
+                }
+                return None;
+            }
         }
         let Some(service) = self.core.member_addr(member) else {
             self.table.release();

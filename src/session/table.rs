@@ -51,6 +51,8 @@ pub enum Admit {
     Reserved,
     /// The vserver's session limit is reached: the datagram is refused (and counted).
     Full,
+    /// The process's file pool has no file left for the session's socket (docs/limits.md).
+    NoFiles,
 }
 
 /// The session table of one worker.
@@ -63,6 +65,8 @@ pub struct SessionTable<R> {
     max_sessions: usize,
     /// Live sessions of the whole vserver (every worker's table).
     live: Arc<AtomicUsize>,
+    /// The process's open files, one per session ([`SessionTable::with_budget`]).
+    budget: Option<Arc<crate::budget::FileBudget>>,
 }
 
 impl<R> SessionTable<R> {
@@ -76,6 +80,7 @@ impl<R> SessionTable<R> {
             idle_ns,
             max_sessions,
             live,
+            budget: None,
         }
     }
 
@@ -122,13 +127,30 @@ impl<R> SessionTable<R> {
                 (n < self.max_sessions).then_some(n + 1)
             });
         match reserved {
+            Ok(_) if self.budget.as_ref().is_some_and(|b| !b.take(1)) => {
+                self.release_live();
+                Admit::NoFiles
+            }
             Ok(_) => Admit::Reserved,
             Err(_) => Admit::Full,
         }
     }
 
+    /// Sessions draw their sockets' files from `budget`.
+    pub fn with_budget(mut self, budget: Arc<crate::budget::FileBudget>) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
     /// Give back a reservation that did not become a session (its socket failed).
     pub fn release(&self) {
+        self.release_live();
+        if let Some(b) = &self.budget {
+            b.give_back(1);
+        }
+    }
+
+    fn release_live(&self) {
         let _ = self
             .live
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -359,6 +381,29 @@ mod tests {
         assert_eq!(closed, vec![77]);
         assert!(t.is_empty());
         assert_eq!(t.live.load(Ordering::Relaxed), 0);
+    }
+
+    /// Each session's socket is a file of the process's pool: past the pool a session is
+    /// refused (its reservation undone), and an ending session gives its file back.
+    #[test]
+    fn sessions_draw_their_files_from_the_pool() {
+        let needs = crate::budget::Needs::default();
+        // A limit whose pool is exactly 2 files.
+        let limit = crate::budget::split(200, &needs).0 + 2;
+        let budget = Arc::new(crate::budget::FileBudget::new(limit, &needs));
+        assert_eq!(budget.pool(), 2);
+        let mut t = table(10).with_budget(Arc::clone(&budget));
+        assert_eq!(t.admit(), Admit::Reserved);
+        let (a, _) = t.insert(key(1, None), 0, 0, 1, 0);
+        assert_eq!(t.admit(), Admit::Reserved);
+        t.release();
+        assert_eq!(t.admit(), Admit::Reserved);
+        let (_b, _) = t.insert(key(2, None), 0, 0, 2, 0);
+        assert_eq!(t.admit(), Admit::NoFiles);
+        assert_eq!((t.live.load(Ordering::Relaxed), budget.used()), (2, 2));
+        assert!(t.remove(a).is_some());
+        assert_eq!(budget.used(), 1);
+        assert_eq!(t.admit(), Admit::Reserved);
     }
 
     #[test]
