@@ -615,7 +615,7 @@ impl Balancer {
         {
             return false;
         }
-        let active = self.counters[member].active();
+        let active = self.counters[member].load();
         if info.max_clients > 0 && active >= u64::from(info.max_clients) {
             return false;
         }
@@ -633,7 +633,7 @@ impl Balancer {
             .filter(|&i| self.health(i) == Some(Health::Up))
             .fold((0u128, 0u128), |(t, w), i| {
                 (
-                    t + u128::from(self.counters[i].active()),
+                    t + u128::from(self.counters[i].load()),
                     w + u128::from(self.weights[i]),
                 )
             });

@@ -115,8 +115,7 @@ pub fn pick<C: AsRef<ServiceCounters>>(
         return None;
     }
     let weight = |i: usize| u128::from(weights.get(i).copied().unwrap_or(1).max(1));
-    let active_score =
-        |i: usize| Frac::new(u128::from(counters[i].as_ref().active()) + 1, weight(i));
+    let active_score = |i: usize| Frac::new(u128::from(counters[i].as_ref().load()) + 1, weight(i));
     match fallback(method) {
         Method::RoundRobin => round_robin(state, n, &eligible),
         Method::LeastConnection => least_by(state, n, &eligible, |i| (active_score(i), Frac::ZERO)),

@@ -444,7 +444,8 @@ impl Ops {
             for v in vs {
                 let b = v.balancer();
                 for (m, info) in b.members().iter().enumerate() {
-                    let active = b.counters(m).map_or(0, |c| c.active());
+                    // Calls still ringing there too: their 2xx must find the service.
+                    let active = b.counters(m).map_or(0, |c| c.load());
                     counts.insert((v.name.clone(), info.name.clone()), active);
                 }
             }
@@ -561,7 +562,7 @@ impl Ops {
                     let b = v.balancer();
                     for m in 0..b.members().len() {
                         b.set_health(m, Health::OutOfService, now);
-                        n += b.counters(m).map_or(0, |c| c.active());
+                        n += b.counters(m).map_or(0, |c| c.load());
                     }
                 }
                 n

@@ -157,6 +157,9 @@ impl Ewma {
 #[derive(Debug)]
 pub struct ServiceCounters {
     active: AtomicU64,
+    /// SIP requests that may open a dialog, forwarded and not answered 2xx yet
+    /// (`crate::dialog`): load for the methods, not active flows.
+    pending: AtomicU64,
     requests_total: AtomicU64,
     bytes_total: AtomicU64,
     packets_total: AtomicU64,
@@ -173,6 +176,7 @@ impl ServiceCounters {
     pub fn new() -> Self {
         ServiceCounters {
             active: AtomicU64::new(0),
+            pending: AtomicU64::new(0),
             requests_total: AtomicU64::new(0),
             bytes_total: AtomicU64::new(0),
             packets_total: AtomicU64::new(0),
@@ -202,6 +206,32 @@ impl ServiceCounters {
     /// Open connections / sessions.
     pub fn active(&self) -> u64 {
         self.active.load(Ordering::Relaxed)
+    }
+
+    /// A SIP request that may open a dialog was forwarded (its dialog is not confirmed yet).
+    pub fn open_pending(&self) {
+        self.pending.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A pending request was answered, cancelled, pushed out or expired. Never below zero.
+    pub fn close_pending(&self) {
+        let _ = self
+            .pending
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                Some(v.saturating_sub(1))
+            });
+    }
+
+    /// Pending SIP requests (calls being set up).
+    pub fn pending(&self) -> u64 {
+        self.pending.load(Ordering::Relaxed)
+    }
+
+    /// What the load-aware methods, `max_clients` and bounded loads count: active flows and
+    /// calls being set up (a burst of INVITEs would otherwise all go to the same service while
+    /// they ring).
+    pub fn load(&self) -> u64 {
+        self.active().saturating_add(self.pending())
     }
 
     /// One request (SIP request, datagram session, TCP connection) was sent to this service.

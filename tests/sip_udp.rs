@@ -53,6 +53,11 @@ impl Lab {
     /// The stateless proxy (`failover: off`): these tests read each datagram fulcrum sends,
     /// and a held request adds fulcrum's 100 and its retransmissions (tests/failover.rs).
     fn start_on(ip: &str, n: usize, method: &str, record_route: bool) -> Lab {
+        Lab::start_with(ip, n, method, record_route, "")
+    }
+
+    /// [`Lab::start_on`] with more settings of the vserver (`extra`: YAML lines, indented).
+    fn start_with(ip: &str, n: usize, method: &str, record_route: bool, extra: &str) -> Lab {
         let services: Vec<UdpSocket> = (0..n).map(|_| sock(ip)).collect();
         let mut y = String::from("admin: { listen: null }\nservices:\n");
         for (i, s) in services.iter().enumerate() {
@@ -68,7 +73,7 @@ impl Lab {
             format!("\"{ip}:0\"")
         };
         y.push_str(&format!(
-            "vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [{bind}]\n    method: {method}\n    record_route: {record_route}\n    workers: 2\n    failover: off\n    services: [{}]\n",
+            "vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [{bind}]\n    method: {method}\n    record_route: {record_route}\n    workers: 2\n    failover: off\n{extra}    services: [{}]\n",
             names.join(", ")
         ));
         let cfg = config::from_str("test.yaml", &y).expect("config");
@@ -730,4 +735,73 @@ fn ipv6_loopback_round_trip() {
     let back = lab.client_recv();
     assert_eq!(first_line(&back), "SIP/2.0 200 OK");
     assert_eq!(headers(&back, "Via").len(), 1);
+}
+
+/// `max_sessions: 16`, round robin: calls answered 200 by their service are dialogs; a flood
+/// of INVITEs with fresh Call-IDs that no service answers, many times the table's size, then
+/// passes. The calls' BYEs still reach their services (round robin would move most of them),
+/// a call set up during the flood too, and the flood never counted as active flows.
+#[test]
+fn a_flood_of_unanswered_invites_leaves_confirmed_calls_pinned() {
+    let lab = Lab::start_with(
+        "127.0.0.1",
+        3,
+        "round_robin",
+        false,
+        "    max_sessions: 16\n",
+    );
+    let me = hp(addr(&lab.client));
+    let call = |cid: &str, br: &str| {
+        lab.send(&invite(&lab, br, cid));
+        let (svc, inv) = lab.any_service_recv();
+        lab.send_from_service(svc, &response_to(&inv, "200 OK"));
+        let ok = lab.client_recv();
+        assert!(ok.starts_with("SIP/2.0 200"), "{ok}");
+        (cid.to_owned(), svc)
+    };
+    let mut calls: Vec<(String, usize)> = (0..8)
+        .map(|i| call(&format!("up-{i}@test"), &format!("z9hG4bKup{i}")))
+        .collect();
+    for i in 0..200 {
+        lab.send(&invite(
+            &lab,
+            &format!("z9hG4bKfl{i}"),
+            &format!("flood-{i}@test"),
+        ));
+        let (_, inv) = lab.any_service_recv();
+        assert_eq!(header(&inv, "Call-ID"), format!("flood-{i}@test"));
+        if i == 100 {
+            calls.push(call("mid@test", "z9hG4bKmid"));
+        }
+    }
+    let core = lab.core();
+    assert_eq!(core.dialogs().refused(), 0, "no call was refused a pin");
+    assert!(core.dialogs().evicted() >= 200 - 16);
+    let b = lab.vs().balancer();
+    let (active, pending) = (0..3)
+        .filter_map(|m| b.counters(m))
+        .fold((0, 0), |(a, p), c| (a + c.active(), p + c.pending()));
+    assert_eq!(active, 9, "the calls, and only they, are active flows");
+    assert!(
+        pending <= 16 - 9,
+        "the flood's pending load stays in the table: {pending}"
+    );
+    for (i, (cid, svc)) in calls.iter().enumerate() {
+        lab.send(&request(
+            "BYE",
+            "sip:bob@example.com",
+            &me,
+            &format!("z9hG4bKby{i}"),
+            cid,
+            "2 BYE",
+        ));
+        let (got, msg) = lab.any_service_recv();
+        assert_eq!(header(&msg, "Call-ID"), cid);
+        assert_eq!(got, *svc, "{cid} moved from s{svc} to s{got}");
+    }
+    let active: u64 = (0..3)
+        .filter_map(|m| b.counters(m))
+        .map(|c| c.active())
+        .sum();
+    assert_eq!(active, 0);
 }

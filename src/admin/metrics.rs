@@ -166,6 +166,7 @@ struct ServiceFamilies {
     bytes: Family,
     packets: Family,
     active: Family,
+    pending: Family,
     state: Family,
     weight: Family,
     slow: Family,
@@ -196,6 +197,11 @@ impl ServiceFamilies {
                 "fulcrum_active",
                 "gauge",
                 "Open connections, sessions or dialogs of a service.",
+            ),
+            pending: Family::new(
+                "fulcrum_pending",
+                "gauge",
+                "SIP requests that may open a dialog, forwarded to a service and not answered 2xx yet.",
             ),
             state: Family::new(
                 "fulcrum_service_state",
@@ -241,6 +247,7 @@ impl ServiceFamilies {
                 self.bytes.add(&l, c.bytes_total());
                 self.packets.add(&l, c.packets_total());
                 self.active.add(&l, c.active());
+                self.pending.add(&l, c.pending());
             }
             self.add_state(b, mi, l, now);
             self.weight.add(&l, m.weight);
@@ -264,12 +271,13 @@ impl ServiceFamilies {
         }
     }
 
-    fn families(&self) -> [&Family; 10] {
+    fn families(&self) -> [&Family; 11] {
         [
             &self.requests,
             &self.bytes,
             &self.packets,
             &self.active,
+            &self.pending,
             &self.state,
             &self.weight,
             &self.slow,

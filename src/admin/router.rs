@@ -496,6 +496,7 @@ pub fn status(ops: &Ops) -> Value {
                                 "ejection": b.ejection(mi, now).map(|e| ejection_status(&e)),
                                 "weight": m.weight,
                                 "active": c.map_or(0, |c| c.active()),
+                                "pending": c.map_or(0, |c| c.pending()),
                                 "requests_total": c.map_or(0, |c| c.requests_total()),
                                 "requests_per_s": ops.request_rate(vi, mi),
                                 "reported_load": c.and_then(|c| c.reported_load()),

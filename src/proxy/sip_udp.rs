@@ -18,6 +18,7 @@ use crate::balancer::Balancer;
 use crate::config::{Config, Protocol, Vserver};
 use crate::core::sip::SipParams;
 use crate::core::sip::{Action, SipCore};
+use crate::dialog::Change;
 use crate::net;
 use crate::proxy::context::{
     DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_service_source,
@@ -341,8 +342,8 @@ impl DataPath for SipUdpPath {
         // A fresh balancer: what moved is counted as load again (what did not was never
         // counted there).
         let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
-        for &m in &first.open {
-            core.open(m);
+        for &(m, count) in &first.counted {
+            core.tally(Change::Open(m, count));
         }
         if let Some(bridge) = &bridge {
             // The links first: a worker's decision by the new core finds its member's link
@@ -366,15 +367,11 @@ impl DataPath for SipUdpPath {
         // This balancer counted only what the first pass migrated, and what the new core
         // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
         let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, cx.now());
-        for &m in &late.opened {
-            core.open(m);
+        for &(m, count) in &late.opened {
+            core.tally(Change::Open(m, count));
         }
-        for &m in &late.ended {
-            core.close(m);
-        }
-        for &(from, to) in &late.moved {
-            core.close(from);
-            core.open(to);
+        for &c in late.changed.iter().chain(&late.pushed_out) {
+            core.tally(c);
         }
         let r = Rebuilt {
             dialogs_kept: late.kept(&first),

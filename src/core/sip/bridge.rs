@@ -98,7 +98,7 @@ fn a_request_too_long_for_a_datagram_toward_a_udp_member_is_answered_513() {
     // Dialogs counted on both members.
     let active = |c: &SipCore| {
         (0..2)
-            .filter_map(|m| c.balancer().counters(m).map(|k| k.active()))
+            .filter_map(|m| c.balancer().counters(m).map(|k| k.load()))
             .sum::<u64>()
     };
     let with_body = |call_id: &str, len: usize| {

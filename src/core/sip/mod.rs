@@ -7,7 +7,7 @@
 
 use crate::balancer::{Balancer, KeyInput};
 use crate::config::{HashParams, Method};
-use crate::dialog::{DialogTable, Pin};
+use crate::dialog::{Answerer, Change, Count, DialogTable};
 use crate::hash;
 use crate::key::{self, KeyOutcome, Payload, RequestCtx};
 use crate::sip::{
@@ -378,10 +378,10 @@ impl SipCore {
         (self.dialogs.idle() / 10).clamp(Duration::from_millis(100), Duration::from_secs(10))
     }
 
-    /// Expire idle dialogs; each expired dialog stops counting toward its member's load.
+    /// Expire idle dialogs and pending requests past their transaction; each stops counting
+    /// toward its member's load.
     pub fn sweep(&self, now: Nanos) -> usize {
-        self.dialogs
-            .sweep(now / 1_000_000, |member| self.close(member))
+        self.dialogs.sweep(now / 1_000_000, |c| self.tally(c))
     }
 
     /// The member whose address is `src` (datagrams: a service sends from its address).
@@ -497,7 +497,11 @@ impl SipCore {
                 Origin::Client { conn: None } => self.is_member_ip(src),
                 Origin::Client { conn: Some(_) } => false,
             };
-            self.response(&msg, from_member, out)
+            let action = self.response(&msg, from_member, out);
+            if from_member && matches!(action, Action::ToAddr(_) | Action::ToConn(_)) {
+                self.track_answer(&msg, self.answerer(origin, src), now);
+            }
+            action
         }
     }
 
@@ -507,31 +511,75 @@ impl SipCore {
         self.member_addrs.iter().any(|m| m.ip() == ip)
     }
 
-    /// Pin the dialog of Call-ID hash `h` to `member`, its load counted there (moved from the
-    /// member it was on, if any).
-    fn pin(&self, h: u64, member: u32, now_ms: u64) {
-        match self.dialogs.put(h, member, now_ms) {
-            Pin::New => self.open(member),
-            Pin::Moved(old) => {
-                self.close(old);
-                self.open(member);
+    /// Pin the request of Call-ID hash `h` and CSeq number `cseq` to `member`: pending there
+    /// until a 2xx confirms its dialog (moved from the member it was on, if any).
+    fn pin(&self, h: u64, member: u32, cseq: u32, now_ms: u64) {
+        self.dialogs.put(h, member, cseq, now_ms, |c| self.tally(c));
+    }
+
+    /// Carry out a change of the load the dialog table counts.
+    pub(crate) fn tally(&self, change: Change) {
+        let (member, count, open) = match change {
+            Change::Open(m, c) => (m, c, true),
+            Change::Close(m, c) => (m, c, false),
+        };
+        let Some(c) = self.balancer.counters(member as usize) else {
+            return;
+        };
+        match (count, open) {
+            (Count::Active, true) => c.open(),
+            (Count::Active, false) => c.close(),
+            (Count::Pending, true) => c.open_pending(),
+            (Count::Pending, false) => c.close_pending(),
+        }
+    }
+
+    /// A service's response on its way to the client: the answer to a request that pinned its
+    /// Call-ID confirms the dialog (2xx), holds the request (1xx) or ends it (above 2xx),
+    /// `crate::dialog`. The answers to a BYE or CANCEL (whose CSeq number is the INVITE's)
+    /// are passed over without a look-up.
+    pub(super) fn track_answer(&self, msg: &SipMsg<'_>, by: Answerer, now: Nanos) {
+        let (Some(code), Some(cseq), Some(call_id)) =
+            (msg.status_code(), msg.cseq(), msg.call_id())
+        else {
+            return;
+        };
+        if matches!(
+            SipMethod::from_bytes(cseq.method),
+            SipMethod::Bye | SipMethod::Cancel | SipMethod::Ack
+        ) {
+            return;
+        }
+        self.dialogs.answered(
+            hash::key_hash(call_id),
+            cseq.seq,
+            code,
+            by,
+            now / 1_000_000,
+            |c| self.tally(c),
+        );
+    }
+
+    /// Who sent a response from `src`, as far as addresses tell: the member at that address,
+    /// else the only member at that IP (a service may answer from another port).
+    fn answerer(&self, origin: Origin, src: SocketAddr) -> Answerer {
+        if let Origin::Member(m) = origin {
+            return u32::try_from(m).map_or(Answerer::Unknown, Answerer::Likely);
+        }
+        let at = self.member_of(src).or_else(|| {
+            let ip = src.ip().to_canonical();
+            let mut same = self
+                .member_addrs
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| a.ip() == ip);
+            match (same.next(), same.next()) {
+                (Some((m, _)), None) => Some(m),
+                _ => None,
             }
-            Pin::Refreshed | Pin::Refused => {}
-        }
-    }
-
-    /// Count one more open dialog (or flow) on `member`.
-    pub(crate) fn open(&self, member: u32) {
-        if let Some(c) = self.balancer.counters(member as usize) {
-            c.open();
-        }
-    }
-
-    /// Count one open dialog fewer on `member`.
-    pub(crate) fn close(&self, member: u32) {
-        if let Some(c) = self.balancer.counters(member as usize) {
-            c.close();
-        }
+        });
+        at.and_then(|m| u32::try_from(m).ok())
+            .map_or(Answerer::Unknown, Answerer::Likely)
     }
 
     /// The member a request's top Route names through `fc-svc`, when it is one of ours and
@@ -572,9 +620,7 @@ impl SipCore {
     /// The dialog of Call-ID hash `h` ended (BYE, or CANCEL of the initial INVITE): its member
     /// stops counting it as load (the entry lingers for retransmissions and the ACK).
     fn end_dialog(&self, h: u64, now_ms: u64) {
-        if let Some(member) = self.dialogs.end(h, now_ms) {
-            self.close(member);
-        }
+        self.dialogs.end(h, now_ms, |c| self.tally(c));
     }
 }
 

@@ -127,7 +127,7 @@ fn a_request_refused_513_leaves_nothing_counted() {
     let reply = crate::sip::scan(&out).expect("a reply");
     assert_eq!(reply.status_code(), Some(513));
     let loads: Vec<u64> = (0..3)
-        .map(|m| c.balancer().counters(m).map_or(0, |k| k.active()))
+        .map(|m| c.balancer().counters(m).map_or(0, |k| k.load()))
         .collect();
     assert_eq!(loads, [0, 0, 0]);
 }
@@ -141,6 +141,21 @@ fn requests_routed_by_record_route_keep_a_long_call_counted() {
     let (m, out) = send_at(&c, &invite("long-1"), 0);
     let m = m.expect("forwarded");
     let rr = record_route(&out);
+    // The service's 200 makes it a dialog.
+    let mut ok = Vec::new();
+    let reply = crate::sip::Reply {
+        code: 200,
+        reason: "OK",
+        retry_after_s: None,
+    };
+    crate::sip::build_response(&crate::sip::scan(&out).expect("scan"), &reply, &mut ok)
+        .expect("200");
+    let member = c.member_addr(m).expect("member");
+    let us = "127.0.0.1:5060".parse().expect("addr");
+    assert!(matches!(
+        c.handle_datagram(&ok, member, us, 0, &mut Vec::new()),
+        Action::ToAddr(_)
+    ));
     let info = bye("long-1", &rr)
         .replace("BYE sip", "INFO sip")
         .replace("2 BYE", "3 INFO");

@@ -230,7 +230,8 @@ impl SipCore {
     /// any response (to the client connection named in that Via), so the client learns at
     /// once instead of waiting for its transaction timer (RFC 3261 §16.7 step 6 lets a
     /// proxy answer 503 when it cannot forward). ACKs are not answered.
-    pub fn unavailable(&self, forwarded: &[u8], out: &mut Vec<u8>) -> Action {
+    /// The pending entry of the request ends with the 503 as with a service's answer.
+    pub fn unavailable(&self, forwarded: &[u8], now: Nanos, out: &mut Vec<u8>) -> Action {
         out.clear();
         let Ok(msg) = sip::scan(forwarded) else {
             return Action::Drop(DropReason::Malformed);
@@ -246,7 +247,9 @@ impl SipCore {
         };
         bump(&self.counters.replies_503);
         // fulcrum's own reply, built from its own Via: as trusted as a service's.
-        self.response(&reply, true, out)
+        let action = self.response(&reply, true, out);
+        self.track_answer(&reply, Answerer::Unknown, now);
+        action
     }
 
     /// Dialog affinity first (an established call stays on its member while it is UP or
@@ -302,8 +305,20 @@ impl SipCore {
             }
             return Some(m);
         }
+        // A request that pins finds its Call-ID's entry through `get_pinning`: a new request
+        // (a new CSeq) on an entry whose request was refused, an INVITE sent again with
+        // credentials, makes it pending again.
+        let cseq = msg.cseq().map_or(0, |c| c.seq);
+        let pinning = pins_dialog(msg) && msg.to_tag().is_none();
+        let pinned = call_hash.and_then(|h| {
+            if pinning {
+                self.dialogs.get_pinning(h, cseq, now_ms, |c| self.tally(c))
+            } else {
+                self.dialogs.get(h, now_ms)
+            }
+        });
         if let Some(h) = call_hash
-            && let Some(m) = self.dialogs.get(h, now_ms)
+            && let Some(m) = pinned
             && self.balancer.accepts_existing(m as usize)
         {
             self.balancer.count_affinity();
@@ -323,11 +338,11 @@ impl SipCore {
             self.end_dialog(h, now_ms);
         }
         match call_hash {
-            Some(h) if pins_dialog(msg) => self.pin(h, member, now_ms),
+            Some(h) if pins_dialog(msg) => self.pin(h, member, cseq, now_ms),
             // No dialog: only its retransmissions follow it (a MESSAGE delivered twice by two
             // services would be a duplicate the user sees), uncounted. An ACK has none.
             Some(h) if msg.method_kind() != SipMethod::Ack => {
-                self.dialogs.linger(h, member, now_ms);
+                self.dialogs.linger(h, member, now_ms, |c| self.tally(c));
             }
             _ => {}
         }

@@ -211,9 +211,9 @@ impl SipCore {
         let now_ms = now / 1_000_000;
         if let (Some(h), Ok(m)) = (call_hash, u32::try_from(member)) {
             if super::checks::pins_dialog(msg) {
-                self.pin(h, m, now_ms);
+                self.pin(h, m, msg.cseq().map_or(0, |c| c.seq), now_ms);
             } else {
-                self.dialogs.linger(h, m, now_ms);
+                self.dialogs.linger(h, m, now_ms, |c| self.tally(c));
             }
         }
         Some(member)
@@ -472,6 +472,11 @@ impl SipCore {
         let branch = msg.top_via()?.branch?;
         let (key, attempt) = sip::transaction_of(branch)?;
         let code = msg.status_code()?;
+        if code < 200 {
+            // The request is alive at its service (absorbed or relayed): its pending entry
+            // holds until Timer C, as the transaction does.
+            self.track_answer(msg, Answerer::Unknown, now);
+        }
         let retry_after_s = msg.header(b"Retry-After").and_then(sip::parse_retry_after);
         let event = Event::Response {
             attempt,
@@ -508,16 +513,27 @@ impl SipCore {
         let mut action = None;
         for a in acts {
             match a {
-                TxAction::ToClient(b) => sends.push((client, b.clone())),
+                TxAction::ToClient(b) => {
+                    // fulcrum's own final answer (408, 500, 487) ends the pending entry as a
+                    // service's would.
+                    if !b.starts_with(b"SIP/2.0 1")
+                        && let Ok(msg) = sip::scan(b)
+                    {
+                        self.track_answer(&msg, Answerer::Unknown, now);
+                    }
+                    sends.push((client, b.clone()));
+                }
                 TxAction::ToMember(addr, b) => sends.push((self.member_dest(*addr), b.clone())),
                 TxAction::Relay => {
                     if let Some(msg) = response {
                         out.clear();
                         action = Some(self.response(msg, true, out));
+                        self.track_answer(msg, Answerer::Unknown, now);
                     }
                 }
                 TxAction::RelayStored(b) => {
                     if let Ok(msg) = sip::scan(b) {
+                        self.track_answer(&msg, Answerer::Unknown, now);
                         let mut relay = Vec::new();
                         match self.response(&msg, true, &mut relay) {
                             Action::ToAddr(to) => sends.push((Dest::Addr(to), Bytes::from(relay))),
@@ -550,12 +566,12 @@ impl SipCore {
         action
     }
 
-    /// Pin the dialog of `msg`'s Call-ID to `member`, whose 2xx the client got first: the
+    /// Confirm the dialog of `msg`'s Call-ID on `member`, whose 2xx the client got first: the
     /// request may have been forwarded to another member since (an attempt given up on that
     /// answered late), and its in-dialog requests must reach the service that holds the call.
     fn pin_to(&self, msg: &SipMsg<'_>, member: usize, now: Nanos) {
-        if let (Some(h), Ok(m)) = (msg.call_id().map(hash::key_hash), u32::try_from(member)) {
-            self.pin(h, m, now / 1_000_000);
+        if let Ok(m) = u32::try_from(member) {
+            self.track_answer(msg, Answerer::Winner(m), now);
         }
     }
 

@@ -173,7 +173,7 @@ fn a_bye_rerouted_from_a_down_member_ends_its_dialog() {
     let Action::ToMember(m) = handle(&c, &invite("gone-1", 70), CLIENT, &mut out) else {
         panic!("forwarded")
     };
-    let active = |m: usize| c.balancer().counters(m).map_or(0, |k| k.active());
+    let active = |m: usize| c.balancer().counters(m).map_or(0, |k| k.load());
     assert_eq!(active(m), 1);
     c.balancer().set_health(m, Health::Down, 0);
     let bye = invite("gone-1", 70)
@@ -201,7 +201,7 @@ fn a_forwarded_request_that_cannot_be_delivered_is_answered_503_to_its_sender() 
     let mut out = Vec::new();
     // rport was requested: back to the source address and port (RFC 3581 §4).
     assert_eq!(
-        c.unavailable(&fwd, &mut out),
+        c.unavailable(&fwd, 0, &mut out),
         Action::ToAddr(CLIENT.parse().expect("addr"))
     );
     let msg = crate::sip::scan(&out).expect("scan");
@@ -217,7 +217,7 @@ fn a_forwarded_request_that_cannot_be_delivered_is_answered_503_to_its_sender() 
         Action::ToMember(_)
     ));
     assert_eq!(
-        c.unavailable(&fwd, &mut out),
+        c.unavailable(&fwd, 0, &mut out),
         Action::Drop(DropReason::AckNotForwarded)
     );
 }
@@ -262,11 +262,18 @@ fn request(method: &str, call_id: &str, to_tag: Option<&str>, via: &str) -> Stri
     )
 }
 
-/// Open dialogs counted on the members.
+/// Load counted on the members: open dialogs and requests pending their 2xx.
 fn open(c: &SipCore) -> u64 {
     (0..c.member_count())
-        .map(|m| c.balancer().counters(m).map_or(0, |k| k.active()))
+        .map(|m| c.balancer().counters(m).map_or(0, |k| k.load()))
         .sum()
+}
+
+/// Active flows (dialogs confirmed by a 2xx) and pending requests counted on the members.
+fn counts(c: &SipCore) -> (u64, u64) {
+    (0..c.member_count())
+        .filter_map(|m| c.balancer().counters(m))
+        .fold((0, 0), |(a, p), k| (a + k.active(), p + k.pending()))
 }
 
 /// Only requests that make (or belong to) a dialog are pinned for the dialog and counted
@@ -471,4 +478,170 @@ fn an_oversized_datagram_request_is_answered_513() {
     );
     assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
     assert_eq!(c.dialogs().len(), 0, "nothing pinned");
+}
+
+/// `forwarded`'s answer `code` from member `m`, handled at `now`.
+fn answer_at(c: &SipCore, forwarded: &[u8], m: usize, code: u16, now: Nanos) -> Action {
+    let req = crate::sip::scan(forwarded).expect("scan");
+    let mut resp = Vec::new();
+    let reply = crate::sip::Reply {
+        code,
+        reason: "Answer",
+        retry_after_s: None,
+    };
+    crate::sip::build_response(&req, &reply, &mut resp).expect("response");
+    let mut out = Vec::new();
+    c.handle_datagram(
+        &resp,
+        c.member_addr(m).expect("member"),
+        US.parse().expect("dst"),
+        now,
+        &mut out,
+    )
+}
+
+fn invite_at(c: &SipCore, call_id: &str, now: Nanos, fwd: &mut Vec<u8>) -> usize {
+    let a = c.handle_datagram(
+        invite(call_id, 70).as_bytes(),
+        CLIENT.parse().expect("src"),
+        US.parse().expect("dst"),
+        now,
+        fwd,
+    );
+    let Action::ToMember(m) = a else {
+        panic!("not forwarded: {a:?}")
+    };
+    m
+}
+
+const SEC: Nanos = 1_000_000_000;
+
+/// An INVITE nobody answers is pending load, never an active flow, and is gone with its
+/// count at Timer B.
+#[test]
+fn an_unanswered_invite_is_pending_until_timer_b() {
+    let c = core(false);
+    let mut fwd = Vec::new();
+    invite_at(&c, "nobody-1", 0, &mut fwd);
+    assert_eq!(counts(&c), (0, 1));
+    c.sweep(32 * SEC);
+    assert_eq!((c.dialogs().len(), counts(&c)), (1, (0, 1)));
+    c.sweep(33 * SEC);
+    assert_eq!((c.dialogs().len(), counts(&c)), (0, (0, 0)));
+}
+
+/// The service's 2xx on its way to the client makes the dialog: an active flow, kept for
+/// the idle timeout; a provisional answer before it holds the request past Timer B.
+#[test]
+fn a_2xx_from_the_service_confirms_the_dialog() {
+    let c = core(false);
+    let mut fwd = Vec::new();
+    let m = invite_at(&c, "ok-1", 0, &mut fwd);
+    assert!(matches!(
+        answer_at(&c, &fwd, m, 180, SEC),
+        Action::ToAddr(_)
+    ));
+    c.sweep(40 * SEC);
+    assert_eq!(counts(&c), (0, 1), "ringing: still pending past Timer B");
+    assert!(matches!(
+        answer_at(&c, &fwd, m, 200, 50 * SEC),
+        Action::ToAddr(_)
+    ));
+    assert_eq!(counts(&c), (1, 0));
+    assert!(c.dialogs().is_confirmed(hash::key_hash(b"ok-1")));
+    c.sweep(1800 * SEC);
+    assert_eq!(counts(&c), (1, 0), "a dialog lives for the idle timeout");
+}
+
+/// A final answer above 2xx ends the pending request at once; the client's ACK of it (hop
+/// by hop, forwarded by the stateless proxy) still reaches the service that answered, even
+/// under round robin.
+#[test]
+fn a_non_2xx_answer_ends_the_request_and_its_ack_reaches_the_service() {
+    let c = core_with(false, "round_robin");
+    let mut fwd = Vec::new();
+    let m = invite_at(&c, "busy-1", 0, &mut fwd);
+    assert!(matches!(
+        answer_at(&c, &fwd, m, 486, SEC),
+        Action::ToAddr(_)
+    ));
+    assert_eq!(counts(&c), (0, 0));
+    let ack = request("ACK", "busy-1", Some("uas"), "10.0.0.1:5062").replace("2 ACK", "1 ACK");
+    let mut out = Vec::new();
+    for _ in 0..3 {
+        let a = c.handle_datagram(
+            ack.as_bytes(),
+            CLIENT.parse().expect("src"),
+            US.parse().expect("dst"),
+            2 * SEC,
+            &mut out,
+        );
+        assert_eq!(a, Action::ToMember(m));
+    }
+    assert!(!c.dialogs().is_confirmed(hash::key_hash(b"busy-1")));
+    c.sweep(6 * SEC);
+    assert_eq!(c.dialogs().len(), 0, "gone after the ACK window");
+}
+
+/// Least connection sees calls being set up: two INVITEs in a row, unanswered, go to the
+/// two services.
+#[test]
+fn least_connection_counts_pending_requests() {
+    let c = core_with(false, "least_connection");
+    let mut fwd = Vec::new();
+    let a = invite_at(&c, "lc-1", 0, &mut fwd);
+    let b = invite_at(&c, "lc-2", 0, &mut fwd);
+    assert_ne!(a, b);
+    assert_eq!(counts(&c), (0, 2));
+}
+
+/// `max_sessions` of 8, four dialogs up, then a flood of INVITEs with fresh Call-IDs nobody
+/// answers: the dialogs stay pinned (their BYEs reach their services, under round robin) and
+/// counted; a call set up during the flood gets its dialog too.
+#[test]
+fn a_flood_of_unanswered_invites_never_evicts_confirmed_dialogs() {
+    let cfg = config::from_str(
+        "t",
+        "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, method: round_robin, max_sessions: 8, services: [a, b] }\n",
+    )
+    .expect("config");
+    let v = &cfg.vservers[0];
+    let c = SipCore::new(SipParams::of(
+        &cfg,
+        v,
+        Local::from_addr(US.parse().expect("addr"), Transport::Udp),
+        Arc::new(Balancer::new(&cfg, v)),
+    ));
+    let mut fwd = Vec::new();
+    let mut calls = Vec::new();
+    let mut call = |c: &SipCore, id: String, now: Nanos, calls: &mut Vec<(String, usize)>| {
+        let m = invite_at(c, &id, now, &mut fwd);
+        assert!(matches!(answer_at(c, &fwd, m, 200, now), Action::ToAddr(_)));
+        calls.push((id, m));
+    };
+    for i in 0..4 {
+        call(&c, format!("up-{i}"), 0, &mut calls);
+    }
+    for i in 0..200u64 {
+        invite_at(&c, &format!("flood-{i}"), i * 1_000_000, &mut Vec::new());
+        if i == 100 {
+            call(&c, "mid".to_owned(), i * 1_000_000, &mut calls);
+        }
+    }
+    assert_eq!(c.dialogs().len(), 8);
+    assert_eq!(counts(&c), (5, 3));
+    assert_eq!(c.dialogs().refused(), 0);
+    let mut out = Vec::new();
+    for (id, m) in &calls {
+        let bye = request("BYE", id, Some("uas"), "10.0.0.1:5062");
+        let a = c.handle_datagram(
+            bye.as_bytes(),
+            CLIENT.parse().expect("src"),
+            US.parse().expect("dst"),
+            SEC,
+            &mut out,
+        );
+        assert_eq!(a, Action::ToMember(*m), "{id}");
+    }
+    assert_eq!(counts(&c).0, 0);
 }

@@ -268,7 +268,7 @@ impl SipStreamShared {
     /// connection (nothing for ACK, see `SipCore::unavailable`).
     pub(super) fn answer_unavailable(&self, g: &Generation, forwarded: &[u8]) {
         let mut out = Vec::new();
-        match g.core.unavailable(forwarded, &mut out) {
+        match g.core.unavailable(forwarded, self.now(), &mut out) {
             Action::ToConn(id) => {
                 self.to_client(id, Bytes::from(out));
             }

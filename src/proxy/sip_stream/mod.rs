@@ -33,6 +33,7 @@
 use crate::balancer::{Balancer, Health};
 use crate::config::{Config, Protocol, Vserver};
 use crate::core::sip::{Action, Origin, SipCore, SipParams};
+use crate::dialog::Change;
 use crate::eject::{Cause, Failure};
 use crate::proxy::context::{
     DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
@@ -561,8 +562,8 @@ impl DataPath for SipStreamPath {
         old.sweep(now);
         let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
         // The counters carry over: a dialog the new table had no room for is closed there.
-        for &m in &moved.refused_open {
-            core.close(m);
+        for &(m, count) in &moved.refused_counted {
+            core.tally(Change::Close(m, count));
         }
         shared.gate.set_max_per_source(v.max_per_source);
         let superseded = shared.install(Install {
@@ -581,8 +582,11 @@ impl DataPath for SipStreamPath {
         // moves); what must stop counting is a pin the new table had no room for, and the old
         // core's pin of a dialog the new core pinned again (its next request came first).
         let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, cx.now());
-        for &m in late.refused_open.iter().chain(&late.doubled) {
-            core.close(m);
+        for &(m, count) in late.refused_counted.iter().chain(&late.doubled) {
+            core.tally(Change::Close(m, count));
+        }
+        for &c in &late.pushed_out {
+            core.tally(c);
         }
         let kept = late.kept(&moved);
         let r = Rebuilt {
