@@ -15,7 +15,7 @@ mod common;
 use common::churn::ChurnLab;
 use common::sip_tcp::read_message;
 use common::sipp::{Scratch, Transport, Uac, UacLoad, sipp_available};
-use common::strict_uas::{Counts, StrictUas, UasCore};
+use common::strict_uas::{Counts, Sick, StrictUas, UasCore};
 use common::*;
 use fulcrum::config;
 use fulcrum::ops::Ops;
@@ -157,6 +157,54 @@ fn to_tag(r: &[u8]) -> String {
     String::from_utf8_lossy(m.to_tag().expect("To tag")).into_owned()
 }
 
+/// RFC 3261 §9.2 at the strict UAS: a CANCEL of its ringing INVITE (same Call-ID and branch)
+/// gets 200 and the INVITE 487, whose ACK is expected; a CANCEL of no transaction it has,
+/// 481. A late UAS answers nothing at once and hands its 200 to the shell to send later.
+#[test]
+fn strict_uas_cancels_its_ringing_invites_and_refuses_stray_cancels() {
+    let at: SocketAddr = "127.0.0.1:5060".parse().expect("addr");
+    let mut uas = UasCore::new("s0", at, "udp");
+    uas.set_sick(Sick::Ringing);
+    let out = uas.handle(req("INVITE", "c1", None, 1, "i1").as_bytes());
+    assert_eq!(
+        out.iter().map(|r| status(r)).collect::<Vec<_>>(),
+        [100, 180]
+    );
+    let tag = to_tag(&out[1]);
+    let stray = uas.handle(req("CANCEL", "c1", None, 1, "other").as_bytes());
+    assert_eq!(stray.iter().map(|r| status(r)).collect::<Vec<_>>(), [481]);
+    let cancel = uas.handle(req("CANCEL", "c1", None, 1, "i1").as_bytes());
+    assert_eq!(
+        cancel.iter().map(|r| status(r)).collect::<Vec<_>>(),
+        [200, 487]
+    );
+    assert!(String::from_utf8_lossy(&cancel[1]).contains("CSeq: 1 INVITE\r\n"));
+    assert_eq!(to_tag(&cancel[1]), tag);
+    assert!(
+        uas.handle(req("ACK", "c1", Some(&tag), 1, "i1").as_bytes())
+            .is_empty()
+    );
+    let c = uas.counts();
+    assert_eq!(
+        (c.cancels, c.stray_cancels, c.r481, c.stray_acks, c.dialogs),
+        (1, 1, 1, 0, 0)
+    );
+    uas.set_sick(Sick::Late(1500));
+    assert!(
+        uas.handle(req("INVITE", "c2", None, 1, "i2").as_bytes())
+            .is_empty()
+    );
+    assert!(
+        uas.handle(req("INVITE", "c2", None, 1, "i2").as_bytes())
+            .is_empty()
+    );
+    let later = uas.take_later();
+    assert_eq!(later.len(), 1, "one 200, not one per retransmission");
+    assert_eq!(later[0].0, Duration::from_millis(1500));
+    assert_eq!(status(&later[0].1), 200);
+    assert_eq!(uas.counts().dialogs, 1);
+}
+
 #[test]
 fn strict_uas_answers_only_its_own_dialogs_and_retransmissions_alike() {
     let at: SocketAddr = "127.0.0.1:5060".parse().expect("addr");
@@ -216,6 +264,8 @@ fn strict_uas_answers_only_its_own_dialogs_and_retransmissions_alike() {
             r481: 3,
             stray_acks: 1,
             invites: 1,
+            acked: 1,
+            ..Counts::default()
         }
     );
     assert_eq!(

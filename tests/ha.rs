@@ -611,6 +611,7 @@ impl Lab {
                         r481: n(4)?,
                         stray_acks: n(5)?,
                         invites: n(6)?,
+                        ..Counts::default()
                     },
                 ))
             })

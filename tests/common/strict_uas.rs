@@ -8,12 +8,15 @@
 //! - ACK: never answered (§17.1.1.3); one for no dialog of this UAS is counted as stray.
 //! - BYE and any other request with a To tag: 200 only within a dialog this UAS set up,
 //!   otherwise **481 Call/Transaction Does Not Exist** (§12.2.2, §15.1.2).
-//! - CANCEL: 200 when the INVITE it cancels reached this UAS (the 200 to it is already sent,
-//!   so the CANCEL has no effect, §9.2), otherwise 481.
+//! - CANCEL (§9.2): of an INVITE still pending here (not answered finally), 200 to the
+//!   CANCEL and 487 Request Terminated to the INVITE, whose ACK is then expected; of an
+//!   INVITE already answered 200, 200 (the CANCEL has no effect); of no INVITE transaction
+//!   this UAS got (Call-ID and branch), 481, counted as stray.
 //! - OPTIONS and other requests outside a dialog: 200.
 //! - Sick on demand ([`Sick`]), as services fail in real farms while their keep-alive may
 //!   still look fine: INVITEs answered 503 with Retry-After (OPTIONS too, or not), or never
-//!   answered at all; the ACK of its 503 is expected, not stray.
+//!   answered at all, or answered 180 and then nothing until cancelled, or answered 200 only
+//!   after a delay (a UAS stuck for a while); the ACK of its 503 is expected, not stray.
 //!
 //! Retransmission-safe: the To tag is derived from the UAS name, Call-ID and From tag, so a
 //! retransmitted INVITE gets the same answers (and sets up nothing new); an ended dialog is
@@ -43,7 +46,7 @@ use std::io::Write;
 use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What one UAS has done so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -60,6 +63,12 @@ pub struct Counts {
     pub stray_acks: u64,
     /// INVITE transactions received outside a dialog (retransmissions not counted).
     pub invites: u64,
+    /// Dialogs whose 2xx was acknowledged (the first ACK of each).
+    pub acked: u64,
+    /// CANCELs of an INVITE pending here: answered 200, and the INVITE 487.
+    pub cancels: u64,
+    /// CANCELs of no INVITE transaction this UAS got (answered 481, counted in `r481` too).
+    pub stray_cancels: u64,
 }
 
 /// How a UAS is sick.
@@ -74,6 +83,12 @@ pub enum Sick {
     Down,
     /// INVITE never answered (a stuck call thread); OPTIONS still 200.
     Silent,
+    /// INVITE answered 100 and 180, then nothing until a CANCEL (a phone that rings and is
+    /// never picked up); OPTIONS still 200.
+    Ringing,
+    /// INVITE answered 200 only after this many milliseconds, nothing before (a UAS stuck for
+    /// a while, then answering); the dialog is set up when the INVITE arrives.
+    Late(u32),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +96,9 @@ enum Dialog {
     Confirmed,
     Ended,
 }
+
+/// An INVITE transaction (Call-ID, top Via branch): what a CANCEL matches (§9.2).
+type InviteTx = (Vec<u8>, Vec<u8>);
 
 /// Dialog identifier at the UAS (RFC 3261 §12): Call-ID, local tag, remote tag.
 type DialogId = (Vec<u8>, Vec<u8>, Vec<u8>);
@@ -99,9 +117,15 @@ pub struct UasCore {
     /// The top Via of the last request other than OPTIONS (a call's, not a monitor's).
     last_call_via: Option<String>,
     sick: Sick,
-    /// INVITE transactions seen outside a dialog (Call-ID, top Via branch).
-    invite_txs: std::collections::HashSet<(Vec<u8>, Vec<u8>)>,
-    /// Call-IDs this UAS refused with 503 (their ACK is expected).
+    /// INVITE transactions seen outside a dialog.
+    invite_txs: std::collections::HashSet<InviteTx>,
+    /// INVITE transactions not answered finally (Silent, Ringing): the request, for its 487.
+    pending: HashMap<InviteTx, Vec<u8>>,
+    /// Dialogs whose 2xx was acknowledged.
+    acked: std::collections::HashSet<DialogId>,
+    /// Answers due later, with their delay from the request (Late): the shell sends them.
+    later: Vec<(Duration, Vec<u8>)>,
+    /// Call-IDs this UAS refused with 503 or 487 (their ACK is expected).
     refused: std::collections::HashSet<Vec<u8>>,
 }
 
@@ -118,6 +142,9 @@ impl UasCore {
             last_call_via: None,
             sick: Sick::Healthy,
             invite_txs: Default::default(),
+            pending: HashMap::new(),
+            acked: Default::default(),
+            later: Vec::new(),
             refused: Default::default(),
         }
     }
@@ -134,6 +161,12 @@ impl UasCore {
     /// The methods received for one Call-ID, in order.
     pub fn methods_of(&self, call_id: &str) -> Vec<String> {
         self.calls.get(call_id).cloned().unwrap_or_default()
+    }
+
+    /// The answers due later ([`Sick::Late`]), each with its delay from the request that
+    /// asked for it: the shell sends them when due.
+    pub fn take_later(&mut self) -> Vec<(Duration, Vec<u8>)> {
+        std::mem::take(&mut self.later)
     }
 
     /// The top Via value of the last request received.
@@ -193,9 +226,12 @@ impl UasCore {
             _ => None,
         };
         let contact = Some(self.contact.as_str());
+        let branch = msg.top_via().and_then(|v| v.branch).unwrap_or_default();
+        let tx: InviteTx = (call_id.to_vec(), branch.to_vec());
+        let mut first = false;
         if msg.method_kind() == SipMethod::Invite && msg.to_tag().is_none() {
-            let branch = msg.top_via().and_then(|v| v.branch).unwrap_or_default();
-            if self.invite_txs.insert((call_id.to_vec(), branch.to_vec())) {
+            first = self.invite_txs.insert(tx.clone());
+            if first {
                 self.counts.invites += 1;
             }
         }
@@ -211,17 +247,46 @@ impl UasCore {
                 return unavailable();
             }
             (Sick::Down, SipMethod::Options, None) => return unavailable(),
-            (Sick::Silent, SipMethod::Invite, None) => return Vec::new(),
+            (Sick::Silent, SipMethod::Invite, None) => {
+                self.pending.entry(tx).or_insert_with(|| bytes.to_vec());
+                return Vec::new();
+            }
+            (Sick::Ringing, SipMethod::Invite, None) => {
+                if !first && !self.pending.contains_key(&tx) {
+                    // A retransmission of an INVITE already cancelled: its 487 went.
+                    return Vec::new();
+                }
+                self.pending.entry(tx).or_insert_with(|| bytes.to_vec());
+                return vec![
+                    respond(&msg, 100, "Trying", None, None, false),
+                    respond(&msg, 180, "Ringing", Some(&tag), contact, true),
+                ];
+            }
+            (Sick::Late(ms), SipMethod::Invite, None) => {
+                if first {
+                    self.dialogs.insert(id, Dialog::Confirmed);
+                    self.counts.dialogs += 1;
+                    let ok = respond(&msg, 200, "OK", Some(&tag), contact, true);
+                    self.later.push((Duration::from_millis(u64::from(ms)), ok));
+                }
+                return Vec::new();
+            }
             _ => {}
         }
         match (msg.method_kind(), msg.to_tag()) {
             (SipMethod::Ack, _) if self.refused.contains(call_id) => Vec::new(),
-            (SipMethod::Ack, _) => {
-                if state.is_none() {
+            (SipMethod::Ack, _) => match state {
+                None => {
                     self.counts.stray_acks += 1;
+                    Vec::new()
                 }
-                Vec::new()
-            }
+                Some(_) => {
+                    if self.acked.insert(id) {
+                        self.counts.acked += 1;
+                    }
+                    Vec::new()
+                }
+            },
             (SipMethod::Invite, None) => {
                 if let std::collections::hash_map::Entry::Vacant(e) = self.dialogs.entry(id) {
                     e.insert(Dialog::Confirmed);
@@ -234,9 +299,20 @@ impl UasCore {
                 ]
             }
             (SipMethod::Cancel, _) => {
-                if self.dialogs.contains_key(&id) {
+                if let Some(invite) = self.pending.remove(&tx) {
+                    // §9.2: the CANCEL answered 200, the INVITE it cancels 487.
+                    self.counts.cancels += 1;
+                    self.refused.insert(call_id.to_vec());
+                    let mut out = vec![respond(&msg, 200, "OK", Some(&tag), None, false)];
+                    if let Ok(invite) = sip::scan(&invite) {
+                        let r = "Request Terminated";
+                        out.push(respond(&invite, 487, r, Some(&tag), None, false));
+                    }
+                    out
+                } else if self.dialogs.contains_key(&id) {
                     vec![respond(&msg, 200, "OK", Some(&tag), None, false)]
                 } else {
+                    self.counts.stray_cancels += 1;
                     self.not_found(&msg)
                 }
             }
@@ -340,9 +416,21 @@ impl StrictUas {
                 let Ok((n, src)) = socket.recv_from(&mut buf) else {
                     continue;
                 };
-                let out = core.lock().expect("uas core").handle(&buf[..n]);
+                let (out, later) = {
+                    let mut core = core.lock().expect("uas core");
+                    (core.handle(&buf[..n]), core.take_later())
+                };
                 for r in out {
                     let _ = socket.send_to(&r, src);
+                }
+                for (delay, r) in later {
+                    let Ok(socket) = socket.try_clone() else {
+                        continue;
+                    };
+                    std::thread::spawn(move || {
+                        std::thread::sleep(delay);
+                        let _ = socket.send_to(&r, src);
+                    });
                 }
             }
         });
@@ -407,19 +495,39 @@ impl StrictUas {
                 let (core, stop) = (Arc::clone(&core), Arc::clone(&stop));
                 std::thread::spawn(move || {
                     let mut buf = Vec::new();
+                    // Answers due later (Late), sent on this connection when due.
+                    let mut later: Vec<(Instant, Vec<u8>)> = Vec::new();
                     while !stop.load(Ordering::Relaxed) {
-                        let bytes =
-                            match next_message(&mut stream, &mut buf, Duration::from_millis(200)) {
-                                Next::Message(b) => b,
-                                Next::Timeout => continue,
-                                Next::Closed => return,
-                            };
-                        let out = core.lock().expect("uas core").handle(&bytes);
+                        let now = Instant::now();
+                        let (due, rest) = later.into_iter().partition(|(at, _)| *at <= now);
+                        later = rest;
+                        for (_, r) in due {
+                            if stream.write_all(&r).is_err() {
+                                return;
+                            }
+                        }
+                        let wait = later
+                            .iter()
+                            .map(|(at, _)| at.saturating_duration_since(now))
+                            .min()
+                            .unwrap_or(Duration::from_millis(200))
+                            .clamp(Duration::from_millis(1), Duration::from_millis(200));
+                        let bytes = match next_message(&mut stream, &mut buf, wait) {
+                            Next::Message(b) => b,
+                            Next::Timeout => continue,
+                            Next::Closed => return,
+                        };
+                        let (out, delayed) = {
+                            let mut core = core.lock().expect("uas core");
+                            (core.handle(&bytes), core.take_later())
+                        };
                         for r in out {
                             if stream.write_all(&r).is_err() {
                                 return;
                             }
                         }
+                        let now = Instant::now();
+                        later.extend(delayed.into_iter().map(|(d, r)| (now + d, r)));
                     }
                 });
             }

@@ -471,6 +471,19 @@ impl SipCore {
         }
         let branch = msg.top_via()?.branch?;
         let (key, attempt) = sip::transaction_of(branch)?;
+        if msg.cseq().is_some_and(|c| c.method == b"CANCEL") {
+            // The answer to fulcrum's CANCEL of an attempt: it carries the attempt's branch
+            // (RFC 3261 §9.1) but ends a transaction of fulcrum's own, not the INVITE's, and
+            // the client's CANCEL was answered already (§16.10). Absorbed; the INVITE's own
+            // final answer (487) follows.
+            if !self.transactions.held.contains_key(&key) {
+                return None;
+            }
+            bump(&self.counters.responses_in);
+            bump(&self.transactions.counters.absorbed);
+            out.clear();
+            return Some(Action::Drop(DropReason::Absorbed));
+        }
         let code = msg.status_code()?;
         if code < 200 {
             // The request is alive at its service (absorbed or relayed): its pending entry

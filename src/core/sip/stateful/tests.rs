@@ -223,6 +223,59 @@ fn every_service_503_gives_the_client_500_and_cancel_is_answered_200() {
     let _ = Duration::ZERO;
 }
 
+/// RFC 3261 §9.1, §16.10: the client's CANCEL of a ringing INVITE is answered 200 by fulcrum
+/// and sent on to the attempt with the attempt's branch. The service's 200 to that CANCEL
+/// answers fulcrum's CANCEL, not the INVITE: absorbed, never relayed, and the INVITE's 487
+/// after it reaches the client.
+#[test]
+fn a_services_200_to_fulcrums_cancel_is_absorbed_and_its_487_relayed() {
+    let c = core();
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &invite("call-5"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let svc = member_addr(&c, m0);
+    let fwd = out.clone();
+    let a = from(
+        &c,
+        &answer(&fwd, 180, "Ringing"),
+        &svc,
+        1,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(a, Action::ToAddr(CLIENT.parse().expect("client")));
+    let cancel = invite("call-5")
+        .replace("INVITE sip", "CANCEL sip")
+        .replace("1 INVITE", "1 CANCEL");
+    let a = from(&c, &cancel, CLIENT, 2, &mut out, &mut sends);
+    assert_eq!(a, Action::Reply(CLIENT.parse().expect("client")));
+    assert_eq!(first_line(&out), "SIP/2.0 200 OK");
+    assert_eq!(sends.len(), 1, "{sends:?}");
+    assert!(first_line(&sends[0].1).starts_with("CANCEL "));
+    let ours = sends[0].1.clone();
+    let ok = answer(&ours, 200, "OK").replace("1 INVITE", "1 CANCEL");
+    let a = from(&c, &ok, &svc, 3, &mut out, &mut sends);
+    assert_eq!(
+        a,
+        Action::Drop(DropReason::Absorbed),
+        "the CANCEL's 200 is fulcrum's"
+    );
+    assert!(sends.is_empty(), "{sends:?}");
+    let a = from(
+        &c,
+        &answer(&fwd, 487, "Request Terminated"),
+        &svc,
+        4,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(a, Action::ToAddr(CLIENT.parse().expect("client")));
+    assert_eq!(first_line(&out), "SIP/2.0 487 Request Terminated");
+    assert_eq!(sends.len(), 1, "the 487 is ACKed: {sends:?}");
+    assert!(first_line(&sends[0].1).starts_with("ACK "));
+}
+
 #[test]
 fn a_held_options_gets_its_200_relayed() {
     let c = core();
