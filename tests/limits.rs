@@ -325,3 +325,69 @@ fn sources_filling_the_pool_never_take_the_reserve_and_a_new_client_is_served() 
         "the pool is empty again once the attackers leave"
     );
 }
+
+/// A TLS connection to `to` from `ip` (any port), handshake done: silent afterwards.
+fn tls_from(
+    ip: IpAddr,
+    to: SocketAddr,
+    cfg: &std::sync::Arc<rustls::ClientConfig>,
+) -> Option<common::tls::ClientStream> {
+    let sock = hold_from(ip, to)?;
+    sock.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    let name = rustls::pki_types::ServerName::try_from("sip.test").ok()?;
+    let conn = rustls::ClientConnection::new(std::sync::Arc::clone(cfg), name).ok()?;
+    let mut s = rustls::StreamOwned::new(conn, sock);
+    while s.conn.is_handshaking() {
+        s.conn.complete_io(&mut s.sock).ok()?;
+    }
+    Some(s)
+}
+
+/// The same on a sip-tls vserver, in process: two sources complete TLS handshakes and stay
+/// silent, up to and past their `max_per_source`; each keeps its limit (the rest closed and
+/// counted before any handshake), and a third source completes a TLS exchange.
+#[test]
+fn two_sources_holding_tls_connections_keep_their_limit_and_a_third_is_served() {
+    let uas = StrictUas::tcp("t");
+    let f = common::ConfigFile::new("limits-tls", "");
+    let ca = common::tls::Ca::new("limits CA");
+    let cert = ca.issue(&f, "sip", "sip.test", "sip.test");
+    f.write(&format!(
+        "admin: {{ listen: null }}\nservices:\n  - {{ name: t, address: \"{}\", protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tls, bind: [\"127.0.0.1:0\"], max_per_source: 20, tls: {{ cert: {}, key: {} }}, services: [t] }}\n",
+        uas.addr,
+        cert.cert_path.display(),
+        cert.key_path.display()
+    ));
+    let ops = common::tls::start(&f);
+    let to = common::tls::addr(&ops, "v");
+    let cfg = common::tls::client_config(&ca, None);
+    let mut held = Vec::new();
+    for src in ["127.0.0.2", "127.0.0.3"] {
+        let ip: IpAddr = src.parse().expect("ip");
+        let made: Vec<_> = (0..30).filter_map(|_| tls_from(ip, to, &cfg)).collect();
+        assert_eq!(made.len(), 20, "{src}: handshakes completed");
+        held.push(made);
+    }
+    let text = common::tls::metrics(&ops);
+    assert!(
+        text.contains("fulcrum_refused_total{vserver=\"v\",reason=\"per_source\"} 20"),
+        "{}",
+        text.lines()
+            .filter(|l| l.contains("refused"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let mut legit =
+        tls_from("127.0.0.1".parse().expect("ip"), to, &cfg).expect("a third source's handshake");
+    let local = legit.sock.local_addr().expect("local");
+    let req = request("OPTIONS", "tls-legit@x", local, "tl1").replace("SIP/2.0/TCP", "SIP/2.0/TLS");
+    legit.write_all(req.as_bytes()).expect("write");
+    let mut buf = Vec::new();
+    let m = read_message(&mut legit, &mut buf).expect("answered");
+    assert_eq!(
+        fulcrum::sip::scan(&m).ok().and_then(|m| m.status_code()),
+        Some(200)
+    );
+    drop(held);
+    ops.shutdown();
+}
