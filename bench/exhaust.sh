@@ -39,12 +39,12 @@ exec 3>&-
 for _ in $(seq 1 100); do grep -q closed "$TMP/client.out" && break; sleep 0.1; done
 sleep 2
 r2=$(settled "$FPID"); f2=$(fds)
-sleep 10
+sleep "${SETTLE:-10}"
 r3=$(rss "$FPID"); f3=$(fds); b3=$(files)
 echo "# exhaust: $N TLS connections wanted, ${held:-0} held (open-file limit $(awk '/Max open files/{print $4}' /proc/$FPID/limits))"
 echo "before:        fds=$f0 rss_kib=$r0"
 echo "held:          fds=$f1 rss_kib=$r1 $b1"
 echo "closed +2s:    fds=$f2 rss_kib=$r2"
-echo "closed +12s:   fds=$f3 rss_kib=$r3 $b3"
+echo "closed +$((2 + ${SETTLE:-10}))s:   fds=$f3 rss_kib=$r3 $b3"
 echo "after/before:  $(awk -v a="$r3" -v b="$r0" 'BEGIN{printf "%.2f", a/b}')"
 stop_fulcrum

@@ -46,6 +46,7 @@ FIXED_DUR=${FIXED_DUR:-20}
 PROXIES=${PROXIES:-"fulcrum kamailio"}
 KCHILDREN=${KCHILDREN:-1}     # 1 = Kamailio's best clean configuration (4 reorders 180/200)
 KMODE=${KMODE:-stateless}     # stateless (forward()) or tm (t_relay())
+KSHM=${KSHM:-$([ "$KMODE" = tm ] && echo 1024 || echo 256)}   # Kamailio's shared memory, MB (tm keeps transactions there)
 FWORKERS=${FWORKERS:-0}       # fulcrum workers (0 = one per core)
 BASE=${BASE:-25060}
 FULCRUM=${FULCRUM:-$ROOT/target/release/fulcrum}
@@ -117,7 +118,7 @@ PROXY_PID=""
 start_proxy() {   # $1 = fulcrum | kamailio
   case $1 in
     fulcrum)  timeout $MAXT "$FULCRUM" run --config fulcrum.yaml --drain-timeout 1s > fulcrum.log 2>&1 & ;;
-    kamailio) timeout $MAXT kamailio -f kamailio.cfg -DD -E -m 256 -M 16 -n "$KCHILDREN" > kamailio.log 2>&1 & ;;
+    kamailio) timeout $MAXT kamailio -f kamailio.cfg -DD -E -m "$KSHM" -M 16 -n "$KCHILDREN" > kamailio.log 2>&1 & ;;
   esac
   PROXY_PID=$!; PIDS+=($PROXY_PID)
   wait_port "$PROXY_PORT" "$SS_T" || return 1
