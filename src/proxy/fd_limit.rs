@@ -81,11 +81,45 @@ pub(crate) fn budget(config: &Config) -> crate::budget::FileBudget {
     }
 }
 
+/// The ports of the ephemeral range (`net.ipv4.ip_local_port_range`), `None` when it cannot
+/// be read.
+fn ephemeral_ports() -> Option<u64> {
+    port_range_size(&std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?)
+}
+
+/// The ports of a range as the kernel writes it (`"32768\t60999\n"`).
+fn port_range_size(text: &str) -> Option<u64> {
+    let mut it = text.split_whitespace().map(|v| v.parse::<u64>().ok());
+    let (lo, hi) = (it.next()??, it.next()??);
+    (hi >= lo).then(|| hi - lo + 1)
+}
+
+/// Warn when a tcp / http vserver's `max_sessions` passes the ephemeral ports toward one
+/// service address: connections to one service beyond the range fail to connect (counted as
+/// `ports_exhausted`).
+fn check_ports(vservers: &[Vserver]) {
+    let Some(ports) = ephemeral_ports() else {
+        return;
+    };
+    for (i, v) in vservers.iter().enumerate() {
+        if matches!(v.protocol, Protocol::Tcp | Protocol::Http) && v.max_sessions as u64 > ports {
+            tracing::warn!(
+                field = %format!("vservers[{i}].max_sessions"),
+                vserver = %v.name,
+                max_sessions = v.max_sessions,
+                ephemeral_ports = ports,
+                "more connections than ephemeral ports toward one service address: past the range, connections to one service fail (ports_exhausted); widen net.ipv4.ip_local_port_range or add service addresses (docs/limits.md)"
+            );
+        }
+    }
+}
+
 /// Warn when the vservers at their `max_sessions` together need more files than the pool
 /// holds (connections and sessions beyond it are refused and counted), naming each field.
 /// One warning for the process, as the pool is the process's: the vservers draw on it
 /// together.
 pub(crate) fn check_capacity(vservers: &[Vserver], budget: &crate::budget::FileBudget) {
+    check_ports(vservers);
     let need: u64 = vservers.iter().map(fds_at_max).fold(0, u64::saturating_add);
     tracing::info!(
         open_file_limit = budget.limit(),
@@ -112,6 +146,14 @@ pub(crate) fn check_capacity(vservers: &[Vserver], budget: &crate::budget::FileB
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ephemeral_range_is_read_as_the_kernel_writes_it() {
+        assert_eq!(port_range_size("32768\t60999\n"), Some(28_232));
+        assert_eq!(port_range_size("1024 1024"), Some(1));
+        assert_eq!(port_range_size("60999 32768"), None);
+        assert_eq!(port_range_size("x"), None);
+    }
 
     #[test]
     fn descriptors_per_protocol() {

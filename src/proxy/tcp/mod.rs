@@ -90,11 +90,15 @@ pub struct TcpCounters {
     pub client_errors: AtomicU64,
     pub service_errors: AtomicU64,
     pub accept_errors: AtomicU64,
+    /// Connects toward a service that found no local port free (EADDRNOTAVAIL): the
+    /// ephemeral range (`net.ipv4.ip_local_port_range`, about 28,000 ports) is shared by all
+    /// connections to one service address (docs/limits.md).
+    pub ports_exhausted: AtomicU64,
 }
 
 impl TcpCounters {
     /// Each counter by its event name, in the order metrics lists them.
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 11] {
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 12] {
         [
             ("accepted", &self.accepted),
             ("refused", &self.refused),
@@ -107,6 +111,7 @@ impl TcpCounters {
             ("client_errors", &self.client_errors),
             ("service_errors", &self.service_errors),
             ("accept_errors", &self.accept_errors),
+            ("ports_exhausted", &self.ports_exhausted),
         ]
     }
 }
@@ -128,6 +133,8 @@ pub struct TcpCore {
     /// the process's pool, at most `max_per_source` from one source (docs/limits.md); kept
     /// across reloads.
     gate: Arc<crate::budget::Gate>,
+    /// Rate limit of the warnings its connections log.
+    log: LogLimiter,
     /// Per member: raised when the member's drain times out, which closes the connections
     /// still open on it. Shared by name with the cores a reload builds from this one.
     cuts: Vec<Arc<watch::Sender<bool>>>,
@@ -174,6 +181,7 @@ impl TcpCore {
             first_timeout: FIRST_BYTES_TIMEOUT.min(v.idle_timeout),
             max_connections: v.max_sessions,
             live: Arc::new(AtomicUsize::new(0)),
+            log: LogLimiter::default(),
             gate: Arc::new(crate::budget::Gate::new(
                 Arc::new(crate::budget::FileBudget::unlimited()),
                 2,
@@ -763,6 +771,12 @@ where
             Ok(Err(e)) => {
                 tracing::debug!(vserver = %core.name, service = %addr, error = %e, "connect failed");
                 local = crate::eject::is_local_error(&e);
+                if e.kind() == std::io::ErrorKind::AddrNotAvailable {
+                    bump(&core.counters.ports_exhausted);
+                    if core.log.allow(core.now()) {
+                        tracing::warn!(vserver = %core.name, service = %addr, "no local port left toward the service: its connections use the whole ephemeral range (net.ipv4.ip_local_port_range)");
+                    }
+                }
                 Cause::of_stream_error(&e)
             }
             Err(_) => {
