@@ -143,6 +143,7 @@ mod tests {
             limit,
             window_ns: S,
             ban_ns: 60 * S,
+            ipv6_prefix: crate::flood::DEFAULT_IPV6_PREFIX,
         }
     }
 

@@ -38,7 +38,13 @@ pub struct FloodParams {
     pub limit: u32,
     pub window_ns: Nanos,
     pub ban_ns: Nanos,
+    /// IPv6 sources count by this prefix (one subscriber is given a /64, so counting each
+    /// address apart would give one attacker 2^64 sources); IPv4 by address.
+    pub ipv6_prefix: u8,
 }
+
+/// The default `flood.ipv6_prefix`.
+pub(crate) const DEFAULT_IPV6_PREFIX: u8 = 64;
 
 /// What a check decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,10 +102,15 @@ pub(crate) struct FloodTable {
     buckets_per_shard: usize,
 }
 
-fn key(ip: IpAddr) -> (u128, bool) {
+/// The source `ip` counts as: an IPv4 address, or an IPv6 address's first `prefix` bits.
+fn key(ip: IpAddr, prefix: u8) -> (u128, bool) {
     match ip.to_canonical() {
         IpAddr::V4(v4) => (u128::from(u32::from(v4)), false),
-        IpAddr::V6(v6) => (u128::from(v6), true),
+        IpAddr::V6(v6) => {
+            let keep = u32::from(prefix.min(128));
+            let mask = u128::MAX.checked_shl(128 - keep).unwrap_or(0);
+            (u128::from(v6) & mask, true)
+        }
     }
 }
 
@@ -148,7 +159,7 @@ impl FloodTable {
     /// Count one new request from `ip` at `now`.
     pub(crate) fn check(&self, ip: IpAddr, now: Nanos) -> Verdict {
         let p = &self.params;
-        let (ip, v6) = key(ip);
+        let (ip, v6) = key(ip, p.ipv6_prefix);
         let (shard, at) = self.place(ip, v6);
         let mut slots = crate::sync::lock(&self.shards[shard]);
         let bucket = &mut slots[at..at + WAYS];
@@ -196,7 +207,7 @@ impl FloodTable {
     /// Whether `ip` is banned at `now` (without counting anything).
     #[cfg(test)]
     pub(crate) fn is_banned(&self, ip: IpAddr, now: Nanos) -> bool {
-        let (ip, v6) = key(ip);
+        let (ip, v6) = key(ip, self.params.ipv6_prefix);
         let (shard, at) = self.place(ip, v6);
         let slots = crate::sync::lock(&self.shards[shard]);
         slots[at..at + WAYS]
@@ -225,7 +236,7 @@ impl FloodTable {
 
     /// Lift the ban of `ip` (its count starts again). `false` if it was not banned.
     pub(crate) fn unban(&self, ip: IpAddr, now: Nanos) -> bool {
-        let (ip, v6) = key(ip);
+        let (ip, v6) = key(ip, self.params.ipv6_prefix);
         let (shard, at) = self.place(ip, v6);
         let mut slots = crate::sync::lock(&self.shards[shard]);
         match slots[at..at + WAYS]
@@ -254,6 +265,7 @@ mod tests {
                 limit,
                 window_ns: S,
                 ban_ns: 10 * S,
+                ipv6_prefix: DEFAULT_IPV6_PREFIX,
             },
             1024,
         )
@@ -261,6 +273,63 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().expect("ip")
+    }
+
+    /// One /64 is one source: 100,000 of its addresses share one count and one ban, while a
+    /// client of another /64 goes on; `ipv6_prefix: 128` counts each address apart, and IPv4
+    /// is always by address.
+    #[test]
+    fn ipv6_sources_count_by_their_prefix() {
+        let t = table(50);
+        let base = u128::from("2001:db8:1:2::".parse::<std::net::Ipv6Addr>().expect("v6"));
+        let mut verdicts = [0u32; 4];
+        for i in 0..100_000u128 {
+            let a = IpAddr::V6((base | (i * 7_919 + 1)).into());
+            let v = t.check(a, S / 2);
+            verdicts[match v {
+                Verdict::Pass => 0,
+                Verdict::Banned => 1,
+                Verdict::Refused => 2,
+                Verdict::Untracked => 3,
+            }] += 1;
+        }
+        assert_eq!(
+            verdicts,
+            [50, 1, 99_949, 0],
+            "one count, one ban for the /64"
+        );
+        assert!(t.is_banned(ip("2001:db8:1:2:ffff::1"), S));
+        assert_eq!(
+            t.check(ip("2001:db8:1:3::1"), S),
+            Verdict::Pass,
+            "another /64"
+        );
+        assert_eq!(
+            t.bans(S).iter().map(|b| b.ip).collect::<Vec<_>>(),
+            [ip("2001:db8:1:2::")]
+        );
+        assert!(
+            t.unban(ip("2001:db8:1:2::99"), S),
+            "any address of the prefix lifts its ban"
+        );
+        let per_address = FloodTable::new(
+            FloodParams {
+                ipv6_prefix: 128,
+                ..t.params()
+            },
+            1024,
+        );
+        for i in 1..=60u128 {
+            assert_eq!(
+                per_address.check(IpAddr::V6((base | i).into()), S),
+                Verdict::Pass
+            );
+        }
+        assert_eq!(
+            key(ip("192.0.2.7"), 8),
+            key(ip("192.0.2.7"), 128),
+            "IPv4 by address"
+        );
     }
 
     #[test]
@@ -297,6 +366,7 @@ mod tests {
                 limit: 2,
                 window_ns: 30 * S,
                 ban_ns: S,
+                ipv6_prefix: DEFAULT_IPV6_PREFIX,
             },
             1024,
         );

@@ -6,7 +6,7 @@ use crate::config::yaml::{Node, Value};
 use crate::flood::FloodParams;
 use std::time::Duration;
 
-const FLOOD_FIELDS: &[&str] = &["limit", "window", "ban"];
+const FLOOD_FIELDS: &[&str] = &["limit", "window", "ban", "ipv6_prefix"];
 
 impl Cx {
     /// A CIDR list (`allow`, `deny`): a list of `ADDRESS/PREFIX` or addresses, or one.
@@ -44,7 +44,7 @@ impl Cx {
         ok.then_some(out)
     }
 
-    /// `flood: { limit, window, ban }` (all required).
+    /// `flood: { limit, window, ban, ipv6_prefix }` (the first three required).
     fn flood(&mut self, node: &Node, path: &str) -> Option<FloodParams> {
         let f = self.fields(node, path, FLOOD_FIELDS)?;
         let limit = self
@@ -56,11 +56,19 @@ impl Cx {
         let ban = self
             .required(&f, path, "ban")
             .and_then(|n| self.duration(n, &join(path, "ban"), false));
+        let prefix = self.int_field(
+            &f,
+            path,
+            "ipv6_prefix",
+            (1, 128),
+            i128::from(crate::flood::DEFAULT_IPV6_PREFIX),
+        );
         let nanos = |d: Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         Some(FloodParams {
             limit: u32::try_from(limit?).unwrap_or(u32::MAX),
             window_ns: nanos(window?),
             ban_ns: nanos(ban?),
+            ipv6_prefix: u8::try_from(prefix?).unwrap_or(crate::flood::DEFAULT_IPV6_PREFIX),
         })
     }
 
@@ -116,8 +124,8 @@ mod tests {
         assert_eq!(v.deny.len(), 1);
         let f = v.flood.expect("flood");
         assert_eq!(
-            (f.limit, f.window_ns, f.ban_ns),
-            (20, 1_000_000_000, 300_000_000_000)
+            (f.limit, f.window_ns, f.ban_ns, f.ipv6_prefix),
+            (20, 1_000_000_000, 300_000_000_000, 64)
         );
         let d = from_str("t", MINIMAL).expect("valid");
         assert!(d.vservers[0].allow.is_none() && d.vservers[0].deny.is_empty());
@@ -153,6 +161,11 @@ mod tests {
                 "flood: { limit: 5, window: 1s }",
                 "vservers[0].flood.ban",
                 "missing required field",
+            ),
+            (
+                "flood: { limit: 5, window: 1s, ban: 1s, ipv6_prefix: 0 }",
+                "vservers[0].flood.ipv6_prefix",
+                "out of range",
             ),
         ] {
             let p = problems(&with(extra));
