@@ -800,3 +800,42 @@ fn a_service_that_stops_reading_is_left_at_write_timeout_and_loses_no_request() 
         "the good service answered every request"
     );
 }
+
+/// `max_sessions` bounds the client connections of all the vserver's listeners together:
+/// 40 connections opened at once over four worker listeners leave exactly 6 open (the rest
+/// closed at accept and counted), and once those leave, new clients are served again.
+#[test]
+fn max_sessions_bounds_clients_across_every_listener() {
+    let uas = TcpUas::start();
+    let y = format!(
+        "services:\n  - {{ name: s0, address: {}, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, workers: 4, max_sessions: 6, failover: off, services: [s0] }}\n",
+        uas.addr
+    );
+    let cfg = config::from_str("t", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("start");
+    let proxy = rt.vserver("v").expect("v").bound[0];
+    let shared = vserver_shared(&rt);
+    let opened: Vec<TcpStream> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..40)
+            .map(|_| s.spawn(move || TcpStream::connect(proxy).ok()))
+            .collect();
+        hs.into_iter()
+            .filter_map(|h| h.join().ok().flatten())
+            .collect()
+    });
+    assert_eq!(opened.len(), 40, "the kernel accepted every connect");
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            shared.counters.clients_refused.load(Ordering::Relaxed) == 34
+        }),
+        "refused {}",
+        shared.counters.clients_refused.load(Ordering::Relaxed)
+    );
+    assert_eq!(shared.clients(), 6);
+    assert_eq!(shared.counters.clients_open.load(Ordering::Relaxed), 6);
+    drop(opened);
+    assert!(wait_until(Duration::from_secs(5), || shared.clients() == 0));
+    let mut c = TcpStream::connect(proxy).expect("connect");
+    let mut buf = Vec::new();
+    each_answered(&mut c, &mut buf, "after", 2);
+}

@@ -188,11 +188,6 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                 continue;
             }
         }
-        if shared.clients.len() >= shared.current.load().max_clients {
-            bump(&shared.counters.clients_refused);
-            drop(stream);
-            continue;
-        }
         // Its file from the process's pool and its place among its source's, held by the
         // client's task: given back however it ends (docs/limits.md). A pool running low
         // first makes room by evicting idle clients.
@@ -207,6 +202,22 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                 continue;
             }
         };
+        // Its place in `max_sessions`, reserved atomically: the accept loops of every
+        // listener draw on it together. Given back when the client leaves the table
+        // (`forget_client`).
+        let max = shared.current.load().max_clients as u64;
+        let reserved =
+            shared
+                .counters
+                .clients_open
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < max).then_some(n + 1)
+                });
+        if reserved.is_err() {
+            bump(&shared.counters.clients_refused);
+            drop((stream, admission));
+            continue;
+        }
         let src = SocketAddr::new(src.ip().to_canonical(), src.port());
         let dst = stream.local_addr().unwrap_or(src);
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
@@ -219,7 +230,6 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
             activity: Arc::clone(&activity),
         };
         bump(&shared.counters.clients_accepted);
-        shared.counters.clients_open.fetch_add(1, Ordering::Relaxed);
         // The task starts serving once its entry is in the tables: one that ended before
         // could not remove it, and the entry (and its count) would stay forever.
         let (registered, wait_registered) = tokio::sync::oneshot::channel::<()>();
