@@ -176,6 +176,9 @@ pub struct SipMsg<'a> {
     /// The first Via value, parsed once at the end of the scan (every message on the proxy
     /// path needs it, some twice).
     top_via: Option<Via<'a>>,
+    /// The CSeq number and method, parsed once at the end of the scan (a request's syntax
+    /// check and its dialog pin, a response's dialog tracking all read it).
+    parsed_cseq: Option<CSeq<'a>>,
 }
 
 /// Scan one SIP message at the start of `buf` (leading CRLFs are skipped, RFC 3261 §7.5).
@@ -236,6 +239,7 @@ fn scan_with(buf: &[u8], for_reply: bool) -> Result<SipMsg<'_>, ScanError> {
         proxy_require: None,
         has_duplicate: false,
         top_via: None,
+        parsed_cseq: None,
     };
 
     let mut pos = headers_start;
@@ -290,6 +294,7 @@ fn scan_with(buf: &[u8], for_reply: bool) -> Result<SipMsg<'_>, ScanError> {
     };
     msg.body = Span::new(body_start, body_end);
     msg.top_via = msg.parse_top_via();
+    msg.parsed_cseq = msg.parse_cseq();
     Ok(msg)
 }
 
@@ -654,7 +659,12 @@ impl<'a> SipMsg<'a> {
     }
 
     /// CSeq number and method; `None` when absent or malformed.
+    #[inline]
     pub fn cseq(&self) -> Option<CSeq<'a>> {
+        self.parsed_cseq
+    }
+
+    fn parse_cseq(&self) -> Option<CSeq<'a>> {
         let v = self.cseq_raw()?;
         let digits = v.iter().take_while(|c| c.is_ascii_digit()).count();
         if digits == 0 || digits > 10 {
