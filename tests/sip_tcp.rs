@@ -493,6 +493,13 @@ fn a_service_that_accepts_and_closes_is_marked_down_and_loses_no_request() {
             .load(Ordering::Relaxed)
             >= 1
     );
+    assert_eq!(
+        shared
+            .counters
+            .link_unexpected_events
+            .load(Ordering::Relaxed),
+        0
+    );
     stop.store(true, Ordering::Relaxed);
     let _ = closer_thread.join();
 }
@@ -798,6 +805,14 @@ fn a_service_that_stops_reading_is_left_at_write_timeout_and_loses_no_request() 
         good.calls().len(),
         n,
         "the good service answered every request"
+    );
+    assert_eq!(
+        shared
+            .counters
+            .link_unexpected_events
+            .load(Ordering::Relaxed),
+        0,
+        "the shell sent its links only what their phases wait for"
     );
 }
 

@@ -70,6 +70,25 @@ pub(crate) enum LinkEvent {
     TimerFired,
 }
 
+impl LinkEvent {
+    /// The event's name, for [`LinkAction::Unexpected`].
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            LinkEvent::Queued(_) => "queued",
+            LinkEvent::QueueClosed => "queue_closed",
+            LinkEvent::Reply(_) => "reply",
+            LinkEvent::ConnectOk => "connect_ok",
+            LinkEvent::ConnectFailed => "connect_failed",
+            LinkEvent::MessageRead => "message_read",
+            LinkEvent::WriteDone => "write_done",
+            LinkEvent::WriteFailed => "write_failed",
+            LinkEvent::ReaderClosed => "reader_closed",
+            LinkEvent::Retired => "retired",
+            LinkEvent::TimerFired => "timer_fired",
+        }
+    }
+}
+
 /// What the shell must do, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum LinkAction {
@@ -92,6 +111,9 @@ pub(crate) enum LinkAction {
     CountLost,
     /// Count a write the service stopped taking (its `write_timeout` passed).
     CountStalled,
+    /// The shell sent an event the phase does not wait for (a bug in the shell): nothing
+    /// changed; count it and say which.
+    Unexpected(&'static str),
     /// Count the link's retirement.
     CountRetired,
     /// Drop the connection (its reader and writer).
@@ -272,8 +294,15 @@ impl Link {
             (State::Draining { until, writing }, event) => {
                 self.on_draining(now, until, writing, event, out)
             }
-            // Anything else is not what the phase waits for: nothing changes.
-            (state, _) => state,
+            // A timer fired early (its deadline moved) or a message read with none to note:
+            // nothing to do.
+            (state, E::TimerFired | E::MessageRead) => state,
+            // Anything else is not what the phase waits for: nothing changes, but the shell
+            // hears of it.
+            (state, event) => {
+                out.push(LinkAction::Unexpected(event.name()));
+                state
+            }
         };
     }
 
@@ -307,7 +336,11 @@ impl Link {
             }
             E::ConnectFailed => self.connect_failed(now, pending, Vec::new(), out),
             E::TimerFired if now >= deadline => self.connect_failed(now, pending, Vec::new(), out),
-            _ => State::Connecting { pending, deadline },
+            E::TimerFired | E::MessageRead => State::Connecting { pending, deadline },
+            event => {
+                out.push(LinkAction::Unexpected(event.name()));
+                State::Connecting { pending, deadline }
+            }
         }
     }
 
@@ -380,7 +413,10 @@ impl Link {
                 }
                 State::Connected(c)
             }
-            _ => State::Connected(c),
+            event => {
+                out.push(LinkAction::Unexpected(event.name()));
+                State::Connected(c)
+            }
         }
     }
 
@@ -409,7 +445,11 @@ impl Link {
             },
             E::WriteFailed | E::ReaderClosed => self.end_drain(out),
             E::TimerFired if now >= until => self.end_drain(out),
-            _ => State::Draining { until, writing },
+            E::TimerFired | E::MessageRead => State::Draining { until, writing },
+            event => {
+                out.push(LinkAction::Unexpected(event.name()));
+                State::Draining { until, writing }
+            }
         }
     }
 
@@ -668,6 +708,24 @@ mod tests {
         );
     }
 
+    /// What a phase does not wait for changes nothing and is reported, never swallowed.
+    #[test]
+    fn events_a_phase_does_not_wait_for_are_reported() {
+        let mut s = Sim::new();
+        assert_eq!(s.ev(E::WriteDone), vec![A::Unexpected("write_done")]);
+        assert_eq!(s.link.phase(), Phase::Idle);
+        assert_eq!(s.ev(E::TimerFired), vec![], "an early timer is not a bug");
+        s.connected_with(&msg(1));
+        assert_eq!(s.ev(E::ConnectOk), vec![A::Unexpected("connect_ok")]);
+        assert_eq!(s.link.phase(), Phase::Writing);
+        assert_eq!(s.ev(E::WriteDone), vec![]);
+        assert_eq!(
+            s.ev(E::ConnectFailed),
+            vec![A::Unexpected("connect_failed")]
+        );
+        assert_eq!(s.link.phase(), Phase::Connected);
+    }
+
     #[test]
     fn connects_only_when_something_is_queued() {
         let mut s = Sim::new();
@@ -881,8 +939,9 @@ mod tests {
         assert_eq!(s.link.phase(), Phase::Draining);
         assert_eq!(RETIRED_DRAIN, Duration::from_secs(32));
         assert_eq!(s.wait(), Some(RETIRED_DRAIN));
-        // No new request is taken; replies are written.
-        assert_eq!(s.ev(E::Queued(msg(2))), vec![]);
+        // No new request is taken (the shell closed the queue: one is reported as unexpected);
+        // replies are written.
+        assert_eq!(s.ev(E::Queued(msg(2))), vec![A::Unexpected("queued")]);
         let r = Bytes::from_static(b"SIP/2.0 200 OK");
         assert_eq!(
             s.after(Duration::from_secs(20), E::Reply(r.clone())),
@@ -1092,6 +1151,7 @@ mod tests {
                         }
                         A::Redispatch(b) => prop_assert!(handed.insert(b), "handed back twice"),
                         A::Connect => prop_assert!(!s.link.is_retired()),
+                        A::Unexpected(e) => prop_assert!(false, "{} in {:?} is what the phase allows", e, phase),
                         _ => {}
                     }
                 }

@@ -210,6 +210,12 @@ pub(super) async fn drive_link<C: Connector>(
                 },
                 LinkAction::MarkUp => mark_up_again(&shared, &link),
                 LinkAction::CountLost => bump(&shared.counters.service_connections_lost),
+                LinkAction::Unexpected(event) => {
+                    bump(&shared.counters.link_unexpected_events);
+                    if shared.log.allow(shared.now()) {
+                        tracing::warn!(vserver = %shared.name, service = %addr, event, "service link got an event its phase does not wait for (ignored)");
+                    }
+                }
                 LinkAction::CountStalled => {
                     bump(&shared.counters.service_writes_stalled);
                     tracing::warn!(vserver = %shared.name, service = %addr, "a write made no progress for the service's write_timeout: connection closed, its requests chosen again");

@@ -120,6 +120,9 @@ pub struct SipStreamCounters {
     /// Writes toward a service that made no progress for its `write_timeout` (it stopped
     /// reading): the connection ended, its requests chosen again.
     pub service_writes_stalled: AtomicU64,
+    /// Events a service link's machine did not wait for in its phase (a shell bug: counted
+    /// rather than swallowed).
+    pub link_unexpected_events: AtomicU64,
     pub service_queue_full: AtomicU64,
     /// Requests moved to the next-ranked member after their member's connection failed or
     /// a reload removed it.
@@ -138,7 +141,7 @@ pub struct SipStreamCounters {
 
 impl SipStreamCounters {
     /// Each counter by its event name, in the order metrics lists them.
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 18] {
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 19] {
         [
             ("clients_accepted", &self.clients_accepted),
             ("clients_refused", &self.clients_refused),
@@ -152,6 +155,7 @@ impl SipStreamCounters {
             ("service_connect_failures", &self.service_connect_failures),
             ("service_connections_lost", &self.service_connections_lost),
             ("service_writes_stalled", &self.service_writes_stalled),
+            ("link_unexpected_events", &self.link_unexpected_events),
             ("service_queue_full", &self.service_queue_full),
             ("requests_rerouted", &self.requests_rerouted),
             ("requests_lost", &self.requests_lost),
