@@ -47,6 +47,7 @@ pub(crate) mod framing;
 pub(crate) mod lex;
 pub(crate) mod rewrite;
 pub(crate) mod scan;
+mod text;
 pub(crate) mod values;
 
 pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, Framer, PONG, next_frame};

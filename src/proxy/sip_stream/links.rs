@@ -204,23 +204,6 @@ pub(super) async fn drive_link<C: Connector>(
                 LinkAction::Redispatch(b) => shared.redispatch(&link, b),
                 LinkAction::RedispatchQueue => shared.redispatch_queued(&link, None, &mut rx),
                 LinkAction::CloseQueue => rx.close(),
-                LinkAction::MarkDown => match blame {
-                    Blame::Service(cause) => mark_down(&shared, &link, cause),
-                    Blame::Local => local_trouble(&shared, &link),
-                },
-                LinkAction::MarkUp => mark_up_again(&shared, &link),
-                LinkAction::CountLost => bump(&shared.counters.service_connections_lost),
-                LinkAction::Unexpected(event) => {
-                    bump(&shared.counters.link_unexpected_events);
-                    if shared.log.allow(shared.now()) {
-                        tracing::warn!(vserver = %shared.name, service = %addr, event, "service link got an event its phase does not wait for (ignored)");
-                    }
-                }
-                LinkAction::CountStalled => {
-                    bump(&shared.counters.service_writes_stalled);
-                    tracing::warn!(vserver = %shared.name, service = %addr, "a write made no progress for the service's write_timeout: connection closed, its requests chosen again");
-                }
-                LinkAction::CountRetired => bump(&shared.counters.services_retired),
                 LinkAction::Disconnect => conn = None,
                 LinkAction::StartDrain => {
                     if let Some(c) = &conn {
@@ -240,8 +223,44 @@ pub(super) async fn drive_link<C: Connector>(
                     }
                 }
                 LinkAction::Close => return,
+                reported => report(&shared, &link, reported, &blame),
             }
         }
+    }
+}
+
+/// Carry out a link action that only reports: the service's state (DOWN, UP again, or
+/// fulcrum's own trouble), and the link's counters and logs.
+fn report(shared: &SipStreamShared, link: &ServiceLink, action: LinkAction, blame: &Blame) {
+    let addr = link.addr;
+    match action {
+        LinkAction::MarkDown => match blame {
+            Blame::Service(cause) => mark_down(shared, link, *cause),
+            Blame::Local => local_trouble(shared, link),
+        },
+        LinkAction::MarkUp => mark_up_again(shared, link),
+        LinkAction::CountLost => bump(&shared.counters.service_connections_lost),
+        LinkAction::CountRetired => bump(&shared.counters.services_retired),
+        LinkAction::CountStalled => {
+            bump(&shared.counters.service_writes_stalled);
+            tracing::warn!(vserver = %shared.name, service = %addr, "a write made no progress for the service's write_timeout: connection closed, its requests chosen again");
+        }
+        LinkAction::Unexpected(event) => {
+            bump(&shared.counters.link_unexpected_events);
+            if shared.log.allow(shared.now()) {
+                tracing::warn!(vserver = %shared.name, service = %addr, event, "service link got an event its phase does not wait for (ignored)");
+            }
+        }
+        // The others change the link's connection or queue: `drive_link` carries them out.
+        LinkAction::Connect
+        | LinkAction::Write(_)
+        | LinkAction::Redispatch(_)
+        | LinkAction::RedispatchQueue
+        | LinkAction::CloseQueue
+        | LinkAction::Disconnect
+        | LinkAction::StartDrain
+        | LinkAction::EndDrain
+        | LinkAction::Close => {}
     }
 }
 
