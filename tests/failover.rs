@@ -31,15 +31,20 @@ fn scenario() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/sipp/uac_rr.xml")
 }
 
-/// Three strict services behind a sip-udp vserver with nothing set but the services, a
+/// Three strict services behind a vserver of `protocol` with nothing set but the services, a
 /// monitor, Record-Route and `extra` fields (`, field: value`): failover is the default.
 fn farm_with(uas: &[StrictUas], protocol: &str, extra: &str) -> String {
+    farm_between(uas, protocol, protocol, extra)
+}
+
+/// The same with services of another protocol (the transports bridge).
+fn farm_between(uas: &[StrictUas], protocol: &str, services: &str, extra: &str) -> String {
     let mut y = String::from(
         "admin: { listen: null }\nmonitors:\n  - { name: ping, type: sip-options, interval: 1s, timeout: 500ms, failures_to_down: 2, successes_to_up: 2 }\nservices:\n",
     );
     for u in uas {
         y.push_str(&format!(
-            "  - {{ name: {}, address: \"{}\", protocol: {protocol}, monitor: ping }}\n",
+            "  - {{ name: {}, address: \"{}\", protocol: {services}, monitor: ping }}\n",
             u.name, u.addr
         ));
     }
@@ -66,16 +71,30 @@ fn run(t: Transport, sick: Sick, calls: u32) -> Run {
 }
 
 fn run_with(t: Transport, sick: Sick, calls: u32, extra: &str) -> Run {
+    run_between(t, t, sick, calls, extra)
+}
+
+/// Calls from SIPp over `t` to services reached over `services`.
+fn run_between(t: Transport, services: Transport, sick: Sick, calls: u32, extra: &str) -> Run {
     let uas: Vec<StrictUas> = (0..3)
-        .map(|i| match t {
+        .map(|i| match services {
             Transport::Udp => StrictUas::udp(&format!("s{i}")),
             _ => StrictUas::tcp(&format!("s{i}")),
         })
         .collect();
     uas[1].set_sick(sick);
-    let ops = ops_of(&farm_with(&uas, t.protocol(), extra));
+    let ops = ops_of(&farm_between(
+        &uas,
+        t.protocol(),
+        services.protocol(),
+        extra,
+    ));
     let vs: SocketAddr = ops.with_vservers(|v, _| v[0].bound[0]).expect("running");
-    let dir = Scratch::new(&format!("failover-{}-{sick:?}", t.protocol()));
+    let dir = Scratch::new(&format!(
+        "failover-{}-{}-{sick:?}",
+        t.protocol(),
+        services.protocol()
+    ));
     let load = UacLoad {
         calls,
         rate_per_s: 50,
@@ -95,16 +114,22 @@ fn run_with(t: Transport, sick: Sick, calls: u32, extra: &str) -> Run {
 }
 
 fn check(t: Transport, sick: Sick) {
+    check_between(t, t, sick);
+}
+
+/// No call fails with service s1 `sick`: calls from SIPp over `t`, services over `services`.
+fn check_between(t: Transport, services: Transport, sick: Sick) {
     if !sipp_available() {
         return;
     }
     let calls = 300;
-    let r = run(t, sick, calls);
+    let r = run_between(t, services, sick, calls, "");
     let invites: u64 = r.counts.iter().map(|c| c.invites).sum();
     let share = r.counts[1].invites as f64 / invites.max(1) as f64;
     println!(
-        "{} {sick:?}: {} ok, {} failed; INVITE transactions per service {:?} (sick share {:.1}%); services {:?}",
+        "{} to {} {sick:?}: {} ok, {} failed; INVITE transactions per service {:?} (sick share {:.1}%); services {:?}",
         t.protocol(),
+        services.protocol(),
         r.successful,
         r.failed,
         r.counts.iter().map(|c| c.invites).collect::<Vec<_>>(),
@@ -160,6 +185,28 @@ fn over_tcp_a_service_answering_invites_503_fails_no_call() {
 #[test]
 fn over_tcp_a_service_that_never_answers_invites_fails_no_call() {
     check(Transport::Tcp, Sick::Silent);
+}
+
+/// Across the transports bridge (a sip-tcp vserver over sip-udp services, and the other way)
+/// a held request fails over as on one transport.
+#[test]
+fn across_the_bridge_to_udp_services_a_service_answering_503_fails_no_call() {
+    check_between(Transport::Tcp, Transport::Udp, Sick::Busy);
+}
+
+#[test]
+fn across_the_bridge_to_udp_services_a_silent_service_fails_no_call() {
+    check_between(Transport::Tcp, Transport::Udp, Sick::Silent);
+}
+
+#[test]
+fn across_the_bridge_to_tcp_services_a_service_answering_503_fails_no_call() {
+    check_between(Transport::Udp, Transport::Tcp, Sick::Busy);
+}
+
+#[test]
+fn across_the_bridge_to_tcp_services_a_silent_service_fails_no_call() {
+    check_between(Transport::Udp, Transport::Tcp, Sick::Silent);
 }
 
 #[test]

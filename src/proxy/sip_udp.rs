@@ -103,7 +103,7 @@ pub(crate) fn run_worker<B: Bridge>(
         let action = core.handle_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
         // A held request's own sends first: an INVITE's 100 (Trying) must reach the client
         // before the service's answers, which another worker may relay at once.
-        send_all(&out_socks, &core, &mut sends, &send_log, now);
+        send_all(&out_socks, &core, &bridge, &mut sends, &send_log, now);
         let to = match action {
             Action::ToMember(m) => bridge
                 .to_member(&core, m, &out)
@@ -150,22 +150,27 @@ impl Senders {
 }
 
 /// Send what held requests asked for (100 Trying, retransmissions, the next attempt, ACK,
-/// CANCEL); a failed send is counted like any other.
-fn send_all(
+/// CANCEL): datagrams to clients and sip-udp members, and to a stream member over its link;
+/// a failed send is counted like any other.
+fn send_all<B: Bridge>(
     socks: &Senders,
-    core: &SipCore,
+    core: &Arc<SipCore>,
+    bridge: &B,
     sends: &mut Vec<crate::core::sip::stateful::Send>,
     log: &LogLimiter,
     now: crate::stats::Nanos,
 ) {
     use crate::core::sip::stateful::Dest;
     for (dest, bytes) in sends.drain(..) {
-        // A sip-udp vserver holds requests toward its UDP members only: every send is a
-        // datagram, to a client or to a service.
         let (socket, to) = match dest {
             Dest::Addr(a) => (&socks.clients, a),
             Dest::Service(a) => (&socks.services, a),
-            Dest::Member(_) | Dest::Conn(_) => continue,
+            Dest::Member(m) => match bridge.to_member(core, m, &bytes) {
+                Some(a) => (&socks.services, a),
+                None => continue,
+            },
+            // Connection ids exist only on streams.
+            Dest::Conn(_) => continue,
         };
         if let Err(e) = socket.send_to(&bytes, to) {
             bump(&core.counters.send_errors);
@@ -182,7 +187,8 @@ const TRANSACTION_TICK: std::time::Duration = std::time::Duration::from_millis(1
 
 /// The thread that wakes held requests at their deadlines (retransmissions toward services,
 /// `no_answer`, Timer C, the end of lingering), in whatever core is current; it sends from
-/// `socks`, so services see the address the workers send them from.
+/// `socks`, so services see the address the workers send them from. A vserver with stream
+/// members has its held requests woken by their links' task instead.
 fn start_transaction_timers(
     ctx: &mut StartCtx<'_>,
     v: &Vserver,
@@ -199,7 +205,7 @@ fn start_transaction_timers(
                 let now = elapsed_nanos(epoch);
                 let core = cell.load();
                 let next = core.poll_transactions(now, &mut sends);
-                send_all(&socks, &core, &mut sends, &log, now);
+                send_all(&socks, &core, &(), &mut sends, &log, now);
                 let wait = next.map_or(POLL, |t| {
                     std::time::Duration::from_nanos(t.saturating_sub(now)).min(POLL)
                 });
@@ -431,18 +437,19 @@ pub(crate) fn start(
         Some((socks, a)) => (socks, Some(a)),
         None => (Vec::new(), None),
     };
-    if let Some(first) = sockets.first() {
-        let socks = Senders::of(first, service_socks.first())?;
-        start_transaction_timers(ctx, v, socks, Arc::clone(&cell))?;
-    }
     let bridge = match sockets.first() {
         Some(first) if streams => {
-            let front = first.try_clone()?;
+            let front = Senders::of(first, service_socks.first())?;
             Some(crate::proxy::sip_stream::start_bridge(
                 ctx, config, v, &core, front,
             ))
         }
-        _ => None,
+        Some(first) => {
+            let socks = Senders::of(first, service_socks.first())?;
+            start_transaction_timers(ctx, v, socks, Arc::clone(&cell))?;
+            None
+        }
+        None => None,
     };
     // A worker per socket: the vserver's, then the service source's (which relay what they
     // receive for clients from the vserver's socket of the same rank).

@@ -246,6 +246,14 @@ impl Local {
         self
     }
 
+    /// This identity giving the branches `other` gives: the legs of a transports bridge, so
+    /// that a held request's attempts may leave on any leg and their answers still find its
+    /// transaction by branch. A branch still differs per hop: it hashes the top Via received.
+    pub fn branching_as(mut self, other: &Local) -> Local {
+        self.branch_seed = other.branch_seed;
+        self
+    }
+
     /// The addresses that are this identity: the advertised one when it is an IP address,
     /// and the aliases.
     pub fn addrs(&self) -> impl Iterator<Item = SocketAddr> + '_ {

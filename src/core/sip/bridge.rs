@@ -266,3 +266,188 @@ fn members_of_the_vservers_transport_are_not_bridged() {
         Action::Drop(DropReason::Loop)
     );
 }
+
+/// A held request's attempts across the bridge, each a `(destination, first line, top Via)`.
+fn attempts(sends: &[stateful::Send]) -> Vec<(stateful::Dest, String, String)> {
+    sends
+        .iter()
+        .map(|(d, b)| {
+            let first = text(b).lines().next().unwrap_or_default().to_owned();
+            let via = values(b, "Via").first().cloned().unwrap_or_default();
+            (*d, first, via)
+        })
+        .collect()
+}
+
+/// A sip-tcp vserver holds a client's INVITE toward sip-udp members as it does toward its
+/// own: 100 on the connection, Timer A over the UDP leg, a 503 ACKed and the INVITE moved to
+/// the other member with attempt 1's branch, whose answer finds the transaction (every leg
+/// branches alike) and reaches the client's connection.
+#[test]
+fn a_stream_clients_invite_fails_over_between_udp_members() {
+    use stateful::Dest;
+    let c = core("sip-udp").with_failover(Some(config::Failover::default()), Arc::default());
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let (client, us, leg) = (
+        CLIENT.parse().expect("client"),
+        US.parse().expect("us"),
+        LEG.parse().expect("leg"),
+    );
+    let a = c.handle_stateful(
+        invite("fo-1").as_bytes(),
+        Origin::Client { conn: Some(CONN) },
+        client,
+        us,
+        0,
+        &mut out,
+        &mut sends,
+    );
+    let Action::ToMember(m0) = a else {
+        panic!("not forwarded: {a:?}")
+    };
+    let m1 = 1 - m0;
+    let (a0, a1) = (
+        c.member_addr(m0).expect("m0"),
+        c.member_addr(m1).expect("m1"),
+    );
+    assert_eq!(attempts(&sends)[0].0, Dest::Conn(CONN));
+    assert_eq!(attempts(&sends)[0].1, "SIP/2.0 100 Trying");
+    let first = out.clone();
+    // Timer A: sent again over the leg.
+    sends.clear();
+    c.poll_transactions(transaction::T1, &mut sends);
+    assert_eq!(
+        sends,
+        [(Dest::Service(a0), bytes::Bytes::from(first.clone()))]
+    );
+    // The member's 503 on the leg: absorbed, ACKed, the INVITE moved.
+    sends.clear();
+    let busy = stateful::tests::answer(&first, 503, "Service Unavailable");
+    let a = c.handle_stateful(
+        busy.as_bytes(),
+        Origin::Member(m0),
+        a0,
+        leg,
+        transaction::T1 + 1,
+        &mut out,
+        &mut sends,
+    );
+    assert!(matches!(a, Action::Drop(DropReason::Absorbed)), "{a:?}");
+    let sent = attempts(&sends);
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(
+        (sent[0].0, sent[0].1.as_str()),
+        (Dest::Service(a0), "ACK sip:svc@example.com SIP/2.0")
+    );
+    assert_eq!(sent[1].0, Dest::Service(a1));
+    assert!(sent[1].1.starts_with("INVITE "), "{sent:?}");
+    assert!(
+        sent[1]
+            .2
+            .starts_with("SIP/2.0/UDP 127.0.0.1:40000;branch=z9hG4bK-fc-")
+            && sent[1].2.ends_with(".1;fc-conn=0000000000000abc"),
+        "the client's connection named in every attempt: {sent:?}"
+    );
+    let second = sends[1].1.clone();
+    // The other member's 200 reaches the client's connection.
+    sends.clear();
+    let ok = stateful::tests::answer(&second, 200, "OK");
+    let a = c.handle_stateful(
+        ok.as_bytes(),
+        Origin::Member(m1),
+        a1,
+        leg,
+        transaction::T1 + 2,
+        &mut out,
+        &mut sends,
+    );
+    assert!(matches!(a, Action::ToConn(CONN)), "{a:?}");
+    assert_eq!(
+        c.transactions().counters.failovers.load(Ordering::Relaxed),
+        1
+    );
+}
+
+/// A sip-udp vserver over sip-tcp members: the attempts go over the members' links, are
+/// never retransmitted (a stream is reliable), and a 503 moves the INVITE to the other
+/// member's link; the client hears 100 and the winner's 200 as datagrams.
+#[test]
+fn a_udp_clients_invite_fails_over_between_stream_members() {
+    use stateful::Dest;
+    let cfg = config::from_str(
+        "t",
+        &format!("services:\n  - {{ name: a, address: 127.0.0.1:5071, protocol: sip-tcp }}\n  - {{ name: b, address: 127.0.0.1:5072, protocol: sip-tcp }}\nvservers:\n  - {{ name: v, protocol: sip-udp, bind: {US}, record_route: true, services: [a, b] }}\n"),
+    )
+    .expect("config");
+    let v = &cfg.vservers[0];
+    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
+    let legs = vec![
+        local.with_transport(Transport::Tcp),
+        local.with_transport(Transport::Tls),
+    ];
+    let c = SipCore::new(
+        SipParams::of(&cfg, v, local, Arc::new(Balancer::new(&cfg, v))).with_legs(legs),
+    )
+    .with_failover(v.failover.clone(), Arc::default());
+    let (client, us) = (CLIENT.parse().expect("client"), US.parse().expect("us"));
+    let request = invite("fo-2").replace("SIP/2.0/TCP", "SIP/2.0/UDP");
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let a = c.handle_datagram_stateful(request.as_bytes(), client, us, 0, &mut out, &mut sends);
+    let Action::ToMember(m0) = a else {
+        panic!("not forwarded: {a:?}")
+    };
+    let m1 = 1 - m0;
+    assert_eq!(
+        attempts(&sends)[0],
+        (
+            Dest::Addr(client),
+            "SIP/2.0 100 Trying".to_owned(),
+            "SIP/2.0/UDP 192.0.2.10:5062;branch=z9hG4bKfo-2".to_owned()
+        )
+    );
+    let first = out.clone();
+    // No retransmission toward a stream member: the next deadline is no_answer.
+    sends.clear();
+    let next = c.poll_transactions(transaction::T1, &mut sends);
+    assert!(sends.is_empty(), "{:?}", attempts(&sends));
+    assert_eq!(next, Some(1_000_000_000));
+    sends.clear();
+    let busy = stateful::tests::answer(&first, 503, "Service Unavailable");
+    let a0 = c.member_addr(m0).expect("m0");
+    let a = c.handle_stateful(
+        busy.as_bytes(),
+        Origin::Member(m0),
+        a0,
+        us,
+        transaction::T1 + 1,
+        &mut out,
+        &mut sends,
+    );
+    assert!(matches!(a, Action::Drop(DropReason::Absorbed)), "{a:?}");
+    let sent = attempts(&sends);
+    assert_eq!(
+        (sent[0].0, sent[0].1.as_str()),
+        (Dest::Member(m0), "ACK sip:svc@example.com SIP/2.0")
+    );
+    assert_eq!(sent[1].0, Dest::Member(m1));
+    assert!(
+        sent[1]
+            .2
+            .starts_with("SIP/2.0/TCP 127.0.0.1:5060;branch=z9hG4bK-fc-")
+            && sent[1].2.contains(".1"),
+        "{sent:?}"
+    );
+    let second = sends[1].1.clone();
+    sends.clear();
+    let ok = stateful::tests::answer(&second, 200, "OK");
+    let a = c.handle_stateful(
+        ok.as_bytes(),
+        Origin::Member(m1),
+        c.member_addr(m1).expect("m1"),
+        us,
+        transaction::T1 + 2,
+        &mut out,
+        &mut sends,
+    );
+    assert!(matches!(a, Action::ToAddr(to) if to == client), "{a:?}");
+}

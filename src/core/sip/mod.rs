@@ -282,7 +282,7 @@ impl SipCore {
                     let others: Vec<Local> = std::iter::once(p.local.clone())
                         .chain(p.legs.iter().filter(|o| *o != l).cloned())
                         .collect();
-                    l.clone().bridged_with(&others)
+                    l.clone().bridged_with(&others).branching_as(&p.local)
                 })
                 .collect();
             (p.local.bridged_with(&p.legs), legs, member_leg)

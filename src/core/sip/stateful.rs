@@ -4,7 +4,7 @@
 //! its sockets), bounded by `failover.max_pending`; `now` is passed in, and the shell wakes
 //! [`SipCore::poll_transactions`] at the deadline it returns.
 
-use super::transaction::{Event, Failover, Hops, Transaction, TxAction};
+use super::transaction::{Event, Failover, Hop, Hops, Transaction, TxAction};
 use super::*;
 use crate::eject::{Cause, Failure};
 use bytes::Bytes;
@@ -104,21 +104,24 @@ struct CoreHops<'a> {
     scanned: Option<SipMsg<'a>>,
     src: SocketAddr,
     dst: SocketAddr,
+    /// Where the client is: its connection id goes in every attempt's Via, as in the first.
+    client: Dest,
     now: Nanos,
 }
 
 impl Hops for CoreHops<'_> {
-    fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<(usize, SocketAddr, Bytes)> {
+    fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<Hop> {
         let core = self.core;
         let msg = match self.scanned {
             Some(m) => m,
             None => sip::scan(self.request).ok()?,
         };
-        // Held requests go to members of the vserver's own transport (the other legs'
-        // branches are keyed by another identity).
-        let avoid = |m: usize| {
-            core.member_addrs.get(m).is_none_or(|a| tried.contains(a)) || core.leg_of(m).is_some()
-        };
+        // Any member may take the next attempt, over whichever leg reaches it (every leg's
+        // branches share the vserver's seed, so the answer finds this transaction), unless
+        // the request could not grow into a datagram toward a sip-udp member.
+        let too_long = |m: usize| msg.len() > core.max_forwarded_to(m).saturating_sub(MAX_GROWTH);
+        let avoid =
+            |m: usize| core.member_addrs.get(m).is_none_or(|a| tried.contains(a)) || too_long(m);
         let member = core.choose_next(&msg, self.src, self.dst, self.now, &avoid)?;
         let addr = *core.member_addrs.get(member)?;
         let rw = RequestRewrite {
@@ -126,9 +129,13 @@ impl Hops for CoreHops<'_> {
             src: self.src,
             record_route: core.record_route,
             force_rport: false,
-            conn_id: None,
+            conn_id: match self.client {
+                Dest::Conn(id) => Some(id),
+                _ => None,
+            },
             service: core.digest_of(Some(member)),
-            arrived_on: None,
+            // Across the bridge, double record-routed as the first attempt (RFC 5658 §3.2).
+            arrived_on: core.leg_of(member).map(|_| &core.local),
         };
         let mut out = Vec::with_capacity(self.request.len() + 512);
         sip::forward_request_attempt(&msg, &rw, attempt, &mut out).ok()?;
@@ -137,7 +144,12 @@ impl Hops for CoreHops<'_> {
         if let Some(c) = core.balancer.counters(member) {
             c.record_request();
         }
-        Some((member, addr, Bytes::from(out)))
+        Some(Hop {
+            member,
+            addr,
+            sent: Bytes::from(out),
+            datagram: core.member_transport(member) == Transport::Udp,
+        })
     }
 
     fn reply(&self, code: u16) -> Option<Bytes> {
@@ -369,6 +381,7 @@ impl SipCore {
             scanned: None,
             src: *src,
             dst: *dst,
+            client: *client,
             now,
         };
         let mut acts = Vec::new();
@@ -380,8 +393,7 @@ impl SipCore {
     }
 
     /// Hold a request just forwarded to member `m` (its bytes in `out`), when it is one that
-    /// fails over: outside a dialog, not ACK or CANCEL, toward a member of the vserver's own
-    /// transport, with room left.
+    /// fails over: outside a dialog, not ACK or CANCEL, with room left.
     #[allow(clippy::too_many_arguments)]
     fn hold(
         &self,
@@ -396,9 +408,7 @@ impl SipCore {
         out: &[u8],
         sends: &mut Vec<Send>,
     ) {
-        if msg.to_tag().is_some()
-            || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel)
-            || self.leg_of(m).is_some()
+        if msg.to_tag().is_some() || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel)
         {
             return;
         }
@@ -419,21 +429,16 @@ impl SipCore {
             scanned: Some(*msg),
             src,
             dst,
+            client,
             now,
         };
-        // Over UDP fulcrum retransmits (RFC 3261 §17.1.1.2); a stream is reliable.
-        let retransmits = self.local.transport() == Transport::Udp;
-        let tx = Transaction::start(
-            now,
-            invite,
-            retransmits,
-            failover,
-            m,
+        let first = Hop {
+            member: m,
             addr,
             sent,
-            &hops,
-            &mut acts,
-        );
+            datagram: self.member_transport(m) == Transport::Udp,
+        };
+        let tx = Transaction::start(now, invite, failover, first, &hops, &mut acts);
         let next = tx.poll_timeout();
         match self.transactions.held.entry(key) {
             dashmap::Entry::Occupied(_) => return,
@@ -635,4 +640,4 @@ impl SipCore {
 }
 
 #[cfg(test)]
-mod tests;
+pub(super) mod tests;

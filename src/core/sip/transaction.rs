@@ -7,7 +7,8 @@
 //! - An INVITE is answered 100 (Trying) at once (§16.2); the client's retransmissions are
 //!   absorbed (the 100, or the final answer, is sent again).
 //! - Each attempt is its own client transaction toward its service (its own branch,
-//!   §16.6 step 8), retransmitted over UDP by Timer A (INVITE) or E (others), §17.1.
+//!   §16.6 step 8), retransmitted by Timer A (INVITE) or E (others), §17.1, when its member
+//!   is reached over UDP (across the transports bridge one request may try both kinds).
 //! - A final answer in the failover codes, or no answer at all (not even 100) within
 //!   `no_answer`, sends the request to the next-ranked usable service, up to `tries`
 //!   services; the client never sees a failed attempt's answer. After a provisional answer
@@ -38,12 +39,23 @@ pub const TIMER_C: Nanos = 180_000 * MS;
 
 pub use crate::config::Failover;
 
+/// An attempt the core forwarded: to which member, the bytes sent, and how they travel.
+#[derive(Debug, Clone)]
+pub struct Hop {
+    pub member: usize,
+    pub addr: SocketAddr,
+    pub sent: Bytes,
+    /// The member is reached over UDP: fulcrum retransmits toward it (RFC 3261 §17.1.1.2);
+    /// over a stream it does not (§17.1.1.2 too: a reliable transport). One held request may
+    /// try members of both kinds across the transports bridge.
+    pub datagram: bool,
+}
+
 /// What a transaction asks of the core: the next attempt, and messages of its own.
 pub trait Hops {
     /// Forward the held request as attempt `attempt` to the member ranked next after those in
-    /// `tried` (their addresses): the member's index and address and the bytes to send, or
-    /// `None` when no member can take it.
-    fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<(usize, SocketAddr, Bytes)>;
+    /// `tried` (their addresses), or `None` when no member can take it.
+    fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<Hop>;
     /// fulcrum's own answer to the client's request (100, 408, 487, 500).
     fn reply(&self, code: u16) -> Option<Bytes>;
     /// An ACK (with the final `response` it acknowledges) or a CANCEL of the request `sent`.
@@ -124,8 +136,6 @@ struct Attempt {
 #[derive(Debug)]
 pub struct Transaction {
     invite: bool,
-    /// The member is reached over UDP: fulcrum retransmits (on streams the link does).
-    retransmits: bool,
     codes: Codes,
     no_answer: Nanos,
     tries: u8,
@@ -141,23 +151,18 @@ pub struct Transaction {
 }
 
 impl Transaction {
-    /// A transaction for a request forwarded as attempt 0 to `member` at `addr` (`sent`: the
-    /// bytes forwarded). An INVITE is answered 100 (Trying) at once.
-    #[allow(clippy::too_many_arguments)]
+    /// A transaction for a request forwarded as attempt 0 (`first`). An INVITE is answered
+    /// 100 (Trying) at once.
     pub fn start(
         now: Nanos,
         invite: bool,
-        retransmits: bool,
         params: &Failover,
-        member: usize,
-        addr: SocketAddr,
-        sent: Bytes,
+        first: Hop,
         hops: &dyn Hops,
         out: &mut Vec<TxAction>,
     ) -> Transaction {
         let mut tx = Transaction {
             invite,
-            retransmits,
             codes: Codes::of(&params.codes),
             no_answer: u64::try_from(params.no_answer.as_nanos()).unwrap_or(u64::MAX),
             tries: params.tries.max(1),
@@ -172,18 +177,18 @@ impl Transaction {
             tx.last_to_client = Some(trying.clone());
             out.push(TxAction::ToClient(trying));
         }
-        tx.push_attempt(now, member, addr, sent);
+        tx.push_attempt(now, first);
         tx
     }
 
-    fn push_attempt(&mut self, now: Nanos, member: usize, addr: SocketAddr, sent: Bytes) {
+    fn push_attempt(&mut self, now: Nanos, hop: Hop) {
         self.attempts.push(Attempt {
-            member,
-            addr,
-            sent,
+            member: hop.member,
+            addr: hop.addr,
+            sent: hop.sent,
             phase: Phase::Calling,
             started: now,
-            retransmit_at: self.retransmits.then(|| now.saturating_add(T1)),
+            retransmit_at: hop.datagram.then(|| now.saturating_add(T1)),
             interval: T1,
             proceeding_until: Nanos::MAX,
             cancel_sent: false,
@@ -425,9 +430,9 @@ impl Transaction {
         if self.attempts.len() < usize::from(self.tries) && !self.canceled {
             let tried: Vec<SocketAddr> = self.attempts.iter().map(|a| a.addr).collect();
             let attempt = u8::try_from(self.attempts.len()).unwrap_or(u8::MAX);
-            if let Some((member, addr, sent)) = hops.forward(attempt, &tried) {
-                out.push(TxAction::ToMember(addr, sent.clone()));
-                self.push_attempt(now, member, addr, sent);
+            if let Some(hop) = hops.forward(attempt, &tried) {
+                out.push(TxAction::ToMember(hop.addr, hop.sent.clone()));
+                self.push_attempt(now, hop);
                 return;
             }
         }

@@ -29,8 +29,11 @@ impl SipStreamShared {
                 Dest::Member(m) => {
                     self.to_service(g, m, bytes);
                 }
-                Dest::Addr(addr) | Dest::Service(addr) => {
+                Dest::Addr(addr) => {
                     self.to_udp(&bytes, addr);
+                }
+                Dest::Service(addr) => {
+                    self.to_udp_member(&bytes, addr);
                 }
             }
         }
@@ -136,7 +139,7 @@ impl SipStreamShared {
             return false;
         };
         if link.udp {
-            return self.to_udp(&bytes, link.addr);
+            return self.to_udp_member(&bytes, link.addr);
         }
         match link.tx.try_send(bytes) {
             Ok(()) => true,
@@ -249,7 +252,7 @@ impl SipStreamShared {
         let sent = match g.core.rechoose(&bytes, dst, self.now()) {
             Some(m) if Some(m) != failed => g.links.get(m).is_some_and(|l| {
                 if l.udp {
-                    self.to_udp(&bytes, l.addr)
+                    self.to_udp_member(&bytes, l.addr)
                 } else {
                     l.tx.try_send(bytes.clone()).is_ok()
                 }

@@ -220,9 +220,10 @@ pub struct SipStreamShared {
     /// The UDP leg toward sip-udp members (the transports bridge), when there are any.
     udp: Option<Arc<tokio::net::UdpSocket>>,
     /// The links of a sip-udp vserver's stream members ([`start_bridge`]): its clients are
-    /// answered over UDP from this socket (a clone of one of the vserver's own, blocking:
-    /// sent to without waiting), not over client connections.
-    front: Option<std::net::UdpSocket>,
+    /// answered over UDP from these sockets (clones of the vserver's own, blocking: sent to
+    /// without waiting), not over client connections; its sip-udp members are reached from
+    /// its `service_source` socket when it has one.
+    front: Option<crate::proxy::sip_udp::Senders>,
     /// Client connections' admission: one open file each from the process's pool, and at
     /// most `max_per_source` from one source (docs/limits.md).
     pub gate: crate::budget::Gate,
@@ -448,8 +449,9 @@ async fn run_vserver(
             }
         }
     };
-    // Held requests' deadlines (no_answer, Timer C, the end of lingering), in whatever core
-    // is current; streams need no retransmission, so POLL's granularity will do.
+    // Held requests' deadlines (retransmissions toward sip-udp members, no_answer, Timer C,
+    // the end of lingering), in whatever core is current; a sip-udp vserver with stream
+    // members has its held requests woken here (its own timer thread is not started).
     let held = async {
         let mut sends = Vec::new();
         loop {
@@ -686,7 +688,7 @@ struct Shells {
     tasks: String,
     tls: Option<Arc<crate::tls::TlsListener>>,
     udp: Option<Arc<tokio::net::UdpSocket>>,
-    front: Option<std::net::UdpSocket>,
+    front: Option<crate::proxy::sip_udp::Senders>,
 }
 
 /// The shared state over `core`, with every member of `v` given its link (and connection
@@ -736,7 +738,8 @@ fn launch(
 /// other way, docs/sip.md): the same links as a stream vserver's, with no listener and no
 /// client connection. `core` is the vserver's (its legs name the stream transports); what
 /// the links read is handled by the current core as the member's, and what goes to a client
-/// leaves from `front`, one of the vserver's UDP sockets. The vserver's workers hand their
+/// leaves from `front`'s client socket, one of the vserver's (to a sip-udp member, from its
+/// service socket); held requests are woken here. The vserver's workers hand their
 /// stream members' traffic to [`SipStreamShared::carry_datagram`]; a reload installs its core here
 /// too ([`SipStreamShared::install`]).
 pub(crate) fn start_bridge(
@@ -744,7 +747,7 @@ pub(crate) fn start_bridge(
     config: &Config,
     v: &Vserver,
     core: &Arc<SipCore>,
-    front: std::net::UdpSocket,
+    front: crate::proxy::sip_udp::Senders,
 ) -> Arc<SipStreamShared> {
     let shared = launch(
         ctx,

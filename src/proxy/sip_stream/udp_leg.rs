@@ -4,12 +4,26 @@
 use super::*;
 
 impl SipStreamShared {
-    /// Send `bytes` to `addr` over the UDP leg. A datagram path does not wait: a full send
+    /// Send `bytes` to `addr`, a client (or anyone but a sip-udp member), over the UDP leg
+    /// or from a sip-udp vserver's own socket. A datagram path does not wait: a full send
     /// buffer loses the datagram (counted), and SIP retransmits it (RFC 3261 §17.1.1.2).
     pub(super) fn to_udp(&self, bytes: &[u8], addr: SocketAddr) -> bool {
         if let Some(front) = &self.front {
-            return self.to_front(front, bytes, addr);
+            return self.to_front(&front.clients, bytes, addr);
         }
+        self.to_leg(bytes, addr)
+    }
+
+    /// Send `bytes` to `addr`, a sip-udp member: over the UDP leg, or from a sip-udp
+    /// vserver's `service_source` socket when it has one (its Via names that address).
+    pub(super) fn to_udp_member(&self, bytes: &[u8], addr: SocketAddr) -> bool {
+        if let Some(front) = &self.front {
+            return self.to_front(&front.services, bytes, addr);
+        }
+        self.to_leg(bytes, addr)
+    }
+
+    fn to_leg(&self, bytes: &[u8], addr: SocketAddr) -> bool {
         let Some(sock) = &self.udp else {
             bump(&self.counters.udp_leg_send_errors);
             return false;
@@ -63,15 +77,16 @@ pub(super) fn udp_target(sock: &tokio::net::UdpSocket, addr: SocketAddr) -> Sock
 }
 
 /// The UDP leg's receive loop: what sip-udp members send there (responses to the requests
-/// fulcrum forwarded, their in-dialog requests toward clients, their answers to the clients'
-/// in-dialog requests) is handled as theirs by the current core and carried out like a
-/// message read from a link. Datagrams from anyone else are dropped: the leg faces the
-/// services, clients reach the vserver on its listener.
+/// fulcrum forwarded, held ones included, their in-dialog requests toward clients, their
+/// answers to the clients' in-dialog requests) is handled as theirs by the current core and
+/// carried out like a message read from a link. Datagrams from anyone else are dropped: the
+/// leg faces the services, clients reach the vserver on its listener.
 pub(super) async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::net::UdpSocket>) {
     let dst = sock
         .local_addr()
         .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
     let mut buf = vec![0u8; 65_536];
+    let mut sends = Vec::new();
     // fulcrum's own replies to a service's request go back as datagrams, not on a queue.
     loop {
         let (n, src) = match sock.recv_from(&mut buf).await {
@@ -91,10 +106,13 @@ pub(super) async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::
                 return;
             };
             let origin = Origin::Member(m);
-            match g
+            let now = shared.now();
+            let action = g
                 .core
-                .handle(&buf[..n], origin, src, dst, shared.now(), out)
-            {
+                .handle_stateful(&buf[..n], origin, src, dst, now, out, &mut sends);
+            // A held request's own messages first (the next attempt after a 503, the ACK).
+            shared.carry_sends(&g, std::mem::take(&mut sends));
+            match action {
                 Action::Reply(addr) => {
                     shared.to_udp(out, addr);
                 }

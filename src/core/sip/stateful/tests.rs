@@ -25,7 +25,7 @@ fn invite(call_id: &str) -> String {
 }
 
 /// The service's answer to a forwarded request: its Vias, a To tag, `code`.
-fn answer(forwarded: &[u8], code: u16, reason: &str) -> String {
+pub(in crate::core::sip) fn answer(forwarded: &[u8], code: u16, reason: &str) -> String {
     let msg = sip::scan(forwarded).expect("forwarded");
     let vias: Vec<String> = msg
         .headers()

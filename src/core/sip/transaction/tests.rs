@@ -6,10 +6,12 @@ use std::time::Duration;
 
 const S: Nanos = 1_000_000_000;
 
-/// Members at 127.0.0.1:7001.. ranked in order; `down` members are never chosen.
+/// Members at 127.0.0.1:7001.. ranked in order; `down` members are never chosen, `streams`
+/// members are reached over a stream (the others over UDP).
 struct Core {
     members: usize,
     down: Vec<usize>,
+    streams: Vec<usize>,
     forwarded: RefCell<Vec<(u8, usize)>>,
 }
 
@@ -18,7 +20,17 @@ impl Core {
         Core {
             members,
             down: Vec::new(),
+            streams: Vec::new(),
             forwarded: RefCell::new(Vec::new()),
+        }
+    }
+
+    fn hop(&self, m: usize, sent: Bytes) -> Hop {
+        Hop {
+            member: m,
+            addr: addr(m),
+            sent,
+            datagram: !self.streams.contains(&m),
         }
     }
 }
@@ -28,15 +40,11 @@ fn addr(m: usize) -> SocketAddr {
 }
 
 impl Hops for Core {
-    fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<(usize, SocketAddr, Bytes)> {
+    fn forward(&self, attempt: u8, tried: &[SocketAddr]) -> Option<Hop> {
         let m =
             (0..self.members).find(|&m| !tried.contains(&addr(m)) && !self.down.contains(&m))?;
         self.forwarded.borrow_mut().push((attempt, m));
-        Some((
-            m,
-            addr(m),
-            Bytes::from(format!("INVITE attempt {attempt} to {m}")),
-        ))
+        Some(self.hop(m, Bytes::from(format!("INVITE attempt {attempt} to {m}"))))
     }
 
     fn reply(&self, code: u16) -> Option<Bytes> {
@@ -62,7 +70,7 @@ fn params() -> Failover {
 fn start(core: &Core, invite: bool) -> (Transaction, Vec<TxAction>) {
     let mut out = Vec::new();
     let sent = Bytes::from_static(b"INVITE attempt 0 to 0");
-    let tx = Transaction::start(0, invite, true, &params(), 0, addr(0), sent, core, &mut out);
+    let tx = Transaction::start(0, invite, &params(), core.hop(0, sent), core, &mut out);
     (tx, out)
 }
 
@@ -171,6 +179,26 @@ fn an_attempt_that_never_answers_is_retransmitted_then_left_after_no_answer() {
     assert!(to_members(&out)[0].1.starts_with("ACK of INVITE attempt 0"));
     let out = respond(&mut tx, &core, S + S / 2, 1, 200);
     assert_eq!(to_client(&out), ["relay"]);
+}
+
+/// Across the transports bridge one request tries members of both kinds: an attempt over a
+/// stream is never retransmitted (the link is reliable), the next one over UDP is, by Timer
+/// A from its own start, and each still ends at `no_answer`.
+#[test]
+fn only_attempts_toward_udp_members_are_retransmitted() {
+    let mut core = Core::new(3);
+    core.streams = vec![0];
+    let (mut tx, _) = start(&core, true);
+    // Over a stream, nothing is due before no_answer.
+    assert_eq!(tx.poll_timeout(), Some(S));
+    let out = at(&mut tx, &core, S, Event::Timer);
+    assert_eq!(to_members(&out), [(1, "INVITE attempt 1 to 1".to_owned())]);
+    // Member 1 is reached over UDP: Timer A runs from the attempt's start.
+    assert_eq!(tx.poll_timeout(), Some(S + T1));
+    let out = at(&mut tx, &core, S + T1, Event::Timer);
+    assert_eq!(to_members(&out), [(1, "INVITE attempt 1 to 1".to_owned())]);
+    let out = at(&mut tx, &core, 2 * S, Event::Timer);
+    assert_eq!(to_members(&out), [(2, "INVITE attempt 2 to 2".to_owned())]);
 }
 
 #[test]
@@ -288,17 +316,8 @@ fn a_non_invite_gets_no_100_and_timer_e_stops_at_t2() {
     let mut p = params();
     p.no_answer = Duration::from_secs(20);
     let mut out = Vec::new();
-    let mut tx = Transaction::start(
-        0,
-        false,
-        true,
-        &p,
-        0,
-        addr(0),
-        Bytes::from_static(b"MESSAGE"),
-        &core,
-        &mut out,
-    );
+    let first = core.hop(0, Bytes::from_static(b"MESSAGE"));
+    let mut tx = Transaction::start(0, false, &p, first, &core, &mut out);
     assert!(to_client(&out).is_empty());
     let mut sends = Vec::new();
     let mut now = 0;
