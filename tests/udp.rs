@@ -484,3 +484,47 @@ fn sandwich_keeps_a_flow_and_its_reverse_on_one_firewall() {
     }
     assert!(used.len() >= 2, "flows spread over the firewalls: {used:?}");
 }
+
+/// A `udp` service whose port is closed answers each session's datagram with an ICMP port
+/// unreachable, which its connected session socket reports: after `eject.after` (3) of those
+/// it is EJECTED, for reason `unreachable`, and new flows go to the live service only. Without
+/// a monitor nothing else would take it out of the rotation.
+#[test]
+fn a_service_answering_icmp_unreachable_is_ejected() {
+    let live = services("udp", 1, "127.0.0.1");
+    let dead = {
+        let s = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        s.local_addr().expect("addr")
+    };
+    let svc = vec![live[0].clone(), ("gone".to_owned(), dead)];
+    let (rt, vs) = start_over("udp", "127.0.0.1:0", "round_robin", "", &svc);
+    let core = udp_core(&rt, "v");
+    let b = core.balancer();
+    let gone = b
+        .members()
+        .iter()
+        .position(|m| m.name == "gone")
+        .expect("member");
+    // Round robin: every other new flow goes to the closed port; nothing waits for an answer.
+    let mut clients = Vec::new();
+    let ejected =
+        |rt: &fulcrum::proxy::Runtime| b.ejection(gone, rt.now()).is_some_and(|e| e.is_ejected());
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !ejected(&rt) && std::time::Instant::now() < deadline {
+        if clients.len() < 12 {
+            let c = udp_client("127.0.0.1");
+            c.send_to(b"x", vs).expect("send");
+            clients.push(c);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let status = b.ejection(gone, rt.now()).expect("eject is on");
+    assert!(status.is_ejected(), "{status:?}");
+    assert_eq!(status.reason, Some(fulcrum::eject::Cause::Unreachable));
+    // New flows reach the live service, every one of them.
+    for i in 0..10 {
+        let c = udp_client("127.0.0.1");
+        let (a, _) = udp_ask(&c, vs, b"y").unwrap_or_else(|| panic!("flow {i} unanswered"));
+        assert_eq!(a.service, "s0");
+    }
+}

@@ -642,10 +642,23 @@ impl Worker {
                     if self.log.allow(now) {
                         tracing::warn!(vserver = %self.core.name, error = %e, "send to service failed");
                     }
+                    // An ICMP error from an earlier datagram may surface on this send.
+                    Self::report_service_error(&self.core, f.member, e, now);
                 }
             }
         }
         self.forwards.clear();
+    }
+
+    /// A session socket's error toward `member`: an ICMP error (RFC 1122 §4.1.3.3) is the
+    /// service's failure, for its monitor's passive detection and for ejection
+    /// (docs/ejection.md); silence never is, nor fulcrum's own local errors.
+    fn report_service_error(core: &UdpCore, member: usize, e: &io::Error, now: Nanos) {
+        if let Some(cause) = crate::eject::Cause::of_datagram_error(e) {
+            core.balancer.report_failure(member);
+            core.balancer
+                .report_failure_with(member, crate::eject::Failure::new(cause), now);
+        }
     }
 
     fn open_session(
@@ -777,17 +790,20 @@ impl Worker {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     // ICMP unreachable from the service (connected socket): reported to the
-                    // service's monitor as a passive failure, which decides its health (not
-                    // fulcrum's own trouble, which says nothing of the service); the session
-                    // stays so a transient error does not move the flow.
+                    // service's monitor as a passive failure, which decides its health, and
+                    // counted for ejection (not fulcrum's own trouble, which says nothing of
+                    // the service); the session stays so a transient error does not move
+                    // the flow.
                     handled += 1;
                     bump(&self.core.counters.service_errors);
-                    if !crate::eject::is_local_error(&e) {
-                        self.core.balancer().report_failure(member);
-                    }
+                    Self::report_service_error(&self.core, member, &e, now);
                     continue;
                 }
             };
+            if k > 0 {
+                // An answer shows the service alive: what ends its ejection's trial.
+                self.core.balancer.report_success(member, now);
+            }
             let mut bytes = 0u64;
             for (i, &len) in lens.iter().take(k).enumerate() {
                 self.replies.push(Reply {
