@@ -12,7 +12,7 @@ mod common;
 use common::sip_load::CallBook;
 use common::sip_tcp::{Next, next_message};
 use common::sip_uac::Uac;
-use common::strict_uas::{StrictUas, UasCore};
+use common::strict_uas::{Sick, StrictUas, UasCore};
 use common::tls::{
     Ca, addr, client_config, connect, failed, listener, metrics, server_config, service_handshakes,
     start,
@@ -183,6 +183,39 @@ fn calls_over_tls_reach_strict_services_over_tls_and_every_hop_says_tls() {
             >= 1
     );
     ops.shutdown();
+}
+
+/// Over TLS on both legs, with one of the two services sick (INVITEs answered 503 while its
+/// OPTIONS get 200, or never answered): no call fails, the sick service sets up none and the
+/// healthy one ends every call (no BYE misrouted).
+fn no_call_fails_over_tls_with(sick: Sick) {
+    let lab = Lab::new(&format!("sip-tls-sick-{sick:?}"));
+    lab.uas[1].set_sick(sick);
+    let ops = lab.start(&lab.yaml("", ""));
+    let mut uac = lab.client(&ops, None).expect("TLS client");
+    for i in 0..CALLS {
+        let call = uac.call(&format!("tls-sick-{i}"));
+        assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
+    }
+    let counts: Vec<_> = lab.uas.iter().map(|u| u.counts()).collect();
+    assert_eq!(counts[1].dialogs, 0, "{counts:?}");
+    assert!(
+        counts[1].invites > 0,
+        "the sick service was tried: {counts:?}"
+    );
+    assert_eq!(counts[0].byes_ok, CALLS as u64, "{counts:?}");
+    assert_eq!(counts.iter().map(|c| c.r481).sum::<u64>(), 0, "{counts:?}");
+    ops.shutdown();
+}
+
+#[test]
+fn over_tls_a_service_answering_invites_503_fails_no_call() {
+    no_call_fails_over_tls_with(Sick::Busy);
+}
+
+#[test]
+fn over_tls_a_service_that_never_answers_invites_fails_no_call() {
+    no_call_fails_over_tls_with(Sick::Silent);
 }
 
 #[test]

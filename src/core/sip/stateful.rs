@@ -479,11 +479,9 @@ impl SipCore {
         if msg.cseq().is_some_and(|c| c.method == b"CANCEL") {
             // The answer to fulcrum's CANCEL of an attempt: it carries the attempt's branch
             // (RFC 3261 §9.1) but ends a transaction of fulcrum's own, not the INVITE's, and
-            // the client's CANCEL was answered already (§16.10). Absorbed; the INVITE's own
-            // final answer (487) follows.
-            if !self.transactions.held.contains_key(&key) {
-                return None;
-            }
+            // the client's CANCEL was answered already (§16.10). Absorbed (its retransmissions
+            // stop); the INVITE's own final answer (487) follows.
+            self.drive(key, now, |_| Some(Event::CancelAnswered { attempt }))?;
             bump(&self.counters.responses_in);
             bump(&self.transactions.counters.absorbed);
             out.clear();

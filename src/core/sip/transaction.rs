@@ -16,7 +16,9 @@
 //! - fulcrum ACKs every non-2xx final answer of its own attempts (§17.1.1.3) and absorbs the
 //!   client's ACK of the final it was given; a CANCEL goes to the attempt in progress (once it
 //!   has answered provisionally, §9.1), and to an abandoned attempt that answers
-//!   provisionally later. A 2xx is relayed whenever it comes, late ones too (§16.7 step 5).
+//!   provisionally later; over UDP that CANCEL is retransmitted by Timer E until its answer
+//!   or the attempt's final one. A 2xx is relayed whenever it comes, late ones too (§16.7
+//!   step 5).
 //! - When the tries run out the client gets the best answer (§16.7 step 6): the last failover
 //!   answer, a 503 turned into 500 (a 503 would tell the client that fulcrum is overloaded);
 //!   408 when no service answered at all.
@@ -76,6 +78,8 @@ pub enum Event<'a> {
     },
     /// The client cancelled the INVITE.
     Cancel,
+    /// A service answered fulcrum's CANCEL of attempt `attempt` (its retransmissions stop).
+    CancelAnswered { attempt: u8 },
     /// The client acknowledged the non-2xx final answer it was given.
     Ack,
     /// A deadline ([`Transaction::poll_timeout`]) may have passed.
@@ -129,7 +133,22 @@ struct Attempt {
     interval: Nanos,
     /// Timer C (INVITE) or F (others) once provisional.
     proceeding_until: Nanos,
+    /// Reached over UDP: its messages are retransmitted.
+    datagram: bool,
     cancel_sent: bool,
+    /// fulcrum's CANCEL of this attempt, retransmitted over UDP by Timer E (it is a
+    /// non-INVITE client transaction of its own, RFC 3261 §9.1, §17.1.2.2) until it is
+    /// answered, the attempt answers finally, or Timer F.
+    cancel: Option<Retransmit>,
+}
+
+/// A CANCEL being retransmitted: its bytes, when next, the interval, when to give up.
+#[derive(Debug)]
+struct Retransmit {
+    bytes: Bytes,
+    at: Nanos,
+    interval: Nanos,
+    until: Nanos,
 }
 
 /// One request outside a dialog held until its final answer.
@@ -191,7 +210,9 @@ impl Transaction {
             retransmit_at: hop.datagram.then(|| now.saturating_add(T1)),
             interval: T1,
             proceeding_until: Nanos::MAX,
+            datagram: hop.datagram,
             cancel_sent: false,
+            cancel: None,
         });
     }
 
@@ -227,6 +248,9 @@ impl Transaction {
         let mut take = |x: Nanos| t = Some(t.map_or(x, |y: Nanos| y.min(x)));
         for (i, a) in self.attempts.iter().enumerate() {
             let current = i + 1 == self.attempts.len();
+            if let Some(c) = &a.cancel {
+                take(c.at);
+            }
             match a.phase {
                 Phase::Calling => {
                     if let Some(r) = a.retransmit_at {
@@ -259,6 +283,11 @@ impl Transaction {
             }
             Event::Ack => {}
             Event::Cancel => self.cancel(now, hops, out),
+            Event::CancelAnswered { attempt } => {
+                if let Some(a) = self.attempts.get_mut(usize::from(attempt)) {
+                    a.cancel = None;
+                }
+            }
             Event::Response {
                 attempt,
                 code,
@@ -288,7 +317,7 @@ impl Transaction {
         match a.phase {
             // §9.1: a CANCEL only once the attempt answered provisionally; until then the
             // attempt is left to answer (or not) and the cancel is sent when it does.
-            Phase::Proceeding => send_cancel(a, hops, out),
+            Phase::Proceeding => send_cancel(now, a, hops, out),
             Phase::Calling => {}
             Phase::Done | Phase::Abandoned => self.answer(now, 487, hops, out),
         }
@@ -322,7 +351,7 @@ impl Transaction {
             let live = current && !final_sent;
             if invite && (!live || canceled) && a.phase != Phase::Done {
                 // An abandoned attempt, or a cancelled one: it must stop ringing.
-                send_cancel(a, hops, out);
+                send_cancel(now, a, hops, out);
             } else if invite && live && code > 100 {
                 // §16.7 step 5: provisional answers go upstream (100 is hop by hop).
                 out.push(TxAction::Relay);
@@ -332,6 +361,8 @@ impl Transaction {
         let was = a.phase;
         a.phase = Phase::Done;
         a.retransmit_at = None;
+        // A final answer: the CANCEL took effect or came too late; either way it is over.
+        a.cancel = None;
         if code >= 300
             && invite
             && let Some(ack) = hops.hop(&a.sent, b"ACK", Some(bytes))
@@ -389,6 +420,15 @@ impl Transaction {
                 };
                 a.retransmit_at = Some(r.max(now).saturating_add(a.interval));
             }
+            if let Some(c) = a.cancel.as_mut().filter(|c| now >= c.at) {
+                if now >= c.until {
+                    a.cancel = None;
+                } else {
+                    out.push(TxAction::ToMember(a.addr, c.bytes.clone()));
+                    c.interval = c.interval.saturating_mul(2).min(T2);
+                    c.at = c.at.max(now).saturating_add(c.interval);
+                }
+            }
         }
         if self.final_sent {
             return;
@@ -416,7 +456,7 @@ impl Transaction {
             Phase::Proceeding if now >= a.proceeding_until => {
                 a.phase = Phase::Abandoned;
                 if self.invite {
-                    send_cancel(a, hops, out);
+                    send_cancel(now, a, hops, out);
                 }
                 self.answer(now, 408, hops, out);
             }
@@ -462,12 +502,20 @@ impl Transaction {
     }
 }
 
-fn send_cancel(a: &mut Attempt, hops: &dyn Hops, out: &mut Vec<TxAction>) {
+fn send_cancel(now: Nanos, a: &mut Attempt, hops: &dyn Hops, out: &mut Vec<TxAction>) {
     if a.cancel_sent {
         return;
     }
     if let Some(c) = hops.hop(&a.sent, b"CANCEL", None) {
         a.cancel_sent = true;
+        if a.datagram {
+            a.cancel = Some(Retransmit {
+                bytes: c.clone(),
+                at: now.saturating_add(T1),
+                interval: T1,
+                until: now.saturating_add(TIMER_64T1),
+            });
+        }
         out.push(TxAction::ToMember(a.addr, c));
     }
 }

@@ -280,6 +280,52 @@ fn a_cancel_goes_to_the_attempt_once_it_rings() {
     assert!(to_members(&out)[0].1.starts_with("ACK of"));
 }
 
+/// fulcrum's CANCEL is a non-INVITE transaction of its own: toward a UDP member it is sent
+/// again by Timer E (T1, 2·T1, ... capped at T2) until the member answers it; over a stream
+/// never. The attempt's final answer ends it too.
+#[test]
+fn a_cancel_toward_a_udp_member_is_retransmitted_until_answered() {
+    let cancels = |out: &[TxAction]| {
+        to_members(out)
+            .iter()
+            .filter(|(_, b)| b.starts_with("CANCEL of"))
+            .count()
+    };
+    let core = Core::new(3);
+    let (mut tx, _) = start(&core, true);
+    respond(&mut tx, &core, 1, 0, 180);
+    assert_eq!(cancels(&at(&mut tx, &core, 2, Event::Cancel)), 1);
+    assert_eq!(tx.poll_timeout(), Some(2 + T1));
+    assert_eq!(cancels(&at(&mut tx, &core, 2 + T1, Event::Timer)), 1);
+    assert_eq!(tx.poll_timeout(), Some(2 + 3 * T1));
+    assert_eq!(cancels(&at(&mut tx, &core, 2 + 3 * T1, Event::Timer)), 1);
+    // Its 200: no more.
+    at(
+        &mut tx,
+        &core,
+        2 + 3 * T1 + 1,
+        Event::CancelAnswered { attempt: 0 },
+    );
+    while let Some(t) = tx.poll_timeout().filter(|&t| t < 20 * S) {
+        assert_eq!(cancels(&at(&mut tx, &core, t, Event::Timer)), 0, "at {t}");
+    }
+    // Unanswered, it stops at the attempt's final answer.
+    let (mut tx, _) = start(&core, true);
+    respond(&mut tx, &core, 1, 0, 180);
+    at(&mut tx, &core, 2, Event::Cancel);
+    respond(&mut tx, &core, 3, 0, 487);
+    while let Some(t) = tx.poll_timeout().filter(|&t| t < 20 * S) {
+        assert_eq!(cancels(&at(&mut tx, &core, t, Event::Timer)), 0, "at {t}");
+    }
+    // Over a stream it is sent once.
+    let mut core = Core::new(3);
+    core.streams = vec![0];
+    let (mut tx, _) = start(&core, true);
+    respond(&mut tx, &core, 1, 0, 180);
+    assert_eq!(cancels(&at(&mut tx, &core, 2, Event::Cancel)), 1);
+    assert_eq!(tx.poll_timeout(), Some(1 + TIMER_C), "only Timer C is left");
+}
+
 #[test]
 fn a_cancelled_invite_is_not_failed_over() {
     let core = Core::new(3);
