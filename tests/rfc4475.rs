@@ -24,7 +24,8 @@ enum Want {
 }
 use Want::*;
 
-/// Every message of RFC 4475 §3: (file stem, RFC 4475 section, behaviour, stream-valid, reason).
+/// Every message of RFC 4475 §3, and the completed `baddn` beside the archived one (README):
+/// (file stem, RFC 4475 section, behaviour, stream-valid, reason).
 const CASES: &[(&str, &str, Want, bool, &str)] = &[
     (
         "wsinv",
@@ -212,9 +213,16 @@ const CASES: &[(&str, &str, Want, bool, &str)] = &[
     (
         "baddn",
         "3.1.2.15",
+        Drop,
+        false,
+        "as archived, no empty line closes the headers: truncated (RFC 3261 §7), nothing to answer",
+    ),
+    (
+        "baddn-completed",
+        "3.1.2.15",
         Forward,
         true,
-        "lenient: a proxy need not judge display names",
+        "completed with the empty line: a proxy need not judge display names",
     ),
     (
         "badvers",
@@ -423,11 +431,16 @@ fn fixtures_are_complete_and_consistent() {
     }
 }
 
-/// Each fixture's bytes are the ones its manifest (`SHA256SUMS`, `sha256sum -c` format) names:
-/// the README says which of them an independent decode of the RFC's archive confirms, and a
+/// Fixtures that are not archive members: each is an archived message completed, with the
+/// bytes appended to it (README).
+const COMPLETED: &[(&str, &str, &[u8])] = &[("baddn-completed", "baddn", b"\r\n")];
+
+/// Each archived fixture's bytes are the ones the digests of the RFC's archive name
+/// (`SHA256SUMS`, `sha256sum -c` format, README): the manifest names every fixture but the
+/// completed ones, which are their archived message and the bytes added, nothing else. A
 /// change of one byte (an editor, a line-end conversion) fails here.
 #[test]
-fn fixtures_match_their_manifest() {
+fn fixtures_match_the_archive_digests() {
     use sha2::{Digest, Sha256};
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/sip/rfc4475");
     let manifest = std::fs::read_to_string(dir.join("SHA256SUMS")).expect("SHA256SUMS");
@@ -441,15 +454,53 @@ fn fixtures_match_their_manifest() {
             .map(|b| format!("{b:02x}"))
             .collect();
         if got != sum {
-            failures.push(format!("{name}: manifest {sum}, file {got}"));
+            failures.push(format!("{name}: archive {sum}, file {got}"));
         }
         named.push(stem.to_owned());
+    }
+    assert_eq!(named.len(), 49, "the 49 messages of RFC 4475 §3");
+    for (stem, archived, added) in COMPLETED {
+        assert!(
+            named.iter().any(|n| n == archived),
+            "{archived} is archived"
+        );
+        assert_eq!(
+            fixture(stem),
+            [fixture(archived).as_slice(), added].concat(),
+            "{stem} is {archived} and the bytes added"
+        );
+        named.push((*stem).to_owned());
     }
     named.sort();
     let mut listed: Vec<String> = CASES.iter().map(|c| c.0.to_owned()).collect();
     listed.sort();
-    assert_eq!(named, listed, "the manifest names every fixture once");
+    assert_eq!(
+        named, listed,
+        "every fixture is archived or completed, once"
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// `baddn` as archived ends after its last header line (`l: 0` CRLF) with no empty line: the
+/// scanner says the header section is not complete, on a datagram (truncated, RFC 3261 §18.3)
+/// as for a reply, and a stream waits for more bytes.
+#[test]
+fn archived_baddn_is_incomplete() {
+    use fulcrum::sip::ScanError;
+    let b = fixture("baddn");
+    assert!(b.ends_with(b"\r\nl: 0\r\n"));
+    assert_eq!(scan(&b).err(), Some(ScanError::Incomplete));
+    assert_eq!(
+        fulcrum::sip::scan_for_reply(&b).err(),
+        Some(ScanError::Incomplete)
+    );
+    assert_eq!(
+        fulcrum::sip::next_frame(&b, fulcrum::sip::DEFAULT_MAX_MESSAGE),
+        Err(fulcrum::sip::FrameError::Incomplete)
+    );
+    let completed = fixture("baddn-completed");
+    let m = scan(&completed).expect("the completed one scans");
+    assert_eq!(m.content_length(), Some(0));
 }
 
 /// A UDP client on `ip` at `port` (a reply goes to the Via sent-by port when the request

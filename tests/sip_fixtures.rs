@@ -243,6 +243,7 @@ const BROKEN: &[(&str, ScanError)] = &[
     ("rfc4475_bigcode.sip", ScanError::BadStartLine),
     ("truncated.sip", ScanError::Incomplete),
     ("no_crlf.sip", ScanError::Incomplete),
+    ("too_many_vias.sip", ScanError::TooManyHeaders),
 ];
 
 fn s(b: &[u8]) -> &str {

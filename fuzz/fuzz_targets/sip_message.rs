@@ -1,6 +1,7 @@
-//! Every entry point of the message layer on arbitrary bytes: the scanner, the stateless
-//! rewrites (and that what they write scans again), TCP framing, the HTTP head parser and key
-//! extraction for every hash method. Nothing may panic.
+//! Every entry point of the message layer on arbitrary bytes: the scanner (and the lenient
+//! scan a refused request is answered from), the stateless rewrites (and that what they write
+//! scans again), TCP framing, the HTTP head parser and key extraction for every hash method.
+//! Nothing may panic.
 #![no_main]
 
 use std::net::SocketAddr;
@@ -9,8 +10,9 @@ use fulcrum::config::{HashParams, Method, TokenRule};
 use fulcrum::http::parse_head;
 use fulcrum::key::{Payload, RequestCtx, extract};
 use fulcrum::sip::{
-    Local, Reply, RequestRewrite, Transport, build_response, forward_request, forward_response,
-    next_frame, reply_target, request_target, routed_service, scan,
+    Local, MAX_HEADERS, Reply, RequestRewrite, Transport, build_reply, build_response,
+    forward_request, forward_response, next_frame, reply_target, request_target, routed_service,
+    scan, scan_for_reply,
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -20,6 +22,17 @@ fuzz_target!(|data: &[u8]| {
     let local = Local::new("192.0.2.1", 5060, Transport::Udp);
     let _ = next_frame(data, 65536);
     let sip = scan(data).ok();
+    // A message the scanner refuses (more lines than it reads, say) that fulcrum still answers:
+    // the answer is one it would read itself.
+    if sip.is_none()
+        && let Ok(m) = scan_for_reply(data)
+    {
+        let mut out = Vec::new();
+        if build_reply(&m, &Reply::MESSAGE_TOO_LARGE, src, &mut out).is_ok() {
+            let r = scan(&out).expect("a reply to a refused request scans");
+            assert!(r.header_count() <= MAX_HEADERS);
+        }
+    }
     if let Some(m) = &sip {
         let mut out = Vec::new();
         let rw = RequestRewrite {

@@ -308,6 +308,7 @@ struct SipFamilies {
     io_err: Family,
     failover: Family,
     held: Family,
+    over_limit: Family,
 }
 
 impl SipFamilies {
@@ -342,6 +343,11 @@ impl SipFamilies {
                 "fulcrum_sip_failover_held",
                 "gauge",
                 "Requests outside a dialog held for failover now.",
+            ),
+            over_limit: Family::new(
+                "fulcrum_sip_over_limit_total",
+                "counter",
+                "SIP messages past fulcrum's header-line or message-size limit (a client's request answered 513 where it can be), by limit.",
             ),
         }
     }
@@ -388,9 +394,14 @@ impl SipFamilies {
         add_each(&mut self.replies, n, "code", &codes);
         let ops = [("send", &c.send_errors), ("recv", &c.recv_errors)];
         add_each(&mut self.io_err, n, "op", &ops);
+        let limits = [
+            ("header_lines", &c.over_header_limit),
+            ("size", &c.over_size_limit),
+        ];
+        add_each(&mut self.over_limit, n, "limit", &limits);
     }
 
-    fn families(&self) -> [&Family; 6] {
+    fn families(&self) -> [&Family; 7] {
         [
             &self.sip_in,
             &self.dropped,
@@ -398,6 +409,7 @@ impl SipFamilies {
             &self.io_err,
             &self.failover,
             &self.held,
+            &self.over_limit,
         ]
     }
 }
@@ -677,6 +689,7 @@ vservers:
             ],
             base,
         );
+        store(&[&c.over_header_limit, &c.over_size_limit], base + 40);
     }
 
     fn fill_transport(data: &dyn crate::proxy::DataPath, base: u64) {

@@ -56,6 +56,19 @@ impl Inbound {
         &self.buf[..len.min(self.buf.len())]
     }
 
+    /// What is buffered, at most the frame limit: the start of a message that framing found
+    /// too large, for the answer to it.
+    pub(crate) fn head(&self) -> &[u8] {
+        self.front(self.max_message)
+    }
+
+    /// Throw away everything buffered (the stream is closing).
+    pub(crate) fn discard(&mut self) {
+        self.buf.clear();
+        self.framer = Framer::default();
+        self.started = None;
+    }
+
     /// Take the frame of `len` bytes at the front away. The deadline then times the message
     /// that follows, not the first one that was ever incomplete.
     pub(crate) fn consume(&mut self, len: usize) {

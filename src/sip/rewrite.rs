@@ -999,19 +999,11 @@ fn build<B: BufMut>(
     // From, To, Call-ID, CSeq, Content-Length (and Retry-After) besides the copied lines:
     // counted exactly only when the request is near the limit.
     let own = 5 + usize::from(reply.retry_after_s.is_some());
-    if msg.header_count() + own > MAX_HEADERS {
-        let copied = msg
-            .headers()
-            .filter(|h| match HeaderName::classify(h.name) {
-                HeaderName::Via => true,
-                HeaderName::ProxyRequire => with_unsupported,
-                _ => false,
-            })
-            .count();
-        if copied + own > MAX_HEADERS {
-            return Err(RewriteError::TooManyHeaders);
-        }
-    }
+    let per_line = if msg.header_count() + own > MAX_HEADERS {
+        via_values_per_line(msg, own, with_unsupported)?
+    } else {
+        1
+    };
     out.put_slice(b"SIP/2.0 ");
     out.put_slice(dec(u64::from(reply.code.clamp(100, 699))).as_slice());
     out.put_slice(b" ");
@@ -1025,24 +1017,50 @@ fn build<B: BufMut>(
         }
         _ => None,
     };
+    // Via lines after the first one written so far on the line now open (0: none is open).
+    let mut open = 0;
+    let mut first = true;
     for h in msg.headers() {
         match HeaderName::classify(h.name) {
             HeaderName::Via => {}
-            // RFC 3261 §16.3 step 5: the tags the proxy does not support.
-            HeaderName::ProxyRequire if with_unsupported => {
+            // RFC 3261 §16.3 step 5: the tags the proxy does not support. Written after the
+            // Vias when these share lines (the order of different names is not significant,
+            // RFC 3261 §7.3.1).
+            HeaderName::ProxyRequire if with_unsupported && per_line == 1 => {
                 put_header(out, b"Unsupported", h.value);
                 continue;
             }
             _ => continue,
         }
         match &mut edits {
-            // The header holding the top Via value: written with its edits.
+            // The header holding the top Via value: written with its edits, on its own line.
             Some((e, top)) if h.value_span.start <= top.start && top.end <= h.value_span.end => {
                 out.put_slice(b"Via: ");
                 put_edited(out, buf, h.value_span, e.sorted());
                 out.put_slice(b"\r\n");
             }
-            _ => put_header(out, b"Via", h.value),
+            _ if per_line == 1 || first => put_header(out, b"Via", h.value),
+            // Past the limit: this line's values appended to the open line (RFC 3261 §7.3.1).
+            _ => {
+                out.put_slice(if open == 0 { b"Via: " } else { b", " });
+                out.put_slice(h.value);
+                open += 1;
+                if open == per_line {
+                    out.put_slice(b"\r\n");
+                    open = 0;
+                }
+            }
+        }
+        first = false;
+    }
+    if open > 0 {
+        out.put_slice(b"\r\n");
+    }
+    if with_unsupported && per_line > 1 {
+        for h in msg.headers() {
+            if HeaderName::classify(h.name) == HeaderName::ProxyRequire {
+                put_header(out, b"Unsupported", h.value);
+            }
         }
     }
     if let Some(i) = msg.index_from() {
@@ -1075,6 +1093,36 @@ fn build<B: BufMut>(
     }
     out.put_slice(b"Content-Length: 0\r\n\r\n");
     Ok(())
+}
+
+/// How many of a request's Via lines each line of fulcrum's reply carries, so that the reply
+/// has at most [`MAX_HEADERS`] lines with its `own` and, for a 420, one Unsupported per
+/// Proxy-Require: 1 when every Via line fits as it is, else the Via lines after the first
+/// share lines, their values comma-joined in order. RFC 3261 §7.3.1 makes rows of one header
+/// name equivalent to their values joined by commas, so the reply still carries every Via
+/// value of the request, in order (§8.2.6.2), and is a message fulcrum itself would read.
+fn via_values_per_line(
+    msg: &SipMsg<'_>,
+    own: usize,
+    with_unsupported: bool,
+) -> Result<usize, RewriteError> {
+    let (mut vias, mut unsupported) = (0, 0);
+    for h in msg.headers() {
+        match HeaderName::classify(h.name) {
+            HeaderName::Via => vias += 1,
+            HeaderName::ProxyRequire if with_unsupported => unsupported += 1,
+            _ => {}
+        }
+    }
+    let room = MAX_HEADERS.saturating_sub(own + unsupported);
+    if vias <= room {
+        return Ok(1);
+    }
+    // The first Via line keeps a line of its own (it holds the top value, edited).
+    match room.checked_sub(1) {
+        Some(lines) if lines > 0 => Ok((vias - 1).div_ceil(lines).max(2)),
+        _ => Err(RewriteError::TooManyHeaders),
+    }
 }
 
 fn put_header<B: BufMut>(out: &mut B, name: &[u8], value: &[u8]) {
@@ -1172,6 +1220,66 @@ Content-Length: 0\r\n\r\n";
         m
     }
 
+    /// A request past the scanner's line limit, read by `scan_for_reply`, is answered with
+    /// every Via value in order in at most [`MAX_HEADERS`] lines; the top one, on its own line,
+    /// records the source (RFC 3581 §4). A 420 keeps its Unsupported lines.
+    #[test]
+    fn a_reply_to_a_request_past_the_line_limit_carries_every_via() {
+        use super::super::scan::scan_for_reply;
+        for (vias, proxy_require) in [(300, 0), (1000, 0), (400, 3)] {
+            let mut m = b"INVITE sip:bob@example.com SIP/2.0\r\n".to_vec();
+            for i in 0..vias {
+                m.extend_from_slice(
+                    format!(
+                        "Via: SIP/2.0/UDP 10.0.{}.{};branch=z9hG4bK{i}\r\n",
+                        i / 256,
+                        i % 256
+                    )
+                    .as_bytes(),
+                );
+            }
+            for i in 0..proxy_require {
+                m.extend_from_slice(format!("Proxy-Require: tag{i}\r\n").as_bytes());
+            }
+            m.extend_from_slice(
+                b"From: <sip:a@x>;tag=1\r\nTo: <sip:b@y>\r\nCall-ID: c\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n",
+            );
+            assert_eq!(
+                scan(&m).err(),
+                Some(super::super::ScanError::TooManyHeaders)
+            );
+            let msg = scan_for_reply(&m).expect("scans for a reply");
+            assert_eq!(msg.header_count(), vias + proxy_require + 5);
+            let reply = if proxy_require > 0 {
+                Reply::BAD_EXTENSION
+            } else {
+                Reply::MESSAGE_TOO_LARGE
+            };
+            let mut out = Vec::new();
+            build_reply(&msg, &reply, src(), &mut out).expect("reply");
+            let r = scan(&out).expect("the reply scans");
+            assert!(r.header_count() <= MAX_HEADERS, "{vias}");
+            let got: Vec<_> = r.vias().map(|v| (v.host, v.branch)).collect();
+            let want: Vec<_> = msg.vias().map(|v| (v.host, v.branch)).collect();
+            assert_eq!(got, want, "{vias}");
+            let top = r.top_via().expect("top");
+            assert_eq!(
+                top.received,
+                Some(&b"198.51.100.7"[..]),
+                "{}",
+                String::from_utf8_lossy(&out)
+            );
+            assert_eq!(r.call_id(), Some(&b"c"[..]));
+            assert_eq!(r.cseq().map(|c| c.seq), Some(1));
+            assert!(r.to_tag().is_some());
+            let unsupported = r
+                .headers()
+                .filter(|h| h.name.eq_ignore_ascii_case(b"Unsupported"))
+                .count();
+            assert_eq!(unsupported, proxy_require);
+        }
+    }
+
     /// The fuzz finding: a request of 255 header lines scans, but with fulcrum's Via and
     /// Record-Route it would have 257, more than fulcrum takes back; it is refused (513 at the
     /// core) and whatever is forwarded scans and frames again, as do replies and forwarded
@@ -1214,9 +1322,9 @@ Content-Length: 0\r\n\r\n";
             build_reply(&msg, &Reply::MESSAGE_TOO_LARGE, src(), &mut out).expect("reply");
             scan(&out).expect("a reply scans");
         }
-        // A reply that would copy more lines than the scanner takes is not built: 252 Via
-        // lines and the four other headers a reply copies are 256 lines; with the reply's
-        // Content-Length they would be 257.
+        // A reply that would copy more lines than the scanner takes has its Via values share
+        // lines instead: 252 Via lines and the four other headers a reply copies are 256
+        // lines; with the reply's Content-Length they would be 257.
         let mut vias = b"OPTIONS sip:bob@example.com SIP/2.0\r\n".to_vec();
         for i in 0..MAX_HEADERS - 4 {
             vias.extend_from_slice(format!("Via: SIP/2.0/UDP 10.0.0.{i}\r\n").as_bytes());
@@ -1226,11 +1334,14 @@ Content-Length: 0\r\n\r\n";
         );
         let msg = scan(&vias).expect("scans");
         let mut out = Vec::new();
-        assert_eq!(
-            build_response(&msg, &Reply::BAD_REQUEST, &mut out),
-            Err(RewriteError::TooManyHeaders)
+        build_response(&msg, &Reply::BAD_REQUEST, &mut out).expect("built");
+        let reply = scan(&out).expect("the reply scans");
+        assert!(reply.header_count() <= MAX_HEADERS);
+        assert!(
+            reply.vias().map(|v| v.host).eq(msg.vias().map(|v| v.host)),
+            "every Via value, in order"
         );
-        // One Via fewer fits exactly.
+        // One Via fewer fits exactly, one Via a line.
         let fewer = vias.splitn(3, |&c| c == b'\n').collect::<Vec<_>>();
         let fewer = [fewer[0], b"\n", fewer[2]].concat();
         let msg = scan(&fewer).expect("scans");

@@ -186,7 +186,7 @@ pub struct SipMsg<'a> {
 /// With a Content-Length the message ends after that many body bytes and anything beyond is
 /// ignored (RFC 3261 §18.3); without one the body is the rest of the buffer (datagram rule).
 pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
-    scan_with(buf, false)
+    scan_with::<false>(buf)
 }
 
 /// [`scan`] for a message that is to be answered, not forwarded: a Content-Length that is
@@ -194,12 +194,19 @@ pub fn scan(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
 /// buffer) and any `SIP/x.y` version is taken, so that fulcrum can still answer 400 or 505
 /// (RFC 3261 §16.3 step 1, §18.3; RFC 4475 §3.1.2.2, §3.1.2.3, §3.1.2.16). Only on the error
 /// path: the message it returns must never be forwarded.
+///
+/// It also reads past [`MAX_HEADERS`] lines, as far as the header section goes in `buf`, so
+/// that a request refused for its length can still be answered 513 with every Via it
+/// carries (RFC 3261 §8.2.6.2, §21.5.14): the work stays bounded by `buf`, which the caller
+/// keeps within its size limit. [`SipMsg::header_count`] may then pass [`MAX_HEADERS`].
 pub fn scan_for_reply(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
-    scan_with(buf, true)
+    scan_with::<true>(buf)
 }
 
+/// The scan; `FOR_REPLY` is a constant so that [`scan`], on every message's path, is compiled
+/// without the lenient branches of [`scan_for_reply`].
 #[inline]
-fn scan_with(buf: &[u8], for_reply: bool) -> Result<SipMsg<'_>, ScanError> {
+fn scan_with<const FOR_REPLY: bool>(buf: &[u8]) -> Result<SipMsg<'_>, ScanError> {
     let mut pos = 0;
     while buf.len() >= pos + 2 && &buf[pos..pos + 2] == b"\r\n" {
         pos += 2;
@@ -210,7 +217,7 @@ fn scan_with(buf: &[u8], for_reply: bool) -> Result<SipMsg<'_>, ScanError> {
     };
     let sl_content = Span::new(pos, trim_cr(buf, pos, sl_end));
     let start = match parse_start_line(sl_content.of(buf)) {
-        Err(ScanError::BadVersion | ScanError::BadStartLine) if for_reply => {
+        Err(ScanError::BadVersion | ScanError::BadStartLine) if FOR_REPLY => {
             parse_request_line_loosely(sl_content.of(buf))?
         }
         r => r?,
@@ -248,7 +255,7 @@ fn scan_with(buf: &[u8], for_reply: bool) -> Result<SipMsg<'_>, ScanError> {
             msg.headers_end = pos;
             break after;
         }
-        if msg.header_count == MAX_HEADERS {
+        if !FOR_REPLY && msg.header_count == MAX_HEADERS {
             return Err(ScanError::TooManyHeaders);
         }
         let h = header_at(buf, pos)?;
@@ -270,7 +277,7 @@ fn scan_with(buf: &[u8], for_reply: bool) -> Result<SipMsg<'_>, ScanError> {
             HeaderName::Route => set_first(&mut msg.route, idx),
             HeaderName::RecordRoute => set_first(&mut msg.record_route, idx),
             HeaderName::Contact => set_first(&mut msg.contact, idx),
-            HeaderName::ContentLength if for_reply => {}
+            HeaderName::ContentLength if FOR_REPLY => {}
             HeaderName::ContentLength => {
                 let n = parse_decimal(h.value).ok_or(ScanError::BadContentLength)?;
                 match msg.content_length {

@@ -101,6 +101,12 @@ pub struct SipCounters {
     /// 505 Version Not Supported (RFC 4475 §3.1.2.16).
     pub replies_505: AtomicU64,
     pub malformed: AtomicU64,
+    /// Messages with more header lines than the scanner reads (`sip::MAX_HEADERS`), requests
+    /// and responses: a client's request is answered 513 where it can be, the rest dropped.
+    pub over_header_limit: AtomicU64,
+    /// Stream messages longer than a frame may be (`sip::DEFAULT_MAX_MESSAGE` from a client):
+    /// a client's request answered 513 like the above; the connection closes either way.
+    pub over_size_limit: AtomicU64,
     pub not_ours: AtomicU64,
     pub loops: AtomicU64,
     pub unroutable: AtomicU64,

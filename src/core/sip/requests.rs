@@ -10,7 +10,8 @@ impl SipCore {
     /// version (RFC 3261 §8.2.1 step 1 analogue for a proxy, RFC 4475 §3.1.2.16), 400 for a
     /// Content-Length that is malformed, conflicting or larger than the datagram (RFC 3261
     /// §18.3, RFC 4475 §3.1.2.2, §3.1.2.3, §3.3.9). A missing Content-Length is no error on a
-    /// datagram (§18.3) and never gets here. Everything else is dropped.
+    /// datagram (§18.3) and never gets here. A message past the scanner's header-line limit
+    /// is [`SipCore::refuse_too_large`]'s. Everything else is dropped.
     pub(super) fn unscannable(
         &self,
         buf: &[u8],
@@ -20,6 +21,10 @@ impl SipCore {
         out: &mut Vec<u8>,
     ) -> Action {
         let reply = match (origin, e) {
+            (_, sip::ScanError::TooManyHeaders) => {
+                bump(&self.counters.over_header_limit);
+                return self.refuse_too_large(buf, origin, src, out);
+            }
             (Origin::Client { .. }, sip::ScanError::BadVersion) => Reply::VERSION_NOT_SUPPORTED,
             // LWS in or around the Request-URI, trailing whitespace (RFC 4475 §3.1.2.8 to
             // §3.1.2.10): a request, but not one fulcrum can forward byte for byte.
@@ -45,6 +50,57 @@ impl SipCore {
                 Action::Drop(DropReason::Malformed)
             }
         }
+    }
+
+    /// A stream message longer than the frame limit (RFC 3261 §18.3): `head` is what is
+    /// buffered of it, at most the limit. Counted, and answered as
+    /// [`SipCore::refuse_too_large`] says when the whole header section is in `head`; a
+    /// header section cut at the limit may hide Via values the answer must copy (RFC 3261
+    /// §8.2.6.2), so that message is dropped. Either way the shell then closes the
+    /// connection: framing is lost (docs/sip.md, SIP over TCP).
+    pub fn too_large(
+        &self,
+        head: &[u8],
+        origin: Origin,
+        src: SocketAddr,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        out.clear();
+        bump(&self.counters.over_size_limit);
+        self.refuse_too_large(head, origin, src, out)
+    }
+
+    /// A message past one of fulcrum's limits: more header lines than the scanner reads
+    /// ([`sip::MAX_HEADERS`]) or, on a stream, more bytes than a frame may have. A client's
+    /// request is answered 513 Message Too Large (RFC 3261 §21.5.14) when a lenient scan of
+    /// `buf` ([`sip::scan_for_reply`], bounded by `buf`) finds the Via, Call-ID, CSeq, From and
+    /// To the answer copies (§8.2.6.2); without them the client could not match it, and
+    /// without a Via it could not even be sent. The rest, and every response or service's
+    /// request, is dropped as malformed, as before the limits were answered.
+    ///
+    /// 513 for too many header lines too, not 400: the request is not malformed, only longer
+    /// than fulcrum takes, and its line limit is a size limit counted in lines. It is the
+    /// answer fulcrum already gives a request whose forwarded form would pass the same limit,
+    /// and a client (or the looping proxy that stacked the Vias) should learn "too large", not
+    /// that its syntax is wrong. In or outside a dialog alike: a 513 ends no dialog (RFC 3261
+    /// §12.2.1.2), and silence would only make the client retransmit for 32 s.
+    fn refuse_too_large(
+        &self,
+        buf: &[u8],
+        origin: Origin,
+        src: SocketAddr,
+        out: &mut Vec<u8>,
+    ) -> Action {
+        if matches!(origin, Origin::Client { .. })
+            && let Ok(msg) = sip::scan_for_reply(buf)
+            && msg.is_request()
+            && msg.missing_mandatory().is_none()
+        {
+            bump(&self.counters.requests_in);
+            return self.reply(&msg, src, &Reply::MESSAGE_TOO_LARGE, out);
+        }
+        bump(&self.counters.malformed);
+        Action::Drop(DropReason::Malformed)
     }
 
     /// A stateless reply to the request's sender (RFC 3261 §8.2.6, RFC 3581 §4).

@@ -645,3 +645,149 @@ fn a_flood_of_unanswered_invites_never_evicts_confirmed_dialogs() {
     }
     assert_eq!(counts(&c).0, 0);
 }
+
+/// An INVITE from `CLIENT` whose `vias` Via lines (as a routing loop stacks them) come first,
+/// the client's own on top, and whose Call-ID is `call_id` (none when empty).
+fn stacked_vias(vias: usize, call_id: &str) -> String {
+    let mut m = String::from(
+        "INVITE sip:svc@example.com SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bKtop;rport\r\n",
+    );
+    for i in 1..vias {
+        m.push_str(&format!(
+            "Via: SIP/2.0/UDP 10.1.{}.{}:5060;branch=z9hG4bKloop{i}\r\n",
+            i / 256,
+            i % 256
+        ));
+    }
+    if !call_id.is_empty() {
+        m.push_str(&format!("Call-ID: {call_id}\r\n"));
+    }
+    m.push_str("Max-Forwards: 70\r\nFrom: <sip:a@x>;tag=f1\r\nTo: <sip:svc@example.com>\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n");
+    m
+}
+
+/// A client's request with more header lines than the scanner reads (300 Vias) is answered
+/// 513 (RFC 3261 §21.5.14), on a datagram and on a stream connection alike, with every Via
+/// value in order, its Call-ID, CSeq, From and To (§8.2.6.2), to where its top Via says
+/// (RFC 3581 §4); counted as over the header-line limit and as a 513.
+#[test]
+fn a_request_past_the_line_limit_is_answered_513_with_every_via() {
+    let c = core(true);
+    let req = stacked_vias(300, "loop-1");
+    let want = crate::sip::scan_for_reply(req.as_bytes()).expect("scans for a reply");
+    assert_eq!(
+        crate::sip::scan(req.as_bytes()).err(),
+        Some(crate::sip::ScanError::TooManyHeaders)
+    );
+    let client: SocketAddr = CLIENT.parse().expect("addr");
+    for (i, origin) in [
+        Origin::Client { conn: None },
+        Origin::Client { conn: Some(7) },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut out = Vec::new();
+        let a = c.handle(
+            req.as_bytes(),
+            origin,
+            client,
+            US.parse().expect("dst"),
+            0,
+            &mut out,
+        );
+        assert_eq!(a, Action::Reply(client), "{origin:?}");
+        let r = crate::sip::scan(&out).expect("the 513 scans");
+        assert_eq!(r.status_code(), Some(513));
+        assert!(r.header_count() <= crate::sip::MAX_HEADERS);
+        let branches: Vec<_> = r.vias().map(|v| v.branch).collect();
+        assert_eq!(branches, want.vias().map(|v| v.branch).collect::<Vec<_>>());
+        assert_eq!(branches.len(), 300);
+        assert_eq!(r.call_id(), Some(&b"loop-1"[..]));
+        assert_eq!(
+            r.cseq().map(|c| (c.seq, c.method)),
+            Some((1, &b"INVITE"[..]))
+        );
+        assert_eq!(r.from_tag(), Some(&b"f1"[..]));
+        assert!(r.to_tag().is_some());
+        let n = i as u64 + 1;
+        assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), n);
+        assert_eq!(c.counters.over_header_limit.load(Ordering::Relaxed), n);
+        assert_eq!(c.counters.requests_in.load(Ordering::Relaxed), n);
+    }
+    assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 0);
+    assert_eq!(c.dialogs().len(), 0, "nothing pinned");
+}
+
+/// Past the line limit, what cannot be answered is dropped and counted as before, and as over
+/// the limit: a request without a Call-ID to copy, a response, a service's request.
+#[test]
+fn past_the_line_limit_what_cannot_be_answered_is_dropped() {
+    let c = core(false);
+    let mut out = Vec::new();
+    let no_call_id = stacked_vias(300, "");
+    assert_eq!(
+        handle(&c, &no_call_id, CLIENT, &mut out),
+        Action::Drop(DropReason::Malformed)
+    );
+    let response =
+        stacked_vias(300, "r-1").replace("INVITE sip:svc@example.com SIP/2.0", "SIP/2.0 200 OK");
+    assert_eq!(
+        handle(&c, &response, CLIENT, &mut out),
+        Action::Drop(DropReason::Malformed)
+    );
+    let from_service = c.handle(
+        stacked_vias(300, "s-1").as_bytes(),
+        Origin::Member(0),
+        "127.0.0.1:5071".parse().expect("addr"),
+        US.parse().expect("dst"),
+        0,
+        &mut out,
+    );
+    assert_eq!(from_service, Action::Drop(DropReason::Malformed));
+    assert_eq!(c.counters.over_header_limit.load(Ordering::Relaxed), 3);
+    assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 3);
+    assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 0);
+}
+
+/// A stream request longer than the frame limit, whose header section arrived whole, is
+/// answered 513; one whose header section was cut at the limit is not (Vias may be missing),
+/// nor is a service's. Each is counted as over the size limit.
+#[test]
+fn a_stream_request_past_the_size_limit_is_answered_513_from_its_head() {
+    let c = core(false);
+    let client: SocketAddr = CLIENT.parse().expect("addr");
+    let stream = Origin::Client { conn: Some(3) };
+    let limit = crate::sip::DEFAULT_MAX_MESSAGE;
+    let big = invite("big-stream", 70).replace(
+        "Content-Length: 0\r\n\r\n",
+        &format!("Content-Length: 70000\r\n\r\n{}", "v".repeat(70_000)),
+    );
+    let head = &big.as_bytes()[..limit];
+    let mut out = Vec::new();
+    assert_eq!(
+        c.too_large(head, stream, client, &mut out),
+        Action::Reply(client)
+    );
+    let r = crate::sip::scan(&out).expect("the 513 scans");
+    assert_eq!(r.status_code(), Some(513));
+    assert_eq!(r.call_id(), Some(&b"big-stream"[..]));
+    // A header section longer than the limit: cut before its empty line.
+    let long_head = invite("long-head", 70).replace(
+        "Content-Length: 0\r\n",
+        &format!("X-Pad: {}\r\nContent-Length: 0\r\n", "p".repeat(limit)),
+    );
+    let cut = &long_head.as_bytes()[..limit];
+    assert_eq!(
+        c.too_large(cut, stream, client, &mut out),
+        Action::Drop(DropReason::Malformed)
+    );
+    assert!(out.is_empty());
+    assert_eq!(
+        c.too_large(head, Origin::Member(0), client, &mut out),
+        Action::Drop(DropReason::Malformed)
+    );
+    assert_eq!(c.counters.over_size_limit.load(Ordering::Relaxed), 3);
+    assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
+    assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 2);
+}

@@ -3,6 +3,7 @@
 //! a message's deadline ([`Inbound`]). IO.
 
 use super::*;
+use crate::sip::FrameError;
 
 thread_local! {
     /// Where a message is rewritten before it is copied into its queue: one per thread.
@@ -42,8 +43,10 @@ pub(super) async fn read_messages<R: StreamRead>(
     };
     let mut inbound = Inbound::new(max_message);
     loop {
-        if !frame_buffered(shared, &mut inbound, &peer) {
-            return;
+        match frame_buffered(shared, &mut inbound, &peer) {
+            Framed::ReadMore => {}
+            Framed::Close => return,
+            Framed::Answered => return linger(&mut read, &mut inbound).await,
         }
         // A client that sends faster than it reads: its next requests wait in its socket
         // until the writer has drained its queue (or has given up on it). The time paused
@@ -80,10 +83,41 @@ pub(super) async fn read_messages<R: StreamRead>(
     }
 }
 
+/// How long, and for how many bytes at most, a connection closed after fulcrum answered a
+/// message past the size limit is still read: closing with unread bytes resets it (RFC 1122
+/// §4.2.2.13), which may discard the answer before the client has read it.
+const LINGER: Duration = Duration::from_secs(1);
+const LINGER_BYTES: usize = 1 << 20;
+
+/// What framing the buffered bytes came to.
+enum Framed {
+    /// Every whole frame was handed on: read more.
+    ReadMore,
+    /// A framing error: the stream must close.
+    Close,
+    /// A message past the size limit, answered: the stream must close once the client had
+    /// the time to read the answer ([`linger`]).
+    Answered,
+}
+
+/// Read and throw away what the client still sends, until it closes, [`LINGER`] passes or
+/// [`LINGER_BYTES`] arrived, while its writer sends the answer ([`Framed::Answered`]).
+async fn linger<R: StreamRead>(read: &mut R, inbound: &mut Inbound) {
+    let until = tokio::time::Instant::now() + LINGER;
+    let mut discarded = 0;
+    while discarded < LINGER_BYTES {
+        inbound.discard();
+        match tokio::time::timeout_at(until, read.read_buf(inbound.read_buf())).await {
+            Ok(Ok(n)) if n > 0 => discarded += n,
+            _ => return,
+        }
+    }
+}
+
 /// Frame everything already buffered (several messages may arrive in one read) and hand each
-/// message to the current core, answer pings; false after a framing error (the stream must
-/// close). Rewritten messages are built in a per-thread buffer and copied out.
-fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'_>) -> bool {
+/// message to the current core, answer pings; see [`Framed`] for what comes after a framing
+/// error. Rewritten messages are built in a per-thread buffer and copied out.
+fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'_>) -> Framed {
     loop {
         match inbound.frame() {
             Ok(Some(frame)) => {
@@ -131,13 +165,28 @@ fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'
                 }
                 inbound.consume(len);
             }
-            Ok(None) => return true,
+            Ok(None) => return Framed::ReadMore,
             Err(e) => {
                 bump(&shared.counters.framing_errors);
                 if shared.log.allow(shared.now()) {
                     tracing::info!(vserver = %shared.name, src = %peer.src, error = %e, "closing stream after framing error");
                 }
-                return false;
+                if e != FrameError::TooLarge {
+                    return Framed::Close;
+                }
+                // Past the size limit: the core counts it and may answer 513 before the close.
+                let answered = OUT.with_borrow_mut(|out| {
+                    let g = shared.current.load();
+                    let action = g.core.too_large(inbound.head(), peer.origin, peer.src, out);
+                    let answered = matches!(action, Action::Reply(_));
+                    shared.dispatch(&g, action, out, peer.origin, peer.reply);
+                    answered
+                });
+                return if answered {
+                    Framed::Answered
+                } else {
+                    Framed::Close
+                };
             }
         }
     }
