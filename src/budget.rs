@@ -291,7 +291,8 @@ pub fn admit(
 }
 
 /// What a client connection has done, for eviction under pressure: when it was last active
-/// (milliseconds on the shell's clock) and whether it ever completed a message or request.
+/// (on the shell's clock, in one unit per vserver) and whether it ever completed a message
+/// or request.
 #[derive(Debug, Default)]
 pub struct Activity {
     last_ms: AtomicU64,
@@ -312,6 +313,12 @@ impl Activity {
         if message && !self.proven.load(Ordering::Relaxed) {
             self.proven.store(true, Ordering::Relaxed);
         }
+    }
+
+    /// When it was last active, for a relay that keeps its idle clock here (a store per
+    /// movement, no second clock).
+    pub fn stamp(&self) -> &AtomicU64 {
+        &self.last_ms
     }
 
     /// The eviction rank: lower goes first.

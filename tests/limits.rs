@@ -45,13 +45,22 @@ fn field(line: &str, key: &str) -> Option<String> {
 }
 
 fn start(nofile: u32, max_per_source: &str, udp: &StrictUas, tcp: &StrictUas) -> Fulcrum {
-    let dir = common::sipp::Scratch::new(&format!("limits-{nofile}"));
-    let cfg = dir.path("fulcrum.yaml");
     let yaml = format!(
         "admin: {{ listen: \"127.0.0.1:0\" }}\nmonitors:\n  - {{ name: ping, type: sip-options, interval: 500ms, timeout: 400ms, failures_to_down: 2, successes_to_up: 2 }}\nservices:\n  - {{ name: u, address: \"{}\", protocol: sip-udp, monitor: ping }}\n  - {{ name: t, address: \"{}\", protocol: sip-tcp, monitor: ping }}\nvservers:\n  - {{ name: udp, protocol: sip-udp, bind: [\"127.0.0.1:0\"], workers: 1, services: [u] }}\n  - {{ name: tcp, protocol: sip-tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: {max_per_source}, services: [t] }}\n",
         udp.addr, tcp.addr
     );
+    start_with(nofile, &yaml)
+}
+
+/// fulcrum under `prlimit --nofile=N:N` running `yaml`, whose vservers are named `udp` and
+/// `tcp` (the addresses of those it has), once ready.
+fn start_with(nofile: u32, yaml: &str) -> Fulcrum {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = common::sipp::Scratch::new(&format!("limits-{nofile}-{run}"));
+    let cfg = dir.path("fulcrum.yaml");
     std::fs::write(&cfg, yaml).expect("config");
+    let wants_udp = yaml.contains("name: udp,");
     let mut child = Command::new("prlimit")
         .arg(format!("--nofile={nofile}:{nofile}"))
         .arg(env!("CARGO_BIN_EXE_fulcrum"))
@@ -78,6 +87,10 @@ fn start(nofile: u32, max_per_source: &str, udp: &StrictUas, tcp: &StrictUas) ->
     });
     let (mut admin, mut sip_tcp, mut sip_udp, mut pool) = (None, None, None, None);
     let deadline = Instant::now() + Duration::from_secs(10);
+    let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
+    if !wants_udp {
+        sip_udp = Some(unspecified);
+    }
     while admin.is_none() || sip_tcp.is_none() || sip_udp.is_none() || pool.is_none() {
         let left = deadline.saturating_duration_since(Instant::now());
         let line = rx.recv_timeout(left).expect("fulcrum's start lines");
@@ -390,4 +403,49 @@ fn two_sources_holding_tls_connections_keep_their_limit_and_a_third_is_served() 
     );
     drop(held);
     ops.shutdown();
+}
+
+/// A `tcp` vserver (two files per connection: the client's and the service's) whose pool
+/// sources on 127.1.0.0/16 fill with silent connections: a new client is served by evicting
+/// the longest idle of those that never sent a byte, counted as `evicted`, and the admin API
+/// answers throughout.
+#[test]
+fn a_tcp_vserver_full_of_silent_connections_serves_a_new_client_by_eviction() {
+    if !prlimit_available() {
+        println!("SKIP: no prlimit");
+        return;
+    }
+    let (svc, _) = common::tcp_service("s0", "127.0.0.1");
+    let yaml = format!(
+        "admin: {{ listen: \"127.0.0.1:0\" }}\nservices:\n  - {{ name: s0, address: \"{svc}\", protocol: tcp }}\nvservers:\n  - {{ name: tcp, protocol: tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: off, services: [s0] }}\n"
+    );
+    let f = start_with(700, &yaml);
+    raise_own_limit(2_000);
+    let mut held = Vec::new();
+    for i in 0..600 {
+        let ip = IpAddr::from([127, 1, (i / 250) as u8, (i % 250) as u8 + 1]);
+        if let Some(s) = hold_from(ip, f.sip_tcp) {
+            held.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let used = f.metric("fulcrum_open_files{kind=\"used\"}");
+    println!("pool {}, {} held, pool used {used}", f.pool, held.len());
+    assert!(used <= f.pool, "the pool was passed: {used} > {}", f.pool);
+    assert!(
+        used * 10 >= f.pool * 8,
+        "the attack did not fill the pool: {used}"
+    );
+    let answer = common::tcp_ask_from(f.sip_tcp, None, b"legit").expect("a new client is served");
+    assert_eq!(answer.service, "s0");
+    assert_eq!(answer.body, b"legit");
+    assert!(
+        f.metric("fulcrum_transport_events_total{vserver=\"tcp\",event=\"evicted\"}") >= 1,
+        "no connection was evicted"
+    );
+    assert!(
+        closed_by_peer(&held) >= 1,
+        "an attacker's connection was closed"
+    );
+    assert_eq!(f.get("/healthz").0, 200);
 }

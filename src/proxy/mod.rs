@@ -1,6 +1,7 @@
 //! The data paths (IO shells around the pure core) and the runtime that starts them.
 
 pub(crate) mod context;
+pub(crate) mod evict;
 pub(crate) mod fd_limit;
 pub mod proxy_protocol;
 pub(crate) mod reconfig;

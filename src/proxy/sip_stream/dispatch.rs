@@ -78,19 +78,7 @@ impl SipStreamShared {
         &self,
         ip: std::net::IpAddr,
     ) -> Result<crate::budget::Admission, crate::budget::Refusal> {
-        let evicted = self.gate.budget().is_low() && self.evict_idle(1) > 0;
-        let mut r = self.gate.admit(ip);
-        if evicted {
-            // An evicted client's task gives its file back when it is next polled.
-            for _ in 0..EVICTION_WAIT_STEPS {
-                if !matches!(r, Err(crate::budget::Refusal::Budget)) {
-                    break;
-                }
-                tokio::time::sleep(EVICTION_WAIT_STEP).await;
-                r = self.gate.admit(ip);
-            }
-        }
-        r
+        crate::proxy::evict::admit_evicting(&self.gate, ip, || self.evict_idle(1)).await
     }
 
     /// Close up to `n` clients, in eviction order (`budget::victims`); how many were.

@@ -84,10 +84,6 @@ use outbox::{Level, Outbox, Push};
 pub(crate) const LINK_REPLY_QUEUE: usize = 1024;
 /// Messages queued toward one service while its connection is (re)established.
 pub(crate) const SERVICE_QUEUE: usize = 8192;
-/// How long a new client refused for want of files waits for an evicted client's file, in
-/// steps.
-pub(crate) const EVICTION_WAIT_STEPS: usize = 10;
-pub(crate) const EVICTION_WAIT_STEP: Duration = Duration::from_millis(5);
 /// Longest message a service may send: twice a client's, since a response repeats the
 /// request's Vias and adds fulcrum's, and one client's large request must not cut the
 /// connection every client shares.

@@ -25,6 +25,7 @@
 //! of its own only while a write toward a slow peer is pending.
 
 use crate::balancer::{Balancer, KeyInput};
+use crate::budget::Activity;
 use crate::config::{Config, Protocol, ProxyProtocol, Vserver};
 use crate::core::CONNECT_TIMEOUT;
 use crate::core::tcp::{ConnectionKeys, FirstBytes};
@@ -35,6 +36,7 @@ use crate::proxy::context::elapsed_nanos;
 use crate::proxy::context::{
     DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_tcp_workers,
 };
+use crate::proxy::evict::{Evictable, Registration, admit_evicting};
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::reconfig;
 use crate::proxy::shutdown::Signal;
@@ -94,11 +96,13 @@ pub struct TcpCounters {
     /// ephemeral range (`net.ipv4.ip_local_port_range`, about 28,000 ports) is shared by all
     /// connections to one service address (docs/limits.md).
     pub ports_exhausted: AtomicU64,
+    /// Idle connections closed to make room for new ones while the file pool ran low.
+    pub evicted: AtomicU64,
 }
 
 impl TcpCounters {
     /// Each counter by its event name, in the order metrics lists them.
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 12] {
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 13] {
         [
             ("accepted", &self.accepted),
             ("refused", &self.refused),
@@ -112,6 +116,7 @@ impl TcpCounters {
             ("service_errors", &self.service_errors),
             ("accept_errors", &self.accept_errors),
             ("ports_exhausted", &self.ports_exhausted),
+            ("evicted", &self.evicted),
         ]
     }
 }
@@ -133,6 +138,8 @@ pub struct TcpCore {
     /// the process's pool, at most `max_per_source` from one source (docs/limits.md); kept
     /// across reloads.
     gate: Arc<crate::budget::Gate>,
+    /// Its client connections, for eviction while the pool runs low; kept across reloads.
+    conns: Arc<Evictable>,
     /// Rate limit of the warnings its connections log.
     log: LogLimiter,
     /// Per member: raised when the member's drain times out, which closes the connections
@@ -187,6 +194,7 @@ impl TcpCore {
                 2,
                 v.max_per_source,
             )),
+            conns: Arc::default(),
             cuts: v
                 .members()
                 .map(|_| Arc::new(watch::Sender::new(false)))
@@ -226,6 +234,7 @@ impl TcpCore {
         core.live = Arc::clone(&old.live);
         core.gate = Arc::clone(&old.gate);
         core.gate.set_max_per_source(v.max_per_source);
+        core.conns = Arc::clone(&old.conns);
         core.edge = v.edge(Some(&old.edge));
         let old_names = old.balancer.members();
         let members = core.balancer.members().iter();
@@ -529,8 +538,19 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
             continue;
         }
         // Its files from the process's pool and its place among its source's, held by the
-        // connection's task (docs/limits.md).
-        let admission = match core.gate.admit(peer.ip()) {
+        // connection's task (docs/limits.md). A pool running low first makes room by
+        // evicting an idle connection.
+        let evict = || {
+            let n = core.conns.evict(1);
+            if n > 0 {
+                core.counters.evicted.fetch_add(n as u64, Ordering::Relaxed);
+                if log.allow(core.now()) {
+                    tracing::info!(vserver = %core.name, "idle connection evicted: the open-file pool runs low");
+                }
+            }
+            n
+        };
+        let admission = match admit_evicting(&core.gate, peer.ip(), evict).await {
             Ok(a) => a,
             Err(why) => {
                 bump(&core.counters.refused);
@@ -553,19 +573,29 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
             continue;
         }
         // TLS on either side takes the stream path; plain to plain keeps the
-        // single-buffer relay below.
-        if tls.is_some() || core.has_tls_members() {
-            let tls = tls.clone();
-            tokio::spawn(async move {
-                let _admission = admission;
-                serve_stream(core, stream, peer, tls).await;
-            });
-        } else {
-            tokio::spawn(async move {
-                let _admission = admission;
-                serve(core, stream, peer).await;
-            });
-        }
+        // single-buffer relay below. The task starts once registered for eviction (one
+        // that ended before could not remove its entry).
+        let activity = Arc::new(Activity::new(core.now()));
+        let (registered, wait_registered) = tokio::sync::oneshot::channel::<u64>();
+        let conns = Arc::clone(&core.conns);
+        let table = Arc::clone(&conns);
+        let stream_path = tls.is_some() || core.has_tls_members();
+        let tls = tls.clone();
+        let act = Arc::clone(&activity);
+        let task = tokio::spawn(async move {
+            let _admission = admission;
+            let Ok(id) = wait_registered.await else {
+                return;
+            };
+            let _registration = Registration { table: conns, id };
+            if stream_path {
+                serve_stream(core, stream, peer, tls, &act).await;
+            } else {
+                serve(core, stream, peer, &act).await;
+            }
+        });
+        let id = table.register(activity, task.abort_handle());
+        let _ = registered.send(id);
     }
 }
 
@@ -592,7 +622,7 @@ impl Drop for Live<'_> {
     }
 }
 
-async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
+async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr, activity: &Activity) {
     let mut live = Live {
         core: &core,
         member: None,
@@ -667,7 +697,7 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr) {
     // The client's bytes already went to the service: its answer to them is timed from now.
     let asked_at = if first_len > 0 { core.now().max(1) } else { 0 };
     tokio::select! {
-        () = relay(&core, &client, &upstream, counters, asked_at) => {}
+        () = relay(&core, &client, &upstream, counters, asked_at, activity) => {}
         () = core.cut_of(member) => {}
     }
 }
@@ -870,23 +900,26 @@ async fn relay(
     upstream: &TcpStream,
     counters: Option<&ServiceCounters>,
     asked_at: Nanos,
+    activity: &Activity,
 ) {
-    let last = AtomicU64::new(core.now());
+    // When the last byte moved: the idle timeout's clock, and eviction's.
+    let last = activity.stamp();
+    last.store(core.now(), Ordering::Relaxed);
     let ended = AtomicBool::new(false);
     // When the client's bytes now awaiting an answer went to the service (0: none awaits):
     // the service's first bytes after them give one response time (least_response_time).
     let asked = AtomicU64::new(asked_at);
     // The two directions are made inside the joining future, not before it: captured, they
     // would be stored twice in the connection's task (as captures and as the join's state).
-    let (last, ended) = (&last, &ended);
+    let ended = &ended;
     let timing = Timing {
         asked: &asked,
         counters,
     };
     let both = async move {
         tokio::try_join!(
-            pump(core, client, upstream, last, ended, timing, true),
-            pump(core, upstream, client, last, ended, timing, false),
+            pump(core, client, upstream, activity, ended, timing, true),
+            pump(core, upstream, client, activity, ended, timing, false),
         )
     };
     tokio::select! {
@@ -982,7 +1015,7 @@ async fn pump(
     core: &TcpCore,
     from: &TcpStream,
     to: &TcpStream,
-    last: &AtomicU64,
+    activity: &Activity,
     ended: &AtomicBool,
     timing: Timing<'_>,
     inbound: bool,
@@ -1040,7 +1073,8 @@ async fn pump(
             }
         };
         let now = core.now();
-        last.store(now, Ordering::Relaxed);
+        // The client's bytes prove it a client, not an idle holder of a connection.
+        activity.touch(now, inbound);
         timing.moved(inbound, now);
         let total = if inbound {
             &core.counters.bytes_in
@@ -1089,7 +1123,8 @@ vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], method
             let to = l.local_addr().expect("addr");
             let (c, accepted) = tokio::join!(TcpStream::connect(to), l.accept());
             let (_c, (s, peer)) = (c.expect("connect"), accepted.expect("accept"));
-            let task = serve(Arc::new(core("tcp", "round_robin", "")), s, peer);
+            let activity = Activity::default();
+            let task = serve(Arc::new(core("tcp", "round_robin", "")), s, peer, &activity);
             let size = std::mem::size_of_val(&task);
             assert!(size <= 1_536, "serve's state is {size} bytes");
         });

@@ -18,6 +18,7 @@ pub(super) async fn serve_stream(
     client: TcpStream,
     peer: SocketAddr,
     tls: Option<Arc<TlsListener>>,
+    activity: &Activity,
 ) {
     let mut live = Live {
         core: &core,
@@ -79,7 +80,7 @@ pub(super) async fn serve_stream(
     drop(first);
     let asked_at = if first_len > 0 { core.now().max(1) } else { 0 };
     tokio::select! {
-        () = relay_streams(&core, client, upstream, counters, asked_at) => {}
+        () = relay_streams(&core, client, upstream, counters, asked_at, activity) => {}
         () = core.cut_of(member) => {}
     }
 }
@@ -168,8 +169,11 @@ async fn relay_streams(
     upstream: MaybeTls<TcpStream>,
     counters: Option<&ServiceCounters>,
     asked_at: Nanos,
+    activity: &Activity,
 ) {
-    let last = AtomicU64::new(core.now());
+    // When the last byte moved: the idle timeout's clock, and eviction's.
+    let last = activity.stamp();
+    last.store(core.now(), Ordering::Relaxed);
     let asked = AtomicU64::new(asked_at);
     let timing = Timing {
         asked: &asked,
@@ -177,11 +181,10 @@ async fn relay_streams(
     };
     let (client_r, client_w) = tokio::io::split(client);
     let (up_r, up_w) = tokio::io::split(upstream);
-    let last = &last;
     let both = async move {
         tokio::try_join!(
-            pump_stream(core, client_r, up_w, last, timing, true),
-            pump_stream(core, up_r, client_w, last, timing, false),
+            pump_stream(core, client_r, up_w, activity, timing, true),
+            pump_stream(core, up_r, client_w, activity, timing, false),
         )
     };
     tokio::select! {
@@ -203,7 +206,7 @@ async fn pump_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     core: &TcpCore,
     mut from: R,
     mut to: W,
-    last: &AtomicU64,
+    activity: &Activity,
     timing: Timing<'_>,
     inbound: bool,
 ) -> Result<(), Side> {
@@ -229,7 +232,8 @@ async fn pump_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         }
         write_flush(&mut to, &buf[..n]).await.map_err(|_| to_side)?;
         let now = core.now();
-        last.store(now, Ordering::Relaxed);
+        // The client's bytes prove it a client, not an idle holder of a connection.
+        activity.touch(now, inbound);
         timing.moved(inbound, now);
         let total = if inbound {
             &core.counters.bytes_in
