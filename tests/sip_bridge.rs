@@ -10,7 +10,7 @@
 mod common;
 
 use common::sip_tcp::{Next, next_message};
-use common::sip_uac::Uac;
+use common::sip_uac::{Uac, UdpStream};
 use common::strict_uas::StrictUas;
 use common::tls::{
     Ca, addr, client_config, connect, metrics, server_config, service_handshakes, start,
@@ -299,30 +299,6 @@ fn a_bye_from_the_udp_callee_reaches_the_tls_caller() {
 /// A UDP client as a stream for [`Uac`]: connected to the vserver, one datagram per write,
 /// each datagram read is one whole message (fulcrum answers from the address it was sent to,
 /// so the connected socket takes it).
-struct UdpStream(UdpSocket);
-
-impl std::io::Read for UdpStream {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.0.recv(buf)
-    }
-}
-
-impl Write for UdpStream {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.send(buf)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl common::sip_tcp::TimedRead for UdpStream {
-    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
-        self.0.set_read_timeout(d)
-    }
-}
-
 fn udp_uac(vs: SocketAddr) -> Uac<UdpStream> {
     let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
     s.connect(vs).expect("connect");

@@ -133,3 +133,28 @@ impl<S: TimedRead + Write> Uac<S> {
         call
     }
 }
+
+/// A connected UDP socket as the UAC's stream: one datagram per message.
+pub struct UdpStream(pub std::net::UdpSocket);
+
+impl std::io::Read for UdpStream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.recv(buf)
+    }
+}
+
+impl Write for UdpStream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.send(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl TimedRead for UdpStream {
+    fn set_read_timeout(&self, d: Option<Duration>) -> std::io::Result<()> {
+        self.0.set_read_timeout(d)
+    }
+}

@@ -1,0 +1,216 @@
+//! Flood control keys IPv6 sources by prefix (docs/edge.md, "Flood control"): 100,000 addresses
+//! of one /64 flood a sip-udp vserver, and the /64 is banned as one source while a client from
+//! another /64 completes its calls. It runs in a network namespace the test creates, whose `lo`
+//! routes two /64s locally (sources bind any address of them with IPV6_FREEBIND); the body is
+//! this test binary run again inside it (`helper_flood64`). Needs root and `ip`; otherwise it
+//! prints why and passes without running, unless `FULCRUM_REQUIRE_NETNS=1`.
+
+mod common;
+
+use common::sip_tcp::request;
+use common::sip_uac::{Uac, UdpStream};
+use common::strict_uas::StrictUas;
+use fulcrum::admin::router;
+use fulcrum::config;
+use fulcrum::ops::Ops;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr, UdpSocket};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const ROLE: &str = "FULCRUM_NETNS_ROLE";
+const FLOODERS: u32 = 100_000;
+const LIMIT: u64 = 50;
+
+/// A UDP socket bound to `ip` (any port), which need not be configured: the namespace
+/// routes its /64 to `lo`.
+fn bound_to(ip: Ipv6Addr) -> std::io::Result<UdpSocket> {
+    let s = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::DGRAM, None)?;
+    s.set_freebind_v6(true)?;
+    s.bind(&SocketAddr::new(IpAddr::V6(ip), 0).into())?;
+    Ok(s.into())
+}
+
+/// An OPTIONS over UDP from `local`: a new request each time (its own Call-ID).
+fn options(local: SocketAddr, tag: &str) -> String {
+    request("OPTIONS", &format!("{tag}@x"), local, tag).replace("SIP/2.0/TCP", "SIP/2.0/UDP")
+}
+
+/// Whether `s` gets a 200 to an OPTIONS sent to `to` within a second.
+fn answered(s: &UdpSocket, to: SocketAddr, tag: &str) -> bool {
+    let Ok(local) = s.local_addr() else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+    if s.send_to(options(local, tag).as_bytes(), to).is_err() {
+        return false;
+    }
+    let mut b = [0u8; 4096];
+    s.recv_from(&mut b)
+        .ok()
+        .and_then(|(n, _)| fulcrum::sip::scan(&b[..n]).ok()?.status_code())
+        == Some(200)
+}
+
+/// Inside the namespace: the flood, then the checks; panics on a failed check.
+#[test]
+fn helper_flood64() {
+    if std::env::var(ROLE).as_deref() != Ok("flood64") {
+        return;
+    }
+    let uas = StrictUas::udp_at("s", "[::1]:0".parse().expect("addr"));
+    let yaml = format!(
+        "admin: {{ listen: null }}\nservices:\n  - {{ name: s, address: \"{}\", protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-udp, bind: [\"[::1]:0\"], record_route: true, flood: {{ limit: {LIMIT}, window: 1s, ban: 5m }}, services: [s] }}\n",
+        uas.addr
+    );
+    let c = config::from_str("flood.yaml", &yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    let ops = Ops::start(c, None).expect("start");
+    let vs: SocketAddr = ops.with_vservers(|v, _| v[0].bound[0]).expect("running");
+    // The flood: one new request from each of 100,000 addresses of 2001:db8:64::/64, bounded
+    // in time.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut sent = 0u64;
+    for i in 1..=FLOODERS {
+        if Instant::now() > deadline {
+            break;
+        }
+        let ip = Ipv6Addr::new(0x2001, 0xdb8, 0x64, 0, 0, 0, (i >> 16) as u16, i as u16);
+        let s = bound_to(ip).expect("bind a flooding address");
+        let local = s.local_addr().expect("addr");
+        if s.send_to(options(local, &format!("f{i}")).as_bytes(), vs)
+            .is_ok()
+        {
+            sent += 1;
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let status = router::status(&ops);
+    let edge = &status["vservers"][0]["edge"];
+    println!("sent {sent} from one /64; edge {edge}");
+    assert_eq!(sent, u64::from(FLOODERS), "the flood was cut short");
+    assert_eq!(edge["banned_now"], 1, "one ban for the whole /64: {edge}");
+    let dropped = edge["dropped"]["flood"].as_u64().unwrap_or(0);
+    assert!(
+        dropped >= sent - LIMIT - 1,
+        "{dropped} of {sent} dropped: {edge}"
+    );
+    // Another address of the banned /64 is refused too.
+    let late = bound_to(Ipv6Addr::new(0x2001, 0xdb8, 0x64, 0, 0xffff, 0, 0, 1)).expect("bind");
+    assert!(!answered(&late, vs, "late"), "the banned /64 was answered");
+    // A client of another /64 completes its requests and calls.
+    let legit_ip = Ipv6Addr::new(0x2001, 0xdb8, 0x99, 0, 0, 0, 0, 1);
+    let legit = bound_to(legit_ip).expect("bind");
+    for i in 0..5 {
+        assert!(answered(&legit, vs, &format!("legit{i}")), "OPTIONS {i}");
+    }
+    let s = bound_to(legit_ip).expect("bind");
+    s.connect(vs).expect("connect");
+    let local = s.local_addr().expect("addr");
+    let mut uac = Uac::new(UdpStream(s), local, "UDP");
+    for i in 0..5 {
+        let call = uac.call(&format!("legit-call-{i}"));
+        assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
+    }
+    assert_eq!(uas.counts().r481, 0);
+    println!("RESULT ok");
+}
+
+/// Effective uid 0, from /proc (no libc call in a test).
+fn is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|v| v.split_whitespace().nth(1))
+            == Some("0")
+    })
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// The namespace, deleted however the test ends.
+struct Netns(String);
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.0]);
+    }
+}
+
+#[test]
+fn a_flood_from_100000_addresses_of_one_64_is_banned_as_one_source() {
+    let skip = |why: String| {
+        assert!(
+            std::env::var("FULCRUM_REQUIRE_NETNS").as_deref() != Ok("1"),
+            "{why}, and FULCRUM_REQUIRE_NETNS=1"
+        );
+        println!("SKIP: {why} (FULCRUM_REQUIRE_NETNS=1 makes this a failure)");
+    };
+    if !is_root() {
+        return skip("needs root for a network namespace".into());
+    }
+    let name = format!("fc-flood64-{}", std::process::id());
+    if let Err(e) = ip(&["netns", "add", &name]) {
+        return skip(format!("cannot create a network namespace: {e}"));
+    }
+    let ns = Netns(name);
+    for args in [
+        vec!["-n", &ns.0, "link", "set", "lo", "up"],
+        vec![
+            "-n",
+            &ns.0,
+            "-6",
+            "route",
+            "add",
+            "local",
+            "2001:db8:64::/64",
+            "dev",
+            "lo",
+        ],
+        vec![
+            "-n",
+            &ns.0,
+            "-6",
+            "route",
+            "add",
+            "local",
+            "2001:db8:99::/64",
+            "dev",
+            "lo",
+        ],
+    ] {
+        ip(&args).unwrap_or_else(|e| panic!("{e}"));
+    }
+    let exe = std::env::current_exe().expect("test binary");
+    let out = Command::new("ip")
+        .args(["netns", "exec", &ns.0])
+        .arg(exe)
+        .args(["helper_flood64", "--exact", "--nocapture"])
+        .env(ROLE, "flood64")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the helper in the namespace");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    println!("{text}");
+    assert!(
+        out.status.success() && text.contains("RESULT ok"),
+        "the helper failed in the namespace:\n{text}"
+    );
+}
