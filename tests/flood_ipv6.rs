@@ -14,10 +14,9 @@ use fulcrum::admin::router;
 use fulcrum::config;
 use fulcrum::ops::Ops;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr, UdpSocket};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const ROLE: &str = "FULCRUM_NETNS_ROLE";
+use common::netns::ROLE;
 const FLOODERS: u32 = 100_000;
 const LIMIT: u64 = 50;
 
@@ -114,103 +113,14 @@ fn helper_flood64() {
     println!("RESULT ok");
 }
 
-/// Effective uid 0, from /proc (no libc call in a test).
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .find_map(|l| l.strip_prefix("Uid:"))
-            .and_then(|v| v.split_whitespace().nth(1))
-            == Some("0")
-    })
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// The namespace, deleted however the test ends.
-struct Netns(String);
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.0]);
-    }
-}
-
 #[test]
 fn a_flood_from_100000_addresses_of_one_64_is_banned_as_one_source() {
-    let skip = |why: String| {
-        assert!(
-            std::env::var("FULCRUM_REQUIRE_NETNS").as_deref() != Ok("1"),
-            "{why}, and FULCRUM_REQUIRE_NETNS=1"
-        );
-        println!("SKIP: {why} (FULCRUM_REQUIRE_NETNS=1 makes this a failure)");
-    };
-    if !is_root() {
-        return skip("needs root for a network namespace".into());
+    let routes = [
+        "-6 route add local 2001:db8:64::/64 dev lo",
+        "-6 route add local 2001:db8:99::/64 dev lo",
+    ];
+    if let Some(out) = common::netns::run_helper("fc-flood64", &routes, "helper_flood64", "flood64")
+    {
+        println!("{out}");
     }
-    let name = format!("fc-flood64-{}", std::process::id());
-    if let Err(e) = ip(&["netns", "add", &name]) {
-        return skip(format!("cannot create a network namespace: {e}"));
-    }
-    let ns = Netns(name);
-    for args in [
-        vec!["-n", &ns.0, "link", "set", "lo", "up"],
-        vec![
-            "-n",
-            &ns.0,
-            "-6",
-            "route",
-            "add",
-            "local",
-            "2001:db8:64::/64",
-            "dev",
-            "lo",
-        ],
-        vec![
-            "-n",
-            &ns.0,
-            "-6",
-            "route",
-            "add",
-            "local",
-            "2001:db8:99::/64",
-            "dev",
-            "lo",
-        ],
-    ] {
-        ip(&args).unwrap_or_else(|e| panic!("{e}"));
-    }
-    let exe = std::env::current_exe().expect("test binary");
-    let out = Command::new("ip")
-        .args(["netns", "exec", &ns.0])
-        .arg(exe)
-        .args(["helper_flood64", "--exact", "--nocapture"])
-        .env(ROLE, "flood64")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run the helper in the namespace");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    println!("{text}");
-    assert!(
-        out.status.success() && text.contains("RESULT ok"),
-        "the helper failed in the namespace:\n{text}"
-    );
 }
