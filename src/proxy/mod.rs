@@ -12,10 +12,10 @@ pub(crate) mod tcp;
 pub(crate) mod udp;
 
 pub use crate::core::udp::UdpCore;
-pub use context::Rebuilt;
 pub use context::{DataPath, POLL, RuntimeError, VserverHandle, elapsed_nanos};
+pub use context::{Prepared, Rebuilt};
 pub use fd_limit::raise_nofile_limit;
-pub use runtime::Runtime;
+pub use runtime::{PreparedVserver, Runtime};
 pub use sip_stream::{SipStreamCounters, SipStreamPath, SipStreamShared};
 pub use sip_udp::SipUdpPath;
 pub use tcp::TcpCore;

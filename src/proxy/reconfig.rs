@@ -187,24 +187,22 @@ fn renumber(old_names: &[String], new_names: &[String]) -> impl Fn(u32) -> Optio
     move |m| to.get(m as usize).copied().flatten()
 }
 
-/// Build a core from the one in `cell` with `build`, settle its members' health and slow
-/// start against the old balancer, and swap it into `cell` (udp, tcp and http: see the
-/// module doc). The new core and what changed.
+/// Install `core`, built aside from `old` (the core in `cell`): settle its members' health
+/// and slow start against the old balancer and swap it into `cell` (udp, tcp and http: see
+/// the module doc). What changed.
 pub(crate) fn swap_core<C>(
     cell: &ArcSwap<C>,
+    old: &C,
+    core: &Arc<C>,
     cx: &RebuildCx<'_>,
-    build: impl FnOnce(&C) -> C,
     balancer: fn(&C) -> &Arc<Balancer>,
-) -> (Arc<C>, Rebuilt) {
-    let now = cx.now();
-    let old = cell.load_full();
-    let old_names = names_of(balancer(&old));
-    let core = Arc::new(build(&old));
-    let added = settle(balancer(&core), &old_names, cx.health_of, now);
-    cell.store(Arc::clone(&core));
-    let r = rebuilt(&old_names, balancer(&core), &added);
-    (core, r)
+) -> Rebuilt {
+    let old_names = names_of(balancer(old));
+    let added = settle(balancer(core), &old_names, cx.health_of, cx.now());
+    cell.store(Arc::clone(core));
+    rebuilt(&old_names, balancer(core), &added)
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;

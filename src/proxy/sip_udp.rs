@@ -21,7 +21,7 @@ use crate::core::sip::{Action, SipCore};
 use crate::dialog::Change;
 use crate::net;
 use crate::proxy::context::{
-    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_service_source,
+    DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_service_source,
     bind_udp, local_identity,
 };
 use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
@@ -311,14 +311,9 @@ impl DataPath for SipUdpPath {
         }
     }
 
-    /// Same listener, worker threads and Via identity; a new balancer and core, dialogs
-    /// migrated (`proxy::reconfig`).
-    fn rebuild(
-        &self,
-        cx: &RebuildCx<'_>,
-        config: &Config,
-        v: &Vserver,
-    ) -> Result<Rebuild, RuntimeError> {
+    /// Same listener, worker threads and Via identity; a new balancer and core built aside,
+    /// installed with the dialogs migrated (`proxy::reconfig`).
+    fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError> {
         // The links toward sip-tcp / sip-tls services (and the core's legs naming their
         // transports) are set up at start; a reload cannot add the first.
         let bridge = self.bridge.clone();
@@ -332,60 +327,60 @@ impl DataPath for SipUdpPath {
                 problem: "its first sip-tcp or sip-tls service needs a restart (the links toward stream services are set up at start)".to_owned(),
             });
         }
-        let now = cx.now();
         let old = self.cell.load_full();
-        let old_names = names_of(old.balancer());
         let balancer = Arc::new(Balancer::new(config, v));
-        let added = settle(&balancer, &old_names, cx.health_of, now);
-        let new_names = names_of(&balancer);
         let core = Arc::new(sip_core(config, v, &old, &balancer));
-        // A fresh balancer: what moved is counted as load again (what did not was never
-        // counted there).
-        let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
-        for &(m, count) in &first.counted {
-            core.tally(Change::Open(m, count));
-        }
-        if let Some(bridge) = &bridge {
-            // The links first: a worker's decision by the new core finds its member's link
-            // (one by the old core is matched by name, `SipStreamShared::carry_datagram`).
-            let superseded = bridge.install(Install {
-                core: Arc::clone(&core),
-                max_clients: 0,
-                idle: v.idle_timeout,
-                tls: Install::member_tls(config, v),
-                write_timeouts: Install::member_write_timeouts(config, v),
-            });
-            if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
-                tracing::warn!(vserver = %v.name, "a link kept the old core past the hand-over limit");
+        let links = bridge.as_ref().map(|_| Install {
+            core: Arc::clone(&core),
+            max_clients: 0,
+            idle: v.idle_timeout,
+            tls: Install::member_tls(config, v),
+            write_timeouts: Install::member_write_timeouts(config, v),
+        });
+        let (cell, name) = (Arc::clone(&self.cell), v.name.clone());
+        Ok(Prepared::new(move |cx| {
+            let now = cx.now();
+            let old_names = names_of(old.balancer());
+            let added = settle(&balancer, &old_names, cx.health_of, now);
+            let new_names = names_of(&balancer);
+            // A fresh balancer: what moved is counted as load again (what did not was never
+            // counted there).
+            let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+            for &(m, count) in &first.counted {
+                core.tally(Change::Open(m, count));
             }
-        }
-        self.cell.store(Arc::clone(&core));
-        // Held here: `old` and the handle's data path.
-        if !wait_for_readers(&old, 2, HANDOVER_LIMIT) {
-            tracing::warn!(vserver = %v.name, "a worker kept the old core past the hand-over limit");
-        }
-        // This balancer counted only what the first pass migrated, and what the new core
-        // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
-        let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, cx.now());
-        for &(m, count) in &late.opened {
-            core.tally(Change::Open(m, count));
-        }
-        for &c in late.changed.iter().chain(&late.pushed_out) {
-            core.tally(c);
-        }
-        let r = Rebuilt {
-            dialogs_kept: late.kept(&first),
-            ..rebuilt(&old_names, &balancer, &added)
-        };
-        Ok(Rebuild {
-            rebuilt: r,
-            balancer,
-            data: Arc::new(SipUdpPath {
-                core,
-                cell: Arc::clone(&self.cell),
-                bridge,
-            }),
-        })
+            if let (Some(bridge), Some(links)) = (&bridge, links) {
+                // The links first: a worker's decision by the new core finds its member's link
+                // (one by the old core is matched by name, `SipStreamShared::carry_datagram`).
+                let superseded = bridge.install(links);
+                if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
+                    tracing::warn!(vserver = %name, "a link kept the old core past the hand-over limit");
+                }
+            }
+            cell.store(Arc::clone(&core));
+            // Held here: `old` and the handle's data path.
+            if !wait_for_readers(&old, 2, HANDOVER_LIMIT) {
+                tracing::warn!(vserver = %name, "a worker kept the old core past the hand-over limit");
+            }
+            // This balancer counted only what the first pass migrated, and what the new core
+            // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
+            let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, cx.now());
+            for &(m, count) in &late.opened {
+                core.tally(Change::Open(m, count));
+            }
+            for &c in late.changed.iter().chain(&late.pushed_out) {
+                core.tally(c);
+            }
+            let r = Rebuilt {
+                dialogs_kept: late.kept(&first),
+                ..rebuilt(&old_names, &balancer, &added)
+            };
+            Rebuild {
+                rebuilt: r,
+                balancer,
+                data: Arc::new(SipUdpPath { core, cell, bridge }),
+            }
+        }))
     }
 
     fn protocols(&self) -> &'static [Protocol] {

@@ -36,7 +36,7 @@ use crate::core::sip::{Action, Origin, SipCore, SipParams};
 use crate::dialog::Change;
 use crate::eject::{Cause, Failure};
 use crate::proxy::context::{
-    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
+    DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
 use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
 use crate::proxy::reconfig::{
@@ -530,17 +530,8 @@ impl DataPath for SipStreamPath {
     }
 
     /// Same listener, client connections and connections of surviving services (see the
-    /// module doc).
-    fn rebuild(
-        &self,
-        cx: &RebuildCx<'_>,
-        config: &Config,
-        v: &Vserver,
-    ) -> Result<Rebuild, RuntimeError> {
-        let setup = |problem: &str| RuntimeError::Setup {
-            vserver: v.name.clone(),
-            problem: problem.to_owned(),
-        };
+    /// module doc); the new core is built aside and installed with the dialogs migrated.
+    fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError> {
         let shared = Arc::clone(&self.shared);
         // The UDP leg toward sip-udp services is bound at start (its address is in the
         // Record-Route of the dialogs it carries); a reload cannot add one.
@@ -549,59 +540,66 @@ impl DataPath for SipStreamPath {
             .filter_map(|i| config.services.get(i))
             .any(|s| s.protocol == Protocol::SipUdp);
         if wants_udp && !shared.has_udp_leg() {
-            return Err(setup(
-                "its first sip-udp service needs a restart (the UDP leg is bound at start)",
-            ));
+            return Err(RuntimeError::Setup {
+                vserver: v.name.clone(),
+                problem:
+                    "its first sip-udp service needs a restart (the UDP leg is bound at start)"
+                        .to_owned(),
+            });
         }
-        let now = cx.now();
         let old = shared.core();
-        let old_names = names_of(old.balancer());
         // Surviving members share their counters with the old balancer, so the dialogs
         // they carry are already counted there.
         let balancer = Arc::new(Balancer::carrying(config, v, old.balancer()));
-        let added = settle(&balancer, &old_names, cx.health_of, now);
-        let new_names = names_of(&balancer);
         let core = Arc::new(sip_core(config, v, &old, &balancer));
-        // Expired dialogs are not migrated: close their count first, or it would stay.
-        old.sweep(now);
-        let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
-        // The counters carry over: a dialog the new table had no room for is closed there.
-        for &(m, count) in &moved.refused_counted {
-            core.tally(Change::Close(m, count));
-        }
-        shared.gate.set_max_per_source(v.max_per_source);
-        let superseded = shared.install(Install {
+        let generation = Install {
             core: Arc::clone(&core),
             max_clients: v.max_sessions,
             idle: v.idle_timeout,
             tls: Install::member_tls(config, v),
             write_timeouts: Install::member_write_timeouts(config, v),
-        });
-        // Held here only: the link set the workers read before the switch.
-        if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
-            tracing::warn!(vserver = %v.name, "a worker kept the old core past the hand-over limit");
-        }
-        drop(superseded);
-        // The shared counters already follow what the old core did meanwhile (pins, ends,
-        // moves); what must stop counting is a pin the new table had no room for, and the old
-        // core's pin of a dialog the new core pinned again (its next request came first).
-        let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, cx.now());
-        for &(m, count) in late.refused_counted.iter().chain(&late.doubled) {
-            core.tally(Change::Close(m, count));
-        }
-        for &c in &late.pushed_out {
-            core.tally(c);
-        }
-        let kept = late.kept(&moved);
-        let r = Rebuilt {
-            dialogs_kept: kept,
-            ..rebuilt(&old_names, &balancer, &added)
         };
-        Ok(Rebuild {
-            rebuilt: r,
-            balancer,
-            data: Arc::new(SipStreamPath { core, shared }),
-        })
+        let (max_per_source, name) = (v.max_per_source, v.name.clone());
+        Ok(Prepared::new(move |cx| {
+            let now = cx.now();
+            let old_names = names_of(old.balancer());
+            let added = settle(&balancer, &old_names, cx.health_of, now);
+            let new_names = names_of(&balancer);
+            // Expired dialogs are not migrated: close their count first, or it would stay.
+            old.sweep(now);
+            let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+            // The counters carry over: a dialog the new table had no room for is closed there.
+            for &(m, count) in &moved.refused_counted {
+                core.tally(Change::Close(m, count));
+            }
+            shared.gate.set_max_per_source(max_per_source);
+            let superseded = shared.install(generation);
+            // Held here only: the link set the workers read before the switch.
+            if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
+                tracing::warn!(vserver = %name, "a worker kept the old core past the hand-over limit");
+            }
+            drop(superseded);
+            // The shared counters already follow what the old core did meanwhile (pins, ends,
+            // moves); what must stop counting is a pin the new table had no room for, and the
+            // old core's pin of a dialog the new core pinned again (its next request came
+            // first).
+            let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, cx.now());
+            for &(m, count) in late.refused_counted.iter().chain(&late.doubled) {
+                core.tally(Change::Close(m, count));
+            }
+            for &c in &late.pushed_out {
+                core.tally(c);
+            }
+            let r = Rebuilt {
+                dialogs_kept: late.kept(&moved),
+                ..rebuilt(&old_names, &balancer, &added)
+            };
+            Rebuild {
+                rebuilt: r,
+                balancer,
+                data: Arc::new(SipStreamPath { core, shared }),
+            }
+        }))
     }
 
     fn protocols(&self) -> &'static [Protocol] {
