@@ -2,6 +2,7 @@
 
 pub(crate) mod context;
 pub(crate) mod fd_limit;
+pub(crate) mod handover;
 pub mod proxy_protocol;
 pub(crate) mod reconfig;
 pub(crate) mod runtime;

@@ -21,7 +21,8 @@
 //!
 //! # Reload
 //! Every message is decided and carried out with one [`Generation`]: the core and the link
-//! (connection task) of each of its members, swapped whole by [`SipStreamShared::install`]. A
+//! (connection task) of each of its members, swapped whole by [`SipStreamShared::install`];
+//! the reload then waits for the messages begun with the old one ([`crate::proxy::handover`]). A
 //! reload keeps the client connections and the links of members that stay (same service
 //! name and address); members it adds get a new link, which connects on their first
 //! request. The link of a member it removes is retired: requests still queued for it are
@@ -39,9 +40,9 @@ use crate::proxy::context::{
     DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
 use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
+use crate::proxy::handover::Readers;
 use crate::proxy::reconfig::{
-    HANDOVER_LIMIT, catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
-    wait_for_readers,
+    catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
 };
 use crate::proxy::shutdown::{Signal, TaskGroup, TaskGuard};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
@@ -226,6 +227,10 @@ pub struct SipStreamShared {
     /// Client connections' admission: one open file each from the process's pool, and at
     /// most `max_per_source` from one source (docs/limits.md).
     pub gate: crate::budget::Gate,
+    /// Every task that handles a message with the current generation marks it here, so a
+    /// reload knows when none still uses the old one ([`crate::proxy::handover`]). A sip-udp
+    /// vserver's bridge shares its workers'.
+    readers: Arc<Readers>,
 }
 
 impl std::fmt::Debug for SipStreamShared {
@@ -296,8 +301,8 @@ impl SipStreamShared {
     /// Make `next` the current generation: members of its balancer that were already
     /// members with the same address keep their link (and its connection), the others get
     /// a new one; links of members that left are retired once `next` is current. Returns
-    /// the generation `next` replaced: once its count falls to one (the caller's), no worker
-    /// still handles a message with it.
+    /// the generation `next` replaced; no task still handles a message with it once
+    /// the vserver's readers have been waited for ([`Readers::wait`]).
     pub(crate) fn install(self: &Arc<Self>, next: Install) -> Arc<Generation> {
         let old = self.current.load_full();
         let names: Vec<String> = next
@@ -437,10 +442,12 @@ async fn run_vserver(
     }
     // Dialog expiry, as on UDP, in whatever core is current (with its idle timeout).
     // Looked at every POLL, so a reload to a shorter timeout is followed at once.
+    let sweeper = shared.readers.register();
     let sweep = async {
         let mut last = tokio::time::Instant::now();
         loop {
             tokio::time::sleep(POLL).await;
+            let _in = sweeper.enter();
             let core = shared.core();
             if last.elapsed() >= core.sweep_interval() {
                 core.sweep(shared.now());
@@ -450,13 +457,17 @@ async fn run_vserver(
     };
     // Held requests' deadlines (no_answer, Timer C, the end of lingering), in whatever core
     // is current; streams need no retransmission, so POLL's granularity will do.
+    let timers = shared.readers.register();
     let held = async {
         let mut sends = Vec::new();
         loop {
-            let g = shared.current.load();
-            let next = g.core.poll_transactions(shared.now(), &mut sends);
-            shared.carry_sends(&g, std::mem::take(&mut sends));
-            drop(g);
+            let next = {
+                let _in = timers.enter();
+                let g = shared.current.load();
+                let next = g.core.poll_transactions(shared.now(), &mut sends);
+                shared.carry_sends(&g, std::mem::take(&mut sends));
+                next
+            };
             let wait = next.map_or(POLL, |t| {
                 Duration::from_nanos(t.saturating_sub(shared.now()))
                     .clamp(Duration::from_millis(5), POLL)
@@ -559,7 +570,7 @@ impl DataPath for SipStreamPath {
             tls: Install::member_tls(config, v),
             write_timeouts: Install::member_write_timeouts(config, v),
         };
-        let (max_per_source, name) = (v.max_per_source, v.name.clone());
+        let max_per_source = v.max_per_source;
         Ok(Prepared::new(move |cx| {
             let now = cx.now();
             let old_names = names_of(old.balancer());
@@ -573,12 +584,9 @@ impl DataPath for SipStreamPath {
                 core.tally(Change::Close(m, count));
             }
             shared.gate.set_max_per_source(max_per_source);
-            let superseded = shared.install(generation);
-            // Held here only: the link set the workers read before the switch.
-            if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
-                tracing::warn!(vserver = %name, "a worker kept the old core past the hand-over limit");
-            }
-            drop(superseded);
+            shared.install(generation);
+            // Until every task that began a message with the old generation has finished it.
+            shared.readers.wait();
             // The shared counters already follow what the old core did meanwhile (pins, ends,
             // moves); what must stop counting is a pin the new table had no room for, and the
             // old core's pin of a dialog the new core pinned again (its next request came
@@ -658,6 +666,7 @@ pub(crate) fn start(
             tls: tls.clone(),
             udp,
             front: None,
+            readers: Arc::default(),
         },
     );
     ctx.tokio.spawn(run_vserver(
@@ -685,6 +694,7 @@ struct Shells {
     tls: Option<Arc<crate::tls::TlsListener>>,
     udp: Option<Arc<tokio::net::UdpSocket>>,
     front: Option<std::net::UdpSocket>,
+    readers: Arc<Readers>,
 }
 
 /// The shared state over `core`, with every member of `v` given its link (and connection
@@ -719,6 +729,7 @@ fn launch(
         udp: sh.udp,
         front: sh.front,
         gate: crate::budget::Gate::new(Arc::clone(ctx.budget), 1, v.max_per_source),
+        readers: sh.readers,
     });
     shared.install(Install {
         core,
@@ -736,13 +747,15 @@ fn launch(
 /// the links read is handled by the current core as the member's, and what goes to a client
 /// leaves from `front`, one of the vserver's UDP sockets. The vserver's workers hand their
 /// stream members' traffic to [`SipStreamShared::carry_datagram`]; a reload installs its core here
-/// too ([`SipStreamShared::install`]).
+/// too ([`SipStreamShared::install`]). The links' tasks mark their messages on `readers`,
+/// the vserver's workers' own, so one hand-over covers both.
 pub(crate) fn start_bridge(
     ctx: &mut StartCtx<'_>,
     config: &Config,
     v: &Vserver,
     core: &Arc<SipCore>,
     front: std::net::UdpSocket,
+    readers: &Arc<Readers>,
 ) -> Arc<SipStreamShared> {
     let shared = launch(
         ctx,
@@ -755,6 +768,7 @@ pub(crate) fn start_bridge(
             tls: None,
             udp: None,
             front: Some(front),
+            readers: Arc::clone(readers),
         },
     );
     // No listener: the task sweeps dialogs (the vserver's sweeper thread is not started)

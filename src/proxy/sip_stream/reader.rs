@@ -3,6 +3,7 @@
 //! a message's deadline ([`Inbound`]). IO.
 
 use super::*;
+use crate::proxy::handover::Reader;
 
 thread_local! {
     /// Where a message is rewritten before it is copied into its queue: one per thread.
@@ -41,8 +42,9 @@ pub(super) async fn read_messages<R: StreamRead>(
         Origin::Client { .. } => (DEFAULT_MAX_MESSAGE, true),
     };
     let mut inbound = Inbound::new(max_message);
+    let reader = shared.readers.register();
     loop {
-        if !frame_buffered(shared, &mut inbound, &peer) {
+        if !frame_buffered(shared, &mut inbound, &peer, &reader) {
             return;
         }
         // A client that sends faster than it reads: its next requests wait in its socket
@@ -83,7 +85,12 @@ pub(super) async fn read_messages<R: StreamRead>(
 /// Frame everything already buffered (several messages may arrive in one read) and hand each
 /// message to the current core, answer pings; false after a framing error (the stream must
 /// close). Rewritten messages are built in a per-thread buffer and copied out.
-fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'_>) -> bool {
+fn frame_buffered(
+    shared: &SipStreamShared,
+    inbound: &mut Inbound,
+    peer: &Peer<'_>,
+    reader: &Reader,
+) -> bool {
     loop {
         match inbound.frame() {
             Ok(Some(frame)) => {
@@ -97,6 +104,7 @@ fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'
                         if let Some(a) = peer.activity {
                             a.touch(now / 1_000_000, true);
                         }
+                        let _in = reader.enter();
                         let g = shared.current.load();
                         let msg = inbound.front(len);
                         if let Some(link) = peer.link
