@@ -230,22 +230,31 @@ mod tests {
     #[test]
     fn a_completed_hand_over_leaves_no_worker_on_the_old_value() {
         use std::sync::atomic::AtomicBool;
-        const SWAPS: u64 = 2_000;
+        const SWAPS: u64 = 50;
         let readers = Arc::new(Readers::default());
         let cell = Arc::new(ArcSwap::from_pointee(0u64));
         // The value every message must see at least: raised only after a hand-over.
         let floor = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
+        // The swaps begin once both workers are handling messages.
+        let running = Arc::new(std::sync::Barrier::new(3));
         let workers: Vec<_> = (0..2)
             .map(|_| {
                 let reader = readers.register();
+                let running = Arc::clone(&running);
                 let (cell, floor, stop) =
                     (Arc::clone(&cell), Arc::clone(&floor), Arc::clone(&stop));
                 std::thread::spawn(move || {
                     let mut stale = 0u64;
+                    running.wait();
                     while !stop.load(Ordering::Relaxed) {
                         let _in = reader.enter();
                         let seen = **cell.load();
+                        // The message's work: a hand-over that did not wait for it would
+                        // raise the floor meanwhile.
+                        for _ in 0..200 {
+                            std::hint::spin_loop();
+                        }
                         if seen < floor.load(Ordering::SeqCst) {
                             stale += 1;
                         }
@@ -254,6 +263,7 @@ mod tests {
                 })
             })
             .collect();
+        running.wait();
         for v in 1..=SWAPS {
             cell.store(Arc::new(v));
             readers.wait();
