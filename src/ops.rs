@@ -339,18 +339,20 @@ impl Ops {
         self.apply_locked(new)
     }
 
-    /// [`Ops::apply`] with the reload lock held.
+    /// [`Ops::apply`] with the reload lock held. All or nothing: everything that can fail
+    /// (the plan, each rebuilt vserver built aside) is done first; only once all of it has
+    /// succeeded is anything changed (the config, the drains, the rebuilt vservers, the
+    /// monitors), by steps that cannot fail. A reload never starts or stops a vserver (that
+    /// needs a restart, [`crate::reload`]), so no listener is bound here.
     fn apply_locked(&self, new: Config) -> Result<Vec<String>, ReloadError> {
         if self.is_draining() {
             return Err(ReloadError::ShutDown);
         }
         let old = self.config();
         let plan = reload::plan(&old, &new).map_err(ReloadError::NeedsRestart)?;
-        if self.runtime().is_none() {
-            return Err(ReloadError::ShutDown);
-        }
-        // Members the new file drops start draining where flows are pinned to them.
-        let running = {
+        // Members the new file drops start draining where flows are pinned to them: worked
+        // out aside, on a copy of the drains.
+        let (drains, running) = {
             // Read under the runtime's lock, then released: the drains' lock is never held
             // while the runtime's is taken (the status page takes them the other way round).
             let (counts, now) = self.flow_counts();
@@ -360,27 +362,35 @@ impl Ops {
                     .copied()
                     .unwrap_or(0)
             };
-            let mut g = self.drains();
-            let before = Arc::clone(&g.1);
-            g.0.reloaded(&before, &new, &flows, now);
-            g.1 = Arc::new(g.0.effective(&new));
-            Arc::clone(&g.1)
+            let g = self.drains();
+            let mut drains = g.0.clone();
+            drains.reloaded(&g.1, &new, &flows, now);
+            let running = Arc::new(drains.effective(&new));
+            (drains, running)
         };
-        let new = Arc::new(new);
-        *lock(&self.config) = Arc::clone(&new);
+        // Held until the rebuilt vservers are installed: a shutdown cannot come between.
+        let mut guard = self.runtime();
+        let rt = guard.as_mut().ok_or(ReloadError::ShutDown)?;
+        let mut prepared = Vec::with_capacity(plan.rebuild.len());
+        for vs in &plan.rebuild {
+            prepared.push((vs, rt.prepare_rebuild(&running, vs)?));
+        }
+        // Everything is built: commit. Nothing below fails.
+        *self.drains() = (drains, Arc::clone(&running));
+        *lock(&self.config) = Arc::new(new);
         let new = running;
         for (vs, rate) in &plan.slow_start_rates {
-            self.set_slow_start_rate(vs, *rate);
+            if let Some(h) = rt.vserver(vs) {
+                h.balancer().set_slow_start_rate(*rate, rt.now());
+            }
         }
         if plan.monitors_changed || !plan.rebuild.is_empty() {
             self.health.sync_services(&new);
         }
         if !plan.rebuild.is_empty() {
-            let mut guard = self.runtime();
-            let rt = guard.as_mut().ok_or(ReloadError::ShutDown)?;
             let board = &self.health;
             let health_of = |n: &str| board.service(n).map_or(Health::Up, |r| r.effective());
-            for vs in &plan.rebuild {
+            for (vs, p) in prepared {
                 // A rate the operator set at run time survives a rebuild unless the file
                 // changes the configured rate.
                 let rate_of = |c: &Config| {
@@ -394,7 +404,7 @@ impl Ops {
                     .vserver(vs)
                     .and_then(|h| h.balancer().slow_start())
                     .map(|s| s.rate());
-                let r = rt.rebuild(&new, vs, &health_of)?;
+                let r = rt.install(p, &health_of);
                 let draining: Vec<&str> = new
                     .vservers
                     .iter()
@@ -419,6 +429,7 @@ impl Ops {
             // Request rates are indexed by member position, which a rebuild may change.
             *lock(&self.rates) = RateSample::default();
         }
+        drop(guard);
         // On every reload: a monitor whose definition and service address and protocol are
         // unchanged keeps running (its state and the timing of its probes) and probes with the
         // certificates this reload read; a new or changed one starts anew.
@@ -604,5 +615,100 @@ fn vserver_facts(v: &VserverHandle) -> VserverFacts {
         usable_services: (0..b.members().len())
             .filter(|&m| b.health(m) == Some(Health::Up) && !b.is_draining(m))
             .count(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{SocketAddr, UdpSocket};
+
+    /// Two udp vservers: `va` balancing over `a_members`, `vb` over `b_members`.
+    fn two_vservers(services: &[(&str, SocketAddr)], a_members: &str, b_members: &str) -> Config {
+        let mut y = String::from("admin: { listen: null }\nservices:\n");
+        for (n, a) in services {
+            y += &format!("  - {{ name: {n}, address: \"{a}\", protocol: udp }}\n");
+        }
+        y += &format!(
+            "vservers:\n  - {{ name: va, protocol: udp, bind: [\"127.0.0.1:0\"], method: round_robin, drain_timeout: 60s, services: [{a_members}] }}\n  - {{ name: vb, protocol: udp, bind: [\"127.0.0.1:0\"], method: round_robin, services: [{b_members}] }}\n"
+        );
+        crate::config::from_str("t.yaml", &y).expect("valid test config")
+    }
+
+    /// Each vserver's balancer and member names.
+    fn vservers(ops: &Ops) -> Vec<(Arc<crate::balancer::Balancer>, Vec<String>)> {
+        ops.with_vservers(|vs, _| {
+            vs.iter()
+                .map(|v| {
+                    let b = Arc::clone(v.balancer());
+                    let names = b.members().iter().map(|m| m.name.clone()).collect();
+                    (b, names)
+                })
+                .collect()
+        })
+        .expect("running")
+    }
+
+    /// A rebuild that fails after another vserver's rebuild was built changes nothing: the
+    /// file's config, the drains (the flow pinned to the member `va` loses would start one)
+    /// and every vserver stay as they were. The same reload without the fault applies whole.
+    #[test]
+    fn a_rebuild_that_fails_changes_nothing() {
+        let services: Vec<(String, UdpSocket)> = ["a1", "a2", "b1", "b2"]
+            .iter()
+            .map(|n| (n.to_string(), UdpSocket::bind("127.0.0.1:0").expect("bind")))
+            .collect();
+        let addrs: Vec<(&str, SocketAddr)> = services
+            .iter()
+            .map(|(n, s)| (n.as_str(), s.local_addr().expect("addr")))
+            .collect();
+        let ops = Ops::start(two_vservers(&addrs, "a1", "b1"), None).expect("start");
+        // A session of `va` on a1: removing a1 starts its drain.
+        let client = UdpSocket::bind("127.0.0.1:0").expect("client");
+        let va = ops.with_vservers(|vs, _| vs[0].bound[0]).expect("running");
+        client.send_to(b"hello", va).expect("send");
+        let a1 = &services[0].1;
+        a1.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut buf = [0u8; 64];
+        a1.recv_from(&mut buf).expect("the session reached a1");
+
+        let (config, running, before) = (ops.config(), ops.running_config(), vservers(&ops));
+        let next = two_vservers(&addrs, "a2", "b2");
+        lock(&ops.rt).as_mut().expect("running").fail_rebuild = Some("vb".to_owned());
+        let failed = ops.apply(next.clone());
+        assert!(matches!(failed, Err(ReloadError::Rebuild(_))), "{failed:?}");
+        assert!(
+            Arc::ptr_eq(&ops.config(), &config),
+            "the file's config changed"
+        );
+        assert!(
+            Arc::ptr_eq(&ops.running_config(), &running),
+            "the running config changed"
+        );
+        assert_eq!(ops.drain_of("va", "a1"), None, "a drain started");
+        let after = vservers(&ops);
+        for ((b0, n0), (b1, n1)) in before.iter().zip(&after) {
+            assert!(
+                Arc::ptr_eq(b0, b1),
+                "a vserver was rebuilt: {n0:?} -> {n1:?}"
+            );
+        }
+
+        lock(&ops.rt).as_mut().expect("running").fail_rebuild = None;
+        let changes = ops.apply(next).expect("the reload without the fault");
+        assert!(
+            changes.iter().any(|c| c == "vservers.va rebuilt"),
+            "{changes:?}"
+        );
+        assert!(
+            changes.iter().any(|c| c == "vservers.vb rebuilt"),
+            "{changes:?}"
+        );
+        assert!(!Arc::ptr_eq(&ops.config(), &config));
+        assert!(ops.drain_of("va", "a1").is_some(), "a1 drains its session");
+        let names: Vec<Vec<String>> = vservers(&ops).into_iter().map(|(_, n)| n).collect();
+        assert_eq!(names, [vec!["a2", "a1"], vec!["b2"]]);
+        ops.shutdown();
     }
 }

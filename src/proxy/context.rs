@@ -72,14 +72,10 @@ pub trait DataPath: std::fmt::Debug + Send + Sync + AsAny {
     /// rebuild without it would not (see `Runtime::cut_flows`).
     fn cut(&self, _service: &str) {}
 
-    /// Rebuild the vserver from `v` of a new config, in place (`proxy::reconfig`): what
-    /// changed, the new balancer and the data path to hold from now on.
-    fn rebuild(
-        &self,
-        cx: &RebuildCx<'_>,
-        config: &Config,
-        v: &Vserver,
-    ) -> Result<Rebuild, RuntimeError>;
+    /// Build the vserver from `v` of a new config aside (`proxy::reconfig`): everything of the
+    /// rebuild that can fail is done here, and nothing the running vserver uses changes. The
+    /// [`Prepared`] rebuild installs it, or is dropped to leave the vserver as it was.
+    fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError>;
 
     /// The protocols of the vservers this data path runs (and so can rebuild).
     fn protocols(&self) -> &'static [Protocol];
@@ -139,6 +135,30 @@ pub struct Rebuilt {
     pub removed: Vec<String>,
     /// Dialogs carried over to the new core.
     pub dialogs_kept: usize,
+}
+
+/// A rebuild built aside by [`DataPath::prepare`], not yet installed. Installing it cannot
+/// fail, so a reload that prepared every vserver it rebuilds commits them all or none.
+pub struct Prepared(Box<dyn FnOnce(&RebuildCx<'_>) -> Rebuild + Send>);
+
+impl Prepared {
+    /// A rebuild that `install` carries out: it swaps the new core in and hands the old
+    /// one over (settling its members' health, migrating dialogs), and must not fail.
+    pub(crate) fn new(install: impl FnOnce(&RebuildCx<'_>) -> Rebuild + Send + 'static) -> Self {
+        Prepared(Box::new(install))
+    }
+
+    /// Install the rebuild in the running vserver: what changed, its new balancer and data
+    /// path.
+    pub fn install(self, cx: &RebuildCx<'_>) -> Rebuild {
+        (self.0)(cx)
+    }
+}
+
+impl std::fmt::Debug for Prepared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Prepared").finish_non_exhaustive()
+    }
 }
 
 /// A vserver rebuilt in place: what changed, its new balancer and data path.

@@ -3,6 +3,7 @@
 pub(crate) mod context;
 pub(crate) mod evict;
 pub(crate) mod fd_limit;
+pub(crate) mod handover;
 pub mod proxy_protocol;
 pub(crate) mod reconfig;
 pub(crate) mod runtime;
@@ -13,10 +14,10 @@ pub(crate) mod tcp;
 pub(crate) mod udp;
 
 pub use crate::core::udp::UdpCore;
-pub use context::Rebuilt;
 pub use context::{DataPath, POLL, RuntimeError, VserverHandle, elapsed_nanos};
+pub use context::{Prepared, Rebuilt};
 pub use fd_limit::raise_nofile_limit;
-pub use runtime::Runtime;
+pub use runtime::{PreparedVserver, Runtime};
 pub use sip_stream::{SipStreamCounters, SipStreamPath, SipStreamShared};
 pub use sip_udp::SipUdpPath;
 pub use tcp::TcpCore;

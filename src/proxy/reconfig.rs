@@ -20,9 +20,11 @@
 //! of surviving services is migrated (members renumbered by service name) and counted as
 //! load again; members added by the reload enter slow start. Dialogs pinned to a removed
 //! service are dropped: their next in-dialog request is routed by the method. The workers
-//! keep using the old core until the swap, so once it is done a catch-up pass carries what
-//! they did to dialogs meanwhile (new pins, ends, moves) into the new table: without it a
-//! call set up during a reload lost its affinity, and its load was never closed.
+//! keep using the old core until the swap, so once it is done, and every worker that began a
+//! message with the old core has finished it ([`crate::proxy::handover`]: the workers tell
+//! it, nothing is timed), a catch-up pass carries what they did to dialogs meanwhile (new
+//! pins, ends, moves) into the new table: without it a call set up during a reload lost its
+//! affinity, and its load was never closed.
 //!
 //! # sip-tcp
 //! The listener, the client connections and the Via identity stay. A new [`SipCore`] is
@@ -49,7 +51,6 @@ use crate::core::sip::{SipCore, SipParams};
 use crate::proxy::context::{RebuildCx, Rebuilt};
 use arc_swap::ArcSwap;
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Give the members of a freshly built `balancer` their current health, and mark those
 /// not in `old_names` as added (slow start). Returns the added members.
@@ -127,32 +128,6 @@ pub(crate) fn migrate_dialogs(
     )
 }
 
-/// The longest the hand-over waits for a user of the old core (a worker in the middle of
-/// one datagram or message: microseconds). Only a worker stalled this long (a stopped
-/// process, a debugger) is not waited for; the rebuild then warns and goes on.
-pub(crate) const HANDOVER_LIMIT: Duration = Duration::from_secs(2);
-
-/// Wait until only the `baseline` references the rebuild itself holds keep `old`: every
-/// worker that loaded it before the switch has finished with it. After `ArcSwap::store`, a
-/// reader's guard of the old value is a counted reference (arc-swap settles its readers'
-/// debts when it swaps), so the count is exact. `false` if it gave up at `limit`.
-pub(crate) fn wait_for_readers<T>(old: &Arc<T>, baseline: usize, limit: Duration) -> bool {
-    let start = std::time::Instant::now();
-    let mut spins = 0u32;
-    while Arc::strong_count(old) > baseline {
-        if start.elapsed() >= limit {
-            return false;
-        }
-        if spins < 64 {
-            spins += 1;
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(50));
-        }
-    }
-    true
-}
-
 /// After the switch, once no worker uses the old core: carry into the new table what the
 /// old core's users did to dialogs between the migration and the switch (see
 /// [`crate::dialog::DialogTable::catch_up_to`]).
@@ -187,29 +162,29 @@ fn renumber(old_names: &[String], new_names: &[String]) -> impl Fn(u32) -> Optio
     move |m| to.get(m as usize).copied().flatten()
 }
 
-/// Build a core from the one in `cell` with `build`, settle its members' health and slow
-/// start against the old balancer, and swap it into `cell` (udp, tcp and http: see the
-/// module doc). The new core and what changed.
+/// Install `core`, built aside from `old` (the core in `cell`): settle its members' health
+/// and slow start against the old balancer and swap it into `cell` (udp, tcp and http: see
+/// the module doc). What changed.
 pub(crate) fn swap_core<C>(
     cell: &ArcSwap<C>,
+    old: &C,
+    core: &Arc<C>,
     cx: &RebuildCx<'_>,
-    build: impl FnOnce(&C) -> C,
     balancer: fn(&C) -> &Arc<Balancer>,
-) -> (Arc<C>, Rebuilt) {
-    let now = cx.now();
-    let old = cell.load_full();
-    let old_names = names_of(balancer(&old));
-    let core = Arc::new(build(&old));
-    let added = settle(balancer(&core), &old_names, cx.health_of, now);
-    cell.store(Arc::clone(&core));
-    let r = rebuilt(&old_names, balancer(&core), &added);
-    (core, r)
+) -> Rebuilt {
+    let old_names = names_of(balancer(old));
+    let added = settle(balancer(core), &old_names, cx.health_of, cx.now());
+    cell.store(Arc::clone(core));
+    rebuilt(&old_names, balancer(core), &added)
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::proxy::handover::Readers;
     use crate::sip::{Local, Transport};
     use std::sync::mpsc;
+    use std::time::Duration;
 
     fn core(config: &Config) -> Arc<SipCore> {
         let v = &config.vservers[0];
@@ -238,11 +213,13 @@ mod tests {
         let (old, new) = (core(&config), core(&config));
         let names = names_of(old.balancer());
         let cell = Arc::new(ArcSwap::new(Arc::clone(&old)));
+        let readers = Arc::new(Readers::default());
         let (loaded_tx, loaded) = mpsc::channel();
         let (go, go_rx) = mpsc::channel::<()>();
         let worker = {
-            let cell = Arc::clone(&cell);
+            let (cell, reader) = (Arc::clone(&cell), readers.register());
             std::thread::spawn(move || {
+                let _in = reader.enter();
                 let g = cell.load();
                 loaded_tx.send(()).expect("loaded");
                 go_rx.recv().expect("go");
@@ -263,11 +240,10 @@ mod tests {
         let switch = {
             let (old, new, names) = (Arc::clone(&old), Arc::clone(&new), names.clone());
             std::thread::spawn(move || {
-                // Held here: `old` in this thread and the test's own `old`.
-                let waited = wait_for_readers(&old, 2, Duration::from_secs(10));
+                readers.wait();
                 let late = catch_up_dialogs(&old, &new, &first, &names, &names, 0);
                 done_tx.send(()).expect("done");
-                (waited, late)
+                late
             })
         };
         // However long the worker is held, the catch-up does not run before it lets go.
@@ -277,19 +253,9 @@ mod tests {
         );
         go.send(()).expect("go");
         worker.join().expect("worker");
-        let (waited, late) = switch.join().expect("switch");
-        assert!(waited);
+        let late = switch.join().expect("switch");
         assert_eq!(late.opened.len(), 1, "{late:?}");
         let h = crate::hash::key_hash(b"held");
         assert!(new.dialogs().get(h, 0).is_some());
-    }
-
-    #[test]
-    fn the_hand_over_gives_up_at_its_limit() {
-        let old = Arc::new(0u8);
-        let reader = Arc::clone(&old);
-        assert!(!wait_for_readers(&old, 1, Duration::from_millis(20)));
-        drop(reader);
-        assert!(wait_for_readers(&old, 1, Duration::from_millis(20)));
     }
 }

@@ -3,7 +3,9 @@
 use crate::balancer::Health;
 use crate::config::{Config, Protocol, Vserver};
 use crate::proxy::context::Rebuilt;
-use crate::proxy::context::{RebuildCx, RuntimeError, SHUTDOWN_WAIT, StartCtx, VserverHandle};
+use crate::proxy::context::{
+    Prepared, RebuildCx, RuntimeError, SHUTDOWN_WAIT, StartCtx, VserverHandle,
+};
 use crate::proxy::shutdown::{Shutdown, Signal};
 use crate::proxy::{sip_stream, sip_udp, tcp, udp};
 use crate::stats::Nanos;
@@ -20,6 +22,18 @@ pub struct Runtime {
     threads: Vec<JoinHandle<()>>,
     /// Async data paths, monitors and the admin API run here.
     tokio: Option<tokio::runtime::Runtime>,
+    /// The vserver whose next rebuild fails in [`Runtime::prepare_rebuild`]: a fault for the
+    /// tests of an all-or-nothing reload (the reload planner refuses every failure it knows
+    /// of, so no config provokes one).
+    #[cfg(test)]
+    pub(crate) fail_rebuild: Option<String>,
+}
+
+/// A vserver's rebuild built aside by [`Runtime::prepare_rebuild`], not yet installed.
+#[derive(Debug)]
+pub struct PreparedVserver {
+    slot: usize,
+    prepared: Prepared,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -45,6 +59,8 @@ impl Runtime {
             vservers: Vec::new(),
             threads: Vec::new(),
             tokio: Some(tokio),
+            #[cfg(test)]
+            fail_rebuild: None,
         };
         crate::proxy::fd_limit::check_capacity(&config.vservers, &rt.budget);
         for v in &config.vservers {
@@ -163,23 +179,40 @@ impl Runtime {
         }
     }
 
-    /// Rebuild vserver `name` from `config`, whatever its protocol (`proxy::reconfig`).
+    /// Rebuild vserver `name` from `config`, whatever its protocol (`proxy::reconfig`):
+    /// [`Runtime::prepare_rebuild`], then [`Runtime::install`].
     pub fn rebuild(
         &mut self,
         config: &Config,
         name: &str,
         health_of: &dyn Fn(&str) -> Health,
     ) -> Result<Rebuilt, RuntimeError> {
+        let prepared = self.prepare_rebuild(config, name)?;
+        Ok(self.install(prepared, health_of))
+    }
+
+    /// Build vserver `name` from `config` aside: everything of its rebuild that can fail,
+    /// nothing the running vserver uses yet. [`Runtime::install`] puts it in place; dropped,
+    /// it leaves the vserver as it was.
+    pub fn prepare_rebuild(
+        &self,
+        config: &Config,
+        name: &str,
+    ) -> Result<PreparedVserver, RuntimeError> {
         let setup = |problem: &str| RuntimeError::Setup {
             vserver: name.to_owned(),
             problem: problem.to_owned(),
         };
+        #[cfg(test)]
+        if self.fail_rebuild.as_deref() == Some(name) {
+            return Err(setup("rebuild failure injected by a test"));
+        }
         let slot = self
             .vservers
             .iter()
             .position(|h| h.name == name)
             .ok_or_else(|| setup("not running"))?;
-        let handle = &mut self.vservers[slot];
+        let handle = &self.vservers[slot];
         let v = config
             .vservers
             .iter()
@@ -191,15 +224,25 @@ impl Runtime {
                     names.join(" or ")
                 ))
             })?;
+        let prepared = handle.data.prepare(config, v)?;
+        Ok(PreparedVserver { slot, prepared })
+    }
+
+    /// Install a rebuild [`Runtime::prepare_rebuild`] built aside, the members given their
+    /// health by `health_of`. Cannot fail: what changed.
+    pub fn install(&mut self, p: PreparedVserver, health_of: &dyn Fn(&str) -> Health) -> Rebuilt {
         let cx = RebuildCx {
             epoch: self.epoch,
             health_of,
         };
-        let data = std::sync::Arc::clone(&handle.data);
-        let r = data.rebuild(&cx, config, v)?;
-        handle.set_balancer(r.balancer);
-        handle.set_data(r.data);
-        Ok(r.rebuilt)
+        let r = p.prepared.install(&cx);
+        // The slot was found by `prepare_rebuild`, and vservers are never removed from a
+        // running runtime.
+        if let Some(handle) = self.vservers.get_mut(p.slot) {
+            handle.set_balancer(r.balancer);
+            handle.set_data(r.data);
+        }
+        r.rebuilt
     }
 
     /// Raise the shutdown, wait (bounded) for the tasks that heed it, join the worker threads

@@ -21,13 +21,13 @@ use crate::core::sip::{Action, SipCore};
 use crate::dialog::Change;
 use crate::net;
 use crate::proxy::context::{
-    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_service_source,
+    DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_service_source,
     bind_udp, local_identity,
 };
 use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
+use crate::proxy::handover::{Reader, Readers};
 use crate::proxy::reconfig::{
-    HANDOVER_LIMIT, catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
-    wait_for_readers,
+    catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
 };
 use crate::proxy::shutdown::Shutdown;
 use crate::proxy::sip_stream::{Install, SipStreamShared};
@@ -43,7 +43,9 @@ use std::time::Instant;
 /// [`wake_on_shutdown`]). Errors are counted and never end the loop.
 ///
 /// The vserver's core is loaded from `cell` per datagram, so a reload that rebuilds it
-/// (`proxy::reconfig`) takes effect at the next datagram without touching the socket.
+/// (`proxy::reconfig`) takes effect at the next datagram without touching the socket; each
+/// datagram is marked on `reader`, so the reload knows when this worker has finished with
+/// the old core ([`crate::proxy::handover`]).
 /// `bridge` carries what goes to the vserver's stream members: `()` when it has none (the
 /// loop is then compiled as if there were no bridge at all), else their links.
 pub(crate) fn run_worker<B: Bridge>(
@@ -53,6 +55,7 @@ pub(crate) fn run_worker<B: Bridge>(
     bridge: B,
     epoch: Instant,
     stop: Arc<AtomicBool>,
+    reader: Reader,
 ) {
     // Only the name is kept: holding the first core would keep its dialog table alive, and
     // count this worker's receive errors on it, after a reload replaced it.
@@ -99,6 +102,8 @@ pub(crate) fn run_worker<B: Bridge>(
             }
         };
         let now = elapsed_nanos(epoch);
+        // Until the end of this iteration, after the sends (dropped after `core`).
+        let _in = reader.enter();
         let core = cell.load();
         let action = core.handle_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
         // A held request's own sends first: an INVITE's 100 (Trying) must reach the client
@@ -194,6 +199,7 @@ fn start_transaction_timers(
     v: &Vserver,
     socks: Senders,
     cell: SipUdpCell,
+    reader: Reader,
 ) -> Result<(), RuntimeError> {
     let (sleeper, epoch) = (ctx.shutdown.sleeper(), ctx.epoch);
     let t = std::thread::Builder::new()
@@ -203,9 +209,13 @@ fn start_transaction_timers(
             let log = LogLimiter::default();
             loop {
                 let now = elapsed_nanos(epoch);
-                let core = cell.load();
-                let next = core.poll_transactions(now, &mut sends);
-                send_all(&socks, &core, &(), &mut sends, &log, now);
+                let next = {
+                    let _in = reader.enter();
+                    let core = cell.load();
+                    let next = core.poll_transactions(now, &mut sends);
+                    send_all(&socks, &core, &(), &mut sends, &log, now);
+                    next
+                };
                 let wait = next.map_or(POLL, |t| {
                     std::time::Duration::from_nanos(t.saturating_sub(now)).min(POLL)
                 });
@@ -273,6 +283,9 @@ pub struct SipUdpPath {
     core: Arc<SipCore>,
     cell: SipUdpCell,
     bridge: Option<Arc<SipStreamShared>>,
+    /// Every worker that loads the core from `cell` (and the bridge's tasks, which load it
+    /// from its generation): a reload waits for them to finish with the old core.
+    readers: Arc<Readers>,
 }
 
 impl SipUdpPath {
@@ -317,14 +330,9 @@ impl DataPath for SipUdpPath {
         }
     }
 
-    /// Same listener, worker threads and Via identity; a new balancer and core, dialogs
-    /// migrated (`proxy::reconfig`).
-    fn rebuild(
-        &self,
-        cx: &RebuildCx<'_>,
-        config: &Config,
-        v: &Vserver,
-    ) -> Result<Rebuild, RuntimeError> {
+    /// Same listener, worker threads and Via identity; a new balancer and core built aside,
+    /// installed with the dialogs migrated (`proxy::reconfig`).
+    fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError> {
         // The links toward sip-tcp / sip-tls services (and the core's legs naming their
         // transports) are set up at start; a reload cannot add the first.
         let bridge = self.bridge.clone();
@@ -338,60 +346,61 @@ impl DataPath for SipUdpPath {
                 problem: "its first sip-tcp or sip-tls service needs a restart (the links toward stream services are set up at start)".to_owned(),
             });
         }
-        let now = cx.now();
         let old = self.cell.load_full();
-        let old_names = names_of(old.balancer());
         let balancer = Arc::new(Balancer::new(config, v));
-        let added = settle(&balancer, &old_names, cx.health_of, now);
-        let new_names = names_of(&balancer);
         let core = Arc::new(sip_core(config, v, &old, &balancer));
-        // A fresh balancer: what moved is counted as load again (what did not was never
-        // counted there).
-        let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
-        for &(m, count) in &first.counted {
-            core.tally(Change::Open(m, count));
-        }
-        if let Some(bridge) = &bridge {
-            // The links first: a worker's decision by the new core finds its member's link
-            // (one by the old core is matched by name, `SipStreamShared::carry_datagram`).
-            let superseded = bridge.install(Install {
-                core: Arc::clone(&core),
-                max_clients: 0,
-                idle: v.idle_timeout,
-                tls: Install::member_tls(config, v),
-                write_timeouts: Install::member_write_timeouts(config, v),
-            });
-            if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
-                tracing::warn!(vserver = %v.name, "a link kept the old core past the hand-over limit");
+        let links = bridge.as_ref().map(|_| Install {
+            core: Arc::clone(&core),
+            max_clients: 0,
+            idle: v.idle_timeout,
+            tls: Install::member_tls(config, v),
+            write_timeouts: Install::member_write_timeouts(config, v),
+        });
+        let (cell, readers) = (Arc::clone(&self.cell), Arc::clone(&self.readers));
+        Ok(Prepared::new(move |cx| {
+            let now = cx.now();
+            let old_names = names_of(old.balancer());
+            let added = settle(&balancer, &old_names, cx.health_of, now);
+            let new_names = names_of(&balancer);
+            // A fresh balancer: what moved is counted as load again (what did not was never
+            // counted there).
+            let first = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+            for &(m, count) in &first.counted {
+                core.tally(Change::Open(m, count));
             }
-        }
-        self.cell.store(Arc::clone(&core));
-        // Held here: `old` and the handle's data path.
-        if !wait_for_readers(&old, 2, HANDOVER_LIMIT) {
-            tracing::warn!(vserver = %v.name, "a worker kept the old core past the hand-over limit");
-        }
-        // This balancer counted only what the first pass migrated, and what the new core
-        // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
-        let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, cx.now());
-        for &(m, count) in &late.opened {
-            core.tally(Change::Open(m, count));
-        }
-        for &c in late.changed.iter().chain(&late.pushed_out) {
-            core.tally(c);
-        }
-        let r = Rebuilt {
-            dialogs_kept: late.kept(&first),
-            ..rebuilt(&old_names, &balancer, &added)
-        };
-        Ok(Rebuild {
-            rebuilt: r,
-            balancer,
-            data: Arc::new(SipUdpPath {
-                core,
-                cell: Arc::clone(&self.cell),
-                bridge,
-            }),
-        })
+            if let (Some(bridge), Some(links)) = (&bridge, links) {
+                // The links first: a worker's decision by the new core finds its member's link
+                // (one by the old core is matched by name, `SipStreamShared::carry_datagram`).
+                bridge.install(links);
+            }
+            cell.store(Arc::clone(&core));
+            // The workers and the bridge's tasks share `readers`: once they have finished
+            // the messages they began before the two stores, none uses the old core.
+            readers.wait();
+            // This balancer counted only what the first pass migrated, and what the new core
+            // pinned itself (`late.doubled`: the old core's pin was counted on the old balancer).
+            let late = catch_up_dialogs(&old, &core, &first, &old_names, &new_names, cx.now());
+            for &(m, count) in &late.opened {
+                core.tally(Change::Open(m, count));
+            }
+            for &c in late.changed.iter().chain(&late.pushed_out) {
+                core.tally(c);
+            }
+            let r = Rebuilt {
+                dialogs_kept: late.kept(&first),
+                ..rebuilt(&old_names, &balancer, &added)
+            };
+            Rebuild {
+                rebuilt: r,
+                balancer,
+                data: Arc::new(SipUdpPath {
+                    core,
+                    cell,
+                    bridge,
+                    readers,
+                }),
+            }
+        }))
     }
 
     fn protocols(&self) -> &'static [Protocol] {
@@ -433,6 +442,7 @@ pub(crate) fn start(
             .with_failover(v.failover.clone(), Arc::default()),
     );
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));
+    let readers = Arc::new(Readers::default());
     let (service_socks, service_addr) = match service_side {
         Some((socks, a)) => (socks, Some(a)),
         None => (Vec::new(), None),
@@ -441,12 +451,12 @@ pub(crate) fn start(
         Some(first) if streams => {
             let front = Senders::of(first, service_socks.first())?;
             Some(crate::proxy::sip_stream::start_bridge(
-                ctx, config, v, &core, front,
+                ctx, config, v, &core, front, &readers,
             ))
         }
         Some(first) => {
             let socks = Senders::of(first, service_socks.first())?;
-            start_transaction_timers(ctx, v, socks, Arc::clone(&cell))?;
+            start_transaction_timers(ctx, v, socks, Arc::clone(&cell), readers.register())?;
             None
         }
         None => None,
@@ -471,12 +481,12 @@ pub(crate) fn start(
         let cell = Arc::clone(&cell);
         let bridge = bridge.clone();
         let stop = ctx.shutdown.flag();
-        let epoch = ctx.epoch;
+        let (epoch, reader) = (ctx.epoch, readers.register());
         let t = std::thread::Builder::new()
             .name(name)
             .spawn(move || match bridge {
-                None => run_worker(socket, senders, cell, (), epoch, stop),
-                Some(b) => run_worker(socket, senders, cell, b, epoch, stop),
+                None => run_worker(socket, senders, cell, (), epoch, stop, reader),
+                Some(b) => run_worker(socket, senders, cell, b, epoch, stop, reader),
             })?;
         ctx.threads.push(t);
     }
@@ -485,16 +495,18 @@ pub(crate) fn start(
     }
     if bridge.is_some() {
         tracing::info!(vserver = %v.name, "links toward sip-tcp / sip-tls services started");
-        return Ok(started(v, bound, workers, core, cell, bridge));
+        return Ok(started(v, bound, workers, core, cell, bridge, readers));
     }
     // Dialog expiry, in whatever core is current (a reload may change the idle timeout, so
     // the interval is looked at every POLL); the shutdown ends the sleep at once.
     let (cell2, sleeper, epoch) = (Arc::clone(&cell), ctx.shutdown.sleeper(), ctx.epoch);
+    let reader = readers.register();
     let t = std::thread::Builder::new()
         .name(format!("{}-sweep", v.name))
         .spawn(move || {
             let mut last = Instant::now();
             while !sleeper.sleep(POLL) {
+                let _in = reader.enter();
                 let core = cell2.load();
                 if last.elapsed() >= core.sweep_interval() {
                     core.sweep(elapsed_nanos(epoch));
@@ -503,7 +515,7 @@ pub(crate) fn start(
             }
         })?;
     ctx.threads.push(t);
-    Ok(started(v, bound, workers, core, cell, None))
+    Ok(started(v, bound, workers, core, cell, None, readers))
 }
 
 /// The handle of a started sip-udp vserver.
@@ -514,6 +526,7 @@ fn started(
     core: Arc<SipCore>,
     cell: SipUdpCell,
     bridge: Option<Arc<SipStreamShared>>,
+    readers: Arc<Readers>,
 ) -> VserverHandle {
     tracing::info!(
         vserver = %v.name,
@@ -527,7 +540,12 @@ fn started(
         v.protocol,
         bound,
         Arc::clone(core.balancer()),
-        Arc::new(SipUdpPath { core, cell, bridge }),
+        Arc::new(SipUdpPath {
+            core,
+            cell,
+            bridge,
+            readers,
+        }),
     )
 }
 

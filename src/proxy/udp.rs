@@ -26,7 +26,7 @@ use crate::core::udp::{Decision, UdpCore, nanos};
 use crate::net;
 use crate::proxy::context::elapsed_nanos;
 use crate::proxy::context::{
-    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_udp,
+    DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_udp,
 };
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::reconfig;
@@ -95,26 +95,19 @@ impl DataPath for UdpPath {
         }
     }
 
-    fn rebuild(
-        &self,
-        cx: &RebuildCx<'_>,
-        config: &Config,
-        v: &Vserver,
-    ) -> Result<Rebuild, RuntimeError> {
-        let (core, rebuilt) = reconfig::swap_core(
-            &self.cell,
-            cx,
-            |old| UdpCore::rebuilt(config, v, old),
-            UdpCore::balancer,
-        );
-        Ok(Rebuild {
-            rebuilt,
-            balancer: Arc::clone(core.balancer()),
-            data: Arc::new(UdpPath {
-                core,
-                cell: Arc::clone(&self.cell),
-            }),
-        })
+    /// A core built aside from the current one ([`UdpCore::rebuilt`]); nothing fails.
+    fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError> {
+        let old = self.cell.load_full();
+        let core = Arc::new(UdpCore::rebuilt(config, v, &old));
+        let cell = Arc::clone(&self.cell);
+        Ok(Prepared::new(move |cx| {
+            let rebuilt = reconfig::swap_core(&cell, &old, &core, cx, UdpCore::balancer);
+            Rebuild {
+                rebuilt,
+                balancer: Arc::clone(core.balancer()),
+                data: Arc::new(UdpPath { core, cell }),
+            }
+        }))
     }
 
     fn protocols(&self) -> &'static [Protocol] {

@@ -127,6 +127,9 @@ pub(super) async fn drive_link<C: Connector>(
     let mut actions = Vec::new();
     // The error of the connect that just failed, for what it says of the service.
     let mut connect_error: Option<std::io::Error> = None;
+    // Requests chosen again and the service's state go to the current generation: marked as
+    // messages, so a reload waits for them (never across an await).
+    let reader = shared.readers.register();
     loop {
         let event = match machine.phase() {
             Phase::Idle => tokio::select! {
@@ -201,8 +204,14 @@ pub(super) async fn drive_link<C: Connector>(
                 // The phase (Connecting) does it.
                 LinkAction::Connect => {}
                 LinkAction::Write(b) => writing = Some(b),
-                LinkAction::Redispatch(b) => shared.redispatch(&link, b),
-                LinkAction::RedispatchQueue => shared.redispatch_queued(&link, None, &mut rx),
+                LinkAction::Redispatch(b) => {
+                    let _in = reader.enter();
+                    shared.redispatch(&link, b);
+                }
+                LinkAction::RedispatchQueue => {
+                    let _in = reader.enter();
+                    shared.redispatch_queued(&link, None, &mut rx);
+                }
                 LinkAction::CloseQueue => rx.close(),
                 LinkAction::Disconnect => conn = None,
                 LinkAction::StartDrain => {
@@ -223,7 +232,10 @@ pub(super) async fn drive_link<C: Connector>(
                     }
                 }
                 LinkAction::Close => return,
-                reported => report(&shared, &link, reported, &blame),
+                reported => {
+                    let _in = reader.enter();
+                    report(&shared, &link, reported, &blame);
+                }
             }
         }
     }

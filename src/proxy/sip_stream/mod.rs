@@ -21,7 +21,8 @@
 //!
 //! # Reload
 //! Every message is decided and carried out with one [`Generation`]: the core and the link
-//! (connection task) of each of its members, swapped whole by [`SipStreamShared::install`]. A
+//! (connection task) of each of its members, swapped whole by [`SipStreamShared::install`];
+//! the reload then waits for the messages begun with the old one ([`crate::proxy::handover`]). A
 //! reload keeps the client connections and the links of members that stay (same service
 //! name and address); members it adds get a new link, which connects on their first
 //! request. The link of a member it removes is retired: requests still queued for it are
@@ -36,12 +37,12 @@ use crate::core::sip::{Action, Origin, SipCore, SipParams};
 use crate::dialog::Change;
 use crate::eject::{Cause, Failure};
 use crate::proxy::context::{
-    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
+    DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_tcp, local_identity,
 };
 use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
+use crate::proxy::handover::Readers;
 use crate::proxy::reconfig::{
-    HANDOVER_LIMIT, catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
-    wait_for_readers,
+    catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
 };
 use crate::proxy::shutdown::{Signal, TaskGroup, TaskGuard};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
@@ -223,6 +224,10 @@ pub struct SipStreamShared {
     /// Client connections' admission: one open file each from the process's pool, and at
     /// most `max_per_source` from one source (docs/limits.md).
     pub gate: crate::budget::Gate,
+    /// Every task that handles a message with the current generation marks it here, so a
+    /// reload knows when none still uses the old one ([`crate::proxy::handover`]). A sip-udp
+    /// vserver's bridge shares its workers'.
+    readers: Arc<Readers>,
 }
 
 impl std::fmt::Debug for SipStreamShared {
@@ -293,8 +298,8 @@ impl SipStreamShared {
     /// Make `next` the current generation: members of its balancer that were already
     /// members with the same address keep their link (and its connection), the others get
     /// a new one; links of members that left are retired once `next` is current. Returns
-    /// the generation `next` replaced: once its count falls to one (the caller's), no worker
-    /// still handles a message with it.
+    /// the generation `next` replaced; no task still handles a message with it once
+    /// the vserver's readers have been waited for ([`Readers::wait`]).
     pub(crate) fn install(self: &Arc<Self>, next: Install) -> Arc<Generation> {
         let old = self.current.load_full();
         let names: Vec<String> = next
@@ -434,10 +439,12 @@ async fn run_vserver(
     }
     // Dialog expiry, as on UDP, in whatever core is current (with its idle timeout).
     // Looked at every POLL, so a reload to a shorter timeout is followed at once.
+    let sweeper = shared.readers.register();
     let sweep = async {
         let mut last = tokio::time::Instant::now();
         loop {
             tokio::time::sleep(POLL).await;
+            let _in = sweeper.enter();
             let core = shared.core();
             if last.elapsed() >= core.sweep_interval() {
                 core.sweep(shared.now());
@@ -448,13 +455,17 @@ async fn run_vserver(
     // Held requests' deadlines (retransmissions toward sip-udp members, no_answer, Timer C,
     // the end of lingering), in whatever core is current; a sip-udp vserver with stream
     // members has its held requests woken here (its own timer thread is not started).
+    let timers = shared.readers.register();
     let held = async {
         let mut sends = Vec::new();
         loop {
-            let g = shared.current.load();
-            let next = g.core.poll_transactions(shared.now(), &mut sends);
-            shared.carry_sends(&g, std::mem::take(&mut sends));
-            drop(g);
+            let next = {
+                let _in = timers.enter();
+                let g = shared.current.load();
+                let next = g.core.poll_transactions(shared.now(), &mut sends);
+                shared.carry_sends(&g, std::mem::take(&mut sends));
+                next
+            };
             let wait = next.map_or(POLL, |t| {
                 Duration::from_nanos(t.saturating_sub(shared.now()))
                     .clamp(Duration::from_millis(5), POLL)
@@ -528,17 +539,8 @@ impl DataPath for SipStreamPath {
     }
 
     /// Same listener, client connections and connections of surviving services (see the
-    /// module doc).
-    fn rebuild(
-        &self,
-        cx: &RebuildCx<'_>,
-        config: &Config,
-        v: &Vserver,
-    ) -> Result<Rebuild, RuntimeError> {
-        let setup = |problem: &str| RuntimeError::Setup {
-            vserver: v.name.clone(),
-            problem: problem.to_owned(),
-        };
+    /// module doc); the new core is built aside and installed with the dialogs migrated.
+    fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError> {
         let shared = Arc::clone(&self.shared);
         // The UDP leg toward sip-udp services is bound at start (its address is in the
         // Record-Route of the dialogs it carries); a reload cannot add one.
@@ -547,59 +549,63 @@ impl DataPath for SipStreamPath {
             .filter_map(|i| config.services.get(i))
             .any(|s| s.protocol == Protocol::SipUdp);
         if wants_udp && !shared.has_udp_leg() {
-            return Err(setup(
-                "its first sip-udp service needs a restart (the UDP leg is bound at start)",
-            ));
+            return Err(RuntimeError::Setup {
+                vserver: v.name.clone(),
+                problem:
+                    "its first sip-udp service needs a restart (the UDP leg is bound at start)"
+                        .to_owned(),
+            });
         }
-        let now = cx.now();
         let old = shared.core();
-        let old_names = names_of(old.balancer());
         // Surviving members share their counters with the old balancer, so the dialogs
         // they carry are already counted there.
         let balancer = Arc::new(Balancer::carrying(config, v, old.balancer()));
-        let added = settle(&balancer, &old_names, cx.health_of, now);
-        let new_names = names_of(&balancer);
         let core = Arc::new(sip_core(config, v, &old, &balancer));
-        // Expired dialogs are not migrated: close their count first, or it would stay.
-        old.sweep(now);
-        let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
-        // The counters carry over: a dialog the new table had no room for is closed there.
-        for &(m, count) in &moved.refused_counted {
-            core.tally(Change::Close(m, count));
-        }
-        shared.gate.set_max_per_source(v.max_per_source);
-        let superseded = shared.install(Install {
+        let generation = Install {
             core: Arc::clone(&core),
             max_clients: v.max_sessions,
             idle: v.idle_timeout,
             tls: Install::member_tls(config, v),
             write_timeouts: Install::member_write_timeouts(config, v),
-        });
-        // Held here only: the link set the workers read before the switch.
-        if !wait_for_readers(&superseded, 1, HANDOVER_LIMIT) {
-            tracing::warn!(vserver = %v.name, "a worker kept the old core past the hand-over limit");
-        }
-        drop(superseded);
-        // The shared counters already follow what the old core did meanwhile (pins, ends,
-        // moves); what must stop counting is a pin the new table had no room for, and the old
-        // core's pin of a dialog the new core pinned again (its next request came first).
-        let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, cx.now());
-        for &(m, count) in late.refused_counted.iter().chain(&late.doubled) {
-            core.tally(Change::Close(m, count));
-        }
-        for &c in &late.pushed_out {
-            core.tally(c);
-        }
-        let kept = late.kept(&moved);
-        let r = Rebuilt {
-            dialogs_kept: kept,
-            ..rebuilt(&old_names, &balancer, &added)
         };
-        Ok(Rebuild {
-            rebuilt: r,
-            balancer,
-            data: Arc::new(SipStreamPath { core, shared }),
-        })
+        let max_per_source = v.max_per_source;
+        Ok(Prepared::new(move |cx| {
+            let now = cx.now();
+            let old_names = names_of(old.balancer());
+            let added = settle(&balancer, &old_names, cx.health_of, now);
+            let new_names = names_of(&balancer);
+            // Expired dialogs are not migrated: close their count first, or it would stay.
+            old.sweep(now);
+            let moved = migrate_dialogs(&old, &core, &old_names, &new_names, now);
+            // The counters carry over: a dialog the new table had no room for is closed there.
+            for &(m, count) in &moved.refused_counted {
+                core.tally(Change::Close(m, count));
+            }
+            shared.gate.set_max_per_source(max_per_source);
+            shared.install(generation);
+            // Until every task that began a message with the old generation has finished it.
+            shared.readers.wait();
+            // The shared counters already follow what the old core did meanwhile (pins, ends,
+            // moves); what must stop counting is a pin the new table had no room for, and the
+            // old core's pin of a dialog the new core pinned again (its next request came
+            // first).
+            let late = catch_up_dialogs(&old, &core, &moved, &old_names, &new_names, cx.now());
+            for &(m, count) in late.refused_counted.iter().chain(&late.doubled) {
+                core.tally(Change::Close(m, count));
+            }
+            for &c in &late.pushed_out {
+                core.tally(c);
+            }
+            let r = Rebuilt {
+                dialogs_kept: late.kept(&moved),
+                ..rebuilt(&old_names, &balancer, &added)
+            };
+            Rebuild {
+                rebuilt: r,
+                balancer,
+                data: Arc::new(SipStreamPath { core, shared }),
+            }
+        }))
     }
 
     fn protocols(&self) -> &'static [Protocol] {
@@ -658,6 +664,7 @@ pub(crate) fn start(
             tls: tls.clone(),
             udp,
             front: None,
+            readers: Arc::default(),
         },
     );
     ctx.tokio.spawn(run_vserver(
@@ -685,6 +692,7 @@ struct Shells {
     tls: Option<Arc<crate::tls::TlsListener>>,
     udp: Option<Arc<tokio::net::UdpSocket>>,
     front: Option<crate::proxy::sip_udp::Senders>,
+    readers: Arc<Readers>,
 }
 
 /// The shared state over `core`, with every member of `v` given its link (and connection
@@ -719,6 +727,7 @@ fn launch(
         udp: sh.udp,
         front: sh.front,
         gate: crate::budget::Gate::new(Arc::clone(ctx.budget), 1, v.max_per_source),
+        readers: sh.readers,
     });
     shared.install(Install {
         core,
@@ -737,13 +746,15 @@ fn launch(
 /// leaves from `front`'s client socket, one of the vserver's (to a sip-udp member, from its
 /// service socket); held requests are woken here. The vserver's workers hand their
 /// stream members' traffic to [`SipStreamShared::carry_datagram`]; a reload installs its core here
-/// too ([`SipStreamShared::install`]).
+/// too ([`SipStreamShared::install`]). The links' tasks mark their messages on `readers`,
+/// the vserver's workers' own, so one hand-over covers both.
 pub(crate) fn start_bridge(
     ctx: &mut StartCtx<'_>,
     config: &Config,
     v: &Vserver,
     core: &Arc<SipCore>,
     front: crate::proxy::sip_udp::Senders,
+    readers: &Arc<Readers>,
 ) -> Arc<SipStreamShared> {
     let shared = launch(
         ctx,
@@ -756,6 +767,7 @@ pub(crate) fn start_bridge(
             tls: None,
             udp: None,
             front: Some(front),
+            readers: Arc::clone(readers),
         },
     );
     // No listener: the task sweeps dialogs (the vserver's sweeper thread is not started)

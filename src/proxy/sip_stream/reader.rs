@@ -3,6 +3,7 @@
 //! a message's deadline ([`Inbound`]). IO.
 
 use super::*;
+use crate::proxy::handover::Reader;
 use crate::sip::FrameError;
 
 thread_local! {
@@ -42,8 +43,9 @@ pub(super) async fn read_messages<R: StreamRead>(
         Origin::Client { .. } => (DEFAULT_MAX_MESSAGE, true),
     };
     let mut inbound = Inbound::new(max_message);
+    let reader = shared.readers.register();
     loop {
-        match frame_buffered(shared, &mut inbound, &peer) {
+        match frame_buffered(shared, &mut inbound, &peer, &reader) {
             Framed::ReadMore => {}
             Framed::Close => return,
             Framed::Answered => return linger(&mut read, &mut inbound).await,
@@ -117,7 +119,12 @@ async fn linger<R: StreamRead>(read: &mut R, inbound: &mut Inbound) {
 /// Frame everything already buffered (several messages may arrive in one read) and hand each
 /// message to the current core, answer pings; see [`Framed`] for what comes after a framing
 /// error. Rewritten messages are built in a per-thread buffer and copied out.
-fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'_>) -> Framed {
+fn frame_buffered(
+    shared: &SipStreamShared,
+    inbound: &mut Inbound,
+    peer: &Peer<'_>,
+    reader: &Reader,
+) -> Framed {
     loop {
         match inbound.frame() {
             Ok(Some(frame)) => {
@@ -131,6 +138,7 @@ fn frame_buffered(shared: &SipStreamShared, inbound: &mut Inbound, peer: &Peer<'
                         if let Some(a) = peer.activity {
                             a.touch(now / 1_000_000, true);
                         }
+                        let _in = reader.enter();
                         let g = shared.current.load();
                         let msg = inbound.front(len);
                         if let Some(link) = peer.link

@@ -87,6 +87,7 @@ pub(super) async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::
         .unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0)));
     let mut buf = vec![0u8; 65_536];
     let mut sends = Vec::new();
+    let reader = shared.readers.register();
     // fulcrum's own replies to a service's request go back as datagrams, not on a queue.
     loop {
         let (n, src) = match sock.recv_from(&mut buf).await {
@@ -100,6 +101,7 @@ pub(super) async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::
         };
         let src = SocketAddr::new(src.ip().to_canonical(), src.port());
         OUT.with_borrow_mut(|out| {
+            let _in = reader.enter();
             let g = shared.current.load();
             let Some(m) = g.core.udp_member_of(src) else {
                 bump(&shared.counters.udp_leg_strangers);

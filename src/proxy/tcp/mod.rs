@@ -34,7 +34,7 @@ use crate::http::{self};
 use crate::net;
 use crate::proxy::context::elapsed_nanos;
 use crate::proxy::context::{
-    DataPath, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle, bind_tcp_workers,
+    DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_tcp_workers,
 };
 use crate::proxy::evict::{Evictable, Registration, admit_evicting};
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
@@ -226,14 +226,14 @@ impl TcpCore {
 
     /// The core of a reload of the vserver `old` served: members it keeps share their
     /// counters with `old` (connections established before the reload stay counted on
-    /// their service), their TLS handshake counters too, and the open-connection bound
-    /// carries over.
+    /// their service), their TLS handshake counters too, and the admission of client
+    /// connections carries over (its per-source limit changes only when the core is
+    /// installed: building one aside changes nothing the running vserver uses).
     pub fn rebuilt(config: &Config, v: &Vserver, epoch: Instant, old: &TcpCore) -> TcpCore {
         let mut core = TcpCore::new(config, v, epoch);
         core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
         core.live = Arc::clone(&old.live);
         core.gate = Arc::clone(&old.gate);
-        core.gate.set_max_per_source(v.max_per_source);
         core.conns = Arc::clone(&old.conns);
         core.edge = v.edge(Some(&old.edge));
         let old_names = old.balancer.members();
@@ -398,27 +398,21 @@ impl DataPath for TcpPath {
         self.cell.load().cut(service);
     }
 
-    fn rebuild(
-        &self,
-        cx: &RebuildCx<'_>,
-        config: &Config,
-        v: &Vserver,
-    ) -> Result<Rebuild, RuntimeError> {
-        let epoch = cx.epoch;
-        let (core, rebuilt) = reconfig::swap_core(
-            &self.cell,
-            cx,
-            |old| TcpCore::rebuilt(config, v, epoch, old),
-            TcpCore::balancer,
-        );
-        Ok(Rebuild {
-            rebuilt,
-            balancer: Arc::clone(core.balancer()),
-            data: Arc::new(TcpPath {
-                core,
-                cell: Arc::clone(&self.cell),
-            }),
-        })
+    /// A core built aside from the current one ([`TcpCore::rebuilt`]); nothing fails. The
+    /// per-source limit of the admission the cores share changes when it is installed.
+    fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError> {
+        let old = self.cell.load_full();
+        let core = Arc::new(TcpCore::rebuilt(config, v, old.epoch, &old));
+        let (cell, max_per_source) = (Arc::clone(&self.cell), v.max_per_source);
+        Ok(Prepared::new(move |cx| {
+            core.gate.set_max_per_source(max_per_source);
+            let rebuilt = reconfig::swap_core(&cell, &old, &core, cx, TcpCore::balancer);
+            Rebuild {
+                rebuilt,
+                balancer: Arc::clone(core.balancer()),
+                data: Arc::new(TcpPath { core, cell }),
+            }
+        }))
     }
 
     fn protocols(&self) -> &'static [Protocol] {
