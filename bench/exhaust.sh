@@ -2,7 +2,8 @@
 # Exhaustion and memory: N silent TLS connections (handshakes complete, one loopback source
 # address each, bench/exhaust.py) held against a sip-tls vserver, then closed. Prints fulcrum's
 # open files and VmRSS before, while held and after the close (settled), and its file budget
-# (the pool and how much of it the connections took; docs/limits.md). The vserver has
+# (the pool and how much of it the connections took; docs/limits.md), and the trims of freed
+# memory it logged. The vserver has
 # `max_per_source: off`, `max_sessions` above N, and a service nobody needs (the connections
 # never send a message).
 # Usage: [N=20000] bench/exhaust.sh        (needs python3, openssl; root or CAP_SYS_RESOURCE
@@ -47,4 +48,6 @@ echo "held:          fds=$f1 rss_kib=$r1 $b1"
 echo "closed +2s:    fds=$f2 rss_kib=$r2"
 echo "closed +$((2 + ${SETTLE:-10}))s:   fds=$f3 rss_kib=$r3 $b3"
 echo "after/before:  $(awk -v a="$r3" -v b="$r0" 'BEGIN{printf "%.2f", a/b}')"
+# The trims of freed memory fulcrum ran after the close (src/memory.rs), with what each took.
+grep "given back" "$TMP/fulcrum.log" || echo "no trim logged"
 stop_fulcrum

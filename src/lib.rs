@@ -18,6 +18,7 @@
 //! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine and `health::answer` judgement
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
+//! - `memory`     PURE  when to give freed heap memory back after connections close; IO edge calls glibc's `malloc_trim`
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
 //! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
@@ -34,8 +35,8 @@
 //! - `sync`       PURE  `lock`: a mutex guard that recovers from poison (why it may)
 //! - `systemd`    PURE  service-manager notify messages (READY, RELOADING, STOPPING, watchdog); IO edge sends them
 //! - `tls`        IO    rustls configurations from PEM files, reloadable listener / connector, handshake failure reasons (PURE)
-//! - `uring`      IO    batched sends on many sockets in one system call (io_uring); the only `unsafe`
-// Denied everywhere but in `uring`, which documents why its one block is sound.
+//! - `uring`      IO    batched sends on many sockets in one system call (io_uring); `unsafe` here and in `memory::release` only
+// Denied everywhere but in `uring` and `memory::release`, which document why their blocks are sound.
 #![deny(unsafe_code)]
 // Public means used by the binaries, benches, examples, fuzz targets or integration tests.
 #![warn(unreachable_pub)]
@@ -56,6 +57,7 @@ pub mod hash;
 pub mod health;
 pub mod http;
 pub mod key;
+pub mod memory;
 pub mod methods;
 pub(crate) mod net;
 pub mod ops;

@@ -58,6 +58,8 @@ pub struct Ops {
     draining: std::sync::atomic::AtomicBool,
     /// Raised when the runtime shuts down (see [`Ops::shutdown_signal`]).
     signal: Signal,
+    /// When to give back what closed connections freed ([`crate::memory`]).
+    trim: Mutex<crate::memory::TrimPolicy>,
 }
 
 impl std::fmt::Debug for Ops {
@@ -99,6 +101,7 @@ impl Ops {
             reload_lock: Mutex::new(()),
             draining: std::sync::atomic::AtomicBool::new(false),
             signal: signal.clone(),
+            trim: Mutex::new(crate::memory::TrimPolicy::default()),
         });
         let weak = Arc::downgrade(&ops);
         let (mut signal, guard) = (signal, jobs.guard());
@@ -113,6 +116,7 @@ impl Ops {
                 let Some(ops) = weak.upgrade() else { return };
                 ops.sample_rates();
                 ops.end_drains();
+                ops.return_memory();
             }
         });
         Ok(ops)
@@ -174,6 +178,10 @@ impl Ops {
             .map(|rt| std::sync::Arc::clone(rt.budget()))
     }
 
+    fn with_runtime<R>(&self, f: impl FnOnce(&Runtime) -> R) -> Option<R> {
+        self.runtime().as_ref().map(f)
+    }
+
     fn runtime(&self) -> MutexGuard<'_, Option<Runtime>> {
         lock(&self.rt)
     }
@@ -181,6 +189,32 @@ impl Ops {
     /// Requests per second of member `m` of vserver `v` over the last sampled second.
     pub fn request_rate(&self, v: usize, m: usize) -> f64 {
         lock(&self.rates).rates.get(&(v, m)).copied().unwrap_or(0.0)
+    }
+
+    /// After a burst of connections closed, give what they freed back to the system
+    /// ([`crate::memory`]): rarely, on a blocking thread (the walk takes the allocator's locks
+    /// one arena at a time), and logged with what it took and gave.
+    fn return_memory(&self) {
+        let Some((now, used)) = self.with_runtime(|rt| (rt.now(), rt.budget().used())) else {
+            return;
+        };
+        if !lock(&self.trim).observe(now, used) {
+            return;
+        }
+        self.tokio.spawn_blocking(move || {
+            let before = rss_kib();
+            let started = Instant::now();
+            let released = crate::memory::release();
+            let took = started.elapsed();
+            tracing::info!(
+                files_in_use = used,
+                released,
+                rss_before_kib = before,
+                rss_after_kib = rss_kib(),
+                took_us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
+                "freed memory given back to the system"
+            );
+        });
     }
 
     fn sample_rates(&self) {
@@ -616,6 +650,18 @@ fn vserver_facts(v: &VserverHandle) -> VserverFacts {
             .filter(|&m| b.health(m) == Some(Health::Up) && !b.is_draining(m))
             .count(),
     }
+}
+
+/// The process's resident size (`VmRSS`, KiB), for the log; 0 where /proc has none.
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 #[cfg(test)]

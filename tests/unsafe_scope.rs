@@ -1,6 +1,7 @@
-//! The crate denies `unsafe_code` (src/lib.rs); the one module allowed to opt out is
-//! `src/uring.rs` (io_uring submissions name buffers by address), as README says. A second
-//! opt-out anywhere under src/ fails here, so the claim cannot drift.
+//! The crate denies `unsafe_code` (src/lib.rs); the modules allowed to opt out are
+//! `src/uring.rs` (io_uring submissions name buffers by address) and `src/memory.rs` (one
+//! call to glibc's `malloc_trim`, which takes no pointer), as README says. Another opt-out
+//! anywhere under src/ fails here, so the claim cannot drift.
 
 use std::path::{Path, PathBuf};
 
@@ -16,7 +17,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 #[test]
-fn only_uring_allows_unsafe_code() {
+fn only_uring_and_memory_allow_unsafe_code() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
     rust_files(&src, &mut files);
@@ -40,5 +41,5 @@ fn only_uring_allows_unsafe_code() {
         })
         .collect();
     allowing.sort();
-    assert_eq!(allowing, vec!["uring.rs".to_string()]);
+    assert_eq!(allowing, ["memory.rs", "uring.rs"]);
 }

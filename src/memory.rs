@@ -1,0 +1,119 @@
+//! Giving freed heap memory back to the system after a burst of connections closes. PURE
+//! decision ([`TrimPolicy`]: open-file counts and `now` in, "trim now" out) with a thin IO
+//! edge ([`release`]) that calls glibc's `malloc_trim(0)`.
+//!
+//! glibc keeps the memory a connection's task and TLS buffers freed in its arenas, to reuse
+//! it: after 20,000 connections close, the process stays at the size it had while they were
+//! open (BENCHMARKS.md, "Exhaustion and memory"). `malloc_trim(0)` walks every arena and gives
+//! back each free page with `MADV_DONTNEED`, not only the top of the heap. It takes each
+//! arena's lock while it walks it, so it runs only after the pool's count of open files fell
+//! by [`MIN_DROP`] or more, and at most once per [`MIN_INTERVAL`]: never per message or per
+//! connection. Other targets (musl, other allocators) have no such call; [`release`] does
+//! nothing there.
+
+use crate::stats::Nanos;
+
+/// The fall in files in use (from the highest count seen since the last trim) that makes a
+/// trim worth its walk: a thousand TLS connections hold some 15 MB.
+pub const MIN_DROP: u64 = 1000;
+/// The least time between two trims.
+pub const MIN_INTERVAL: Nanos = 5_000_000_000;
+
+/// When to give freed memory back, from the pool's count of files in use sampled now and
+/// then. See the module documentation.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrimPolicy {
+    /// The highest count seen since the last trim (or since start).
+    peak: u64,
+    /// When the last trim was decided.
+    last: Option<Nanos>,
+}
+
+impl TrimPolicy {
+    /// Feed the count of files in use at `now`; true when a trim should run now (the
+    /// policy then counts from `used` afresh).
+    pub fn observe(&mut self, now: Nanos, used: u64) -> bool {
+        self.peak = self.peak.max(used);
+        let is_spaced = self
+            .last
+            .is_none_or(|t| now.saturating_sub(t) >= MIN_INTERVAL);
+        if self.peak - used < MIN_DROP || !is_spaced {
+            return false;
+        }
+        self.peak = used;
+        self.last = Some(now);
+        true
+    }
+}
+
+/// Give the free pages of every malloc arena back to the system; whether any was (glibc's
+/// answer). Takes each arena's lock in turn: call it from a blocking thread, rarely.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+pub fn release() -> bool {
+    // SAFETY: malloc_trim takes no pointer and only works on the allocator's own state, under
+    // its locks; it is safe to call from any thread at any time.
+    unsafe { libc::malloc_trim(0) != 0 }
+}
+
+/// No allocator call to make here.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn release() -> bool {
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Nanos = 1_000_000_000;
+
+    #[test]
+    fn a_burst_that_closes_is_trimmed_once_then_not_until_it_falls_again() {
+        let mut p = TrimPolicy::default();
+        // Connections arrive: no trim while the count rises or holds.
+        for (t, used) in [(0, 0), (1, 5_000), (2, 20_000), (3, 20_000)] {
+            assert!(!p.observe(t * S, used), "at {t} s");
+        }
+        // They close: one trim once the fall reaches MIN_DROP.
+        assert!(!p.observe(4 * S, 19_500));
+        assert!(p.observe(5 * S, 17));
+        // Nothing more to give back until the count rises and falls again.
+        for t in 6..30 {
+            assert!(!p.observe(t * S, 17), "at {t} s");
+        }
+    }
+
+    #[test]
+    fn a_slow_fall_is_trimmed_at_most_once_per_interval() {
+        let mut p = TrimPolicy::default();
+        assert!(!p.observe(0, 20_000));
+        let mut trims = Vec::new();
+        // 2,000 fewer files every second, for ten seconds.
+        for t in 1..=10u64 {
+            if p.observe(t * S, 20_000 - 2_000 * t) {
+                trims.push(t);
+            }
+        }
+        assert_eq!(trims, vec![1, 6]);
+        // What fell since the last trim is trimmed once the interval has passed.
+        assert!(p.observe(11 * S, 0));
+    }
+
+    #[test]
+    fn churn_at_a_steady_count_never_trims() {
+        let mut p = TrimPolicy::default();
+        for t in 0..100u64 {
+            let used = 10_000 + (t % 7) * 100;
+            assert!(!p.observe(t * S, used), "at {t} s");
+        }
+    }
+
+    #[test]
+    fn a_fall_smaller_than_min_drop_does_not_trim() {
+        let mut p = TrimPolicy::default();
+        assert!(!p.observe(0, MIN_DROP));
+        assert!(!p.observe(10 * S, 1));
+        assert!(p.observe(11 * S, 0));
+    }
+}
