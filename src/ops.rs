@@ -472,10 +472,16 @@ impl Ops {
             self.health.apply_all();
         }
         let mut changes = plan.describe();
-        // Certificates are read again on every reload, whatever the plan.
+        // Certificates are read again on every reload, whatever the plan; a listener whose
+        // files did not change keeps its configuration, and clients resume their sessions.
         if let Some(rt) = self.runtime().as_ref() {
-            for vs in rt.reload_tls(&new) {
-                changes.push(format!("vservers.{vs}.tls certificate re-read"));
+            for (vs, renewal) in rt.reload_tls(&new) {
+                changes.push(match renewal {
+                    crate::tls::Renewal::Timeout => {
+                        format!("vservers.{vs}.tls_handshake_timeout changed")
+                    }
+                    _ => format!("vservers.{vs}.tls certificate changed"),
+                });
             }
         }
         tracing::info!(changes = ?changes, "config reloaded");

@@ -20,7 +20,9 @@
 //!   the new config chooses).
 //! - `tls` certificates and keys (vservers) and CAs (services) are read again on every
 //!   reload, changed or not, and stored for new handshakes, a monitor's next probe included;
-//!   established connections keep theirs (docs/tls.md). A vserver's `tls` files and
+//!   established connections keep theirs (docs/tls.md). A vserver's listener whose files
+//!   (by content) did not change keeps its server configuration and session cache, so
+//!   clients resume their sessions across the reload ([`crate::tls::TlsListener::store`]). A vserver's `tls` files and
 //!   `tls_handshake_timeout` change in place this way; a service's `tls` fields are part of
 //!   its data (a change rebuilds its vservers; its monitor runs on, probing with the new
 //!   `tls`).

@@ -1,8 +1,10 @@
 //! TLS on stream vservers and services (docs/tls.md): rustls configurations built from the
 //! PEM files a config names, a swappable holder so that a reload changes the certificate of
-//! new handshakes only, the server handshake with a time bound and its failures sorted into
+//! new handshakes only (and keeps the running configuration, session cache included, when the
+//! files did not change), the server handshake with a time bound and its failures sorted into
 //! a few reasons, and the client handshake toward a service. IO at the edges (files,
-//! sockets); the sorting of failures ([`Reason::of`]) is PURE.
+//! sockets); the sorting of failures ([`Reason::of`]) and what a reload does to a listener
+//! ([`renewal`]) are PURE.
 //!
 //! Nothing here knows the config model or a protocol: [`crate::config`] calls
 //! [`server_config`] / [`client_config`] with paths and maps a [`FileProblem`] to the
@@ -159,22 +161,24 @@ pub fn key_of(path: &Path, pem: &[u8]) -> Result<PrivateKeyDer<'static>, TlsErro
     })
 }
 
-fn load_certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    certificates_of(path, &read(path)?)
-}
-
-fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    key_of(path, &read(path)?)
-}
-
-/// A certificate chain and its key, checked against each other: the key must parse and its
-/// public half be the end-entity certificate's.
+/// A certificate chain and its key read from their files (see [`certified_from`]).
 fn certified(
     cert: &Path,
     key: &Path,
 ) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), FileProblem> {
-    let chain = load_certificates(cert).map_err(at(Field::Cert))?;
-    let der = load_key(key).map_err(at(Field::Key))?;
+    let cert_pem = read(cert).map_err(at(Field::Cert))?;
+    let key_pem = read(key).map_err(at(Field::Key))?;
+    certified_from((cert, &cert_pem), (key, &key_pem))
+}
+
+/// A certificate chain and its key from the PEM text of their files, checked against each
+/// other: the key must parse and its public half be the end-entity certificate's.
+fn certified_from(
+    (cert, cert_pem): (&Path, &[u8]),
+    (key, key_pem): (&Path, &[u8]),
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), FileProblem> {
+    let chain = certificates_of(cert, cert_pem).map_err(at(Field::Cert))?;
+    let der = key_of(key, key_pem).map_err(at(Field::Key))?;
     let signing = provider()
         .key_provider
         .load_private_key(der.clone_key())
@@ -201,8 +205,13 @@ fn certified(
 
 /// Trust anchors from a PEM file of CA certificates.
 fn roots(path: &Path, field: Field) -> Result<RootCertStore, FileProblem> {
+    roots_from(path, &read(path).map_err(at(field))?, field)
+}
+
+/// Trust anchors from the PEM text `pem` of the CA file `path`.
+fn roots_from(path: &Path, pem: &[u8], field: Field) -> Result<RootCertStore, FileProblem> {
     let mut store = RootCertStore::empty();
-    for der in load_certificates(path).map_err(at(field))? {
+    for der in certificates_of(path, pem).map_err(at(field))? {
         store.add(der).map_err(|source| {
             at(field)(TlsError::BadCertificate {
                 path: path.to_owned(),
@@ -213,18 +222,75 @@ fn roots(path: &Path, field: Field) -> Result<RootCertStore, FileProblem> {
     Ok(store)
 }
 
+/// What a listener's server configuration is built from, digested (SHA-256): the bytes of its
+/// certificate, key and client CA files, and whether it has a client CA at all. The protocol
+/// versions and the crypto provider are fixed; a setting that comes to shape the
+/// configuration belongs in here too. Two loads with the same fingerprint build the same
+/// configuration, so a reload keeps the running one and its session cache
+/// ([`TlsListener::store`]); a file renewed in place under the same name changes it, whatever
+/// its modification time says.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// The digest of `files` in order, each with its length; `None` (a file not given) is
+    /// told apart from an empty file.
+    fn of(files: &[Option<&[u8]>]) -> Fingerprint {
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        for file in files {
+            match file {
+                None => ctx.update(&[0]),
+                Some(bytes) => {
+                    ctx.update(&[1]);
+                    ctx.update(&u64::try_from(bytes.len()).unwrap_or(u64::MAX).to_be_bytes());
+                    ctx.update(bytes);
+                }
+            }
+        }
+        let mut out = [0u8; 32];
+        for (o, b) in out.iter_mut().zip(ctx.finish().as_ref()) {
+            *o = *b;
+        }
+        Fingerprint(out)
+    }
+}
+
+impl std::fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Fingerprint(")?;
+        for b in &self.0[..8] {
+            write!(f, "{b:02x}")?;
+        }
+        f.write_str("..)")
+    }
+}
+
 /// A server configuration from `files`: the certificate chain and key (checked to match),
-/// and, with `client_ca`, client certificates required and verified against it.
-pub fn server_config(files: &ServerFiles<'_>) -> Result<Arc<ServerConfig>, FileProblem> {
-    let (chain, key) = certified(files.cert, files.key)?;
+/// and, with `client_ca`, client certificates required and verified against it; with the
+/// [`Fingerprint`] of the bytes it was built from (each file is read once).
+pub fn server_config(
+    files: &ServerFiles<'_>,
+) -> Result<(Arc<ServerConfig>, Fingerprint), FileProblem> {
+    let cert_pem = read(files.cert).map_err(at(Field::Cert))?;
+    let key_pem = read(files.key).map_err(at(Field::Key))?;
+    let ca_pem = match files.client_ca {
+        Some(ca) => Some((ca, read(ca).map_err(at(Field::ClientCa))?)),
+        None => None,
+    };
+    let fingerprint = Fingerprint::of(&[
+        Some(&cert_pem),
+        Some(&key_pem),
+        ca_pem.as_ref().map(|(_, pem)| pem.as_slice()),
+    ]);
+    let (chain, key) = certified_from((files.cert, &cert_pem), (files.key, &key_pem))?;
     let builder = ServerConfig::builder_with_provider(provider())
         .with_protocol_versions(VERSIONS)
         .map_err(|e| at(Field::Cert)(TlsError::Build(e.to_string())))?;
-    let builder = match files.client_ca {
+    let builder = match &ca_pem {
         None => builder.with_no_client_auth(),
-        Some(ca) => {
+        Some((ca, pem)) => {
             let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::new(roots(ca, Field::ClientCa)?),
+                Arc::new(roots_from(ca, pem, Field::ClientCa)?),
                 provider(),
             )
             .build()
@@ -235,7 +301,7 @@ pub fn server_config(files: &ServerFiles<'_>) -> Result<Arc<ServerConfig>, FileP
     let config = builder
         .with_single_cert(chain, key)
         .map_err(|e| at(Field::Cert)(TlsError::Build(e.to_string())))?;
-    Ok(Arc::new(config))
+    Ok((Arc::new(config), fingerprint))
 }
 
 /// A client configuration from `files`: the service's certificate verified against `ca`,
@@ -400,11 +466,44 @@ impl HandshakeCounters {
     }
 }
 
-/// What a terminating listener hands to new handshakes; replaced whole by a reload.
+/// What a terminating listener hands to new handshakes; replaced by a reload
+/// ([`TlsListener::store`]).
 #[derive(Debug, Clone)]
 pub struct ServerTls {
     pub config: Arc<ServerConfig>,
     pub handshake_timeout: Duration,
+    /// What `config` was built from; `None` when not known, and then never taken as
+    /// unchanged.
+    pub fingerprint: Option<Fingerprint>,
+}
+
+/// What a reload does to a listener ([`renewal`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    /// The same files and settings: the running configuration stays, and with it the
+    /// session cache, so clients resume their sessions across the reload (RFC 8446 section
+    /// 2.2; RFC 5246 section 7.3 for TLS 1.2 session IDs).
+    Unchanged,
+    /// The same configuration, kept, with a new `tls_handshake_timeout`.
+    Timeout,
+    /// A new certificate, key or client CA: the new configuration replaces the running one,
+    /// and the next handshake of every client is a full one.
+    Config,
+}
+
+/// What storing `next` into a listener that runs `current` does. PURE.
+pub fn renewal(current: &ServerTls, next: &ServerTls) -> Renewal {
+    let same_files = matches!(
+        (current.fingerprint, next.fingerprint),
+        (Some(a), Some(b)) if a == b
+    );
+    if !same_files {
+        Renewal::Config
+    } else if current.handshake_timeout != next.handshake_timeout {
+        Renewal::Timeout
+    } else {
+        Renewal::Unchanged
+    }
 }
 
 /// The TLS side of one listening vserver: the current [`ServerTls`] (a reload stores a new
@@ -424,9 +523,21 @@ impl TlsListener {
         }
     }
 
-    /// Use `tls` for the handshakes that start from now on.
-    pub fn store(&self, tls: ServerTls) {
-        self.current.store(Arc::new(tls));
+    /// Use `tls` for the handshakes that start from now on; the running configuration (and
+    /// its session cache) stays when `tls` was built from the same files ([`renewal`]).
+    /// Called by one reload at a time.
+    pub fn store(&self, tls: ServerTls) -> Renewal {
+        let current = self.current();
+        let renewal = renewal(&current, &tls);
+        match renewal {
+            Renewal::Unchanged => {}
+            Renewal::Timeout => self.current.store(Arc::new(ServerTls {
+                config: Arc::clone(&current.config),
+                ..tls
+            })),
+            Renewal::Config => self.current.store(Arc::new(tls)),
+        }
+        renewal
     }
 
     /// The configuration new handshakes use.
@@ -530,26 +641,49 @@ pub fn server_name(
 }
 
 /// A loaded rustls configuration carried in the config model next to the file names it was
-/// read from. Compared by those names, never by content: two loads of one file are equal,
-/// and a reload re-reads the files whatever the comparison says ([`TlsListener::store`]).
+/// read from, with the [`Fingerprint`] of their content when known. Always equal to another:
+/// the reload plan compares file names, and a reload re-reads the files whatever the plan
+/// says; the listener compares fingerprints ([`TlsListener::store`]).
 #[derive(Clone)]
-pub struct Loaded<T>(Option<Arc<T>>);
+pub struct Loaded<T> {
+    config: Option<Arc<T>>,
+    fingerprint: Option<Fingerprint>,
+}
 
 impl<T> Default for Loaded<T> {
     fn default() -> Self {
-        Loaded(None)
+        Loaded {
+            config: None,
+            fingerprint: None,
+        }
     }
 }
 
 impl<T> Loaded<T> {
     pub fn new(value: Arc<T>) -> Loaded<T> {
-        Loaded(Some(value))
+        Loaded {
+            config: Some(value),
+            fingerprint: None,
+        }
+    }
+
+    /// A configuration and the fingerprint of the files it was built from.
+    pub fn fingerprinted(value: Arc<T>, fingerprint: Fingerprint) -> Loaded<T> {
+        Loaded {
+            config: Some(value),
+            fingerprint: Some(fingerprint),
+        }
     }
 
     /// The configuration, `None` when the files were not read (a config made from text
     /// alone, without [`crate::config::load`]).
     pub fn get(&self) -> Option<&Arc<T>> {
-        self.0.as_ref()
+        self.config.as_ref()
+    }
+
+    /// What the configuration was built from, when known.
+    pub fn fingerprint(&self) -> Option<Fingerprint> {
+        self.fingerprint
     }
 }
 
@@ -561,7 +695,7 @@ impl<T> PartialEq for Loaded<T> {
 
 impl<T> std::fmt::Debug for Loaded<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() {
+        f.write_str(if self.config.is_some() {
             "Loaded"
         } else {
             "NotLoaded"
@@ -820,6 +954,54 @@ mod tests {
             ..files(&key)
         };
         assert!(server_config(&mtls).is_ok());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn a_reload_keeps_the_config_of_unchanged_files_and_replaces_it_when_one_changes() {
+        let d = tmp("renewal");
+        let (cert, key) = self_signed(&d, "a.test");
+        let files = ServerFiles {
+            cert: &cert,
+            key: &key,
+            client_ca: None,
+        };
+        let load = |files: &ServerFiles<'_>, handshake_timeout| {
+            let (config, fingerprint) = server_config(files).expect("loads");
+            ServerTls {
+                config,
+                handshake_timeout,
+                fingerprint: Some(fingerprint),
+            }
+        };
+        let t = DEFAULT_HANDSHAKE_TIMEOUT;
+        let l = TlsListener::new(load(&files, t));
+        let first = Arc::clone(&l.current().config);
+        // The files read again, unchanged: the same configuration object stays.
+        assert_eq!(l.store(load(&files, t)), Renewal::Unchanged);
+        assert!(Arc::ptr_eq(&l.current().config, &first));
+        // Only the handshake timeout: kept, with the new timeout.
+        assert_eq!(l.store(load(&files, 2 * t)), Renewal::Timeout);
+        assert!(Arc::ptr_eq(&l.current().config, &first));
+        assert_eq!(l.current().handshake_timeout, 2 * t);
+        // A certificate (and key) renewed in place under the same names: replaced.
+        self_signed(&d, "a.test");
+        assert_eq!(l.store(load(&files, 2 * t)), Renewal::Config);
+        let second = Arc::clone(&l.current().config);
+        assert!(!Arc::ptr_eq(&second, &first));
+        // A client CA added, from a file already in use: a change too.
+        let mtls = ServerFiles {
+            client_ca: Some(&cert),
+            ..files
+        };
+        assert_eq!(l.store(load(&mtls, 2 * t)), Renewal::Config);
+        assert_eq!(l.store(load(&mtls, 2 * t)), Renewal::Unchanged);
+        // Built from files nobody digested: never taken as unchanged.
+        let unknown = ServerTls {
+            fingerprint: None,
+            ..load(&mtls, 2 * t)
+        };
+        assert_eq!(l.store(unknown), Renewal::Config);
         let _ = std::fs::remove_dir_all(&d);
     }
 

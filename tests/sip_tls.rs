@@ -302,7 +302,7 @@ fn reload_swaps_the_certificate_for_new_handshakes_and_established_calls_go_on()
     assert!(
         changes
             .iter()
-            .any(|c| c == "vservers.v.tls certificate re-read"),
+            .any(|c| c == "vservers.v.tls certificate changed"),
         "{changes:?}"
     );
     let fresh = connect(vs, &client_config(&lab.ca, None), "fulcrum.test", ANSWER).expect("new");
@@ -385,11 +385,12 @@ fn frequent_reloads_keep_the_probe_cadence_of_tls_and_plain_services() {
     let until = Instant::now() + Duration::from_secs(5);
     let (mut reloads, mut weight) = (0, 1);
     while Instant::now() < until && reloads < 100 {
-        let mut expected = vec!["vservers.v.tls certificate re-read".to_owned()];
+        // The vserver's certificate files do not change: its listener is left as it is.
+        let mut expected = Vec::<String>::new();
         if reloads % 2 == 1 {
             weight = 3 - weight;
             f.write(&yaml(weight));
-            expected.insert(0, "vservers.v rebuilt".to_owned());
+            expected.push("vservers.v rebuilt".to_owned());
         }
         let changes = ops.reload().expect("reload");
         assert_eq!(changes, expected, "reload {reloads}");

@@ -645,7 +645,7 @@ fn reload_swaps_the_certificate_for_new_handshakes_and_keeps_established_ones() 
     assert!(
         changes
             .iter()
-            .any(|c| c == "vservers.v.tls certificate re-read"),
+            .any(|c| c == "vservers.v.tls certificate changed"),
         "{changes:?}"
     );
     let (_, cert) = tls_ask(vs, &cfg, "www.test", b"new").expect("answer");
@@ -664,6 +664,66 @@ fn reload_swaps_the_certificate_for_new_handshakes_and_keeps_established_ones() 
         cert, second.der,
         "still the certificate of the last good reload"
     );
+    ops.shutdown();
+}
+
+/// A session survives a reload that changes nothing about the listener's TLS: the client
+/// resumes it (RFC 8446 section 2.2) with the ticket of the connection before the reload.
+/// A certificate renewed in place under the same file names is a new server configuration:
+/// the next handshake is a full one and presents the new certificate.
+#[test]
+fn sessions_resume_across_a_reload_that_changes_nothing_and_not_across_a_new_certificate() {
+    use rustls::HandshakeKind;
+    let f = ConfigFile::new("tls-resume", "");
+    let ca = Ca::new("fulcrum test CA");
+    let first = ca.issue(&f, "www", "www.test", "first");
+    let svc = services("tcp", 1, "127.0.0.1");
+    f.write(&tcp_yaml(&refs(&svc), "", ""));
+    let ops = start(&f);
+    let vs = addr(&ops, "v");
+    // One client configuration throughout: its session store keeps the tickets.
+    let cfg = client_config(&ca, None);
+    // A whole exchange (the tickets arrive after the handshake and are read with the answer):
+    // how the handshake went and the certificate the session carries.
+    let visit = |payload: &[u8]| {
+        let s = tls_connect(vs, &cfg, "www.test").expect("connected");
+        let kind = s.conn.handshake_kind();
+        let cert = s.conn.peer_certificates().and_then(|c| c.first().cloned());
+        let out = finish(s, payload).expect("answer");
+        assert_eq!(parse_answer(&out).expect("answer").body, payload);
+        (kind, cert)
+    };
+    assert_eq!(
+        visit(b"one"),
+        (Some(HandshakeKind::Full), Some(first.der.clone()))
+    );
+    assert_eq!(
+        visit(b"two").0,
+        Some(HandshakeKind::Resumed),
+        "resumed before any reload"
+    );
+    let changes = ops.reload().expect("reload");
+    assert_eq!(
+        visit(b"three").0,
+        Some(HandshakeKind::Resumed),
+        "resumed across a reload that changed nothing"
+    );
+    assert!(changes.iter().all(|c| !c.contains("tls")), "{changes:?}");
+    // The same file names, a new certificate in them.
+    let second = ca.issue(&f, "www", "www.test", "second");
+    let changes = ops.reload().expect("reload");
+    assert_eq!(
+        visit(b"four"),
+        (Some(HandshakeKind::Full), Some(second.der.clone())),
+        "a full handshake with the renewed certificate"
+    );
+    assert!(
+        changes
+            .iter()
+            .any(|c| c == "vservers.v.tls certificate changed"),
+        "{changes:?}"
+    );
+    assert_eq!(visit(b"five").0, Some(HandshakeKind::Resumed));
     ops.shutdown();
 }
 

@@ -195,7 +195,7 @@ fn read_tls_files(cfg: &mut Config, dir: &Path) -> Vec<Problem> {
             client_ca: tls.client_ca.as_ref().map(|c| c.path.as_path()),
         };
         match crate::tls::server_config(&files) {
-            Ok(c) => tls.loaded = Loaded::new(c),
+            Ok((c, fingerprint)) => tls.loaded = Loaded::fingerprinted(c, fingerprint),
             Err(p) => {
                 let at = match p.field {
                     Field::Key => &tls.key,

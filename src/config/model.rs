@@ -259,6 +259,7 @@ impl VserverTls {
         self.loaded.get().map(|c| crate::tls::ServerTls {
             config: std::sync::Arc::clone(c),
             handshake_timeout: self.handshake_timeout,
+            fingerprint: self.loaded.fingerprint(),
         })
     }
 }

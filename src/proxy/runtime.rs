@@ -112,9 +112,10 @@ impl Runtime {
 
     /// Store the certificates of `config` (read again by the reload that made it) into the
     /// running vservers that terminate TLS, and the CAs into the service connectors of tcp /
-    /// http cores: new handshakes use them, established connections keep theirs. The names
-    /// of the vservers whose listener got a new certificate.
-    pub fn reload_tls(&self, config: &Config) -> Vec<String> {
+    /// http cores: new handshakes use them, established connections keep theirs. A listener
+    /// whose files did not change keeps its configuration and session cache
+    /// ([`crate::tls::TlsListener::store`]). The vservers whose listener changed, and how.
+    pub fn reload_tls(&self, config: &Config) -> Vec<(String, crate::tls::Renewal)> {
         let mut stored = Vec::new();
         for h in &self.vservers {
             let (Some(listener), Some(v)) =
@@ -123,8 +124,10 @@ impl Runtime {
                 continue;
             };
             if let Some(tls) = v.tls.as_ref().and_then(|t| t.server_tls()) {
-                listener.store(tls);
-                stored.push(h.name.clone());
+                match listener.store(tls) {
+                    crate::tls::Renewal::Unchanged => {}
+                    changed => stored.push((h.name.clone(), changed)),
+                }
             }
         }
         for h in &self.vservers {
