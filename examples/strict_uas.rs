@@ -85,7 +85,7 @@ fn main() -> anyhow::Result<()> {
             let (Some(cert), Some(key)) = (args.get(3), args.get(4)) else {
                 anyhow::bail!("tls needs CERT and KEY: {usage}");
             };
-            let tls = fulcrum::tls::server_config(&fulcrum::tls::ServerFiles {
+            let (tls, _) = fulcrum::tls::server_config(&fulcrum::tls::ServerFiles {
                 cert: Path::new(cert),
                 key: Path::new(key),
                 client_ca: None,
