@@ -295,21 +295,21 @@ pub fn admit(
 /// or request.
 #[derive(Debug, Default)]
 pub struct Activity {
-    last_ms: AtomicU64,
+    last: AtomicU64,
     proven: std::sync::atomic::AtomicBool,
 }
 
 impl Activity {
-    pub fn new(now_ms: u64) -> Activity {
+    pub fn new(now: u64) -> Activity {
         Activity {
-            last_ms: AtomicU64::new(now_ms),
+            last: AtomicU64::new(now),
             proven: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    /// Something arrived at `now_ms`: a whole message (`message`), or only a keep-alive.
-    pub fn touch(&self, now_ms: u64, message: bool) {
-        self.last_ms.store(now_ms, Ordering::Relaxed);
+    /// Something arrived at `now`: a whole message (`message`), or only a keep-alive.
+    pub fn touch(&self, now: u64, message: bool) {
+        self.last.store(now, Ordering::Relaxed);
         if message && !self.proven.load(Ordering::Relaxed) {
             self.proven.store(true, Ordering::Relaxed);
         }
@@ -318,14 +318,14 @@ impl Activity {
     /// When it was last active, for a relay that keeps its idle clock here (a store per
     /// movement, no second clock).
     pub fn stamp(&self) -> &AtomicU64 {
-        &self.last_ms
+        &self.last
     }
 
     /// The eviction rank: lower goes first.
     pub fn rank(&self) -> (bool, u64) {
         (
             self.proven.load(Ordering::Relaxed),
-            self.last_ms.load(Ordering::Relaxed),
+            self.last.load(Ordering::Relaxed),
         )
     }
 }

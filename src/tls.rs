@@ -222,46 +222,33 @@ fn roots_from(path: &Path, pem: &[u8], field: Field) -> Result<RootCertStore, Fi
     Ok(store)
 }
 
-/// What a listener's server configuration is built from, digested (SHA-256): the bytes of its
-/// certificate, key and client CA files, and whether it has a client CA at all. The protocol
-/// versions and the crypto provider are fixed; a setting that comes to shape the
-/// configuration belongs in here too. Two loads with the same fingerprint build the same
-/// configuration, so a reload keeps the running one and its session cache
-/// ([`TlsListener::store`]); a file renewed in place under the same name changes it, whatever
-/// its modification time says.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub struct Fingerprint([u8; 32]);
+/// What a listener's server configuration is built from, digested (xxh3-128, the crate's
+/// hash: this tells an operator's edit from no edit, it is no defence against a forger who
+/// can already write the key file): the bytes of its certificate, key and client CA files,
+/// and whether it has a client CA at all. The protocol versions and the crypto provider are
+/// fixed; a setting that comes to shape the configuration belongs in here too. Two loads
+/// with the same fingerprint build the same configuration, so a reload keeps the running one
+/// and its session cache ([`TlsListener::store`]); a file renewed in place under the same
+/// name changes it, whatever its modification time says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint(u128);
 
 impl Fingerprint {
     /// The digest of `files` in order, each with its length; `None` (a file not given) is
     /// told apart from an empty file.
     fn of(files: &[Option<&[u8]>]) -> Fingerprint {
-        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
         for file in files {
             match file {
-                None => ctx.update(&[0]),
+                None => h.update(&[0]),
                 Some(bytes) => {
-                    ctx.update(&[1]);
-                    ctx.update(&u64::try_from(bytes.len()).unwrap_or(u64::MAX).to_be_bytes());
-                    ctx.update(bytes);
+                    h.update(&[1]);
+                    h.update(&u64::try_from(bytes.len()).unwrap_or(u64::MAX).to_be_bytes());
+                    h.update(bytes);
                 }
             }
         }
-        let mut out = [0u8; 32];
-        for (o, b) in out.iter_mut().zip(ctx.finish().as_ref()) {
-            *o = *b;
-        }
-        Fingerprint(out)
-    }
-}
-
-impl std::fmt::Debug for Fingerprint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Fingerprint(")?;
-        for b in &self.0[..8] {
-            write!(f, "{b:02x}")?;
-        }
-        f.write_str("..)")
+        Fingerprint(h.digest128())
     }
 }
 

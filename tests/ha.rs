@@ -37,7 +37,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const ROLE: &str = "FULCRUM_NETNS_ROLE";
+use common::netns::ROLE;
 const VIP: &str = "10.99.0.1";
 const CLIENT: &str = "10.98.1.2";
 const A: &str = "10.98.2.2";
@@ -97,16 +97,6 @@ fn helper_ha_uas() {
     }
 }
 
-/// Effective uid 0, from /proc (no libc call in a test).
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .find_map(|l| l.strip_prefix("Uid:"))
-            .and_then(|v| v.split_whitespace().nth(1))
-            == Some("0")
-    })
-}
-
 fn on_path(program: &str) -> bool {
     std::env::var_os("PATH")
         .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(program).is_file()))
@@ -115,7 +105,7 @@ fn on_path(program: &str) -> bool {
 /// Why network namespaces cannot be built here, if they cannot: the only reasons a test of
 /// this file passes without running.
 fn netns_unavailable() -> Option<String> {
-    if !is_root() {
+    if !common::netns::is_root() {
         return Some("needs root for network namespaces".into());
     }
     if !on_path("ip") {

@@ -86,9 +86,8 @@ fn a_udp_request_past_the_line_limit_is_answered_513() {
     assert_eq!(counter(&rt, |c| c.replies_513.load(Ordering::Relaxed)), 1);
 }
 
-#[test]
-fn a_tcp_request_past_the_line_limit_is_answered_513_and_the_connection_goes_on() {
-    let uas = TcpUas::start();
+/// A sip-tcp vserver over `uas`, and a client connection to it with its local address.
+fn sip_tcp_client(uas: &TcpUas) -> (fulcrum::proxy::Runtime, TcpStream, std::net::SocketAddr) {
     let (rt, proxy) = common::start_over(
         "sip-tcp",
         "127.0.0.1:0",
@@ -96,8 +95,15 @@ fn a_tcp_request_past_the_line_limit_is_answered_513_and_the_connection_goes_on(
         "",
         &[("s0".to_owned(), uas.addr)],
     );
-    let mut conn = TcpStream::connect(proxy).expect("connect");
+    let conn = TcpStream::connect(proxy).expect("connect");
     let local = conn.local_addr().expect("addr");
+    (rt, conn, local)
+}
+
+#[test]
+fn a_tcp_request_past_the_line_limit_is_answered_513_and_the_connection_goes_on() {
+    let uas = TcpUas::start();
+    let (rt, mut conn, local) = sip_tcp_client(&uas);
     let req = stacked_vias("TCP", local, 300, "tcp-loop");
     conn.write_all(req.as_bytes()).expect("write");
     let mut buf = Vec::new();
@@ -123,15 +129,7 @@ fn a_tcp_request_past_the_line_limit_is_answered_513_and_the_connection_goes_on(
 #[test]
 fn a_tcp_request_past_the_size_limit_is_answered_513_then_closed() {
     let uas = TcpUas::start();
-    let (rt, proxy) = common::start_over(
-        "sip-tcp",
-        "127.0.0.1:0",
-        "call_id_hash",
-        "",
-        &[("s0".to_owned(), uas.addr)],
-    );
-    let mut conn = TcpStream::connect(proxy).expect("connect");
-    let local = conn.local_addr().expect("addr");
+    let (rt, mut conn, local) = sip_tcp_client(&uas);
     let body = "v".repeat(70_000);
     let req = request("INVITE", "too-long", local, "big").replace(
         "Content-Length: 0\r\n\r\n",

@@ -561,8 +561,9 @@ fn handshakes_toward_tls_services_are_counted_per_service_and_survive_a_reload()
 }
 
 /// A sip-tls service that accepts the TCP connection and never answers the handshake: a
-/// call sent its way waits for the link's connect bound (3 s), counted as a `timeout` toward
-/// it, then goes to another service.
+/// call sent its way fails over to another service (no answer within `no_answer`), and the
+/// link's connect bound (3 s) counts a `timeout` toward the stalled service when it passes,
+/// not before.
 #[test]
 fn a_service_that_never_answers_the_handshake_is_counted_as_timeout() {
     let lab = Lab::new("sip-tls-svc-stall");
@@ -597,7 +598,7 @@ fn a_service_that_never_answers_the_handshake_is_counted_as_timeout() {
     assert_eq!(h.completed, Some(0));
     assert!(
         t0.elapsed() >= Duration::from_millis(2900),
-        "a call waited for the bound: {:?}",
+        "the timeout is counted at the connect bound, not before: {:?}",
         t0.elapsed()
     );
     drop(stalled);

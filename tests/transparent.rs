@@ -8,12 +8,14 @@
 //! the routing an IP_TRANSPARENT deployment needs. The client and the service are this test
 //! binary run again inside their namespaces (`helper_*` tests driven by an env variable).
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-const ROLE: &str = "FULCRUM_NETNS_ROLE";
+use common::netns::ROLE;
 
 /// Service role: accept, answer `PEER=<client address>`, close.
 #[test]
@@ -91,16 +93,6 @@ fn helper_client() {
         std::thread::sleep(Duration::from_millis(50));
     }
     println!("ANSWER none");
-}
-
-/// Effective uid 0, from /proc (no libc call in a test).
-fn is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|s| {
-        s.lines()
-            .find_map(|l| l.strip_prefix("Uid:"))
-            .and_then(|v| v.split_whitespace().nth(1))
-            == Some("0")
-    })
 }
 
 struct Netns {
@@ -204,7 +196,7 @@ fn transparent_case(protocol: &str, slot: u32) {
     if std::env::var(ROLE).is_ok() {
         return;
     }
-    if !is_root() {
+    if !common::netns::is_root() {
         println!("SKIP {name}: needs root for network namespaces");
         return;
     }

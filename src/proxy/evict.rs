@@ -47,11 +47,19 @@ pub(crate) struct Evictable {
 }
 
 impl Evictable {
-    /// Register a connection's task (`abort`) and activity; its id, for [`Registration`].
-    pub(crate) fn register(&self, activity: Arc<Activity>, abort: tokio::task::AbortHandle) -> u64 {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
+    /// The id of a connection about to be registered (its task's [`Registration`] names it).
+    pub(crate) fn next_id(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Register connection `id`'s task (`abort`) and activity.
+    pub(crate) fn register(
+        &self,
+        id: u64,
+        activity: Arc<Activity>,
+        abort: tokio::task::AbortHandle,
+    ) {
         self.conns.insert(id, (activity, abort));
-        id
     }
 
     /// Close up to `n` connections in eviction order; how many were closed. Entries whose

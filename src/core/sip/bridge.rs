@@ -279,6 +279,37 @@ fn attempts(sends: &[stateful::Send]) -> Vec<(stateful::Dest, String, String)> {
         .collect()
 }
 
+/// Member `m`'s answer `code` to the request it was `sent`, arriving at `dst` at `now`: what
+/// the core does with it; `sends` then holds what the held request sent besides.
+fn member_answers(
+    c: &SipCore,
+    m: usize,
+    sent: &[u8],
+    code: u16,
+    dst: SocketAddr,
+    now: Nanos,
+    sends: &mut Vec<stateful::Send>,
+) -> Action {
+    let reason = if code == 200 {
+        "OK"
+    } else {
+        "Service Unavailable"
+    };
+    let text = stateful::tests::answer(sent, code, reason);
+    let src = c.member_addr(m).expect("member");
+    sends.clear();
+    let mut out = Vec::new();
+    c.handle_stateful(
+        text.as_bytes(),
+        Origin::Member(m),
+        src,
+        dst,
+        now,
+        &mut out,
+        sends,
+    )
+}
+
 /// A sip-tcp vserver holds a client's INVITE toward sip-udp members as it does toward its
 /// own: 100 on the connection, Timer A over the UDP leg, a 503 ACKed and the INVITE moved to
 /// the other member with attempt 1's branch, whose answer finds the transaction (every leg
@@ -321,17 +352,7 @@ fn a_stream_clients_invite_fails_over_between_udp_members() {
         [(Dest::Service(a0), bytes::Bytes::from(first.clone()))]
     );
     // The member's 503 on the leg: absorbed, ACKed, the INVITE moved.
-    sends.clear();
-    let busy = stateful::tests::answer(&first, 503, "Service Unavailable");
-    let a = c.handle_stateful(
-        busy.as_bytes(),
-        Origin::Member(m0),
-        a0,
-        leg,
-        transaction::T1 + 1,
-        &mut out,
-        &mut sends,
-    );
+    let a = member_answers(&c, m0, &first, 503, leg, transaction::T1 + 1, &mut sends);
     assert!(matches!(a, Action::Drop(DropReason::Absorbed)), "{a:?}");
     let sent = attempts(&sends);
     assert_eq!(sent.len(), 2, "{sent:?}");
@@ -350,17 +371,7 @@ fn a_stream_clients_invite_fails_over_between_udp_members() {
     );
     let second = sends[1].1.clone();
     // The other member's 200 reaches the client's connection.
-    sends.clear();
-    let ok = stateful::tests::answer(&second, 200, "OK");
-    let a = c.handle_stateful(
-        ok.as_bytes(),
-        Origin::Member(m1),
-        a1,
-        leg,
-        transaction::T1 + 2,
-        &mut out,
-        &mut sends,
-    );
+    let a = member_answers(&c, m1, &second, 200, leg, transaction::T1 + 2, &mut sends);
     assert!(matches!(a, Action::ToConn(CONN)), "{a:?}");
     assert_eq!(
         c.transactions().counters.failovers.load(Ordering::Relaxed),
@@ -411,18 +422,7 @@ fn a_udp_clients_invite_fails_over_between_stream_members() {
     let next = c.poll_transactions(transaction::T1, &mut sends);
     assert!(sends.is_empty(), "{:?}", attempts(&sends));
     assert_eq!(next, Some(1_000_000_000));
-    sends.clear();
-    let busy = stateful::tests::answer(&first, 503, "Service Unavailable");
-    let a0 = c.member_addr(m0).expect("m0");
-    let a = c.handle_stateful(
-        busy.as_bytes(),
-        Origin::Member(m0),
-        a0,
-        us,
-        transaction::T1 + 1,
-        &mut out,
-        &mut sends,
-    );
+    let a = member_answers(&c, m0, &first, 503, us, transaction::T1 + 1, &mut sends);
     assert!(matches!(a, Action::Drop(DropReason::Absorbed)), "{a:?}");
     let sent = attempts(&sends);
     assert_eq!(
@@ -438,16 +438,6 @@ fn a_udp_clients_invite_fails_over_between_stream_members() {
         "{sent:?}"
     );
     let second = sends[1].1.clone();
-    sends.clear();
-    let ok = stateful::tests::answer(&second, 200, "OK");
-    let a = c.handle_stateful(
-        ok.as_bytes(),
-        Origin::Member(m1),
-        c.member_addr(m1).expect("m1"),
-        us,
-        transaction::T1 + 2,
-        &mut out,
-        &mut sends,
-    );
+    let a = member_answers(&c, m1, &second, 200, us, transaction::T1 + 2, &mut sends);
     assert!(matches!(a, Action::ToAddr(to) if to == client), "{a:?}");
 }

@@ -567,29 +567,30 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
             continue;
         }
         // TLS on either side takes the stream path; plain to plain keeps the
-        // single-buffer relay below. The task starts once registered for eviction (one
-        // that ended before could not remove its entry).
+        // single-buffer relay below. Registered for eviction before the task first runs: the
+        // worker's runtime is single-threaded, so the task starts only once this loop awaits
+        // (and an entry whose task ended anyway is dropped at the next eviction).
         let activity = Arc::new(Activity::new(core.now()));
-        let (registered, wait_registered) = tokio::sync::oneshot::channel::<u64>();
+        let id = core.conns.next_id();
         let conns = Arc::clone(&core.conns);
-        let table = Arc::clone(&conns);
         let stream_path = tls.is_some() || core.has_tls_members();
         let tls = tls.clone();
-        let act = Arc::clone(&activity);
-        let task = tokio::spawn(async move {
-            let _admission = admission;
-            let Ok(id) = wait_registered.await else {
-                return;
-            };
-            let _registration = Registration { table: conns, id };
-            if stream_path {
-                serve_stream(core, stream, peer, tls, &act).await;
-            } else {
-                serve(core, stream, peer, &act).await;
+        let task = tokio::spawn({
+            let activity = Arc::clone(&activity);
+            async move {
+                let _admission = admission;
+                let _registration = Registration {
+                    table: Arc::clone(&core.conns),
+                    id,
+                };
+                if stream_path {
+                    serve_stream(core, stream, peer, tls, &activity).await;
+                } else {
+                    serve(core, stream, peer, &activity).await;
+                }
             }
         });
-        let id = table.register(activity, task.abort_handle());
-        let _ = registered.send(id);
+        conns.register(id, activity, task.abort_handle());
     }
 }
 
