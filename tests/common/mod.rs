@@ -244,8 +244,22 @@ pub fn udp_client(ip: &str) -> UdpSocket {
 pub fn udp_ask(c: &UdpSocket, to: SocketAddr, payload: &[u8]) -> Option<(Answer, SocketAddr)> {
     c.send_to(payload, to).expect("send");
     let mut buf = vec![0u8; 65_536];
-    let (n, from) = c.recv_from(&mut buf).ok()?;
+    let (n, from) = recv_from_retrying(c, &mut buf).ok()?;
     Some((parse_answer(&buf[..n])?, from))
+}
+
+/// `recv_from` that goes on after an interruption, as a real client does. A socket with a
+/// read timeout is never restarted by the kernel (signal(7)): any signal or task-work
+/// notification to the thread (an io_uring this process opened and dropped, say) ends the
+/// wait with EINTR long before the timeout.
+pub fn recv_from_retrying(c: &UdpSocket, buf: &mut [u8]) -> std::io::Result<(usize, SocketAddr)> {
+    let deadline = Instant::now() + c.read_timeout()?.unwrap_or(ANSWER);
+    loop {
+        match c.recv_from(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted && Instant::now() < deadline => {}
+            r => return r,
+        }
+    }
 }
 
 /// One TCP exchange: connect (from `from` when given), write, half-close, read to EOF.
