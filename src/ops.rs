@@ -89,6 +89,7 @@ impl Ops {
         let placements = health::placements(rt.vservers().iter().map(|v| v.balancer()));
         let board = HealthBoard::new(&config, placements, rt.epoch());
         board.apply_all();
+        board.watch_with(Arc::clone(rt.liveness()));
         board.start_monitors(&config, &tokio);
         let ops = Arc::new(Ops {
             rt: Mutex::new(Some(rt)),
@@ -565,15 +566,20 @@ impl Ops {
         }
     }
 
-    /// Pet the service manager's watchdog every `every` for as long as the proxy serves: a
-    /// task on the runtime that also runs the admin API and the monitors, so a wedged runtime
-    /// or a shut-down proxy stops the keep-alives and the manager steps in.
+    /// Pet the service manager's watchdog every `every` for as long as the proxy serves and
+    /// every worker shows progress ([`crate::proxy::liveness`]): each sip-udp thread, udp
+    /// event loop, timer and sweep thread, tcp worker runtime, the runtime of the SIP streams,
+    /// admin API and monitors (this task runs there too), and each monitor's rounds. A worker
+    /// stalled for `every` stops the keep-alives, so the manager steps in; they resume if it
+    /// moves again first.
     pub fn start_watchdog(self: &Arc<Self>, every: Duration) {
-        let Some(guard) = self
-            .runtime()
-            .as_ref()
-            .map(|rt| rt.task_group("watchdog").guard())
-        else {
+        let Some((guard, liveness, epoch)) = self.runtime().as_ref().map(|rt| {
+            (
+                rt.task_group("watchdog").guard(),
+                Arc::clone(rt.liveness()),
+                rt.epoch(),
+            )
+        }) else {
             return;
         };
         let weak = Arc::downgrade(self);
@@ -581,6 +587,7 @@ impl Ops {
         self.tokio.spawn(async move {
             let _guard = guard;
             let mut tick = tokio::time::interval(every);
+            let mut stalled_before: Vec<String> = Vec::new();
             loop {
                 tokio::select! {
                     _ = tick.tick() => {}
@@ -590,7 +597,18 @@ impl Ops {
                 if !ops.is_serving() {
                     return;
                 }
-                systemd::notify(systemd::State::Alive);
+                let stalled = liveness.stalled(crate::proxy::context::elapsed_nanos(epoch), every);
+                if stalled != stalled_before {
+                    if stalled.is_empty() {
+                        tracing::info!("watchdog: every worker makes progress again; keep-alives resume");
+                    } else {
+                        tracing::error!(workers = ?stalled, "watchdog: workers stalled for {every:?} or longer; keep-alives withheld");
+                    }
+                    stalled_before = stalled;
+                }
+                if stalled_before.is_empty() {
+                    systemd::notify(systemd::State::Alive);
+                }
             }
         });
     }

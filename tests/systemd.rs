@@ -185,3 +185,117 @@ fn version_flag_prints_the_package_version() {
         format!("fulcrum {}", env!("CARGO_PKG_VERSION"))
     );
 }
+
+/// The watchdog vouches for every worker: one thread of the process frozen (a ptrace stop
+/// holds that thread alone) stops the keep-alives, whatever kind of worker it is, and they
+/// resume once it runs again. The kinds: a tcp worker's runtime (probed with a task), a udp
+/// event loop (wakes at least every 100 ms), a sip-udp receiver frozen between datagrams
+/// with datagrams waiting on its socket (found by a peek).
+#[test]
+fn a_frozen_worker_stops_the_keep_alives() {
+    use nix::sys::ptrace;
+    use nix::sys::wait::{WaitPidFlag, waitpid};
+    use nix::unistd::Pid;
+
+    let yaml = "admin: { listen: null }\nservices:\n  - { name: s0, address: 127.0.0.1:9, protocol: sip-udp }\n  - { name: u0, address: 127.0.0.1:9, protocol: udp }\n  - { name: t0, address: 127.0.0.1:9, protocol: tcp }\nvservers:\n  - { name: sip, protocol: sip-udp, bind: [127.0.0.1:0], method: call_id_hash, workers: 2, services: [s0] }\n  - { name: gen, protocol: udp, bind: [127.0.0.1:0], method: round_robin, workers: 1, services: [u0] }\n  - { name: tcp, protocol: tcp, bind: [127.0.0.1:0], method: round_robin, workers: 1, services: [t0] }\n";
+    let file = ConfigFile::new("watchdog-freeze", yaml);
+    let (mut manager, socket) = Manager::bind(&file);
+    let (mut child, log) = spawn_fulcrum_env(
+        &file.path,
+        "0s",
+        &[
+            ("NOTIFY_SOCKET", socket.as_str()),
+            ("WATCHDOG_USEC", "400000"),
+        ],
+    );
+    let mut lines = Vec::new();
+    let listening = common::expect_line_keeping(&log, "vserver=sip bound=", &mut lines);
+    let sip: std::net::SocketAddr = listening
+        .split("bound=[")
+        .nth(1)
+        .and_then(|r| r.split(']').next())
+        .and_then(|l| l.split(", ").next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no address in {listening:?}"));
+    let ready = manager.next();
+    assert!(has(&ready, "READY=1"), "first message {ready:?}");
+
+    let pid = child.id();
+    let thread = |name: &str| -> Pid {
+        let dir = format!("/proc/{pid}/task");
+        for t in std::fs::read_dir(&dir).expect("task dir").flatten() {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            if comm.trim_end() == name {
+                let tid: i32 = t
+                    .file_name()
+                    .to_str()
+                    .and_then(|s| s.parse().ok())
+                    .expect("tid");
+                return Pid::from_raw(tid);
+            }
+        }
+        panic!("no thread {name} in {dir}");
+    };
+    // Keep-alives arrive every 200 ms: `n` of them within 2 s.
+    let flowing = |manager: &mut Manager, n: usize| {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut seen = 0;
+        while seen < n && Instant::now() < deadline {
+            if manager.next_within(Duration::from_millis(300)) == Some(vec!["WATCHDOG=1".into()]) {
+                seen += 1;
+            }
+        }
+        seen >= n
+    };
+    // Keep-alives stop: a silence of a second begins within 2 s.
+    let stopped = |manager: &mut Manager| {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            if manager.next_within(Duration::from_secs(1)).is_none() {
+                return true;
+            }
+        }
+        false
+    };
+    // (thread, the name the log gives it, what it is)
+    for (name, logged, what) in [
+        ("fulcrum-tcp", "tcp-0 runtime", "a tcp worker runtime"),
+        ("gen-0", "gen-0", "a udp event loop"),
+        (
+            "sip-0",
+            "sip-0",
+            "a sip-udp receiver with datagrams waiting",
+        ),
+    ] {
+        assert!(
+            flowing(&mut manager, 3),
+            "keep-alives before freezing {what}"
+        );
+        let tid = thread(name);
+        ptrace::seize(tid, ptrace::Options::empty()).expect("ptrace seize");
+        ptrace::interrupt(tid).expect("ptrace interrupt");
+        waitpid(tid, Some(WaitPidFlag::__WALL)).expect("the thread stops");
+        if name == "sip-0" {
+            // From many source ports, so the kernel's reuseport hash gives some to the frozen
+            // worker's socket (the other worker takes its share).
+            for _ in 0..64 {
+                let c = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+                c.send_to(b"OPTIONS sip:x SIP/2.0\r\n\r\n", sip)
+                    .expect("send");
+            }
+        }
+        let quiet = stopped(&mut manager);
+        ptrace::detach(tid, None).expect("ptrace detach");
+        assert!(quiet, "keep-alives went on with {what} frozen");
+        let said = common::expect_line_keeping(&log, "keep-alives withheld", &mut lines);
+        assert!(said.contains(logged), "the log names {logged}: {said}");
+        assert!(
+            flowing(&mut manager, 3),
+            "keep-alives after {what} ran again"
+        );
+        common::expect_line_keeping(&log, "keep-alives resume", &mut lines);
+        lines.clear();
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}

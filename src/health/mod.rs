@@ -140,6 +140,8 @@ pub struct HealthBoard {
     /// Probes failing on fulcrum's own side: one line a second at most, for all monitors (the
     /// trouble is the host's, and hits every monitor at once).
     local_log: LogLimiter,
+    /// Where each monitor task shows its rounds to the watchdog, once set.
+    liveness: std::sync::OnceLock<Arc<crate::proxy::liveness::Liveness>>,
 }
 
 impl HealthBoard {
@@ -151,9 +153,15 @@ impl HealthBoard {
             epoch,
             tasks: Mutex::new(HashMap::new()),
             local_log: LogLimiter::default(),
+            liveness: std::sync::OnceLock::new(),
         });
         board.sync_services(config);
         board
+    }
+
+    /// Show every monitor task's rounds on `liveness` (set once; tasks started from now on).
+    pub fn watch_with(&self, liveness: Arc<crate::proxy::liveness::Liveness>) {
+        let _ = self.liveness.set(liveness);
     }
 
     /// Nanoseconds since the board's epoch: the clock of monitor holds.
@@ -302,6 +310,14 @@ impl HealthBoard {
         let m = &target.monitor;
         let interval_ms = u64::try_from(m.interval.as_millis()).unwrap_or(u64::MAX);
         let delay = state::first_probe_delay_ms(&target.name, interval_ms);
+        // A round ends at most an interval (the first: the delay) plus the timeout after the
+        // previous one.
+        let heart = self.liveness.get().map(|l| {
+            l.periodic(
+                format!("monitor of {}", target.name),
+                m.interval + m.timeout,
+            )
+        });
         tokio::time::sleep(Duration::from_millis(delay)).await;
         let mut tick = tokio::time::interval(m.interval.max(Duration::from_millis(10)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -321,6 +337,9 @@ impl HealthBoard {
             )
             .await;
             self.record(&target.name, m, result);
+            if let Some(h) = &heart {
+                h.beat();
+            }
         }
     }
 

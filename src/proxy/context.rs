@@ -250,6 +250,8 @@ pub(crate) struct StartCtx<'a> {
     pub shutdown: &'a Shutdown,
     pub threads: &'a mut Vec<JoinHandle<()>>,
     pub tokio: &'a tokio::runtime::Handle,
+    /// Where the vserver's workers show their progress to the watchdog.
+    pub liveness: &'a Arc<crate::proxy::liveness::Liveness>,
 }
 
 /// How long a shutdown waits for async handlers to finish (and then for what is left on

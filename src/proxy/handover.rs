@@ -102,6 +102,11 @@ pub(crate) struct Reader {
 }
 
 impl Reader {
+    /// The slot this reader marks, for the watchdog ([`crate::proxy::liveness`]).
+    pub(crate) fn mark(&self) -> Weak<AtomicU64> {
+        Arc::downgrade(&self.slot)
+    }
+
     /// Mark the start of a message: call before loading the core, and keep the returned
     /// guard until the message is done with it (its drop marks the end). A message entered
     /// while one is under way (a nested call) is part of that one.

@@ -4,6 +4,7 @@ pub(crate) mod context;
 pub(crate) mod evict;
 pub(crate) mod fd_limit;
 pub(crate) mod handover;
+pub mod liveness;
 pub mod proxy_protocol;
 pub(crate) mod reconfig;
 pub(crate) mod runtime;

@@ -6,9 +6,11 @@ use crate::proxy::context::Rebuilt;
 use crate::proxy::context::{
     Prepared, RebuildCx, RuntimeError, SHUTDOWN_WAIT, StartCtx, VserverHandle,
 };
+use crate::proxy::liveness::{Heart, Liveness};
 use crate::proxy::shutdown::{Shutdown, Signal};
 use crate::proxy::{sip_stream, sip_udp, tcp, udp};
 use crate::stats::Nanos;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -22,6 +24,10 @@ pub struct Runtime {
     threads: Vec<JoinHandle<()>>,
     /// Async data paths, monitors and the admin API run here.
     tokio: Option<tokio::runtime::Runtime>,
+    /// Every worker's progress, for the watchdog.
+    liveness: Arc<Liveness>,
+    /// The heart of `tokio`'s probe, held while the runtime lives.
+    _tokio_heart: Heart,
     /// The vserver whose next rebuild fails in [`Runtime::prepare_rebuild`]: a fault for the
     /// tests of an all-or-nothing reload (the reload planner refuses every failure it knows
     /// of, so no config provokes one).
@@ -51,6 +57,8 @@ impl Runtime {
             .enable_all()
             .thread_name("fulcrum-io")
             .build()?;
+        let liveness = Arc::new(Liveness::default());
+        let _tokio_heart = liveness.runtime("fulcrum-io runtime".into(), tokio.handle().clone());
         let budget = std::sync::Arc::new(crate::proxy::fd_limit::budget(config));
         let mut rt = Runtime {
             budget,
@@ -59,6 +67,8 @@ impl Runtime {
             vservers: Vec::new(),
             threads: Vec::new(),
             tokio: Some(tokio),
+            liveness,
+            _tokio_heart,
             #[cfg(test)]
             fail_rebuild: None,
         };
@@ -147,6 +157,11 @@ impl Runtime {
         self.shutdown.group(name)
     }
 
+    /// Every worker's progress, for the watchdog.
+    pub fn liveness(&self) -> &Arc<Liveness> {
+        &self.liveness
+    }
+
     /// The tokio runtime of async paths, monitors and the admin API.
     pub fn tokio(&self) -> Option<&tokio::runtime::Handle> {
         self.tokio.as_ref().map(|t| t.handle())
@@ -165,6 +180,7 @@ impl Runtime {
             shutdown: &self.shutdown,
             threads: &mut self.threads,
             tokio: &tokio,
+            liveness: &self.liveness,
         };
         let start = starter(v.protocol);
         let handle = start(&mut ctx, config, v)?;

@@ -34,6 +34,7 @@ use crate::proxy::sip_stream::{Install, SipStreamShared};
 use crate::sip::Transport;
 use crate::stats::{LogLimiter, bump};
 use std::net::{SocketAddr, UdpSocket};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -202,6 +203,8 @@ fn start_transaction_timers(
     reader: Reader,
 ) -> Result<(), RuntimeError> {
     let (sleeper, epoch) = (ctx.shutdown.sleeper(), ctx.epoch);
+    ctx.liveness
+        .periodic_mark(format!("{}-timers", v.name), reader.mark(), POLL);
     let t = std::thread::Builder::new()
         .name(format!("{}-timers", v.name))
         .spawn(move || {
@@ -482,6 +485,10 @@ pub(crate) fn start(
         let bridge = bridge.clone();
         let stop = ctx.shutdown.flag();
         let (epoch, reader) = (ctx.epoch, readers.register());
+        // Watched by its mark and its socket; the socket stays open while the mark does
+        // (both end with the thread).
+        ctx.liveness
+            .receiver(name.clone(), reader.mark(), socket.as_raw_fd());
         let t = std::thread::Builder::new()
             .name(name)
             .spawn(move || match bridge {
@@ -501,6 +508,8 @@ pub(crate) fn start(
     // the interval is looked at every POLL); the shutdown ends the sleep at once.
     let (cell2, sleeper, epoch) = (Arc::clone(&cell), ctx.shutdown.sleeper(), ctx.epoch);
     let reader = readers.register();
+    ctx.liveness
+        .periodic_mark(format!("{}-sweep", v.name), reader.mark(), POLL);
     let t = std::thread::Builder::new()
         .name(format!("{}-sweep", v.name))
         .spawn(move || {

@@ -28,6 +28,7 @@ use crate::proxy::context::elapsed_nanos;
 use crate::proxy::context::{
     DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_udp,
 };
+use crate::proxy::liveness::Heart;
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::reconfig;
 use crate::session::{Admit, Session, SessionId, SessionKey, SessionTable};
@@ -149,9 +150,11 @@ pub(crate) fn start(
         let cell = Arc::clone(&cell);
         let stop = ctx.shutdown.flag();
         let epoch = ctx.epoch;
+        // It wakes at least every POLL, and beats at each wake-up.
+        let heart = ctx.liveness.periodic(format!("{}-{i}", v.name), POLL);
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || run_worker(set, poll, cell, epoch, stop))?;
+            .spawn(move || run_worker(set, poll, cell, epoch, stop, heart))?;
         ctx.threads.push(t);
     }
     tracing::info!(vserver = %v.name, bind = ?bound, workers, method = v.method.name(), "udp vserver started");
@@ -262,6 +265,7 @@ pub(crate) fn run_worker(
     cell: UdpCell,
     epoch: Instant,
     stop: Arc<AtomicBool>,
+    heart: Heart,
 ) {
     let core = cell.load_full();
     let mut listeners = Vec::new();
@@ -326,7 +330,7 @@ pub(crate) fn run_worker(
     };
     // io_uring=true: a receive batch goes to the services' sockets in one system call.
     tracing::info!(vserver = %w.core.name, io_uring = w.sender.uses_io_uring(), "udp worker ready");
-    w.run(epoch, &stop);
+    w.run(epoch, &stop, &heart);
 }
 
 impl Worker {
@@ -362,7 +366,7 @@ impl Worker {
         true
     }
 
-    fn run(&mut self, epoch: Instant, stop: &AtomicBool) {
+    fn run(&mut self, epoch: Instant, stop: &AtomicBool, heart: &Heart) {
         let mut events = Events::with_capacity(1024);
         let mut sweep_every = self.sweep_every();
         let mut next_sweep = elapsed_nanos(epoch).saturating_add(sweep_every);
@@ -379,6 +383,7 @@ impl Worker {
                 tracing::error!(vserver = %self.core.name, error = %e, "poll failed");
                 std::thread::sleep(POLL);
             }
+            heart.beat();
             let now = elapsed_nanos(epoch);
             // Before any datagram of this wake-up, so none is routed by a replaced core.
             if self.adopt_reload() {

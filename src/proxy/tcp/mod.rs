@@ -448,10 +448,14 @@ pub(crate) fn start(
             mine.push((*addr, l));
         }
     }
-    for listeners in per_worker {
+    for (i, listeners) in per_worker.into_iter().enumerate() {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
+        // Probed by the watchdog while the worker holds the heart.
+        let heart = ctx
+            .liveness
+            .runtime(format!("{}-{i} runtime", v.name), rt.handle().clone());
         // Registered here, with the worker's runtime, so a failure stops the start.
         let listeners = {
             let _enter = rt.enter();
@@ -471,7 +475,10 @@ pub(crate) fn start(
         let tls = tls.clone();
         let thread = std::thread::Builder::new()
             .name("fulcrum-tcp".into())
-            .spawn(move || worker(rt, cell, tls, listeners, signal))?;
+            .spawn(move || {
+                let _heart = heart;
+                worker(rt, cell, tls, listeners, signal);
+            })?;
         ctx.threads.push(thread);
     }
     tracing::info!(vserver = %v.name, protocol = v.protocol.name(), bind = ?bound, method = v.method.name(), workers, "tcp vserver started");
