@@ -22,7 +22,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use crate::config::{HashParams, Method, TokenRule};
 use crate::http::HttpHead;
-use crate::sip::{SipMsg, parse_uri};
+use crate::sip::{SipMethod, SipMsg, parse_name_addr, parse_uri};
 
 /// Capacity of an inline key.
 pub const INLINE_KEY: usize = 256;
@@ -150,6 +150,7 @@ pub fn extract<'a>(method: Method, params: &HashParams, ctx: &RequestCtx<'a>) ->
                 .map_or(KeyOutcome::NoKey, |c| KeyOutcome::Key(Key::Borrowed(c))),
             _ => KeyOutcome::NoKey,
         },
+        Method::AorHash => aor_key(ctx),
         Method::Token => token_key(params.token.as_ref(), ctx),
         Method::RoundRobin
         | Method::LeastConnection
@@ -227,6 +228,129 @@ fn domain_key<'a>(params: &HashParams, ctx: &RequestCtx<'a>) -> KeyOutcome<'a> {
     KeyOutcome::Key(key)
 }
 
+/// `aor_hash`: the address-of-record, the To URI of a REGISTER and the Request-URI of any
+/// other request, in canonical form ([`canonical_aor`]). No URI that gives one: no key.
+fn aor_key<'a>(ctx: &RequestCtx<'a>) -> KeyOutcome<'a> {
+    let Payload::Sip(m) = ctx.payload else {
+        return KeyOutcome::NoKey;
+    };
+    let uri = if m.method_kind() == SipMethod::Register {
+        m.to_header().and_then(parse_name_addr).map(|na| na.uri)
+    } else {
+        m.request_uri()
+    };
+    uri.and_then(canonical_aor)
+        .map_or(KeyOutcome::NoKey, KeyOutcome::Key)
+}
+
+/// The address-of-record of `uri` in the canonical form of RFC 3261 §10.3, the form a
+/// registrar indexes its bindings by: every URI parameter (the user-param too), the
+/// `?headers`, the port and a password removed, escaped characters unescaped.
+/// - `sip:` / `sips:`: the scheme lowercased, `:`, the user unescaped (case kept: users are
+///   case-sensitive, RFC 3261 §19.1.4) and `@` when there is one, then the host lowercased
+///   (IPv6 without brackets) with one trailing dot removed;
+/// - `tel:` (RFC 3966): `tel:` and the number up to its first parameter, without the visual
+///   separators `-` `.` `(` `)`;
+/// - any other scheme: the scheme lowercased, `:`, the rest up to its first `;` unescaped.
+///
+/// At most [`INLINE_KEY`] bytes (longer ones are cut). `None` when there is no URI to read.
+pub fn canonical_aor(uri: &[u8]) -> Option<Key<'static>> {
+    let mut w = KeyWriter::default();
+    if let Some(u) = parse_uri(uri) {
+        w.lowercase(u.scheme);
+        w.push(b":");
+        if let Some(user) = u.user {
+            // `user:password`: the password is not part of the address.
+            let user = &user[..memchr::memchr(b':', user).unwrap_or(user.len())];
+            w.unescaped(user);
+            w.push(b"@");
+        }
+        w.lowercase(u.host.strip_suffix(b".").unwrap_or(u.host));
+        return Some(w.key());
+    }
+    let colon = memchr::memchr(b':', uri)?;
+    let (scheme, rest) = (&uri[..colon], &uri[colon + 1..]);
+    let rest = &rest[..memchr::memchr(b';', rest).unwrap_or(rest.len())];
+    if scheme.is_empty() || rest.is_empty() || uri.iter().any(|&c| c <= b' ') {
+        return None;
+    }
+    w.lowercase(scheme);
+    w.push(b":");
+    if scheme.eq_ignore_ascii_case(b"tel") {
+        for &c in rest {
+            if !matches!(c, b'-' | b'.' | b'(' | b')') {
+                w.push(&[c]);
+            }
+        }
+    } else {
+        w.unescaped(rest);
+    }
+    Some(w.key())
+}
+
+/// Builds an inline key byte by byte; what does not fit is cut.
+struct KeyWriter {
+    buf: [u8; INLINE_KEY],
+    len: usize,
+}
+
+impl Default for KeyWriter {
+    fn default() -> Self {
+        KeyWriter {
+            buf: [0; INLINE_KEY],
+            len: 0,
+        }
+    }
+}
+
+impl KeyWriter {
+    fn push(&mut self, bytes: &[u8]) {
+        let n = bytes.len().min(INLINE_KEY - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&bytes[..n]);
+        self.len += n;
+    }
+
+    fn lowercase(&mut self, bytes: &[u8]) {
+        let start = self.len;
+        self.push(bytes);
+        self.buf[start..self.len].make_ascii_lowercase();
+    }
+
+    /// `%XX` escapes decoded (RFC 3261 §25.1 `escaped`); a `%` not followed by two hex
+    /// digits is kept as it is.
+    fn unescaped(&mut self, bytes: &[u8]) {
+        let mut i = 0;
+        while i < bytes.len() {
+            let c = bytes[i];
+            if c == b'%'
+                && let (Some(h), Some(l)) = (
+                    bytes.get(i + 1).and_then(|&d| hex(d)),
+                    bytes.get(i + 2).and_then(|&d| hex(d)),
+                )
+            {
+                self.push(&[h << 4 | l]);
+                i += 3;
+                continue;
+            }
+            self.push(&[c]);
+            i += 1;
+        }
+    }
+
+    fn key(self) -> Key<'static> {
+        Key::Inline {
+            len: self.len as u16,
+            buf: self.buf,
+        }
+    }
+}
+
+fn hex(d: u8) -> Option<u8> {
+    char::from(d)
+        .to_digit(16)
+        .and_then(|v| u8::try_from(v).ok())
+}
+
 fn token_key<'a>(rule: Option<&TokenRule>, ctx: &RequestCtx<'a>) -> KeyOutcome<'a> {
     let value = match (rule, ctx.payload) {
         (None, _) => None,
@@ -284,6 +408,117 @@ i:  call-42@host  \r\n\
 To: <sip:bob@ToHost.example>\r\n\
 X-Tenant: blue\r\n\
 l: 0\r\n\r\n";
+
+    fn aor(msg: &[u8]) -> Vec<u8> {
+        let m = scan(msg).unwrap();
+        let c = ctx("10.0.0.1:5060", "10.0.0.2:5060", Payload::Sip(&m));
+        key_of(extract(Method::AorHash, &HashParams::default(), &c))
+    }
+
+    fn request(method: &str, ruri: &str, to: &str) -> Vec<u8> {
+        format!(
+            "{method} {ruri} SIP/2.0\r\nVia: SIP/2.0/UDP h;branch=z9hG4bK1\r\nCall-ID: {method}-1\r\n\
+             To: {to}\r\nFrom: <sip:a@b>;tag=1\r\nCSeq: 1 {method}\r\nl: 0\r\n\r\n"
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn aor_of_a_register_is_its_to_uri_in_canonical_form() {
+        // Two phones of one user: different Call-IDs, Contacts and To forms, one AoR.
+        let a = aor(&request(
+            "REGISTER",
+            "sip:Example.COM",
+            "\"Bob\" <sip:bob@Example.COM:5060;transport=tcp?x=y>;tag=9",
+        ));
+        let b = aor(&request(
+            "REGISTER",
+            "sip:registrar.example.com",
+            "sip:bob@example.com.",
+        ));
+        let c = aor(&request(
+            "REGISTER",
+            "sip:example.com",
+            "<sip:%62ob:secret@EXAMPLE.com;user=ip>",
+        ));
+        assert_eq!(a, b"sip:bob@example.com");
+        assert_eq!(b, a);
+        assert_eq!(c, a);
+        // The user is case-sensitive; the scheme is part of the address.
+        assert_eq!(
+            aor(&request("REGISTER", "sip:x", "<sip:Bob@example.com>")),
+            b"sip:Bob@example.com"
+        );
+        assert_eq!(
+            aor(&request("REGISTER", "sip:x", "<SIPS:bob@example.com>")),
+            b"sips:bob@example.com"
+        );
+    }
+
+    #[test]
+    fn aor_of_other_requests_is_their_request_uri() {
+        let invite = request(
+            "INVITE",
+            "sip:bob@EXAMPLE.com:5070;transport=udp",
+            "<sip:someone@else>",
+        );
+        assert_eq!(aor(&invite), b"sip:bob@example.com");
+        let ipv6 = request("MESSAGE", "sip:bob@[2001:DB8::1]:5060", "<sip:x@y>");
+        assert_eq!(aor(&ipv6), b"sip:bob@2001:db8::1");
+        let tel = request(
+            "INVITE",
+            "tel:+1-212-555-0101;phone-context=example.com",
+            "<sip:x@y>",
+        );
+        assert_eq!(aor(&tel), b"tel:+12125550101");
+        let no_user = request("OPTIONS", "sip:Example.com;lr", "<sip:x@y>");
+        assert_eq!(aor(&no_user), b"sip:example.com");
+        // A bad escape is kept as written; nothing panics on a short one.
+        let odd = request("INVITE", "sip:b%zz%4@h", "<sip:x@y>");
+        assert_eq!(aor(&odd), b"sip:b%zz%4@h");
+    }
+
+    #[test]
+    fn aor_without_a_uri_is_no_key() {
+        // A REGISTER whose To holds no URI.
+        assert_eq!(aor(&request("REGISTER", "sip:x", "<>")), b"");
+        let msg = request("REGISTER", "sip:x", "<>");
+        let m = scan(&msg).unwrap();
+        let c = ctx("10.0.0.1:5060", "10.0.0.2:5060", Payload::Sip(&m));
+        assert_eq!(
+            extract(Method::AorHash, &HashParams::default(), &c),
+            KeyOutcome::NoKey
+        );
+        // Not SIP: no key.
+        let c = ctx("10.0.0.1:5060", "10.0.0.2:5060", Payload::Raw(b"x"));
+        assert_eq!(
+            extract(Method::AorHash, &HashParams::default(), &c),
+            KeyOutcome::NoKey
+        );
+        assert_eq!(canonical_aor(b""), None);
+        assert_eq!(canonical_aor(b"sip:"), None);
+        assert_eq!(canonical_aor(b"nocolon"), None);
+        // Cut at the inline capacity, never past it.
+        let long = format!("sip:{}@h", "u".repeat(400));
+        assert_eq!(
+            canonical_aor(long.as_bytes()).map(|k| k.as_bytes().len()),
+            Some(INLINE_KEY)
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn aor_ignores_params_port_and_host_case(user in "[a-z0-9]{1,12}", host in "[a-z]{1,10}\\.[a-z]{2,3}", port in 1u16.., param in "[a-z]{1,6}=[a-z0-9]{1,6}") {
+            let plain = canonical_aor(format!("sip:{user}@{host}").as_bytes()).map(|k| k.as_bytes().to_vec());
+            let dressed = canonical_aor(format!("sip:{user}@{}:{port};{param}?h=v", host.to_ascii_uppercase()).as_bytes()).map(|k| k.as_bytes().to_vec());
+            prop_assert_eq!(plain, dressed);
+        }
+
+        #[test]
+        fn aor_never_panics(uri in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = canonical_aor(&uri);
+        }
+    }
 
     #[test]
     fn sip_keys() {

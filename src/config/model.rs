@@ -332,11 +332,12 @@ pub enum Method {
     SourceDestIpHash,
     SourceIpSourcePortHash,
     CallIdHash,
+    AorHash,
     Token,
 }
 
 impl Method {
-    pub const ALL: [(&'static str, Method); 15] = [
+    pub const ALL: [(&'static str, Method); 16] = [
         ("round_robin", Method::RoundRobin),
         ("least_connection", Method::LeastConnection),
         ("least_response_time", Method::LeastResponseTime),
@@ -351,6 +352,7 @@ impl Method {
         ("source_dest_ip_hash", Method::SourceDestIpHash),
         ("source_ip_source_port_hash", Method::SourceIpSourcePortHash),
         ("call_id_hash", Method::CallIdHash),
+        ("aor_hash", Method::AorHash),
         ("token", Method::Token),
     ];
 
@@ -372,6 +374,7 @@ impl Method {
                 | Method::SourceDestIpHash
                 | Method::SourceIpSourcePortHash
                 | Method::CallIdHash
+                | Method::AorHash
                 | Method::Token
         )
     }

@@ -561,12 +561,13 @@ impl Cx {
 
     /// Methods that read a Call-ID or a request URL need a protocol that has one.
     fn method_fits_protocol(&mut self, n: &Node, mp: &str, m: Method, p: Protocol) {
-        if m == Method::CallIdHash && !p.is_sip() {
+        if matches!(m, Method::CallIdHash | Method::AorHash) && !p.is_sip() {
             self.problem(
                 n.pos,
                 mp,
                 format!(
-                    "call_id_hash needs a SIP vserver (sip-udp, sip-tcp or sip-tls), not {}",
+                    "{} needs a SIP vserver (sip-udp, sip-tcp or sip-tls), not {}",
+                    m.name(),
                     p.name()
                 ),
             );
