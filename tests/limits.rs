@@ -17,10 +17,12 @@ use std::time::{Duration, Instant};
 /// fulcrum under `prlimit --nofile=N:N`, its log lines, the addresses it bound.
 struct Fulcrum {
     child: Child,
-    _lines: mpsc::Receiver<String>,
+    lines: mpsc::Receiver<String>,
     admin: SocketAddr,
     sip_tcp: SocketAddr,
     sip_udp: SocketAddr,
+    /// Every vserver's address, by name.
+    bound: std::collections::HashMap<String, SocketAddr>,
     pool: u64,
     _dir: common::sipp::Scratch,
 }
@@ -86,6 +88,7 @@ fn start_with(nofile: u32, yaml: &str) -> Fulcrum {
         }
     });
     let (mut admin, mut sip_tcp, mut sip_udp, mut pool) = (None, None, None, None);
+    let mut bound = std::collections::HashMap::new();
     let deadline = Instant::now() + Duration::from_secs(10);
     let unspecified = SocketAddr::from(([0, 0, 0, 0], 0));
     if !wants_udp {
@@ -98,15 +101,24 @@ fn start_with(nofile: u32, yaml: &str) -> Fulcrum {
             pool = field(&line, "pool").and_then(|p| p.parse::<u64>().ok());
         } else if line.contains("admin API listening") {
             admin = field(&line, "bound").and_then(|a| a.parse().ok());
-        } else if line.contains("listening") && line.contains("vserver=tcp") {
-            sip_tcp = field(&line, "bound").and_then(|a| a.parse().ok());
-        } else if line.contains("listening") && line.contains("vserver=udp") {
-            sip_udp = field(&line, "bound").and_then(|a| a.parse().ok());
+        } else if line.contains("listening")
+            && let (Some(name), Some(addr)) = (
+                field(&line, "vserver"),
+                field(&line, "bound").and_then(|a| a.parse::<SocketAddr>().ok()),
+            )
+        {
+            match name.as_str() {
+                "tcp" => sip_tcp = Some(addr),
+                "udp" => sip_udp = Some(addr),
+                _ => {}
+            }
+            bound.insert(name, addr);
         }
     }
     let f = Fulcrum {
         child,
-        _lines: rx,
+        lines: rx,
+        bound,
         admin: admin.expect("admin"),
         sip_tcp: sip_tcp.expect("tcp"),
         sip_udp: sip_udp.expect("udp"),
@@ -122,6 +134,24 @@ fn start_with(nofile: u32, yaml: &str) -> Fulcrum {
 }
 
 impl Fulcrum {
+    /// The address vserver `name` bound (its `listening` line, read now if not yet).
+    fn vserver(&mut self, name: &str) -> SocketAddr {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.bound.contains_key(name) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self.lines.recv_timeout(left).expect("a listening line");
+            if line.contains("listening")
+                && let (Some(n), Some(a)) = (
+                    field(&line, "vserver"),
+                    field(&line, "bound").and_then(|a| a.parse().ok()),
+                )
+            {
+                self.bound.insert(n, a);
+            }
+        }
+        self.bound[name]
+    }
+
     /// `GET path` on the admin API: (status, body); (0, error) when it does not answer in 3 s.
     fn get(&self, path: &str) -> (u16, String) {
         let mut s = match TcpStream::connect_timeout(&self.admin, Duration::from_secs(3)) {
@@ -447,5 +477,82 @@ fn a_tcp_vserver_full_of_silent_connections_serves_a_new_client_by_eviction() {
         closed_by_peer(&held) >= 1,
         "an attacker's connection was closed"
     );
+    assert_eq!(f.get("/healthz").0, 200);
+}
+
+/// The pool is the process's, and so is eviction: silent connections from sources on
+/// 127.1.0.0/16 to a `tcp` vserver take 85% of it (under the low mark, so none is evicted
+/// yet), udp sessions (never evicted) the rest, then a new client of a `sip-tcp` vserver,
+/// which holds no connection of its own to give up, is served by evicting one of the tcp
+/// vserver's (counted there as `evicted`).
+#[test]
+fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_connection() {
+    if !prlimit_available() {
+        println!("SKIP: no prlimit");
+        return;
+    }
+    let (svc, _) = common::tcp_service("s0", "127.0.0.1");
+    let (echo, _) = common::udp_service("e0", "127.0.0.1");
+    let uas = StrictUas::tcp("t");
+    let yaml = format!(
+        "admin: {{ listen: \"127.0.0.1:0\" }}\nservices:\n  - {{ name: s0, address: \"{svc}\", protocol: tcp }}\n  - {{ name: e0, address: \"{echo}\", protocol: udp }}\n  - {{ name: t, address: \"{}\", protocol: sip-tcp }}\nvservers:\n  - {{ name: flood, protocol: tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: off, services: [s0] }}\n  - {{ name: gen, protocol: udp, bind: [\"127.0.0.1:0\"], workers: 1, services: [e0] }}\n  - {{ name: tcp, protocol: sip-tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: off, services: [t] }}\n",
+        uas.addr
+    );
+    let mut f = start_with(700, &yaml);
+    let (flood, gen_udp) = (f.vserver("flood"), f.vserver("gen"));
+    raise_own_limit(2_000);
+    let n = f.pool * 85 / 200;
+    let held: Vec<TcpStream> = (0..n)
+        .filter_map(|i| {
+            hold_from(
+                IpAddr::from([127, 1, (i / 250) as u8, (i % 250) as u8 + 1]),
+                flood,
+            )
+        })
+        .collect();
+    assert!(
+        common::wait_until(Duration::from_secs(5), || {
+            f.metric("fulcrum_open_files{kind=\"used\"}") == 2 * n
+        }),
+        "{n} tcp connections, two files each"
+    );
+    // Udp sessions take the rest of the pool, ten new flows at a time (at most 50 rounds).
+    let mut flows: Vec<UdpSocket> = Vec::new();
+    let mut used = 0;
+    for _ in 0..50 {
+        for _ in 0..10 {
+            let c = UdpSocket::bind("127.0.0.1:0").expect("bind");
+            c.send_to(b"hold", gen_udp).expect("send");
+            flows.push(c);
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        used = f.metric("fulcrum_open_files{kind=\"used\"}");
+        if used >= f.pool {
+            break;
+        }
+    }
+    println!(
+        "pool {}, {} tcp connections held, {} udp flows, pool used {used}",
+        f.pool,
+        held.len(),
+        flows.len()
+    );
+    assert_eq!(used, f.pool, "the pool is full");
+    assert_eq!(
+        f.metric("fulcrum_transport_events_total{vserver=\"flood\",event=\"evicted\"}"),
+        0,
+        "nothing evicted yet"
+    );
+    assert_eq!(
+        sip_tcp_options(f.sip_tcp, "cross"),
+        Some(200),
+        "a new sip-tcp client is served"
+    );
+    assert_eq!(
+        f.metric("fulcrum_transport_events_total{vserver=\"flood\",event=\"evicted\"}"),
+        1,
+        "one connection of the tcp vserver was evicted"
+    );
+    assert_eq!(closed_by_peer(&held), 1, "one held connection was closed");
     assert_eq!(f.get("/healthz").0, 200);
 }

@@ -252,6 +252,8 @@ pub(crate) struct StartCtx<'a> {
     pub tokio: &'a tokio::runtime::Handle,
     /// Where the vserver's workers show their progress to the watchdog.
     pub liveness: &'a Arc<crate::proxy::liveness::Liveness>,
+    /// Every vserver's evictable client connections (the file pool is the process's).
+    pub evictors: &'a Arc<crate::proxy::evict::Evictors>,
 }
 
 /// How long a shutdown waits for async handlers to finish (and then for what is left on

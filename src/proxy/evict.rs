@@ -1,13 +1,17 @@
 //! Eviction under pressure (docs/limits.md): when the process's file pool runs low, a new
 //! client connection first closes an idle one, those that never completed a request before
-//! any that did, the longest idle first ([`crate::budget::victims`]). IO: the registry holds
-//! the connections' tasks, to abort the chosen ones.
+//! any that did, the longest idle first ([`crate::budget::victims`]). The pool is the
+//! process's, so the idle connection may be any vserver's ([`Evictors`]): a sip-tls vserver's
+//! new client makes room by closing a silent connection held on a tcp vserver. IO: the
+//! registries hold the connections' tasks, to abort the chosen ones.
 
 use crate::budget::{Activity, Admission, Gate, Refusal};
+use crate::stats::LogLimiter;
+use crate::sync::lock;
 use dashmap::DashMap;
 use std::net::IpAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 /// How long a new connection refused for want of files waits, at most, for an evicted one's
@@ -38,15 +42,106 @@ pub(crate) async fn admit_evicting(
     r
 }
 
+/// A vserver's client connections as the process-wide eviction sees them.
+pub(crate) trait IdleClients: Send + Sync {
+    /// Its connection to evict first: ([`Activity::rank`], id).
+    fn first_victim(&self) -> Option<((bool, u64), u64)>;
+    /// Close connection `id` to make room at `now` (the runtime's clock, for the log), if it
+    /// is still open; whether it was.
+    fn evict_one(&self, id: u64, now: crate::stats::Nanos) -> bool;
+}
+
+/// Every vserver's evictable client connections. A vserver's entry goes with it.
+#[derive(Default)]
+pub(crate) struct Evictors {
+    all: Mutex<Vec<Weak<dyn IdleClients>>>,
+}
+
+impl std::fmt::Debug for Evictors {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Evictors")
+            .field("vservers", &lock(&self.all).len())
+            .finish()
+    }
+}
+
+impl Evictors {
+    /// Count `v`'s connections among the candidates while it exists.
+    pub(crate) fn add(&self, v: Weak<dyn IdleClients>) {
+        let mut all = lock(&self.all);
+        all.retain(|w| w.strong_count() > 0);
+        all.push(v);
+    }
+
+    /// Close the connection to evict first among every vserver's (each vserver's first
+    /// victim, compared by [`Activity::rank`]); how many were closed (0 or 1). Looks at every
+    /// connection, so it runs only while the pool runs low.
+    pub(crate) fn evict(&self, now: crate::stats::Nanos) -> usize {
+        let sources: Vec<Arc<dyn IdleClients>> = {
+            let mut all = lock(&self.all);
+            all.retain(|w| w.strong_count() > 0);
+            all.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut firsts: Vec<((bool, u64), usize, u64)> = sources
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.first_victim().map(|(rank, id)| (rank, i, id)))
+            .collect();
+        firsts.sort_unstable();
+        for (_, i, id) in firsts {
+            // One that ended meanwhile: the next vserver's first victim.
+            if sources.get(i).is_some_and(|s| s.evict_one(id, now)) {
+                return 1;
+            }
+        }
+        0
+    }
+}
+
 /// The client connections of a vserver that may be evicted: each one's activity and task.
 /// Shared by the vserver's workers and kept across reloads.
 #[derive(Debug, Default)]
 pub(crate) struct Evictable {
+    /// The vserver's name, for the log.
+    name: String,
     conns: DashMap<u64, (Arc<Activity>, tokio::task::AbortHandle)>,
     next: AtomicU64,
+    /// Connections closed to make room.
+    pub evicted: AtomicU64,
+    log: LogLimiter,
+}
+
+impl IdleClients for Evictable {
+    fn first_victim(&self) -> Option<((bool, u64), u64)> {
+        self.conns.retain(|_, (_, abort)| !abort.is_finished());
+        self.conns
+            .iter()
+            .map(|e| (e.value().0.rank(), *e.key()))
+            .min()
+    }
+
+    fn evict_one(&self, id: u64, now: crate::stats::Nanos) -> bool {
+        let Some((_, (_, abort))) = self.conns.remove(&id) else {
+            return false;
+        };
+        abort.abort();
+        self.evicted.fetch_add(1, Ordering::Relaxed);
+        if self.log.allow(now) {
+            tracing::info!(vserver = %self.name, "idle connection evicted: the open-file pool runs low");
+        }
+        true
+    }
 }
 
 impl Evictable {
+    /// The registry of vserver `name`'s connections.
+    pub(crate) fn named(name: &str) -> Evictable {
+        Evictable {
+            name: name.to_owned(),
+            ..Evictable::default()
+        }
+    }
+
     /// The id of a connection about to be registered (its task's [`Registration`] names it).
     pub(crate) fn next_id(&self) -> u64 {
         self.next.fetch_add(1, Ordering::Relaxed)
@@ -60,21 +155,6 @@ impl Evictable {
         abort: tokio::task::AbortHandle,
     ) {
         self.conns.insert(id, (activity, abort));
-    }
-
-    /// Close up to `n` connections in eviction order; how many were closed. Entries whose
-    /// task already ended are dropped on the way, not counted.
-    pub(crate) fn evict(&self, n: usize) -> usize {
-        self.conns.retain(|_, (_, abort)| !abort.is_finished());
-        let ranks = self.conns.iter().map(|e| (*e.key(), e.value().0.rank()));
-        let mut closed = 0;
-        for id in crate::budget::victims(ranks, n) {
-            if let Some((_, (_, abort))) = self.conns.remove(&id) {
-                abort.abort();
-                closed += 1;
-            }
-        }
-        closed
     }
 }
 

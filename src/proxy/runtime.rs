@@ -26,6 +26,8 @@ pub struct Runtime {
     tokio: Option<tokio::runtime::Runtime>,
     /// Every worker's progress, for the watchdog.
     liveness: Arc<Liveness>,
+    /// Every vserver's evictable client connections.
+    evictors: Arc<crate::proxy::evict::Evictors>,
     /// The heart of `tokio`'s probe, held while the runtime lives.
     _tokio_heart: Heart,
     /// The vserver whose next rebuild fails in [`Runtime::prepare_rebuild`]: a fault for the
@@ -68,6 +70,7 @@ impl Runtime {
             threads: Vec::new(),
             tokio: Some(tokio),
             liveness,
+            evictors: Arc::default(),
             _tokio_heart,
             #[cfg(test)]
             fail_rebuild: None,
@@ -181,6 +184,7 @@ impl Runtime {
             threads: &mut self.threads,
             tokio: &tokio,
             liveness: &self.liveness,
+            evictors: &self.evictors,
         };
         let start = starter(v.protocol);
         let handle = start(&mut ctx, config, v)?;

@@ -71,40 +71,45 @@ impl SipStreamShared {
     }
 
     /// Admit a new client from `ip` ([`crate::budget::Gate`]). While the process's file pool
-    /// runs low, each new client first evicts one: clients that never completed a message
-    /// before any that did, the longest idle first; a new client refused for want of files
-    /// waits a little for an eviction's file to come back.
+    /// runs low, each new client first evicts one, of any vserver: connections that never
+    /// completed a message or request before any that did, the longest idle first; a new
+    /// client refused for want of files waits a little for an eviction's file to come back.
     pub(super) async fn admit_client(
         &self,
         ip: std::net::IpAddr,
     ) -> Result<crate::budget::Admission, crate::budget::Refusal> {
-        crate::proxy::evict::admit_evicting(&self.gate, ip, || self.evict_idle(1)).await
+        crate::proxy::evict::admit_evicting(&self.gate, ip, || self.evictors.evict(self.now()))
+            .await
     }
+}
 
-    /// Close up to `n` clients, in eviction order (`budget::victims`); how many were.
-    pub(super) fn evict_idle(&self, n: usize) -> usize {
-        let ranks = self
-            .clients
+/// A stream vserver's clients, as the process-wide eviction sees them.
+impl crate::proxy::evict::IdleClients for SipStreamShared {
+    fn first_victim(&self) -> Option<((bool, u64), u64)> {
+        self.clients
             .iter()
-            .map(|e| (*e.key(), e.value().activity.rank()));
-        let mut closed = 0;
-        for id in crate::budget::victims(ranks, n) {
-            let Some((abort, remote)) = self.clients.get(&id).map(|c| (c.abort.clone(), c.remote))
-            else {
-                continue;
-            };
-            if self.forget_client(id, remote) {
-                bump(&self.counters.clients_evicted);
-                if self.log.allow(self.now()) {
-                    tracing::info!(vserver = %self.name, %remote, "idle client evicted: the open-file pool runs low");
-                }
-                abort.abort();
-                closed += 1;
-            }
-        }
-        closed
+            .map(|e| (e.value().activity.rank(), *e.key()))
+            .min()
     }
 
+    fn evict_one(&self, id: u64, now: crate::stats::Nanos) -> bool {
+        let Some((abort, remote)) = self.clients.get(&id).map(|c| (c.abort.clone(), c.remote))
+        else {
+            return false;
+        };
+        if !self.forget_client(id, remote) {
+            return false;
+        }
+        bump(&self.counters.clients_evicted);
+        if self.log.allow(now) {
+            tracing::info!(vserver = %self.name, %remote, "idle client evicted: the open-file pool runs low");
+        }
+        abort.abort();
+        true
+    }
+}
+
+impl SipStreamShared {
     /// Send one of fulcrum's own replies (or a pong) back on the connection of `to`.
     pub(super) fn reply(&self, to: ReplyTo<'_>, bytes: Bytes) {
         match to {

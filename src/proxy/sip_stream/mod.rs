@@ -224,6 +224,9 @@ pub struct SipStreamShared {
     /// Client connections' admission: one open file each from the process's pool, and at
     /// most `max_per_source` from one source (docs/limits.md).
     pub gate: crate::budget::Gate,
+    /// Every vserver's evictable client connections, where a new client makes room while
+    /// the file pool runs low.
+    evictors: Arc<crate::proxy::evict::Evictors>,
     /// Every task that handles a message with the current generation marks it here, so a
     /// reload knows when none still uses the old one ([`crate::proxy::handover`]). A sip-udp
     /// vserver's bridge shares its workers'.
@@ -727,8 +730,12 @@ fn launch(
         udp: sh.udp,
         front: sh.front,
         gate: crate::budget::Gate::new(Arc::clone(ctx.budget), 1, v.max_per_source),
+        evictors: Arc::clone(ctx.evictors),
         readers: sh.readers,
     });
+    // Its idle clients may make room for any vserver's new connection.
+    let idle: Arc<dyn crate::proxy::evict::IdleClients> = shared.clone();
+    ctx.evictors.add(Arc::downgrade(&idle));
     shared.install(Install {
         core,
         max_clients: sh.max_clients,

@@ -96,13 +96,13 @@ pub struct TcpCounters {
     /// ephemeral range (`net.ipv4.ip_local_port_range`, about 28,000 ports) is shared by all
     /// connections to one service address (docs/limits.md).
     pub ports_exhausted: AtomicU64,
-    /// Idle connections closed to make room for new ones while the file pool ran low.
-    pub evicted: AtomicU64,
 }
 
 impl TcpCounters {
     /// Each counter by its event name, in the order metrics lists them.
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 13] {
+    /// (`evicted`, the idle connections closed to make room while the file pool ran low, is
+    /// counted by the vserver's [`Evictable`], kept across reloads.)
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 12] {
         [
             ("accepted", &self.accepted),
             ("refused", &self.refused),
@@ -116,7 +116,6 @@ impl TcpCounters {
             ("service_errors", &self.service_errors),
             ("accept_errors", &self.accept_errors),
             ("ports_exhausted", &self.ports_exhausted),
-            ("evicted", &self.evicted),
         ]
     }
 }
@@ -140,6 +139,8 @@ pub struct TcpCore {
     gate: Arc<crate::budget::Gate>,
     /// Its client connections, for eviction while the pool runs low; kept across reloads.
     conns: Arc<Evictable>,
+    /// Every vserver's, where a new connection makes room while the pool runs low.
+    evictors: Arc<crate::proxy::evict::Evictors>,
     /// Rate limit of the warnings its connections log.
     log: LogLimiter,
     /// Per member: raised when the member's drain times out, which closes the connections
@@ -194,7 +195,8 @@ impl TcpCore {
                 2,
                 v.max_per_source,
             )),
-            conns: Arc::default(),
+            conns: Arc::new(Evictable::named(&v.name)),
+            evictors: Arc::default(),
             cuts: v
                 .members()
                 .map(|_| Arc::new(watch::Sender::new(false)))
@@ -235,6 +237,7 @@ impl TcpCore {
         core.live = Arc::clone(&old.live);
         core.gate = Arc::clone(&old.gate);
         core.conns = Arc::clone(&old.conns);
+        core.evictors = Arc::clone(&old.evictors);
         core.edge = v.edge(Some(&old.edge));
         let old_names = old.balancer.members();
         let members = core.balancer.members().iter();
@@ -392,6 +395,7 @@ impl DataPath for TcpPath {
         for (name, c) in self.core.counters.events() {
             visit(name, c);
         }
+        visit("evicted", &self.core.conns.evicted);
     }
 
     fn cut(&self, service: &str) {
@@ -436,6 +440,9 @@ pub(crate) fn start(
         2,
         v.max_per_source,
     ));
+    core.evictors = Arc::clone(ctx.evictors);
+    let conns: Arc<dyn crate::proxy::evict::IdleClients> = core.conns.clone();
+    ctx.evictors.add(Arc::downgrade(&conns));
     let core = Arc::new(core);
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_tcp_workers(v, workers)?;
@@ -541,16 +548,7 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
         // Its files from the process's pool and its place among its source's, held by the
         // connection's task (docs/limits.md). A pool running low first makes room by
         // evicting an idle connection.
-        let evict = || {
-            let n = core.conns.evict(1);
-            if n > 0 {
-                core.counters.evicted.fetch_add(n as u64, Ordering::Relaxed);
-                if log.allow(core.now()) {
-                    tracing::info!(vserver = %core.name, "idle connection evicted: the open-file pool runs low");
-                }
-            }
-            n
-        };
+        let evict = || core.evictors.evict(core.now());
         let admission = match admit_evicting(&core.gate, peer.ip(), evict).await {
             Ok(a) => a,
             Err(why) => {
