@@ -132,6 +132,9 @@ pub struct MemberInfo {
     /// Removed from the vserver by a reload, kept only for the flows pinned to it: never
     /// given a new flow, outside the hash ranking (see `docs/draining.md`).
     pub draining: bool,
+    /// In the backup tier (`backup: true`): new flows only while no member of the primary
+    /// tier is available (docs/methods.md, Tiers).
+    pub backup: bool,
 }
 
 /// Passive ejection of a vserver's members (`eject:`): the pure [`EjectView`] behind a lock,
@@ -212,6 +215,8 @@ pub struct Balancer {
     passive_failures: Vec<AtomicU64>,
     /// Passive ejection; `None` with `eject: off`.
     eject: Option<Ejector>,
+    /// Some serving member is in the backup tier.
+    has_backup: bool,
 }
 
 impl std::fmt::Debug for Balancer {
@@ -250,6 +255,7 @@ impl MemberInfo {
                 max_clients: s.max_clients,
                 id_hash: hash::service_identity_hash(s.hash_id.as_deref(), &s.address),
                 draining,
+                backup: s.backup,
             })
             .collect()
     }
@@ -274,6 +280,7 @@ impl Balancer {
             .map(MemberInfo::select_member)
             .collect();
         let up = vec![true; serving];
+        let has_backup = members[..serving].iter().any(|m| m.backup);
         let passive_failures = members.iter().map(|_| AtomicU64::new(0)).collect();
         let selector = HashSelector::build_bounded(
             config.lb.hash_algorithm,
@@ -321,6 +328,7 @@ impl Balancer {
             control: Mutex::new(()),
             paths: Default::default(),
             passive_failures,
+            has_backup,
         }
         .with_method_state()
     }
@@ -707,6 +715,33 @@ impl Balancer {
         avoid: &dyn Fn(usize) -> bool,
         holds: &dyn Fn(usize) -> bool,
     ) -> Option<Choice> {
+        if !self.has_backup {
+            return self.choose_in_tier(key, now, avoid, holds);
+        }
+        // Tiers: the backup members only while no primary member is available; a flow a
+        // member holds already stays on it whichever tier serves.
+        let backup = !(0..self.members.len())
+            .any(|i| !self.members[i].backup && !avoid(i) && self.is_available(i, now));
+        let in_tier = |i: usize| avoid(i) || self.members[i].backup != backup && !holds(i);
+        self.choose_in_tier(key, now, &in_tier, holds)
+    }
+
+    /// Whether member `i` counts toward its tier being served: UP, not draining, not
+    /// ejected. (At `max_clients` or above its bounded load it is busy, not gone: its tier
+    /// stays the one served, as a backup pool is for members that are down.)
+    fn is_available(&self, i: usize, now: Nanos) -> bool {
+        self.health(i) == Some(Health::Up)
+            && !self.members[i].draining
+            && self.eject.as_ref().is_none_or(|e| e.admits(i, now))
+    }
+
+    fn choose_in_tier(
+        &self,
+        key: KeyInput,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+        holds: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
         if self.method.is_hash() {
             self.choose_hash(key, now, avoid, holds)
         } else {
@@ -842,6 +877,63 @@ mod tests {
     fn balancer(method: &str, extra: &str, services: usize) -> Balancer {
         let c = config(method, extra, services);
         Balancer::new(&c, &c.vservers[0])
+    }
+
+    /// s0..s3 with s2 and s3 `backup: true` (s0 has `max_clients: 2`).
+    fn tiered(method: &str) -> Balancer {
+        let c = config(method, "", 4);
+        let mut c = c;
+        c.services[2].backup = true;
+        c.services[3].backup = true;
+        Balancer::new(&c, &c.vservers[0])
+    }
+
+    #[test]
+    fn the_backup_tier_serves_only_while_every_primary_is_gone() {
+        for method in [
+            "round_robin",
+            "least_connection",
+            "source_ip_hash",
+            "source_ip_source_port_hash",
+        ] {
+            let b = tiered(method);
+            let keys: Vec<KeyInput> = (0..200u64)
+                .map(KeyInput::Hash)
+                .chain([KeyInput::NoKey])
+                .collect();
+            let chosen = |b: &Balancer| -> std::collections::BTreeSet<usize> {
+                keys.iter()
+                    .filter_map(|k| b.choose(*k, 0))
+                    .map(|c| c.member)
+                    .collect()
+            };
+            assert_eq!(chosen(&b), [0, 1].into(), "{method}: primaries only");
+            // One primary gone: the other takes everything.
+            b.set_health(0, Health::Down, 0);
+            assert_eq!(chosen(&b), [1].into(), "{method}");
+            // Every primary gone (DOWN, out of service): the backups share the flows.
+            b.set_health(1, Health::OutOfService, 0);
+            assert_eq!(chosen(&b), [2, 3].into(), "{method}: backups");
+            // One primary back: new flows leave the backups at once.
+            b.set_health(1, Health::Up, 0);
+            assert_eq!(chosen(&b), [1].into(), "{method}: back to the primary");
+        }
+    }
+
+    #[test]
+    fn a_busy_primary_keeps_its_tier_and_a_held_flow_stays_on_its_backup() {
+        let b = tiered("source_ip_hash");
+        // s0 at its max_clients and s1 DOWN: s0 is busy, not gone; nothing spills over.
+        b.set_health(1, Health::Down, 0);
+        let c = b.counters(0).expect("counters");
+        c.open();
+        c.open();
+        assert_eq!(b.choose(KeyInput::Hash(7), 0), None);
+        // A flow established on a backup (datagram by datagram) keeps it.
+        let held = b
+            .choose_holding(KeyInput::Hash(7), 0, &|i| i == 3)
+            .map(|c| c.member);
+        assert_eq!(held, Some(3));
     }
 
     #[test]

@@ -355,3 +355,28 @@ fn simulate_hash_from_a_config() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad.yaml:1:"));
 }
+
+/// `simulate hash --config` with a backup service: the primary tier is simulated (its shares
+/// sum to one), the backup is listed in its tier with no key.
+#[test]
+fn simulate_hash_from_a_config_lists_backups_with_no_share() {
+    let file = ConfigFile::new(
+        "simbackup",
+        "services:\n\
+         \x20 - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n\
+         \x20 - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n\
+         \x20 - { name: z, address: 127.0.0.1:5079, protocol: sip-udp, backup: true }\n\
+         vservers:\n\
+         \x20 - { name: v, protocol: sip-udp, bind: [127.0.0.1:5060], method: aor_hash, services: [a, z, b] }\n",
+    );
+    let v = simulate_json(file.arg());
+    let per = v["per_service"].as_array().expect("per service");
+    let tiers: Vec<(&str, &str)> = per
+        .iter()
+        .map(|s| (s["name"].as_str().unwrap(), s["tier"].as_str().unwrap()))
+        .collect();
+    assert_eq!(tiers, [("a", "primary"), ("b", "primary"), ("z", "backup")]);
+    assert_eq!(per[2]["keys"], 0);
+    let shares: f64 = per.iter().map(|s| s["share"].as_f64().unwrap()).sum();
+    assert!((shares - 1.0).abs() < 1e-9, "{shares}");
+}

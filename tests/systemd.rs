@@ -200,7 +200,7 @@ fn a_frozen_worker_stops_the_keep_alives() {
     let yaml = "admin: { listen: null }\nservices:\n  - { name: s0, address: 127.0.0.1:9, protocol: sip-udp }\n  - { name: u0, address: 127.0.0.1:9, protocol: udp }\n  - { name: t0, address: 127.0.0.1:9, protocol: tcp }\nvservers:\n  - { name: sip, protocol: sip-udp, bind: [127.0.0.1:0], method: call_id_hash, workers: 2, services: [s0] }\n  - { name: gen, protocol: udp, bind: [127.0.0.1:0], method: round_robin, workers: 1, services: [u0] }\n  - { name: tcp, protocol: tcp, bind: [127.0.0.1:0], method: round_robin, workers: 1, services: [t0] }\n";
     let file = ConfigFile::new("watchdog-freeze", yaml);
     let (mut manager, socket) = Manager::bind(&file);
-    let (mut child, log) = spawn_fulcrum_env(
+    let (child, log) = spawn_fulcrum_env(
         &file.path,
         "0s",
         &[
@@ -217,10 +217,19 @@ fn a_frozen_worker_stops_the_keep_alives() {
         .and_then(|l| l.split(", ").next())
         .and_then(|a| a.parse().ok())
         .unwrap_or_else(|| panic!("no address in {listening:?}"));
+    // Killed however the test ends (a failed assertion included).
+    struct Killed(std::process::Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let child = Killed(child);
     let ready = manager.next();
     assert!(has(&ready, "READY=1"), "first message {ready:?}");
 
-    let pid = child.id();
+    let pid = child.0.id();
     let thread = |name: &str| -> Pid {
         let dir = format!("/proc/{pid}/task");
         for t in std::fs::read_dir(&dir).expect("task dir").flatten() {
@@ -296,6 +305,5 @@ fn a_frozen_worker_stops_the_keep_alives() {
         common::expect_line_keeping(&log, "keep-alives resume", &mut lines);
         lines.clear();
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
 }

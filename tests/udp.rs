@@ -528,3 +528,53 @@ fn a_service_answering_icmp_unreachable_is_ejected() {
         assert_eq!(a.service, "s0");
     }
 }
+
+/// Tiers (docs/methods.md): a `backup: true` service gets no flow while a primary is UP,
+/// takes new flows once every primary is DOWN or out of service, and gives new flows back
+/// when a primary returns, while the flows it took stay with it.
+#[test]
+fn the_backup_service_serves_only_while_every_primary_is_down() {
+    let (p0, _) = udp_service("p0", "127.0.0.1");
+    let (p1, _) = udp_service("p1", "127.0.0.1");
+    let (b0, _) = udp_service("b0", "127.0.0.1");
+    let yaml = format!(
+        "admin:\n  listen: null\nservices:\n  - {{ name: p0, address: \"{p0}\", protocol: udp }}\n  - {{ name: p1, address: \"{p1}\", protocol: udp }}\n  - {{ name: b0, address: \"{b0}\", protocol: udp, backup: true }}\nvservers:\n  - {{ name: v, protocol: udp, bind: [\"127.0.0.1:0\"], method: source_ip_source_port_hash, services: [p0, p1, b0] }}\n"
+    );
+    let rt = start(&yaml);
+    let v = bound(&rt, "v");
+    let served = |clients: &[std::net::UdpSocket]| -> Vec<String> {
+        clients
+            .iter()
+            .map(|c| udp_ask(c, v, b"m").expect("answer").0.service)
+            .collect()
+    };
+    let fresh = |n: usize| -> Vec<std::net::UdpSocket> {
+        (0..n).map(|_| udp_client("127.0.0.1")).collect()
+    };
+    let first = fresh(30);
+    let by: HashSet<String> = served(&first).into_iter().collect();
+    assert_eq!(
+        by,
+        HashSet::from(["p0".into(), "p1".into()]),
+        "primaries only"
+    );
+
+    assert_eq!(rt.set_health("p0", Health::Down), 1);
+    assert_eq!(rt.set_health("p1", Health::OutOfService), 1);
+    let during = fresh(10);
+    assert!(
+        served(&during).iter().all(|s| s == "b0"),
+        "the backup takes new flows"
+    );
+
+    assert_eq!(rt.set_health("p0", Health::Up), 1);
+    assert!(
+        served(&fresh(10)).iter().all(|s| s == "p0"),
+        "new flows go back to the primary that returned"
+    );
+    assert!(
+        served(&during).iter().all(|s| s == "b0"),
+        "flows the backup took stay with it"
+    );
+    rt.shutdown();
+}

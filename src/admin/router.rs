@@ -495,6 +495,7 @@ pub fn status(ops: &Ops) -> Value {
                                 "draining": drain,
                                 "ejection": b.ejection(mi, now).map(|e| ejection_status(&e)),
                                 "weight": m.weight,
+                                "tier": if m.backup { "backup" } else { "primary" },
                                 "active": c.map_or(0, |c| c.active()),
                                 "pending": c.map_or(0, |c| c.pending()),
                                 "requests_total": c.map_or(0, |c| c.requests_total()),

@@ -310,6 +310,9 @@ pub struct Service {
     /// sip-tcp / sip-tls: a write toward the service that makes no progress this long ends
     /// the connection and counts as the service's failure (default 5 s).
     pub write_timeout: Duration,
+    /// In the backup tier: given new flows only while every other member of the vserver is
+    /// unusable (docs/methods.md, Tiers).
+    pub backup: bool,
 }
 
 /// The default `write_timeout` of a service.

@@ -154,6 +154,8 @@ pub struct ServiceShare {
     pub address: String,
     pub hash_id: Option<String>,
     pub weight: u32,
+    /// `primary`, or `backup` (`backup: true`: no key while a primary is UP, so no share).
+    pub tier: &'static str,
     /// Keys (of the simulated ones) that land on this service with every service UP.
     pub keys: u64,
     /// `weight / sum(weights)`.
@@ -167,7 +169,8 @@ pub struct ServiceShare {
 /// `fulcrum simulate hash --config FILE --vserver NAME`: the vserver's own services (identity,
 /// `hash_id`, weights) with the config's algorithm and fingers unless overridden. Disruption
 /// trials take the config's services DOWN one at a time and add synthetic new services
-/// (weight 1), as the synthetic run does.
+/// (weight 1), as the synthetic run does. The primary tier is simulated (what new flows
+/// reach while a primary is UP); backup services are listed with no share.
 pub fn simulate_config(
     cfg: &Config,
     vserver: &Vserver,
@@ -177,7 +180,9 @@ pub fn simulate_config(
     seed: u64,
 ) -> HashReport {
     let infos = MemberInfo::of(cfg, vserver);
-    let members: Vec<Member> = infos.iter().map(MemberInfo::select_member).collect();
+    let (primary, backup): (Vec<&MemberInfo>, Vec<&MemberInfo>) =
+        infos.iter().partition(|m| !m.backup);
+    let members: Vec<Member> = primary.iter().map(|m| m.select_member()).collect();
     let key_hashes = synthetic_key_hashes(keys, seed);
     let (mut report, detail) = simulate_members(
         algorithm,
@@ -186,16 +191,25 @@ pub fn simulate_config(
         &members,
         &key_hashes,
     );
+    let none = MemberShare {
+        keys: 0,
+        expected: 0.0,
+        share: 0.0,
+    };
+    let backups = backup.iter().map(|m| (*m, "backup", &none));
     report.per_service = Some(
-        infos
+        primary
             .iter()
-            .zip(detail)
-            .filter_map(|(m, d)| Some((m, cfg.services.get(m.service)?, d)))
-            .map(|(m, s, d)| ServiceShare {
+            .zip(detail.iter())
+            .map(|(m, d)| (*m, "primary", d))
+            .chain(backups)
+            .filter_map(|(m, tier, d)| Some((m, tier, cfg.services.get(m.service)?, d)))
+            .map(|(m, tier, s, d)| ServiceShare {
                 name: m.name.clone(),
                 address: s.address.to_string(),
                 hash_id: s.hash_id.clone(),
                 weight: m.weight,
+                tier,
                 keys: d.keys,
                 expected_share: d.expected,
                 share: d.share,
@@ -465,14 +479,15 @@ pub fn render_text(r: &HashReport) -> String {
     if let Some(per) = &r.per_service {
         let width = per.iter().map(|p| p.name.len()).max().unwrap_or(0).max(7);
         s.push_str(&format!(
-            "\n  {:<width$}  {:<22}  {:>6}  {:>9}  {:>9}  {:>8}  {:>10}\n",
-            "service", "address", "weight", "expected", "share", "ratio", "keys"
+            "\n  {:<width$}  {:<22}  {:<7}  {:>6}  {:>9}  {:>9}  {:>8}  {:>10}\n",
+            "service", "address", "tier", "weight", "expected", "share", "ratio", "keys"
         ));
         for p in per {
             s.push_str(&format!(
-                "  {:<width$}  {:<22}  {:>6}  {:>8.4}%  {:>8.4}%  {:>8.4}  {:>10}\n",
+                "  {:<width$}  {:<22}  {:<7}  {:>6}  {:>8.4}%  {:>8.4}%  {:>8.4}  {:>10}\n",
                 p.name,
                 p.address,
+                p.tier,
                 p.weight,
                 p.expected_share * 100.0,
                 p.share * 100.0,

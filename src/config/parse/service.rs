@@ -14,6 +14,7 @@ const SERVICE_FIELDS: &[&str] = &[
     "hash_id",
     "tls",
     "write_timeout",
+    "backup",
 ];
 
 impl Cx {
@@ -75,6 +76,7 @@ impl Cx {
             }
         };
         let hash_id = self.opt_string(&f, path, "hash_id");
+        let backup = self.bool_field(&f, path, "backup", false);
         let write_timeout =
             self.duration_field(&f, path, "write_timeout", DEFAULT_WRITE_TIMEOUT, false);
         if let (Some(p), Some(n)) = (protocol, f.get("write_timeout"))
@@ -115,6 +117,7 @@ impl Cx {
             hash_id,
             tls: tls?,
             write_timeout: write_timeout?,
+            backup: backup?,
         })
     }
 }
