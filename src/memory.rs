@@ -62,6 +62,24 @@ pub fn release() -> bool {
     false
 }
 
+/// What the allocator holds, in KiB: (in use by live allocations, free but kept). Tells a
+/// retained block (live) from fragmentation (free, kept in arenas) after a trim.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(unsafe_code)]
+pub fn allocator_kib() -> Option<(u64, u64)> {
+    // SAFETY: mallinfo2 takes no argument and returns a plain struct by value; it reads the
+    // allocator's own statistics under its locks and may be called from any thread.
+    let m = unsafe { libc::mallinfo2() };
+    let kib = |b: usize| u64::try_from(b / 1024).unwrap_or(u64::MAX);
+    Some((kib(m.uordblks), kib(m.fordblks)))
+}
+
+/// No allocator statistics here.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn allocator_kib() -> Option<(u64, u64)> {
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -207,11 +207,14 @@ impl Ops {
             let started = Instant::now();
             let released = crate::memory::release();
             let took = started.elapsed();
+            let (live_kib, free_kib) = crate::memory::allocator_kib().unwrap_or_default();
             tracing::info!(
                 files_in_use = used,
                 released,
                 rss_before_kib = before,
                 rss_after_kib = rss_kib(),
+                allocated_kib = live_kib,
+                free_in_arenas_kib = free_kib,
                 took_us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
                 "freed memory given back to the system"
             );
