@@ -50,4 +50,8 @@ echo "closed +$((2 + ${SETTLE:-10}))s:   fds=$f3 rss_kib=$r3 $b3"
 echo "after/before:  $(awk -v a="$r3" -v b="$r0" 'BEGIN{printf "%.2f", a/b}')"
 # The trims of freed memory fulcrum ran after the close (src/memory.rs), with what each took.
 grep "given back" "$TMP/fulcrum.log" || echo "no trim logged"
+# Where the resident memory is at the end: the five largest mappings (KiB resident, then the
+# mapping: [heap], [stack], an anonymous one, a file).
+echo "largest resident mappings:"
+awk '/^[0-9a-f]+-[0-9a-f]+ /{m=$1" "$6} /^Rss:/{print $2, m}' "/proc/$FPID/smaps" | sort -rn | head -5
 stop_fulcrum
