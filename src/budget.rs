@@ -81,6 +81,9 @@ pub struct FileBudget {
     reserve: u64,
     pool: u64,
     used: AtomicU64,
+    /// The highest `used` since the last [`FileBudget::take_high`]: a burst shorter than the
+    /// sampling of `used` is seen too.
+    high: AtomicU64,
     /// Connections and sessions refused for want of files.
     pub refused: AtomicU64,
 }
@@ -94,6 +97,7 @@ impl FileBudget {
             reserve,
             pool,
             used: AtomicU64::new(0),
+            high: AtomicU64::new(0),
             refused: AtomicU64::new(0),
         }
     }
@@ -105,6 +109,7 @@ impl FileBudget {
             reserve: 0,
             pool: u64::MAX,
             used: AtomicU64::new(0),
+            high: AtomicU64::new(0),
             refused: AtomicU64::new(0),
         }
     }
@@ -126,6 +131,12 @@ impl FileBudget {
         self.used.load(Ordering::Relaxed)
     }
 
+    /// The highest count of files in use since the last call (or start); counting starts
+    /// again from the count now.
+    pub fn take_high(&self) -> u64 {
+        self.high.swap(self.used(), Ordering::Relaxed)
+    }
+
     /// Take `files` from the pool, or nothing (counted) when they are not all there.
     pub fn take(&self, files: u64) -> bool {
         let ok = self
@@ -133,8 +144,11 @@ impl FileBudget {
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
                 let next = u.checked_add(files)?;
                 (next <= self.pool).then_some(next)
-            })
-            .is_ok();
+            });
+        if let Ok(before) = ok {
+            self.high.fetch_max(before + files, Ordering::Relaxed);
+        }
+        let ok = ok.is_ok();
         if !ok {
             self.refused.fetch_add(1, Ordering::Relaxed);
         }

@@ -30,10 +30,11 @@ pub struct TrimPolicy {
 }
 
 impl TrimPolicy {
-    /// Feed the count of files in use at `now`; true when a trim should run now (the
-    /// policy then counts from `used` afresh).
-    pub fn observe(&mut self, now: Nanos, used: u64) -> bool {
-        self.peak = self.peak.max(used);
+    /// Feed the count of files in use at `now` and the highest count since the last look
+    /// (`high`: a burst that came and went between two looks counts); true when a trim
+    /// should run now (the policy then counts from `used` afresh).
+    pub fn observe(&mut self, now: Nanos, used: u64, high: u64) -> bool {
+        self.peak = self.peak.max(used).max(high);
         let is_spaced = self
             .last
             .is_none_or(|t| now.saturating_sub(t) >= MIN_INTERVAL);
@@ -91,31 +92,31 @@ mod tests {
         let mut p = TrimPolicy::default();
         // Connections arrive: no trim while the count rises or holds.
         for (t, used) in [(0, 0), (1, 5_000), (2, 20_000), (3, 20_000)] {
-            assert!(!p.observe(t * S, used), "at {t} s");
+            assert!(!p.observe(t * S, used, used), "at {t} s");
         }
         // They close: one trim once the fall reaches MIN_DROP.
-        assert!(!p.observe(4 * S, 19_500));
-        assert!(p.observe(5 * S, 17));
+        assert!(!p.observe(4 * S, 19_500, 19_500));
+        assert!(p.observe(5 * S, 17, 17));
         // Nothing more to give back until the count rises and falls again.
         for t in 6..30 {
-            assert!(!p.observe(t * S, 17), "at {t} s");
+            assert!(!p.observe(t * S, 17, 17), "at {t} s");
         }
     }
 
     #[test]
     fn a_slow_fall_is_trimmed_at_most_once_per_interval() {
         let mut p = TrimPolicy::default();
-        assert!(!p.observe(0, 20_000));
+        assert!(!p.observe(0, 20_000, 20_000));
         let mut trims = Vec::new();
         // 2,000 fewer files every second, for ten seconds.
         for t in 1..=10u64 {
-            if p.observe(t * S, 20_000 - 2_000 * t) {
+            if p.observe(t * S, 20_000 - 2_000 * t, 20_000 - 2_000 * t) {
                 trims.push(t);
             }
         }
         assert_eq!(trims, vec![1, 6]);
         // What fell since the last trim is trimmed once the interval has passed.
-        assert!(p.observe(11 * S, 0));
+        assert!(p.observe(11 * S, 0, 0));
     }
 
     #[test]
@@ -123,15 +124,24 @@ mod tests {
         let mut p = TrimPolicy::default();
         for t in 0..100u64 {
             let used = 10_000 + (t % 7) * 100;
-            assert!(!p.observe(t * S, used), "at {t} s");
+            assert!(!p.observe(t * S, used, used), "at {t} s");
         }
     }
 
     #[test]
     fn a_fall_smaller_than_min_drop_does_not_trim() {
         let mut p = TrimPolicy::default();
-        assert!(!p.observe(0, MIN_DROP));
-        assert!(!p.observe(10 * S, 1));
-        assert!(p.observe(11 * S, 0));
+        assert!(!p.observe(0, MIN_DROP, MIN_DROP));
+        assert!(!p.observe(10 * S, 1, 1));
+        assert!(p.observe(11 * S, 0, 0));
+    }
+
+    #[test]
+    fn a_burst_between_two_looks_is_trimmed_after() {
+        let mut p = TrimPolicy::default();
+        assert!(!p.observe(0, 0, 0));
+        // 5,000 files taken and given back between the looks at 0 s and 1 s.
+        assert!(p.observe(S, 0, 5_000));
+        assert!(!p.observe(2 * S, 0, 0));
     }
 }

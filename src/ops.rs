@@ -14,6 +14,7 @@ use crate::sync::lock;
 use crate::systemd;
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -60,6 +61,8 @@ pub struct Ops {
     signal: Signal,
     /// When to give back what closed connections freed ([`crate::memory`]).
     trim: Mutex<crate::memory::TrimPolicy>,
+    /// What the trims did: (trims run, KiB of resident memory they gave back).
+    trimmed: Arc<(AtomicU64, AtomicU64)>,
 }
 
 impl std::fmt::Debug for Ops {
@@ -103,6 +106,7 @@ impl Ops {
             draining: std::sync::atomic::AtomicBool::new(false),
             signal: signal.clone(),
             trim: Mutex::new(crate::memory::TrimPolicy::default()),
+            trimmed: Arc::default(),
         });
         let weak = Arc::downgrade(&ops);
         let (mut signal, guard) = (signal, jobs.guard());
@@ -187,6 +191,15 @@ impl Ops {
         lock(&self.rt)
     }
 
+    /// The memory trims run after bursts of connections closed, and the KiB of resident
+    /// memory they gave back in all.
+    pub fn memory_trims(&self) -> (u64, u64) {
+        (
+            self.trimmed.0.load(Ordering::Relaxed),
+            self.trimmed.1.load(Ordering::Relaxed),
+        )
+    }
+
     /// Requests per second of member `m` of vserver `v` over the last sampled second.
     pub fn request_rate(&self, v: usize, m: usize) -> f64 {
         lock(&self.rates).rates.get(&(v, m)).copied().unwrap_or(0.0)
@@ -196,23 +209,32 @@ impl Ops {
     /// ([`crate::memory`]): rarely, on a blocking thread (the walk takes the allocator's locks
     /// one arena at a time), and logged with what it took and gave.
     fn return_memory(&self) {
-        let Some((now, used)) = self.with_runtime(|rt| (rt.now(), rt.budget().used())) else {
+        let Some((now, used, high)) = self.with_runtime(|rt| {
+            let b = rt.budget();
+            (rt.now(), b.used(), b.take_high())
+        }) else {
             return;
         };
-        if !lock(&self.trim).observe(now, used) {
+        if !lock(&self.trim).observe(now, used, high) {
             return;
         }
+        let trimmed = Arc::clone(&self.trimmed);
         self.tokio.spawn_blocking(move || {
             let before = rss_kib();
             let started = Instant::now();
             let released = crate::memory::release();
             let took = started.elapsed();
+            let after = rss_kib();
+            trimmed.0.fetch_add(1, Ordering::Relaxed);
+            trimmed
+                .1
+                .fetch_add(before.saturating_sub(after), Ordering::Relaxed);
             let (live_kib, free_kib) = crate::memory::allocator_kib().unwrap_or_default();
             tracing::info!(
                 files_in_use = used,
                 released,
                 rss_before_kib = before,
-                rss_after_kib = rss_kib(),
+                rss_after_kib = after,
                 allocated_kib = live_kib,
                 free_in_arenas_kib = free_kib,
                 took_us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX),

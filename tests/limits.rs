@@ -556,3 +556,50 @@ fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_conne
     assert_eq!(closed_by_peer(&held), 1, "one held connection was closed");
     assert_eq!(f.get("/healthz").0, 200);
 }
+
+/// After a burst of connections closes, fulcrum gives the memory they freed back to the
+/// system once (docs/limits.md, "Memory after the connections close") and counts it:
+/// `fulcrum_memory_trims_total` goes from 0 to 1 when 1,100 held tcp connections (2,200
+/// files) close, and not before; the connections are closed at once, before the once-a-second
+/// look at the files in use may have seen them (the budget keeps its high mark between looks).
+#[test]
+fn a_burst_of_closes_is_followed_by_one_counted_trim() {
+    if !prlimit_available() {
+        println!("SKIP: no prlimit");
+        return;
+    }
+    let (svc, _) = common::tcp_service("s0", "127.0.0.1");
+    let yaml = format!(
+        "admin: {{ listen: \"127.0.0.1:0\" }}\nservices:\n  - {{ name: s0, address: \"{svc}\", protocol: tcp }}\nvservers:\n  - {{ name: tcp, protocol: tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: off, services: [s0] }}\n"
+    );
+    let f = start_with(4_000, &yaml);
+    raise_own_limit(6_000);
+    let held: Vec<TcpStream> = (0..1_100u32)
+        .filter_map(|i| {
+            hold_from(
+                IpAddr::from([127, 2, (i / 250) as u8, (i % 250) as u8 + 1]),
+                f.sip_tcp,
+            )
+        })
+        .collect();
+    assert!(
+        common::wait_until(Duration::from_secs(10), || {
+            f.metric("fulcrum_open_files{kind=\"used\"}") >= 2_000
+        }),
+        "{} connections held",
+        held.len()
+    );
+    assert_eq!(
+        f.metric("fulcrum_memory_trims_total"),
+        0,
+        "no trim while they are open"
+    );
+    drop(held);
+    assert!(
+        common::wait_until(Duration::from_secs(10), || f
+            .metric("fulcrum_memory_trims_total")
+            == 1),
+        "one trim after the close: {}",
+        f.metric("fulcrum_memory_trims_total")
+    );
+}

@@ -112,6 +112,19 @@ pub(crate) fn render(ops: &Ops) -> String {
             files.add(&[("kind", kind)], n);
         }
     }
+    let (trims, returned) = ops.memory_trims();
+    let mut trim_runs = Family::new(
+        "fulcrum_memory_trims_total",
+        "counter",
+        "Times freed memory was given back to the system after a burst of connections closed (docs/limits.md).",
+    );
+    trim_runs.add(&[], trims);
+    let mut trim_kib = Family::new(
+        "fulcrum_memory_returned_kib_total",
+        "counter",
+        "Resident memory (KiB) those trims gave back.",
+    );
+    trim_kib.add(&[], returned);
     let mut edge = EdgeFamilies::new();
     let mut tls = TlsFamilies::new();
     let health = ops.health();
@@ -142,7 +155,7 @@ pub(crate) fn render(ops: &Ops) -> String {
         .chain(sip.families())
         .chain(edge.families())
         .chain(tls.families())
-        .chain([&events, &refused, &files])
+        .chain([&events, &refused, &files, &trim_runs, &trim_kib])
         .chain(monitors.families());
     for f in families {
         f.render(&mut out);
