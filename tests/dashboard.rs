@@ -1,9 +1,9 @@
 //! The admin dashboard (`GET /`) in a real browser: Debian's chromium, driven headless by
 //! playwright-core (tests/dashboard/drive.mjs, installed by `npm ci --prefix tests/dashboard`).
-//! The proxy runs here with three SIP services behind a token and manual slow start, under a
-//! little traffic; the script logs in, disables and re-enables a service, raises the slow-start
-//! rate and saves a screenshot (target/dashboard.png; with FULCRUM_BLESS=1, README's
-//! docs/dashboard.png).
+//! The proxy runs here with three SIP services and a backup service behind a token and manual
+//! slow start, under a little traffic; the script logs in, checks the backup is marked,
+//! disables and re-enables a service, raises the slow-start rate and saves a screenshot
+//! (target/dashboard.png; with FULCRUM_BLESS=1, README's docs/dashboard.png).
 //!
 //! Without chromium, node or playwright-core the test says why and passes, unless
 //! `FULCRUM_REQUIRE_BROWSER=1` (CI, which installs them) makes that a failure.
@@ -58,8 +58,10 @@ fn yaml(ports: &[u16]) -> String {
             [100, 100, 50][i % 3]
         ));
     }
+    // A backup service (no monitor, never given a flow while the others are UP).
+    y.push_str("  - { name: s3, address: 127.0.0.1:9, protocol: sip-udp, backup: true }\n");
     y.push_str(
-        "vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: round_robin\n    slow_start: { new_service_request_rate: 2, unit: per_second, increment_interval: 0s }\n    workers: 1\n    services: [s0, s1, s2]\n",
+        "vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: round_robin\n    slow_start: { new_service_request_rate: 2, unit: per_second, increment_interval: 0s }\n    workers: 1\n    services: [s0, s1, s2, s3]\n",
     );
     y
 }

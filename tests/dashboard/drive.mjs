@@ -72,12 +72,15 @@ try {
   step("token given");
 
   const rows = page.locator('section[data-vserver="v"] tbody tr');
-  await until("three services", async () => (await rows.count()) === 3);
+  await until("four services", async () => (await rows.count()) === 4);
   for (const name of ["s0", "s1", "s2"]) {
     await until(name + " UP on the page", async () =>
       (await page.locator(`tr[data-service="${name}"] .state`).textContent()) === "UP");
   }
-  step("three services visible, UP");
+  const s3name = await page.locator('tr[data-service="s3"] td').first().textContent();
+  expect(s3name === "s3 (backup)", "the backup service is marked: " + s3name);
+  expect((await statusOf("s3")).tier === "backup", "s3 in the backup tier in /status");
+  step("four services visible, the primaries UP, s3 marked as backup");
 
   const s1 = page.locator('tr[data-service="s1"]');
   await page.getByRole("button", { name: "Disable s1" }).click();
