@@ -53,6 +53,26 @@ fn benches(c: &mut Criterion) {
             black_box(out.len());
         })
     });
+    // The key alone, on a scanned INVITE: the Call-ID as it stands against the canonical
+    // address-of-record (parsed, lowercased and copied into an inline key).
+    for (name, method) in [
+        ("key_call_id_hash", Method::CallIdHash),
+        ("key_aor_hash", Method::AorHash),
+    ] {
+        let params = HashParams::default();
+        let m = scan(INVITE).unwrap();
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                let ctx = RequestCtx {
+                    src,
+                    dst: src,
+                    payload: Payload::Sip(black_box(&m)),
+                };
+                let key = extract(method, &params, &ctx);
+                black_box(key.key().map(|k| fulcrum::hash::key_hash(k.as_bytes())));
+            })
+        });
+    }
     g.bench_function("fulcrum_scan_forward_response", |b| {
         let mut out = Vec::with_capacity(2048);
         b.iter(|| {
