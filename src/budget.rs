@@ -344,29 +344,14 @@ impl Activity {
     }
 }
 
-/// The `n` connections to evict first among `candidates` (id, [`Activity::rank`]): those that
-/// never completed a message before any that did, and among each the longest idle first
-/// (nginx closes its reusable connections, idle keep-alives, when it runs out). Ties go to
-/// the older id.
-pub fn victims<K: Copy + Ord>(
+/// The connection to evict first among `candidates` (id, [`Activity::rank`]), with its rank:
+/// those that never completed a message before any that did, and among each the longest idle
+/// first (nginx closes its reusable connections, idle keep-alives, when it runs out). Ties go
+/// to the older id.
+pub fn first_victim<K: Copy + Ord>(
     candidates: impl Iterator<Item = (K, (bool, u64))>,
-    n: usize,
-) -> Vec<K> {
-    if n == 0 {
-        return Vec::new();
-    }
-    // A max-heap of the n best victims so far: its top is the least evictable of them.
-    let mut heap: std::collections::BinaryHeap<((bool, u64), K)> =
-        std::collections::BinaryHeap::with_capacity(n + 1);
-    for (id, rank) in candidates {
-        heap.push((rank, id));
-        if heap.len() > n {
-            heap.pop();
-        }
-    }
-    let mut out: Vec<((bool, u64), K)> = heap.into_vec();
-    out.sort_unstable();
-    out.into_iter().map(|(_, id)| id).collect()
+) -> Option<((bool, u64), K)> {
+    candidates.map(|(id, rank)| (rank, id)).min()
 }
 
 /// A stream listener's admission: the process's pool, the listener's per-source limit, the
@@ -522,10 +507,16 @@ mod tests {
             (4, (false, 200)),
             (5, (true, 5_000)),
         ];
-        assert_eq!(victims(c.into_iter(), 1), vec![4]);
-        assert_eq!(victims(c.into_iter(), 3), vec![4, 2, 3]);
-        assert_eq!(victims(c.into_iter(), 9), vec![4, 2, 3, 1, 5]);
-        assert!(victims(c.into_iter(), 0).is_empty());
+        // Evicted one at a time, each time the first of those left.
+        let mut left = c.to_vec();
+        let mut order = Vec::new();
+        while let Some((_, id)) = first_victim(left.iter().copied()) {
+            order.push(id);
+            left.retain(|(i, _)| *i != id);
+        }
+        assert_eq!(order, vec![4, 2, 3, 1, 5]);
+        assert_eq!(first_victim(c.into_iter()), Some(((false, 200), 4)));
+        assert_eq!(first_victim(std::iter::empty::<(u64, (bool, u64))>()), None);
         let a = Activity::new(10);
         assert_eq!(a.rank(), (false, 10));
         a.touch(20, false);

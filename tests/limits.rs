@@ -250,6 +250,25 @@ fn sip_udp_options(to: SocketAddr, tag: &str) -> Option<u16> {
 }
 
 /// Raise this test process's open-file soft limit to at least `n` (within its hard limit).
+/// Silent connections to `to` from `n` sources of `net`.0.0/16 (`127.1`, `127.2`, ...), one
+/// each; those refused or closed at once are not counted.
+fn hold_many(net: [u8; 2], n: u64, to: SocketAddr) -> Vec<TcpStream> {
+    (0..n)
+        .filter_map(|i| {
+            let ip = IpAddr::from([net[0], net[1], (i / 250) as u8, (i % 250) as u8 + 1]);
+            hold_from(ip, to)
+        })
+        .collect()
+}
+
+/// A config of one `tcp` vserver named `tcp` (one worker, no per-source limit) over the tcp
+/// service at `svc`, with the admin API on an ephemeral port.
+fn tcp_vserver_yaml(svc: SocketAddr) -> String {
+    format!(
+        "admin: {{ listen: \"127.0.0.1:0\" }}\nservices:\n  - {{ name: s0, address: \"{svc}\", protocol: tcp }}\nvservers:\n  - {{ name: tcp, protocol: tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: off, services: [s0] }}\n"
+    )
+}
+
 fn raise_own_limit(n: u64) {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
     if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE)
@@ -322,14 +341,7 @@ fn sources_filling_the_pool_never_take_the_reserve_and_a_new_client_is_served() 
     // More than fulcrum's whole open-file limit: without the pool, it would run out of files
     // for its monitors and its other listeners.
     raise_own_limit(2_000);
-    let attackers = 800;
-    let mut held = Vec::new();
-    for i in 0..attackers {
-        let ip = IpAddr::from([127, 1, (i / 250) as u8, (i % 250) as u8 + 1]);
-        if let Some(s) = hold_from(ip, f.sip_tcp) {
-            held.push(s);
-        }
-    }
+    let held = hold_many([127, 1], 800, f.sip_tcp);
     std::thread::sleep(Duration::from_millis(500));
     let used = f.metric("fulcrum_open_files{kind=\"used\"}");
     let open = held.len() - closed_by_peer(&held);
@@ -446,18 +458,9 @@ fn a_tcp_vserver_full_of_silent_connections_serves_a_new_client_by_eviction() {
         return;
     }
     let (svc, _) = common::tcp_service("s0", "127.0.0.1");
-    let yaml = format!(
-        "admin: {{ listen: \"127.0.0.1:0\" }}\nservices:\n  - {{ name: s0, address: \"{svc}\", protocol: tcp }}\nvservers:\n  - {{ name: tcp, protocol: tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: off, services: [s0] }}\n"
-    );
-    let f = start_with(700, &yaml);
+    let f = start_with(700, &tcp_vserver_yaml(svc));
     raise_own_limit(2_000);
-    let mut held = Vec::new();
-    for i in 0..600 {
-        let ip = IpAddr::from([127, 1, (i / 250) as u8, (i % 250) as u8 + 1]);
-        if let Some(s) = hold_from(ip, f.sip_tcp) {
-            held.push(s);
-        }
-    }
+    let held = hold_many([127, 1], 600, f.sip_tcp);
     std::thread::sleep(Duration::from_millis(500));
     let used = f.metric("fulcrum_open_files{kind=\"used\"}");
     println!("pool {}, {} held, pool used {used}", f.pool, held.len());
@@ -502,14 +505,7 @@ fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_conne
     let (flood, gen_udp) = (f.vserver("flood"), f.vserver("gen"));
     raise_own_limit(2_000);
     let n = f.pool * 85 / 200;
-    let held: Vec<TcpStream> = (0..n)
-        .filter_map(|i| {
-            hold_from(
-                IpAddr::from([127, 1, (i / 250) as u8, (i % 250) as u8 + 1]),
-                flood,
-            )
-        })
-        .collect();
+    let held = hold_many([127, 1], n, flood);
     assert!(
         common::wait_until(Duration::from_secs(5), || {
             f.metric("fulcrum_open_files{kind=\"used\"}") == 2 * n
@@ -569,19 +565,9 @@ fn a_burst_of_closes_is_followed_by_one_counted_trim() {
         return;
     }
     let (svc, _) = common::tcp_service("s0", "127.0.0.1");
-    let yaml = format!(
-        "admin: {{ listen: \"127.0.0.1:0\" }}\nservices:\n  - {{ name: s0, address: \"{svc}\", protocol: tcp }}\nvservers:\n  - {{ name: tcp, protocol: tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: off, services: [s0] }}\n"
-    );
-    let f = start_with(4_000, &yaml);
+    let f = start_with(4_000, &tcp_vserver_yaml(svc));
     raise_own_limit(6_000);
-    let held: Vec<TcpStream> = (0..1_100u32)
-        .filter_map(|i| {
-            hold_from(
-                IpAddr::from([127, 2, (i / 250) as u8, (i % 250) as u8 + 1]),
-                f.sip_tcp,
-            )
-        })
-        .collect();
+    let held = hold_many([127, 2], 1_100, f.sip_tcp);
     assert!(
         common::wait_until(Duration::from_secs(10), || {
             f.metric("fulcrum_open_files{kind=\"used\"}") >= 2_000

@@ -107,24 +107,14 @@ impl Drop for Netns {
             let _ = c.wait();
         }
         for n in &self.names {
-            let _ = Command::new("ip").args(["netns", "del", n]).status();
+            let _ = ip(&format!("netns del {n}"));
         }
     }
 }
 
+/// `ip ARGS` with the arguments in one string ([`common::netns::ip`]).
 fn ip(args: &str) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args.split_whitespace())
-        .output()
-        .map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {args}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
+    common::netns::ip(&args.split_whitespace().collect::<Vec<_>>())
 }
 
 fn setup(ns: &mut Netns, tag: &str) -> Result<(), String> {

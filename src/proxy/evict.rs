@@ -1,6 +1,6 @@
 //! Eviction under pressure (docs/limits.md): when the process's file pool runs low, a new
 //! client connection first closes an idle one, those that never completed a request before
-//! any that did, the longest idle first ([`crate::budget::victims`]). The pool is the
+//! any that did, the longest idle first ([`crate::budget::first_victim`]). The pool is the
 //! process's, so the idle connection may be any vserver's ([`Evictors`]): a sip-tls vserver's
 //! new client makes room by closing a silent connection held on a tcp vserver. IO: the
 //! registries hold the connections' tasks, to abort the chosen ones.
@@ -114,10 +114,7 @@ pub(crate) struct Evictable {
 impl IdleClients for Evictable {
     fn first_victim(&self) -> Option<((bool, u64), u64)> {
         self.conns.retain(|_, (_, abort)| !abort.is_finished());
-        self.conns
-            .iter()
-            .map(|e| (e.value().0.rank(), *e.key()))
-            .min()
+        crate::budget::first_victim(self.conns.iter().map(|e| (*e.key(), e.value().0.rank())))
     }
 
     fn evict_one(&self, id: u64, now: crate::stats::Nanos) -> bool {

@@ -86,10 +86,11 @@ impl SipStreamShared {
 /// A stream vserver's clients, as the process-wide eviction sees them.
 impl crate::proxy::evict::IdleClients for SipStreamShared {
     fn first_victim(&self) -> Option<((bool, u64), u64)> {
-        self.clients
-            .iter()
-            .map(|e| (e.value().activity.rank(), *e.key()))
-            .min()
+        crate::budget::first_victim(
+            self.clients
+                .iter()
+                .map(|e| (*e.key(), e.value().activity.rank())),
+        )
     }
 
     fn evict_one(&self, id: u64, now: crate::stats::Nanos) -> bool {

@@ -199,23 +199,58 @@ pub(super) async fn drive_link<C: Connector>(
         }
         let blame = failure_blame(&event, machine.phase(), connect_error.take());
         machine.handle(now, event, &mut actions);
+        let io = LinkIo {
+            shared: &shared,
+            link: &link,
+            reader: &reader,
+        };
+        if !io
+            .carry_out(&mut actions, &mut rx, &mut conn, &mut writing, &blame)
+            .await
+        {
+            return;
+        }
+    }
+}
+
+/// What a link's task acts on besides its machine: the vserver, the link and the reader its
+/// messages are marked on.
+struct LinkIo<'a> {
+    shared: &'a Arc<SipStreamShared>,
+    link: &'a Arc<ServiceLink>,
+    reader: &'a crate::proxy::handover::Reader,
+}
+
+impl LinkIo<'_> {
+    /// Carry out what the machine asked for, in order: writes to start, requests to choose
+    /// again, the queue and the connection to close, a drain to begin or end, states and
+    /// counters to report. False once the link is closed.
+    async fn carry_out<W: AsyncWrite + Unpin>(
+        &self,
+        actions: &mut Vec<LinkAction>,
+        rx: &mut mpsc::Receiver<Bytes>,
+        conn: &mut Option<LinkConn<W>>,
+        writing: &mut Option<Bytes>,
+        blame: &Blame,
+    ) -> bool {
+        let (shared, link, reader, addr) = (self.shared, self.link, self.reader, self.link.addr);
         for action in actions.drain(..) {
             match action {
                 // The phase (Connecting) does it.
                 LinkAction::Connect => {}
-                LinkAction::Write(b) => writing = Some(b),
+                LinkAction::Write(b) => *writing = Some(b),
                 LinkAction::Redispatch(b) => {
                     let _in = reader.enter();
-                    shared.redispatch(&link, b);
+                    shared.redispatch(link, b);
                 }
                 LinkAction::RedispatchQueue => {
                     let _in = reader.enter();
-                    shared.redispatch_queued(&link, None, &mut rx);
+                    shared.redispatch_queued(link, None, rx);
                 }
                 LinkAction::CloseQueue => rx.close(),
-                LinkAction::Disconnect => conn = None,
+                LinkAction::Disconnect => *conn = None,
                 LinkAction::StartDrain => {
-                    if let Some(c) = &conn {
+                    if let Some(c) = conn.as_ref() {
                         shared.draining.insert(addr, c.drain_tx.clone());
                     }
                 }
@@ -231,13 +266,14 @@ pub(super) async fn drive_link<C: Connector>(
                         tracing::debug!(vserver = %shared.name, service = %addr, "connection of a removed service closed");
                     }
                 }
-                LinkAction::Close => return,
+                LinkAction::Close => return false,
                 reported => {
                     let _in = reader.enter();
-                    report(&shared, &link, reported, &blame);
+                    report(shared, link, reported, blame);
                 }
             }
         }
+        true
     }
 }
 
