@@ -18,7 +18,7 @@
 //! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine and `health::answer` judgement
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
-//! - `memory`     PURE  when to give freed heap memory back after connections close; IO edge calls glibc's `malloc_trim`
+//! - `memory`     PURE  when to give freed heap memory back after connections close; IO edge asks jemalloc to purge
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
 //! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain

@@ -9,6 +9,11 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// jemalloc, not the C library's malloc: it gives freed pages back on demand
+/// (src/memory.rs), where glibc's malloc kept most of what a burst of connections freed.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser)]
 #[command(
     name = "fulcrum",

@@ -209,9 +209,9 @@ impl Ops {
     /// ([`crate::memory`]): rarely, on a blocking thread (the walk takes the allocator's locks
     /// one arena at a time), and logged with what it took and gave.
     fn return_memory(&self) {
-        let Some((now, used, high)) = self.with_runtime(|rt| {
+        let Some((now, used, high, evictors)) = self.with_runtime(|rt| {
             let b = rt.budget();
-            (rt.now(), b.used(), b.take_high())
+            (rt.now(), b.used(), b.take_high(), Arc::clone(rt.evictors()))
         }) else {
             return;
         };
@@ -222,6 +222,7 @@ impl Ops {
         self.tokio.spawn_blocking(move || {
             let before = rss_kib();
             let started = Instant::now();
+            evictors.shrink();
             let released = crate::memory::release();
             let took = started.elapsed();
             let after = rss_kib();
@@ -236,7 +237,7 @@ impl Ops {
                 rss_before_kib = before,
                 rss_after_kib = after,
                 allocated_kib = live_kib,
-                free_in_arenas_kib = free_kib,
+                kept_by_allocator_kib = free_kib,
                 took_us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX),
                 "freed memory given back to the system"
             );

@@ -1,6 +1,6 @@
 //! The crate denies `unsafe_code` (src/lib.rs); the modules allowed to opt out are
 //! `src/uring.rs` (io_uring submissions name buffers by address) and `src/memory.rs` (one
-//! call to glibc's `malloc_trim`, which takes no pointer), as README says. Another opt-out
+//! call to jemalloc's `mallctl` with a constant name and no buffers), as README says. Another opt-out
 //! anywhere under src/ fails here, so the claim cannot drift.
 
 use std::path::{Path, PathBuf};

@@ -49,6 +49,17 @@ pub(crate) trait IdleClients: Send + Sync {
     /// Close connection `id` to make room at `now` (the runtime's clock, for the log), if it
     /// is still open; whether it was.
     fn evict_one(&self, id: u64, now: crate::stats::Nanos) -> bool;
+    /// Give back its tables' spare room once most of their entries are gone (after a burst
+    /// of connections closed; rare: each shrink rehashes what is left).
+    fn shrink(&self);
+}
+
+/// Shrink `map` when it holds under a quarter of what it has room for: a table grown by a
+/// burst of 20,000 connections keeps its room otherwise (a few MB).
+pub(crate) fn shrink_spare<K: Eq + std::hash::Hash, V>(map: &DashMap<K, V>) {
+    if map.capacity() > 1024 && map.len() * 4 < map.capacity() {
+        map.shrink_to_fit();
+    }
 }
 
 /// Every vserver's evictable client connections. A vserver's entry goes with it.
@@ -96,6 +107,18 @@ impl Evictors {
         }
         0
     }
+
+    /// Shrink every vserver's connection tables ([`IdleClients::shrink`]).
+    pub(crate) fn shrink(&self) {
+        let sources: Vec<Arc<dyn IdleClients>> = {
+            let mut all = lock(&self.all);
+            all.retain(|w| w.strong_count() > 0);
+            all.iter().filter_map(Weak::upgrade).collect()
+        };
+        for s in sources {
+            s.shrink();
+        }
+    }
 }
 
 /// The client connections of a vserver that may be evicted: each one's activity and task.
@@ -127,6 +150,11 @@ impl IdleClients for Evictable {
             tracing::info!(vserver = %self.name, "idle connection evicted: the open-file pool runs low");
         }
         true
+    }
+
+    fn shrink(&self) {
+        self.conns.retain(|_, (_, abort)| !abort.is_finished());
+        shrink_spare(&self.conns);
     }
 }
 
@@ -164,5 +192,25 @@ pub(crate) struct Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.table.conns.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_emptied_after_a_burst_gives_its_room_back_and_a_full_one_keeps_it() {
+        let map: DashMap<u64, [u8; 64]> = DashMap::new();
+        for i in 0..20_000 {
+            map.insert(i, [0; 64]);
+        }
+        let grown = map.capacity();
+        shrink_spare(&map);
+        assert_eq!(map.capacity(), grown, "full: nothing to give back");
+        map.retain(|k, _| *k < 100);
+        shrink_spare(&map);
+        assert!(map.capacity() < grown / 16, "{} of {grown}", map.capacity());
+        assert_eq!(map.len(), 100);
     }
 }

@@ -90,6 +90,11 @@ impl Runtime {
         crate::proxy::context::elapsed_nanos(self.epoch)
     }
 
+    /// Every vserver's evictable client connections.
+    pub(crate) fn evictors(&self) -> &Arc<crate::proxy::evict::Evictors> {
+        &self.evictors
+    }
+
     /// The open files client connections and sessions draw from (docs/limits.md).
     pub fn budget(&self) -> &std::sync::Arc<crate::budget::FileBudget> {
         &self.budget

@@ -108,6 +108,11 @@ impl crate::proxy::evict::IdleClients for SipStreamShared {
         abort.abort();
         true
     }
+
+    fn shrink(&self) {
+        crate::proxy::evict::shrink_spare(&self.clients);
+        crate::proxy::evict::shrink_spare(&self.by_remote);
+    }
 }
 
 impl SipStreamShared {
