@@ -29,6 +29,8 @@ fn benches(c: &mut Criterion) {
         conn_id: None,
         service: None,
         arrived_on: None,
+        flow: None,
+        path: None,
     };
     let mut g = c.benchmark_group("sip_invite");
     g.bench_function("fulcrum_scan", |b| {

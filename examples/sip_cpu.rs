@@ -24,6 +24,8 @@ fn main() {
         conn_id: None,
         service: None,
         arrived_on: None,
+        flow: None,
+        path: None,
     };
     let params = HashParams::default();
     let mut out = Vec::with_capacity(4096);

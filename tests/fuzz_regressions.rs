@@ -41,6 +41,8 @@ fn sip_message_findings_hold_the_forwarding_invariant() {
                 conn_id: Some(data.len() as u64),
                 service,
                 arrived_on: None,
+                flow: None,
+                path: None,
             };
             let mut out = Vec::new();
             if forward_request(&m, &rw, &mut out).is_ok() {

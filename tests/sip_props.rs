@@ -39,6 +39,8 @@ fn exercise(bytes: &[u8], src: SocketAddr) {
         conn_id: Some(7),
         service: None,
         arrived_on: None,
+        flow: None,
+        path: None,
     };
     if forward_request(&m, &rw, &mut out).is_ok() {
         // Our output must scan again.
@@ -122,6 +124,8 @@ fn request_response_roundtrip_on_fixtures() {
             conn_id: None,
             service: None,
             arrived_on: None,
+            flow: None,
+            path: None,
         };
         let mut fwd = Vec::new();
         forward_request(&m, &rw, &mut fwd).unwrap();

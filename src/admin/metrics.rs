@@ -385,6 +385,8 @@ impl SipFamilies {
             ("responses_forwarded", &c.responses_forwarded),
             ("in_dialog_from_services", &c.in_dialog_from_services),
             ("routed_by_record_route", &c.routed_by_record_route),
+            ("paths_added", &c.paths_added),
+            ("routed_by_flow", &c.routed_by_flow),
         ];
         add_each(&mut self.sip_in, n, "kind", &kinds);
         let reasons = [
@@ -397,7 +399,9 @@ impl SipFamilies {
         add_each(&mut self.dropped, n, "reason", &reasons);
         let codes = [
             ("400", &c.replies_400),
+            ("403", &c.flow_forged),
             ("420", &c.replies_420),
+            ("430", &c.flow_failed),
             ("483", &c.replies_483),
             ("501", &c.replies_501),
             ("503", &c.replies_503),
@@ -688,6 +692,10 @@ vservers:
                 &c.responses_forwarded,
                 &c.in_dialog_from_services,
                 &c.routed_by_record_route,
+                &c.paths_added,
+                &c.routed_by_flow,
+                &c.flow_forged,
+                &c.flow_failed,
                 &c.replies_400,
                 &c.replies_483,
                 &c.replies_503,

@@ -545,7 +545,14 @@ pub fn status(ops: &Ops) -> Value {
             "refused": b.refused.load(std::sync::atomic::Ordering::Relaxed),
         })
     });
-    json!({ "vservers": vservers, "open_files": files })
+    let keys = crate::proxy::flows::keys_for(&ops.config());
+    let flow_tokens = json!({
+        "keys": if keys.ephemeral { "own" } else { "flow_key_file" },
+        "note": keys.ephemeral.then_some(
+            "no flow_key_file: flow tokens are signed with this process's own random key and are not honoured after a restart or by another instance",
+        ),
+    });
+    json!({ "vservers": vservers, "open_files": files, "flow_tokens": flow_tokens })
 }
 
 /// A monitor's hold: the service said 503 with Retry-After (RFC 3261 §21.5.4) and stays

@@ -143,7 +143,8 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
         Ok(text) => {
             let mut cfg = from_str(&file, &text)?;
             let dir = path.parent().unwrap_or(Path::new(""));
-            let problems = read_tls_files(&mut cfg, dir);
+            let mut problems = read_tls_files(&mut cfg, dir);
+            problems.extend(read_flow_keys(&mut cfg, dir));
             if problems.is_empty() {
                 Ok(cfg)
             } else {
@@ -163,6 +164,55 @@ pub fn load(path: &Path) -> Result<Config, ConfigError> {
             })
         }
     }
+}
+
+/// Read `flow_key_file` (relative to `dir`): one key per line, 32 hex digits, the first
+/// signing; blank lines and `#` comments skipped. A file that cannot be read, a bad line or
+/// no key at all is a problem at the field.
+fn read_flow_keys(cfg: &mut Config, dir: &Path) -> Vec<Problem> {
+    let Some(fk) = cfg.flow_key_file.as_mut() else {
+        return Vec::new();
+    };
+    if fk.file.path.is_relative() {
+        fk.file.path = dir.join(&fk.file.path);
+    }
+    let text = match std::fs::read_to_string(&fk.file.path) {
+        Ok(t) => t,
+        Err(e) => {
+            return vec![problem_at(
+                &fk.file,
+                format!("cannot read {}: {e}", fk.file.path.display()),
+            )];
+        }
+    };
+    let mut keys = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        match crate::sip::flow::parse_key(line) {
+            Some(k) => keys.push(k),
+            None => {
+                return vec![problem_at(
+                    &fk.file,
+                    format!(
+                        "{} line {}: expected a key of 32 hex digits (e.g. from `openssl rand -hex 16`)",
+                        fk.file.path.display(),
+                        i + 1
+                    ),
+                )];
+            }
+        }
+    }
+    if keys.is_empty() {
+        return vec![problem_at(
+            &fk.file,
+            format!("{} holds no key", fk.file.path.display()),
+        )];
+    }
+    fk.keys = keys;
+    Vec::new()
 }
 
 /// Resolve the files the `tls` fields name against `dir` (the config file's directory) when

@@ -18,6 +18,38 @@ pub struct Config {
     pub monitors: Vec<Monitor>,
     pub services: Vec<Service>,
     pub vservers: Vec<Vserver>,
+    /// `flow_key_file`: the keys of flow tokens (docs/sip.md, "Path and flow tokens"), read
+    /// by [`crate::config::load`]; `None`: each process makes its own.
+    pub flow_key_file: Option<FlowKeyFile>,
+}
+
+/// `flow_key_file`: one key per line (32 hex digits), the first signing, the others still
+/// accepted (a rotation's previous keys).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowKeyFile {
+    pub file: ConfigFile,
+    /// As read by [`crate::config::load`]; empty until then.
+    pub keys: Vec<crate::sip::flow::FlowKey>,
+}
+
+/// `path` of a SIP vserver: when a forwarded REGISTER gets fulcrum's Path (RFC 3327).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PathMode {
+    /// When the REGISTER says `Supported: path` (RFC 3327 §5.2).
+    #[default]
+    Auto,
+    /// Always: for registrars known to support Path, behind phones that never say so.
+    Always,
+    /// Never; no flow token in Record-Route either.
+    Off,
+}
+
+impl PathMode {
+    pub const ALL: [(&'static str, PathMode); 3] = [
+        ("auto", PathMode::Auto),
+        ("always", PathMode::Always),
+        ("off", PathMode::Off),
+    ];
 }
 
 /// Global load-balancing parameters.
@@ -478,6 +510,8 @@ pub struct Vserver {
     pub advertise: Option<String>,
     /// Add Record-Route to requests (SIP).
     pub record_route: bool,
+    /// When a forwarded REGISTER gets fulcrum's Path with a flow token (SIP).
+    pub path: PathMode,
     /// `service_source` (sip-udp): the address fulcrum sends from toward its services and
     /// names in its Via, so that their answers come back to this instance; port 0 means the
     /// vserver's own (bound) port. `None`: the vserver's sockets, as for clients.

@@ -3,6 +3,7 @@
 pub(crate) mod context;
 pub(crate) mod evict;
 pub(crate) mod fd_limit;
+pub(crate) mod flows;
 pub(crate) mod handover;
 pub mod liveness;
 pub mod proxy_protocol;

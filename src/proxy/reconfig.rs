@@ -109,6 +109,7 @@ pub(crate) fn sip_core(
             .with_service_source(old.service_source()),
     )
     .with_edge(v.edge(Some(old.edge())))
+    .with_flows(crate::proxy::flows::keys_for(config), v.path)
     .with_failover(v.failover.clone(), Arc::clone(old.transactions()))
 }
 

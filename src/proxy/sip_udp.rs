@@ -119,7 +119,7 @@ pub(crate) fn run_worker<B: Bridge>(
                 .map(|a| (&out_socks.clients, a)),
             Action::Reply(a) => Some((&out_socks.clients, a)),
             // Connection ids exist only on streams.
-            Action::ToConn(_) => None,
+            Action::ToConn(_) | Action::ToFlow(_) => None,
             Action::Drop(reason) => {
                 if drop_log.allow(now) {
                     tracing::debug!(vserver = %core.name, %src, ?reason, "datagram dropped");
@@ -442,6 +442,7 @@ pub(crate) fn start(
     let core = Arc::new(
         SipCore::new(params)
             .with_edge(v.edge(None))
+            .with_flows(crate::proxy::flows::keys_for(config), v.path)
             .with_failover(v.failover.clone(), Arc::default()),
     );
     let cell: SipUdpCell = Arc::new(arc_swap::ArcSwap::new(Arc::clone(&core)));

@@ -3,6 +3,7 @@
 //! - [`scan`]: zero-copy scanner: start line, the headers a proxy needs, Via values, URIs.
 //! - [`rewrite`]: the bytes a stateless proxy sends (RFC 3261 §16.6, §16.11; RFC 3581),
 //!   written into a caller-owned buffer, and the routing decisions that go with them.
+//! - [`flow`]: flow tokens (`fc-flow`) naming a client's flow in Path and Record-Route.
 //! - [`framing`]: where one SIP message ends on a stream (RFC 3261 §18.3, RFC 5626 §3.5.1).
 //!
 //! The shape of one datagram through a stateless proxy (the socket shell does the I/O):
@@ -25,7 +26,8 @@
 //!     } else {
 //!         let rw = RequestRewrite { local: &local, src, record_route: true,
 //!                                   force_rport: false, conn_id: None,
-//!                                   service: None, arrived_on: None };
+//!                                   service: None, arrived_on: None,
+//!                                   flow: None, path: None };
 //!         match sip::forward_request(&msg, &rw, &mut out) {
 //!             Ok(_) => { /* send `out` to the service chosen from the key */ }
 //!             Err(RewriteError::TooManyHops) => {
@@ -43,6 +45,7 @@
 //! }
 //! ```
 
+pub mod flow;
 pub(crate) mod framing;
 pub(crate) mod lex;
 pub(crate) mod rewrite;
@@ -56,7 +59,7 @@ pub use rewrite::{
     BRANCH_PREFIX, CONN_PARAM, DEFAULT_MAX_FORWARDS, Host, Local, Reply, RequestRewrite,
     ResponseRoute, RewriteError, SERVICE_PARAM, Target, Transport, build_hop_request, build_reply,
     build_response, forward_request, forward_request_attempt, forward_response, reply_target,
-    request_target, route_response, routed_service, transaction_key, transaction_of,
+    request_target, route_response, routed_flow, routed_service, transaction_key, transaction_of,
 };
 pub use scan::{
     Header, HeaderName, Headers, MAX_HEADERS, ScanError, SipMethod, SipMsg, StartLine, Vias, scan,

@@ -31,6 +31,11 @@ pub const CONN_PARAM: &[u8] = b"fc-conn";
 /// Route carries it back, RFC 3261 §12.1.1 / §16.12). See `docs/deployment.md`.
 pub const SERVICE_PARAM: &[u8] = b"fc-svc";
 
+use super::flow::FLOW_PARAM;
+
+const RR_PREFIX_STR: &str = "Record-Route: ";
+const RR_PREFIX: &[u8] = RR_PREFIX_STR.as_bytes();
+
 /// Max-Forwards added when a request has none (RFC 3261 §16.6 step 3: "SHOULD be 70").
 pub const DEFAULT_MAX_FORWARDS: u32 = 70;
 
@@ -150,7 +155,7 @@ impl Local {
             Transport::Tcp => ";transport=tcp",
             Transport::Tls => ";transport=tls",
         };
-        let rr_line = format!("Record-Route: <sip:{printable}:{port}{rr_param};lr").into_bytes();
+        let rr_line = format!("{RR_PREFIX_STR}<sip:{printable}:{port}{rr_param};lr").into_bytes();
         let branch_seed = xxh3_64_with_seed(bare.as_bytes(), SEED ^ u64::from(port));
         Local {
             branch_seed,
@@ -330,6 +335,13 @@ pub struct RequestRewrite<'l> {
     /// Record-Route entry below the one naming `local` (RFC 5658 §3.2 double
     /// record-routing), so each side's route set names the interface facing it.
     pub arrived_on: Option<&'l Local>,
+    /// With `record_route`: a client's flow token ([`crate::sip::flow`]), written as
+    /// `;fc-flow=<token>` beside `fc-svc` so that the dialog's requests toward the client
+    /// reach it over its flow.
+    pub flow: Option<&'l [u8]>,
+    /// Add a Path header naming `local` with this flow token (a REGISTER, RFC 3327 §5.2),
+    /// above any Path already there.
+    pub path: Option<&'l [u8]>,
 }
 
 /// A next hop: an address, or a name the shell must resolve (RFC 3263 is out of scope here).
@@ -427,6 +439,18 @@ impl Reply<'static> {
     };
 
     /// RFC 3261 §21.5.14: the request is larger than fulcrum can forward.
+    /// A flow token fulcrum did not make (docs/sip.md, "Path and flow tokens").
+    pub const FORBIDDEN: Reply<'static> = Reply {
+        code: 403,
+        reason: "Forbidden",
+        retry_after_s: None,
+    };
+    /// A flow token whose flow is gone (RFC 5626 §5.3, §11.5).
+    pub const FLOW_FAILED: Reply<'static> = Reply {
+        code: 430,
+        reason: "Flow Failed",
+        retry_after_s: None,
+    };
     pub const MESSAGE_TOO_LARGE: Reply<'static> = Reply {
         code: 513,
         reason: "Message Too Large",
@@ -552,7 +576,7 @@ pub fn forward_request_attempt<B: BufMut>(
     // Every line added here must still fit what fulcrum's own scanner takes, or the answer
     // (which carries the same headers) could not come back through fulcrum.
     let rr_lines = usize::from(rw.record_route) * (1 + usize::from(rw.arrived_on.is_some()));
-    let added = 1 + rr_lines + usize::from(!mf);
+    let added = 1 + rr_lines + usize::from(!mf) + usize::from(rw.path.is_some());
     if msg.header_count() + added > MAX_HEADERS {
         return Err(RewriteError::TooManyHeaders);
     }
@@ -597,11 +621,26 @@ pub fn forward_request_attempt<B: BufMut>(
             put(out, b"=");
             put(out, &hex16(d));
         }
+        if let Some(token) = rw.flow {
+            put(out, b";");
+            put(out, FLOW_PARAM);
+            put(out, b"=");
+            put(out, token);
+        }
         put(out, b">\r\n");
         if let Some(back) = rw.arrived_on {
             put(out, &back.rr_line);
             put(out, b">\r\n");
         }
+    }
+    if let Some(token) = rw.path {
+        put(out, b"Path: ");
+        put(out, &rw.local.rr_line[RR_PREFIX.len()..]);
+        put(out, b";");
+        put(out, FLOW_PARAM);
+        put(out, b"=");
+        put(out, token);
+        put(out, b">\r\n");
     }
     if !mf {
         put(out, b"Max-Forwards: ");
@@ -724,6 +763,27 @@ pub fn routed_service(msg: &SipMsg<'_>, local: &Local) -> Option<u64> {
                 return None;
             }
             digest(uri.param(SERVICE_PARAM)?)
+        }
+        None => None,
+    }
+}
+
+/// The flow token (`fc-flow`) of the top Route value when that names fulcrum, or of the
+/// second when both are fulcrum's (a double record-route, RFC 5658 §3.2); as written.
+pub fn routed_flow<'a>(msg: &SipMsg<'a>, local: &Local) -> Option<&'a [u8]> {
+    let uri = parse_uri(msg.route_uri()?)?;
+    if !local.is_local(uri.host, uri.port) {
+        return None;
+    }
+    match uri.param(FLOW_PARAM) {
+        Some(v) => Some(v),
+        None if local.bridged => {
+            let second = msg.routes().nth(1)?;
+            let uri = parse_uri(parse_name_addr(second)?.uri)?;
+            if !local.is_local(uri.host, uri.port) {
+                return None;
+            }
+            uri.param(FLOW_PARAM)
         }
         None => None,
     }
@@ -1409,6 +1469,8 @@ Content-Length: 0\r\n\r\n";
             conn_id: None,
             service: None,
             arrived_on: None,
+            flow: None,
+            path: None,
         }
     }
 

@@ -627,6 +627,17 @@ impl<'a> SipMsg<'a> {
             .map(|h| h.value)
     }
 
+    /// Whether a Supported header (compact `k`) lists option tag `tag` (RFC 3261 §20.37).
+    /// Linear in the header count: for the rare request that asks (a REGISTER).
+    pub fn supports(&self, tag: &[u8]) -> bool {
+        self.headers()
+            .filter(|h| {
+                h.name.eq_ignore_ascii_case(b"supported") || h.name.eq_ignore_ascii_case(b"k")
+            })
+            .flat_map(|h| h.value.split(|&c| c == b','))
+            .any(|t| crate::sip::lex::trim_lws(t).eq_ignore_ascii_case(tag))
+    }
+
     /// Call-ID (compact `i`), trimmed.
     pub fn call_id(&self) -> Option<&'a [u8]> {
         self.call_id

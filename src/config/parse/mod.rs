@@ -145,7 +145,15 @@ fn parse_socket_addr(s: &str) -> Result<SocketAddr, String> {
     })
 }
 
-const TOP_FIELDS: &[&str] = &["lb", "admin", "logging", "monitors", "services", "vservers"];
+const TOP_FIELDS: &[&str] = &[
+    "lb",
+    "admin",
+    "logging",
+    "monitors",
+    "services",
+    "vservers",
+    "flow_key_file",
+];
 
 /// The `name` of every item of a list, valid or not, so that a reference to an item that
 /// has its own problems is not also reported as unknown.
@@ -445,7 +453,17 @@ impl Cx {
         });
         self.check_binds(&vservers, admin.as_ref().and_then(|a| a.listen));
 
+        let flow_key_file = match f.get("flow_key_file") {
+            None => Some(None),
+            Some(n) => self.file(n, "flow_key_file").map(|file| {
+                Some(FlowKeyFile {
+                    file,
+                    keys: Vec::new(),
+                })
+            }),
+        };
         Some(Config {
+            flow_key_file: flow_key_file?,
             lb: lb?,
             admin: admin?,
             logging: logging?,

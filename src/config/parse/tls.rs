@@ -13,7 +13,7 @@ const SERVICE_TLS_FIELDS: &[&str] = &["ca", "server_name", "cert", "key"];
 impl Cx {
     /// A file name (`cert`, `key`, `ca`...), kept with where it is written: the file is read
     /// by [`crate::config::load`], which reports its problems there.
-    fn file(&mut self, node: &Node, path: &str) -> Option<ConfigFile> {
+    pub(super) fn file(&mut self, node: &Node, path: &str) -> Option<ConfigFile> {
         self.string(node, path).map(|s| ConfigFile {
             path: s.into(),
             pos: node.pos,

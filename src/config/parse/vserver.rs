@@ -23,6 +23,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "advertise",
     "service_source",
     "record_route",
+    "path",
     "idle_timeout",
     "drain_timeout",
     "allow",
@@ -111,6 +112,12 @@ impl Cx {
             advertise: self.advertise(f, path),
             service_source: self.service_source(f, path, protocol),
             record_route: self.bool_field(f, path, "record_route", false),
+            path_mode: match f.get("path") {
+                None => Some(PathMode::Auto),
+                // `off` reads as a boolean in YAML 1.1.
+                Some(n) if matches!(n.value, Value::Bool(false)) => Some(PathMode::Off),
+                Some(n) => self.choice(n, &join(path, "path"), &PathMode::ALL),
+            },
             failover: self.failover_field(f, path, protocol),
             idle_timeout,
             drain_timeout,
@@ -691,7 +698,7 @@ impl Cx {
                 ),
             );
         }
-        for field in ["advertise", "record_route", "failover"] {
+        for field in ["advertise", "record_route", "failover", "path"] {
             if let (Some(p), Some(n)) = (protocol, f.get(field))
                 && !p.is_sip()
             {
@@ -717,6 +724,7 @@ struct VserverFields {
     advertise: Option<String>,
     service_source: Option<Option<SocketAddr>>,
     record_route: Option<bool>,
+    path_mode: Option<PathMode>,
     failover: Option<Option<Failover>>,
     idle_timeout: Option<Duration>,
     drain_timeout: Option<Duration>,
@@ -777,6 +785,7 @@ impl VserverFields {
             advertise: self.advertise,
             service_source: self.service_source?,
             record_route: self.record_route?,
+            path: self.path_mode?,
             idle_timeout: self.idle_timeout?,
             drain_timeout: self.drain_timeout?,
             draining: Vec::new(),

@@ -74,6 +74,9 @@ pub enum Action {
     ToAddr(SocketAddr),
     /// A response for the client connection with this id (streams).
     ToConn(u64),
+    /// A service's request for the client connection with this id, named by a flow token
+    /// (streams): when the connection is gone the service gets 430 ([`SipCore::flow_failed`]).
+    ToFlow(u64),
     /// fulcrum's own reply (400 / 483 / 503): back to the sender, at this address on
     /// datagrams (RFC 3581 aware), on the same connection on streams.
     Reply(SocketAddr),
@@ -90,6 +93,14 @@ pub struct SipCounters {
     pub in_dialog_from_services: AtomicU64,
     /// In-dialog requests routed to the service their Route's `fc-svc` names.
     pub routed_by_record_route: AtomicU64,
+    /// REGISTERs forwarded with fulcrum's Path (a flow token).
+    pub paths_added: AtomicU64,
+    /// Requests from services routed to a client by a flow token.
+    pub routed_by_flow: AtomicU64,
+    /// Requests from services refused for a flow token fulcrum did not make (403).
+    pub flow_forged: AtomicU64,
+    /// Requests from services whose flow is gone (430).
+    pub flow_failed: AtomicU64,
     pub replies_400: AtomicU64,
     pub replies_483: AtomicU64,
     pub replies_503: AtomicU64,
@@ -148,6 +159,10 @@ pub struct SipCore {
     failover: Option<transaction::Failover>,
     /// The requests held for failover.
     transactions: Arc<stateful::Transactions>,
+    /// The keys of flow tokens ([`SipCore::with_flows`]; none: no Path, no token honoured).
+    flows: Option<Arc<sip::flow::FlowKeys>>,
+    /// When a REGISTER gets fulcrum's Path.
+    path: crate::config::PathMode,
     pub counters: SipCounters,
 }
 
@@ -316,12 +331,26 @@ impl SipCore {
             member_addrs: p.member_addrs,
             failover: None,
             transactions: Arc::default(),
+            flows: None,
+            path: crate::config::PathMode::Off,
             counters: SipCounters::default(),
         }
     }
 
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
+    }
+
+    /// The core with flow tokens signed and verified with `keys`, and Path added to REGISTERs
+    /// as `path` says (docs/sip.md, "Path and flow tokens").
+    pub fn with_flows(
+        mut self,
+        keys: Arc<sip::flow::FlowKeys>,
+        path: crate::config::PathMode,
+    ) -> SipCore {
+        self.flows = Some(keys);
+        self.path = path;
+        self
     }
 
     /// The core with the vserver's access lists and flood control.

@@ -190,6 +190,14 @@ impl SipCore {
         // Toward a member on another transport: that leg's Via, and its Record-Route on top
         // of the client leg's (RFC 5658 §3.2).
         let leg = self.leg_of(member);
+        let (with_path, in_record_route) = self.flow_token_wanted(msg);
+        let token = (with_path || in_record_route)
+            .then(|| {
+                let keys = self.flows.as_ref()?;
+                Some(keys.sign(self.local.transport(), src, conn))
+            })
+            .flatten();
+        let token = token.as_ref().map(sip::flow::Token::as_bytes);
         let rw = RequestRewrite {
             local: self.identity_toward(member),
             src,
@@ -198,6 +206,8 @@ impl SipCore {
             conn_id: conn,
             service: self.digest_of(Some(member)),
             arrived_on: leg.map(|_| &self.local),
+            flow: token.filter(|_| in_record_route),
+            path: token.filter(|_| with_path),
         };
         match forward_request(msg, &rw, out) {
             Ok(n) if n > self.max_forwarded() => {
@@ -217,6 +227,9 @@ impl SipCore {
             }
             Ok(_) => {
                 bump(&self.counters.requests_forwarded);
+                if with_path && token.is_some() {
+                    bump(&self.counters.paths_added);
+                }
                 if let Some(c) = self.balancer.counters(member) {
                     c.record_request();
                 }
@@ -235,7 +248,8 @@ impl SipCore {
     pub(super) fn fits_lines(&self, msg: &SipMsg<'_>, max_forwards: MaxForwards) -> bool {
         // Checked before a member is chosen: a bridge may record-route twice.
         let rr_lines = usize::from(self.record_route) * (1 + usize::from(!self.legs.is_empty()));
-        let added = 1 + rr_lines + usize::from(max_forwards == MaxForwards::Absent);
+        let path = usize::from(msg.method_kind() == SipMethod::Register && self.flows.is_some());
+        let added = 1 + rr_lines + path + usize::from(max_forwards == MaxForwards::Absent);
         msg.header_count() + added <= sip::MAX_HEADERS
     }
 
@@ -288,24 +302,40 @@ impl SipCore {
     /// proxy answer 503 when it cannot forward). ACKs are not answered.
     /// The pending entry of the request ends with the 503 as with a service's answer.
     pub fn unavailable(&self, forwarded: &[u8], now: Nanos, out: &mut Vec<u8>) -> Action {
+        let reply = Reply::service_unavailable(RETRY_AFTER_S);
+        self.answer_forwarded(forwarded, &reply, out, |answer, out| {
+            bump(&self.counters.replies_503);
+            // fulcrum's own reply, built from its own Via: as trusted as a service's.
+            let action = self.response(answer, true, out);
+            self.track_answer(answer, Answerer::Unknown, now);
+            action
+        })
+    }
+
+    /// fulcrum's own `reply` to a request it had forwarded (`forwarded` carries its Via on
+    /// top), built as the next hop would answer it and handed to `route` to go back like any
+    /// response. ACKs are not answered.
+    fn answer_forwarded(
+        &self,
+        forwarded: &[u8],
+        reply: &Reply<'_>,
+        out: &mut Vec<u8>,
+        route: impl FnOnce(&SipMsg<'_>, &mut Vec<u8>) -> Action,
+    ) -> Action {
         out.clear();
         let Ok(msg) = sip::scan(forwarded) else {
             return Action::Drop(DropReason::Malformed);
         };
         let mut resp = Vec::new();
-        match build_response(&msg, &Reply::service_unavailable(RETRY_AFTER_S), &mut resp) {
+        match build_response(&msg, reply, &mut resp) {
             Ok(()) => {}
             Err(RewriteError::AckNotAnswered) => return Action::Drop(DropReason::AckNotForwarded),
             Err(_) => return Action::Drop(DropReason::Malformed),
         }
-        let Ok(reply) = sip::scan(&resp) else {
-            return Action::Drop(DropReason::Malformed);
-        };
-        bump(&self.counters.replies_503);
-        // fulcrum's own reply, built from its own Via: as trusted as a service's.
-        let action = self.response(&reply, true, out);
-        self.track_answer(&reply, Answerer::Unknown, now);
-        action
+        match sip::scan(&resp) {
+            Ok(answer) => route(&answer, out),
+            Err(_) => Action::Drop(DropReason::Malformed),
+        }
     }
 
     /// Dialog affinity first (an established call stays on its member while it is UP or
@@ -422,6 +452,11 @@ impl SipCore {
         {
             self.end_dialog(h, now / 1_000_000);
         }
+        // A flow token in fulcrum's own Route: the client's flow, whatever the Request-URI.
+        let flow_token = self.flows.as_ref().zip(sip::routed_flow(msg, &self.local));
+        if let Some((keys, token)) = flow_token {
+            return self.request_to_flow(msg, member, src, keys, token, out);
+        }
         let target = match request_target(msg, &self.local) {
             Ok(t) => t,
             Err(RewriteError::Loop) => {
@@ -451,6 +486,8 @@ impl SipCore {
             conn_id: None,
             service: self.digest_of(Some(member)),
             arrived_on: self.leg_of(member),
+            flow: None,
+            path: None,
         };
         match forward_request(msg, &rw, out) {
             Ok(n) if n > self.max_forwarded() => {
@@ -469,5 +506,95 @@ impl SipCore {
                 Action::Drop(DropReason::Malformed)
             }
         }
+    }
+
+    /// Whether a client's request gets a flow token: (in a Path, in its Record-Route). A
+    /// REGISTER gets a Path when the vserver's `path` says so (`auto`: when it says
+    /// `Supported: path`, RFC 3327 §5.2); a request that sets up a dialog carries the token
+    /// in its Record-Route (when that is on), so the dialog's requests toward the client
+    /// reach it over its flow. `path: off` turns both off.
+    fn flow_token_wanted(&self, msg: &SipMsg<'_>) -> (bool, bool) {
+        use crate::config::PathMode;
+        if self.flows.is_none() || self.path == PathMode::Off || msg.to_tag().is_some() {
+            return (false, false);
+        }
+        match msg.method_kind() {
+            SipMethod::Register => (
+                self.path == PathMode::Always || msg.supports(b"path"),
+                false,
+            ),
+            _ => (false, self.record_route && pins_dialog(msg)),
+        }
+    }
+
+    /// A service's request whose top Route is fulcrum's with a flow token: to that flow (the
+    /// client's address on UDP, its connection on a stream), with the token kept in the
+    /// Record-Route of the dialog it may set up. A token fulcrum did not make is answered
+    /// 403; a flow this vserver cannot reach (a stream of another start, another
+    /// transport) 430 Flow Failed (RFC 5626 §5.3).
+    fn request_to_flow(
+        &self,
+        msg: &SipMsg<'_>,
+        member: usize,
+        src: SocketAddr,
+        keys: &sip::flow::FlowKeys,
+        token: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Action {
+        use sip::flow::FlowError;
+        let flow = match keys.verify(token) {
+            Ok(f) if f.transport == self.local.transport() => f,
+            Ok(_) | Err(FlowError::Gone) => {
+                bump(&self.counters.flow_failed);
+                return self.reply(msg, src, &Reply::FLOW_FAILED, out);
+            }
+            Err(FlowError::Forged) => {
+                bump(&self.counters.flow_forged);
+                return self.reply(msg, src, &Reply::FORBIDDEN, out);
+            }
+        };
+        let rw = RequestRewrite {
+            local: &self.local,
+            src,
+            record_route: self.record_route,
+            force_rport: false,
+            conn_id: None,
+            service: self.digest_of(Some(member)),
+            arrived_on: self.leg_of(member),
+            flow: Some(token).filter(|_| self.record_route && pins_dialog(msg)),
+            path: None,
+        };
+        match forward_request(msg, &rw, out) {
+            Ok(n) if n > self.max_forwarded() => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
+            Ok(_) => {
+                bump(&self.counters.requests_forwarded);
+                bump(&self.counters.routed_by_flow);
+                match flow.conn {
+                    Some((id, _)) => Action::ToFlow(id),
+                    None => Action::ToAddr(flow.addr),
+                }
+            }
+            Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
+            Err(RewriteError::TooManyHeaders) => {
+                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
+            }
+            Err(_) => {
+                bump(&self.counters.malformed);
+                Action::Drop(DropReason::Malformed)
+            }
+        }
+    }
+
+    /// fulcrum's 430 Flow Failed (RFC 5626 §5.3) for a service's request it had forwarded
+    /// toward a client connection that is gone (`forwarded` carries fulcrum's Via on top):
+    /// built as the client would answer it and routed back to the service like any
+    /// response. ACKs are not answered.
+    pub fn flow_failed(&self, forwarded: &[u8], out: &mut Vec<u8>) -> Action {
+        self.answer_forwarded(forwarded, &Reply::FLOW_FAILED, out, |answer, out| {
+            bump(&self.counters.flow_failed);
+            self.response(answer, true, out)
+        })
     }
 }

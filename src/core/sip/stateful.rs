@@ -136,6 +136,8 @@ impl Hops for CoreHops<'_> {
             service: core.digest_of(Some(member)),
             // Across the bridge, double record-routed as the first attempt (RFC 5658 §3.2).
             arrived_on: core.leg_of(member).map(|_| &core.local),
+            flow: None,
+            path: None,
         };
         let mut out = Vec::with_capacity(self.request.len() + 512);
         sip::forward_request_attempt(&msg, &rw, attempt, &mut out).ok()?;

@@ -791,3 +791,189 @@ fn a_stream_request_past_the_size_limit_is_answered_513_from_its_head() {
     assert_eq!(c.counters.replies_513.load(Ordering::Relaxed), 1);
     assert_eq!(c.counters.malformed.load(Ordering::Relaxed), 2);
 }
+
+fn with_flows(c: SipCore, path: config::PathMode, nonce: u64) -> SipCore {
+    let keys = crate::sip::flow::FlowKeys::new(vec![[7; 16]], nonce, false).expect("keys");
+    c.with_flows(Arc::new(keys), path)
+}
+
+fn register(extra: &str) -> String {
+    format!(
+        "REGISTER sip:example.com SIP/2.0\r\nVia: SIP/2.0/UDP 10.0.0.1:5062;branch=z9hG4bKr1;rport\r\nMax-Forwards: 70\r\nFrom: <sip:alice@example.com>;tag=f1\r\nTo: <sip:alice@example.com>\r\nCall-ID: reg1\r\nCSeq: 1 REGISTER\r\nContact: <sip:alice@10.0.0.1:5062>\r\n{extra}Content-Length: 0\r\n\r\n"
+    )
+}
+
+/// The token of the Path a forwarded request carries, if any.
+fn path_token(out: &[u8]) -> Option<Vec<u8>> {
+    let msg = crate::sip::scan(out).expect("scans");
+    let path = msg.header(b"Path")?;
+    let uri = crate::sip::parse_uri(crate::sip::parse_name_addr(path)?.uri)?;
+    assert_eq!(uri.host, b"127.0.0.1", "the Path names fulcrum");
+    assert_eq!(uri.port, Some(5060));
+    assert!(uri.param(b"lr").is_some(), "a loose route (RFC 3327 §5.2)");
+    uri.param(crate::sip::flow::FLOW_PARAM).map(<[u8]>::to_vec)
+}
+
+#[test]
+fn a_register_gets_a_path_naming_its_flow_as_the_path_setting_says() {
+    use config::PathMode;
+    let client: SocketAddr = CLIENT.parse().expect("addr");
+    for (mode, extra, wanted) in [
+        (PathMode::Auto, "", false),
+        (PathMode::Auto, "Supported: path\r\n", true),
+        (
+            PathMode::Auto,
+            "Supported: gruu, outbound\r\nk: replaces,path\r\n",
+            true,
+        ),
+        (PathMode::Auto, "Supported: pathology\r\n", false),
+        (PathMode::Always, "", true),
+        (PathMode::Off, "Supported: path\r\n", false),
+    ] {
+        let c = with_flows(core(false), mode, 1);
+        let mut out = Vec::new();
+        let a = handle(&c, &register(extra), CLIENT, &mut out);
+        assert!(matches!(a, Action::ToMember(_)), "{a:?}");
+        let token = path_token(&out);
+        assert_eq!(token.is_some(), wanted, "{mode:?} {extra:?}");
+        if let Some(t) = token {
+            let keys = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 1, false).expect("keys");
+            let flow = keys.verify(&t).expect("fulcrum's token");
+            assert_eq!(
+                (flow.transport, flow.addr, flow.conn),
+                (Transport::Udp, client, None)
+            );
+            assert_eq!(c.counters.paths_added.load(Ordering::Relaxed), 1);
+        }
+    }
+    // Without flow keys (a core built without them), no Path at all.
+    let mut out = Vec::new();
+    handle(
+        &core(false),
+        &register("Supported: path\r\n"),
+        CLIENT,
+        &mut out,
+    );
+    assert_eq!(path_token(&out), None);
+}
+
+/// A request from the registrar toward the registered client, routed by the Path it stored.
+fn toward_client(route_token: &[u8], method: &str) -> String {
+    let token = String::from_utf8_lossy(route_token);
+    format!(
+        "{method} sip:alice@10.0.0.1:9 SIP/2.0\r\nVia: SIP/2.0/UDP 127.0.0.1:5071;branch=z9hG4bKs1\r\nRoute: <sip:127.0.0.1:5060;lr;fc-flow={token}>\r\nMax-Forwards: 70\r\nFrom: <sip:bob@example.com>;tag=b1\r\nTo: <sip:alice@example.com>\r\nCall-ID: in1\r\nCSeq: 1 {method}\r\nContent-Length: 0\r\n\r\n"
+    )
+}
+
+#[test]
+fn a_service_request_with_a_flow_token_reaches_the_client_where_it_registered_from() {
+    let c = with_flows(core(true), config::PathMode::Always, 1);
+    let mut out = Vec::new();
+    handle(&c, &register(""), CLIENT, &mut out);
+    let token = path_token(&out).expect("a Path");
+    let a = handle(
+        &c,
+        &toward_client(&token, "INVITE"),
+        "127.0.0.1:5071",
+        &mut out,
+    );
+    // To the address the REGISTER came from, not the Contact's 10.0.0.1:9.
+    assert_eq!(a, Action::ToAddr(CLIENT.parse().expect("addr")));
+    let msg = crate::sip::scan(&out).expect("scans");
+    assert_eq!(msg.route(), None, "fulcrum's own Route is removed");
+    assert_eq!(msg.vias().count(), 2);
+    // The dialog's Record-Route carries the token, so its later requests find the flow too.
+    let rr = msg.record_route().expect("record-routed");
+    assert!(
+        rr.windows(token.len()).any(|w| w == token.as_slice()),
+        "{}",
+        String::from_utf8_lossy(rr)
+    );
+    assert_eq!(c.counters.routed_by_flow.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn a_forged_token_is_refused_403_and_a_flow_of_another_start_430() {
+    let c = with_flows(core(false), config::PathMode::Always, 1);
+    let member = "127.0.0.1:5071";
+    let mut out = Vec::new();
+    handle(&c, &register(""), CLIENT, &mut out);
+    let mut token = path_token(&out).expect("a Path");
+    let last = token.len() - 1;
+    token[last] = if token[last] == b'0' { b'1' } else { b'0' };
+    let a = handle(&c, &toward_client(&token, "INVITE"), member, &mut out);
+    assert_eq!(a, Action::Reply(member.parse().expect("addr")));
+    assert!(
+        out.starts_with(b"SIP/2.0 403 "),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    assert_eq!(c.counters.flow_forged.load(Ordering::Relaxed), 1);
+    // A stream token made by another start of fulcrum (another nonce): the flow is gone.
+    let other = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 2, false).expect("keys");
+    let stream = other.sign(Transport::Tcp, CLIENT.parse().expect("addr"), Some(5));
+    handle(
+        &c,
+        &toward_client(stream.as_bytes(), "INVITE"),
+        member,
+        &mut out,
+    );
+    assert!(
+        out.starts_with(b"SIP/2.0 430 Flow Failed"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    // A sound stream token of this start, on a UDP vserver: not a flow it can reach.
+    let here = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 1, false).expect("keys");
+    let stream = here.sign(Transport::Tcp, CLIENT.parse().expect("addr"), Some(5));
+    handle(
+        &c,
+        &toward_client(stream.as_bytes(), "INVITE"),
+        member,
+        &mut out,
+    );
+    assert!(out.starts_with(b"SIP/2.0 430 "));
+    assert_eq!(c.counters.flow_failed.load(Ordering::Relaxed), 2);
+}
+
+#[test]
+fn a_client_cannot_use_a_flow_token_to_reach_another_client() {
+    let c = with_flows(core(false), config::PathMode::Always, 1);
+    let mut out = Vec::new();
+    handle(&c, &register(""), "192.0.2.99:5060", &mut out);
+    let victim = path_token(&out).expect("a Path");
+    // The same request from a client: balanced to a service like any client request.
+    let a = handle(&c, &toward_client(&victim, "MESSAGE"), CLIENT, &mut out);
+    assert!(matches!(a, Action::ToMember(_)), "{a:?}");
+    assert_eq!(c.counters.routed_by_flow.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_clients_dialog_carries_its_flow_in_record_route_unless_path_is_off() {
+    for (mode, wanted) in [
+        (config::PathMode::Auto, true),
+        (config::PathMode::Off, false),
+    ] {
+        let c = with_flows(core(true), mode, 1);
+        let mut out = Vec::new();
+        handle(&c, &invite("rr1", 70), CLIENT, &mut out);
+        let msg = crate::sip::scan(&out).expect("scans");
+        let rr = msg.record_route().expect("record-routed");
+        assert_eq!(
+            rr.windows(8).any(|w| w == b"fc-flow="),
+            wanted,
+            "{mode:?}: {}",
+            String::from_utf8_lossy(rr)
+        );
+        // An OPTIONS sets up no dialog: no token.
+        handle(
+            &c,
+            &request("OPTIONS", "o1", None, "10.0.0.1:5062"),
+            CLIENT,
+            &mut out,
+        );
+        let msg = crate::sip::scan(&out).expect("scans");
+        let rr = msg.record_route().expect("record-routed");
+        assert!(!rr.windows(8).any(|w| w == b"fc-flow="));
+    }
+}

@@ -212,7 +212,8 @@ impl SipStreamShared {
                 }
             }
             Action::Reply(addr) => Some(addr),
-            Action::ToConn(_) | Action::Drop(_) => None,
+            // Connection ids and flow tokens of streams never come from a sip-udp vserver.
+            Action::ToConn(_) | Action::ToFlow(_) | Action::Drop(_) => None,
         }
     }
 
@@ -328,6 +329,15 @@ impl SipStreamShared {
             Action::ToConn(id) => {
                 if !self.to_client(id, bytes()) {
                     bump(&self.counters.responses_no_client);
+                }
+            }
+            Action::ToFlow(id) => {
+                if !self.to_client(id, bytes()) {
+                    // The client's connection is gone: the service hears 430 Flow Failed
+                    // (RFC 5626 §5.3), routed back as any response to it.
+                    let mut answer = Vec::new();
+                    let action = g.core.flow_failed(out, &mut answer);
+                    self.dispatch(g, action, &answer, Origin::Client { conn: None }, reply);
                 }
             }
             Action::ToAddr(addr) => {

@@ -654,6 +654,7 @@ pub(crate) fn start(
     let core = Arc::new(
         SipCore::new(SipParams::of(config, v, local, Arc::clone(&balancer)).with_legs(legs))
             .with_edge(v.edge(None))
+            .with_flows(crate::proxy::flows::keys_for(config), v.path)
             .with_failover(v.failover.clone(), Arc::default()),
     );
     let shared = launch(
