@@ -443,13 +443,24 @@ fn every_service_down_is_answered_503_with_retry_after() {
 }
 
 /// `rr` is fulcrum's Record-Route value at `proxy`, naming the chosen service by its digest
-/// (`;fc-svc=` and 16 hex digits).
+/// (`;fc-svc=` and 16 hex digits), and on a dialog-creating request the client's flow
+/// (`;fc-flow=`, docs/sip.md "Path and flow tokens").
 fn assert_ours_naming_a_service(rr: &str, proxy: SocketAddr) {
     let prefix = format!("<sip:{};lr;fc-svc=", hp(proxy));
-    let digest = rr
+    let params = rr
         .strip_prefix(&prefix)
         .and_then(|r| r.strip_suffix('>'))
         .unwrap_or_else(|| panic!("{rr}"));
+    let digest = match params.split_once(";fc-flow=") {
+        Some((d, token)) => {
+            assert!(
+                !token.is_empty() && token.bytes().all(|c| c.is_ascii_hexdigit()),
+                "{rr}"
+            );
+            d
+        }
+        None => params,
+    };
     assert!(
         digest.len() == 16 && digest.bytes().all(|c| c.is_ascii_hexdigit()),
         "{rr}"
