@@ -311,6 +311,19 @@ pub fn admit(
 pub struct Activity {
     last: AtomicU64,
     proven: std::sync::atomic::AtomicBool,
+    /// The client registered through this connection with a flow token (a Path): the
+    /// registrar reaches it only over this connection.
+    registered: std::sync::atomic::AtomicBool,
+}
+
+/// What an eviction rank says of a connection, lowest evicted first.
+pub mod class {
+    /// Never completed a message or request.
+    pub const UNPROVEN: u8 = 0;
+    /// Completed one.
+    pub const PROVEN: u8 = 1;
+    /// Carries a registration flow (its client registered through it with a Path).
+    pub const REGISTERED: u8 = 2;
 }
 
 impl Activity {
@@ -318,6 +331,14 @@ impl Activity {
         Activity {
             last: AtomicU64::new(now),
             proven: std::sync::atomic::AtomicBool::new(false),
+            registered: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Its client registered through it with a flow token: evicted after every other.
+    pub fn mark_registered(&self) {
+        if !self.registered.load(Ordering::Relaxed) {
+            self.registered.store(true, Ordering::Relaxed);
         }
     }
 
@@ -335,22 +356,26 @@ impl Activity {
         &self.last
     }
 
-    /// The eviction rank: lower goes first.
-    pub fn rank(&self) -> (bool, u64) {
-        (
-            self.proven.load(Ordering::Relaxed),
-            self.last.load(Ordering::Relaxed),
-        )
+    /// The eviction rank: lower goes first ([`class`], then when it was last active).
+    pub fn rank(&self) -> (u8, u64) {
+        let class = if self.registered.load(Ordering::Relaxed) {
+            class::REGISTERED
+        } else if self.proven.load(Ordering::Relaxed) {
+            class::PROVEN
+        } else {
+            class::UNPROVEN
+        };
+        (class, self.last.load(Ordering::Relaxed))
     }
 }
 
 /// The connection to evict first among `candidates` (id, [`Activity::rank`]), with its rank:
-/// those that never completed a message before any that did, and among each the longest idle
-/// first (nginx closes its reusable connections, idle keep-alives, when it runs out). Ties go
-/// to the older id.
+/// those that never completed a message before any that did, those that carry a
+/// registration flow last, and within each class the longest idle first (nginx closes its
+/// reusable connections, idle keep-alives, when it runs out). Ties go to the older id.
 pub fn first_victim<K: Copy + Ord>(
-    candidates: impl Iterator<Item = (K, (bool, u64))>,
-) -> Option<((bool, u64), K)> {
+    candidates: impl Iterator<Item = (K, (u8, u64))>,
+) -> Option<((u8, u64), K)> {
     candidates.map(|(id, rank)| (rank, id)).min()
 }
 
@@ -498,14 +523,17 @@ mod tests {
     }
 
     #[test]
-    fn victims_are_the_unproven_then_the_longest_idle() {
-        // (id, (proven, last active ms))
+    fn victims_are_the_unproven_then_the_longest_idle_and_registrations_last() {
+        use class::{PROVEN, REGISTERED, UNPROVEN};
+        // (id, (class, last active ms))
         let c = [
-            (1u64, (true, 100)),
-            (2, (false, 900)),
-            (3, (true, 50)),
-            (4, (false, 200)),
-            (5, (true, 5_000)),
+            (1u64, (PROVEN, 100)),
+            (2, (UNPROVEN, 900)),
+            (3, (PROVEN, 50)),
+            (4, (UNPROVEN, 200)),
+            (5, (PROVEN, 5_000)),
+            (6, (REGISTERED, 10)),
+            (7, (REGISTERED, 1)),
         ];
         // Evicted one at a time, each time the first of those left.
         let mut left = c.to_vec();
@@ -514,19 +542,22 @@ mod tests {
             order.push(id);
             left.retain(|(i, _)| *i != id);
         }
-        assert_eq!(order, vec![4, 2, 3, 1, 5]);
-        assert_eq!(first_victim(c.into_iter()), Some(((false, 200), 4)));
-        assert_eq!(first_victim(std::iter::empty::<(u64, (bool, u64))>()), None);
+        assert_eq!(order, vec![4, 2, 3, 1, 5, 7, 6]);
+        assert_eq!(first_victim(c.into_iter()), Some(((UNPROVEN, 200), 4)));
+        assert_eq!(first_victim(std::iter::empty::<(u64, (u8, u64))>()), None);
         let a = Activity::new(10);
-        assert_eq!(a.rank(), (false, 10));
+        assert_eq!(a.rank(), (UNPROVEN, 10));
         a.touch(20, false);
         assert_eq!(
             a.rank(),
-            (false, 20),
+            (UNPROVEN, 20),
             "a keep-alive is activity, not a message"
         );
         a.touch(30, true);
-        assert_eq!(a.rank(), (true, 30));
+        assert_eq!(a.rank(), (PROVEN, 30));
+        a.mark_registered();
+        a.touch(40, false);
+        assert_eq!(a.rank(), (REGISTERED, 40));
     }
 
     proptest! {

@@ -589,3 +589,71 @@ fn a_burst_of_closes_is_followed_by_one_counted_trim() {
         f.metric("fulcrum_memory_trims_total")
     );
 }
+
+/// A connection that carries a registration (its client registered through it and got
+/// fulcrum's Path) is evicted after every other: a phone registers first, so it is the
+/// longest idle of all, then proven connections (each completed an OPTIONS) fill nine tenths
+/// of the pool; a new client then evicts the oldest proven connection, not the phone's.
+#[test]
+fn a_connection_carrying_a_registration_is_evicted_after_every_other() {
+    if !prlimit_available() {
+        println!("SKIP: no prlimit");
+        return;
+    }
+    let uas = StrictUas::tcp("t");
+    let yaml = format!(
+        "admin: {{ listen: \"127.0.0.1:0\" }}\nservices:\n  - {{ name: t, address: \"{}\", protocol: sip-tcp }}\nvservers:\n  - {{ name: tcp, protocol: sip-tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: off, path: always, services: [t] }}\n",
+        uas.addr
+    );
+    let mut f = start_with(700, &yaml);
+    let v = f.vserver("tcp");
+    raise_own_limit(2_000);
+    let mut phone = TcpStream::connect_timeout(&v, Duration::from_secs(3)).expect("connect");
+    phone
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    let local = phone.local_addr().expect("addr");
+    phone
+        .write_all(request("REGISTER", "reg@x", local, "reg").as_bytes())
+        .expect("send REGISTER");
+    let mut buf = Vec::new();
+    read_message(&mut phone, &mut buf).expect("the REGISTER is answered");
+    std::thread::sleep(Duration::from_millis(20));
+    // Proven connections, each from its own source, up to nine tenths of the pool.
+    let n = f.pool * 9 / 10;
+    let mut proven = Vec::new();
+    for i in 0..n {
+        let ip = IpAddr::from([127, 1, (i / 250) as u8, (i % 250 + 1) as u8]);
+        let Some(mut c) = hold_from(ip, v) else { break };
+        c.set_read_timeout(Some(Duration::from_secs(3)))
+            .expect("timeout");
+        let me = c.local_addr().expect("addr");
+        c.write_all(request("OPTIONS", &format!("p{i}@x"), me, &format!("p{i}")).as_bytes())
+            .expect("send OPTIONS");
+        let mut b = Vec::new();
+        read_message(&mut c, &mut b).expect("the OPTIONS is answered");
+        proven.push(c);
+    }
+    let used = f.metric("fulcrum_open_files{kind=\"used\"}");
+    println!("pool {}, {} proven, used {used}", f.pool, proven.len());
+    assert!(used * 10 >= f.pool * 9, "the pool runs low: {used}");
+    assert_eq!(
+        sip_tcp_options(v, "new"),
+        Some(200),
+        "a new client is served"
+    );
+    assert!(
+        f.metric("fulcrum_transport_events_total{vserver=\"tcp\",event=\"clients_evicted\"}") >= 1,
+        "a connection was evicted"
+    );
+    assert_eq!(
+        closed_by_peer(std::slice::from_ref(&phone)),
+        0,
+        "the registration's connection stays"
+    );
+    assert_eq!(
+        closed_by_peer(&proven[..1]),
+        1,
+        "the longest idle proven connection went"
+    );
+}

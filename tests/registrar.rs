@@ -4,7 +4,8 @@
 //! is asked directly for the user's bindings (a REGISTER without Contact, RFC 3261 §10.2.3).
 //! With `aor_hash` both phones of every user are bound at one registrar and nowhere else; with
 //! `call_id_hash` (the default) some user's phones are split between registrars, so a call to
-//! that user would miss one of them.
+//! that user would miss one of them. And a registrar that honours Path (`use_path`) calls a
+//! phone behind NAT through fulcrum's flow token.
 
 mod common;
 
@@ -171,4 +172,82 @@ fn with_call_id_hash_some_users_phones_are_split() {
         .filter(|c| c.iter().filter(|&&n| n > 0).count() > 1)
         .count();
     assert!(split > 0, "no user split among {USERS}: {per_user:?}");
+}
+
+/// A registrar that stores Path (`use_path`, saved whatever the REGISTER's Supported says)
+/// and calls a registered user along it: `lookup` sets the destination to the first Path URI
+/// and the Path as the Route set; `forward` sends statelessly.
+fn path_registrar_cfg(port: u16) -> String {
+    format!(
+        "#!KAMAILIO\n\
+         debug=1\nlog_stderror=yes\nfork=yes\nchildren=1\n\
+         listen=udp:127.0.0.1:{port}\ndisable_tcp=yes\nauto_aliases=no\ndns=no\nrev_dns=no\n\
+         mpath=\"/usr/lib/x86_64-linux-gnu/kamailio/modules/\"\n\
+         loadmodule \"kex.so\"\nloadmodule \"sl.so\"\nloadmodule \"usrloc.so\"\nloadmodule \"registrar.so\"\n\
+         modparam(\"usrloc\", \"db_mode\", 0)\n\
+         modparam(\"registrar\", \"use_path\", 1)\nmodparam(\"registrar\", \"path_mode\", 0)\n\
+         request_route {{\n\
+           if (method == \"REGISTER\") {{ if (!save(\"location\")) {{ sl_reply_error(); }} exit; }}\n\
+           if (method == \"INVITE\") {{ if (!lookup(\"location\")) {{ sl_send_reply(\"404\", \"Not Found\"); exit; }} forward(); exit; }}\n\
+           sl_send_reply(\"404\", \"Not Here\");\n  exit;\n}}\n"
+    )
+}
+
+/// A phone on 127.0.0.2 registers through fulcrum (`path: always`) with the Contact a NAT's
+/// inside address would give (port 9, where nothing listens); a caller asks the Kamailio
+/// registrar directly for the user, and the registrar's INVITE, routed along fulcrum's Path,
+/// reaches the phone at the address it registered from.
+#[test]
+fn a_kamailio_registrar_calls_a_phone_behind_nat_along_fulcrums_path() {
+    if !kamailio_available() {
+        return;
+    }
+    let scratch = Scratch::new("path");
+    let (_proc, port) = spawn_listening("registrar with path", Transport::Udp, |port| {
+        let cfg = scratch.path(&format!("path-{port}.cfg"));
+        std::fs::write(&cfg, path_registrar_cfg(port)).expect("write kamailio config");
+        let mut c = Command::new("kamailio");
+        c.arg("-f").arg(cfg).args(["-DD", "-E"]);
+        c
+    });
+    let registrar = SocketAddr::from(([127, 0, 0, 1], port));
+    let rt = start(&format!(
+        "services:\n  - {{ name: r, address: \"{registrar}\", protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-udp, bind: 127.0.0.1:0, path: always, services: [r] }}\n"
+    ));
+    let lb = bound(&rt, "v");
+    let phone = udp_client("127.0.0.2");
+    let local = phone.local_addr().expect("addr");
+    let reg = format!(
+        "REGISTER sip:example.com SIP/2.0\r\nVia: SIP/2.0/UDP {local};branch=z9hG4bKnat1;rport\r\nMax-Forwards: 70\r\nFrom: <sip:carol@example.com>;tag=n1\r\nTo: <sip:carol@example.com>\r\nCall-ID: nat-reg\r\nCSeq: 1 REGISTER\r\nContact: <sip:carol@127.0.0.2:9>\r\nExpires: 300\r\nContent-Length: 0\r\n\r\n"
+    );
+    let mut buf = vec![0u8; 65_536];
+    let answer = (0..3)
+        .find_map(|_| {
+            phone.send_to(reg.as_bytes(), lb).expect("send REGISTER");
+            let (n, _) = recv_from_retrying(&phone, &mut buf).ok()?;
+            Some(String::from_utf8_lossy(&buf[..n]).into_owned())
+        })
+        .expect("an answer to the REGISTER");
+    assert!(answer.starts_with("SIP/2.0 200"), "{answer}");
+    // The caller asks the registrar for carol, directly.
+    let caller = udp_client("127.0.0.1");
+    let me = caller.local_addr().expect("addr");
+    let invite = format!(
+        "INVITE sip:carol@example.com SIP/2.0\r\nVia: SIP/2.0/UDP {me};branch=z9hG4bKnatcall;rport\r\nMax-Forwards: 70\r\nFrom: <sip:dave@example.com>;tag=d1\r\nTo: <sip:carol@example.com>\r\nCall-ID: nat-call\r\nCSeq: 1 INVITE\r\nContact: <sip:dave@{me}>\r\nContent-Length: 0\r\n\r\n"
+    );
+    caller
+        .send_to(invite.as_bytes(), registrar)
+        .expect("send INVITE");
+    let (n, from) = recv_from_retrying(&phone, &mut buf).expect("the call reaches the phone");
+    let call = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(
+        call.starts_with("INVITE sip:carol@127.0.0.2:9 SIP/2.0"),
+        "{call}"
+    );
+    assert!(call.contains("Call-ID: nat-call"), "{call}");
+    assert_eq!(from, lb, "through fulcrum");
+    assert!(
+        !call.contains("fc-flow"),
+        "fulcrum's Route is removed: {call}"
+    );
 }

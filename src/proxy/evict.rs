@@ -45,7 +45,7 @@ pub(crate) async fn admit_evicting(
 /// A vserver's client connections as the process-wide eviction sees them.
 pub(crate) trait IdleClients: Send + Sync {
     /// Its connection to evict first: ([`Activity::rank`], id).
-    fn first_victim(&self) -> Option<((bool, u64), u64)>;
+    fn first_victim(&self) -> Option<((u8, u64), u64)>;
     /// Close connection `id` to make room at `now` (the runtime's clock, for the log), if it
     /// is still open; whether it was.
     fn evict_one(&self, id: u64, now: crate::stats::Nanos) -> bool;
@@ -93,7 +93,7 @@ impl Evictors {
             all.retain(|w| w.strong_count() > 0);
             all.iter().filter_map(Weak::upgrade).collect()
         };
-        let mut firsts: Vec<((bool, u64), usize, u64)> = sources
+        let mut firsts: Vec<((u8, u64), usize, u64)> = sources
             .iter()
             .enumerate()
             .filter_map(|(i, s)| s.first_victim().map(|(rank, id)| (rank, i, id)))
@@ -135,7 +135,7 @@ pub(crate) struct Evictable {
 }
 
 impl IdleClients for Evictable {
-    fn first_victim(&self) -> Option<((bool, u64), u64)> {
+    fn first_victim(&self) -> Option<((u8, u64), u64)> {
         self.conns.retain(|_, (_, abort)| !abort.is_finished());
         crate::budget::first_victim(self.conns.iter().map(|e| (*e.key(), e.value().0.rank())))
     }

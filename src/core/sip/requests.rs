@@ -508,6 +508,14 @@ impl SipCore {
         }
     }
 
+    /// Whether `bytes`, a client's message on a stream, is a REGISTER that fulcrum forwards
+    /// with a Path naming the client's flow: its connection then carries a registration and
+    /// is evicted last (docs/limits.md). Only a REGISTER is scanned (rare next to the rest).
+    pub fn registers_flow(&self, bytes: &[u8]) -> bool {
+        bytes.starts_with(b"REGISTER ")
+            && sip::scan(bytes).is_ok_and(|m| self.flow_token_wanted(&m).0)
+    }
+
     /// Whether a client's request gets a flow token: (in a Path, in its Record-Route). A
     /// REGISTER gets a Path when the vserver's `path` says so (`auto`: when it says
     /// `Supported: path`, RFC 3327 §5.2); a request that sets up a dialog carries the token

@@ -977,3 +977,23 @@ fn a_clients_dialog_carries_its_flow_in_record_route_unless_path_is_off() {
         assert!(!rr.windows(8).any(|w| w == b"fc-flow="));
     }
 }
+
+#[test]
+fn only_a_register_that_gets_a_path_marks_its_connection_as_a_registration() {
+    let auto = with_flows(core(false), config::PathMode::Auto, 1);
+    let always = with_flows(core(false), config::PathMode::Always, 1);
+    let plain = register("");
+    let asks = register("Supported: path\r\n");
+    assert!(
+        !auto.registers_flow(plain.as_bytes()),
+        "auto, no Supported: path"
+    );
+    assert!(auto.registers_flow(asks.as_bytes()));
+    assert!(always.registers_flow(plain.as_bytes()));
+    assert!(!always.registers_flow(invite("i1", 70).as_bytes()));
+    assert!(
+        !core(false).registers_flow(asks.as_bytes()),
+        "no flow keys, no Path"
+    );
+    assert!(!always.registers_flow(b"REGISTER garbage"));
+}

@@ -85,7 +85,7 @@ impl SipStreamShared {
 
 /// A stream vserver's clients, as the process-wide eviction sees them.
 impl crate::proxy::evict::IdleClients for SipStreamShared {
-    fn first_victim(&self) -> Option<((bool, u64), u64)> {
+    fn first_victim(&self) -> Option<((u8, u64), u64)> {
         crate::budget::first_victim(
             self.clients
                 .iter()

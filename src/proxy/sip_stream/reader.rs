@@ -141,6 +141,11 @@ fn frame_buffered(
                         let _in = reader.enter();
                         let g = shared.current.load();
                         let msg = inbound.front(len);
+                        if let Some(a) = peer.activity
+                            && g.core.registers_flow(msg)
+                        {
+                            a.mark_registered();
+                        }
                         if let Some(link) = peer.link
                             && is_answer(msg)
                             && let Some(m) = g.index_of(link)
