@@ -8,13 +8,15 @@
 //! Without chromium, node or playwright-core the test says why and passes, unless
 //! `FULCRUM_REQUIRE_BROWSER=1` (CI, which installs them) makes that a failure.
 
+mod common;
+
 use fulcrum::admin::router::{self, Request};
 use fulcrum::config;
 use fulcrum::ops::Ops;
 use fulcrum::peer::{Uac, Uas};
 use serde_json::Value;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,28 +26,6 @@ const TOKEN: &str = "dash-s3cret";
 
 fn any() -> SocketAddr {
     "127.0.0.1:0".parse().expect("addr")
-}
-
-/// Chromium and the driver script's directory, or why they cannot be used.
-fn browser() -> Result<(PathBuf, PathBuf), String> {
-    let chromium = std::env::var_os("FULCRUM_CHROMIUM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
-    if !chromium.exists() {
-        return Err(format!(
-            "no browser at {} (apt-get install chromium)",
-            chromium.display()
-        ));
-    }
-    match Command::new("node").arg("--version").output() {
-        Ok(o) if o.status.success() => {}
-        _ => return Err("no node on PATH".into()),
-    }
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/dashboard");
-    if !dir.join("node_modules/playwright-core").exists() {
-        return Err("playwright-core is not installed (npm ci --prefix tests/dashboard)".into());
-    }
-    Ok((chromium, dir))
 }
 
 fn yaml(ports: &[u16]) -> String {
@@ -92,7 +72,7 @@ fn traffic(proxy: SocketAddr, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<
 
 #[test]
 fn dashboard_in_headless_chromium() {
-    let (chromium, dir) = match browser() {
+    let (chromium, dir) = match common::browser() {
         Ok(b) => b,
         Err(why) => {
             assert!(

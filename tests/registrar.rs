@@ -16,21 +16,6 @@ use std::process::Command;
 
 const USERS: usize = 12;
 
-/// Whether Kamailio can be run here; a failure under `FULCRUM_REQUIRE_KAMAILIO=1` (CI).
-fn kamailio_available() -> bool {
-    let found = Command::new("kamailio")
-        .arg("-v")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !found && std::env::var("FULCRUM_REQUIRE_KAMAILIO").as_deref() == Ok("1") {
-        panic!("kamailio is not on PATH and FULCRUM_REQUIRE_KAMAILIO=1 (apt-get install kamailio)");
-    }
-    if !found {
-        eprintln!("SKIPPED: kamailio is not on PATH (apt-get install kamailio)");
-    }
-    found
-}
-
 /// A registrar on 127.0.0.1:`port`, bindings in memory, for any domain.
 fn registrar_cfg(port: u16) -> String {
     format!(

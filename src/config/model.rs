@@ -199,16 +199,22 @@ pub enum Protocol {
     SipTcp,
     /// SIP over TLS: the sip-tcp data path on TLS streams (docs/tls.md).
     SipTls,
+    /// SIP over WebSocket (RFC 7118): browsers' softphones; vservers only.
+    SipWs,
+    /// SIP over secure WebSocket (WebSocket on TLS); vservers only.
+    SipWss,
     Udp,
     Tcp,
     Http,
 }
 
 impl Protocol {
-    pub const ALL: [(&'static str, Protocol); 6] = [
+    pub const ALL: [(&'static str, Protocol); 8] = [
         ("sip-udp", Protocol::SipUdp),
         ("sip-tcp", Protocol::SipTcp),
         ("sip-tls", Protocol::SipTls),
+        ("sip-ws", Protocol::SipWs),
+        ("sip-wss", Protocol::SipWss),
         ("udp", Protocol::Udp),
         ("tcp", Protocol::Tcp),
         ("http", Protocol::Http),
@@ -219,6 +225,8 @@ impl Protocol {
             Protocol::SipUdp => "sip-udp",
             Protocol::SipTcp => "sip-tcp",
             Protocol::SipTls => "sip-tls",
+            Protocol::SipWs => "sip-ws",
+            Protocol::SipWss => "sip-wss",
             Protocol::Udp => "udp",
             Protocol::Tcp => "tcp",
             Protocol::Http => "http",
@@ -226,12 +234,28 @@ impl Protocol {
     }
 
     pub fn is_sip(self) -> bool {
-        matches!(self, Protocol::SipUdp | Protocol::SipTcp | Protocol::SipTls)
+        matches!(
+            self,
+            Protocol::SipUdp
+                | Protocol::SipTcp
+                | Protocol::SipTls
+                | Protocol::SipWs
+                | Protocol::SipWss
+        )
     }
 
-    /// SIP over a stream (TCP or TLS): one data path, framed by Content-Length.
+    /// SIP over a connection (TCP, TLS, WebSocket): one data path, the stream vservers'.
     pub fn is_sip_stream(self) -> bool {
-        matches!(self, Protocol::SipTcp | Protocol::SipTls)
+        matches!(
+            self,
+            Protocol::SipTcp | Protocol::SipTls | Protocol::SipWs | Protocol::SipWss
+        )
+    }
+
+    /// SIP over WebSocket, plain or secure: a client-side protocol only (browsers connect
+    /// to fulcrum; services are reached over sip-udp, sip-tcp or sip-tls).
+    pub fn is_websocket(self) -> bool {
+        matches!(self, Protocol::SipWs | Protocol::SipWss)
     }
 
     pub fn is_datagram(self) -> bool {
@@ -242,13 +266,16 @@ impl Protocol {
     /// (`tls`, docs/tls.md). A stream protocol opts in here once its data path carries a
     /// [`crate::tls::MaybeTls`] stream.
     pub fn takes_tls(self) -> bool {
-        matches!(self, Protocol::Tcp | Protocol::Http | Protocol::SipTls)
+        matches!(
+            self,
+            Protocol::Tcp | Protocol::Http | Protocol::SipTls | Protocol::SipWss
+        )
     }
 
     /// Protocols that cannot run without `tls`: a sip-tls vserver terminates it, a sip-tls
     /// service is reached through it.
     pub fn needs_tls(self) -> bool {
-        self == Protocol::SipTls
+        matches!(self, Protocol::SipTls | Protocol::SipWss)
     }
 }
 
@@ -512,6 +539,9 @@ pub struct Vserver {
     pub record_route: bool,
     /// When a forwarded REGISTER gets fulcrum's Path with a flow token (SIP).
     pub path: PathMode,
+    /// `allowed_origins` (sip-ws, sip-wss): the web origins whose pages may open a
+    /// WebSocket (`None`: any).
+    pub allowed_origins: Option<Vec<String>>,
     /// `service_source` (sip-udp): the address fulcrum sends from toward its services and
     /// names in its Via, so that their answers come back to this instance; port 0 means the
     /// vserver's own (bound) port. `None`: the vserver's sockets, as for clients.

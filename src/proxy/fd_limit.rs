@@ -41,7 +41,11 @@ pub fn raise_nofile_limit() -> Option<u64> {
 /// only its worker sockets.
 fn fds_at_max(v: &Vserver) -> u64 {
     let each = match v.protocol {
-        Protocol::Udp | Protocol::SipTcp | Protocol::SipTls => 1,
+        Protocol::Udp
+        | Protocol::SipTcp
+        | Protocol::SipTls
+        | Protocol::SipWs
+        | Protocol::SipWss => 1,
         Protocol::Tcp | Protocol::Http => 2,
         Protocol::SipUdp => 0,
     };

@@ -304,7 +304,9 @@ fn starter(
 ) -> fn(&mut StartCtx<'_>, &Config, &Vserver) -> Result<VserverHandle, RuntimeError> {
     match p {
         Protocol::SipUdp => sip_udp::start,
-        Protocol::SipTcp | Protocol::SipTls => sip_stream::start,
+        Protocol::SipTcp | Protocol::SipTls | Protocol::SipWs | Protocol::SipWss => {
+            sip_stream::start
+        }
         Protocol::Udp => udp::start,
         Protocol::Tcp | Protocol::Http => tcp::start,
     }

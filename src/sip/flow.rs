@@ -94,6 +94,8 @@ fn kind_of(t: Transport) -> u8 {
         Transport::Udp => 1,
         Transport::Tcp => 2,
         Transport::Tls => 3,
+        Transport::Ws => 4,
+        Transport::Wss => 5,
     }
 }
 
@@ -102,6 +104,8 @@ fn transport_of(k: u8) -> Option<Transport> {
         1 => Some(Transport::Udp),
         2 => Some(Transport::Tcp),
         3 => Some(Transport::Tls),
+        4 => Some(Transport::Ws),
+        5 => Some(Transport::Wss),
         _ => None,
     }
 }

@@ -87,6 +87,10 @@ pub enum Transport {
     Udp,
     Tcp,
     Tls,
+    /// WebSocket (RFC 7118): `SIP/2.0/WS`, `;transport=ws`.
+    Ws,
+    /// Secure WebSocket: `SIP/2.0/WSS`, `;transport=wss`.
+    Wss,
 }
 
 impl Transport {
@@ -95,6 +99,8 @@ impl Transport {
             Transport::Udp => "UDP",
             Transport::Tcp => "TCP",
             Transport::Tls => "TLS",
+            Transport::Ws => "WS",
+            Transport::Wss => "WSS",
         }
     }
 
@@ -102,6 +108,8 @@ impl Transport {
     pub fn default_port(self) -> u16 {
         match self {
             Transport::Tls => 5061,
+            Transport::Ws => 80,
+            Transport::Wss => 443,
             _ => 5060,
         }
     }
@@ -154,6 +162,8 @@ impl Local {
             Transport::Udp => "",
             Transport::Tcp => ";transport=tcp",
             Transport::Tls => ";transport=tls",
+            Transport::Ws => ";transport=ws",
+            Transport::Wss => ";transport=wss",
         };
         let rr_line = format!("{RR_PREFIX_STR}<sip:{printable}:{port}{rr_param};lr").into_bytes();
         let branch_seed = xxh3_64_with_seed(bare.as_bytes(), SEED ^ u64::from(port));

@@ -435,3 +435,41 @@ impl Drop for ConfigFile {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// Debian's chromium and the directory of the browser drivers (tests/dashboard, with
+/// playwright-core installed by `npm ci --prefix tests/dashboard`), or why they cannot be used.
+pub fn browser() -> Result<(PathBuf, PathBuf), String> {
+    let chromium = std::env::var_os("FULCRUM_CHROMIUM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+    if !chromium.exists() {
+        return Err(format!(
+            "no browser at {} (apt-get install chromium)",
+            chromium.display()
+        ));
+    }
+    match Command::new("node").arg("--version").output() {
+        Ok(o) if o.status.success() => {}
+        _ => return Err("no node on PATH".into()),
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/dashboard");
+    if !dir.join("node_modules/playwright-core").exists() {
+        return Err("playwright-core is not installed (npm ci --prefix tests/dashboard)".into());
+    }
+    Ok((chromium, dir))
+}
+
+/// Whether Kamailio can be run here; a failure under `FULCRUM_REQUIRE_KAMAILIO=1` (CI).
+pub fn kamailio_available() -> bool {
+    let found = Command::new("kamailio")
+        .arg("-v")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found && std::env::var("FULCRUM_REQUIRE_KAMAILIO").as_deref() == Ok("1") {
+        panic!("kamailio is not on PATH and FULCRUM_REQUIRE_KAMAILIO=1 (apt-get install kamailio)");
+    }
+    if !found {
+        eprintln!("SKIPPED: kamailio is not on PATH (apt-get install kamailio)");
+    }
+    found
+}

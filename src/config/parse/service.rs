@@ -75,6 +75,18 @@ impl Cx {
                 })
             }
         };
+        if let (Some(p), Some(n)) = (protocol, f.get("protocol"))
+            && p.is_websocket()
+        {
+            self.problem(
+                n.pos,
+                &join(path, "protocol"),
+                format!(
+                    "{} is a vserver protocol only (browsers connect to fulcrum over it); reach services over sip-udp, sip-tcp or sip-tls",
+                    p.name()
+                ),
+            );
+        }
         let hash_id = self.opt_string(&f, path, "hash_id");
         let backup = self.bool_field(&f, path, "backup", false);
         let write_timeout =

@@ -126,7 +126,7 @@ impl Cx {
         if !p.takes_tls() {
             let takes: Vec<&str> = Protocol::ALL
                 .iter()
-                .filter(|(_, q)| q.takes_tls())
+                .filter(|(_, q)| q.takes_tls() && (what == "vserver" || !q.is_websocket()))
                 .map(|(name, _)| *name)
                 .collect();
             self.problem(

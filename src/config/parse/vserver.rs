@@ -24,6 +24,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "service_source",
     "record_route",
     "path",
+    "allowed_origins",
     "idle_timeout",
     "drain_timeout",
     "allow",
@@ -56,7 +57,11 @@ fn is_contiguous_mask(mask: Ipv4Addr) -> bool {
 fn default_idle_timeout(protocol: Protocol) -> Duration {
     match protocol {
         // Dialog affinity lives as long as a long call (docs/config.md, Defaults worth a reason).
-        Protocol::SipUdp | Protocol::SipTcp | Protocol::SipTls => Duration::from_secs(3600),
+        Protocol::SipUdp
+        | Protocol::SipTcp
+        | Protocol::SipTls
+        | Protocol::SipWs
+        | Protocol::SipWss => Duration::from_secs(3600),
         // nginx stream / Envoy UDP proxy default idle timeouts are about a minute.
         Protocol::Udp => Duration::from_secs(60),
         Protocol::Tcp | Protocol::Http => Duration::from_secs(600),
@@ -112,6 +117,19 @@ impl Cx {
             advertise: self.advertise(f, path),
             service_source: self.service_source(f, path, protocol),
             record_route: self.bool_field(f, path, "record_route", false),
+            allowed_origins: match f.get("allowed_origins") {
+                None => Some(None),
+                Some(n) => {
+                    let p = join(path, "allowed_origins");
+                    let items: Vec<Option<String>> = self
+                        .seq(n, &p)
+                        .iter()
+                        .enumerate()
+                        .map(|(i, item)| self.string(item, &format!("{p}[{i}]")))
+                        .collect();
+                    items.into_iter().collect::<Option<Vec<String>>>().map(Some)
+                }
+            },
             path_mode: match f.get("path") {
                 None => Some(PathMode::Auto),
                 // `off` reads as a boolean in YAML 1.1.
@@ -698,6 +716,31 @@ impl Cx {
                 ),
             );
         }
+        if let (Some(p), Some(n)) = (protocol, f.get("allowed_origins"))
+            && !p.is_websocket()
+        {
+            self.problem(
+                n.pos,
+                &join(path, "allowed_origins"),
+                format!(
+                    "`allowed_origins` applies to sip-ws and sip-wss vservers only, not {}",
+                    p.name()
+                ),
+            );
+        }
+        if let (Some(p), Some(n)) = (protocol, f.get("record_route"))
+            && p.is_websocket()
+            && matches!(n.value, Value::Bool(false))
+        {
+            self.problem(
+                n.pos,
+                &join(path, "record_route"),
+                format!(
+                    "{} vservers always record-route (a WebSocket client is reachable only through fulcrum)",
+                    p.name()
+                ),
+            );
+        }
         for field in ["advertise", "record_route", "failover", "path"] {
             if let (Some(p), Some(n)) = (protocol, f.get(field))
                 && !p.is_sip()
@@ -725,6 +768,7 @@ struct VserverFields {
     service_source: Option<Option<SocketAddr>>,
     record_route: Option<bool>,
     path_mode: Option<PathMode>,
+    allowed_origins: Option<Option<Vec<String>>>,
     failover: Option<Option<Failover>>,
     idle_timeout: Option<Duration>,
     drain_timeout: Option<Duration>,
@@ -784,8 +828,11 @@ impl VserverFields {
             services: members?,
             advertise: self.advertise,
             service_source: self.service_source?,
-            record_route: self.record_route?,
+            // Always on for WebSocket clients: their Contact (`.invalid`) is reachable only
+            // through fulcrum (RFC 7118 §5.4).
+            record_route: self.record_route? || self.protocol.is_some_and(Protocol::is_websocket),
             path: self.path_mode?,
+            allowed_origins: self.allowed_origins?,
             idle_timeout: self.idle_timeout?,
             drain_timeout: self.drain_timeout?,
             draining: Vec::new(),

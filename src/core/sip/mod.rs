@@ -251,6 +251,8 @@ pub fn sip_transport(p: crate::config::Protocol) -> Option<Transport> {
         Protocol::SipUdp => Some(Transport::Udp),
         Protocol::SipTcp => Some(Transport::Tcp),
         Protocol::SipTls => Some(Transport::Tls),
+        Protocol::SipWs => Some(Transport::Ws),
+        Protocol::SipWss => Some(Transport::Wss),
         Protocol::Udp | Protocol::Tcp | Protocol::Http => None,
     }
 }

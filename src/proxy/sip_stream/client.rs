@@ -112,9 +112,9 @@ pub(super) async fn write_messages<W: AsyncWrite + Unpin>(
 /// What a client's task owns besides its stream: its write queue's receiver and level, and
 /// its activity.
 pub(super) struct ClientOwn {
-    rx: mpsc::UnboundedReceiver<Bytes>,
-    level: Arc<Level>,
-    activity: Arc<crate::budget::Activity>,
+    pub(super) rx: mpsc::UnboundedReceiver<Bytes>,
+    pub(super) level: Arc<Level>,
+    pub(super) activity: Arc<crate::budget::Activity>,
 }
 
 /// Read a client's messages until it is done, then give what is queued toward it a bounded
@@ -242,11 +242,14 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                 if wait_registered.await.is_err() {
                     return;
                 }
+                let ws = shared.ws.is_some();
                 match shared.tls.clone() {
+                    None if ws => ws::serve_ws_client(shared, stream, id, src, dst, own).await,
                     None => serve_client(shared, stream, id, src, dst, own).await,
                     // The handshake runs here, bounded in time, not in the accept loop: a
                     // client that never finishes it costs this task's timer only.
                     Some(tls) => match tls.accept(stream).await {
+                        Ok(s) if ws => ws::serve_ws_client(shared, s, id, src, dst, own).await,
                         Ok(s) => serve_client(shared, s, id, src, dst, own).await,
                         Err(reason) => {
                             if shared.log.allow(shared.now()) {

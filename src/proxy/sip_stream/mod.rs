@@ -68,6 +68,7 @@ mod outbox;
 mod reader;
 mod stream;
 mod udp_leg;
+mod ws;
 
 use client::*;
 use dispatch::*;
@@ -134,11 +135,14 @@ pub struct SipStreamCounters {
     pub udp_leg_strangers: AtomicU64,
     /// Datagrams the UDP leg could not send (its send buffer full, or an error).
     pub udp_leg_send_errors: AtomicU64,
+    /// WebSocket upgrades refused (no `sip` subprotocol, an Origin not allowed, no upgrade
+    /// in time).
+    pub websocket_refused: AtomicU64,
 }
 
 impl SipStreamCounters {
     /// Each counter by its event name, in the order metrics lists them.
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 19] {
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 20] {
         [
             ("clients_accepted", &self.clients_accepted),
             ("clients_refused", &self.clients_refused),
@@ -159,6 +163,7 @@ impl SipStreamCounters {
             ("services_retired", &self.services_retired),
             ("udp_leg_strangers", &self.udp_leg_strangers),
             ("udp_leg_send_errors", &self.udp_leg_send_errors),
+            ("websocket_refused", &self.websocket_refused),
         ]
     }
 }
@@ -231,6 +236,8 @@ pub struct SipStreamShared {
     /// reload knows when none still uses the old one ([`crate::proxy::handover`]). A sip-udp
     /// vserver's bridge shares its workers'.
     readers: Arc<Readers>,
+    /// A WebSocket vserver's upgrade settings (`None`: SIP straight on the stream).
+    ws: Option<ws::WsSettings>,
 }
 
 impl std::fmt::Debug for SipStreamShared {
@@ -612,7 +619,12 @@ impl DataPath for SipStreamPath {
     }
 
     fn protocols(&self) -> &'static [Protocol] {
-        &[Protocol::SipTcp, Protocol::SipTls]
+        &[
+            Protocol::SipTcp,
+            Protocol::SipTls,
+            Protocol::SipWs,
+            Protocol::SipWss,
+        ]
     }
 }
 
@@ -626,16 +638,23 @@ pub(crate) fn start(
     let member_addrs = config.member_addrs(v);
     let transport = match v.protocol {
         Protocol::SipTls => Transport::Tls,
+        Protocol::SipWs => Transport::Ws,
+        Protocol::SipWss => Transport::Wss,
         _ => Transport::Tcp,
     };
     let local = local_identity(v, &bound, &member_addrs, transport)?;
     let tls = crate::proxy::context::tls_listener(v)?;
-    // The transports bridge: the other stream transport shares the vserver's address (its
-    // links connect out); sip-udp members get a UDP leg of their own.
-    let mut legs = vec![local.with_transport(match transport {
-        Transport::Tls => Transport::Tcp,
-        _ => Transport::Tls,
-    })];
+    // The transports bridge: the other stream transports share the vserver's address (their
+    // links connect out); sip-udp members get a UDP leg of their own. A WebSocket vserver has
+    // no service of its own transport: every service is on another leg.
+    let mut legs: Vec<Local> = match transport {
+        Transport::Tls => vec![local.with_transport(Transport::Tcp)],
+        Transport::Ws | Transport::Wss => vec![
+            local.with_transport(Transport::Tcp),
+            local.with_transport(Transport::Tls),
+        ],
+        _ => vec![local.with_transport(Transport::Tls)],
+    };
     let udp_members: Vec<SocketAddr> = v
         .members()
         .filter_map(|i| config.services.get(i))
@@ -669,6 +688,9 @@ pub(crate) fn start(
             udp,
             front: None,
             readers: Arc::default(),
+            ws: v.protocol.is_websocket().then(|| ws::WsSettings {
+                allowed_origins: v.allowed_origins.clone(),
+            }),
         },
     );
     ctx.tokio.spawn(run_vserver(
@@ -697,6 +719,8 @@ struct Shells {
     udp: Option<Arc<tokio::net::UdpSocket>>,
     front: Option<crate::proxy::sip_udp::Senders>,
     readers: Arc<Readers>,
+    /// A WebSocket vserver's upgrade settings.
+    ws: Option<ws::WsSettings>,
 }
 
 /// The shared state over `core`, with every member of `v` given its link (and connection
@@ -733,6 +757,7 @@ fn launch(
         gate: crate::budget::Gate::new(Arc::clone(ctx.budget), 1, v.max_per_source),
         evictors: Arc::clone(ctx.evictors),
         readers: sh.readers,
+        ws: sh.ws,
     });
     // Its idle clients may make room for any vserver's new connection.
     let idle: Arc<dyn crate::proxy::evict::IdleClients> = shared.clone();
@@ -776,6 +801,7 @@ pub(crate) fn start_bridge(
             udp: None,
             front: Some(front),
             readers: Arc::clone(readers),
+            ws: None,
         },
     );
     // No listener: the task sweeps dialogs (the vserver's sweeper thread is not started)

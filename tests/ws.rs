@@ -1,0 +1,169 @@
+//! SIP over WebSocket (RFC 7118) through a `sip-ws` vserver, with tokio-tungstenite as the
+//! browser: the upgrade (the `sip` subprotocol, `allowed_origins`), a REGISTER carried as one
+//! WebSocket message (no Content-Length) to a UDP registrar and its 200 back, the call the
+//! registrar sends along fulcrum's Path reaching the WebSocket, double record-routed with
+//! `;transport=ws`; refusals (wrong subprotocol 400, bad Origin 403) and an oversize message
+//! (the connection closes, nothing else is disturbed).
+
+mod common;
+
+use common::*;
+use futures_util::{SinkExt, StreamExt};
+use std::net::{SocketAddr, UdpSocket};
+use std::time::Duration;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+
+type Ws = tokio_tungstenite::WebSocketStream<tokio::net::TcpStream>;
+
+/// Connect to `vs` offering `protocol`, from a page of `origin`.
+async fn connect(
+    vs: SocketAddr,
+    protocol: &str,
+    origin: Option<&str>,
+) -> Result<(Ws, Option<String>), tokio_tungstenite::tungstenite::Error> {
+    let mut req = format!("ws://{vs}/").into_client_request()?;
+    req.headers_mut().insert(
+        "sec-websocket-protocol",
+        HeaderValue::from_str(protocol).expect("header"),
+    );
+    if let Some(o) = origin {
+        req.headers_mut()
+            .insert("origin", HeaderValue::from_str(o).expect("header"));
+    }
+    let tcp = tokio::net::TcpStream::connect(vs).await.expect("connect");
+    let (ws, resp) = tokio_tungstenite::client_async(req, tcp).await?;
+    let agreed = resp
+        .headers()
+        .get("sec-websocket-protocol")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    Ok((ws, agreed))
+}
+
+/// The next SIP message on `ws` (pings are answered by the library), 3 s at most.
+async fn next_sip(ws: &mut Ws) -> Option<String> {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(3), ws.next()).await {
+            Ok(Some(Ok(Message::Text(t)))) => return Some(t.to_string()),
+            Ok(Some(Ok(Message::Binary(b)))) => {
+                return Some(String::from_utf8_lossy(&b).into_owned());
+            }
+            Ok(Some(Ok(_))) => continue,
+            _ => return None,
+        }
+    }
+}
+
+fn recv_text(s: &UdpSocket) -> Option<(String, SocketAddr)> {
+    let mut buf = vec![0u8; 65_536];
+    let (n, from) = recv_from_retrying(s, &mut buf).ok()?;
+    Some((String::from_utf8_lossy(&buf[..n]).into_owned(), from))
+}
+
+fn header<'a>(msg: &'a str, name: &str) -> Vec<&'a str> {
+    msg.lines()
+        .filter_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+        .collect()
+}
+
+/// A 200 to `req` as the registrar sends it: every Via, From, To with a tag, Call-ID, CSeq.
+fn ok_to(req: &str) -> String {
+    let mut out = String::from("SIP/2.0 200 OK\r\n");
+    for v in header(req, "Via") {
+        out.push_str(&format!("Via: {v}\r\n"));
+    }
+    out.push_str(&format!("From: {}\r\n", header(req, "From")[0]));
+    out.push_str(&format!("To: {};tag=reg1\r\n", header(req, "To")[0]));
+    out.push_str(&format!("Call-ID: {}\r\n", header(req, "Call-ID")[0]));
+    out.push_str(&format!("CSeq: {}\r\n", header(req, "CSeq")[0]));
+    out.push_str("Content-Length: 0\r\n\r\n");
+    out
+}
+
+const REGISTER: &str = "REGISTER sip:example.com SIP/2.0\r\nVia: SIP/2.0/WS df7jal23ls0d.invalid;branch=z9hG4bKws1\r\nMax-Forwards: 70\r\nFrom: <sip:alice@example.com>;tag=w1\r\nTo: <sip:alice@example.com>\r\nCall-ID: ws-reg\r\nCSeq: 1 REGISTER\r\nSupported: path, outbound\r\nContact: <sip:alice@df7jal23ls0d.invalid;transport=ws>\r\nExpires: 600\r\n\r\n";
+
+#[test]
+fn a_browser_registers_over_websocket_and_is_called_along_the_path() {
+    let registrar = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    registrar
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    let reg = registrar.local_addr().expect("addr");
+    let fulcrum = start(&format!(
+        "services:\n  - {{ name: r, address: {reg}, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-ws, bind: 127.0.0.1:0, failover: off, services: [r] }}\n  - {{ name: o, protocol: sip-ws, bind: 127.0.0.1:0, allowed_origins: [\"https://phone.example.com\"], services: [r] }}\n"
+    ));
+    let (vs, only) = (bound(&fulcrum, "v"), bound(&fulcrum, "o"));
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    client.block_on(async {
+        let (mut ws, agreed) = connect(vs, "sip", Some("https://any.example"))
+            .await
+            .expect("upgraded");
+        assert_eq!(agreed.as_deref(), Some("sip"));
+        // One WebSocket message, one SIP message: no Content-Length needed.
+        ws.send(Message::text(REGISTER)).await.expect("send");
+        let (got, leg) = recv_text(&registrar).expect("the REGISTER reaches the registrar");
+        assert!(got.starts_with("REGISTER sip:example.com SIP/2.0"), "{got}");
+        let vias = header(&got, "Via");
+        assert!(vias[0].starts_with("SIP/2.0/UDP "), "fulcrum's UDP leg: {vias:?}");
+        assert!(
+            vias[1].starts_with("SIP/2.0/WS df7jal23ls0d.invalid;branch=z9hG4bKws1;received=127.0.0.1"),
+            "{vias:?}"
+        );
+        let path = header(&got, "Path")[0].to_owned();
+        assert!(path.contains(";lr;fc-flow="), "{path}");
+
+        // The registrar's 200 comes back on the WebSocket.
+        registrar
+            .send_to(ok_to(&got).as_bytes(), leg)
+            .expect("send 200");
+        let ok = next_sip(&mut ws).await.expect("the 200 reaches the browser");
+        assert!(ok.starts_with("SIP/2.0 200 OK"), "{ok}");
+        assert_eq!(header(&ok, "Via").len(), 1, "fulcrum's Via removed: {ok}");
+
+        // A call along the Path reaches the browser, whose Contact is `.invalid`.
+        let invite = format!(
+            "INVITE sip:alice@df7jal23ls0d.invalid;transport=ws SIP/2.0\r\nVia: SIP/2.0/UDP {reg};branch=z9hG4bKcall1\r\nRoute: {path}\r\nMax-Forwards: 70\r\nFrom: <sip:bob@example.com>;tag=b1\r\nTo: <sip:alice@example.com>\r\nCall-ID: ws-call\r\nCSeq: 1 INVITE\r\nContact: <sip:bob@{reg}>\r\nContent-Length: 0\r\n\r\n"
+        );
+        registrar.send_to(invite.as_bytes(), leg).expect("send");
+        let call = next_sip(&mut ws).await.expect("the INVITE reaches the browser");
+        assert!(call.starts_with("INVITE sip:alice@df7jal23ls0d.invalid"), "{call}");
+        let rr = header(&call, "Record-Route");
+        assert!(
+            rr.iter().any(|r| r.contains(";transport=ws;lr")),
+            "the client leg's entry names WebSocket: {rr:?}"
+        );
+        assert!(call.contains("Via: SIP/2.0/WS "), "the client leg's Via: {call}");
+
+        // Too large for a message (64 KiB): the connection closes; another client is served.
+        let big = format!("{REGISTER}{}", "x".repeat(70_000));
+        let _ = ws.send(Message::text(big)).await;
+        assert!(next_sip(&mut ws).await.is_none(), "closed");
+        let (mut again, _) = connect(vs, "sip", None).await.expect("upgraded");
+        again
+            .send(Message::text(REGISTER.replace("ws-reg", "ws-reg2")))
+            .await
+            .expect("send");
+        let (got, _) = recv_text(&registrar).expect("the next client is served");
+        assert!(got.contains("Call-ID: ws-reg2"), "{got}");
+
+        // Refusals at the upgrade.
+        let e = connect(vs, "chat", None).await.expect_err("refused");
+        assert!(e.to_string().contains("400"), "{e}");
+        let e = connect(only, "sip", Some("https://evil.example"))
+            .await
+            .expect_err("refused");
+        assert!(e.to_string().contains("403"), "{e}");
+        connect(only, "sip", Some("https://phone.example.com"))
+            .await
+            .expect("an allowed origin is upgraded");
+    });
+    drop(fulcrum);
+}
