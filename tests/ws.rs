@@ -167,3 +167,70 @@ fn a_browser_registers_over_websocket_and_is_called_along_the_path() {
     });
     drop(fulcrum);
 }
+
+/// A SIP message sent as a fragmented WebSocket message (a text frame and a continuation) is
+/// one message; a connection that never completes its upgrade is closed, and neither
+/// disturbs a client that upgrades meanwhile.
+#[test]
+fn fragments_make_one_message_and_a_stalled_upgrade_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    let registrar = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    registrar
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    let reg = registrar.local_addr().expect("addr");
+    let fulcrum = start(&format!(
+        "services:\n  - {{ name: r, address: {reg}, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-ws, bind: 127.0.0.1:0, failover: off, services: [r] }}\n"
+    ));
+    let vs = bound(&fulcrum, "v");
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    client.block_on(async {
+        // A connection that sends half an upgrade request and stops.
+        let mut stalled = tokio::net::TcpStream::connect(vs).await.expect("connect");
+        stalled
+            .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n")
+            .await
+            .expect("send");
+        // Meanwhile a browser upgrades and sends a REGISTER in two fragments.
+        let (mut ws, _) = connect(vs, "sip", None).await.expect("upgraded");
+        let text = REGISTER.replace("ws-reg", "ws-frag");
+        let (a, b) = text.split_at(text.len() / 2);
+        ws.send(Message::Frame(Frame::message(
+            a.as_bytes().to_vec(),
+            OpCode::Data(Data::Text),
+            false,
+        )))
+        .await
+        .expect("first fragment");
+        ws.send(Message::Frame(Frame::message(
+            b.as_bytes().to_vec(),
+            OpCode::Data(Data::Continue),
+            true,
+        )))
+        .await
+        .expect("last fragment");
+        let (got, _) = recv_text(&registrar).expect("the REGISTER reaches the registrar");
+        assert!(got.contains("Call-ID: ws-frag"), "{got}");
+        assert!(got.contains("Expires: 600"), "whole: {got}");
+        // The stalled upgrade is closed within its 10 s.
+        let mut buf = [0u8; 512];
+        let closed = tokio::time::timeout(Duration::from_secs(12), async {
+            loop {
+                match stalled.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => continue,
+                }
+            }
+        })
+        .await;
+        assert!(
+            closed.is_ok(),
+            "the stalled upgrade is closed within its 10 s"
+        );
+    });
+}

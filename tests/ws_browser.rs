@@ -1,5 +1,6 @@
 //! A browser softphone through fulcrum: JsSIP (npm) in Debian's headless chromium
-//! (tests/dashboard/jssip.mjs) registers over a `sip-ws` vserver to a real Kamailio registrar
+//! (tests/dashboard/jssip.mjs) registers over a `sip-wss` vserver (WebSocket on TLS, with a
+//! certificate of a test CA the browser is told to accept) to a real Kamailio registrar
 //! (`registrar` + `usrloc` with `use_path`, `rr`, stateless forwarding, over UDP). A caller
 //! then asks the registrar for the user: its INVITE (a WebRTC offer: ICE, DTLS fingerprint,
 //! SAVPF, which the browser requires) reaches the browser along fulcrum's Path, is answered,
@@ -179,14 +180,20 @@ fn jssip_in_chromium_registers_over_websocket_and_takes_calls_from_a_kamailio_re
         c
     });
     let registrar = SocketAddr::from(([127, 0, 0, 1], port));
-    let fulcrum = start(&format!(
-        "services:\n  - {{ name: r, address: \"{registrar}\", protocol: sip-udp }}\nvservers:\n  - {{ name: ws, protocol: sip-ws, bind: 127.0.0.1:0, services: [r] }}\n"
+    let file = ConfigFile::new("ws-browser", "");
+    let cert = tls::Ca::new("fulcrum test CA").issue_for(&file, "wss", &["127.0.0.1"], "127.0.0.1");
+    file.write(&format!(
+        "admin: {{ listen: null }}\nservices:\n  - {{ name: r, address: \"{registrar}\", protocol: sip-udp }}\nvservers:\n  - {{ name: ws, protocol: sip-wss, bind: 127.0.0.1:0, tls: {{ cert: {}, key: {} }}, services: [r] }}\n",
+        cert.cert_path.display(),
+        cert.key_path.display()
     ));
+    let cfg = fulcrum::config::load(&file.path).expect("config loads");
+    let fulcrum = fulcrum::proxy::Runtime::start(&cfg).expect("start");
     let ws = bound(&fulcrum, "ws");
 
     let mut node = Command::new("node")
         .arg(dir.join("jssip.mjs"))
-        .env("FULCRUM_WS", format!("ws://{ws}"))
+        .env("FULCRUM_WS", format!("wss://{ws}"))
         .env("FULCRUM_CHROMIUM", &chromium)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())

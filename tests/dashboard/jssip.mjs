@@ -29,6 +29,8 @@ const browser = await chromium.launch({
     "--use-fake-device-for-media-stream",
     "--use-fake-ui-for-media-stream",
     "--no-sandbox",
+    // fulcrum's certificate is issued by the test's own CA.
+    "--ignore-certificate-errors",
   ],
 });
 const page = await browser.newPage();
