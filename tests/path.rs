@@ -141,8 +141,13 @@ fn a_udp_phone_behind_nat_is_reached_through_its_flow_token() {
 fn a_tcp_phone_is_reached_over_its_connection_and_a_closed_one_gets_430() {
     let registrar = registrar_socket();
     let reg = registrar.local_addr().expect("addr");
+    // A stable address for the UDP leg toward the registrar (`service_source`), which the
+    // Path names: a registration outlives a restart of fulcrum.
+    let leg_at = UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .expect("a free port");
     let rt = start(&format!(
-        "services:\n  - {{ name: r, address: {reg}, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, failover: off, services: [r] }}\n"
+        "services:\n  - {{ name: r, address: {reg}, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-tcp, bind: 127.0.0.1:0, service_source: \"{leg_at}\", failover: off, services: [r] }}\n"
     ));
     let vs = bound(&rt, "v");
     let mut phone = TcpStream::connect(vs).expect("connect");
@@ -158,6 +163,7 @@ fn a_tcp_phone_is_reached_over_its_connection_and_a_closed_one_gets_430() {
     let path = header(&got, "Path").expect("fulcrum's Path").to_owned();
     // The UDP leg toward the registrar, where the call must come back.
     let leg = path_addr(&path);
+    assert_eq!(leg, leg_at, "the Path names the leg's stable address");
 
     registrar
         .send_to(invite_along(reg, &path, "call-t").as_bytes(), leg)

@@ -287,13 +287,13 @@ impl Cx {
         };
         let p = join(path, "service_source");
         if let Some(pr) = protocol
-            && pr != Protocol::SipUdp
+            && !pr.is_sip()
         {
             self.problem(
                 node.pos,
                 &p,
                 format!(
-                    "`service_source` applies to sip-udp vservers only, not {} (a stream service answers on the connection fulcrum opened)",
+                    "`service_source` applies to SIP vservers only, not {}",
                     pr.name()
                 ),
             );
@@ -964,12 +964,20 @@ mod tests {
                 "{bad}: {p:?}"
             );
         }
-        let tcp = sip_with("    service_source: 10.0.0.7\n").replace("sip-udp", "sip-tcp");
-        let p = problems(&tcp);
+        // On a stream vserver it is the UDP leg's address.
+        let tcp = sip_with("    service_source: 10.0.0.7:5099\n").replace("sip-udp", "sip-tcp");
+        assert_eq!(
+            from_str("t", &tcp).expect("valid").vservers[0].service_source,
+            Some("10.0.0.7:5099".parse().expect("addr"))
+        );
+        let plain = sip_with("    service_source: 10.0.0.7\n")
+            .replace("protocol: sip-udp", "protocol: udp")
+            .replace("method: call_id_hash", "method: round_robin");
+        let p = problems(&plain);
         assert!(
             p.iter()
                 .any(|(_, path, m)| path == "vservers[0].service_source"
-                    && m.contains("sip-udp vservers only")),
+                    && m.contains("SIP vservers only")),
             "{p:?}"
         );
     }

@@ -140,7 +140,12 @@ pub(super) fn bind_udp_leg(
     let first = *bound
         .first()
         .ok_or_else(|| setup("no bind address".into()))?;
-    let at = SocketAddr::new(first.ip(), 0);
+    // `service_source` gives the leg a stable address (the one fulcrum's Path and
+    // Record-Route name toward the services, which must outlive a restart); else the first
+    // bind address's IP with an ephemeral port.
+    let at = v
+        .service_source
+        .unwrap_or_else(|| SocketAddr::new(first.ip(), 0));
     let bind_err = |source| RuntimeError::Bind {
         vserver: v.name.clone(),
         addr: at,
