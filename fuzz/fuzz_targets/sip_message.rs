@@ -43,6 +43,8 @@ fuzz_target!(|data: &[u8]| {
             conn_id: Some(data.len() as u64),
             service: (data.len() % 3 == 0).then_some(0x0123_4567_89ab_cdef),
             arrived_on: None,
+            flow: None,
+            path: None,
         };
         if forward_request(m, &rw, &mut out).is_ok() {
             let again = scan(&out).expect("a forwarded request scans");

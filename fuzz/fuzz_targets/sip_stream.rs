@@ -80,6 +80,8 @@ fuzz_target!(|data: &[u8]| {
             conn_id: Some(7),
             service: Some(0x0123_4567_89ab_cdef),
             arrived_on: None,
+            flow: None,
+            path: None,
         };
         let mut out = Vec::new();
         if m.is_request() && forward_request(&m, &rw, &mut out).is_ok() {

@@ -11,9 +11,14 @@
 //!
 //! `fulcrum-load tcp-idle TARGET --sockets N --secs S`: the same with N idle TCP connections.
 //!
+//! `fulcrum-load ws-sip URL --sockets N --secs S`: SIP calls over WebSocket, one phone per
+//! connection ([`ws`], bench/ws.sh).
+//!
 //! `fulcrum-load tcp-sink ADDR --sockets N --secs S`: a service that accepts up to N
 //! connections on ADDR and holds them, never reading, for S seconds (the backend of the
 //! idle-connection measurement: unlike an HTTP server it never times an idle client out).
+
+mod ws;
 
 use mio::net::UdpSocket;
 use mio::{Events, Interest, Poll, Token};
@@ -94,6 +99,22 @@ fn open(n: usize, target: SocketAddr, port: u16, poll: &Poll) -> std::io::Result
 }
 
 fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("ws-sip") {
+        let url = args.get(2).cloned().unwrap_or_default();
+        let opt = |name: &str, default: u64| {
+            args.iter()
+                .position(|a| a == name)
+                .and_then(|i| args.get(i + 1))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        if let Err(e) = ws::run(&url, opt("--sockets", 16) as usize, opt("--secs", 10)) {
+            eprintln!("fulcrum-load: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let a = match parse() {
         Ok(a) => a,
         Err(e) => {
