@@ -17,6 +17,28 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Every value of header `name` (compared ASCII case-insensitively; no compact forms) in the
+/// header section of SIP message text `msg`, in order, comma-separated values split: what a
+/// test peer needs to copy Vias or reverse a Record-Route (their values hold no commas).
+pub fn header_values(msg: &str, name: &str) -> Vec<String> {
+    let head = msg.split("\r\n\r\n").next().unwrap_or("");
+    head.lines()
+        .filter_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+        })
+        .flat_map(|v| v.split(',').map(|x| x.trim().to_owned()))
+        .collect()
+}
+
+/// The first value of header `name` ([`header_values`]), or "".
+pub fn first_header(msg: &str, name: &str) -> String {
+    header_values(msg, name)
+        .into_iter()
+        .next()
+        .unwrap_or_default()
+}
+
 /// What a UAS has seen.
 #[derive(Debug, Default)]
 pub struct UasLog {

@@ -18,16 +18,12 @@ const USERS: usize = 12;
 
 /// A registrar on 127.0.0.1:`port`, bindings in memory, for any domain.
 fn registrar_cfg(port: u16) -> String {
-    format!(
-        "#!KAMAILIO\n\
-         debug=1\nlog_stderror=yes\nfork=yes\nchildren=1\n\
-         listen=udp:127.0.0.1:{port}\ndisable_tcp=yes\nauto_aliases=no\ndns=no\nrev_dns=no\n\
-         mpath=\"/usr/lib/x86_64-linux-gnu/kamailio/modules/\"\n\
-         loadmodule \"kex.so\"\nloadmodule \"sl.so\"\nloadmodule \"usrloc.so\"\nloadmodule \"registrar.so\"\n\
-         modparam(\"usrloc\", \"db_mode\", 0)\n\
-         request_route {{\n\
-           if (method == \"REGISTER\") {{ if (!save(\"location\")) {{ sl_reply_error(); }} exit; }}\n\
-           sl_send_reply(\"404\", \"Not Here\");\n  exit;\n}}\n"
+    kamailio_cfg(
+        port,
+        &["kex", "sl", "usrloc", "registrar"],
+        "modparam(\"usrloc\", \"db_mode\", 0)\n",
+        "if (method == \"REGISTER\") { if (!save(\"location\")) { sl_reply_error(); } exit; }\n\
+         sl_send_reply(\"404\", \"Not Here\"); exit;",
     )
 }
 
@@ -163,18 +159,14 @@ fn with_call_id_hash_some_users_phones_are_split() {
 /// and calls a registered user along it: `lookup` sets the destination to the first Path URI
 /// and the Path as the Route set; `forward` sends statelessly.
 fn path_registrar_cfg(port: u16) -> String {
-    format!(
-        "#!KAMAILIO\n\
-         debug=1\nlog_stderror=yes\nfork=yes\nchildren=1\n\
-         listen=udp:127.0.0.1:{port}\ndisable_tcp=yes\nauto_aliases=no\ndns=no\nrev_dns=no\n\
-         mpath=\"/usr/lib/x86_64-linux-gnu/kamailio/modules/\"\n\
-         loadmodule \"kex.so\"\nloadmodule \"sl.so\"\nloadmodule \"usrloc.so\"\nloadmodule \"registrar.so\"\n\
-         modparam(\"usrloc\", \"db_mode\", 0)\n\
-         modparam(\"registrar\", \"use_path\", 1)\nmodparam(\"registrar\", \"path_mode\", 0)\n\
-         request_route {{\n\
-           if (method == \"REGISTER\") {{ if (!save(\"location\")) {{ sl_reply_error(); }} exit; }}\n\
-           if (method == \"INVITE\") {{ if (!lookup(\"location\")) {{ sl_send_reply(\"404\", \"Not Found\"); exit; }} forward(); exit; }}\n\
-           sl_send_reply(\"404\", \"Not Here\");\n  exit;\n}}\n"
+    kamailio_cfg(
+        port,
+        &["kex", "sl", "usrloc", "registrar"],
+        "modparam(\"usrloc\", \"db_mode\", 0)\n\
+         modparam(\"registrar\", \"use_path\", 1)\nmodparam(\"registrar\", \"path_mode\", 0)\n",
+        "if (method == \"REGISTER\") { if (!save(\"location\")) { sl_reply_error(); } exit; }\n\
+         if (method == \"INVITE\") { if (!lookup(\"location\")) { sl_send_reply(\"404\", \"Not Found\"); exit; } forward(); exit; }\n\
+         sl_send_reply(\"404\", \"Not Here\"); exit;",
     )
 }
 

@@ -85,18 +85,27 @@ fn ok_to(req: &str) -> String {
     out
 }
 
-const REGISTER: &str = "REGISTER sip:example.com SIP/2.0\r\nVia: SIP/2.0/WS df7jal23ls0d.invalid;branch=z9hG4bKws1\r\nMax-Forwards: 70\r\nFrom: <sip:alice@example.com>;tag=w1\r\nTo: <sip:alice@example.com>\r\nCall-ID: ws-reg\r\nCSeq: 1 REGISTER\r\nSupported: path, outbound\r\nContact: <sip:alice@df7jal23ls0d.invalid;transport=ws>\r\nExpires: 600\r\n\r\n";
-
-#[test]
-fn a_browser_registers_over_websocket_and_is_called_along_the_path() {
+/// A registrar played by a UDP socket, and fulcrum with sip-ws vserver `v` in front of it
+/// (and `more` vservers over the same service `r`).
+fn lab(more: &str) -> (UdpSocket, SocketAddr, fulcrum::proxy::Runtime) {
     let registrar = UdpSocket::bind("127.0.0.1:0").expect("bind");
     registrar
         .set_read_timeout(Some(Duration::from_secs(3)))
         .expect("timeout");
     let reg = registrar.local_addr().expect("addr");
     let fulcrum = start(&format!(
-        "services:\n  - {{ name: r, address: {reg}, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-ws, bind: 127.0.0.1:0, failover: off, services: [r] }}\n  - {{ name: o, protocol: sip-ws, bind: 127.0.0.1:0, allowed_origins: [\"https://phone.example.com\"], services: [r] }}\n"
+        "services:\n  - {{ name: r, address: {reg}, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-ws, bind: 127.0.0.1:0, failover: off, services: [r] }}\n{more}"
     ));
+    (registrar, reg, fulcrum)
+}
+
+const REGISTER: &str = "REGISTER sip:example.com SIP/2.0\r\nVia: SIP/2.0/WS df7jal23ls0d.invalid;branch=z9hG4bKws1\r\nMax-Forwards: 70\r\nFrom: <sip:alice@example.com>;tag=w1\r\nTo: <sip:alice@example.com>\r\nCall-ID: ws-reg\r\nCSeq: 1 REGISTER\r\nSupported: path, outbound\r\nContact: <sip:alice@df7jal23ls0d.invalid;transport=ws>\r\nExpires: 600\r\n\r\n";
+
+#[test]
+fn a_browser_registers_over_websocket_and_is_called_along_the_path() {
+    let (registrar, reg, fulcrum) = lab(
+        "  - { name: o, protocol: sip-ws, bind: 127.0.0.1:0, allowed_origins: [\"https://phone.example.com\"], services: [r] }\n",
+    );
     let (vs, only) = (bound(&fulcrum, "v"), bound(&fulcrum, "o"));
     let client = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -176,14 +185,7 @@ fn fragments_make_one_message_and_a_stalled_upgrade_is_closed() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio_tungstenite::tungstenite::protocol::frame::Frame;
     use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
-    let registrar = UdpSocket::bind("127.0.0.1:0").expect("bind");
-    registrar
-        .set_read_timeout(Some(Duration::from_secs(3)))
-        .expect("timeout");
-    let reg = registrar.local_addr().expect("addr");
-    let fulcrum = start(&format!(
-        "services:\n  - {{ name: r, address: {reg}, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-ws, bind: 127.0.0.1:0, failover: off, services: [r] }}\n"
-    ));
+    let (registrar, _, fulcrum) = lab("");
     let vs = bound(&fulcrum, "v");
     let client = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -14,6 +14,7 @@ mod common;
 
 use common::sipp::{Scratch, Transport, spawn_listening};
 use common::*;
+use fulcrum::peer::{first_header as first, header_values as values};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, UdpSocket};
 use std::process::{Command, Stdio};
@@ -23,21 +24,16 @@ use std::time::Duration;
 /// Registrar and stateless proxy: REGISTERs saved with their Path; an INVITE record-routed
 /// and sent to the user's binding (along its Path); in-dialog requests loose-routed.
 fn registrar_cfg(port: u16) -> String {
-    format!(
-        "#!KAMAILIO\n\
-         debug=1\nlog_stderror=yes\nfork=yes\nchildren=1\n\
-         listen=udp:127.0.0.1:{port}\ndisable_tcp=yes\nauto_aliases=no\ndns=no\nrev_dns=no\n\
-         mpath=\"/usr/lib/x86_64-linux-gnu/kamailio/modules/\"\n\
-         loadmodule \"kex.so\"\nloadmodule \"pv.so\"\nloadmodule \"sl.so\"\nloadmodule \"rr.so\"\nloadmodule \"siputils.so\"\n\
-         loadmodule \"usrloc.so\"\nloadmodule \"registrar.so\"\n\
-         modparam(\"usrloc\", \"db_mode\", 0)\n\
-         modparam(\"registrar\", \"use_path\", 1)\nmodparam(\"registrar\", \"path_mode\", 0)\n\
-         request_route {{\n\
-           if (has_totag()) {{ if (loose_route()) {{ forward(); exit; }} sl_send_reply(\"404\", \"No Route\"); exit; }}\n\
-           if (method == \"REGISTER\") {{ if (!save(\"location\")) {{ sl_reply_error(); }} exit; }}\n\
-           if (method == \"INVITE\") {{ record_route(); if (!lookup(\"location\")) {{ sl_send_reply(\"404\", \"Not Found\"); exit; }} forward(); exit; }}\n\
-           if (method == \"ACK\") {{ exit; }}\n\
-           sl_send_reply(\"404\", \"Not Here\");\n  exit;\n}}\n"
+    kamailio_cfg(
+        port,
+        &["kex", "pv", "sl", "rr", "siputils", "usrloc", "registrar"],
+        "modparam(\"usrloc\", \"db_mode\", 0)\n\
+         modparam(\"registrar\", \"use_path\", 1)\nmodparam(\"registrar\", \"path_mode\", 0)\n",
+        "if (has_totag()) { if (loose_route()) { forward(); exit; } sl_send_reply(\"404\", \"No Route\"); exit; }\n\
+         if (method == \"REGISTER\") { if (!save(\"location\")) { sl_reply_error(); } exit; }\n\
+         if (method == \"INVITE\") { record_route(); if (!lookup(\"location\")) { sl_send_reply(\"404\", \"Not Found\"); exit; } forward(); exit; }\n\
+         if (method == \"ACK\") { exit; }\n\
+         sl_send_reply(\"404\", \"Not Here\"); exit;",
     )
 }
 
@@ -48,28 +44,6 @@ struct Caller {
     sock: UdpSocket,
     me: SocketAddr,
     registrar: SocketAddr,
-}
-
-/// Every value of header `name` in `msg`, in order (comma-separated values split).
-fn values(msg: &str, name: &str) -> Vec<String> {
-    let head = msg.split("\r\n\r\n").next().unwrap_or("");
-    head.lines()
-        .filter_map(|l| {
-            let (n, v) = l.split_once(':')?;
-            n.trim()
-                .eq_ignore_ascii_case(name)
-                .then(|| v.trim().to_owned())
-        })
-        .flat_map(|v| {
-            v.split(',')
-                .map(|x| x.trim().to_owned())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
-fn first(msg: &str, name: &str) -> String {
-    values(msg, name).into_iter().next().unwrap_or_default()
 }
 
 /// The URI inside `<...>`.

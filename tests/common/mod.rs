@@ -473,3 +473,19 @@ pub fn kamailio_available() -> bool {
     }
     found
 }
+
+/// A Kamailio config listening on UDP 127.0.0.1:`port` (one child, no DNS), loading `modules`
+/// (`"kex"`, `"sl"`...), then `params` (modparam lines) and `route` (the request_route body).
+pub fn kamailio_cfg(port: u16, modules: &[&str], params: &str, route: &str) -> String {
+    let mut cfg = format!(
+        "#!KAMAILIO\ndebug=1\nlog_stderror=yes\nfork=yes\nchildren=1\n\
+         listen=udp:127.0.0.1:{port}\ndisable_tcp=yes\nauto_aliases=no\ndns=no\nrev_dns=no\n\
+         mpath=\"/usr/lib/x86_64-linux-gnu/kamailio/modules/\"\n"
+    );
+    for m in modules {
+        cfg.push_str(&format!("loadmodule \"{m}.so\"\n"));
+    }
+    cfg.push_str(params);
+    cfg.push_str(&format!("request_route {{\n{route}\n}}\n"));
+    cfg
+}

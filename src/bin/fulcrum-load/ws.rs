@@ -5,6 +5,7 @@
 //! skipped), ACK and BYE along the answer's Record-Route, the BYE's 200. Prints
 //! `calls= registers= failed= cps=`.
 
+use fulcrum::peer::{first_header as first, header_values as values};
 use futures_util::{SinkExt, StreamExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,28 +59,6 @@ struct Counts {
     calls: AtomicU64,
     registers: AtomicU64,
     failed: AtomicU64,
-}
-
-/// Values of header `name` (comma-separated ones split), in order.
-fn values(msg: &str, name: &str) -> Vec<String> {
-    let head = msg.split("\r\n\r\n").next().unwrap_or("");
-    head.lines()
-        .filter_map(|l| {
-            let (n, v) = l.split_once(':')?;
-            n.trim()
-                .eq_ignore_ascii_case(name)
-                .then(|| v.trim().to_owned())
-        })
-        .flat_map(|v| {
-            v.split(',')
-                .map(|x| x.trim().to_owned())
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
-fn first(msg: &str, name: &str) -> String {
-    values(msg, name).into_iter().next().unwrap_or_default()
 }
 
 async fn connect(

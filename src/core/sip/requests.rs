@@ -476,8 +476,22 @@ impl SipCore {
             bump(&self.counters.loops);
             return Action::Drop(DropReason::Loop);
         }
-        // It leaves on the client leg (the vserver's own transport); from a member on another
-        // transport it is double record-routed, the client leg's entry on top.
+        self.toward_client(msg, member, src, None, Action::ToAddr(addr), out)
+    }
+
+    /// A service's request rewritten toward a client and sent as `to` says: it leaves on the
+    /// client leg (the vserver's own transport); from a member on another transport it is
+    /// double record-routed, the client leg's entry on top, carrying `flow` (a flow token)
+    /// when the request sets up a dialog.
+    fn toward_client(
+        &self,
+        msg: &SipMsg<'_>,
+        member: usize,
+        src: SocketAddr,
+        flow: Option<&[u8]>,
+        to: Action,
+        out: &mut Vec<u8>,
+    ) -> Action {
         let rw = RequestRewrite {
             local: &self.local,
             src,
@@ -486,7 +500,7 @@ impl SipCore {
             conn_id: None,
             service: self.digest_of(Some(member)),
             arrived_on: self.leg_of(member),
-            flow: None,
+            flow: flow.filter(|_| self.record_route && pins_dialog(msg)),
             path: None,
         };
         match forward_request(msg, &rw, out) {
@@ -495,7 +509,10 @@ impl SipCore {
             }
             Ok(_) => {
                 bump(&self.counters.requests_forwarded);
-                Action::ToAddr(addr)
+                if flow.is_some() {
+                    bump(&self.counters.routed_by_flow);
+                }
+                to
             }
             Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
             Err(RewriteError::TooManyHeaders) => {
@@ -561,38 +578,11 @@ impl SipCore {
                 return self.reply(msg, src, &Reply::FORBIDDEN, out);
             }
         };
-        let rw = RequestRewrite {
-            local: &self.local,
-            src,
-            record_route: self.record_route,
-            force_rport: false,
-            conn_id: None,
-            service: self.digest_of(Some(member)),
-            arrived_on: self.leg_of(member),
-            flow: Some(token).filter(|_| self.record_route && pins_dialog(msg)),
-            path: None,
+        let to = match flow.conn {
+            Some((id, _)) => Action::ToFlow(id),
+            None => Action::ToAddr(flow.addr),
         };
-        match forward_request(msg, &rw, out) {
-            Ok(n) if n > self.max_forwarded() => {
-                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
-            }
-            Ok(_) => {
-                bump(&self.counters.requests_forwarded);
-                bump(&self.counters.routed_by_flow);
-                match flow.conn {
-                    Some((id, _)) => Action::ToFlow(id),
-                    None => Action::ToAddr(flow.addr),
-                }
-            }
-            Err(RewriteError::TooManyHops) => self.reply(msg, src, &Reply::TOO_MANY_HOPS, out),
-            Err(RewriteError::TooManyHeaders) => {
-                self.reply(msg, src, &Reply::MESSAGE_TOO_LARGE, out)
-            }
-            Err(_) => {
-                bump(&self.counters.malformed);
-                Action::Drop(DropReason::Malformed)
-            }
-        }
+        self.toward_client(msg, member, src, Some(token), to, out)
     }
 
     /// fulcrum's 430 Flow Failed (RFC 5626 §5.3) for a service's request it had forwarded
