@@ -250,3 +250,31 @@ fn instances_sharing_a_key_file_honour_each_others_tokens() {
     assert!(answer.starts_with("SIP/2.0 403 "), "{answer}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `/status` says where the flow-token keys come from: a process's own random key (and that
+/// its tokens do not survive it) without `flow_key_file`, the file's keys with one.
+#[test]
+fn status_says_whether_flow_tokens_outlive_the_process() {
+    use fulcrum::admin::router;
+    let yaml = "admin: { listen: null }\nservices:\n  - { name: r, address: 127.0.0.1:5999, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:0, services: [r] }\n";
+    let file = ConfigFile::new("path-status", yaml);
+    let ops = fulcrum::ops::Ops::start(fulcrum::config::load(&file.path).expect("valid"), None)
+        .expect("start");
+    let tokens = &router::status(&ops)["flow_tokens"];
+    assert_eq!(tokens["keys"], "own", "{tokens}");
+    assert!(
+        tokens["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("not honoured after a restart")),
+        "{tokens}"
+    );
+    ops.shutdown();
+    file.beside("flow.keys", "00112233445566778899aabbccddeeff\n");
+    file.write(&format!("flow_key_file: flow.keys\n{yaml}"));
+    let ops = fulcrum::ops::Ops::start(fulcrum::config::load(&file.path).expect("valid"), None)
+        .expect("start");
+    let tokens = &router::status(&ops)["flow_tokens"];
+    assert_eq!(tokens["keys"], "flow_key_file", "{tokens}");
+    assert!(tokens["note"].is_null(), "{tokens}");
+    ops.shutdown();
+}
