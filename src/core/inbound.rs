@@ -18,6 +18,10 @@ pub(crate) const MESSAGE_DEADLINE: Duration = Duration::from_secs(10);
 /// Free room below which a read first grows the buffer, and by how much.
 const READ_ROOM: usize = 1024;
 const READ_GROW: usize = 4096;
+/// The buffer a stream that must wait holding one (TLS) waits with while no message is under
+/// way: a silent client holds this much, not [`READ_GROW`]; the bytes of a message that
+/// arrives are taken in a first small read, then as usual.
+const IDLE_ROOM: usize = 256;
 
 /// A stream's receive buffer. See the module documentation.
 #[derive(Debug)]
@@ -121,6 +125,18 @@ impl Inbound {
         &mut self.buf
     }
 
+    /// [`Inbound::read_buf`] for a wait that must hold the buffer (a TLS stream cannot wait
+    /// for readiness without one): while no message is under way, a small one.
+    pub(crate) fn idle_read_buf(&mut self) -> &mut BytesMut {
+        if self.buf.is_empty() {
+            if self.buf.capacity() < IDLE_ROOM {
+                self.buf.reserve(IDLE_ROOM);
+            }
+            return &mut self.buf;
+        }
+        self.read_buf()
+    }
+
     /// Bytes held (a message under way), and the buffer's capacity.
     #[cfg(test)]
     fn held(&self) -> (usize, usize) {
@@ -132,6 +148,21 @@ impl Inbound {
 mod tests {
     use super::*;
     use crate::sip::framing::DEFAULT_MAX_MESSAGE;
+
+    #[test]
+    fn a_wait_holding_the_buffer_holds_a_small_one_until_a_message_is_under_way() {
+        let mut b = Inbound::new(DEFAULT_MAX_MESSAGE);
+        let cap = b.idle_read_buf().capacity();
+        assert!((IDLE_ROOM..READ_ROOM).contains(&cap), "{cap}");
+        // Part of a message arrived: the next read makes the usual room.
+        b.idle_read_buf()
+            .extend_from_slice(b"OPTIONS sip:a@b SIP/2.0\r\n");
+        let room = {
+            let r = b.idle_read_buf();
+            r.capacity() - r.len()
+        };
+        assert!(room >= READ_ROOM, "{room}");
+    }
 
     const MSG: &[u8] = b"OPTIONS sip:a@b SIP/2.0\r\nVia: SIP/2.0/TCP h;branch=z9hG4bK1\r\nContent-Length: 0\r\n\r\n";
 

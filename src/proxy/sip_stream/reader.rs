@@ -229,7 +229,7 @@ async fn read_holding_buffer<R: StreamRead>(
     idle_until: Option<Instant>,
 ) -> More {
     let until = inbound.wait_until(idle_until);
-    let read_once = read.read_buf(inbound.read_buf());
+    let read_once = read.read_buf(inbound.idle_read_buf());
     let got = match until {
         Some(u) => tokio::time::timeout_at(tokio::time::Instant::from_std(u), read_once)
             .await
