@@ -124,24 +124,12 @@ fn expect_event(lines: &mpsc::Receiver<String>, what: &str, limit: Duration) -> 
 
 #[test]
 fn jssip_in_chromium_registers_over_websocket_and_takes_calls_from_a_kamailio_registrar() {
-    let (chromium, dir) = match browser() {
-        Ok(b) => b,
-        Err(why) => {
-            assert!(
-                std::env::var("FULCRUM_REQUIRE_BROWSER").as_deref() != Ok("1"),
-                "FULCRUM_REQUIRE_BROWSER=1 but {why}"
-            );
-            eprintln!("skipping the JsSIP browser test: {why}");
-            return;
-        }
-    };
-    if !dir.join("node_modules/jssip").exists() || !dir.join("node_modules/esbuild").exists() {
-        assert!(
-            std::env::var("FULCRUM_REQUIRE_BROWSER").as_deref() != Ok("1"),
-            "FULCRUM_REQUIRE_BROWSER=1 but jssip / esbuild are not installed (npm ci --prefix tests/dashboard)"
-        );
+    let Some((chromium, dir)) = browser(
+        &["playwright-core", "jssip", "esbuild"],
+        "the JsSIP browser test",
+    ) else {
         return;
-    }
+    };
     if !kamailio_available() {
         return;
     }

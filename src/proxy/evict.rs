@@ -88,11 +88,7 @@ impl Evictors {
     /// victim, compared by [`Activity::rank`]); how many were closed (0 or 1). Looks at every
     /// connection, so it runs only while the pool runs low.
     pub(crate) fn evict(&self, now: crate::stats::Nanos) -> usize {
-        let sources: Vec<Arc<dyn IdleClients>> = {
-            let mut all = lock(&self.all);
-            all.retain(|w| w.strong_count() > 0);
-            all.iter().filter_map(Weak::upgrade).collect()
-        };
+        let sources = self.live();
         let mut firsts: Vec<((u8, u64), usize, u64)> = sources
             .iter()
             .enumerate()
@@ -108,14 +104,16 @@ impl Evictors {
         0
     }
 
+    /// The vservers that still exist (the others' entries are dropped).
+    fn live(&self) -> Vec<Arc<dyn IdleClients>> {
+        let mut all = lock(&self.all);
+        all.retain(|w| w.strong_count() > 0);
+        all.iter().filter_map(Weak::upgrade).collect()
+    }
+
     /// Shrink every vserver's connection tables ([`IdleClients::shrink`]).
     pub(crate) fn shrink(&self) {
-        let sources: Vec<Arc<dyn IdleClients>> = {
-            let mut all = lock(&self.all);
-            all.retain(|w| w.strong_count() > 0);
-            all.iter().filter_map(Weak::upgrade).collect()
-        };
-        for s in sources {
+        for s in self.live() {
             s.shrink();
         }
     }

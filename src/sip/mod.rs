@@ -48,6 +48,7 @@
 pub mod flow;
 pub(crate) mod framing;
 pub(crate) mod lex;
+pub(crate) mod local;
 pub(crate) mod rewrite;
 pub(crate) mod scan;
 mod text;

@@ -8,6 +8,7 @@
 //! the idle timeout) is the stream vserver's, as for sip-tcp clients. IO.
 
 use super::*;
+use crate::sip::{FrameError, next_frame};
 use futures_util::{SinkExt, StreamExt};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
@@ -172,13 +173,10 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                             cost = outbox::cost(&b);
                             // SIP is text; a message that is not UTF-8 (a binary body) goes
                             // as a binary message (RFC 7118 §5.1 allows both).
-                            if std::str::from_utf8(&b).is_ok() {
-                                match Utf8Bytes::try_from(b) {
-                                    Ok(t) => Message::Text(t),
-                                    Err(_) => continue,
-                                }
-                            } else {
-                                Message::Binary(b)
+                            // (The clone shares the bytes: validated once, copied never.)
+                            match Utf8Bytes::try_from(b.clone()) {
+                                Ok(t) => Message::Text(t),
+                                Err(_) => Message::Binary(b),
                             }
                         }
                         None => break client::WriterEnd::Done,
@@ -278,10 +276,12 @@ fn handle_message(
 /// itself); a stream service needs it (RFC 3261 §18.3). The message with one added, when it
 /// has none; `None` when it has one or does not scan (the core answers or drops it).
 fn with_content_length(bytes: &[u8]) -> Option<Vec<u8>> {
-    let msg = scan(bytes).ok()?;
-    if msg.content_length().is_some() {
+    // The stream framer's walk over the header lines tells, without a full scan, the rare
+    // message that lacks one; only that one is scanned.
+    if next_frame(bytes, DEFAULT_MAX_MESSAGE) != Err(FrameError::MissingContentLength) {
         return None;
     }
+    let msg = scan(bytes).ok()?;
     let end = msg.headers_end();
     let body = bytes.len().saturating_sub(msg.body_start());
     let mut out = Vec::with_capacity(bytes.len() + 24);
