@@ -345,17 +345,32 @@ impl SipCore {
             matches.then_some(event)
         })?;
         bump(&self.counters.requests_in);
-        self.carry(now, client, &acts, None, out, sends);
-        bump(&self.transactions.counters.absorbed);
         if matches!(event, Event::Cancel) {
-            // §16.10: a stateful proxy answers the CANCEL itself.
+            // §16.10: a stateful proxy answers the CANCEL itself, and that 200 goes out ahead
+            // of the CANCEL it sends on: the service's 487 to the INVITE, which another worker
+            // may relay at once, must not overtake it (a caller expects 200, then 487).
             let ok = Reply {
                 code: 200,
                 reason: "OK",
                 retry_after_s: None,
             };
-            return Some(self.reply(msg, src, &ok, out));
+            match self.reply(msg, src, &ok, out) {
+                Action::Reply(to) => {
+                    let dest = match from {
+                        Dest::Addr(_) => Dest::Addr(to),
+                        other => other,
+                    };
+                    sends.push((dest, Bytes::copy_from_slice(out)));
+                }
+                other => {
+                    self.carry(now, client, &acts, None, out, sends);
+                    bump(&self.transactions.counters.absorbed);
+                    return Some(other);
+                }
+            }
         }
+        self.carry(now, client, &acts, None, out, sends);
+        bump(&self.transactions.counters.absorbed);
         Some(Action::Drop(DropReason::Absorbed))
     }
 
