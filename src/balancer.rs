@@ -132,9 +132,9 @@ pub struct MemberInfo {
     /// Removed from the vserver by a reload, kept only for the flows pinned to it: never
     /// given a new flow, outside the hash ranking (see `docs/draining.md`).
     pub draining: bool,
-    /// In the backup tier (`backup: true`): new flows only while no member of the primary
-    /// tier is available (docs/methods.md, Tiers).
-    pub backup: bool,
+    /// Its tier ([`crate::config::Service::tier`]): new flows go to the best (lowest) tier
+    /// with an available member (docs/methods.md, Tiers).
+    pub tier: u32,
 }
 
 /// Passive ejection of a vserver's members (`eject:`): the pure [`EjectView`] behind a lock,
@@ -215,8 +215,8 @@ pub struct Balancer {
     passive_failures: Vec<AtomicU64>,
     /// Passive ejection; `None` with `eject: off`.
     eject: Option<Ejector>,
-    /// Some serving member is in the backup tier.
-    has_backup: bool,
+    /// The serving members are in more than one tier.
+    has_tiers: bool,
 }
 
 impl std::fmt::Debug for Balancer {
@@ -237,6 +237,18 @@ fn up_set(health: &[AtomicU8], serving: usize) -> Vec<bool> {
 }
 
 impl MemberInfo {
+    /// The tier as `/status`, the dashboard and `simulate hash` name it: `primary` (0),
+    /// `backup` (`backup: true`), else the SRV priority (`priority 10`, `backup priority 10`).
+    pub fn tier_name(&self) -> String {
+        let (backup, priority) = (self.tier >> 16, self.tier & 0xffff);
+        match (backup, priority) {
+            (0, 0) => "primary".to_owned(),
+            (_, 0) => "backup".to_owned(),
+            (0, p) => format!("priority {p}"),
+            (_, p) => format!("backup priority {p}"),
+        }
+    }
+
     /// The members of `vserver`, in its order: what hashing sees of each service (identity:
     /// `hash_id` or address; weight at least 1). The balancer and `simulate hash --config`
     /// both start here.
@@ -255,7 +267,7 @@ impl MemberInfo {
                 max_clients: s.max_clients,
                 id_hash: hash::service_identity_hash(s.hash_id.as_deref(), &s.address),
                 draining,
-                backup: s.backup,
+                tier: s.tier(),
             })
             .collect()
     }
@@ -280,7 +292,7 @@ impl Balancer {
             .map(MemberInfo::select_member)
             .collect();
         let up = vec![true; serving];
-        let has_backup = members[..serving].iter().any(|m| m.backup);
+        let has_tiers = members[..serving].iter().any(|m| m.tier != members[0].tier);
         let passive_failures = members.iter().map(|_| AtomicU64::new(0)).collect();
         let selector = HashSelector::build_bounded(
             config.lb.hash_algorithm,
@@ -328,7 +340,7 @@ impl Balancer {
             control: Mutex::new(()),
             paths: Default::default(),
             passive_failures,
-            has_backup,
+            has_tiers,
         }
         .with_method_state()
     }
@@ -715,14 +727,21 @@ impl Balancer {
         avoid: &dyn Fn(usize) -> bool,
         holds: &dyn Fn(usize) -> bool,
     ) -> Option<Choice> {
-        if !self.has_backup {
+        if !self.has_tiers {
             return self.choose_in_tier(key, now, avoid, holds);
         }
-        // Tiers: the backup members only while no primary member is available; a flow a
-        // member holds already stays on it whichever tier serves.
-        let backup = !(0..self.members.len())
-            .any(|i| !self.members[i].backup && !avoid(i) && self.is_available(i, now));
-        let in_tier = |i: usize| avoid(i) || self.members[i].backup != backup && !holds(i);
+        // Tiers: the best tier with an available member serves (the last one when none
+        // has: a flow there may still be taken by a member DOWN by its monitor alone); a
+        // flow a member holds already stays on it whichever tier serves.
+        let serving = (0..self.serving).filter(|&i| !avoid(i));
+        let tier = serving
+            .clone()
+            .filter(|&i| self.is_available(i, now))
+            .map(|i| self.members[i].tier)
+            .min()
+            .or_else(|| serving.map(|i| self.members[i].tier).max())
+            .unwrap_or(0);
+        let in_tier = |i: usize| avoid(i) || self.members[i].tier != tier && !holds(i);
         self.choose_in_tier(key, now, &in_tier, holds)
     }
 
@@ -885,6 +904,7 @@ mod tests {
         let mut c = c;
         c.services[2].backup = true;
         c.services[3].backup = true;
+        assert_eq!(c.services[2].tier(), 1 << 16);
         Balancer::new(&c, &c.vservers[0])
     }
 

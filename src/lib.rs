@@ -11,6 +11,7 @@
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
 //! - `dialog`     PURE  Call-ID → service affinity table with idle expiry (time passed in)
 //! - `drain`      PURE  services a reload removed, kept while their flows finish
+//! - `discovery`  PURE  pools published in DNS: answers -> member sets, refresh times, the expanded config (`discovery::resolve`: the lookups, IO)
 //! - `edge`       PURE  a vserver's access lists, flood table and drop counters
 //! - `eject`      PURE  passive ejection: a service's failures in a row eject it for a while, half-open trials, max_fraction
 //! - `flood`      PURE  per-source new-request limits and bans in a fixed-size table
@@ -49,6 +50,7 @@ pub mod config;
 pub mod core;
 pub mod demo;
 pub(crate) mod dialog;
+pub mod discovery;
 pub(crate) mod drain;
 pub(crate) mod edge;
 pub mod eject;

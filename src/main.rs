@@ -377,6 +377,8 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                 if let Some(m) = prac_max_share {
                     cfg.lb.prac_max_share = m;
                 }
+                // Pools in DNS: their members as the name has them now.
+                let (cfg, _) = fulcrum::discovery::resolve::resolved(&cfg, 0);
                 let vs = pick_hash_vserver(&cfg, vserver.as_deref())?;
                 hash::simulate_config(
                     &cfg,

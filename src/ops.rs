@@ -4,6 +4,7 @@
 
 use crate::balancer::Health;
 use crate::config::{self, Config};
+use crate::discovery::{self as dns, Pools};
 use crate::drain::{DrainEnd, Drains};
 use crate::health::{self, HealthBoard};
 use crate::proxy::shutdown::Signal;
@@ -17,6 +18,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+mod discovery;
 
 /// Why a reload did not apply.
 #[derive(Debug, thiserror::Error)]
@@ -46,8 +49,14 @@ pub struct Ops {
     rt: Mutex<Option<Runtime>>,
     tokio: tokio::runtime::Handle,
     health: Arc<HealthBoard>,
-    /// The config as the file says (what a reload compares against).
+    /// The config as the file says.
     config: Mutex<Arc<Config>>,
+    /// The file's config with its pools in DNS expanded into their members
+    /// ([`crate::discovery::expand`]): what a reload, or a change of the pools, compares
+    /// against.
+    expanded: Mutex<Arc<Config>>,
+    /// The pools in DNS and what their lookups said ([`discovery`]).
+    pools: Mutex<Pools>,
     /// Services removed by reloads that still carry flows, and the config the runtime runs:
     /// the file's plus those (see [`crate::drain`]). Changed under `reload_lock`.
     drains: Mutex<(Drains, Arc<Config>)>,
@@ -79,6 +88,9 @@ impl Ops {
         config: Config,
         path: Option<PathBuf>,
     ) -> Result<Arc<Ops>, crate::proxy::RuntimeError> {
+        // The first member sets of the pools in DNS, before anything starts.
+        let file = config;
+        let (config, pools) = dns::resolve::resolved(&file, 0);
         let rt = Runtime::start(&config)?;
         let tokio = rt
             .tokio()
@@ -99,7 +111,9 @@ impl Ops {
             tokio,
             health: board,
             drains: Mutex::new((Drains::default(), Arc::new(config.clone()))),
-            config: Mutex::new(Arc::new(config)),
+            expanded: Mutex::new(Arc::new(config)),
+            config: Mutex::new(Arc::new(file)),
+            pools: Mutex::new(pools),
             path,
             rates: Mutex::new(RateSample::default()),
             reload_lock: Mutex::new(()),
@@ -124,6 +138,7 @@ impl Ops {
                 ops.return_memory();
             }
         });
+        discovery::watch(&ops, &jobs);
         Ok(ops)
     }
 
@@ -145,6 +160,16 @@ impl Ops {
     /// The running config.
     pub fn config(&self) -> Arc<Config> {
         Arc::clone(&lock(&self.config))
+    }
+
+    /// The file's config with the pools in DNS expanded into their members.
+    pub fn expanded_config(&self) -> Arc<Config> {
+        Arc::clone(&lock(&self.expanded))
+    }
+
+    /// The pools in DNS: what their lookups said.
+    pub fn pools(&self) -> Pools {
+        lock(&self.pools).clone()
     }
 
     /// The config the runtime runs: the file's, with the services still draining.
@@ -289,7 +314,9 @@ impl Ops {
     /// Whether this instance should get new traffic (`GET /readyz`; [`crate::readiness`]).
     pub fn readiness(&self) -> Readiness {
         let facts = self.with_vservers(|vs, _| vs.iter().map(vserver_facts).collect::<Vec<_>>());
-        readiness::readiness(facts.as_deref(), self.is_draining())
+        let now = self.with_runtime(Runtime::now).unwrap_or(0);
+        let notes = lock(&self.pools).notes(now);
+        readiness::readiness(facts.as_deref(), self.is_draining()).with_notes(notes)
     }
 
     /// Operator disable / enable of a service in every vserver. `false` if unknown. Enable
@@ -406,10 +433,29 @@ impl Ops {
     /// monitors), by steps that cannot fail. A reload never starts or stops a vserver (that
     /// needs a restart, [`crate::reload`]), so no listener is bound here.
     fn apply_locked(&self, new: Config) -> Result<Vec<String>, ReloadError> {
+        let expanded = {
+            let mut pools = lock(&self.pools);
+            let mut next = pools.clone();
+            next.sync(&new, self.with_runtime(Runtime::now).unwrap_or(0));
+            let expanded = dns::expand(&new, &next.members());
+            // Kept only once the reload applies.
+            let keep = std::mem::replace(&mut *pools, next);
+            (expanded, keep)
+        };
+        let (expanded, before) = expanded;
+        let applied = self.apply_expanded(new, expanded);
+        if applied.is_err() {
+            *lock(&self.pools) = before;
+        }
+        applied
+    }
+
+    /// Apply `file`, whose pools in DNS expand to `new` (the reload lock held).
+    fn apply_expanded(&self, file: Config, new: Config) -> Result<Vec<String>, ReloadError> {
         if self.is_draining() {
             return Err(ReloadError::ShutDown);
         }
-        let old = self.config();
+        let old = self.expanded_config();
         let plan = reload::plan(&old, &new).map_err(ReloadError::NeedsRestart)?;
         // Members the new file drops start draining where flows are pinned to them: worked
         // out aside, on a copy of the drains.
@@ -438,7 +484,8 @@ impl Ops {
         }
         // Everything is built: commit. Nothing below fails.
         *self.drains() = (drains, Arc::clone(&running));
-        *lock(&self.config) = Arc::new(new);
+        *lock(&self.config) = Arc::new(file);
+        *lock(&self.expanded) = Arc::new(new);
         let new = running;
         for (vs, rate) in &plan.slow_start_rates {
             if let Some(h) = rt.vserver(vs) {
@@ -557,7 +604,7 @@ impl Ops {
                 return;
             }
             let before = g.1.services.len();
-            g.1 = Arc::new(g.0.effective(&self.config()));
+            g.1 = Arc::new(g.0.effective(&self.expanded_config()));
             (finished, Arc::clone(&g.1), before != g.1.services.len())
         };
         let mut guard = self.runtime();

@@ -21,13 +21,34 @@ pub(crate) struct VserverFacts {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
     Ready,
+    /// Ready, with things the operator should know that do not stop this instance from
+    /// serving (a pool kept from a DNS answer that can no longer be refreshed: every
+    /// instance sees the same outage, and withdrawing them all would help no one).
+    ReadyWith(Vec<String>),
     /// Why not, one line per reason, the drain first.
     NotReady(Vec<String>),
 }
 
 impl Readiness {
     pub fn is_ready(&self) -> bool {
-        *self == Readiness::Ready
+        !matches!(self, Readiness::NotReady(_))
+    }
+
+    /// The verdict with `notes` added: beside a ready one, or after the reasons of one
+    /// that is not.
+    pub fn with_notes(self, notes: Vec<String>) -> Readiness {
+        match self {
+            _ if notes.is_empty() => self,
+            Readiness::Ready => Readiness::ReadyWith(notes),
+            Readiness::ReadyWith(mut n) => {
+                n.extend(notes);
+                Readiness::ReadyWith(n)
+            }
+            Readiness::NotReady(mut r) => {
+                r.extend(notes);
+                Readiness::NotReady(r)
+            }
+        }
     }
 }
 

@@ -111,6 +111,7 @@ fn same_data(a: &Service, b: &Service) -> bool {
         && a.max_clients == b.max_clients
         && a.hash_id == b.hash_id
         && a.tls == b.tls
+        && a.tier() == b.tier()
 }
 
 fn monitor_of<'a>(c: &'a Config, s: &Service) -> Option<&'a crate::config::Monitor> {
@@ -215,6 +216,7 @@ fn new_sip_leg(old: &Config, a: &Vserver, new: &Config, b: &Vserver) -> Option<&
             .members()
             .filter_map(|i| c.services.get(i))
             .map(|s| s.protocol)
+            .chain(v.discovered.iter().copied())
             .collect();
         (
             protocols.contains(&Protocol::SipUdp),

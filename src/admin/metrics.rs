@@ -125,6 +125,29 @@ pub(crate) fn render(ops: &Ops) -> String {
         "Resident memory (KiB) those trims gave back.",
     );
     trim_kib.add(&[], returned);
+    let mut dns_lookups = Family::new(
+        "fulcrum_dns_lookups_total",
+        "counter",
+        "Lookups of each pool published in DNS, by result: found (records), empty (NXDOMAIN or NODATA: the pool empties), failed (timeout, SERVFAIL, no server: the pool keeps its last answer) (docs/discovery.md).",
+    );
+    let mut dns_members = Family::new(
+        "fulcrum_dns_members",
+        "gauge",
+        "Members of each pool published in DNS, from its last answer.",
+    );
+    let mut dns_stale = Family::new(
+        "fulcrum_dns_stale",
+        "gauge",
+        "1 while a pool's lookups fail and it is served from its last answer, else 0.",
+    );
+    for (service, p) in &ops.pools().by_service {
+        let l = p.lookups;
+        for (result, n) in [("found", l.found), ("empty", l.empty), ("failed", l.failed)] {
+            dns_lookups.add(&[("service", service), ("result", result)], n);
+        }
+        dns_members.add(&[("service", service)], p.members.len());
+        dns_stale.add(&[("service", service)], u8::from(p.is_stale()));
+    }
     let mut edge = EdgeFamilies::new();
     let mut tls = TlsFamilies::new();
     let health = ops.health();
@@ -156,6 +179,7 @@ pub(crate) fn render(ops: &Ops) -> String {
         .chain(edge.families())
         .chain(tls.families())
         .chain([&events, &refused, &files, &trim_runs, &trim_kib])
+        .chain([&dns_lookups, &dns_members, &dns_stale])
         .chain(monitors.families());
     for f in families {
         f.render(&mut out);
@@ -653,6 +677,7 @@ mod tests {
 
     /// One vserver per data path; `m1`'s monitor would first probe half an hour after start.
     const GOLDEN_CONFIG: &str = "admin: { listen: null }
+dns: { servers: [127.0.0.1:9], min_refresh: 1h, max_refresh: 2h }
 monitors:
   - { name: opt, type: sip-options, interval: 1h, timeout: 1s }
 services:
@@ -663,6 +688,7 @@ services:
   - { name: m1, address: 127.0.0.1:12, protocol: sip-udp, monitor: opt, weight: 3 }
   - { name: s2, address: 127.0.0.1:13, protocol: sip-udp }
   - { name: k1, address: 127.0.0.1:14, protocol: sip-tcp }
+  - { name: pool, dns: pool.test, port: 5060, protocol: sip-udp }
 vservers:
   - { name: vu, protocol: udp, bind: [127.0.0.1:0], method: round_robin, drain_timeout: 1h, services: [a1, a2, a3] }
   - { name: vt, protocol: tcp, bind: [127.0.0.1:0], method: round_robin, services: [t1] }

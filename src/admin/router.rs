@@ -315,6 +315,9 @@ fn healthz(is_serving: bool) -> Response {
 fn readyz(r: &Readiness) -> Response {
     match r {
         Readiness::Ready => Response::json(200, &json!({ "ready": true })),
+        Readiness::ReadyWith(notes) => {
+            Response::json(200, &json!({ "ready": true, "notes": notes }))
+        }
         Readiness::NotReady(reasons) => {
             Response::json(503, &json!({ "ready": false, "reasons": reasons }))
         }
@@ -495,7 +498,7 @@ pub fn status(ops: &Ops) -> Value {
                                 "draining": drain,
                                 "ejection": b.ejection(mi, now).map(|e| ejection_status(&e)),
                                 "weight": m.weight,
-                                "tier": if m.backup { "backup" } else { "primary" },
+                                "tier": m.tier_name(),
                                 "active": c.map_or(0, |c| c.active()),
                                 "pending": c.map_or(0, |c| c.pending()),
                                 "requests_total": c.map_or(0, |c| c.requests_total()),
@@ -552,7 +555,37 @@ pub fn status(ops: &Ops) -> Value {
             "no flow_key_file: flow tokens are signed with this process's own random key and are not honoured after a restart or by another instance",
         ),
     });
-    json!({ "vservers": vservers, "open_files": files, "flow_tokens": flow_tokens })
+    let now = ops.with_vservers(|_, now| now).unwrap_or(0);
+    let secs = |t: u64| now.saturating_sub(t) as f64 / 1e9;
+    let dns: Vec<Value> = ops
+        .pools()
+        .by_service
+        .iter()
+        .map(|(service, p)| {
+            json!({
+                "service": service,
+                "name": p.dns.name.trim_end_matches('.'),
+                "type": match p.dns.kind {
+                    crate::config::DnsKind::Srv => "SRV",
+                    crate::config::DnsKind::Host { .. } => "A/AAAA",
+                },
+                "members": p.members.iter().map(|t| json!({
+                    "name": crate::discovery::member_name(service, t.addr),
+                    "address": t.addr.to_string(),
+                    "priority": t.priority,
+                    "weight": t.weight,
+                })).collect::<Vec<_>>(),
+                "answered": p.answered,
+                "last_answer_s_ago": p.last_answer.map(secs),
+                "stale": p.is_stale(),
+                "failing_for_s": p.failing_since.map(secs),
+                "last_error": p.last_error,
+                "next_lookup_in_s": p.next.saturating_sub(now) as f64 / 1e9,
+                "lookups": { "found": p.lookups.found, "empty": p.lookups.empty, "failed": p.lookups.failed },
+            })
+        })
+        .collect();
+    json!({ "vservers": vservers, "open_files": files, "flow_tokens": flow_tokens, "dns": dns })
 }
 
 /// A monitor's hold: the service said 503 with Retry-After (RFC 3261 §21.5.4) and stays
@@ -601,6 +634,13 @@ mod tests {
         assert_eq!(healthz(false).status, 503);
         let ok = readyz(&Readiness::Ready);
         assert_eq!((ok.status, ok.body.as_str()), (200, "{\"ready\":true}\n"));
+        let noted = readyz(&Readiness::Ready.with_notes(vec!["service p: stale".to_owned()]));
+        assert_eq!(noted.status, 200);
+        let body: Value = serde_json::from_str(&noted.body).expect("JSON");
+        assert_eq!(
+            body,
+            json!({ "ready": true, "notes": ["service p: stale"] })
+        );
         let no = readyz(&Readiness::NotReady(vec![
             "draining".to_owned(),
             "vserver v: no usable service".to_owned(),

@@ -351,10 +351,20 @@ pub fn summary(cfg: &Config) -> Vec<String> {
         .iter()
         .map(|v| {
             let binds: Vec<String> = v.bind.iter().map(ToString::to_string).collect();
-            let services: Vec<&str> = v
+            let services: Vec<String> = v
                 .services
                 .iter()
-                .filter_map(|&i| cfg.services.get(i).map(|s| s.name.as_str()))
+                .filter_map(|&i| cfg.services.get(i))
+                .map(|s| match &s.dns {
+                    None => s.name.clone(),
+                    Some(d) => {
+                        let name = d.name.trim_end_matches('.');
+                        match d.kind {
+                            DnsKind::Srv => format!("{} (dns {name}, SRV)", s.name),
+                            DnsKind::Host { port } => format!("{} (dns {name}:{port})", s.name),
+                        }
+                    }
+                })
                 .collect();
             let algo = if v.method.is_hash() {
                 format!(

@@ -21,6 +21,46 @@ pub struct Config {
     /// `flow_key_file`: the keys of flow tokens (docs/sip.md, "Path and flow tokens"), read
     /// by [`crate::config::load`]; `None`: each process makes its own.
     pub flow_key_file: Option<FlowKeyFile>,
+    /// `dns`: how services named in DNS are looked up (docs/discovery.md).
+    pub dns: DnsSettings,
+}
+
+/// The global `dns` block: the servers asked and the bounds on how often a name is asked
+/// again (its records' TTL, clamped to `min_refresh..=max_refresh`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DnsSettings {
+    /// Empty: the system's resolver configuration (`/etc/resolv.conf`).
+    pub servers: Vec<SocketAddr>,
+    pub min_refresh: Duration,
+    pub max_refresh: Duration,
+}
+
+impl Default for DnsSettings {
+    fn default() -> Self {
+        DnsSettings {
+            servers: Vec::new(),
+            min_refresh: Duration::from_secs(1),
+            max_refresh: Duration::from_secs(300),
+        }
+    }
+}
+
+/// A service's `dns`: the name its members are published under.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DnsName {
+    /// Fully qualified, lowercase, with the final dot (`sip.example.org.`).
+    pub name: String,
+    /// What is asked for the name.
+    pub kind: DnsKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DnsKind {
+    /// A and AAAA records; every address at the service's `port`.
+    Host { port: u16 },
+    /// SRV records (a name whose first label starts with `_`, RFC 2782): targets with their
+    /// own ports, priorities and weights, the targets' A and AAAA records their addresses.
+    Srv,
 }
 
 /// `flow_key_file`: one key per line (32 hex digits), the first signing, the others still
@@ -372,6 +412,23 @@ pub struct Service {
     /// In the backup tier: given new flows only while every other member of the vserver is
     /// unusable (docs/methods.md, Tiers).
     pub backup: bool,
+    /// `dns`: a pool published in DNS (docs/discovery.md). In the file's config such a
+    /// service stands for its members (its `address` is a placeholder, the unspecified
+    /// address); the running config has in its place one service per member found
+    /// ([`crate::discovery::expand`]).
+    pub dns: Option<DnsName>,
+    /// The SRV priority of a member found through SRV records (`None` otherwise).
+    pub priority: Option<u16>,
+}
+
+impl Service {
+    /// The service's tier: lower is better; a vserver gives new flows to the best tier with
+    /// a usable member (docs/methods.md, Tiers). Static services are tier 0, `backup: true`
+    /// puts a service below every priority (65,536), and a member found through SRV records
+    /// is at its priority (within the backup range when its pool says `backup: true`).
+    pub fn tier(&self) -> u32 {
+        (u32::from(self.backup) << 16) | u32::from(self.priority.unwrap_or(0))
+    }
 }
 
 /// The default `write_timeout` of a service.
@@ -533,6 +590,10 @@ pub struct Vserver {
     pub slow_start: Option<SlowStart>,
     /// Indices into [`Config::services`].
     pub services: Vec<usize>,
+    /// The protocols of the pools published in DNS (`dns` services) this vserver lists,
+    /// whether they have members at the moment or not: the transports bridge sets up its
+    /// legs at start for the members they may have later.
+    pub discovered: Vec<Protocol>,
     /// Host:port used in Via / Record-Route instead of the bound address (SIP).
     pub advertise: Option<String>,
     /// Add Record-Route to requests (SIP).

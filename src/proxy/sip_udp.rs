@@ -342,7 +342,8 @@ impl DataPath for SipUdpPath {
         let wants_streams = v
             .members()
             .filter_map(|i| config.services.get(i))
-            .any(|s| s.protocol.is_sip_stream());
+            .any(|s| s.protocol.is_sip_stream())
+            || v.discovered.iter().any(|p| p.is_sip_stream());
         if wants_streams && bridge.is_none() {
             return Err(RuntimeError::Setup {
                 vserver: v.name.clone(),
@@ -428,7 +429,8 @@ pub(crate) fn start(
     let streams = v
         .members()
         .filter_map(|i| config.services.get(i))
-        .any(|s| s.protocol.is_sip_stream());
+        .any(|s| s.protocol.is_sip_stream())
+        || v.discovered.iter().any(|p| p.is_sip_stream());
     let mut params = SipParams::of(config, v, local.clone(), balancer)
         .with_service_source(service_side.as_ref().map(|(_, a)| *a));
     if streams {

@@ -154,8 +154,9 @@ pub struct ServiceShare {
     pub address: String,
     pub hash_id: Option<String>,
     pub weight: u32,
-    /// `primary`, or `backup` (`backup: true`: no key while a primary is UP, so no share).
-    pub tier: &'static str,
+    /// `primary`, `backup` (`backup: true`), or an SRV priority (`priority 10`): only the
+    /// best tier gets keys while it is UP; the others are listed with no share.
+    pub tier: String,
     /// Keys (of the simulated ones) that land on this service with every service UP.
     pub keys: u64,
     /// `weight / sum(weights)`.
@@ -180,8 +181,9 @@ pub fn simulate_config(
     seed: u64,
 ) -> HashReport {
     let infos = MemberInfo::of(cfg, vserver);
+    let best = infos.iter().map(|m| m.tier).min().unwrap_or(0);
     let (primary, backup): (Vec<&MemberInfo>, Vec<&MemberInfo>) =
-        infos.iter().partition(|m| !m.backup);
+        infos.iter().partition(|m| m.tier == best);
     let members: Vec<Member> = primary.iter().map(|m| m.select_member()).collect();
     let key_hashes = synthetic_key_hashes(keys, seed);
     let (mut report, detail) = simulate_members(
@@ -196,12 +198,12 @@ pub fn simulate_config(
         expected: 0.0,
         share: 0.0,
     };
-    let backups = backup.iter().map(|m| (*m, "backup", &none));
+    let backups = backup.iter().map(|m| (*m, m.tier_name(), &none));
     report.per_service = Some(
         primary
             .iter()
             .zip(detail.iter())
-            .map(|(m, d)| (*m, "primary", d))
+            .map(|(m, d)| (*m, m.tier_name(), d))
             .chain(backups)
             .filter_map(|(m, tier, d)| Some((m, tier, cfg.services.get(m.service)?, d)))
             .map(|(m, tier, s, d)| ServiceShare {

@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod churn;
+pub mod dns;
 pub mod netns;
 pub mod sip_load;
 pub mod sip_tcp;

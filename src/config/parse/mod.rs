@@ -153,6 +153,7 @@ const TOP_FIELDS: &[&str] = &[
     "services",
     "vservers",
     "flow_key_file",
+    "dns",
 ];
 
 /// The `name` of every item of a list, valid or not, so that a reference to an item that
@@ -462,7 +463,12 @@ impl Cx {
                 })
             }),
         };
+        let dns = match f.get("dns") {
+            Some(n) => self.dns_settings(n),
+            None => Some(DnsSettings::default()),
+        };
         Some(Config {
+            dns: dns?,
             flow_key_file: flow_key_file?,
             lb: lb?,
             admin: admin?,

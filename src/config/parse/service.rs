@@ -1,8 +1,9 @@
 //! `services[]`: a backend's address, protocol, weight, monitor and `tls`. PURE.
 
-use super::{Cx, did_you_mean, join, parse_socket_addr};
+use super::{Cx, Fields, did_you_mean, join, parse_socket_addr};
 use crate::config::model::*;
 use crate::config::yaml::{Node, Value};
+use std::net::SocketAddr;
 
 const SERVICE_FIELDS: &[&str] = &[
     "name",
@@ -15,6 +16,8 @@ const SERVICE_FIELDS: &[&str] = &[
     "tls",
     "write_timeout",
     "backup",
+    "dns",
+    "port",
 ];
 
 impl Cx {
@@ -29,25 +32,7 @@ impl Cx {
         let name = self
             .required(&f, path, "name")
             .and_then(|n| self.string(n, &join(path, "name")));
-        let address = self.required(&f, path, "address").and_then(|n| {
-            let p = join(path, "address");
-            let s = self.string(n, &p)?;
-            match parse_socket_addr(&s) {
-                Ok(a) if a.port() == 0 => {
-                    self.problem(n.pos, &p, "a service port must not be 0");
-                    None
-                }
-                Ok(a) if a.ip().is_unspecified() => {
-                    self.problem(n.pos, &p, "a service address must not be a wildcard");
-                    None
-                }
-                Ok(a) => Some(a),
-                Err(e) => {
-                    self.problem(n.pos, &p, e);
-                    None
-                }
-            }
-        });
+        let (address, dns) = self.service_address(&f, path);
         let protocol = self
             .required(&f, path, "protocol")
             .and_then(|n| self.choice(n, &join(path, "protocol"), &Protocol::ALL));
@@ -88,6 +73,13 @@ impl Cx {
             );
         }
         let hash_id = self.opt_string(&f, path, "hash_id");
+        if let (Some(Some(_)), Some(n)) = (&dns, f.get("hash_id")) {
+            self.problem(
+                n.pos,
+                &join(path, "hash_id"),
+                "a service found in DNS hashes each member by its address and port, so that every instance seeing the same records chooses alike; `hash_id` is for services with an `address`",
+            );
+        }
         let backup = self.bool_field(&f, path, "backup", false);
         let write_timeout =
             self.duration_field(&f, path, "write_timeout", DEFAULT_WRITE_TIMEOUT, false);
@@ -130,6 +122,198 @@ impl Cx {
             tls: tls?,
             write_timeout: write_timeout?,
             backup: backup?,
+            dns: dns?,
+            priority: None,
+        })
+    }
+
+    /// `address: IP:PORT`, or `dns: NAME` (with `port` for an A/AAAA name; an SRV name,
+    /// whose first label starts with `_`, gives its own ports). The address of a `dns`
+    /// service is the unspecified address: its members have the real ones.
+    fn service_address(
+        &mut self,
+        f: &Fields,
+        path: &str,
+    ) -> (Option<SocketAddr>, Option<Option<DnsName>>) {
+        let port = f.get("port").and_then(|n| {
+            self.int_in(n, &join(path, "port"), 1, 65535)
+                .and_then(|p| u16::try_from(p).ok())
+        });
+        match (f.get("address"), f.get("dns")) {
+            (Some(a), Some(d)) => {
+                self.problem(
+                    d.pos,
+                    &join(path, "dns"),
+                    "give either `address` (one service) or `dns` (a pool published in DNS), not both",
+                );
+                let _ = a;
+                (None, None)
+            }
+            (None, None) => {
+                self.problem(
+                    f.pos,
+                    &join(path, "address"),
+                    "missing required field `address` (or `dns` for a pool published in DNS)",
+                );
+                (None, None)
+            }
+            (Some(n), None) => {
+                if let Some(p) = f.get("port") {
+                    self.problem(
+                        p.pos,
+                        &join(path, "port"),
+                        "`port` goes with `dns`; an `address` carries its own port",
+                    );
+                }
+                let p = join(path, "address");
+                let address = self
+                    .string(n, &p)
+                    .and_then(|s| match parse_socket_addr(&s) {
+                        Ok(a) if a.port() == 0 => {
+                            self.problem(n.pos, &p, "a service port must not be 0");
+                            None
+                        }
+                        Ok(a) if a.ip().is_unspecified() => {
+                            self.problem(n.pos, &p, "a service address must not be a wildcard");
+                            None
+                        }
+                        Ok(a) => Some(a),
+                        Err(e) => {
+                            self.problem(n.pos, &p, e);
+                            None
+                        }
+                    });
+                (address, Some(None))
+            }
+            (None, Some(n)) => {
+                let p = join(path, "dns");
+                let Some(raw) = self.string(n, &p) else {
+                    return (None, None);
+                };
+                let name = match dns_name(&raw) {
+                    Ok(name) => name,
+                    Err(e) => {
+                        self.problem(n.pos, &p, e);
+                        return (None, None);
+                    }
+                };
+                let srv = name.starts_with('_');
+                let kind = match (srv, f.get("port"), port) {
+                    (true, Some(pn), _) => {
+                        self.problem(
+                            pn.pos,
+                            &join(path, "port"),
+                            format!("`{raw}` is an SRV name: its records give each target's port; leave `port` out"),
+                        );
+                        return (None, None);
+                    }
+                    (true, None, _) => DnsKind::Srv,
+                    (false, None, _) => {
+                        self.problem(
+                            f.pos,
+                            &join(path, "port"),
+                            format!("`{raw}` is looked up for A and AAAA records, which carry no port: give `port` (or use an SRV name such as `_sip._udp.{raw}`)"),
+                        );
+                        return (None, None);
+                    }
+                    (false, Some(_), Some(port)) => DnsKind::Host { port },
+                    // Out of range: reported.
+                    (false, Some(_), None) => return (None, None),
+                };
+                let placeholder = SocketAddr::from(([0, 0, 0, 0], 0));
+                (Some(placeholder), Some(Some(DnsName { name, kind })))
+            }
+        }
+    }
+}
+
+/// A DNS name as a service's `dns` gives it: letters, digits, `-` and `_`, labels of 1..=63
+/// characters, at most 253 in all; made lowercase and fully qualified (a final dot, so no
+/// search domain is tried).
+fn dns_name(s: &str) -> Result<String, String> {
+    let t = s.trim().trim_end_matches('.').to_ascii_lowercase();
+    if t.parse::<std::net::IpAddr>().is_ok() {
+        return Err(format!(
+            "`{s}` is an IP address; write `address: IP:PORT` for a fixed service"
+        ));
+    }
+    let ok_label = |l: &str| {
+        (1..=63).contains(&l.len())
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if t.is_empty() || t.len() > 253 || !t.split('.').all(ok_label) {
+        return Err(format!(
+            "`{s}` is not a DNS name (labels of letters, digits, `-` and `_`, separated by dots)"
+        ));
+    }
+    Ok(format!("{t}."))
+}
+
+const DNS_FIELDS: &[&str] = &["servers", "min_refresh", "max_refresh"];
+
+impl Cx {
+    /// The global `dns` block.
+    pub(super) fn dns_settings(&mut self, node: &Node) -> Option<DnsSettings> {
+        let path = "dns";
+        let f = self.fields(node, path, DNS_FIELDS)?;
+        let d = DnsSettings::default();
+        let servers = match f.get("servers") {
+            None => Some(Vec::new()),
+            Some(n) => {
+                let sp = join(path, "servers");
+                let mut ok = true;
+                let mut out = Vec::new();
+                for (i, item) in self.seq(n, &sp).iter().enumerate() {
+                    let ip = format!("{sp}[{i}]");
+                    let Some(text) = self.string(item, &ip) else {
+                        ok = false;
+                        continue;
+                    };
+                    // A bare IP means port 53.
+                    let parsed = text
+                        .trim()
+                        .parse::<std::net::IpAddr>()
+                        .map(|a| SocketAddr::new(a, 53))
+                        .or_else(|_| parse_socket_addr(&text));
+                    match parsed {
+                        Ok(a) if a.port() != 0 && !a.ip().is_unspecified() => out.push(a),
+                        Ok(_) => {
+                            self.problem(
+                                item.pos,
+                                &ip,
+                                "a DNS server needs a real address and a port other than 0",
+                            );
+                            ok = false;
+                        }
+                        Err(e) => {
+                            self.problem(item.pos, &ip, e);
+                            ok = false;
+                        }
+                    }
+                }
+                ok.then_some(out)
+            }
+        };
+        let min_refresh = self.duration_field(&f, path, "min_refresh", d.min_refresh, false);
+        let max_refresh = self.duration_field(&f, path, "max_refresh", d.max_refresh, false);
+        if let (Some(lo), Some(hi)) = (min_refresh, max_refresh)
+            && lo > hi
+        {
+            let pos = f.get("min_refresh").map_or(f.pos, |n| n.pos);
+            self.problem(
+                pos,
+                &join(path, "min_refresh"),
+                format!("min_refresh ({lo:?}) is above max_refresh ({hi:?})"),
+            );
+            return None;
+        }
+        Some(DnsSettings {
+            servers: servers?,
+            min_refresh: min_refresh?,
+            max_refresh: max_refresh?,
         })
     }
 }

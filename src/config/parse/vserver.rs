@@ -83,8 +83,15 @@ impl Cx {
         let (members, listed_ok) = self.members(&f, path, services, services_declared);
         let members_fit = self.members_fit(v.protocol, services, &members);
         self.vserver_rules(&f, path, &v);
+        let mut discovered: Vec<Protocol> = Vec::new();
+        for m in &members {
+            let s = services[m.index].1;
+            if s.dns.is_some() && !discovered.contains(&s.protocol) {
+                discovered.push(s.protocol);
+            }
+        }
         let members = members.iter().map(|m| m.index).collect();
-        v.build((listed_ok && members_fit).then_some(members))
+        v.build((listed_ok && members_fit).then_some((members, discovered)))
     }
 
     /// Every field of a vserver but `services`, each read on its own (defaults may depend
@@ -524,7 +531,13 @@ impl Cx {
         services: &[(&str, &Service)],
         members: &[Member],
     ) -> bool {
-        let ident = |s: &Service| s.hash_id.clone().unwrap_or_else(|| s.address.to_string());
+        // A pool in DNS hashes its members by their addresses; two pools of one name
+        // would tie on every key.
+        let ident = |s: &Service| match (&s.dns, &s.hash_id) {
+            (Some(d), _) => format!("dns:{}", d.name),
+            (None, Some(id)) => id.clone(),
+            (None, None) => s.address.to_string(),
+        };
         let mut ok = true;
         for (k, m) in members.iter().enumerate() {
             let (sname, svc) = services[m.index];
@@ -550,7 +563,7 @@ impl Cx {
                     m.pos,
                     &m.path,
                     format!(
-                        "service `{sname}` hashes like `{}` (same address or hash_id); give one a distinct hash_id",
+                        "service `{sname}` hashes like `{}` (same address, hash_id or dns name); give one a distinct hash_id, or list one pool of a name only",
                         services[other.index].0
                     ),
                 );
@@ -809,7 +822,7 @@ struct Member {
 
 impl VserverFields {
     /// The vserver, when every field was good and `members` is `Some`.
-    fn build(self, members: Option<Vec<usize>>) -> Option<Vserver> {
+    fn build(self, members: Option<(Vec<usize>, Vec<Protocol>)>) -> Option<Vserver> {
         let (h, o) = (self.hash, self.options);
         let edge = self.edge?;
         Some(Vserver {
@@ -825,7 +838,8 @@ impl VserverFields {
                 hash_balance_factor: h.hash_balance_factor?,
             },
             slow_start: self.slow_start?,
-            services: members?,
+            services: members.as_ref()?.0.clone(),
+            discovered: members?.1,
             advertise: self.advertise,
             service_source: self.service_source?,
             // Always on for WebSocket clients: their Contact (`.invalid`) is reachable only

@@ -557,7 +557,8 @@ impl DataPath for SipStreamPath {
         let wants_udp = v
             .members()
             .filter_map(|i| config.services.get(i))
-            .any(|s| s.protocol == Protocol::SipUdp);
+            .any(|s| s.protocol == Protocol::SipUdp)
+            || v.discovered.contains(&Protocol::SipUdp);
         if wants_udp && !shared.has_udp_leg() {
             return Err(RuntimeError::Setup {
                 vserver: v.name.clone(),
@@ -661,7 +662,7 @@ pub(crate) fn start(
         .filter(|s| s.protocol == Protocol::SipUdp)
         .map(|s| s.address)
         .collect();
-    let udp = if udp_members.is_empty() {
+    let udp = if udp_members.is_empty() && !v.discovered.contains(&Protocol::SipUdp) {
         None
     } else {
         let (sock, leg) = bind_udp_leg(ctx, v, &bound, &udp_members)?;

@@ -159,9 +159,14 @@ pub(super) fn bind_udp_leg(
     };
     let local = sock.local_addr().map_err(bind_err)?;
     let ip = if local.ip().is_unspecified() {
+        // No member yet (a pool in DNS not answered): the vserver's own address, the way a
+        // wildcard bind is resolved for its other legs.
         let peer = udp_members
             .first()
-            .ok_or_else(|| setup("no sip-udp service for the UDP leg".into()))?;
+            .or_else(|| bound.iter().find(|b| !b.ip().is_unspecified()))
+            .ok_or_else(|| {
+                setup("no sip-udp service yet to choose the UDP leg's address toward; give the vserver `advertise` or bind it to an address".into())
+            })?;
         crate::net::local_ip_toward(*peer).map_err(|e| setup(format!("no route to {peer}: {e}")))?
     } else {
         local.ip()

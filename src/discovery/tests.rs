@@ -1,0 +1,256 @@
+use super::*;
+use crate::config::from_str;
+
+const S: u64 = 1_000_000_000;
+
+fn cfg(extra: &str) -> Config {
+    from_str(
+        "t.yaml",
+        &format!(
+            "admin: {{ listen: null }}\n\
+             dns: {{ min_refresh: 2s, max_refresh: 60s }}\n\
+             services:\n\
+             \x20 - {{ name: fixed, address: 127.0.0.1:7001, protocol: sip-udp }}\n\
+             \x20 - {{ name: pool, dns: sip.pool.test, port: 5070, protocol: sip-udp, weight: 3 }}\n\
+             \x20 - {{ name: srv, dns: _sip._udp.pool.test, protocol: sip-udp }}\n{extra}\
+             vservers:\n  - {{ name: v, protocol: sip-udp, bind: 127.0.0.1:9000, method: call_id_hash, services: [fixed, pool, srv] }}\n"
+        ),
+    )
+    .expect("valid test config")
+}
+
+fn t(addr: &str, priority: u16, weight: u16) -> Target {
+    Target {
+        addr: addr.parse().expect("addr"),
+        priority,
+        weight,
+    }
+}
+
+fn names(c: &Config, idx: &[usize]) -> Vec<String> {
+    idx.iter().map(|&i| c.services[i].name.clone()).collect()
+}
+
+#[test]
+fn the_file_names_its_pools_and_expand_puts_their_members_in_their_place() {
+    let file = cfg("");
+    let pool = &file.services[1];
+    assert_eq!(
+        pool.dns,
+        Some(DnsName {
+            name: "sip.pool.test.".into(),
+            kind: DnsKind::Host { port: 5070 }
+        })
+    );
+    assert_eq!(
+        file.services[2].dns.as_ref().map(|d| d.kind),
+        Some(DnsKind::Srv)
+    );
+    assert_eq!(
+        file.vservers[0].discovered,
+        [crate::config::Protocol::SipUdp]
+    );
+    // Nothing known yet: the pools leave no service.
+    let none = expand(&file, &BTreeMap::new());
+    assert_eq!(names(&none, &none.vservers[0].services), ["fixed"]);
+    let mut found = BTreeMap::new();
+    found.insert(
+        "pool".to_owned(),
+        vec![t("10.0.0.2:5070", 0, 0), t("10.0.0.1:5070", 0, 0)],
+    );
+    found.insert(
+        "srv".to_owned(),
+        vec![t("10.0.1.1:5080", 10, 60), t("10.0.1.2:5081", 20, 0)],
+    );
+    let mut sorted = found.clone();
+    for v in sorted.values_mut() {
+        v.sort();
+    }
+    let c = expand(&file, &sorted);
+    assert_eq!(
+        names(&c, &c.vservers[0].services),
+        [
+            "fixed",
+            "pool@10.0.0.1:5070",
+            "pool@10.0.0.2:5070",
+            "srv@10.0.1.1:5080",
+            "srv@10.0.1.2:5081"
+        ]
+    );
+    let s = |n: &str| c.services.iter().find(|s| s.name == n).expect(n);
+    // A / AAAA members: the pool's weight, no priority; SRV members: theirs.
+    assert_eq!(
+        (
+            s("pool@10.0.0.1:5070").weight,
+            s("pool@10.0.0.1:5070").tier()
+        ),
+        (3, 0)
+    );
+    assert_eq!(
+        (s("srv@10.0.1.1:5080").weight, s("srv@10.0.1.1:5080").tier()),
+        (60, 10)
+    );
+    assert_eq!(
+        (s("srv@10.0.1.2:5081").weight, s("srv@10.0.1.2:5081").tier()),
+        (1, 20)
+    );
+    assert!(c.services.iter().all(|s| s.dns.is_none()));
+    // Hashed by address and port: the same records give the same members everywhere.
+    assert_eq!(s("pool@10.0.0.2:5070").hash_id, None);
+    assert_eq!(expand(&file, &sorted), c);
+}
+
+#[test]
+fn srv_weights_above_100_are_scaled_and_zero_is_the_least() {
+    let file = cfg("");
+    let mut found = BTreeMap::new();
+    found.insert(
+        "srv".to_owned(),
+        vec![
+            t("10.0.1.1:5080", 0, 1000),
+            t("10.0.1.2:5080", 0, 250),
+            t("10.0.1.3:5080", 0, 0),
+        ],
+    );
+    let c = expand(&file, &found);
+    let w: Vec<u32> = c.services[1..].iter().map(|s| s.weight).collect();
+    assert_eq!(w, [100, 25, 1]);
+}
+
+#[test]
+fn a_found_answer_sets_the_members_and_the_next_lookup_at_its_ttl() {
+    let file = cfg("");
+    let mut pools = Pools::default();
+    pools.sync(&file, 5);
+    assert_eq!(pools.due(5).len(), 2);
+    let p = pools.by_service.get_mut("pool").expect("pool");
+    let found = Outcome::Found {
+        targets: vec![
+            t("10.0.0.2:5070", 0, 0),
+            t("10.0.0.1:5070", 0, 0),
+            t("10.0.0.1:5070", 0, 0),
+        ],
+        ttl: 30,
+    };
+    assert!(p.record(found.clone(), 10 * S, &file.dns));
+    assert_eq!(p.members.len(), 2, "sorted, one per address");
+    assert_eq!(p.next, 40 * S);
+    assert!(
+        !p.record(found, 40 * S, &file.dns),
+        "the same answer changes nothing"
+    );
+    // TTLs are clamped to min_refresh..=max_refresh.
+    let tiny = Outcome::Found {
+        targets: vec![t("10.0.0.1:5070", 0, 0)],
+        ttl: 0,
+    };
+    assert!(p.record(tiny, 50 * S, &file.dns));
+    assert_eq!(p.next, 52 * S);
+    let huge = Outcome::Found {
+        targets: vec![t("10.0.0.1:5070", 0, 0)],
+        ttl: 86_400,
+    };
+    p.record(huge, 60 * S, &file.dns);
+    assert_eq!(p.next, 120 * S);
+    assert_eq!(p.lookups.found, 4);
+}
+
+#[test]
+fn a_failed_lookup_keeps_the_last_answer_and_says_so() {
+    let file = cfg("");
+    let mut pools = Pools::default();
+    pools.sync(&file, 0);
+    let p = pools.by_service.get_mut("pool").expect("pool");
+    p.record(
+        Outcome::Found {
+            targets: vec![t("10.0.0.1:5070", 0, 0)],
+            ttl: 5,
+        },
+        0,
+        &file.dns,
+    );
+    assert!(pools.notes(0).iter().all(|n| !n.contains("service pool")));
+    let p = pools.by_service.get_mut("pool").expect("pool");
+    assert!(!p.record(Outcome::Failed("timed out".into()), 5 * S, &file.dns));
+    assert_eq!(p.members.len(), 1, "a DNS outage never empties a pool");
+    assert!(p.is_stale());
+    assert_eq!(p.next, 7 * S, "min_refresh first");
+    p.record(Outcome::Failed("timed out".into()), 7 * S, &file.dns);
+    assert_eq!(p.next, 11 * S, "then twice the outage so far");
+    for i in 0..20 {
+        let now = p.next;
+        p.record(Outcome::Failed(format!("timed out {i}")), now, &file.dns);
+    }
+    let at = p.next;
+    p.record(Outcome::Failed("x".into()), at, &file.dns);
+    assert_eq!(p.next - at, 60 * S, "up to max_refresh");
+    let notes = pools.notes(at);
+    assert!(
+        notes.iter().any(|n| n
+            .starts_with("service pool: DNS lookups of sip.pool.test failing for")
+            && n.contains("keeping the 1 member(s)")),
+        "{notes:?}"
+    );
+    // The answer comes back: no longer stale.
+    let p = pools.by_service.get_mut("pool").expect("pool");
+    p.record(
+        Outcome::Found {
+            targets: vec![t("10.0.0.1:5070", 0, 0)],
+            ttl: 5,
+        },
+        at + S,
+        &file.dns,
+    );
+    assert!(!p.is_stale());
+    assert_eq!(p.lookups.failed, 23);
+}
+
+#[test]
+fn an_authoritative_empty_answer_empties_the_pool() {
+    let file = cfg("");
+    let mut pools = Pools::default();
+    pools.sync(&file, 0);
+    let p = pools.by_service.get_mut("srv").expect("srv");
+    p.record(
+        Outcome::Found {
+            targets: vec![t("10.0.1.1:5080", 0, 0)],
+            ttl: 5,
+        },
+        0,
+        &file.dns,
+    );
+    assert!(p.record(Outcome::Empty { nxdomain: true }, S, &file.dns));
+    assert!(p.members.is_empty() && p.answered && !p.is_stale());
+    assert_eq!(p.next, 3 * S);
+}
+
+#[test]
+fn pools_follow_the_file_a_changed_name_starts_afresh() {
+    let file = cfg("");
+    let mut pools = Pools::default();
+    pools.sync(&file, 0);
+    pools.by_service.get_mut("pool").expect("pool").record(
+        Outcome::Found {
+            targets: vec![t("10.0.0.1:5070", 0, 0)],
+            ttl: 5,
+        },
+        0,
+        &file.dns,
+    );
+    pools.sync(&file, S);
+    assert_eq!(pools.members()["pool"].len(), 1, "kept across a reload");
+    let mut renamed = file.clone();
+    if let Some(d) = renamed.services[1].dns.as_mut() {
+        d.name = "other.pool.test.".into();
+    }
+    renamed.services.remove(2);
+    pools.sync(&renamed, 2 * S);
+    assert!(pools.members()["pool"].is_empty());
+    assert!(!pools.by_service.contains_key("srv"));
+    assert_eq!(pools.next_due(), Some(2 * S));
+    let notes = pools.notes(2 * S);
+    assert_eq!(
+        notes,
+        ["service pool: no DNS answer yet for other.pool.test (no answer)"]
+    );
+}
