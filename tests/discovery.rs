@@ -444,3 +444,60 @@ fn a_pool_not_answered_at_start_fills_when_the_server_comes() {
     let ok = wait_until(Duration::from_secs(5), || ready(&ops)["status"] == 200);
     assert!(ok, "{}", ready(&ops));
 }
+
+/// `fulcrum simulate hash --config` looks the pools up: the members of an SRV name (an IPv4
+/// and an IPv6 target) with their weights in the best priority, the lower priority listed
+/// with no share.
+#[test]
+fn simulate_hash_shows_the_members_and_tiers_a_pool_has_now() {
+    if !dnsmasq_available() {
+        return;
+    }
+    let records = Records::new()
+        .a("a.pool.test", ip(0))
+        .a("six.pool.test", "::1".parse().expect("v6"))
+        .a("c.pool.test", ip(2))
+        .srv("_sip._udp.pool.test", "a.pool.test", 5070, 10, 30)
+        .srv("_sip._udp.pool.test", "six.pool.test", 5071, 10, 10)
+        .srv("_sip._udp.pool.test", "c.pool.test", 5072, 20, 10);
+    let dns = Dns::start("simulate", ZONE, &records);
+    let file = common::ConfigFile::new(
+        "simulate-dns",
+        &format!(
+            "dns: {{ servers: [\"{}\"] }}\n\
+             services:\n  - {{ name: pool, dns: _sip._udp.pool.test, protocol: sip-udp }}\n\
+             vservers:\n  - {{ name: v, protocol: sip-udp, bind: [127.0.0.1:5060], services: [pool] }}\n",
+            dns.addr()
+        ),
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .args(["simulate", "hash", "--config", file.arg(), "--keys", "20000", "--json"])
+        .output()
+        .expect("run fulcrum");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+    let per: Vec<(String, String, u64)> = v["per_service"]
+        .as_array()
+        .expect("per service")
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap_or("?").to_owned(),
+                s["tier"].as_str().unwrap_or("?").to_owned(),
+                s["weight"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(
+        per,
+        [
+            ("pool@127.0.0.10:5070".to_owned(), "priority 10".to_owned(), 30),
+            ("pool@[::1]:5071".to_owned(), "priority 10".to_owned(), 10),
+            ("pool@127.0.0.12:5072".to_owned(), "priority 20".to_owned(), 10),
+        ],
+        "{v}"
+    );
+    let share = v["per_service"][0]["share"].as_f64().unwrap_or(0.0);
+    assert!((0.7..=0.8).contains(&share), "weight 30 of 40: {share}");
+    assert_eq!(v["per_service"][2]["keys"], 0);
+}

@@ -233,6 +233,17 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             Message::Close(_) => break,
             Message::Frame(_) => continue,
         };
+        // The CRLF keep-alive of RFC 5626 §3.5.1 as browser stacks send it over WebSocket
+        // (SIP.js: a message of two CRLFs), answered with one CRLF as over TCP; a lone CRLF
+        // (the client's own pong) is activity and nothing else.
+        if bytes == b"\r\n\r\n" || bytes == PONG {
+            activity.touch(shared.now() / 1_000_000, false);
+            if bytes != PONG {
+                bump(&shared.counters.keepalive_pings);
+                shared.reply(ReplyTo::Client(id), bytes::Bytes::from_static(PONG));
+            }
+            continue;
+        }
         // A client that sends faster than it reads its answers waits for its queue.
         if level.should_pause() {
             bump(&shared.counters.client_reads_paused);
