@@ -471,10 +471,22 @@ fn simulate_hash_shows_the_members_and_tiers_a_pool_has_now() {
         ),
     );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_fulcrum"))
-        .args(["simulate", "hash", "--config", file.arg(), "--keys", "20000", "--json"])
+        .args([
+            "simulate",
+            "hash",
+            "--config",
+            file.arg(),
+            "--keys",
+            "20000",
+            "--json",
+        ])
         .output()
         .expect("run fulcrum");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: Value = serde_json::from_slice(&out.stdout).expect("JSON report");
     let per: Vec<(String, String, u64)> = v["per_service"]
         .as_array()
@@ -491,13 +503,54 @@ fn simulate_hash_shows_the_members_and_tiers_a_pool_has_now() {
     assert_eq!(
         per,
         [
-            ("pool@127.0.0.10:5070".to_owned(), "priority 10".to_owned(), 30),
+            (
+                "pool@127.0.0.10:5070".to_owned(),
+                "priority 10".to_owned(),
+                30
+            ),
             ("pool@[::1]:5071".to_owned(), "priority 10".to_owned(), 10),
-            ("pool@127.0.0.12:5072".to_owned(), "priority 20".to_owned(), 10),
+            (
+                "pool@127.0.0.12:5072".to_owned(),
+                "priority 20".to_owned(),
+                10
+            ),
         ],
         "{v}"
     );
     let share = v["per_service"][0]["share"].as_f64().unwrap_or(0.0);
     assert!((0.7..=0.8).contains(&share), "weight 30 of 40: {share}");
     assert_eq!(v["per_service"][2]["keys"], 0);
+}
+
+/// A member that appears enters slow start (the vserver's `slow_start`), as a service a
+/// reload adds; the members already there do not.
+#[test]
+fn a_member_that_appears_enters_slow_start() {
+    if !dnsmasq_available() {
+        return;
+    }
+    let (uas, port) = farm(2);
+    let mut dns = Dns::start("slow", ZONE, &hosts(&[0]));
+    let ops = start(
+        &dns,
+        &format!("dns: sip.pool.test, port: {port}"),
+        "round_robin\n    slow_start: { new_service_request_rate: 5, unit: per_second, increment_interval: 1h }",
+    );
+    wait_serving(&ops, &[&uas[0]]);
+    dns.set(&hosts(&[0, 1]));
+    wait_serving(&ops, &[&uas[0], &uas[1]]);
+    let st = status(&ops);
+    let services = st["vservers"][0]["services"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let slow = |u: &StrictUas| {
+        services
+            .iter()
+            .find(|s| s["name"] == member_name(u).as_str())
+            .map(|s| s["slow_start"].clone())
+            .unwrap_or(Value::Null)
+    };
+    assert!(slow(&uas[0]).is_null(), "{st}");
+    assert_eq!(slow(&uas[1])["rate"], 5, "{st}");
 }

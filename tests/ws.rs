@@ -231,7 +231,9 @@ fn fragments_make_one_message_and_a_stalled_upgrade_is_closed() {
         let (got, _) = recv_text(&registrar).expect("the REGISTER reaches the registrar");
         assert!(got.contains("Call-ID: ws-frag"), "{got}");
         // The CRLF keep-alive browser stacks send (SIP.js: two CRLFs) gets one CRLF back.
-        ws.send(Message::text("\r\n\r\n")).await.expect("keep-alive");
+        ws.send(Message::text("\r\n\r\n"))
+            .await
+            .expect("keep-alive");
         let pong = tokio::time::timeout(Duration::from_secs(3), ws.next()).await;
         assert!(
             matches!(&pong, Ok(Some(Ok(Message::Text(t)))) if t.as_str() == "\r\n"),
