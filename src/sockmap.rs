@@ -1,0 +1,420 @@
+//! The in-kernel relay of TCP connections: once fulcrum has chosen a connection's service,
+//! the kernel moves its bytes socket to socket, and user space only owns the sockets (idle
+//! timeout, drain, half-close, close). IO; the one module besides `uring.rs` and `memory.rs`
+//! allowed `unsafe` (the `bpf(2)` system call takes its arguments by address).
+//!
+//! # How
+//! A BPF sockmap holds both sockets of each relayed connection, the client's and the
+//! service's, in two slots; a hash map gives each socket (by its socket cookie, which the
+//! kernel never reuses while the socket lives) the slot of its peer. A `sk_skb` verdict
+//! program (`BPF_SK_SKB_VERDICT`, Linux 5.13 or later), attached to the sockmap, runs on every
+//! segment a socket in the map receives and redirects it to the egress of the peer's
+//! socket: the bytes never reach user space. The program is eighteen instructions, encoded
+//! below ([`PROGRAM`]), so no eBPF toolchain is needed to build fulcrum:
+//!
+//! ```text
+//!  0: r6 = r1                         ; the segment
+//!  1: call get_socket_cookie          ; r0 = the receiving socket's cookie
+//!  2: *(u64 *)(r10 - 8) = r0
+//!  3: r1 = peers map                  ; (two instructions: a 64-bit immediate)
+//!  5: r2 = r10
+//!  6: r2 += -8
+//!  7: call map_lookup_elem            ; r0 = &peer slot, or NULL
+//!  8: if r0 == 0 goto 16              ; not ours: left where it is
+//!  9: r3 = *(u32 *)(r0 + 0)
+//! 10: r1 = r6
+//! 11: r2 = sockmap                    ; (two instructions)
+//! 13: r4 = 0                          ; to the peer's egress
+//! 14: call sk_redirect_map
+//! 15: exit
+//! 16: r0 = SK_PASS
+//! 17: exit
+//! ```
+//!
+//! # The hand-over ([`Relay::splice`])
+//! 1. Bytes user space has read and not yet written (a PROXY header, a request head it
+//!    parsed) are written to their peer before the sockets enter the map, by the caller.
+//! 2. The peer entries go in first, then the two sockets.
+//! 3. Bytes that arrived after user space last read and before the sockets entered the map
+//!    are in a socket's receive queue, which the verdict program sees only when the next
+//!    segment arrives (and which `recv` can no longer read). Setting `SO_RCVLOWAT` runs the
+//!    socket's data-ready path at once (`tcp_set_rcvlowat`), so they are relayed now, in
+//!    order, ahead of anything later.
+//!
+//! After that, a FIN reaches user space as end of file on the socket that got it (after
+//! every byte before it was relayed); the owner then shuts down the peer's write side, as
+//! the user-space relay does. A reset reads as an error. [`Pair`] takes both sockets out of
+//! the map when it is dropped; closing a socket also removes it.
+
+#![allow(unsafe_code)]
+
+use nix::libc;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::{Arc, Mutex};
+
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_PROG_ATTACH: libc::c_long = 8;
+const BPF_MAP_TYPE_HASH: u32 = 1;
+const BPF_MAP_TYPE_SOCKMAP: u32 = 15;
+const BPF_PROG_TYPE_SK_SKB: u32 = 14;
+const BPF_SK_SKB_VERDICT: u32 = 38;
+const SO_COOKIE: libc::c_int = 57;
+
+/// One BPF instruction: opcode, registers (source in the high nibble), offset, immediate.
+const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
+    let o = off.to_le_bytes();
+    let i = imm.to_le_bytes();
+    [code, (src << 4) | dst, o[0], o[1], i[0], i[1], i[2], i[3]]
+}
+
+const MOV64_REG: u8 = 0xbf;
+const MOV64_IMM: u8 = 0xb7;
+const ADD64_IMM: u8 = 0x07;
+const CALL: u8 = 0x85;
+const EXIT: u8 = 0x95;
+const STX_DW: u8 = 0x7b;
+const LDX_W: u8 = 0x61;
+const JEQ_IMM: u8 = 0x15;
+const LD_IMM64: u8 = 0x18;
+/// `src` of an `LD_IMM64` whose immediate is a map's file descriptor.
+const PSEUDO_MAP_FD: u8 = 1;
+const HELPER_MAP_LOOKUP_ELEM: i32 = 1;
+const HELPER_GET_SOCKET_COOKIE: i32 = 46;
+const HELPER_SK_REDIRECT_MAP: i32 = 52;
+const SK_PASS: i32 = 1;
+
+/// The verdict program, with the two map descriptors at instructions 3 and 11 patched in
+/// by [`program`].
+const PROGRAM: [[u8; 8]; 18] = [
+    insn(MOV64_REG, 6, 1, 0, 0),
+    insn(CALL, 0, 0, 0, HELPER_GET_SOCKET_COOKIE),
+    insn(STX_DW, 10, 0, -8, 0),
+    insn(LD_IMM64, 1, PSEUDO_MAP_FD, 0, 0),
+    insn(0, 0, 0, 0, 0),
+    insn(MOV64_REG, 2, 10, 0, 0),
+    insn(ADD64_IMM, 2, 0, 0, -8),
+    insn(CALL, 0, 0, 0, HELPER_MAP_LOOKUP_ELEM),
+    insn(JEQ_IMM, 0, 0, 7, 0),
+    insn(LDX_W, 3, 0, 0, 0),
+    insn(MOV64_REG, 1, 6, 0, 0),
+    insn(LD_IMM64, 2, PSEUDO_MAP_FD, 0, 0),
+    insn(0, 0, 0, 0, 0),
+    insn(MOV64_IMM, 4, 0, 0, 0),
+    insn(CALL, 0, 0, 0, HELPER_SK_REDIRECT_MAP),
+    insn(EXIT, 0, 0, 0, 0),
+    insn(MOV64_IMM, 0, 0, 0, SK_PASS),
+    insn(EXIT, 0, 0, 0, 0),
+];
+
+fn program(peers: RawFd, sockmap: RawFd) -> Vec<u8> {
+    let mut p = PROGRAM;
+    p[3] = insn(LD_IMM64, 1, PSEUDO_MAP_FD, 0, peers);
+    p[11] = insn(LD_IMM64, 2, PSEUDO_MAP_FD, 0, sockmap);
+    p.concat()
+}
+
+/// `bpf(cmd, attr)`: a new descriptor (or 0) on success.
+fn bpf(cmd: libc::c_long, attr: &mut [u8; 128]) -> io::Result<libc::c_long> {
+    // SAFETY: `attr` is a live, writable 128-byte buffer, the size passed; every pointer
+    // stored in it by the callers points to memory that outlives this call.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), attr.len()) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn put(attr: &mut [u8; 128], at: usize, bytes: &[u8]) {
+    attr[at..at + bytes.len()].copy_from_slice(bytes);
+}
+
+fn owned(fd: libc::c_long) -> io::Result<OwnedFd> {
+    let fd = RawFd::try_from(fd).map_err(|_| io::Error::other("descriptor out of range"))?;
+    // SAFETY: the kernel just returned `fd`, a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn map_create(kind: u32, key: u32, value: u32, entries: u32) -> io::Result<OwnedFd> {
+    let mut a = [0u8; 128];
+    put(&mut a, 0, &kind.to_ne_bytes());
+    put(&mut a, 4, &key.to_ne_bytes());
+    put(&mut a, 8, &value.to_ne_bytes());
+    put(&mut a, 12, &entries.to_ne_bytes());
+    owned(bpf(BPF_MAP_CREATE, &mut a)?)
+}
+
+fn map_update(map: &OwnedFd, key: &[u8], value: &[u8]) -> io::Result<()> {
+    let mut a = [0u8; 128];
+    put(&mut a, 0, &map.as_raw_fd().to_ne_bytes());
+    put(&mut a, 8, &(key.as_ptr() as u64).to_ne_bytes());
+    put(&mut a, 16, &(value.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_MAP_UPDATE_ELEM, &mut a).map(drop)
+}
+
+fn map_delete(map: &OwnedFd, key: &[u8]) -> io::Result<()> {
+    let mut a = [0u8; 128];
+    put(&mut a, 0, &map.as_raw_fd().to_ne_bytes());
+    put(&mut a, 8, &(key.as_ptr() as u64).to_ne_bytes());
+    bpf(BPF_MAP_DELETE_ELEM, &mut a).map(drop)
+}
+
+/// The socket's cookie (`SO_COOKIE`): unique while it lives.
+fn cookie(fd: RawFd) -> io::Result<u64> {
+    let mut c: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: `c` and `len` are live locals of the sizes given.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_COOKIE,
+            (&raw mut c).cast(),
+            &raw mut len,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(c)
+}
+
+/// Run the socket's data-ready path: bytes queued before it entered the map are relayed.
+fn kick(fd: RawFd) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: `one` is a live local of the size given.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&raw const one).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The sockmap, the peer map and the attached verdict program; room for `capacity` relayed
+/// connections (two slots each).
+pub struct Relay {
+    sockmap: OwnedFd,
+    peers: OwnedFd,
+    _prog: OwnedFd,
+    /// Free pair indices (pair `i` has slots `2i` and `2i + 1`).
+    free: Mutex<Vec<u32>>,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay").finish_non_exhaustive()
+    }
+}
+
+impl Relay {
+    /// Create the maps, load the program and attach it. Fails where the kernel refuses any
+    /// of it (no BPF, no permission, a kernel before 5.13): the caller keeps the user-space
+    /// relay and says why.
+    pub fn new(capacity: u32) -> io::Result<Arc<Relay>> {
+        let slots = capacity
+            .checked_mul(2)
+            .filter(|&s| s > 0)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "capacity out of range"))?;
+        let sockmap = map_create(BPF_MAP_TYPE_SOCKMAP, 4, 4, slots)?;
+        let peers = map_create(BPF_MAP_TYPE_HASH, 8, 4, slots)?;
+        let code = program(peers.as_raw_fd(), sockmap.as_raw_fd());
+        let license = b"GPL\0";
+        let mut a = [0u8; 128];
+        put(&mut a, 0, &BPF_PROG_TYPE_SK_SKB.to_ne_bytes());
+        put(&mut a, 4, &((code.len() / 8) as u32).to_ne_bytes());
+        put(&mut a, 8, &(code.as_ptr() as u64).to_ne_bytes());
+        put(&mut a, 16, &(license.as_ptr() as u64).to_ne_bytes());
+        put(&mut a, 48, b"fulcrum_relay\0");
+        let prog = owned(bpf(BPF_PROG_LOAD, &mut a)?)?;
+        let mut a = [0u8; 128];
+        put(&mut a, 0, &sockmap.as_raw_fd().to_ne_bytes());
+        put(&mut a, 4, &prog.as_raw_fd().to_ne_bytes());
+        put(&mut a, 8, &BPF_SK_SKB_VERDICT.to_ne_bytes());
+        bpf(BPF_PROG_ATTACH, &mut a)?;
+        Ok(Arc::new(Relay {
+            sockmap,
+            peers,
+            _prog: prog,
+            free: Mutex::new((0..capacity).rev().collect()),
+        }))
+    }
+
+    /// Relay `a` and `b` (connected TCP sockets) to each other in the kernel from now on
+    /// (see the module doc for the hand-over). `None` when every slot is taken.
+    pub fn splice(self: &Arc<Self>, a: RawFd, b: RawFd) -> io::Result<Option<Pair>> {
+        let Some(pair) = crate::sync::lock(&self.free).pop() else {
+            return Ok(None);
+        };
+        let cookies = match (cookie(a), cookie(b)) {
+            (Ok(ca), Ok(cb)) => [ca, cb],
+            (Err(e), _) | (_, Err(e)) => {
+                crate::sync::lock(&self.free).push(pair);
+                return Err(e);
+            }
+        };
+        // From here a failure drops `p`, which clears whatever went in.
+        let p = Pair {
+            relay: Arc::clone(self),
+            pair,
+            cookies,
+        };
+        let [ca, cb] = cookies;
+        let (sa, sb) = (2 * pair, 2 * pair + 1);
+        map_update(&self.peers, &ca.to_ne_bytes(), &sb.to_ne_bytes())?;
+        map_update(&self.peers, &cb.to_ne_bytes(), &sa.to_ne_bytes())?;
+        map_update(&self.sockmap, &sa.to_ne_bytes(), &a.to_ne_bytes())?;
+        map_update(&self.sockmap, &sb.to_ne_bytes(), &b.to_ne_bytes())?;
+        kick(a)?;
+        kick(b)?;
+        Ok(Some(p))
+    }
+
+    /// Whether the relay works here: a loopback client and server, spliced through two
+    /// proxy-side sockets, exchange bytes both ways (some queued before the splice), and a
+    /// FIN reaches the proxy side after the bytes before it. What `kernel_relay: auto`
+    /// checks at start.
+    pub fn self_test(self: &Arc<Self>) -> io::Result<()> {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::time::Duration;
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let mut client = TcpStream::connect(l.local_addr()?)?;
+        let (front, _) = l.accept()?;
+        let back = TcpStream::connect(l.local_addr()?)?;
+        let (mut server, _) = l.accept()?;
+        let timeout = Some(Duration::from_secs(2));
+        for s in [&client, &front, &back, &server] {
+            s.set_read_timeout(timeout)?;
+        }
+        let early = b"queued before the splice;";
+        client.write_all(early)?;
+        let pair = self
+            .splice(front.as_raw_fd(), back.as_raw_fd())?
+            .ok_or_else(|| io::Error::other("no free slot"))?;
+        let late = vec![7u8; 256 * 1024];
+        client.write_all(&late)?;
+        let mut got = vec![0u8; early.len() + late.len()];
+        server.read_exact(&mut got)?;
+        if got[..early.len()] != early[..] || got[early.len()..] != late[..] {
+            return Err(io::Error::other("bytes relayed out of order or altered"));
+        }
+        server.write_all(b"answer")?;
+        let mut answer = [0u8; 6];
+        client.read_exact(&mut answer)?;
+        if &answer != b"answer" {
+            return Err(io::Error::other("the answer was altered"));
+        }
+        client.shutdown(Shutdown::Write)?;
+        let mut rest = [0u8; 16];
+        if (&front).read(&mut rest)? != 0 {
+            return Err(io::Error::other("bytes reached user space"));
+        }
+        drop(pair);
+        Ok(())
+    }
+}
+
+/// Two sockets relayed by the kernel; dropped, they leave the maps (their owner closes or
+/// goes on with them).
+pub struct Pair {
+    relay: Arc<Relay>,
+    pair: u32,
+    cookies: [u64; 2],
+}
+
+impl std::fmt::Debug for Pair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pair").field("pair", &self.pair).finish()
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        let r = &self.relay;
+        for slot in [2 * self.pair, 2 * self.pair + 1] {
+            let _ = map_delete(&r.sockmap, &slot.to_ne_bytes());
+        }
+        for c in &self.cookies {
+            let _ = map_delete(&r.peers, &c.to_ne_bytes());
+        }
+        crate::sync::lock(&r.free).push(self.pair);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where BPF is not permitted (an unprivileged test run) the relay cannot start: that
+    /// is the fallback's case, tested by the callers; here the relay itself when it can.
+    fn relay() -> Option<Arc<Relay>> {
+        match Relay::new(64) {
+            Ok(r) => Some(r),
+            Err(e) if std::env::var_os("FULCRUM_REQUIRE_BPF").is_some() => {
+                panic!("the kernel relay cannot start: {e}")
+            }
+            Err(e) => {
+                eprintln!("skipped: the kernel relay cannot start here: {e}");
+                None
+            }
+        }
+    }
+
+    #[test]
+    fn the_program_is_what_the_module_doc_says() {
+        let p = program(3, 4);
+        assert_eq!(p.len(), 18 * 8);
+        // The map descriptors land in the two 64-bit immediates.
+        assert_eq!(&p[3 * 8..3 * 8 + 2], &[LD_IMM64, 0x11]);
+        assert_eq!(i32::from_le_bytes([p[28], p[29], p[30], p[31]]), 3);
+        assert_eq!(&p[11 * 8..11 * 8 + 2], &[LD_IMM64, 0x12]);
+        assert_eq!(i32::from_le_bytes([p[92], p[93], p[94], p[95]]), 4);
+        // The jump at 8 lands on 16 (pc + 1 + off).
+        assert_eq!(8 + 1 + i16::from_le_bytes([p[66], p[67]]), 16);
+    }
+
+    #[test]
+    fn a_loopback_pair_relays_both_ways_with_bytes_queued_before() {
+        let Some(r) = relay() else { return };
+        r.self_test().expect("self-test");
+        // Slots come back: as many self-tests as the relay has room for, and more.
+        for _ in 0..70 {
+            r.self_test().expect("again");
+        }
+    }
+
+    #[test]
+    fn every_slot_taken_is_none_not_an_error() {
+        let Ok(r) = Relay::new(1) else { return };
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let a = std::net::TcpStream::connect(l.local_addr().expect("addr")).expect("a");
+        let (b, _) = l.accept().expect("b");
+        let first = r.splice(a.as_raw_fd(), b.as_raw_fd()).expect("splice");
+        assert!(first.is_some());
+        let c = std::net::TcpStream::connect(l.local_addr().expect("addr")).expect("c");
+        let (d, _) = l.accept().expect("d");
+        assert!(
+            r.splice(c.as_raw_fd(), d.as_raw_fd())
+                .expect("full")
+                .is_none()
+        );
+        drop(first);
+        assert!(
+            r.splice(c.as_raw_fd(), d.as_raw_fd())
+                .expect("free")
+                .is_some()
+        );
+    }
+}
