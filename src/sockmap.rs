@@ -9,7 +9,7 @@
 //! kernel never reuses while the socket lives) the slot of its peer. A `sk_skb` verdict
 //! program (`BPF_SK_SKB_VERDICT`, Linux 5.13 or later), attached to the sockmap, runs on every
 //! segment a socket in the map receives and redirects it to the egress of the peer's
-//! socket: the bytes never reach user space. The program is eighteen instructions, encoded
+//! socket: the bytes never reach user space. The program is seventeen instructions, encoded
 //! below ([`PROGRAM`]), so no eBPF toolchain is needed to build fulcrum:
 //!
 //! ```text
@@ -20,21 +20,24 @@
 //!  5: r2 = r10
 //!  6: r2 += -8
 //!  7: call map_lookup_elem            ; r0 = &peer slot, or NULL
-//!  8: if r0 == 0 goto 16              ; not ours: left where it is
+//!  8: if r0 == 0 goto 15              ; not ours: left where it is
 //!  9: r3 = *(u32 *)(r0 + 0)
 //! 10: r1 = r6
 //! 11: r2 = sockmap                    ; (two instructions)
 //! 13: r4 = 0                          ; to the peer's egress
-//! 14: call sk_redirect_map
-//! 15: exit
-//! 16: r0 = SK_PASS
-//! 17: exit
+//! 14: call sk_redirect_map          ; marks the segment for the peer, or fails
+//! 15: r0 = SK_PASS                   ; redirected if marked; else kept by this socket,
+//! 16: exit                           ;   where user space reads it (never dropped)
 //! ```
 //!
 //! # The hand-over ([`Relay::splice`])
 //! 1. Bytes user space has read and not yet written (a PROXY header, a request head it
 //!    parsed) are written to their peer before the sockets enter the map, by the caller.
-//! 2. The peer entries go in first, then the two sockets.
+//! 2. The peer entries go in first, then the service's socket, then the client's: a segment
+//!    the client's socket receives once it is in finds its peer there. A segment the
+//!    service's socket receives in the moment before the client's is in (a service that
+//!    speaks first) cannot be redirected; the program then leaves it to that socket, where
+//!    the owner reads it and writes it on, as it would any byte that reaches user space.
 //! 3. Bytes that arrived after user space last read and before the sockets entered the map
 //!    are in a socket's receive queue, which the verdict program sees only when the next
 //!    segment arrives (and which `recv` can no longer read). Setting `SO_RCVLOWAT` runs the
@@ -63,6 +66,7 @@ const BPF_MAP_TYPE_SOCKMAP: u32 = 15;
 const BPF_PROG_TYPE_SK_SKB: u32 = 14;
 const BPF_SK_SKB_VERDICT: u32 = 38;
 const SO_COOKIE: libc::c_int = 57;
+const BPF_F_NO_PREALLOC: u32 = 1;
 
 /// One BPF instruction: opcode, registers (source in the high nibble), offset, immediate.
 const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
@@ -89,7 +93,7 @@ const SK_PASS: i32 = 1;
 
 /// The verdict program, with the two map descriptors at instructions 3 and 11 patched in
 /// by [`program`].
-const PROGRAM: [[u8; 8]; 18] = [
+const PROGRAM: [[u8; 8]; 17] = [
     insn(MOV64_REG, 6, 1, 0, 0),
     insn(CALL, 0, 0, 0, HELPER_GET_SOCKET_COOKIE),
     insn(STX_DW, 10, 0, -8, 0),
@@ -98,14 +102,13 @@ const PROGRAM: [[u8; 8]; 18] = [
     insn(MOV64_REG, 2, 10, 0, 0),
     insn(ADD64_IMM, 2, 0, 0, -8),
     insn(CALL, 0, 0, 0, HELPER_MAP_LOOKUP_ELEM),
-    insn(JEQ_IMM, 0, 0, 7, 0),
+    insn(JEQ_IMM, 0, 0, 6, 0),
     insn(LDX_W, 3, 0, 0, 0),
     insn(MOV64_REG, 1, 6, 0, 0),
     insn(LD_IMM64, 2, PSEUDO_MAP_FD, 0, 0),
     insn(0, 0, 0, 0, 0),
     insn(MOV64_IMM, 4, 0, 0, 0),
     insn(CALL, 0, 0, 0, HELPER_SK_REDIRECT_MAP),
-    insn(EXIT, 0, 0, 0, 0),
     insn(MOV64_IMM, 0, 0, 0, SK_PASS),
     insn(EXIT, 0, 0, 0, 0),
 ];
@@ -145,6 +148,10 @@ fn map_create(kind: u32, key: u32, value: u32, entries: u32) -> io::Result<Owned
     put(&mut a, 4, &key.to_ne_bytes());
     put(&mut a, 8, &value.to_ne_bytes());
     put(&mut a, 12, &entries.to_ne_bytes());
+    if kind == BPF_MAP_TYPE_HASH {
+        // Entries allocated as connections come, not all at creation.
+        put(&mut a, 16, &BPF_F_NO_PREALLOC.to_ne_bytes());
+    }
     owned(bpf(BPF_MAP_CREATE, &mut a)?)
 }
 
@@ -200,6 +207,59 @@ fn kick(fd: RawFd) -> io::Result<()> {
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// What the kernel says of a relayed socket (`TCP_INFO` and the send queue).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Flow {
+    /// Bytes received from the peer and taken from the receive queue (read by user space
+    /// or moved by the relay), all told.
+    pub received: u64,
+    /// Bytes written into the socket, all told: acknowledged by the peer, or still queued.
+    pub written: u64,
+    /// Milliseconds since the socket last received data.
+    pub idle_ms: u32,
+}
+
+/// [`Flow`] of the TCP socket `fd`.
+pub fn flow(fd: RawFd) -> io::Result<Flow> {
+    // SAFETY: `tcp_info` is plain data; all zeros is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` and `len` are live locals of the sizes given.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&raw mut info).cast(),
+            &raw mut len,
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut queued: libc::c_int = 0;
+    // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one int, `queued`.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &raw mut queued) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut unread: libc::c_int = 0;
+    // SAFETY: FIONREAD (SIOCINQ) writes one int, `unread`.
+    let r = unsafe { libc::ioctl(fd, libc::FIONREAD, &raw mut unread) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(Flow {
+        received: info
+            .tcpi_bytes_received
+            .saturating_sub(u64::try_from(unread).unwrap_or(0)),
+        written: info
+            .tcpi_bytes_acked
+            .saturating_add(u64::try_from(queued).unwrap_or(0)),
+        idle_ms: info.tcpi_last_data_recv,
+    })
 }
 
 /// The sockmap, the peer map and the attached verdict program; room for `capacity` relayed
@@ -274,8 +334,10 @@ impl Relay {
         let (sa, sb) = (2 * pair, 2 * pair + 1);
         map_update(&self.peers, &ca.to_ne_bytes(), &sb.to_ne_bytes())?;
         map_update(&self.peers, &cb.to_ne_bytes(), &sa.to_ne_bytes())?;
-        map_update(&self.sockmap, &sa.to_ne_bytes(), &a.to_ne_bytes())?;
+        // `b` first: a segment `a` receives once `a` is in finds `b` there. (The caller
+        // passes as `a` the side that speaks first, the client.)
         map_update(&self.sockmap, &sb.to_ne_bytes(), &b.to_ne_bytes())?;
+        map_update(&self.sockmap, &sa.to_ne_bytes(), &a.to_ne_bytes())?;
         kick(a)?;
         kick(b)?;
         Ok(Some(p))
@@ -375,14 +437,14 @@ mod tests {
     #[test]
     fn the_program_is_what_the_module_doc_says() {
         let p = program(3, 4);
-        assert_eq!(p.len(), 18 * 8);
+        assert_eq!(p.len(), 17 * 8);
         // The map descriptors land in the two 64-bit immediates.
         assert_eq!(&p[3 * 8..3 * 8 + 2], &[LD_IMM64, 0x11]);
         assert_eq!(i32::from_le_bytes([p[28], p[29], p[30], p[31]]), 3);
         assert_eq!(&p[11 * 8..11 * 8 + 2], &[LD_IMM64, 0x12]);
         assert_eq!(i32::from_le_bytes([p[92], p[93], p[94], p[95]]), 4);
-        // The jump at 8 lands on 16 (pc + 1 + off).
-        assert_eq!(8 + 1 + i16::from_le_bytes([p[66], p[67]]), 16);
+        // The jump at 8 lands on 15 (pc + 1 + off).
+        assert_eq!(8 + 1 + i16::from_le_bytes([p[66], p[67]]), 15);
     }
 
     #[test]
