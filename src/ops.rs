@@ -208,6 +208,11 @@ impl Ops {
             .map(|rt| std::sync::Arc::clone(rt.budget()))
     }
 
+    /// The runtime's clock; `None` once shut down.
+    fn now(&self) -> Option<crate::stats::Nanos> {
+        self.with_runtime(Runtime::now)
+    }
+
     fn with_runtime<R>(&self, f: impl FnOnce(&Runtime) -> R) -> Option<R> {
         self.runtime().as_ref().map(f)
     }
@@ -314,8 +319,7 @@ impl Ops {
     /// Whether this instance should get new traffic (`GET /readyz`; [`crate::readiness`]).
     pub fn readiness(&self) -> Readiness {
         let facts = self.with_vservers(|vs, _| vs.iter().map(vserver_facts).collect::<Vec<_>>());
-        let now = self.with_runtime(Runtime::now).unwrap_or(0);
-        let notes = lock(&self.pools).notes(now);
+        let notes = lock(&self.pools).notes(self.now().unwrap_or(0));
         readiness::readiness(facts.as_deref(), self.is_draining()).with_notes(notes)
     }
 
@@ -433,16 +437,15 @@ impl Ops {
     /// monitors), by steps that cannot fail. A reload never starts or stops a vserver (that
     /// needs a restart, [`crate::reload`]), so no listener is bound here.
     fn apply_locked(&self, new: Config) -> Result<Vec<String>, ReloadError> {
-        let expanded = {
+        // The pools the new file names (new ones unasked yet); the old ones come back if the
+        // reload does not apply.
+        let now = self.now().unwrap_or(0);
+        let (expanded, before) = {
             let mut pools = lock(&self.pools);
-            let mut next = pools.clone();
-            next.sync(&new, self.with_runtime(Runtime::now).unwrap_or(0));
-            let expanded = dns::expand(&new, &next.members());
-            // Kept only once the reload applies.
-            let keep = std::mem::replace(&mut *pools, next);
-            (expanded, keep)
+            let before = pools.clone();
+            pools.sync(&new, now);
+            (dns::expand(&new, &pools.members()), before)
         };
-        let (expanded, before) = expanded;
         let applied = self.apply_expanded(new, expanded);
         if applied.is_err() {
             *lock(&self.pools) = before;

@@ -212,15 +212,9 @@ fn new_sip_leg(old: &Config, a: &Vserver, new: &Config, b: &Vserver) -> Option<&
         return None;
     }
     let kinds = |c: &Config, v: &Vserver| {
-        let protocols: Vec<Protocol> = v
-            .members()
-            .filter_map(|i| c.services.get(i))
-            .map(|s| s.protocol)
-            .chain(v.discovered.iter().copied())
-            .collect();
         (
-            protocols.contains(&Protocol::SipUdp),
-            protocols.iter().any(|p| p.is_sip_stream()),
+            v.forwards_to(c, |p| p == Protocol::SipUdp),
+            v.forwards_to(c, Protocol::is_sip_stream),
         )
     };
     let (udp_before, stream_before) = kinds(old, a);

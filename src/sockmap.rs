@@ -155,19 +155,22 @@ fn map_create(kind: u32, key: u32, value: u32, entries: u32) -> io::Result<Owned
     owned(bpf(BPF_MAP_CREATE, &mut a)?)
 }
 
-fn map_update(map: &OwnedFd, key: &[u8], value: &[u8]) -> io::Result<()> {
+/// The attributes naming element `key` of `map` (the key by address).
+fn elem(map: &OwnedFd, key: &[u8]) -> [u8; 128] {
     let mut a = [0u8; 128];
     put(&mut a, 0, &map.as_raw_fd().to_ne_bytes());
     put(&mut a, 8, &(key.as_ptr() as u64).to_ne_bytes());
+    a
+}
+
+fn map_update(map: &OwnedFd, key: &[u8], value: &[u8]) -> io::Result<()> {
+    let mut a = elem(map, key);
     put(&mut a, 16, &(value.as_ptr() as u64).to_ne_bytes());
     bpf(BPF_MAP_UPDATE_ELEM, &mut a).map(drop)
 }
 
 fn map_delete(map: &OwnedFd, key: &[u8]) -> io::Result<()> {
-    let mut a = [0u8; 128];
-    put(&mut a, 0, &map.as_raw_fd().to_ne_bytes());
-    put(&mut a, 8, &(key.as_ptr() as u64).to_ne_bytes());
-    bpf(BPF_MAP_DELETE_ELEM, &mut a).map(drop)
+    bpf(BPF_MAP_DELETE_ELEM, &mut elem(map, key)).map(drop)
 }
 
 /// The socket's cookie (`SO_COOKIE`): unique while it lives.

@@ -539,7 +539,17 @@ pub fn status(ops: &Ops) -> Value {
                 .collect::<Vec<_>>()
         })
         .unwrap_or_default();
-    let files = ops.budget().map(|b| {
+    json!({
+        "vservers": vservers,
+        "open_files": files_status(ops),
+        "flow_tokens": flow_tokens_status(ops),
+        "dns": dns_status(ops),
+    })
+}
+
+/// `/status` `open_files`: the file budget ([`crate::budget`]).
+fn files_status(ops: &Ops) -> Option<Value> {
+    ops.budget().map(|b| {
         json!({
             "limit": b.limit(),
             "reserve": b.reserve(),
@@ -547,17 +557,25 @@ pub fn status(ops: &Ops) -> Value {
             "used": b.used(),
             "refused": b.refused.load(std::sync::atomic::Ordering::Relaxed),
         })
-    });
+    })
+}
+
+/// `/status` `flow_tokens`: whether flow tokens outlive this process.
+fn flow_tokens_status(ops: &Ops) -> Value {
     let keys = crate::proxy::flows::keys_for(&ops.config());
-    let flow_tokens = json!({
+    json!({
         "keys": if keys.ephemeral { "own" } else { "flow_key_file" },
         "note": keys.ephemeral.then_some(
             "no flow_key_file: flow tokens are signed with this process's own random key and are not honoured after a restart or by another instance",
         ),
-    });
+    })
+}
+
+/// `/status` `dns`: each pool published in DNS and what its lookups said.
+fn dns_status(ops: &Ops) -> Vec<Value> {
     let now = ops.with_vservers(|_, now| now).unwrap_or(0);
     let secs = |t: u64| now.saturating_sub(t) as f64 / 1e9;
-    let dns: Vec<Value> = ops
+    ops
         .pools()
         .by_service
         .iter()
@@ -584,8 +602,7 @@ pub fn status(ops: &Ops) -> Value {
                 "lookups": { "found": p.lookups.found, "empty": p.lookups.empty, "failed": p.lookups.failed },
             })
         })
-        .collect();
-    json!({ "vservers": vservers, "open_files": files, "flow_tokens": flow_tokens, "dns": dns })
+        .collect()
 }
 
 /// A monitor's hold: the service said 503 with Retry-After (RFC 3261 §21.5.4) and stays

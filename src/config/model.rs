@@ -662,6 +662,17 @@ impl Vserver {
     pub fn members(&self) -> impl Iterator<Item = usize> + '_ {
         self.services.iter().chain(&self.draining).copied()
     }
+
+    /// Whether the vserver forwards to a service whose protocol passes `p`: a member, or a
+    /// pool in DNS it lists, members found or not (the transports bridge sets up its legs
+    /// at start for what the pool may bring later).
+    pub fn forwards_to(&self, config: &Config, p: impl Fn(Protocol) -> bool) -> bool {
+        self.members()
+            .filter_map(|i| config.services.get(i))
+            .map(|s| s.protocol)
+            .chain(self.discovered.iter().copied())
+            .any(p)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

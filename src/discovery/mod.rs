@@ -42,7 +42,7 @@ pub enum Outcome {
     /// records that gave them, in seconds.
     Found { targets: Vec<Target>, ttl: u32 },
     /// The name or its records do not exist (NXDOMAIN, NODATA).
-    Empty { nxdomain: bool },
+    Empty,
     /// No answer to go by (timeout, SERVFAIL, REFUSED, no server): why.
     Failed(String),
 }
@@ -98,7 +98,7 @@ impl Pool {
     /// `min_refresh`, then at twice the time failures have gone on, up to `max_refresh`.
     pub fn record(&mut self, outcome: Outcome, now: Nanos, s: &DnsSettings) -> bool {
         let (lo, hi) = (nanos(s.min_refresh), nanos(s.max_refresh).max(1));
-        let before = std::mem::take(&mut self.members);
+        // `None`: the set stays as it is.
         let members = match outcome {
             Outcome::Found { mut targets, ttl } => {
                 self.lookups.found += 1;
@@ -107,13 +107,13 @@ impl Pool {
                 let wait = nanos(Duration::from_secs(u64::from(ttl))).clamp(lo, hi);
                 self.next = now.saturating_add(wait);
                 self.answered(now);
-                targets
+                Some(targets)
             }
-            Outcome::Empty { .. } => {
+            Outcome::Empty => {
                 self.lookups.empty += 1;
                 self.next = now.saturating_add(lo);
                 self.answered(now);
-                Vec::new()
+                Some(Vec::new())
             }
             Outcome::Failed(why) => {
                 self.lookups.failed += 1;
@@ -122,12 +122,16 @@ impl Pool {
                 let wait = now.saturating_sub(since).saturating_mul(2).clamp(lo, hi);
                 self.next = now.saturating_add(wait);
                 self.last_error = Some(why);
-                before.clone()
+                None
             }
         };
-        let changed = members != before;
-        self.members = members;
-        changed
+        match members {
+            Some(m) if m != self.members => {
+                self.members = m;
+                true
+            }
+            _ => false,
+        }
     }
 
     fn answered(&mut self, now: Nanos) {
@@ -208,46 +212,6 @@ impl Pools {
                 }
             })
             .collect()
-    }
-}
-
-/// Log what a lookup says where it changes something: members added or removed, the start
-/// and the end of an outage.
-pub fn log_outcome(service: &str, p: &Pool, outcome: &Outcome) {
-    let name = p.dns.name.trim_end_matches('.');
-    match outcome {
-        Outcome::Failed(why) if p.failing_since.is_none() => tracing::warn!(
-            service,
-            name,
-            error = %why,
-            kept = p.members.len(),
-            "DNS lookup failed; the pool keeps the members of its last answer"
-        ),
-        Outcome::Failed(_) => {}
-        _ if p.failing_since.is_some() => {
-            tracing::info!(service, name, "DNS lookups answer again");
-        }
-        _ => {}
-    }
-    let members: Vec<std::net::SocketAddr> = match outcome {
-        Outcome::Found { targets, .. } => targets.iter().map(|t| t.addr).collect(),
-        Outcome::Empty { .. } => Vec::new(),
-        Outcome::Failed(_) => return,
-    };
-    let before: Vec<std::net::SocketAddr> = p.members.iter().map(|t| t.addr).collect();
-    let added: Vec<String> = members
-        .iter()
-        .filter(|a| !before.contains(a))
-        .map(ToString::to_string)
-        .collect();
-    let mut removed: Vec<String> = before
-        .iter()
-        .filter(|a| !members.contains(a))
-        .map(ToString::to_string)
-        .collect();
-    removed.dedup();
-    if !added.is_empty() || !removed.is_empty() || !p.answered {
-        tracing::info!(service, name, added = ?added, removed = ?removed, empty = matches!(outcome, Outcome::Empty { .. }), "DNS pool changed");
     }
 }
 

@@ -2,7 +2,7 @@
 //! (or the system's, from `/etc/resolv.conf`), with its cache off so that every refresh is
 //! a real question, and its answer becomes an [`Outcome`]. IO.
 
-use super::{Outcome, Target};
+use super::{Outcome, Pool, Target};
 use crate::config::{DnsKind, DnsName, DnsSettings};
 use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{NameServerConfig, ResolverConfig};
@@ -47,8 +47,8 @@ pub fn resolver(s: &DnsSettings) -> Result<TokioResolver, String> {
 }
 
 /// One record type's answer: the records (value, TTL), none (NXDOMAIN / NODATA: `Ok`
-/// empty, with whether the name itself does not exist), or a failure.
-type Answer<T> = Result<(Vec<(T, u32)>, bool), String>;
+/// empty), or a failure.
+type Answer<T> = Result<Vec<(T, u32)>, String>;
 
 async fn ask<T>(
     r: &TokioResolver,
@@ -57,14 +57,12 @@ async fn ask<T>(
     pick: impl Fn(&RData) -> Option<T>,
 ) -> Answer<T> {
     match r.lookup(name, rtype).await {
-        Ok(l) => Ok((
-            l.answers()
-                .iter()
-                .filter_map(|rec| pick(&rec.data).map(|v| (v, rec.ttl)))
-                .collect(),
-            false,
-        )),
-        Err(e) if e.is_no_records_found() => Ok((Vec::new(), e.is_nx_domain())),
+        Ok(l) => Ok(l
+            .answers()
+            .iter()
+            .filter_map(|rec| pick(&rec.data).map(|v| (v, rec.ttl)))
+            .collect()),
+        Err(e) if e.is_no_records_found() => Ok(Vec::new()),
         Err(e) => Err(describe(&e)),
     }
 }
@@ -74,9 +72,9 @@ fn describe(e: &NetError) -> String {
     if s.is_empty() { format!("{e:?}") } else { s }
 }
 
-/// The addresses of `name` (A and AAAA), with their TTLs; `Ok(None)` when the name does
-/// not exist.
-async fn addresses(r: &TokioResolver, name: &str) -> Result<Option<Vec<(IpAddr, u32)>>, String> {
+/// The addresses of `name` (A and AAAA), with their TTLs (none when the name or its
+/// address records do not exist).
+async fn addresses(r: &TokioResolver, name: &str) -> Result<Vec<(IpAddr, u32)>, String> {
     let a = ask(r, name, RecordType::A, |d| match d {
         RData::A(a) => Some(IpAddr::V4(a.0)),
         _ => None,
@@ -87,12 +85,9 @@ async fn addresses(r: &TokioResolver, name: &str) -> Result<Option<Vec<(IpAddr, 
     });
     let (a, aaaa) = tokio::join!(a, aaaa);
     // A failure of either keeps the last set: half an answer is not an answer.
-    let ((mut found, nx_a), (more, nx_aaaa)) = (a?, aaaa?);
+    let (mut found, more) = (a?, aaaa?);
     found.extend(more);
-    if found.is_empty() && (nx_a || nx_aaaa) {
-        return Ok(None);
-    }
-    Ok(Some(found))
+    Ok(found)
 }
 
 /// Ask what `dns` names now.
@@ -100,9 +95,8 @@ pub async fn lookup(r: &TokioResolver, dns: &DnsName) -> Outcome {
     match dns.kind {
         DnsKind::Host { port } => match addresses(r, &dns.name).await {
             Err(e) => Outcome::Failed(e),
-            Ok(None) => Outcome::Empty { nxdomain: true },
-            Ok(Some(found)) if found.is_empty() => Outcome::Empty { nxdomain: false },
-            Ok(Some(found)) => Outcome::Found {
+            Ok(found) if found.is_empty() => Outcome::Empty,
+            Ok(found) => Outcome::Found {
                 ttl: found.iter().map(|f| f.1).min().unwrap_or(0),
                 targets: found
                     .into_iter()
@@ -124,7 +118,7 @@ async fn srv(r: &TokioResolver, name: &str) -> Outcome {
         _ => None,
     })
     .await;
-    let (records, nx) = match records {
+    let records = match records {
         Err(e) => return Outcome::Failed(e),
         Ok(r) => r,
     };
@@ -134,32 +128,70 @@ async fn srv(r: &TokioResolver, name: &str) -> Outcome {
         .filter(|((_, _, port, target), _)| target != "." && *port != 0)
         .collect();
     if records.is_empty() {
-        return Outcome::Empty { nxdomain: nx };
+        return Outcome::Empty;
     }
     let mut ttl = u32::MAX;
     let mut targets = Vec::new();
     for ((priority, weight, port, target), rttl) in records {
         ttl = ttl.min(rttl);
-        match addresses(r, &target).await {
+        // A target without addresses is no member (the others still are).
+        let found = match addresses(r, &target).await {
             Err(e) => return Outcome::Failed(format!("{target}: {e}")),
-            // A target without addresses is no member (the others still are).
-            Ok(None) => {}
-            Ok(Some(found)) => {
-                for (ip, attl) in found {
-                    ttl = ttl.min(attl);
-                    targets.push(Target {
-                        addr: SocketAddr::new(ip, port),
-                        priority,
-                        weight,
-                    });
-                }
-            }
+            Ok(found) => found,
+        };
+        for (ip, attl) in found {
+            ttl = ttl.min(attl);
+            targets.push(Target {
+                addr: SocketAddr::new(ip, port),
+                priority,
+                weight,
+            });
         }
     }
     if targets.is_empty() {
-        return Outcome::Empty { nxdomain: false };
+        return Outcome::Empty;
     }
     Outcome::Found { targets, ttl }
+}
+
+/// Log what a lookup says where it changes something: members added or removed, the start
+/// and the end of an outage.
+pub fn log_outcome(service: &str, p: &Pool, outcome: &Outcome) {
+    let name = p.dns.name.trim_end_matches('.');
+    match outcome {
+        Outcome::Failed(why) if p.failing_since.is_none() => tracing::warn!(
+            service,
+            name,
+            error = %why,
+            kept = p.members.len(),
+            "DNS lookup failed; the pool keeps the members of its last answer"
+        ),
+        Outcome::Failed(_) => {}
+        _ if p.failing_since.is_some() => {
+            tracing::info!(service, name, "DNS lookups answer again");
+        }
+        _ => {}
+    }
+    let members: Vec<std::net::SocketAddr> = match outcome {
+        Outcome::Found { targets, .. } => targets.iter().map(|t| t.addr).collect(),
+        Outcome::Empty => Vec::new(),
+        Outcome::Failed(_) => return,
+    };
+    let before: Vec<std::net::SocketAddr> = p.members.iter().map(|t| t.addr).collect();
+    let added: Vec<String> = members
+        .iter()
+        .filter(|a| !before.contains(a))
+        .map(ToString::to_string)
+        .collect();
+    let mut removed: Vec<String> = before
+        .iter()
+        .filter(|a| !members.contains(a))
+        .map(ToString::to_string)
+        .collect();
+    removed.dedup();
+    if !added.is_empty() || !removed.is_empty() || !p.answered {
+        tracing::info!(service, name, added = ?added, removed = ?removed, empty = matches!(outcome, Outcome::Empty), "DNS pool changed");
+    }
 }
 
 /// `file` as it runs now: its pools looked up ([`at_start`]) and expanded into their
@@ -173,7 +205,7 @@ pub fn resolved(
     if !pools.by_service.is_empty() {
         for (service, outcome) in at_start(&file.dns, &pools.due(now)) {
             if let Some(p) = pools.by_service.get_mut(&service) {
-                super::log_outcome(&service, p, &outcome);
+                log_outcome(&service, p, &outcome);
                 p.record(outcome, now, &file.dns);
             }
         }

@@ -219,7 +219,7 @@ fn an_authoritative_empty_answer_empties_the_pool() {
         0,
         &file.dns,
     );
-    assert!(p.record(Outcome::Empty { nxdomain: true }, S, &file.dns));
+    assert!(p.record(Outcome::Empty, S, &file.dns));
     assert!(p.members.is_empty() && p.answered && !p.is_stale());
     assert_eq!(p.next, 3 * S);
 }

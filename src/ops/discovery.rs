@@ -42,13 +42,13 @@ async fn round(
     weak: &Weak<Ops>,
     resolver: &mut Option<(DnsSettings, TokioResolver)>,
 ) -> Option<Duration> {
-    let (file, _, due) = {
+    let (file, due) = {
         let ops = weak.upgrade()?;
         let file: Arc<Config> = ops.config();
         let now = ops.now()?;
         let mut pools = lock(&ops.pools);
         pools.sync(&file, now);
-        (file, now, pools.due(now))
+        (file, pools.due(now))
     };
     if !due.is_empty() {
         if resolver.as_ref().is_none_or(|(s, _)| *s != file.dns) {
@@ -87,7 +87,7 @@ async fn round(
                 else {
                     continue;
                 };
-                dns::log_outcome(&service, p, &outcome);
+                dns::resolve::log_outcome(&service, p, &outcome);
                 changed |= p.record(outcome, now, &file.dns);
             }
             changed
@@ -106,11 +106,6 @@ async fn round(
 }
 
 impl Ops {
-    /// The runtime's clock; `None` once shut down.
-    fn now(&self) -> Option<crate::stats::Nanos> {
-        self.with_runtime(crate::proxy::Runtime::now)
-    }
-
     /// A member set changed: run the file's config with the sets now known, as a reload
     /// would (nothing when the result is what runs already).
     fn rediscovered(&self) {

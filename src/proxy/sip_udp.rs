@@ -339,11 +339,7 @@ impl DataPath for SipUdpPath {
         // The links toward sip-tcp / sip-tls services (and the core's legs naming their
         // transports) are set up at start; a reload cannot add the first.
         let bridge = self.bridge.clone();
-        let wants_streams = v
-            .members()
-            .filter_map(|i| config.services.get(i))
-            .any(|s| s.protocol.is_sip_stream())
-            || v.discovered.iter().any(|p| p.is_sip_stream());
+        let wants_streams = v.forwards_to(config, Protocol::is_sip_stream);
         if wants_streams && bridge.is_none() {
             return Err(RuntimeError::Setup {
                 vserver: v.name.clone(),
@@ -426,11 +422,7 @@ pub(crate) fn start(
     let local = local_identity(v, &bound, &member_addrs, Transport::Udp)?;
     let service_side = bind_service_source(v, &bound, workers)?;
     let balancer = Arc::new(Balancer::new(config, v));
-    let streams = v
-        .members()
-        .filter_map(|i| config.services.get(i))
-        .any(|s| s.protocol.is_sip_stream())
-        || v.discovered.iter().any(|p| p.is_sip_stream());
+    let streams = v.forwards_to(config, Protocol::is_sip_stream);
     let mut params = SipParams::of(config, v, local.clone(), balancer)
         .with_service_source(service_side.as_ref().map(|(_, a)| *a));
     if streams {

@@ -9,7 +9,6 @@
 //!
 //! Machines without dnsmasq skip: tests call [`dnsmasq_available`] first, which panics
 //! instead when `FULCRUM_REQUIRE_DNS` is set (CI sets it).
-#![allow(dead_code)]
 
 use std::fs::{self, File};
 use std::io::ErrorKind;
@@ -21,21 +20,12 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 /// Query type A (IPv4 address).
-pub const QTYPE_A: u16 = 1;
-/// Query type AAAA (IPv6 address).
-pub const QTYPE_AAAA: u16 = 28;
-/// Query type SRV.
-pub const QTYPE_SRV: u16 = 33;
-
-/// RCODE of a response to a name that does not exist.
-pub const RCODE_NXDOMAIN: u8 = 3;
+const QTYPE_A: u16 = 1;
 
 /// How long the server may take to answer its first query after a (re)start.
 const READY: Duration = Duration::from_secs(5);
 /// How long a restart on the same port keeps trying while the port is briefly busy.
 const SAME_PORT: Duration = Duration::from_secs(2);
-/// How long [`Dns::query`] waits for the response.
-const QUERY_TIMEOUT: Duration = Duration::from_secs(1);
 /// TTL of every record, positive and negative.
 const TTL: u32 = 1;
 
@@ -220,21 +210,6 @@ impl Dns {
         SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), self.port)
     }
 
-    /// The scratch directory holding the config and `dnsmasq.log` (every query is logged).
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The records being served (or to be served on [`Dns::resume`]).
-    pub fn records(&self) -> &Records {
-        &self.records
-    }
-
-    /// Whether the server is running (not [`Dns::stop`]ped).
-    pub fn running(&self) -> bool {
-        self.child.is_some()
-    }
-
     /// Serves `records` instead. dnsmasq re-reads only hosts files on SIGHUP, not the
     /// records in its config, so this restarts it on the same port: for the few ms of the
     /// restart queries get no answer. Returns once the new records are served. A stopped
@@ -258,12 +233,6 @@ impl Dns {
         if self.child.is_none() {
             self.relaunch();
         }
-    }
-
-    /// Sends one query (`name`, type `qtype`, class IN, recursion desired) over UDP and
-    /// returns the raw response, or `None` when none came within 1 s.
-    pub fn query(&self, name: &str, qtype: u16) -> Option<Vec<u8>> {
-        query_at(self.addr(), name, qtype, QUERY_TIMEOUT)
     }
 
     /// The query log so far (empty if it cannot be read).
@@ -523,23 +492,5 @@ fn query_at(server: SocketAddr, name: &str, qtype: u16, timeout: Duration) -> Op
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(_) => return None,
         }
-    }
-}
-
-/// RCODE of a response (0 NOERROR, 3 NXDOMAIN, ...).
-pub fn rcode(response: &[u8]) -> u8 {
-    response.get(3).map_or(0, |b| b & 0x0f)
-}
-
-/// Whether a response has the AA (authoritative answer) bit.
-pub fn authoritative(response: &[u8]) -> bool {
-    response.get(2).is_some_and(|b| b & 0x04 != 0)
-}
-
-/// Number of answer records in a response (ANCOUNT).
-pub fn answer_count(response: &[u8]) -> u16 {
-    match response.get(6..8) {
-        Some(&[hi, lo]) => u16::from_be_bytes([hi, lo]),
-        _ => 0,
     }
 }

@@ -140,13 +140,12 @@ impl Cx {
                 .and_then(|p| u16::try_from(p).ok())
         });
         match (f.get("address"), f.get("dns")) {
-            (Some(a), Some(d)) => {
+            (Some(_), Some(d)) => {
                 self.problem(
                     d.pos,
                     &join(path, "dns"),
                     "give either `address` (one service) or `dns` (a pool published in DNS), not both",
                 );
-                let _ = a;
                 (None, None)
             }
             (None, None) => {

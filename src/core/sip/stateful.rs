@@ -345,6 +345,7 @@ impl SipCore {
             matches.then_some(event)
         })?;
         bump(&self.counters.requests_in);
+        let mut action = Action::Drop(DropReason::Absorbed);
         if matches!(event, Event::Cancel) {
             // §16.10: a stateful proxy answers the CANCEL itself, and that 200 goes out ahead
             // of the CANCEL it sends on: the service's 487 to the INVITE, which another worker
@@ -362,16 +363,13 @@ impl SipCore {
                     };
                     sends.push((dest, Bytes::copy_from_slice(out)));
                 }
-                other => {
-                    self.carry(now, client, &acts, None, out, sends);
-                    bump(&self.transactions.counters.absorbed);
-                    return Some(other);
-                }
+                // Not answerable (malformed): dropped and counted as `reply` says.
+                other => action = other,
             }
         }
         self.carry(now, client, &acts, None, out, sends);
         bump(&self.transactions.counters.absorbed);
-        Some(Action::Drop(DropReason::Absorbed))
+        Some(action)
     }
 
     /// Feed the held request `key` the event `admit` gives for it (none: the message is not

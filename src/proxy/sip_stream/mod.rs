@@ -554,11 +554,7 @@ impl DataPath for SipStreamPath {
         let shared = Arc::clone(&self.shared);
         // The UDP leg toward sip-udp services is bound at start (its address is in the
         // Record-Route of the dialogs it carries); a reload cannot add one.
-        let wants_udp = v
-            .members()
-            .filter_map(|i| config.services.get(i))
-            .any(|s| s.protocol == Protocol::SipUdp)
-            || v.discovered.contains(&Protocol::SipUdp);
+        let wants_udp = v.forwards_to(config, |p| p == Protocol::SipUdp);
         if wants_udp && !shared.has_udp_leg() {
             return Err(RuntimeError::Setup {
                 vserver: v.name.clone(),
@@ -662,7 +658,7 @@ pub(crate) fn start(
         .filter(|s| s.protocol == Protocol::SipUdp)
         .map(|s| s.address)
         .collect();
-    let udp = if udp_members.is_empty() && !v.discovered.contains(&Protocol::SipUdp) {
+    let udp = if !v.forwards_to(config, |p| p == Protocol::SipUdp) {
         None
     } else {
         let (sock, leg) = bind_udp_leg(ctx, v, &bound, &udp_members)?;
