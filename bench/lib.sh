@@ -60,7 +60,8 @@ wait_port() {
 # load generator.
 build_fulcrum() {
   (cd "$ROOT" && cargo build --release -q --bin fulcrum --bin fulcrum-load) || exit 1
-  FUL=${FULCRUM:-$ROOT/target/release/fulcrum}; LOAD=$ROOT/target/release/fulcrum-load
+  local out=${CARGO_TARGET_DIR:-$ROOT/target}/release
+  FUL=${FULCRUM:-$out/fulcrum}; LOAD=$out/fulcrum-load
 }
 
 tcp_peer_configs() {

@@ -9,40 +9,56 @@
 //! kernel never reuses while the socket lives) the slot of its peer. A `sk_skb` verdict
 //! program (`BPF_SK_SKB_VERDICT`, Linux 5.13 or later), attached to the sockmap, runs on every
 //! segment a socket in the map receives and redirects it to the egress of the peer's
-//! socket: the bytes never reach user space. The program is seventeen instructions, encoded
-//! below ([`PROGRAM`]), so no eBPF toolchain is needed to build fulcrum:
+//! socket: the bytes never reach user space. The program is twenty-four instructions,
+//! encoded below ([`PROGRAM`]), so no eBPF toolchain is needed to build fulcrum:
 //!
 //! ```text
 //!  0: r6 = r1                         ; the segment
-//!  1: call get_socket_cookie          ; r0 = the receiving socket's cookie
-//!  2: *(u64 *)(r10 - 8) = r0
-//!  3: r1 = peers map                  ; (two instructions: a 64-bit immediate)
-//!  5: r2 = r10
-//!  6: r2 += -8
-//!  7: call map_lookup_elem            ; r0 = &peer slot, or NULL
-//!  8: if r0 == 0 goto 15              ; not ours: left where it is
-//!  9: r3 = *(u32 *)(r0 + 0)
-//! 10: r1 = r6
-//! 11: r2 = sockmap                    ; (two instructions)
-//! 13: r4 = 0                          ; to the peer's egress
-//! 14: call sk_redirect_map          ; marks the segment for the peer, or fails
-//! 15: r0 = SK_PASS                   ; redirected if marked; else kept by this socket,
-//! 16: exit                           ;   where user space reads it (never dropped)
+//!  1: r2 = *(u32 *)(r1 + 0)           ; its length
+//!  2: if r2 == 0 goto 22              ; a FIN alone: kept (see below)
+//!  3: call get_socket_cookie          ; r0 = the receiving socket's cookie
+//!  4: *(u64 *)(r10 - 8) = r0
+//!  5: r1 = peers map                  ; (two instructions: a 64-bit immediate)
+//!  7: r2 = r10
+//!  8: r2 += -8
+//!  9: call map_lookup_elem            ; r0 = &{peer slot, kept}, or NULL
+//! 10: if r0 == 0 goto 22              ; not ours: left where it is
+//! 11: r7 = r0
+//! 12: r3 = *(u32 *)(r0 + 4)
+//! 13: if r3 != 0 goto 22              ; this socket's bytes stay in user space
+//! 14: r3 = *(u32 *)(r0 + 0)
+//! 15: r1 = r6
+//! 16: r2 = sockmap                    ; (two instructions)
+//! 18: r4 = 0                          ; to the peer's egress
+//! 19: call sk_redirect_map            ; marks the segment for the peer, or fails
+//! 20: if r0 == SK_PASS goto 22        ; marked
+//! 21: *(u32 *)(r7 + 4) = 1            ; failed: this and every later segment kept
+//! 22: r0 = SK_PASS                    ; redirected if marked; else kept by this socket,
+//! 23: exit                            ;   where user space reads it (never dropped)
 //! ```
+//!
+//! A segment of no bytes is a FIN that arrived alone. Redirected, it would reach the peer's
+//! send path as a send of nothing, which the kernel takes for a broken pipe: it reports
+//! `EPIPE` on the peer's socket and stops relaying to it (measured on Linux 6.18; the
+//! module's tests keep the case). Kept, it reads as end of file on the socket that got it,
+//! as a FIN that came with data does.
 //!
 //! # The hand-over ([`Relay::splice`])
 //! 1. Bytes user space has read and not yet written (a PROXY header, a request head it
 //!    parsed) are written to their peer before the sockets enter the map, by the caller.
-//! 2. The peer entries go in first, then the service's socket, then the client's: a segment
-//!    the client's socket receives once it is in finds its peer there. A segment the
-//!    service's socket receives in the moment before the client's is in (a service that
-//!    speaks first) cannot be redirected; the program then leaves it to that socket, where
-//!    the owner reads it and writes it on, as it would any byte that reaches user space.
-//! 3. Bytes that arrived after user space last read and before the sockets entered the map
-//!    are in a socket's receive queue, which the verdict program sees only when the next
-//!    segment arrives (and which `recv` can no longer read). Setting `SO_RCVLOWAT` runs the
-//!    socket's data-ready path at once (`tcp_set_rcvlowat`), so they are relayed now, in
-//!    order, ahead of anything later.
+//! 2. The peer entries go in first, then the service's socket, then the client's. A socket
+//!    in the map gets a verdict on every segment the moment it arrives, so the two sockets
+//!    cannot enter at once: a segment the service's socket receives in the moment before
+//!    the client's is in (a quick answer to the bytes of step 1) finds no peer to go to.
+//!    The program keeps it on that socket, where the owner reads it and writes it on, and
+//!    marks the socket (`kept`) so that every later segment of that direction is kept too:
+//!    were they redirected, they could overtake it. That direction then stays in user
+//!    space for the rest of the connection (the owner counts it); the other stays in the
+//!    kernel.
+//! 3. Bytes that arrived before a socket entered the map are in its receive queue, which
+//!    the verdict program sees only when the next segment arrives (and which `recv` can no
+//!    longer read). Setting `SO_RCVLOWAT` runs the socket's data-ready path at once
+//!    (`tcp_set_rcvlowat`), so they are relayed now, in order, ahead of anything later.
 //!
 //! After that, a FIN reaches user space as end of file on the socket that got it (after
 //! every byte before it was relayed); the owner then shuts down the peer's write side, as
@@ -83,6 +99,8 @@ const EXIT: u8 = 0x95;
 const STX_DW: u8 = 0x7b;
 const LDX_W: u8 = 0x61;
 const JEQ_IMM: u8 = 0x15;
+const JNE_IMM: u8 = 0x55;
+const ST_W: u8 = 0x62;
 const LD_IMM64: u8 = 0x18;
 /// `src` of an `LD_IMM64` whose immediate is a map's file descriptor.
 const PSEUDO_MAP_FD: u8 = 1;
@@ -91,10 +109,12 @@ const HELPER_GET_SOCKET_COOKIE: i32 = 46;
 const HELPER_SK_REDIRECT_MAP: i32 = 52;
 const SK_PASS: i32 = 1;
 
-/// The verdict program, with the two map descriptors at instructions 3 and 11 patched in
+/// The verdict program, with the two map descriptors at instructions 5 and 16 patched in
 /// by [`program`].
-const PROGRAM: [[u8; 8]; 17] = [
+const PROGRAM: [[u8; 8]; 24] = [
     insn(MOV64_REG, 6, 1, 0, 0),
+    insn(LDX_W, 2, 1, 0, 0),
+    insn(JEQ_IMM, 2, 0, 19, 0),
     insn(CALL, 0, 0, 0, HELPER_GET_SOCKET_COOKIE),
     insn(STX_DW, 10, 0, -8, 0),
     insn(LD_IMM64, 1, PSEUDO_MAP_FD, 0, 0),
@@ -102,21 +122,26 @@ const PROGRAM: [[u8; 8]; 17] = [
     insn(MOV64_REG, 2, 10, 0, 0),
     insn(ADD64_IMM, 2, 0, 0, -8),
     insn(CALL, 0, 0, 0, HELPER_MAP_LOOKUP_ELEM),
-    insn(JEQ_IMM, 0, 0, 6, 0),
+    insn(JEQ_IMM, 0, 0, 11, 0),
+    insn(MOV64_REG, 7, 0, 0, 0),
+    insn(LDX_W, 3, 0, 4, 0),
+    insn(JNE_IMM, 3, 0, 8, 0),
     insn(LDX_W, 3, 0, 0, 0),
     insn(MOV64_REG, 1, 6, 0, 0),
     insn(LD_IMM64, 2, PSEUDO_MAP_FD, 0, 0),
     insn(0, 0, 0, 0, 0),
     insn(MOV64_IMM, 4, 0, 0, 0),
     insn(CALL, 0, 0, 0, HELPER_SK_REDIRECT_MAP),
+    insn(JEQ_IMM, 0, 0, 1, SK_PASS),
+    insn(ST_W, 7, 0, 4, 1),
     insn(MOV64_IMM, 0, 0, 0, SK_PASS),
     insn(EXIT, 0, 0, 0, 0),
 ];
 
 fn program(peers: RawFd, sockmap: RawFd) -> Vec<u8> {
     let mut p = PROGRAM;
-    p[3] = insn(LD_IMM64, 1, PSEUDO_MAP_FD, 0, peers);
-    p[11] = insn(LD_IMM64, 2, PSEUDO_MAP_FD, 0, sockmap);
+    p[5] = insn(LD_IMM64, 1, PSEUDO_MAP_FD, 0, peers);
+    p[16] = insn(LD_IMM64, 2, PSEUDO_MAP_FD, 0, sockmap);
     p.concat()
 }
 
@@ -291,7 +316,8 @@ impl Relay {
             .filter(|&s| s > 0)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "capacity out of range"))?;
         let sockmap = map_create(BPF_MAP_TYPE_SOCKMAP, 4, 4, slots)?;
-        let peers = map_create(BPF_MAP_TYPE_HASH, 8, 4, slots)?;
+        // Cookie -> {the peer's slot, kept} (two u32s).
+        let peers = map_create(BPF_MAP_TYPE_HASH, 8, 8, slots)?;
         let code = program(peers.as_raw_fd(), sockmap.as_raw_fd());
         let license = b"GPL\0";
         let mut a = [0u8; 128];
@@ -317,6 +343,17 @@ impl Relay {
     /// Relay `a` and `b` (connected TCP sockets) to each other in the kernel from now on
     /// (see the module doc for the hand-over). `None` when every slot is taken.
     pub fn splice(self: &Arc<Self>, a: RawFd, b: RawFd) -> io::Result<Option<Pair>> {
+        self.splice_with(a, b, || {})
+    }
+
+    /// [`Relay::splice`], running `between` after `b` went into the map and before `a` does
+    /// (the tests' way into the moment of step 2 in the module doc).
+    fn splice_with(
+        self: &Arc<Self>,
+        a: RawFd,
+        b: RawFd,
+        between: impl FnOnce(),
+    ) -> io::Result<Option<Pair>> {
         let Some(pair) = crate::sync::lock(&self.free).pop() else {
             return Ok(None);
         };
@@ -335,11 +372,17 @@ impl Relay {
         };
         let [ca, cb] = cookies;
         let (sa, sb) = (2 * pair, 2 * pair + 1);
-        map_update(&self.peers, &ca.to_ne_bytes(), &sb.to_ne_bytes())?;
-        map_update(&self.peers, &cb.to_ne_bytes(), &sa.to_ne_bytes())?;
+        let entry = |slot: u32| {
+            let mut v = [0u8; 8];
+            v[..4].copy_from_slice(&slot.to_ne_bytes());
+            v
+        };
+        map_update(&self.peers, &ca.to_ne_bytes(), &entry(sb))?;
+        map_update(&self.peers, &cb.to_ne_bytes(), &entry(sa))?;
         // `b` first: a segment `a` receives once `a` is in finds `b` there. (The caller
         // passes as `a` the side that speaks first, the client.)
         map_update(&self.sockmap, &sb.to_ne_bytes(), &b.to_ne_bytes())?;
+        between();
         map_update(&self.sockmap, &sa.to_ne_bytes(), &a.to_ne_bytes())?;
         kick(a)?;
         kick(b)?;
@@ -385,6 +428,13 @@ impl Relay {
         let mut rest = [0u8; 16];
         if (&front).read(&mut rest)? != 0 {
             return Err(io::Error::other("bytes reached user space"));
+        }
+        // That FIN came alone (every byte before it long relayed): the peer must not have
+        // been told of a broken pipe.
+        if let Some(e) = back.take_error()? {
+            return Err(io::Error::other(format!(
+                "a FIN left an error on its peer: {e}"
+            )));
         }
         drop(pair);
         Ok(())
@@ -440,14 +490,23 @@ mod tests {
     #[test]
     fn the_program_is_what_the_module_doc_says() {
         let p = program(3, 4);
-        assert_eq!(p.len(), 17 * 8);
+        assert_eq!(p.len(), 24 * 8);
+        let imm =
+            |i: usize| i32::from_le_bytes([p[i * 8 + 4], p[i * 8 + 5], p[i * 8 + 6], p[i * 8 + 7]]);
+        let off = |i: usize| i16::from_le_bytes([p[i * 8 + 2], p[i * 8 + 3]]);
         // The map descriptors land in the two 64-bit immediates.
-        assert_eq!(&p[3 * 8..3 * 8 + 2], &[LD_IMM64, 0x11]);
-        assert_eq!(i32::from_le_bytes([p[28], p[29], p[30], p[31]]), 3);
-        assert_eq!(&p[11 * 8..11 * 8 + 2], &[LD_IMM64, 0x12]);
-        assert_eq!(i32::from_le_bytes([p[92], p[93], p[94], p[95]]), 4);
-        // The jump at 8 lands on 15 (pc + 1 + off).
-        assert_eq!(8 + 1 + i16::from_le_bytes([p[66], p[67]]), 15);
+        assert_eq!(&p[5 * 8..5 * 8 + 2], &[LD_IMM64, 0x11]);
+        assert_eq!(imm(5), 3);
+        assert_eq!(&p[16 * 8..16 * 8 + 2], &[LD_IMM64, 0x12]);
+        assert_eq!(imm(16), 4);
+        // Every jump lands on the SK_PASS at 22 (pc + 1 + off).
+        for at in [2, 10, 13, 20] {
+            assert_eq!(at + 1 + off(at as usize), 22, "jump at {at}");
+        }
+        assert_eq!(&p[22 * 8..22 * 8 + 2], &[MOV64_IMM, 0x00]);
+        assert_eq!(imm(22), SK_PASS);
+        // The mark goes into the second u32 of the peer entry the lookup returned.
+        assert_eq!(&p[21 * 8..21 * 8 + 4], &[ST_W, 0x07, 4, 0]);
     }
 
     #[test]
@@ -480,6 +539,97 @@ mod tests {
             r.splice(c.as_raw_fd(), d.as_raw_fd())
                 .expect("free")
                 .is_some()
+        );
+    }
+
+    /// A FIN that arrives alone (its data already relayed) reads as end of file on the
+    /// socket that got it and leaves the peer's socket without an error, relaying on.
+    #[test]
+    fn a_fin_alone_is_end_of_file_and_no_error_on_the_peer() {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::time::Duration;
+        let Some(r) = relay() else { return };
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let at = l.local_addr().expect("addr");
+        let mut client = TcpStream::connect(at).expect("client");
+        let (front, _) = l.accept().expect("front");
+        let back = TcpStream::connect(at).expect("back");
+        let (mut server, _) = l.accept().expect("server");
+        for s in [&client, &front, &back, &server] {
+            s.set_read_timeout(Some(Duration::from_secs(2)))
+                .expect("timeout");
+        }
+        let _pair = r
+            .splice(front.as_raw_fd(), back.as_raw_fd())
+            .expect("splice")
+            .expect("slot");
+        client.write_all(b"hello").expect("send");
+        let mut got = [0u8; 5];
+        server.read_exact(&mut got).expect("relayed");
+        // The data is gone from the client's side: its FIN travels alone.
+        std::thread::sleep(Duration::from_millis(30));
+        client.shutdown(Shutdown::Write).expect("half-close");
+        let mut rest = [0u8; 8];
+        assert_eq!((&front).read(&mut rest).expect("end of file"), 0);
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(back.take_error().expect("SO_ERROR").is_none());
+        server.write_all(b"answer").expect("answer");
+        let mut answer = [0u8; 6];
+        client.read_exact(&mut answer).expect("answer relayed");
+        assert_eq!(&answer, b"answer");
+    }
+
+    /// A segment that arrives while its peer is not yet in the map stays with its socket,
+    /// and so does every later one of that direction: user space reads them all, in order,
+    /// and nothing is redirected past them. The other direction is relayed by the kernel.
+    #[test]
+    fn bytes_that_find_no_peer_keep_their_direction_in_user_space_in_order() {
+        use std::io::{Read, Write};
+        use std::net::{TcpListener, TcpStream};
+        use std::time::Duration;
+        let Some(r) = relay() else { return };
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let at = l.local_addr().expect("addr");
+        let mut client = TcpStream::connect(at).expect("client");
+        let (front, _) = l.accept().expect("front");
+        let back = TcpStream::connect(at).expect("back");
+        let (mut server, _) = l.accept().expect("server");
+        for s in [&client, &front, &back, &server] {
+            s.set_read_timeout(Some(Duration::from_secs(2)))
+                .expect("timeout");
+        }
+        // The service answers while only its own socket is in the map.
+        let _pair = r
+            .splice_with(front.as_raw_fd(), back.as_raw_fd(), || {
+                server.write_all(b"early;").expect("early");
+                std::thread::sleep(Duration::from_millis(30));
+            })
+            .expect("splice")
+            .expect("slot");
+        server.write_all(b"later").expect("later");
+        std::thread::sleep(Duration::from_millis(30));
+        // Both reach the proxy side, in order; none reached the client by the kernel.
+        let mut got = [0u8; 11];
+        (&back).read_exact(&mut got).expect("kept");
+        assert_eq!(&got, b"early;later");
+        client.set_nonblocking(true).expect("nonblocking");
+        let mut none = [0u8; 4];
+        assert!(
+            client.read(&mut none).is_err(),
+            "nothing went round user space"
+        );
+        client.set_nonblocking(false).expect("blocking");
+        // The client's direction is the kernel's.
+        client.write_all(b"ask").expect("ask");
+        let mut asked = [0u8; 3];
+        server.read_exact(&mut asked).expect("relayed");
+        assert_eq!(&asked, b"ask");
+        let mut rest = [0u8; 4];
+        front.set_nonblocking(true).expect("nonblocking");
+        assert!(
+            (&front).read(&mut rest).is_err(),
+            "the client's bytes were not kept"
         );
     }
 }

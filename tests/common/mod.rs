@@ -73,7 +73,7 @@ pub fn udp_service(name: &str, ip: &str) -> (SocketAddr, Arc<AtomicU64>) {
 
 /// A TCP service on `ip:0`: reads until the client half-closes, then answers and closes.
 pub fn tcp_service(name: &str, ip: &str) -> (SocketAddr, Arc<AtomicU64>) {
-    let l = TcpListener::bind(format!("{ip}:0")).expect("bind tcp service");
+    let l = listener_with_backlog(ip);
     let addr = l.local_addr().expect("addr");
     let hits = Arc::new(AtomicU64::new(0));
     let (name, h) = (name.to_string(), Arc::clone(&hits));
@@ -92,6 +92,23 @@ pub fn tcp_service(name: &str, ip: &str) -> (SocketAddr, Arc<AtomicU64>) {
         }
     });
     (addr, hits)
+}
+
+/// A TCP listener on `ip:0` whose accept queue holds 4096 connections (std's holds 128): a
+/// test that opens a thousand connections at once must not overflow it, or the kernel's SYN
+/// cookies answer some of them with a reset once data arrives.
+pub fn listener_with_backlog(ip: &str) -> TcpListener {
+    let ip: std::net::IpAddr = ip.trim_matches(['[', ']']).parse().expect("ip");
+    let addr = SocketAddr::new(ip, 0);
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )
+    .expect("socket");
+    s.bind(&addr.into()).expect("bind tcp service");
+    s.listen(4096).expect("listen");
+    s.into()
 }
 
 /// A TCP port nothing listens on, kept reserved for the rest of the test binary: a socket is

@@ -37,6 +37,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "transparent",
     "freebind",
     "send_proxy",
+    "kernel_relay",
     "workers",
     "tls",
     "tls_handshake_timeout",
@@ -466,7 +467,14 @@ impl Cx {
                 .int_in(n, &join(path, "max_per_source"), 1, i128::from(u32::MAX))
                 .map(|v| Some(v as u32)),
         };
+        let kernel_relay = match f.get("kernel_relay") {
+            None => Some(KernelRelay::Off),
+            // YAML 1.1 reads a bare `off` as false.
+            Some(n) if n.value == Value::Bool(false) => Some(KernelRelay::Off),
+            Some(n) => self.choice(n, &join(path, "kernel_relay"), &KernelRelay::ALL),
+        };
         ProxyOptions {
+            kernel_relay,
             max_per_source,
             max_sessions: self.int_field(f, path, "max_sessions", (1, 10_000_000), 100_000),
             workers: self.int_field(f, path, "workers", (0, 256), 0),
@@ -729,6 +737,18 @@ impl Cx {
                 ),
             );
         }
+        if let (Some(p), Some(n)) = (protocol, f.get("kernel_relay"))
+            && !matches!(p, Protocol::Tcp | Protocol::Http)
+        {
+            self.problem(
+                n.pos,
+                &join(path, "kernel_relay"),
+                format!(
+                    "`kernel_relay` applies to tcp and http vservers only, not {}",
+                    p.name()
+                ),
+            );
+        }
         if let (Some(p), Some(n)) = (protocol, f.get("allowed_origins"))
             && !p.is_websocket()
         {
@@ -805,6 +825,7 @@ struct HashFields {
 
 /// The listener and forwarding options as read.
 struct ProxyOptions {
+    kernel_relay: Option<KernelRelay>,
     max_per_source: Option<Option<u32>>,
     max_sessions: Option<i128>,
     workers: Option<i128>,
@@ -860,6 +881,7 @@ impl VserverFields {
             transparent: o.transparent?,
             freebind: o.freebind?,
             send_proxy: o.send_proxy?,
+            kernel_relay: o.kernel_relay?,
             workers: o.workers? as usize,
             tls: self.tls?,
         })
@@ -942,6 +964,32 @@ mod tests {
                 .vservers[0]
                 .failover,
             None
+        );
+    }
+
+    #[test]
+    fn kernel_relay_is_off_by_default_and_for_tcp_and_http_only() {
+        let tcp = |field: &str| {
+            format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:81, protocol: tcp }}\nvservers:\n  - {{ name: v, protocol: tcp, bind: 127.0.0.1:80, {field}services: [s1] }}\n"
+            )
+        };
+        let read =
+            |field: &str| from_str("t", &tcp(field)).expect("valid").vservers[0].kernel_relay;
+        assert_eq!(read(""), KernelRelay::Off);
+        assert_eq!(read("kernel_relay: auto, "), KernelRelay::Auto);
+        // YAML 1.1's bare `off` is false.
+        assert_eq!(read("kernel_relay: off, "), KernelRelay::Off);
+        let bad = problems(&tcp("kernel_relay: on, "));
+        assert!(
+            bad.iter().any(|(_, p, _)| p == "vservers[0].kernel_relay"),
+            "{bad:?}"
+        );
+        let bad = problems(&sip_with("    kernel_relay: auto\n"));
+        assert!(
+            bad.iter()
+                .any(|(_, p, m)| p == "vservers[0].kernel_relay" && m.contains("tcp and http")),
+            "{bad:?}"
         );
     }
 
