@@ -12,8 +12,8 @@
 # proxy's threads counts: softirqs, kworkers) and the proxy's whole cost per request: that
 # figure through the proxy minus the same figure direct to the backends in the same round
 # (wrk's and nginx's share cancels out). Then medians over the rounds and each fulcrum's cost
-# as a ratio of HAProxy's. Last, idle-connection memory: N connections opened and held, RSS
-# growth / N.
+# as a ratio of HAProxy's. Last, idle-connection memory: N connections opened and held through
+# fulcrum-user (the default relay), RSS growth / N.
 # Usage: DUR=10 ROUNDS=5 CONNS=64 IDLE=8000 bench/tcp.sh   (needs nginx, haproxy, wrk; root for
 # the kernel relay, else both fulcrum targets relay in user space and the log says why)
 . "$(dirname "$0")/lib.sh"
@@ -31,7 +31,7 @@ services:
   - { name: b3, address: 127.0.0.1:$((B1 + 2)), protocol: tcp }
 vservers:
   - { name: t, protocol: tcp, bind: [127.0.0.1:$FU], method: source_ip_hash, max_sessions: 100000,
-      services: [b1, b2, b3] }
+      kernel_relay: auto, services: [b1, b2, b3] }
   - { name: u, protocol: tcp, bind: [127.0.0.1:$((FU + 1))], method: source_ip_hash, max_sessions: 100000,
       kernel_relay: off, services: [b1, b2, b3] }
 YAML
@@ -72,7 +72,8 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 # Medians over the rounds: req/s, host µs per request, cost (through minus direct, same round).
-for mode in ka close; do
+# (ROUNDS=0 measures idle memory only.)
+[ "$ROUNDS" -gt 0 ] && for mode in ka close; do
   awk -v m="$mode" '
     function median(a, n,   i, j, t) {
       for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (a[j] < a[i]) { t = a[i]; a[i] = a[j]; a[j] = t }
@@ -102,7 +103,7 @@ stop_fulcrum
 start_fulcrum "$TMP/fulcrum2.log" --config "$TMP/tcp.yaml" --drain-timeout 0s
 sleep 1
 r0=$(settled $FPID)
-"$LOAD" tcp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & PIDS+=($!)
+"$LOAD" tcp-idle 127.0.0.1:$((FU + 1)) --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & PIDS+=($!)
 wait_ready "$TMP/idle.out"
 # Wait until fulcrum has connected every one upstream (its RSS stops growing).
 r1=$(settled $FPID)

@@ -535,12 +535,32 @@ fn worker(
     mut signal: Signal,
 ) {
     rt.block_on(async {
+        tokio::spawn(timer_anchor());
         for l in listeners {
             tokio::spawn(accept_loop(Arc::clone(&cell), tls.clone(), l));
         }
         signal.recv().await;
     });
     drop(rt);
+}
+
+/// How far away the worker's anchor timer ([`timer_anchor`]) always is: less than the
+/// connect timeout, the shortest timer a connection arms.
+const ANCHOR: Duration = Duration::from_secs(1);
+const _: () = assert!(ANCHOR.as_nanos() < CONNECT_TIMEOUT.as_nanos());
+
+/// Keeps one timer of the worker's runtime pending, at most [`ANCHOR`] away. Arming a timer
+/// wakes the runtime's driver (a write to its eventfd, one system call) when the new
+/// deadline comes before the driver's next wake-up, or the driver has none: on a worker with
+/// no other timer, every connection's connect timeout would. With this one pending, a
+/// connection's timers fall after the driver's next wake-up and are armed without a system
+/// call; the anchor costs one wake-up a second.
+async fn timer_anchor() {
+    let mut tick = tokio::time::interval(ANCHOR);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+    }
 }
 
 async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: TcpListener) {
