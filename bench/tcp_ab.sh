@@ -2,7 +2,9 @@
 # Two fulcrum binaries (A, B) beside HAProxy and direct, in one run, rounds alternating the
 # order of the targets: the setup of bench/tcp.sh (3 nginx backends, `tcp` vserver with
 # `source_ip_hash`, HAProxy `mode tcp` from the peers), `wrk -t2 -cCONNS -dDURs` per target,
-# keep-alive and `Connection: close`. Prints req/s and p99 per target and the load average.
+# keep-alive and `Connection: close`. Prints req/s, p99 and the whole cost per request of each
+# proxy (the machine's CPU per request through it minus the same figure direct, in the same
+# round, as bench/tcp.sh) per target, and the load average.
 # Usage: DUR=10 ROUNDS=3 bench/tcp_ab.sh OLD_BINARY NEW_BINARY   (needs nginx, haproxy, wrk)
 . "$(dirname "$0")/lib.sh"
 [ $# -eq 2 ] || { echo "usage: $0 FULCRUM_A FULCRUM_B" >&2; exit 2; }
@@ -34,14 +36,23 @@ for r in $(seq 1 "$ROUNDS"); do
   for mode in ka close; do
     hdr=(); [ $mode = close ] && hdr=(-H "Connection: close")
     line="round $r $mode:"
+    declare -A HOST=()
     for tgt in $order; do
       case $tgt in direct) port=$B1;; haproxy) port=$HA;; A) port=$PA;; B) port=$PB;; esac
+      b0=$(busy_ticks)
       out=$(timeout $((DUR + 30)) wrk -t2 -c"$CONNS" -d"${DUR}s" --latency "${hdr[@]}" "http://127.0.0.1:$port/" 2>&1)
+      b1=$(busy_ticks)
       rps=$(awk '/Requests\/sec/{print $2}' <<<"$out"); p99=$(awk '/^ +99%/{print $2}' <<<"$out")
       se=$(grep -o "Socket errors:.*" <<<"$out" | tr -d ' ')
+      HOST[$tgt]=$(awk -v b=$((b1 - b0)) -v hz="$(getconf CLK_TCK)" -v n="${rps:-0}" -v d="$DUR" 'BEGIN{
+        r = n * d; if (r == 0) r = 1; printf "%.2f", b * 1e6 / hz / r }')
       line="$line $tgt=$rps (p99 $p99${se:+, $se})"
     done
-    echo "$line; load $(cut -d' ' -f1 /proc/loadavg)"
+    cost=""
+    for tgt in haproxy A B; do
+      cost="$cost $tgt $(awk -v t="${HOST[$tgt]}" -v d="${HOST[direct]}" 'BEGIN{printf "%.2f", t - d}')"
+    done
+    echo "$line; cost us/req:$cost; load $(cut -d' ' -f1 /proc/loadavg)"
   done
 done
 echo "# end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
