@@ -59,6 +59,10 @@
 //!    the verdict program sees only when the next segment arrives (and which `recv` can no
 //!    longer read). Setting `SO_RCVLOWAT` runs the socket's data-ready path at once
 //!    (`tcp_set_rcvlowat`), so they are relayed now, in order, ahead of anything later.
+//! 4. Only established sockets enter a sockmap. A service socket that is not leaves nothing
+//!    behind (it goes first); a client socket that is not (its FIN came with its request)
+//!    leaves the pair with the service's socket alone in the map: everything it receives is
+//!    kept (no peer), and the owner relays both directions in user space.
 //!
 //! After that, a FIN reaches user space as end of file on the socket that got it (after
 //! every byte before it was relayed); the owner then shuts down the peer's write side, as
@@ -83,6 +87,12 @@ const BPF_PROG_TYPE_SK_SKB: u32 = 14;
 const BPF_SK_SKB_VERDICT: u32 = 38;
 const SO_COOKIE: libc::c_int = 57;
 const BPF_F_NO_PREALLOC: u32 = 1;
+// `tcpi_state` values (include/net/tcp_states.h).
+const TCP_TIME_WAIT: u8 = 6;
+const TCP_CLOSE: u8 = 7;
+const TCP_CLOSE_WAIT: u8 = 8;
+const TCP_LAST_ACK: u8 = 9;
+const TCP_CLOSING: u8 = 11;
 
 /// One BPF instruction: opcode, registers (source in the high nibble), offset, immediate.
 const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> [u8; 8] {
@@ -241,7 +251,7 @@ fn kick(fd: RawFd) -> io::Result<()> {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Flow {
     /// Bytes received from the peer and taken from the receive queue (read by user space
-    /// or moved by the relay), all told.
+    /// or moved by the relay), all told; a FIN is not counted.
     pub received: u64,
     /// Bytes written into the socket, all told: acknowledged by the peer, or still queued.
     pub written: u64,
@@ -279,10 +289,17 @@ pub fn flow(fd: RawFd) -> io::Result<Flow> {
     if r < 0 {
         return Err(io::Error::last_os_error());
     }
+    // `tcpi_bytes_received` counts a FIN's sequence number once it came: not a byte. States
+    // after a FIN came in (a reset also ends in TCP_CLOSE: then one byte too few is counted).
+    let fin = matches!(
+        info.tcpi_state,
+        TCP_CLOSE_WAIT | TCP_LAST_ACK | TCP_CLOSING | TCP_TIME_WAIT | TCP_CLOSE
+    );
     Ok(Flow {
         received: info
             .tcpi_bytes_received
-            .saturating_sub(u64::try_from(unread).unwrap_or(0)),
+            .saturating_sub(u64::try_from(unread).unwrap_or(0))
+            .saturating_sub(u64::from(fin)),
         written: info
             .tcpi_bytes_acked
             .saturating_add(u64::try_from(queued).unwrap_or(0)),
@@ -341,7 +358,9 @@ impl Relay {
     }
 
     /// Relay `a` and `b` (connected TCP sockets) to each other in the kernel from now on
-    /// (see the module doc for the hand-over). `None` when every slot is taken.
+    /// (see the module doc for the hand-over). `None` when every slot is taken; an error
+    /// (`EOPNOTSUPP` when `b` is no longer established) leaves nothing in the map. A pair
+    /// whose `a` could not enter relays nothing in the kernel: its owner copies both ways.
     pub fn splice(self: &Arc<Self>, a: RawFd, b: RawFd) -> io::Result<Option<Pair>> {
         self.splice_with(a, b, || {})
     }
@@ -383,8 +402,16 @@ impl Relay {
         // passes as `a` the side that speaks first, the client.)
         map_update(&self.sockmap, &sb.to_ne_bytes(), &b.to_ne_bytes())?;
         between();
-        map_update(&self.sockmap, &sa.to_ne_bytes(), &a.to_ne_bytes())?;
-        kick(a)?;
+        match map_update(&self.sockmap, &sa.to_ne_bytes(), &a.to_ne_bytes()) {
+            Ok(()) => kick(a)?,
+            // `a` is no longer established (its FIN came: only established sockets enter a
+            // sockmap). `b` stays in: taking it out would drop what it kept meanwhile (a
+            // socket leaving the map loses its kept segments). With no peer in the map,
+            // every segment `b` receives is kept for user space, and `a` is a plain socket:
+            // the owner relays both directions itself, in order.
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {}
+            Err(e) => return Err(e),
+        }
         kick(b)?;
         Ok(Some(p))
     }
@@ -475,7 +502,11 @@ mod tests {
     /// Where BPF is not permitted (an unprivileged test run) the relay cannot start: that
     /// is the fallback's case, tested by the callers; here the relay itself when it can.
     fn relay() -> Option<Arc<Relay>> {
-        match Relay::new(64) {
+        relay_of(64)
+    }
+
+    fn relay_of(capacity: u32) -> Option<Arc<Relay>> {
+        match Relay::new(capacity) {
             Ok(r) => Some(r),
             Err(e) if std::env::var_os("FULCRUM_REQUIRE_BPF").is_some() => {
                 panic!("the kernel relay cannot start: {e}")
@@ -521,7 +552,7 @@ mod tests {
 
     #[test]
     fn every_slot_taken_is_none_not_an_error() {
-        let Ok(r) = Relay::new(1) else { return };
+        let Some(r) = relay_of(1) else { return };
         let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let a = std::net::TcpStream::connect(l.local_addr().expect("addr")).expect("a");
         let (b, _) = l.accept().expect("b");
@@ -630,6 +661,48 @@ mod tests {
         assert!(
             (&front).read(&mut rest).is_err(),
             "the client's bytes were not kept"
+        );
+    }
+
+    /// A client whose FIN came with its request cannot enter the map: the service's socket
+    /// stays in alone, keeping what it receives, and user space reads both sides in order.
+    /// `Flow` does not count the FIN as a byte.
+    #[test]
+    fn a_client_already_half_closed_leaves_both_directions_to_user_space() {
+        use std::io::{Read, Write};
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::time::Duration;
+        let Some(r) = relay() else { return };
+        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let at = l.local_addr().expect("addr");
+        let mut client = TcpStream::connect(at).expect("client");
+        let (front, _) = l.accept().expect("front");
+        let back = TcpStream::connect(at).expect("back");
+        let (mut server, _) = l.accept().expect("server");
+        for s in [&client, &front, &back, &server] {
+            s.set_read_timeout(Some(Duration::from_secs(2)))
+                .expect("timeout");
+        }
+        client.write_all(b"ask").expect("ask");
+        client.shutdown(Shutdown::Write).expect("half-close");
+        std::thread::sleep(Duration::from_millis(30));
+        let _pair = r
+            .splice(front.as_raw_fd(), back.as_raw_fd())
+            .expect("splice")
+            .expect("slot");
+        let mut asked = Vec::new();
+        (&front).read_to_end(&mut asked).expect("the client's side");
+        assert_eq!(asked, b"ask");
+        assert_eq!(flow(front.as_raw_fd()).expect("flow").received, 3);
+        server.write_all(b"answer").expect("answer");
+        let mut answer = [0u8; 6];
+        (&back).read_exact(&mut answer).expect("kept");
+        assert_eq!(&answer, b"answer");
+        client.set_nonblocking(true).expect("nonblocking");
+        let mut none = [0u8; 4];
+        assert!(
+            client.read(&mut none).is_err(),
+            "nothing went round user space"
         );
     }
 }

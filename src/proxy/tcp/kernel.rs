@@ -92,19 +92,19 @@ pub(crate) struct Spliced {
 }
 
 /// Hand `client` and `upstream` to the kernel; `None` (the user-space relay goes on) when
-/// every slot is taken or the splice fails.
+/// every slot is taken, a socket's counts cannot be read, or the splice fails.
 pub(crate) fn splice(core: &TcpCore, client: &TcpStream, upstream: &TcpStream) -> Option<Spliced> {
     let relay = core.kernel.as_ref().ok()?;
     // Before the sockets go in: everything after is the kernel's to move.
-    let base = (flow(client), flow(upstream));
+    let base = (flow(client).ok()?, flow(upstream).ok()?);
     match relay.splice(client.as_raw_fd(), upstream.as_raw_fd()) {
         Ok(Some(pair)) => {
             bump(&core.counters.kernel_relayed);
             Some(Spliced { pair, base })
         }
         Ok(None) => None,
-        // A side already closed or half-closed (the client sent its request and its FIN at
-        // once): only established sockets enter a sockmap; user space relays it.
+        // The service's socket is no longer established (the service closed at once): only
+        // established sockets enter a sockmap; user space relays it.
         Err(e) if e.raw_os_error() == Some(nix::libc::EOPNOTSUPP) => None,
         Err(e) => {
             bump(&core.counters.kernel_relay_errors);
@@ -116,17 +116,18 @@ pub(crate) fn splice(core: &TcpCore, client: &TcpStream, upstream: &TcpStream) -
     }
 }
 
-fn flow(s: &TcpStream) -> Flow {
-    sockmap::flow(s.as_raw_fd()).unwrap_or_default()
+fn flow(s: &TcpStream) -> io::Result<Flow> {
+    sockmap::flow(s.as_raw_fd())
 }
 
 /// What a readiness on a relayed socket means: its peer's FIN (end of file), a reset (an
-/// error), or bytes the verdict program kept on this socket (a direction that stays in user
-/// space, `sockmap` module doc, step 2), which are written on here; `kept` notes them.
-async fn ended(from: &TcpStream, to: &TcpStream, kept: &AtomicBool) -> io::Result<()> {
+/// error reading), or bytes the verdict program kept on this socket (a direction that stays
+/// in user space, `sockmap` module doc), which are written on here (an error writing);
+/// `kept` notes them.
+async fn ended(from: &TcpStream, to: &TcpStream, kept: &AtomicBool) -> Result<(), Failed> {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        from.readable().await?;
+        from.readable().await.map_err(|_| Failed::Reading)?;
         let r = from.try_io(Interest::READABLE, || {
             recv(from.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(io::Error::from)
         });
@@ -134,30 +135,38 @@ async fn ended(from: &TcpStream, to: &TcpStream, kept: &AtomicBool) -> io::Resul
             Ok(0) => return Ok(()),
             Ok(n) => {
                 kept.store(true, Ordering::Relaxed);
-                super::write_all(to, &buf[..n]).await?;
+                super::write_all(to, &buf[..n])
+                    .await
+                    .map_err(|_| Failed::Writing)?;
             }
             Err(e)
                 if matches!(
                     e.kind(),
                     io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
                 ) => {}
-            Err(e) => return Err(e),
+            Err(_) => return Err(Failed::Reading),
         }
     }
+}
+
+/// Which side of a direction failed.
+enum Failed {
+    Reading,
+    Writing,
 }
 
 /// After `from`'s FIN: wait until every byte `from` received since the splice was handed to
 /// `to` (the kernel queues redirected bytes to it asynchronously, as fast as `to`'s peer
 /// reads), then pass the half-close on, so the FIN cuts off no byte. Waits as long as bytes
-/// keep moving; gives up (and passes the FIN) after `patience` without progress.
+/// keep moving; gives up (and passes the FIN) after `patience` without progress, or when
+/// the counts cannot be read.
 async fn pass_fin(from: &TcpStream, to: &TcpStream, base: (Flow, Flow), patience: Duration) {
     let mut pause = Duration::from_millis(1);
     let mut last_put = 0;
     let mut since = tokio::time::Instant::now();
-    loop {
-        // The FIN takes one sequence number, counted in `received`.
-        let got = flow(from).received.saturating_sub(base.0.received + 1);
-        let put = flow(to).written.saturating_sub(base.1.written);
+    while let (Ok(f), Ok(t)) = (flow(from), flow(to)) {
+        let got = f.received.saturating_sub(base.0.received);
+        let put = t.written.saturating_sub(base.1.written);
         if put >= got {
             break;
         }
@@ -173,43 +182,50 @@ async fn pass_fin(from: &TcpStream, to: &TcpStream, base: (Flow, Flow), patience
     let _ = SockRef::from(to).shutdown(Shutdown::Write);
 }
 
-/// One direction of a spliced connection: until `from`'s FIN has been passed on to `to`.
+/// One direction of a spliced connection, `from` → `to`: until `from`'s FIN has been passed
+/// on; on a failure, the side that failed (`sides`: `from`'s, `to`'s).
 async fn direction(
     core: &TcpCore,
     (from, to): (&TcpStream, &TcpStream),
     base: (Flow, Flow),
-    fin: &AtomicBool,
     kept: &AtomicBool,
-) -> io::Result<()> {
-    ended(from, to, kept).await?;
-    fin.store(true, Ordering::Relaxed);
+    sides: (Side, Side),
+) -> Result<(), Side> {
+    match ended(from, to, kept).await {
+        Ok(()) => {}
+        Err(Failed::Reading) => return Err(sides.0),
+        Err(Failed::Writing) => return Err(sides.1),
+    }
     pass_fin(from, to, base, core.idle_timeout).await;
     Ok(())
 }
 
-/// Own a spliced connection until both sides ended, an error, or the idle timeout; count
-/// its bytes. The pair leaves the maps when this returns (or is cancelled by a drain's cut).
+/// Own a spliced connection until both sides ended, an error, the idle timeout, or `cut`
+/// (a drain's deadline); count its bytes. The pair leaves the maps when this returns.
 pub(crate) async fn own(
     core: &TcpCore,
-    client: &TcpStream,
-    upstream: &TcpStream,
+    (client, upstream): (&TcpStream, &TcpStream),
     spliced: Spliced,
     counters: Option<&ServiceCounters>,
     activity: &Activity,
+    cut: impl std::future::Future<Output = ()>,
 ) {
     let Spliced { pair, base } = spliced;
     activity.stamp().store(core.now(), Ordering::Relaxed);
-    let fins = (AtomicBool::new(false), AtomicBool::new(false));
     let kept = AtomicBool::new(false);
     let moved = Moved::default();
+    moved.written.store(
+        base.0.written.wrapping_add(base.1.written),
+        Ordering::Relaxed,
+    );
     // Reads both sockets' counts; books what moved since the last call; returns how long
-    // nothing has moved either way, in milliseconds.
+    // nothing has moved either way, in milliseconds (0 when the counts cannot be read).
     let account = || {
-        let (c, u) = (flow(client), flow(upstream));
-        // A FIN counts one in `received`; it is no byte.
-        let fin = |f: &AtomicBool| u64::from(f.load(Ordering::Relaxed));
-        let now_in = c.received.saturating_sub(base.0.received + fin(&fins.0));
-        let now_out = u.received.saturating_sub(base.1.received + fin(&fins.1));
+        let (Ok(c), Ok(u)) = (flow(client), flow(upstream)) else {
+            return 0;
+        };
+        let now_in = c.received.saturating_sub(base.0.received);
+        let now_out = u.received.saturating_sub(base.1.received);
         let written = c.written.wrapping_add(u.written);
         let din = now_in.saturating_sub(moved.inbound.swap(now_in, Ordering::Relaxed));
         let dout = now_out.saturating_sub(moved.outbound.swap(now_out, Ordering::Relaxed));
@@ -248,26 +264,20 @@ pub(crate) async fn own(
     };
     let both = async {
         tokio::try_join!(
-            async {
-                direction(core, (client, upstream), base, &fins.0, &kept)
-                    .await
-                    .map_err(|_| Side::Client)
-            },
-            async {
-                direction(core, (upstream, client), (base.1, base.0), &fins.1, &kept)
-                    .await
-                    .map_err(|e| {
-                        eprintln!(
-                            "DEBUG service side: {e:?} fins {:?} {:?} c={:?} u={:?} base={:?}",
-                            fins.0,
-                            fins.1,
-                            flow(client),
-                            flow(upstream),
-                            base
-                        );
-                        Side::Service
-                    })
-            },
+            direction(
+                core,
+                (client, upstream),
+                base,
+                &kept,
+                (Side::Client, Side::Service)
+            ),
+            direction(
+                core,
+                (upstream, client),
+                (base.1, base.0),
+                &kept,
+                (Side::Service, Side::Client)
+            ),
         )
     };
     tokio::select! {
@@ -277,6 +287,8 @@ pub(crate) async fn own(
             Err(Side::Service) => bump(&core.counters.service_errors),
         },
         () = watch => bump(&core.counters.idle_timeouts),
+        // Counted by the drain that cut it.
+        () = cut => {}
     }
     account();
     if kept.load(Ordering::Relaxed) {

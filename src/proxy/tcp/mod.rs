@@ -545,7 +545,8 @@ fn worker(
 }
 
 /// How far away the worker's anchor timer ([`timer_anchor`]) always is: less than the
-/// connect timeout, the shortest timer a connection arms.
+/// connect timeout, so that one and the idle timer (its default and common settings) fall
+/// after it. A shorter timer (a sub-second `idle_timeout`) still wakes the driver.
 const ANCHOR: Duration = Duration::from_secs(1);
 const _: () = assert!(ANCHOR.as_nanos() < CONNECT_TIMEOUT.as_nanos());
 
@@ -739,13 +740,15 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr, activity
     if let Some(spliced) = kernel::splice(&core, &client, &upstream) {
         // Boxed: inline, its state would enlarge the task of every connection, the
         // user-space relay's included.
-        let owned = Box::pin(kernel::own(
-            &core, &client, &upstream, spliced, counters, activity,
-        ));
-        tokio::select! {
-            () = owned => {}
-            () = core.cut_of(member) => {}
-        }
+        Box::pin(kernel::own(
+            &core,
+            (&client, &upstream),
+            spliced,
+            counters,
+            activity,
+            core.cut_of(member),
+        ))
+        .await;
         return;
     }
     tokio::select! {
