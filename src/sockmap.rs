@@ -550,6 +550,22 @@ mod tests {
         }
     }
 
+    /// A relay that cannot pass its self-test says so (what `kernel_relay: auto` then falls
+    /// back on): here its only slot is taken.
+    #[test]
+    fn the_self_test_fails_on_a_relay_that_cannot_relay() {
+        let Some(r) = relay_of(1) else { return };
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let a = std::net::TcpStream::connect(l.local_addr().expect("addr")).expect("a");
+        let (b, _) = l.accept().expect("b");
+        let held = r.splice(a.as_raw_fd(), b.as_raw_fd()).expect("splice");
+        assert!(held.is_some());
+        let e = r.self_test().expect_err("no room to test in");
+        assert!(e.to_string().contains("no free slot"), "{e}");
+        drop(held);
+        r.self_test().expect("room again");
+    }
+
     #[test]
     fn every_slot_taken_is_none_not_an_error() {
         let Some(r) = relay_of(1) else { return };
