@@ -15,7 +15,8 @@
 # rcvbuf_errors (UDP receive-buffer overflows, whole machine), col FILE NAME (a column of a
 # SIPp statistics file).
 # Peers: tcp_peer_configs (the peers' nginx backends and HAProxy moved to ports B1..B1+2 and
-# HA, written to $TMP/backends.conf and $TMP/haproxy.cfg), kamailio_head (the global part of
+# HA, written to $TMP/backends.conf and $TMP/haproxy.cfg), tcp_yaml (a fulcrum config in front
+# of those backends), kamailio_head (the global part of
 # the Kamailio configs the SIP comparisons generate).
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -68,6 +69,26 @@ tcp_peer_configs() {
   local backends="s/127.0.0.1:8081/127.0.0.1:$B1/; s/127.0.0.1:8082/127.0.0.1:$((B1 + 1))/; s/127.0.0.1:8083/127.0.0.1:$((B1 + 2))/"
   sed -e "$backends; s#/tmp/peers-nginx-backends#$TMP/backends#g" "$PEERS/nginx/nginx-backends.conf" > "$TMP/backends.conf"
   sed -e "s/127.0.0.1:9000/127.0.0.1:$HA/; $backends; s#/tmp/peers-haproxy#$TMP/haproxy#g" "$PEERS/haproxy/haproxy.cfg" > "$TMP/haproxy.cfg"
+}
+
+# tcp_yaml LEVEL NAME:PORT[:FIELDS]...: a fulcrum config (log level LEVEL, no admin API) in
+# front of the three backends of tcp_peer_configs, one `tcp` vserver per argument on
+# 127.0.0.1:PORT with `source_ip_hash` and FIELDS (e.g. `kernel_relay: auto`) added.
+tcp_yaml() {
+  local level=$1 v name port fields; shift
+  cat <<YAML
+admin: { listen: null }
+logging: { level: $level }
+services:
+  - { name: b1, address: 127.0.0.1:$B1, protocol: tcp }
+  - { name: b2, address: 127.0.0.1:$((B1 + 1)), protocol: tcp }
+  - { name: b3, address: 127.0.0.1:$((B1 + 2)), protocol: tcp }
+vservers:
+YAML
+  for v in "$@"; do
+    IFS=: read -r name port fields <<<"$v"
+    echo "  - { name: $name, protocol: tcp, bind: [127.0.0.1:$port], method: source_ip_hash, max_sessions: 100000,${fields:+ $fields,} services: [b1, b2, b3] }"
+  done
 }
 
 rss() { awk '/^VmRSS/{print $2}' "/proc/$1/status"; }

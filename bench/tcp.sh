@@ -22,19 +22,7 @@ B1=${B1:-18081}; HA=${HA:-19000}; FU=${FU:-19100}
 build_fulcrum
 tcp_peer_configs
 sed -i "s/nbthread 1/nbthread $HA_THREADS/" "$TMP/haproxy.cfg"
-cat > "$TMP/tcp.yaml" <<YAML
-admin: { listen: null }
-logging: { level: info }
-services:
-  - { name: b1, address: 127.0.0.1:$B1, protocol: tcp }
-  - { name: b2, address: 127.0.0.1:$((B1 + 1)), protocol: tcp }
-  - { name: b3, address: 127.0.0.1:$((B1 + 2)), protocol: tcp }
-vservers:
-  - { name: t, protocol: tcp, bind: [127.0.0.1:$FU], method: source_ip_hash, max_sessions: 100000,
-      kernel_relay: auto, services: [b1, b2, b3] }
-  - { name: u, protocol: tcp, bind: [127.0.0.1:$((FU + 1))], method: source_ip_hash, max_sessions: 100000,
-      kernel_relay: off, services: [b1, b2, b3] }
-YAML
+tcp_yaml info "t:$FU:kernel_relay: auto" "u:$((FU + 1)):kernel_relay: off" > "$TMP/tcp.yaml"
 timeout 1800 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & BPID=$!; PIDS+=($BPID)
 timeout 1800 haproxy -db -f "$TMP/haproxy.cfg" > "$TMP/haproxy.log" 2>&1 & HPID=$!; PIDS+=($HPID)
 start_fulcrum "$TMP/fulcrum.log" --config "$TMP/tcp.yaml"

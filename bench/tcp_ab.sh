@@ -12,19 +12,7 @@ FA=$1; FB=$2
 DUR=${DUR:-10}; CONNS=${CONNS:-64}; ROUNDS=${ROUNDS:-2}
 B1=${B1:-18081}; HA=${HA:-19000}; PA=${PA:-19100}; PB=${PB:-19200}
 tcp_peer_configs
-yaml() { cat <<YAML
-admin: { listen: null }
-logging: { level: error }
-services:
-  - { name: b1, address: 127.0.0.1:$B1, protocol: tcp }
-  - { name: b2, address: 127.0.0.1:$((B1 + 1)), protocol: tcp }
-  - { name: b3, address: 127.0.0.1:$((B1 + 2)), protocol: tcp }
-vservers:
-  - { name: t, protocol: tcp, bind: [127.0.0.1:$1], method: source_ip_hash, max_sessions: 100000,
-      services: [b1, b2, b3] }
-YAML
-}
-yaml "$PA" > "$TMP/a.yaml"; yaml "$PB" > "$TMP/b.yaml"
+tcp_yaml error "t:$PA" > "$TMP/a.yaml"; tcp_yaml error "t:$PB" > "$TMP/b.yaml"
 timeout 1800 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & PIDS+=($!)
 timeout 1800 haproxy -db -f "$TMP/haproxy.cfg" > "$TMP/haproxy.log" 2>&1 & PIDS+=($!)
 timeout 1800 "$FA" run --config "$TMP/a.yaml" > "$TMP/a.log" 2>&1 & PIDS+=($!)

@@ -11,17 +11,7 @@
 DUR=${DUR:-8}; CONNS=${CONNS:-64}; ROUNDS=${ROUNDS:-2}
 B1=${B1:-18081}; HA=${HA:-19000}; FU=${FU:-19100}
 tcp_peer_configs
-cat > "$TMP/tcp.yaml" <<YAML
-admin: { listen: null }
-logging: { level: warn }
-services:
-  - { name: b1, address: 127.0.0.1:$B1, protocol: tcp }
-  - { name: b2, address: 127.0.0.1:$((B1 + 1)), protocol: tcp }
-  - { name: b3, address: 127.0.0.1:$((B1 + 2)), protocol: tcp }
-vservers:
-  - { name: t, protocol: tcp, bind: [127.0.0.1:$FU], method: source_ip_hash, max_sessions: 100000,
-      services: [b1, b2, b3] }
-YAML
+tcp_yaml warn "t:$FU" > "$TMP/tcp.yaml"
 timeout 1800 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & PIDS+=($!)
 sleep 1
 echo "# close mode, wrk -t2 -c$CONNS -d${DUR}s; $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -422,17 +422,13 @@ impl Relay {
     /// checks at start.
     pub fn self_test(self: &Arc<Self>) -> io::Result<()> {
         use std::io::{Read, Write};
-        use std::net::{Shutdown, TcpListener, TcpStream};
-        use std::time::Duration;
-        let l = TcpListener::bind("127.0.0.1:0")?;
-        let mut client = TcpStream::connect(l.local_addr()?)?;
-        let (front, _) = l.accept()?;
-        let back = TcpStream::connect(l.local_addr()?)?;
-        let (mut server, _) = l.accept()?;
-        let timeout = Some(Duration::from_secs(2));
-        for s in [&client, &front, &back, &server] {
-            s.set_read_timeout(timeout)?;
-        }
+        use std::net::Shutdown;
+        let Loopback {
+            mut client,
+            front,
+            back,
+            mut server,
+        } = Loopback::new()?;
         let early = b"queued before the splice;";
         client.write_all(early)?;
         let pair = self
@@ -465,6 +461,38 @@ impl Relay {
         }
         drop(pair);
         Ok(())
+    }
+}
+
+/// Two connected loopback TCP pairs, as a proxy sits between them: `client` to `front`
+/// (the proxy's client side) and `back` (the proxy's service side) to `server`; reads time
+/// out after 2 s. What the self-test and the tests splice.
+struct Loopback {
+    client: std::net::TcpStream,
+    front: std::net::TcpStream,
+    back: std::net::TcpStream,
+    server: std::net::TcpStream,
+}
+
+impl Loopback {
+    fn new() -> io::Result<Loopback> {
+        use std::net::{TcpListener, TcpStream};
+        let l = TcpListener::bind("127.0.0.1:0")?;
+        let at = l.local_addr()?;
+        let client = TcpStream::connect(at)?;
+        let (front, _) = l.accept()?;
+        let back = TcpStream::connect(at)?;
+        let (server, _) = l.accept()?;
+        let timeout = Some(std::time::Duration::from_secs(2));
+        for s in [&client, &front, &back, &server] {
+            s.set_read_timeout(timeout)?;
+        }
+        Ok(Loopback {
+            client,
+            front,
+            back,
+            server,
+        })
     }
 }
 
@@ -594,19 +622,15 @@ mod tests {
     #[test]
     fn a_fin_alone_is_end_of_file_and_no_error_on_the_peer() {
         use std::io::{Read, Write};
-        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::net::Shutdown;
         use std::time::Duration;
         let Some(r) = relay() else { return };
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let at = l.local_addr().expect("addr");
-        let mut client = TcpStream::connect(at).expect("client");
-        let (front, _) = l.accept().expect("front");
-        let back = TcpStream::connect(at).expect("back");
-        let (mut server, _) = l.accept().expect("server");
-        for s in [&client, &front, &back, &server] {
-            s.set_read_timeout(Some(Duration::from_secs(2)))
-                .expect("timeout");
-        }
+        let Loopback {
+            mut client,
+            front,
+            back,
+            mut server,
+        } = Loopback::new().expect("loopback");
         let _pair = r
             .splice(front.as_raw_fd(), back.as_raw_fd())
             .expect("splice")
@@ -633,19 +657,14 @@ mod tests {
     #[test]
     fn bytes_that_find_no_peer_keep_their_direction_in_user_space_in_order() {
         use std::io::{Read, Write};
-        use std::net::{TcpListener, TcpStream};
         use std::time::Duration;
         let Some(r) = relay() else { return };
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let at = l.local_addr().expect("addr");
-        let mut client = TcpStream::connect(at).expect("client");
-        let (front, _) = l.accept().expect("front");
-        let back = TcpStream::connect(at).expect("back");
-        let (mut server, _) = l.accept().expect("server");
-        for s in [&client, &front, &back, &server] {
-            s.set_read_timeout(Some(Duration::from_secs(2)))
-                .expect("timeout");
-        }
+        let Loopback {
+            mut client,
+            front,
+            back,
+            mut server,
+        } = Loopback::new().expect("loopback");
         // The service answers while only its own socket is in the map.
         let _pair = r
             .splice_with(front.as_raw_fd(), back.as_raw_fd(), || {
@@ -686,19 +705,15 @@ mod tests {
     #[test]
     fn a_client_already_half_closed_leaves_both_directions_to_user_space() {
         use std::io::{Read, Write};
-        use std::net::{Shutdown, TcpListener, TcpStream};
+        use std::net::Shutdown;
         use std::time::Duration;
         let Some(r) = relay() else { return };
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let at = l.local_addr().expect("addr");
-        let mut client = TcpStream::connect(at).expect("client");
-        let (front, _) = l.accept().expect("front");
-        let back = TcpStream::connect(at).expect("back");
-        let (mut server, _) = l.accept().expect("server");
-        for s in [&client, &front, &back, &server] {
-            s.set_read_timeout(Some(Duration::from_secs(2)))
-                .expect("timeout");
-        }
+        let Loopback {
+            mut client,
+            front,
+            back,
+            mut server,
+        } = Loopback::new().expect("loopback");
         client.write_all(b"ask").expect("ask");
         client.shutdown(Shutdown::Write).expect("half-close");
         std::thread::sleep(Duration::from_millis(30));

@@ -51,12 +51,31 @@ fn in_kernel(core: &TcpCore) -> bool {
     }
 }
 
+/// A client connection to `vs` whose reads give up after `secs`.
+fn client(vs: SocketAddr, secs: u64) -> TcpStream {
+    let s = TcpStream::connect(vs).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(secs)))
+        .expect("timeout");
+    s
+}
+
+/// Whether fulcrum closed `s` (end of file or a reset) rather than answered, before the
+/// read timeout (a timeout is neither).
+fn closed_by_fulcrum(s: &mut TcpStream) -> bool {
+    let mut buf = [0u8; 16];
+    match s.read(&mut buf) {
+        Ok(n) => n == 0,
+        Err(e) => !matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ),
+    }
+}
+
 /// Connect, give fulcrum time to choose and splice (only established sockets enter the
 /// sockmap), then send `payload`, half-close and read the answer.
 fn ask_after_splice(vs: SocketAddr, payload: &[u8]) -> Answer {
-    let mut s = TcpStream::connect(vs).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(20)))
-        .expect("timeout");
+    let mut s = client(vs, 20);
     std::thread::sleep(Duration::from_millis(30));
     s.write_all(payload).expect("send");
     s.shutdown(Shutdown::Write).expect("half-close");
@@ -103,9 +122,7 @@ fn bytes_sent_before_the_hand_over_are_relayed_first() {
     let core = tcp_core(&rt);
     let kernel = in_kernel(&core);
     for round in 0..20u64 {
-        let mut s = TcpStream::connect(vs).expect("connect");
-        s.set_read_timeout(Some(Duration::from_secs(10)))
-            .expect("timeout");
+        let mut s = client(vs, 10);
         // At once: these are in the socket before fulcrum splices it.
         s.write_all(b"first;").expect("send");
         std::thread::sleep(Duration::from_millis(5));
@@ -171,14 +188,11 @@ fn a_reset_from_either_side_ends_the_connection_and_is_counted() {
     ));
     let vs = bound(&rt, "v");
     let core = tcp_core(&rt);
-    let mut s = TcpStream::connect(vs).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
+    let mut s = client(vs, 5);
     std::thread::sleep(Duration::from_millis(30));
     s.write_all(b"hello").expect("send");
-    let mut buf = [0u8; 16];
     // End of file or a reset, never an answer and never a hang.
-    assert!(matches!(s.read(&mut buf), Ok(0) | Err(_)));
+    assert!(closed_by_fulcrum(&mut s));
     assert!(wait_until(Duration::from_secs(5), || core.connections() == 0));
     assert_eq!(core.counters.service_errors.load(Ordering::Relaxed), 1);
     assert_eq!(relayed(&core), u64::from(kernel));
@@ -194,17 +208,13 @@ fn an_idle_connection_times_out() {
     );
     let core = tcp_core(&rt);
     let kernel = in_kernel(&core);
-    let mut s = TcpStream::connect(vs).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(5)))
-        .expect("timeout");
+    let mut s = client(vs, 5);
     std::thread::sleep(Duration::from_millis(50));
     s.write_all(b"then silence").expect("send");
     let started = std::time::Instant::now();
-    let mut buf = [0u8; 64];
     // Closed by fulcrum within a check or two of the timeout (the service never answers: it
     // waits for the half-close).
-    let n = s.read(&mut buf).unwrap_or(0);
-    assert_eq!(n, 0, "closed, nothing sent");
+    assert!(closed_by_fulcrum(&mut s), "closed, nothing sent");
     let waited = started.elapsed();
     assert!(
         waited >= Duration::from_millis(300) && waited < Duration::from_secs(2),
@@ -240,9 +250,7 @@ fn a_draining_service_keeps_its_connection_until_the_cut() {
         .with_vservers(|vs, _| Arc::clone(vs[0].path::<TcpPath>().expect("tcp").core()))
         .expect("core");
     let kernel = in_kernel(&core);
-    let mut kept = TcpStream::connect(vs).expect("connect");
-    kept.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
+    let mut kept = client(vs, 10);
     std::thread::sleep(Duration::from_millis(30));
     kept.write_all(b"before the reload;").expect("send");
     assert!(wait_until(Duration::from_secs(5), || core.connections() == 1));
@@ -255,8 +263,7 @@ fn a_draining_service_keeps_its_connection_until_the_cut() {
     assert_eq!(core.connections(), 1, "kept until the deadline");
     std::thread::sleep(Duration::from_millis(900));
     // Past the deadline: cut, nothing answered.
-    let mut buf = [0u8; 16];
-    assert!(matches!(kept.read(&mut buf), Ok(0) | Err(_)));
+    assert!(closed_by_fulcrum(&mut kept));
     assert!(wait_until(Duration::from_secs(5), || core.connections() == 0));
     // And one finishing inside the deadline is whole (a fresh connection on s1).
     let a = ask_after_splice(vs, b"after");
@@ -274,9 +281,7 @@ fn a_thousand_connections_at_once() {
     let kernel = in_kernel(&core);
     let clients: Vec<_> = (0..1000u32)
         .map(|i| {
-            let s = TcpStream::connect(vs).expect("connect");
-            s.set_read_timeout(Some(Duration::from_secs(20)))
-                .expect("timeout");
+            let s = client(vs, 20);
             (i, s)
         })
         .collect();

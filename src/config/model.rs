@@ -497,6 +497,18 @@ impl Method {
                 | Method::Token
         )
     }
+
+    /// Methods fed by samples of the relayed traffic itself (bytes, packets, response
+    /// times): a relay that does not see the bytes cannot serve them.
+    pub fn samples_traffic(self) -> bool {
+        matches!(
+            self,
+            Method::LeastResponseTime
+                | Method::Lrtm
+                | Method::LeastBandwidth
+                | Method::LeastPackets
+        )
+    }
 }
 
 /// Where the `token` method takes its key from.

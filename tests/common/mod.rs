@@ -98,6 +98,13 @@ pub fn tcp_service(name: &str, ip: &str) -> (SocketAddr, Arc<AtomicU64>) {
 /// test that opens a thousand connections at once must not overflow it, or the kernel's SYN
 /// cookies answer some of them with a reset once data arrives.
 pub fn listener_with_backlog(ip: &str) -> TcpListener {
+    let s = bound_stream_socket(ip);
+    s.listen(4096).expect("listen");
+    s.into()
+}
+
+/// A TCP socket bound to `ip:0` (brackets around an IPv6 address allowed), not listening.
+fn bound_stream_socket(ip: &str) -> socket2::Socket {
     let ip: std::net::IpAddr = ip.trim_matches(['[', ']']).parse().expect("ip");
     let addr = SocketAddr::new(ip, 0);
     let s = socket2::Socket::new(
@@ -106,9 +113,8 @@ pub fn listener_with_backlog(ip: &str) -> TcpListener {
         None,
     )
     .expect("socket");
-    s.bind(&addr.into()).expect("bind tcp service");
-    s.listen(4096).expect("listen");
-    s.into()
+    s.bind(&addr.into()).expect("bind");
+    s
 }
 
 /// A TCP port nothing listens on, kept reserved for the rest of the test binary: a socket is
@@ -116,15 +122,7 @@ pub fn listener_with_backlog(ip: &str) -> TcpListener {
 /// test's vserver or service, SO_REUSEPORT or not) can be given the port meanwhile — a port
 /// bound and released at once could be, and then the "dead" service answers.
 pub fn closed_port(ip: &str) -> SocketAddr {
-    let ip: std::net::IpAddr = ip.parse().expect("ip");
-    let addr = SocketAddr::new(ip, 0);
-    let s = socket2::Socket::new(
-        socket2::Domain::for_address(addr),
-        socket2::Type::STREAM,
-        None,
-    )
-    .expect("socket");
-    s.bind(&addr.into()).expect("bind");
+    let s = bound_stream_socket(ip);
     let local = s
         .local_addr()
         .ok()

@@ -4,10 +4,9 @@
 
 use super::TcpCore;
 use crate::budget::Activity;
-use crate::config::{KernelRelay, Method, Vserver};
+use crate::config::{KernelRelay, Vserver};
 use crate::sockmap::{self, Flow, Pair, Relay};
 use crate::stats::{ServiceCounters, bump};
-use nix::sys::socket::{MsgFlags, recv};
 use socket2::SockRef;
 use std::io;
 use std::net::Shutdown;
@@ -15,7 +14,6 @@ use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-use tokio::io::Interest;
 use tokio::net::TcpStream;
 
 /// Connections the kernel relays at once (two sockets each); beyond, the user-space relay.
@@ -63,18 +61,15 @@ fn forced() -> Option<KernelRelay> {
 /// The relay a vserver uses: with `kernel_relay: auto`, without TLS, for a method that
 /// needs no per-byte or per-response samples, where the self-test passed; else why not.
 pub(crate) fn for_vserver(v: &Vserver) -> Result<Arc<Relay>, String> {
-    let samples = matches!(
-        v.method,
-        Method::LeastResponseTime | Method::LeastBandwidth | Method::LeastPackets | Method::Lrtm
-    );
-    if forced() == Some(KernelRelay::Off) {
+    let forced = forced();
+    if forced == Some(KernelRelay::Off) {
         // Said once, by the relay that is not made.
         relay().clone()
-    } else if forced().unwrap_or(v.kernel_relay) == KernelRelay::Off {
+    } else if forced.unwrap_or(v.kernel_relay) == KernelRelay::Off {
         Err("kernel_relay: off".to_owned())
     } else if v.tls.is_some() {
         Err("TLS is terminated here".to_owned())
-    } else if samples {
+    } else if v.method.samples_traffic() {
         Err(format!(
             "method {} samples every byte or response",
             v.method.name()
@@ -125,17 +120,17 @@ fn flow(s: &TcpStream) -> io::Result<Flow> {
 /// in user space, `sockmap` module doc), which are written on here (an error writing);
 /// `kept` notes them.
 async fn ended(from: &TcpStream, to: &TcpStream, kept: &AtomicBool) -> Result<(), Failed> {
-    let mut buf = vec![0u8; 16 * 1024];
     loop {
         from.readable().await.map_err(|_| Failed::Reading)?;
-        let r = from.try_io(Interest::READABLE, || {
-            recv(from.as_raw_fd(), &mut buf, MsgFlags::empty()).map_err(io::Error::from)
-        });
-        match r {
-            Ok(0) => return Ok(()),
-            Ok(n) => {
+        // Read into the worker's scratch buffer: a copy is made only of bytes that came
+        // (rare: a kept direction), not a buffer held per connection.
+        let got = super::SCRATCH
+            .with_borrow_mut(|buf| super::read_draining(from, buf).map(|n| buf[..n].to_vec()));
+        match got {
+            Ok(bytes) if bytes.is_empty() => return Ok(()),
+            Ok(bytes) => {
                 kept.store(true, Ordering::Relaxed);
-                super::write_all(to, &buf[..n])
+                super::write_all(to, &bytes)
                     .await
                     .map_err(|_| Failed::Writing)?;
             }
