@@ -99,10 +99,11 @@ fn demo_yaml(ports: &[u16]) -> String {
             n = i + 1
         );
     }
-    // Ejections short enough for a 30 s run (the default is 10 s, up to 5 min); failover
-    // is left at its default.
+    // Ejections short enough for a 30 s run (the default is 10 s, up to 5 min), and an
+    // INVITE's `no_answer` at 1 s (the default, 2 s, leaves room for a stateful service's
+    // 100 behind a slow database; the built-in services answer at once).
     y.push_str(
-        "vservers:\n  - name: demo\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: round_robin\n    slow_start: { new_service_request_rate: 10, unit: per_second, increment_interval: 1s }\n    eject: { after: 3, base: 2s, max: 4s }\n    workers: 2\n    services: [sip1, sip2, sip3]\n",
+        "vservers:\n  - name: demo\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: round_robin\n    slow_start: { new_service_request_rate: 10, unit: per_second, increment_interval: 1s }\n    eject: { after: 3, base: 2s, max: 4s }\n    failover: { no_answer: 1s }\n    workers: 2\n    services: [sip1, sip2, sip3]\n",
     );
     y
 }

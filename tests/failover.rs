@@ -156,9 +156,11 @@ fn check_between(t: Transport, services: Transport, sick: Sick) {
     assert_eq!(r.counts[1].byes_ok, 0, "the sick service set up no call");
     // Down: its OPTIONS answered 503 with Retry-After, its monitor takes it out at the first
     // probe and holds it out. Busy: its third 503 ejects it for at least the Retry-After.
-    // Silent: each of its first three failures takes `no_answer` (1 s) to show while calls keep
-    // coming, so over this 6 s run it sees more of them (over 15 s, as bench/gray.sh, less).
-    let bound = if sick == Sick::Silent { 0.10 } else { 0.05 };
+    // Silent: each of its first three failures takes `no_answer` (2 s for an INVITE, room for
+    // a stateful service's 100 behind a slow database) to show while calls keep coming: its
+    // hash share of the calls of those 2 s, 50/s · 2 s / 3 = 33 of 300 (11%), reach it before
+    // it is ejected (over 15 s, as bench/gray.sh, less).
+    let bound = if sick == Sick::Silent { 0.15 } else { 0.05 };
     assert!(share <= bound, "sick share {:.1}%", 100.0 * share);
 }
 
@@ -426,7 +428,7 @@ fn a_call_cancelled_while_ringing_is_cancelled_at_its_service() {
     assert_eq!(c[0].cancels + c[1].cancels, 4, "{c:?}");
 }
 
-/// The first service never answers, so after `no_answer` (1 s) fulcrum moved the INVITE to
+/// The first service never answers, so after `no_answer` (2 s) fulcrum moved the INVITE to
 /// the second, which rings; the caller's CANCEL (1.5 s) reaches the second service, and none
 /// reaches the first (it never answered: RFC 3261 §9.1, no CANCEL before a provisional).
 #[test]
@@ -445,7 +447,7 @@ fn over_tcp_a_call_cancelled_after_failover_is_cancelled_at_the_next_service() {
     cancelled_after_failover(Transport::Tcp);
 }
 
-/// s0 never answers, s1 rings: the calls s0 took first move to s1 at `no_answer` (1 s) and
+/// s0 never answers, s1 rings: the calls s0 took first move to s1 at `no_answer` (2 s) and
 /// ring there; the caller cancels 500 ms after the 180, and every CANCEL reaches s1.
 fn cancelled_after_failover(t: Transport) {
     let sick = [Sick::Silent, Sick::Ringing];
@@ -457,7 +459,7 @@ fn cancelled_after_failover(t: Transport) {
 }
 
 /// RFC 3261 §16.7 step 5: the first service answers 200 only after fulcrum gave up on it
-/// (2 s, `no_answer` 1 s) and moved the INVITE to the second, which answered at once. Both
+/// (2 s, `no_answer` set to 1 s) and moved the INVITE to the second, which answered at once. Both
 /// 2xx reach the caller (fixtures/sipp/uac_two_2xx.xml), each with its service's
 /// Record-Route, so the caller's ACK and BYE of each dialog reach the service that set it up:
 /// no service is left with a dialog never ended, and none answers 481.
@@ -470,7 +472,7 @@ fn a_late_2xx_reaches_the_caller_and_its_dialog_is_ended_at_its_service() {
     let farm = Farm::start(
         Transport::Udp,
         &[Sick::Late(2000), Sick::Healthy],
-        ", method: round_robin, eject: off",
+        ", method: round_robin, eject: off, failover: { no_answer: 1s }",
     );
     let dir = Scratch::new("late-2xx");
     let load = UacLoad {

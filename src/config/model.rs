@@ -572,8 +572,12 @@ pub struct SlowStart {
 pub struct Failover {
     /// Final answers that send the request to the next service.
     pub codes: Vec<u16>,
-    /// No response at all (not even 100) within this: the next service.
+    /// No response at all (not even 100) to an INVITE within this: the next service.
     pub no_answer: Duration,
+    /// The same for other requests; `None` (the default): only a failover code moves them,
+    /// since RFC 4320 §4.1 lets a service stay silent until T2 before its 100 (docs/sip.md,
+    /// "Failover").
+    pub no_answer_non_invite: Option<Duration>,
     /// Most services one request is tried on.
     pub tries: u8,
     /// Most requests held at once; beyond, requests are forwarded statelessly (counted).
@@ -584,7 +588,8 @@ impl Default for Failover {
     fn default() -> Self {
         Failover {
             codes: vec![500, 503, 504],
-            no_answer: Duration::from_secs(1),
+            no_answer: Duration::from_secs(2),
+            no_answer_non_invite: None,
             tries: 3,
             max_pending: 65_536,
         }

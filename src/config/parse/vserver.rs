@@ -43,7 +43,13 @@ const VSERVER_FIELDS: &[&str] = &[
     "tls_handshake_timeout",
 ];
 
-const FAILOVER_FIELDS: &[&str] = &["codes", "no_answer", "tries", "max_pending"];
+const FAILOVER_FIELDS: &[&str] = &[
+    "codes",
+    "no_answer",
+    "no_answer_non_invite",
+    "tries",
+    "max_pending",
+];
 
 const SLOW_START_FIELDS: &[&str] = &["new_service_request_rate", "unit", "increment_interval"];
 
@@ -396,8 +402,15 @@ impl Cx {
                 let mut codes = Vec::new();
                 let mut ok = true;
                 for (i, c) in self.seq(n, &cp).iter().enumerate() {
-                    match self.int_in(c, &format!("{cp}[{i}]"), 300, 699) {
-                        Some(v) => codes.push(v as u16),
+                    let at = format!("{cp}[{i}]");
+                    match self.int_in(c, &at, 300, 699) {
+                        Some(v) => match unbreakable(v as u16) {
+                            Some(why) => {
+                                self.problem(c.pos, &at, format!("{v} cannot fail over: {why}"));
+                                ok = false;
+                            }
+                            None => codes.push(v as u16),
+                        },
                         None => ok = false,
                     }
                 }
@@ -407,6 +420,18 @@ impl Cx {
         let no_answer = match ff.get("no_answer") {
             None => Some(d.no_answer),
             Some(n) => self.duration(n, &join(&p, "no_answer"), false),
+        };
+        let no_answer_non_invite = match ff.get("no_answer_non_invite") {
+            None => Some(d.no_answer_non_invite),
+            Some(n)
+                if matches!(&n.value, Value::Bool(false))
+                    || matches!(&n.value, Value::Str(s) if s == "off") =>
+            {
+                Some(None)
+            }
+            Some(n) => self
+                .duration(n, &join(&p, "no_answer_non_invite"), false)
+                .map(Some),
         };
         let tries = self.int_field(&ff, &p, "tries", (1, 16), i128::from(d.tries));
         let max_pending = self.int_field(
@@ -419,6 +444,7 @@ impl Cx {
         Some(Some(Failover {
             codes: codes?,
             no_answer: no_answer?,
+            no_answer_non_invite: no_answer_non_invite?,
             tries: u8::try_from(tries?).ok()?,
             max_pending: usize::try_from(max_pending?).ok()?,
         }))
@@ -915,6 +941,19 @@ fn is_host_port(s: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-')
 }
 
+/// Why a final answer must not send a request to another service (RFC 3261 §16.7): a 3xx
+/// asks the client to try elsewhere itself, a 401 / 407 challenge is the answering server's
+/// (the credentials are computed for its realm and nonce), a 6xx is a global failure that
+/// ends the search (steps 5-6).
+fn unbreakable(code: u16) -> Option<&'static str> {
+    match code {
+        300..=399 => Some("a redirection is for the client to follow"),
+        401 | 407 => Some("a challenge belongs to the server that sent it"),
+        600..=699 => Some("a global failure ends the search (RFC 3261 §16.7)"),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::tests::{MINIMAL, problems};
@@ -925,6 +964,50 @@ mod tests {
         format!(
             "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: sip-udp }}\nvservers:\n  - name: v\n    protocol: sip-udp\n    bind: 127.0.0.1:5060\n{failover}    services: [s1]\n"
         )
+    }
+
+    /// RFC 3261 §16.7: answers that must reach the client from the server that gave them
+    /// are refused as failover codes, at their line; `no_answer_non_invite` is off unless set.
+    #[test]
+    fn failover_refuses_codes_that_would_break_a_call() {
+        for code in [300, 302, 401, 407, 600, 603, 699] {
+            let bad = problems(&sip_with(&format!(
+                "    failover:\n      codes: [503, {code}]\n"
+            )));
+            assert!(
+                bad.iter().any(|(line, p, m)| *line == 8
+                    && p == "vservers[0].failover.codes[1]"
+                    && m.contains("cannot fail over")),
+                "{code}: {bad:?}"
+            );
+        }
+        for code in [408, 480, 486, 500, 502, 503, 504, 599] {
+            let text = sip_with(&format!("    failover: {{ codes: [{code}] }}\n"));
+            assert!(from_str("t", &text).is_ok(), "{code}");
+        }
+        let c = from_str("t", &sip_with("")).expect("valid");
+        let f = c.vservers[0].failover.clone().expect("on");
+        assert_eq!(f.no_answer, Duration::from_secs(2));
+        assert_eq!(f.no_answer_non_invite, None);
+        let text = sip_with("    failover: { no_answer_non_invite: 5s }\n");
+        let f = from_str("t", &text).expect("valid").vservers[0]
+            .failover
+            .clone();
+        assert_eq!(
+            f.expect("on").no_answer_non_invite,
+            Some(Duration::from_secs(5))
+        );
+        let text = sip_with("    failover: { no_answer_non_invite: off }\n");
+        let f = from_str("t", &text).expect("valid").vservers[0]
+            .failover
+            .clone();
+        assert_eq!(f.expect("on").no_answer_non_invite, None);
+        let bad = problems(&sip_with("    failover: { no_answer_non_invite: soon }\n"));
+        assert!(
+            bad.iter()
+                .any(|(_, p, _)| p == "vservers[0].failover.no_answer_non_invite"),
+            "{bad:?}"
+        );
     }
 
     #[test]

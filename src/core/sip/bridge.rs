@@ -417,11 +417,11 @@ fn a_udp_clients_invite_fails_over_between_stream_members() {
         )
     );
     let first = out.clone();
-    // No retransmission toward a stream member: the next deadline is no_answer.
+    // No retransmission toward a stream member: the next deadline is no_answer (2 s).
     sends.clear();
     let next = c.poll_transactions(transaction::T1, &mut sends);
     assert!(sends.is_empty(), "{:?}", attempts(&sends));
-    assert_eq!(next, Some(1_000_000_000));
+    assert_eq!(next, Some(2_000_000_000));
     let a = member_answers(&c, m0, &first, 503, us, transaction::T1 + 1, &mut sends);
     assert!(matches!(a, Action::Drop(DropReason::Absorbed)), "{a:?}");
     let sent = attempts(&sends);

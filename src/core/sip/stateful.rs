@@ -178,6 +178,14 @@ impl Hops for CoreHops<'_> {
         Some(Bytes::from(out))
     }
 
+    fn relay(&self, response: &[u8]) -> Option<Bytes> {
+        let msg = sip::scan(response).ok()?;
+        let mut out = Vec::with_capacity(response.len());
+        sip::forward_response(&msg, &self.core.local, &mut out).ok()?;
+        bump(&self.core.counters.responses_forwarded);
+        Some(Bytes::from(out))
+    }
+
     fn hop(&self, sent: &[u8], method: &[u8], response: Option<&[u8]>) -> Option<Bytes> {
         let sent = sip::scan(sent).ok()?;
         let response = match response {
@@ -339,7 +347,10 @@ impl SipCore {
             // request, RFC 3261 §17.2.3).
             let matches = held.client == from
                 && match event {
-                    Event::Cancel | Event::Ack => held.method == SipMethod::Invite,
+                    Event::Cancel => held.method == SipMethod::Invite,
+                    // The ACK of a 2xx goes on end to end (RFC 3261 §13.2.2.4), even when
+                    // it reuses the INVITE's branch.
+                    Event::Ack => held.method == SipMethod::Invite && held.tx.absorbs_ack(),
                     _ => held.method == method,
                 };
             matches.then_some(event)
@@ -453,7 +464,16 @@ impl SipCore {
             sent,
             datagram: self.member_transport(m) == Transport::Udp,
         };
-        let tx = Transaction::start(now, invite, failover, first, &hops, &mut acts);
+        let datagram_client = matches!(client, Dest::Addr(_));
+        let tx = Transaction::start(
+            now,
+            invite,
+            datagram_client,
+            failover,
+            first,
+            &hops,
+            &mut acts,
+        );
         let next = tx.poll_timeout();
         match self.transactions.held.entry(key) {
             dashmap::Entry::Occupied(_) => return,
@@ -554,6 +574,7 @@ impl SipCore {
                     }
                     sends.push((client, b.clone()));
                 }
+                TxAction::Resend(b) => sends.push((client, b.clone())),
                 TxAction::ToMember(addr, b) => sends.push((self.member_dest(*addr), b.clone())),
                 TxAction::Relay => {
                     if let Some(msg) = response {
@@ -562,34 +583,31 @@ impl SipCore {
                         self.track_answer(msg, Answerer::Unknown, now);
                     }
                 }
-                TxAction::RelayStored(b) => {
-                    if let Ok(msg) = sip::scan(b) {
-                        self.track_answer(&msg, Answerer::Unknown, now);
-                        let mut relay = Vec::new();
-                        match self.response(&msg, true, &mut relay) {
-                            Action::ToAddr(to) => sends.push((Dest::Addr(to), Bytes::from(relay))),
-                            Action::ToConn(id) => sends.push((Dest::Conn(id), Bytes::from(relay))),
-                            _ => {}
-                        }
-                    }
-                }
                 // Passive health: the monitor hears of it before its next probe, and ejection
                 // counts it (a live request's answer is what ends a service's ejection).
                 TxAction::Failed {
-                    member,
+                    addr,
                     code,
                     retry_after_s,
                 } => {
-                    self.balancer.report_failure(*member);
+                    // By address: a rebuild since the attempt may have moved the indices.
+                    let Some(member) = self.member_of(*addr) else {
+                        continue;
+                    };
+                    self.balancer.report_failure(member);
                     let cause = code.map_or(Cause::Timeout, Cause::Code);
                     let retry = retry_after_s.map(|s| Duration::from_secs(u64::from(s)));
                     let failure = Failure::new(cause).with_retry_after(retry);
-                    self.balancer.report_failure_with(*member, failure, now);
+                    self.balancer.report_failure_with(member, failure, now);
                 }
-                TxAction::Answered { member } => self.balancer.report_success(*member, now),
-                TxAction::Won { member } => {
-                    if let Some(msg) = response {
-                        self.pin_to(msg, *member, now);
+                TxAction::Answered { addr } => {
+                    if let Some(member) = self.member_of(*addr) {
+                        self.balancer.report_success(member, now);
+                    }
+                }
+                TxAction::Won { addr } => {
+                    if let (Some(msg), Some(member)) = (response, self.member_of(*addr)) {
+                        self.pin_to(msg, member, now);
                     }
                 }
             }

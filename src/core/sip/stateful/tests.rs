@@ -165,18 +165,32 @@ fn a_service_that_never_answers_is_left_after_no_answer() {
         panic!("not forwarded");
     };
     let mut timers = Vec::new();
-    // Timer A at 500 ms: the INVITE again to the same service.
+    // Timer A at 500 ms and 1.5 s: the INVITE again to the same service.
     let next = poll(&c, S / 2, &mut timers);
     assert_eq!(timers.len(), 1);
     assert_eq!(timers[0].0, c.member_addr(m0).expect("m0"));
-    assert_eq!(next, Some(S));
+    assert_eq!(next, Some(3 * S / 2));
     timers.clear();
-    poll(&c, S, &mut timers);
+    assert_eq!(
+        poll(&c, 3 * S / 2, &mut timers),
+        Some(2 * S),
+        "no_answer: 2 s"
+    );
+    assert_eq!(timers.len(), 1);
+    timers.clear();
+    poll(&c, 2 * S, &mut timers);
     assert_eq!(timers.len(), 1, "{timers:?}");
     assert_ne!(timers[0].0, c.member_addr(m0).expect("m0"));
     assert!(first_line(&timers[0].1).starts_with("INVITE"));
     // Its retransmission from the client gets the 100 again, not a second INVITE.
-    let a = from(&c, &invite("call-2"), CLIENT, S + 1, &mut out, &mut sends);
+    let a = from(
+        &c,
+        &invite("call-2"),
+        CLIENT,
+        2 * S + 1,
+        &mut out,
+        &mut sends,
+    );
     assert_eq!(a, Action::Drop(DropReason::Absorbed));
     assert_eq!(sends.len(), 1);
     assert_eq!(first_line(&sends[0].1), "SIP/2.0 100 Trying");
@@ -383,4 +397,155 @@ fn with_a_service_source_services_answer_there_and_failover_works() {
     );
     assert_eq!(a, Action::ToAddr(client));
     assert_eq!(first_line(&out), "SIP/2.0 200 OK");
+}
+
+/// The client's ACK of a final `code` it got for `invite(call_id)`: same branch, the To tag of
+/// the answer (RFC 3261 §17.1.1.3).
+fn ack_of(call_id: &str) -> String {
+    invite(call_id)
+        .replace("INVITE sip", "ACK sip")
+        .replace("1 INVITE", "1 ACK")
+        .replace(
+            "To: <sip:svc@example.com>",
+            "To: <sip:svc@example.com>;tag=s1",
+        )
+}
+
+/// RFC 3261 §17.2.1 through the core: the service's 486 is relayed once at once, then sent
+/// again by Timer G, byte for byte, until the client's ACK, which ends at fulcrum.
+#[test]
+fn a_refusal_is_retransmitted_to_the_udp_client_until_its_ack() {
+    let c = core();
+    let client: SocketAddr = CLIENT.parse().expect("client");
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &invite("g-1"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let fwd = out.clone();
+    let svc = member_addr(&c, m0);
+    let a = from(
+        &c,
+        &answer(&fwd, 486, "Busy Here"),
+        &svc,
+        S / 10,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(a, Action::ToAddr(client));
+    let relayed = out.clone();
+    assert_eq!(first_line(&relayed), "SIP/2.0 486 Busy Here");
+    assert!(
+        first_line(&sends[0].1).starts_with("ACK "),
+        "fulcrum ACKs the 486"
+    );
+    let mut timers = Vec::new();
+    let mut now = S / 10;
+    while timers.len() < 3 && now < 10 * S {
+        now = poll(&c, now, &mut timers).expect("Timer G");
+    }
+    assert_eq!(
+        timers.len(),
+        3,
+        "at T1, 2·T1 and 4·T1 after the 486: {timers:?}"
+    );
+    assert!(timers.iter().all(|(to, b)| *to == client && *b == relayed));
+    let a = from(&c, &ack_of("g-1"), CLIENT, now + 1, &mut out, &mut sends);
+    assert_eq!(
+        a,
+        Action::Drop(DropReason::Absorbed),
+        "the ACK of a non-2xx ends here"
+    );
+    assert!(sends.is_empty(), "{sends:?}");
+    timers.clear();
+    let mut t = now + 1;
+    while let Some(next) = poll(&c, t, &mut timers) {
+        t = next;
+    }
+    assert!(timers.is_empty(), "nothing after the ACK: {timers:?}");
+    assert!(c.transactions().is_empty(), "the entry is gone");
+}
+
+/// §13.2.2.4: the ACK of a 2xx is a request of its own, sent end to end; a client that reuses
+/// the INVITE's branch for it must still reach the service.
+#[test]
+fn the_ack_of_a_2xx_goes_on_to_the_service_even_on_the_invites_branch() {
+    let c = core();
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &invite("g-2"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let fwd = out.clone();
+    let svc = member_addr(&c, m0);
+    from(
+        &c,
+        &answer(&fwd, 200, "OK"),
+        &svc,
+        S / 10,
+        &mut out,
+        &mut sends,
+    );
+    let a = from(&c, &ack_of("g-2"), CLIENT, S / 5, &mut out, &mut sends);
+    assert_eq!(a, Action::ToMember(m0), "{}", String::from_utf8_lossy(&out));
+    assert!(first_line(&out).starts_with("ACK "));
+    // The INVITE's retransmission is absorbed, not answered with the 2xx again.
+    let a = from(&c, &invite("g-2"), CLIENT, S / 4, &mut out, &mut sends);
+    assert_eq!(a, Action::Drop(DropReason::Absorbed));
+    assert!(sends.is_empty(), "{sends:?}");
+}
+
+/// §17.2.2: the best answer relayed once the tries ran out is what a retransmitted request
+/// gets again; and with every service silent a non-INVITE gets no 408 (RFC 4320 §4.2).
+#[test]
+fn the_relayed_best_answer_is_sent_again_and_a_silent_pool_gets_no_408() {
+    let c = core();
+    let client: SocketAddr = CLIENT.parse().expect("client");
+    let msg = |id: &str| {
+        invite(id)
+            .replace("INVITE sip", "MESSAGE sip")
+            .replace("1 INVITE", "1 MESSAGE")
+    };
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &msg("b-1"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let mut to = (member_addr(&c, m0), out.clone());
+    let mut given = None;
+    for (i, code) in [503u16, 500, 503].into_iter().enumerate() {
+        let text = answer(&to.1, code, "Trouble").replace("1 INVITE", "1 MESSAGE");
+        from(
+            &c,
+            &text,
+            &to.0,
+            (i as u64 + 1) * S / 10,
+            &mut out,
+            &mut sends,
+        );
+        if let Some(next) = sends
+            .iter()
+            .find(|s| first_line(&s.1).starts_with("MESSAGE"))
+        {
+            to = (next.0.to_string(), next.1.to_vec());
+        }
+        if let Some(s) = sends.iter().find(|s| s.0 == client) {
+            given = Some(s.1.clone());
+        }
+    }
+    let given = given.expect("the best answer went to the client");
+    assert_eq!(first_line(&given), "SIP/2.0 500 Trouble");
+    let a = from(&c, &msg("b-1"), CLIENT, S, &mut out, &mut sends);
+    assert_eq!(a, Action::Drop(DropReason::Absorbed));
+    assert_eq!(sends, [(client, given)]);
+    // A silent pool (a fresh one: these three just failed): Timer E toward the services,
+    // never a word to the client.
+    let c = core();
+    let Action::ToMember(_) = from(&c, &msg("b-2"), CLIENT, 2 * S, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let mut timers = Vec::new();
+    let mut t = 2 * S;
+    while let Some(next) = poll(&c, t, &mut timers) {
+        t = next;
+    }
+    assert!(timers.iter().all(|(to, _)| *to != client), "{timers:?}");
+    assert!(!timers.is_empty());
 }
