@@ -644,3 +644,52 @@ async fn sip_options_judges_the_answer_over_tls() {
         assert_eq!(got, want, "tls {r:?}");
     }
 }
+
+/// RFC 3261 §17.1.2.2: a probe's OPTIONS over UDP is a non-INVITE client transaction, so it
+/// is retransmitted (Timer E) until answered: a peer that loses the first copy (a lossy
+/// network) is still alive within a 500 ms timeout; the copies are the same request.
+#[tokio::test]
+async fn a_lost_options_is_retransmitted_within_the_timeout() {
+    let sock = UdpSocket::bind("127.0.0.1:0").await.expect("bind");
+    let addr = sock.local_addr().expect("addr");
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 4096];
+        let mut seen = 0;
+        while let Ok((n, from)) = sock.recv_from(&mut buf).await {
+            seen += 1;
+            let _ = tx.send(buf[..n].to_vec());
+            // The first copy is "lost": only the second is answered.
+            if seen == 2
+                && let Some(a) = answer_to(&buf[..n], reply(200))
+            {
+                let _ = sock.send_to(&a, from).await;
+            }
+        }
+    });
+    let any = MonitorKind::SipOptions {
+        expect_codes: vec![],
+    };
+    let timeout = Duration::from_millis(500);
+    let r = probe(&any, addr, Protocol::SipUdp, timeout)
+        .await
+        .expect("alive despite the lost copy");
+    assert_eq!(r.status, Some(200));
+    assert!(
+        r.rtt_us >= 100_000,
+        "answered at the retransmission: {}",
+        r.rtt_us
+    );
+    let first = rx.recv().await.expect("first copy");
+    let second = rx.recv().await.expect("second copy");
+    assert_eq!(first, second, "a retransmission is the same request");
+    assert_eq!(
+        fulcrum::health::probe::options_retransmit_first(timeout),
+        Duration::from_millis(125)
+    );
+    assert_eq!(
+        fulcrum::health::probe::options_retransmit_first(Duration::from_secs(5)),
+        Duration::from_millis(500),
+        "T1 when the timeout allows"
+    );
+}

@@ -263,7 +263,7 @@ pub async fn probe_tls(
     tls: Option<&ClientTls>,
     timeout: Duration,
 ) -> Result<ProbeReply, ProbeError> {
-    match tokio::time::timeout(timeout, probe_inner(kind, target, protocol, tls)).await {
+    match tokio::time::timeout(timeout, probe_inner(kind, target, protocol, tls, timeout)).await {
         Ok(r) => r,
         Err(_) => Err(ProbeError::Timeout),
     }
@@ -274,6 +274,7 @@ async fn probe_inner(
     target: SocketAddr,
     protocol: Protocol,
     tls: Option<&ClientTls>,
+    timeout: Duration,
 ) -> Result<ProbeReply, ProbeError> {
     match kind {
         MonitorKind::SipOptions { expect_codes } => {
@@ -281,7 +282,7 @@ async fn probe_inner(
                 (Protocol::SipTls, Some(tls)) => sip_tls(target, tls).await?,
                 (Protocol::SipTls, None) => return Err(ProbeError::NoTls),
                 (Protocol::SipTcp | Protocol::Tcp, _) => sip_tcp(target).await?,
-                _ => sip_udp(target).await?,
+                _ => sip_udp(target, timeout).await?,
             };
             match answer::judge(a.code, a.retry_after_s, expect_codes) {
                 Outcome::Alive => Ok(ProbeReply {
@@ -392,19 +393,48 @@ fn call_id_of(seq: u64) -> Vec<u8> {
     format!("fmon-{seq:x}@fulcrum").into_bytes()
 }
 
-async fn sip_udp(target: SocketAddr) -> Result<(SipAnswer, u64), ProbeError> {
+/// The first retransmission interval of a probe's OPTIONS over UDP bounded by `timeout`:
+/// T1 (RFC 3261 §17.1.1.1, 500 ms), or a quarter of the timeout when that is shorter, so that
+/// a probe gets two copies after the first however short its timeout. An operator who sets a
+/// timeout below T1 says the services answer within it (§17.1.1.1 allows a smaller T1 on a
+/// closed network); one lost datagram then no longer fails the probe.
+pub fn options_retransmit_first(timeout: Duration) -> Duration {
+    const T1: Duration = Duration::from_millis(500);
+    T1.min(timeout / 4).max(Duration::from_millis(10))
+}
+
+/// RFC 3261 §17.1.2.2: Timer E doubles up to T2 (4 s).
+fn options_retransmit_next(interval: Duration) -> Duration {
+    (interval * 2).min(Duration::from_secs(4))
+}
+
+async fn sip_udp(target: SocketAddr, timeout: Duration) -> Result<(SipAnswer, u64), ProbeError> {
     let sock = UdpSocket::bind(unspecified_for(target)).await?;
     sock.connect(target).await?;
     let local = sock.local_addr()?;
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
     let start = Instant::now();
-    sock.send(&build_options(target, local, "UDP", seq)).await?;
+    let options = build_options(target, local, "UDP", seq);
+    sock.send(&options).await?;
     let call_id = call_id_of(seq);
     let mut buf = vec![0u8; MAX_REPLY];
+    // An OPTIONS is a non-INVITE client transaction: over UDP it is retransmitted on Timer E
+    // until its answer (the caller's timeout ends the probe).
+    let mut interval = options_retransmit_first(timeout);
+    let mut again = tokio::time::Instant::now() + interval;
     loop {
-        let n = sock.recv(&mut buf).await?;
-        if let Ok(Some(a)) = sip_final_status(&buf[..n], &call_id) {
-            return Ok((a, micros(start)));
+        tokio::select! {
+            r = sock.recv(&mut buf) => {
+                let n = r?;
+                if let Ok(Some(a)) = sip_final_status(&buf[..n], &call_id) {
+                    return Ok((a, micros(start)));
+                }
+            }
+            () = tokio::time::sleep_until(again) => {
+                sock.send(&options).await?;
+                interval = options_retransmit_next(interval);
+                again += interval;
+            }
         }
     }
 }
