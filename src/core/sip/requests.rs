@@ -190,13 +190,7 @@ impl SipCore {
         // Toward a member on another transport: that leg's Via, and its Record-Route on top
         // of the client leg's (RFC 5658 §3.2).
         let leg = self.leg_of(member);
-        let (with_path, in_record_route) = self.flow_token_wanted(msg);
-        let token = (with_path || in_record_route)
-            .then(|| {
-                let keys = self.flows.as_ref()?;
-                Some(keys.sign(self.local.transport(), src, conn))
-            })
-            .flatten();
+        let (token, with_path, in_record_route) = self.flow_token_of(msg, src, conn);
         let token = token.as_ref().map(sip::flow::Token::as_bytes);
         let rw = RequestRewrite {
             local: self.identity_toward(member),
@@ -531,6 +525,25 @@ impl SipCore {
     pub fn registers_flow(&self, bytes: &[u8]) -> bool {
         bytes.starts_with(b"REGISTER ")
             && sip::scan(bytes).is_ok_and(|m| self.flow_token_wanted(&m).0)
+    }
+
+    /// The flow token a client's request from `src` (over connection `conn`) carries, and
+    /// where: (token, in a Path, in its Record-Route). Every failover attempt of a held
+    /// request carries the same as its first.
+    pub(super) fn flow_token_of(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        conn: Option<u64>,
+    ) -> (Option<sip::flow::Token>, bool, bool) {
+        let (with_path, in_record_route) = self.flow_token_wanted(msg);
+        let token = (with_path || in_record_route)
+            .then(|| {
+                let keys = self.flows.as_ref()?;
+                Some(keys.sign(self.local.transport(), src, conn))
+            })
+            .flatten();
+        (token, with_path, in_record_route)
     }
 
     /// Whether a client's request gets a flow token: (in a Path, in its Record-Route). A
