@@ -345,6 +345,7 @@ struct SipFamilies {
     io_err: Family,
     failover: Family,
     held: Family,
+    held_bytes: Family,
     over_limit: Family,
 }
 
@@ -381,6 +382,11 @@ impl SipFamilies {
                 "gauge",
                 "Requests outside a dialog held for failover now.",
             ),
+            held_bytes: Family::new(
+                "fulcrum_sip_failover_held_bytes",
+                "gauge",
+                "What the requests held for failover weigh now, in bytes (bounded by failover.max_pending_bytes).",
+            ),
             over_limit: Family::new(
                 "fulcrum_sip_over_limit_total",
                 "counter",
@@ -402,6 +408,7 @@ impl SipFamilies {
         ];
         add_each(&mut self.failover, n, "event", &events);
         self.held.add(&[("vserver", n)], t.len() as u64);
+        self.held_bytes.add(&[("vserver", n)], t.bytes() as u64);
         let kinds = [
             ("requests_in", &c.requests_in),
             ("responses_in", &c.responses_in),
@@ -442,7 +449,7 @@ impl SipFamilies {
         add_each(&mut self.over_limit, n, "limit", &limits);
     }
 
-    fn families(&self) -> [&Family; 7] {
+    fn families(&self) -> [&Family; 8] {
         [
             &self.sip_in,
             &self.dropped,
@@ -450,6 +457,7 @@ impl SipFamilies {
             &self.io_err,
             &self.failover,
             &self.held,
+            &self.held_bytes,
             &self.over_limit,
         ]
     }

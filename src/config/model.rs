@@ -582,6 +582,9 @@ pub struct Failover {
     pub tries: u8,
     /// Most requests held at once; beyond, requests are forwarded statelessly (counted).
     pub max_pending: usize,
+    /// Most bytes the held requests may weigh (the request, each attempt's copy, the answers
+    /// kept); beyond, requests are forwarded statelessly (counted).
+    pub max_pending_bytes: usize,
 }
 
 impl Default for Failover {
@@ -592,6 +595,7 @@ impl Default for Failover {
             no_answer_non_invite: None,
             tries: 3,
             max_pending: 65_536,
+            max_pending_bytes: 256 << 20,
         }
     }
 }

@@ -116,6 +116,23 @@ fn did_you_mean<'c>(word: &str, candidates: impl IntoIterator<Item = &'c str>) -
 const MAX_DURATION_S: i128 = 1_000_000_000;
 
 /// `5s`, `250ms`, `1m`, `1h`, `0`; a bare integer means seconds.
+/// A size written as a number of bytes with an optional binary unit: `512`, `512B`, `64KiB`,
+/// `256MiB`, `2GiB` (no fractions).
+pub(super) fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(digits);
+    let n: u64 = n.parse().ok()?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return None,
+    };
+    n.checked_mul(scale)
+}
+
 pub fn parse_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit() && c != '.')?;
@@ -276,6 +293,35 @@ impl Cx {
                         "expected an integer in {min}..={max}, found {}",
                         other.kind()
                     ),
+                );
+                None
+            }
+        }
+    }
+
+    /// A size in bytes: an integer, or a string such as `"256MiB"` (`B`, `KiB`, `MiB`,
+    /// `GiB`), within `min..=max`.
+    fn size_bytes(&mut self, node: &Node, path: &str, min: u64, max: u64) -> Option<u64> {
+        let n = match &node.value {
+            Value::Int(i) => u64::try_from(*i).ok(),
+            Value::Str(s) => parse_size(s),
+            _ => None,
+        };
+        match n {
+            Some(n) if (min..=max).contains(&n) => Some(n),
+            Some(n) => {
+                self.problem(
+                    node.pos,
+                    path,
+                    format!("{n} bytes is out of range {min}..={max}"),
+                );
+                None
+            }
+            None => {
+                self.problem(
+                    node.pos,
+                    path,
+                    "expected a size such as `256MiB`, `64KiB` or a number of bytes",
                 );
                 None
             }

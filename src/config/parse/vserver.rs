@@ -49,6 +49,7 @@ const FAILOVER_FIELDS: &[&str] = &[
     "no_answer_non_invite",
     "tries",
     "max_pending",
+    "max_pending_bytes",
 ];
 
 const SLOW_START_FIELDS: &[&str] = &["new_service_request_rate", "unit", "increment_interval"];
@@ -441,12 +442,19 @@ impl Cx {
             (1, 10_000_000),
             d.max_pending as i128,
         );
+        let max_pending_bytes = match ff.get("max_pending_bytes") {
+            None => Some(d.max_pending_bytes),
+            Some(n) => self
+                .size_bytes(n, &join(&p, "max_pending_bytes"), 64 << 10, 1 << 40)
+                .and_then(|b| usize::try_from(b).ok()),
+        };
         Some(Some(Failover {
             codes: codes?,
             no_answer: no_answer?,
             no_answer_non_invite: no_answer_non_invite?,
             tries: u8::try_from(tries?).ok()?,
             max_pending: usize::try_from(max_pending?).ok()?,
+            max_pending_bytes: max_pending_bytes?,
         }))
     }
 
@@ -989,6 +997,7 @@ mod tests {
         let f = c.vservers[0].failover.clone().expect("on");
         assert_eq!(f.no_answer, Duration::from_secs(2));
         assert_eq!(f.no_answer_non_invite, None);
+        assert_eq!(f.max_pending_bytes, 256 << 20);
         let text = sip_with("    failover: { no_answer_non_invite: 5s }\n");
         let f = from_str("t", &text).expect("valid").vservers[0]
             .failover
@@ -997,6 +1006,28 @@ mod tests {
             f.expect("on").no_answer_non_invite,
             Some(Duration::from_secs(5))
         );
+        for (written, bytes) in [
+            ("\"64MiB\"", 64usize << 20),
+            ("1048576", 1 << 20),
+            ("\"2GiB\"", 2 << 30),
+        ] {
+            let text = sip_with(&format!(
+                "    failover: {{ max_pending_bytes: {written} }}\n"
+            ));
+            let f = from_str("t", &text).expect("valid").vservers[0]
+                .failover
+                .clone();
+            assert_eq!(f.expect("on").max_pending_bytes, bytes, "{written}");
+        }
+        for bad in ["\"lots\"", "\"1.5MiB\"", "12", "\"3TB\""] {
+            let text = sip_with(&format!("    failover: {{ max_pending_bytes: {bad} }}\n"));
+            assert!(
+                problems(&text)
+                    .iter()
+                    .any(|(_, p, _)| p == "vservers[0].failover.max_pending_bytes"),
+                "{bad}"
+            );
+        }
         let text = sip_with("    failover: { no_answer_non_invite: off }\n");
         let f = from_str("t", &text).expect("valid").vservers[0]
             .failover

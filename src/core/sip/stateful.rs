@@ -57,7 +57,22 @@ struct Held {
     dst: SocketAddr,
     /// Where the client's responses go: its Via (RFC 3581 aware), or its connection.
     client: Dest,
+    /// What the entry weighs against `max_pending_bytes` (as last counted).
+    weight: usize,
+    /// The deadline queued for it in the timer heap (`Nanos::MAX`: none): a later one is not
+    /// queued again, so a client retransmitting a held request a million times adds nothing.
+    armed: Nanos,
 }
+
+impl Held {
+    fn weigh(&self) -> usize {
+        self.request.len() + self.tx.weight() + std::mem::size_of::<Held>() + ENTRY_OVERHEAD
+    }
+}
+
+/// What a map entry and its timer cost besides the `Held` itself (hash, shard slot, heap
+/// entry), roughly: enough that a flood of tiny requests is bounded by bytes too.
+const ENTRY_OVERHEAD: usize = 64;
 
 /// The requests a vserver holds; carried over to the core a reload builds.
 #[derive(Debug, Default)]
@@ -65,6 +80,8 @@ pub struct Transactions {
     held: DashMap<u64, Held>,
     /// How many are held (read per message; the map's own count locks every shard).
     count: std::sync::atomic::AtomicUsize,
+    /// What the held entries weigh, in bytes ([`Held::weigh`]).
+    bytes: std::sync::atomic::AtomicUsize,
     /// Deadlines by key; an entry whose transaction has a later deadline (or is gone) is
     /// stale and skipped.
     timers: Mutex<BinaryHeap<Reverse<(Nanos, u64)>>>,
@@ -82,11 +99,44 @@ impl Transactions {
         self.len() == 0
     }
 
+    /// The bytes the held requests weigh.
+    pub fn bytes(&self) -> usize {
+        self.bytes.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Timer entries queued (stale ones included): bounded by the transactions' deadline
+    /// changes, not by the messages they see.
+    pub fn timers_queued(&self) -> usize {
+        crate::sync::lock(&self.timers).len()
+    }
+
     fn remove(&self, key: u64) {
-        if self.held.remove(&key).is_some() {
+        if let Some((_, h)) = self.held.remove(&key) {
             self.count
                 .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            self.bytes
+                .fetch_sub(h.weight, std::sync::atomic::Ordering::Relaxed);
         }
+    }
+
+    /// Re-count what `h` weighs after a change.
+    fn reweigh(&self, h: &mut Held) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let w = h.weigh();
+        if w > h.weight {
+            self.bytes.fetch_add(w - h.weight, Relaxed);
+        } else {
+            self.bytes.fetch_sub(h.weight - w, Relaxed);
+        }
+        h.weight = w;
+    }
+
+    /// Queue `h`'s deadline `at` unless an earlier or equal one is queued already; the
+    /// caller pushes what this returns once the entry's lock is released.
+    fn due(h: &mut Held, at: Option<Nanos>) -> Option<Nanos> {
+        let at = at.filter(|&at| at < h.armed)?;
+        h.armed = at;
+        Some(at)
     }
 
     fn arm(&self, key: u64, at: Option<Nanos>) {
@@ -124,20 +174,25 @@ impl Hops for CoreHops<'_> {
             |m: usize| core.member_addrs.get(m).is_none_or(|a| tried.contains(a)) || too_long(m);
         let member = core.choose_next(&msg, self.src, self.dst, self.now, &avoid)?;
         let addr = *core.member_addrs.get(member)?;
+        let conn_id = match self.client {
+            Dest::Conn(id) => Some(id),
+            _ => None,
+        };
+        // The same flow token as the first attempt: a REGISTER stored through another
+        // registrar keeps its Path, a call its way back to the client.
+        let (token, with_path, in_record_route) = core.flow_token_of(&msg, self.src, conn_id);
+        let token = token.as_ref().map(sip::flow::Token::as_bytes);
         let rw = RequestRewrite {
             local: core.identity_toward(member),
             src: self.src,
             record_route: core.record_route,
             force_rport: false,
-            conn_id: match self.client {
-                Dest::Conn(id) => Some(id),
-                _ => None,
-            },
+            conn_id,
             service: core.digest_of(Some(member)),
             // Across the bridge, double record-routed as the first attempt (RFC 5658 §3.2).
             arrived_on: core.leg_of(member).map(|_| &core.local),
-            flow: None,
-            path: None,
+            flow: token.filter(|_| in_record_route),
+            path: token.filter(|_| with_path),
         };
         let mut out = Vec::with_capacity(self.request.len() + 512);
         sip::forward_request_attempt(&msg, &rw, attempt, &mut out).ok()?;
@@ -413,8 +468,10 @@ impl SipCore {
         let mut acts = Vec::new();
         tx.handle(now, event, &hops, &mut acts);
         let (client, next) = (*client, tx.poll_timeout());
+        self.transactions.reweigh(&mut entry);
+        let queue = Transactions::due(&mut entry, next);
         drop(entry);
-        self.transactions.arm(key, next);
+        self.transactions.arm(key, queue);
         Some((client, acts))
     }
 
@@ -441,7 +498,11 @@ impl SipCore {
         let Some(&addr) = self.member_addrs.get(m) else {
             return;
         };
-        if self.transactions.len() >= failover.max_pending {
+        // What this one will weigh at least: the request and its first attempt.
+        let weight = msg.len() + out.len() + std::mem::size_of::<Held>() + ENTRY_OVERHEAD;
+        if self.transactions.len() >= failover.max_pending
+            || self.transactions.bytes().saturating_add(weight) > failover.max_pending_bytes
+        {
             bump(&self.transactions.counters.table_full);
             return;
         }
@@ -478,14 +539,21 @@ impl SipCore {
         match self.transactions.held.entry(key) {
             dashmap::Entry::Occupied(_) => return,
             dashmap::Entry::Vacant(v) => {
-                v.insert(Held {
+                let mut held = Held {
                     tx,
                     request,
                     method: msg.method_kind(),
                     src,
                     dst,
                     client,
-                });
+                    weight: 0,
+                    armed: next.unwrap_or(Nanos::MAX),
+                };
+                held.weight = held.weigh();
+                self.transactions
+                    .bytes
+                    .fetch_add(held.weight, std::sync::atomic::Ordering::Relaxed);
+                v.insert(held);
                 self.transactions
                     .count
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -641,27 +709,27 @@ impl SipCore {
                 match timers.peek() {
                     Some(Reverse((at, _))) if *at > now => return Some(*at),
                     None => return None,
-                    Some(_) => timers.pop().map(|Reverse((_, k))| k),
+                    Some(_) => timers.pop().map(|Reverse(entry)| entry),
                 }
             };
-            let Some(key) = key else { continue };
-            let finished = self
-                .transactions
-                .held
-                .get(&key)
-                .map(|h| h.tx.is_finished(now));
-            match finished {
+            let Some((at, key)) = key else { continue };
+            let finished = match self.transactions.held.get_mut(&key) {
                 None => continue,
-                Some(true) => {
-                    self.transactions.remove(key);
-                    continue;
+                // A stale entry: the transaction's deadline moved since it was queued (the
+                // live one is queued too).
+                Some(h) if h.armed != at => continue,
+                Some(mut h) => {
+                    h.armed = Nanos::MAX;
+                    h.tx.is_finished(now)
                 }
-                Some(false) => {}
+            };
+            if finished {
+                self.transactions.remove(key);
+                continue;
             }
-            // A stale timer (the transaction's deadline moved later) wakes nothing.
-            let due = |h: &Held| h.tx.poll_timeout().is_none_or(|t| t <= now);
-            let Some((client, acts)) = self.drive(key, now, |h| due(h).then_some(Event::Timer))
-            else {
+            // The machine does what is due (maybe nothing: its deadline may have moved
+            // later) and the entry is queued again at its next deadline.
+            let Some((client, acts)) = self.drive(key, now, |_| Some(Event::Timer)) else {
                 continue;
             };
             let mut unused = Vec::new();

@@ -303,6 +303,23 @@ impl Transaction {
         self.attempts.len()
     }
 
+    /// The bytes this transaction keeps (each attempt's copy and CANCEL, the answers it may
+    /// send again, its own size): what it costs the table's byte budget.
+    pub fn weight(&self) -> usize {
+        let len = |b: &Option<Bytes>| b.as_ref().map_or(0, Bytes::len);
+        let attempts: usize = self
+            .attempts
+            .iter()
+            .map(|a| a.sent.len() + a.cancel.as_ref().map_or(0, |c| c.bytes.len()))
+            .sum();
+        attempts
+            + self.best.as_ref().map_or(0, |(_, b)| b.len())
+            + len(&self.trying)
+            + len(&self.final_bytes)
+            + std::mem::size_of::<Transaction>()
+            + self.attempts.capacity() * std::mem::size_of::<Attempt>()
+    }
+
     /// The final answer relayed to the client ([`TxAction::Relay`]) as it left, to send it
     /// again if the client retransmits its request (and on Timer G). Only the first final
     /// counts: a late 2xx relayed after it is the service's to retransmit.

@@ -549,3 +549,114 @@ fn the_relayed_best_answer_is_sent_again_and_a_silent_pool_gets_no_408() {
     assert!(timers.iter().all(|(to, _)| *to != client), "{timers:?}");
     assert!(!timers.is_empty());
 }
+
+/// A failover attempt carries what the first carried: a REGISTER's Path with the client's
+/// flow token (else the registrar that stores it after a 503 could not reach the phone), and
+/// an INVITE's Record-Route with it.
+#[test]
+fn a_failover_attempt_carries_the_first_attempts_path_and_flow_token() {
+    let keys = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 1, false).expect("keys");
+    let c = core().with_flows(Arc::new(keys), config::PathMode::Always);
+    let register = invite("reg-1")
+        .replace("INVITE sip:svc@example.com", "REGISTER sip:example.com")
+        .replace("1 INVITE", "1 REGISTER");
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &register, CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let first = String::from_utf8_lossy(&out).into_owned();
+    let path_of = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("Path:"))
+            .map(str::to_owned)
+    };
+    let path = path_of(&first).expect("the first attempt has a Path");
+    assert!(path.contains("fc-flow="), "{path}");
+    let refused =
+        answer(first.as_bytes(), 503, "Service Unavailable").replace("1 INVITE", "1 REGISTER");
+    from(
+        &c,
+        &refused,
+        &member_addr(&c, m0),
+        S / 10,
+        &mut out,
+        &mut sends,
+    );
+    let second = sends
+        .iter()
+        .find(|s| first_line(&s.1).starts_with("REGISTER"))
+        .map(|s| String::from_utf8_lossy(&s.1).into_owned())
+        .expect("the second attempt");
+    assert_eq!(
+        path_of(&second),
+        Some(path),
+        "the same Path, the same token"
+    );
+}
+
+/// The held table is bounded in bytes as well as in count, and a client retransmitting a held
+/// INVITE again and again adds nothing to the timer heap: one queued entry per deadline.
+#[test]
+fn the_table_is_bounded_in_bytes_and_retransmissions_queue_no_timers() {
+    let c = core();
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(_) = from(&c, &invite("w-1"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let held = c.transactions().bytes();
+    assert!(
+        held > 2 * invite("w-1").len(),
+        "the request and its attempt: {held}"
+    );
+    let queued = c.transactions().timers_queued();
+    for i in 0..10_000 {
+        from(&c, &invite("w-1"), CLIENT, 1 + i, &mut out, &mut sends);
+    }
+    assert_eq!(c.transactions().timers_queued(), queued);
+    assert_eq!(c.transactions().bytes(), held);
+    // A budget smaller than two entries: the second request goes statelessly, counted.
+    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, failover: { max_pending_bytes: 65536 }, services: [a] }\n";
+    let cfg = config::from_str("t", y).expect("config");
+    let v = &cfg.vservers[0];
+    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
+    let c = SipCore::new(SipParams::of(
+        &cfg,
+        v,
+        local,
+        Arc::new(Balancer::new(&cfg, v)),
+    ))
+    .with_failover(v.failover.clone(), Arc::default());
+    // About 12 KB each, so about 24 KB held with its attempt: two fit, a third does not.
+    let big = |id: &str| {
+        invite(id)
+            .replace("z9hG4bKc1", &format!("z9hG4bK{id}"))
+            .replace(
+                "Content-Length: 0\r\n\r\n",
+                &format!("Content-Length: 12000\r\n\r\n{}", "x".repeat(12_000)),
+            )
+    };
+    for (i, id) in ["w-2", "w-3", "w-4"].into_iter().enumerate() {
+        let a = from(&c, &big(id), CLIENT, i as u64, &mut out, &mut sends);
+        assert!(matches!(a, Action::ToMember(_)), "{id}: {a:?}");
+    }
+    assert_eq!(
+        c.transactions().len(),
+        2,
+        "the third one weighs too much to hold"
+    );
+    assert!(c.transactions().bytes() <= 65_536);
+    let full = c
+        .transactions()
+        .counters
+        .table_full
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(full, 1);
+    // Finished entries give their bytes back.
+    let mut timers = Vec::new();
+    let mut t = 1;
+    while let Some(next) = poll(&c, t, &mut timers) {
+        t = next;
+    }
+    assert!(c.transactions().is_empty());
+    assert_eq!(c.transactions().bytes(), 0);
+}
