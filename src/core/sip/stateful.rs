@@ -308,7 +308,8 @@ impl SipCore {
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
     ) -> Action {
-        if self.failover.is_none() {
+        // With failover off (a reload may turn it off) the requests still held finish.
+        if self.failover.is_none() && self.transactions.is_empty() {
             return self.handle_datagram(buf, src, dst, now, out);
         }
         let origin = self.datagram_origin(src);
@@ -328,9 +329,12 @@ impl SipCore {
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
     ) -> Action {
-        let Some(failover) = &self.failover else {
+        // With failover off (a reload may turn it off) the requests still held finish: their
+        // retransmissions, CANCELs, ACKs and answers still find them; nothing new is held.
+        let failover = self.failover.as_ref();
+        if failover.is_none() && self.transactions.is_empty() {
             return self.handle(buf, origin, src, dst, now, out);
-        };
+        }
         if self.refused_by_acl(origin, src) {
             out.clear();
             return Action::Drop(DropReason::Acl);
@@ -354,7 +358,7 @@ impl SipCore {
                     return action;
                 }
                 let action = self.handle_scanned(&msg, origin, src, dst, now, out);
-                if let (Action::ToMember(m), Some(key)) = (action, key) {
+                if let (Action::ToMember(m), Some(key), Some(failover)) = (action, key, failover) {
                     self.hold(failover, &msg, key, m, client, src, dst, now, out, sends);
                 }
                 action

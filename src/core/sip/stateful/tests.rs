@@ -660,3 +660,65 @@ fn the_table_is_bounded_in_bytes_and_retransmissions_queue_no_timers() {
     assert!(c.transactions().is_empty());
     assert_eq!(c.transactions().bytes(), 0);
 }
+
+/// A reload that turns failover off lets the requests already held finish: the rebuilt core
+/// takes the table over, answers still find their transaction (the 486 is retransmitted to the
+/// client until its ACK), and nothing new is held.
+#[test]
+fn a_reload_that_turns_failover_off_lets_held_requests_finish() {
+    let c = core();
+    let client: SocketAddr = CLIENT.parse().expect("client");
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &invite("off-1"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let fwd = out.clone();
+    let svc = member_addr(&c, m0);
+    // The rebuilt core: the same services, failover off, the old table handed over.
+    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n  - { name: c, address: 127.0.0.1:5073, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, failover: off, services: [a, b, c] }\n";
+    let cfg = config::from_str("t", y).expect("config");
+    let v = &cfg.vservers[0];
+    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
+    let off = SipCore::new(SipParams::of(
+        &cfg,
+        v,
+        local,
+        Arc::new(Balancer::new(&cfg, v)),
+    ))
+    .with_failover(v.failover.clone(), Arc::clone(c.transactions()));
+    let a = from(
+        &off,
+        &answer(&fwd, 486, "Busy Here"),
+        &svc,
+        S / 10,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(a, Action::ToAddr(client));
+    assert!(
+        first_line(&sends[0].1).starts_with("ACK "),
+        "still ACKed by fulcrum"
+    );
+    let mut timers = Vec::new();
+    let mut t = S / 10;
+    while timers.is_empty() && t < 5 * S {
+        t = poll(&off, t, &mut timers).expect("Timer G");
+    }
+    assert_eq!(timers[0].0, client, "Timer G still runs: {timers:?}");
+    let ack = invite("off-1")
+        .replace("INVITE sip", "ACK sip")
+        .replace("1 INVITE", "1 ACK")
+        .replace(
+            "To: <sip:svc@example.com>",
+            "To: <sip:svc@example.com>;tag=s1",
+        );
+    let a = from(&off, &ack, CLIENT, t + 1, &mut out, &mut sends);
+    assert_eq!(a, Action::Drop(DropReason::Absorbed));
+    // A new request is not held.
+    let fresh = invite("off-2").replace("z9hG4bKc1", "z9hG4bKc2");
+    let Action::ToMember(_) = from(&off, &fresh, CLIENT, t + 2, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    assert!(sends.is_empty(), "no 100 from fulcrum: {sends:?}");
+    assert_eq!(off.transactions().len(), 1);
+}
