@@ -305,8 +305,11 @@ pub fn admit(
 }
 
 /// What a client connection has done, for eviction under pressure: when it was last active
-/// (on the shell's clock, in one unit per vserver) and whether it ever completed a message
-/// or request.
+/// and whether it ever completed a message or request. Every vserver stamps it in
+/// nanoseconds of the runtime's one epoch (`proxy::context::elapsed_nanos`): eviction
+/// compares connections of every vserver, so a unit of its own (a SIP stream once counted
+/// milliseconds) would make a phone that spoke a second ago look older than a tcp
+/// connection silent for an hour.
 #[derive(Debug, Default)]
 pub struct Activity {
     last: AtomicU64,
@@ -327,9 +330,10 @@ pub mod class {
 }
 
 impl Activity {
-    pub fn new(now: u64) -> Activity {
+    /// A connection opened at `now_ns`.
+    pub fn new(now_ns: u64) -> Activity {
         Activity {
-            last: AtomicU64::new(now),
+            last: AtomicU64::new(now_ns),
             proven: std::sync::atomic::AtomicBool::new(false),
             registered: std::sync::atomic::AtomicBool::new(false),
         }
@@ -342,9 +346,9 @@ impl Activity {
         }
     }
 
-    /// Something arrived at `now`: a whole message (`message`), or only a keep-alive.
-    pub fn touch(&self, now: u64, message: bool) {
-        self.last.store(now, Ordering::Relaxed);
+    /// Something arrived at `now_ns`: a whole message (`message`), or only a keep-alive.
+    pub fn touch(&self, now_ns: u64, message: bool) {
+        self.last.store(now_ns, Ordering::Relaxed);
         if message && !self.proven.load(Ordering::Relaxed) {
             self.proven.store(true, Ordering::Relaxed);
         }

@@ -20,7 +20,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use crate::config::{HashParams, Method, TokenRule};
+use crate::config::{AorKey, HashParams, Method, TokenRule};
 use crate::http::HttpHead;
 use crate::sip::{SipMethod, SipMsg, parse_name_addr, parse_uri};
 
@@ -144,7 +144,7 @@ pub fn extract<'a>(method: Method, params: &HashParams, ctx: &RequestCtx<'a>) ->
                 .map_or(KeyOutcome::NoKey, |c| KeyOutcome::Key(Key::Borrowed(c))),
             _ => KeyOutcome::NoKey,
         },
-        Method::AorHash => aor_key(ctx),
+        Method::AorHash => aor_key(ctx, params.aor_key),
         Method::Token => token_key(params.token.as_ref(), ctx),
         Method::RoundRobin
         | Method::LeastConnection
@@ -221,8 +221,8 @@ fn domain_key<'a>(params: &HashParams, ctx: &RequestCtx<'a>) -> KeyOutcome<'a> {
 }
 
 /// `aor_hash`: the address-of-record, the To URI of a REGISTER and the Request-URI of any
-/// other request, in canonical form ([`canonical_aor`]). No URI that gives one: no key.
-fn aor_key<'a>(ctx: &RequestCtx<'a>) -> KeyOutcome<'a> {
+/// other request, as [`aor_hash_key`] reads it. No URI that gives one: no key.
+fn aor_key<'a>(ctx: &RequestCtx<'a>, mode: AorKey) -> KeyOutcome<'a> {
     let Payload::Sip(m) = ctx.payload else {
         return KeyOutcome::NoKey;
     };
@@ -231,8 +231,55 @@ fn aor_key<'a>(ctx: &RequestCtx<'a>) -> KeyOutcome<'a> {
     } else {
         m.request_uri()
     };
-    uri.and_then(canonical_aor)
+    uri.and_then(|u| aor_hash_key(u, mode))
         .map_or(KeyOutcome::NoKey, KeyOutcome::Key)
+}
+
+/// What `aor_hash` hashes of an address-of-record `uri`:
+/// - a telephone number, `tel:N` or `sip:N@host;user=phone` (RFC 3261 §19.1.6): N without its
+///   visual separators (`-` `.` `(` `)`, RFC 3966 §3), its leading `+` kept, whatever the host:
+///   a number registered from one gateway and called through another lands on one registrar;
+/// - otherwise with `aor_key: uri` the canonical AoR ([`canonical_aor`], user and host), with
+///   `aor_key: user` the user part alone (unescaped; the canonical AoR when there is none),
+///   for registrars that ignore the domain (Kamailio's `use_domain=0`).
+pub fn aor_hash_key(uri: &[u8], mode: AorKey) -> Option<Key<'static>> {
+    if let Some(n) = telephone_number(uri) {
+        let mut w = KeyWriter::default();
+        for &c in n {
+            if !matches!(c, b'-' | b'.' | b'(' | b')') {
+                w.push(&[c]);
+            }
+        }
+        return Some(w.key());
+    }
+    match (mode, parse_uri(uri)) {
+        (AorKey::User, Some(u)) if u.user.is_some_and(|user| !user.is_empty()) => {
+            let user = u.user.unwrap_or_default();
+            let user = &user[..memchr::memchr(b':', user).unwrap_or(user.len())];
+            let mut w = KeyWriter::default();
+            w.unescaped(user);
+            Some(w.key())
+        }
+        _ => canonical_aor(uri),
+    }
+}
+
+/// The number of a `tel:` URI (up to its first parameter) or of a SIP URI whose `user=phone`
+/// parameter says its user part is one.
+fn telephone_number(uri: &[u8]) -> Option<&[u8]> {
+    if let Some(rest) = uri.get(..4).filter(|s| s.eq_ignore_ascii_case(b"tel:")) {
+        let rest = &uri[rest.len()..];
+        let n = &rest[..memchr::memchr(b';', rest).unwrap_or(rest.len())];
+        return (!n.is_empty()).then_some(n);
+    }
+    let u = parse_uri(uri)?;
+    let phone = u
+        .params
+        .split(|&c| c == b';')
+        .any(|p| p.eq_ignore_ascii_case(b"user=phone"));
+    let user = u.user.filter(|n| phone && !n.is_empty())?;
+    // The number ends where its own parameters start (`;isub=`, `;phone-context=`).
+    Some(&user[..memchr::memchr(b';', user).unwrap_or(user.len())])
 }
 
 /// The address-of-record of `uri` in the canonical form of RFC 3261 §10.3, the form a
@@ -464,7 +511,7 @@ l: 0\r\n\r\n";
             (
                 "INVITE",
                 "tel:+1-212-555-0101;phone-context=example.com",
-                b"tel:+12125550101",
+                b"+12125550101",
             ),
             ("OPTIONS", "sip:Example.com;lr", b"sip:example.com"),
             // A bad escape is kept as written; nothing panics on a short one.
@@ -477,6 +524,49 @@ l: 0\r\n\r\n";
                 "{ruri}"
             );
         }
+    }
+
+    /// `aor_key`: a number keys alike as `tel:` and as `sip:...;user=phone` whatever the
+    /// host, in both modes; `user` keys a SIP AoR by its user alone.
+    #[test]
+    fn aor_key_modes_and_telephone_numbers() {
+        let key =
+            |uri: &str, mode| aor_hash_key(uri.as_bytes(), mode).map(|k| k.as_bytes().to_vec());
+        for mode in [AorKey::Uri, AorKey::User] {
+            let n = Some(b"+12125550101".to_vec());
+            assert_eq!(key("tel:+1-212-555-0101", mode), n);
+            assert_eq!(
+                key("sip:+1(212)555.0101@gw1.example.com;user=phone", mode),
+                n
+            );
+            assert_eq!(
+                key(
+                    "sip:+12125550101;isub=7@gw2.example.net:5080;user=phone",
+                    mode
+                ),
+                n
+            );
+            assert_eq!(key("TEL:+12125550101;phone-context=x", mode), n);
+        }
+        // Without user=phone a number-like user is an ordinary user.
+        assert_eq!(
+            key("sip:+12125550101@gw1.example.com", AorKey::Uri),
+            Some(b"sip:+12125550101@gw1.example.com".to_vec())
+        );
+        assert_eq!(
+            key("sip:Bob@A.example.com:5070", AorKey::User),
+            Some(b"Bob".to_vec())
+        );
+        assert_eq!(key("sip:b%6Fb@x", AorKey::User), Some(b"bob".to_vec()));
+        assert_eq!(
+            key("sip:bob@a.example.com", AorKey::User),
+            key("sip:bob@b.example.org", AorKey::User)
+        );
+        assert_eq!(
+            key("sip:example.com", AorKey::User),
+            Some(b"sip:example.com".to_vec())
+        );
+        assert_eq!(key("tel:", AorKey::Uri), None, "no number, no key");
     }
 
     #[test]

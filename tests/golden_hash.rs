@@ -100,7 +100,12 @@ fn choices_match_the_golden_file() {
 const GOLDEN_AOR: &str = "fixtures/golden/aor_keys.txt";
 
 /// Requests whose `aor_hash` key is pinned: (method, Request-URI, To).
-const AOR_CASES: [(&str, &str, &str); 14] = [
+const AOR_CASES: [(&str, &str, &str); 15] = [
+    (
+        "INVITE",
+        "sip:+1-212-555-0101@gw.example.com:5060;user=phone",
+        "<sip:x@y>",
+    ),
     ("REGISTER", "sip:example.com", "<sip:alice@example.com>"),
     (
         "REGISTER",

@@ -534,6 +534,18 @@ pub struct HashParams {
     pub token: Option<TokenRule>,
     /// Bounded loads: a percentage >= 100; `None` = off.
     pub hash_balance_factor: Option<u32>,
+    /// `aor_hash`: what of the address-of-record is hashed.
+    pub aor_key: AorKey,
+}
+
+/// `aor_key`: the part of an address-of-record `aor_hash` hashes (docs/methods.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum AorKey {
+    /// The whole AoR in canonical form (RFC 3261 §10.3): user and host.
+    #[default]
+    Uri,
+    /// The user part only, for registrars that ignore the domain (one domain per farm).
+    User,
 }
 
 impl Default for HashParams {
@@ -544,6 +556,7 @@ impl Default for HashParams {
             v6_netmask_len: 128,
             token: None,
             hash_balance_factor: None,
+            aor_key: AorKey::Uri,
         }
     }
 }

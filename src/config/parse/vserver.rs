@@ -18,6 +18,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "v6_netmask_len",
     "token",
     "hash_balance_factor",
+    "aor_key",
     "slow_start",
     "services",
     "advertise",
@@ -266,6 +267,14 @@ impl Cx {
             hash_balance_factor: self.optional(f, path, "hash_balance_factor", |cx, n, p| {
                 cx.int_in(n, p, 100, 10_000).map(|v| v as u32)
             }),
+            aor_key: match f.get("aor_key") {
+                None => Some(AorKey::Uri),
+                Some(n) => self.choice(
+                    n,
+                    &join(path, "aor_key"),
+                    &[("uri", AorKey::Uri), ("user", AorKey::User)],
+                ),
+            },
         }
     }
 
@@ -759,6 +768,18 @@ impl Cx {
                 );
             }
         }
+        if let (Some(m), Some(n)) = (method, f.get("aor_key"))
+            && m != Method::AorHash
+        {
+            self.problem(
+                n.pos,
+                &join(path, "aor_key"),
+                format!(
+                    "`aor_key` applies to `method: aor_hash` only, not {}",
+                    m.name()
+                ),
+            );
+        }
         if let (Some(p), Some(n)) = (protocol, f.get("max_per_source"))
             && matches!(p, Protocol::Udp | Protocol::SipUdp)
         {
@@ -855,6 +876,7 @@ struct HashFields {
     v6_netmask_len: Option<i128>,
     token: Option<Option<TokenRule>>,
     hash_balance_factor: Option<Option<u32>>,
+    aor_key: Option<AorKey>,
 }
 
 /// The listener and forwarding options as read.
@@ -891,6 +913,7 @@ impl VserverFields {
                 v6_netmask_len: h.v6_netmask_len? as u8,
                 token: h.token?,
                 hash_balance_factor: h.hash_balance_factor?,
+                aor_key: h.aor_key?,
             },
             slow_start: self.slow_start?,
             services: members.as_ref()?.0.clone(),
@@ -1039,6 +1062,26 @@ mod tests {
                 .any(|(_, p, _)| p == "vservers[0].failover.no_answer_non_invite"),
             "{bad:?}"
         );
+    }
+
+    #[test]
+    fn aor_key_is_for_aor_hash_only() {
+        let with = |fields: &str| {
+            format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-udp, bind: 127.0.0.1:5060, {fields}, services: [s1] }}\n"
+            )
+        };
+        let c = from_str("t", &with("method: aor_hash, aor_key: user")).expect("valid");
+        assert_eq!(c.vservers[0].hash.aor_key, AorKey::User);
+        let c = from_str("t", &with("method: aor_hash")).expect("valid");
+        assert_eq!(c.vservers[0].hash.aor_key, AorKey::Uri);
+        let bad = problems(&with("method: call_id_hash, aor_key: user"));
+        assert!(
+            bad.iter().any(|(_, p, m)| p == "vservers[0].aor_key" && m.contains("aor_hash")),
+            "{bad:?}"
+        );
+        let bad = problems(&with("method: aor_hash, aor_key: domain"));
+        assert!(bad.iter().any(|(_, p, _)| p == "vservers[0].aor_key"), "{bad:?}");
     }
 
     #[test]

@@ -358,6 +358,17 @@ impl SipCore {
         }
     }
 
+    /// Whether `msg` pins its Call-ID to the member chosen for it: a request that sets up a
+    /// dialog, and a REGISTER (its refreshes reuse the Call-ID, RFC 3261 §10.2.4) unless the
+    /// method keys it by its address-of-record: `aor_hash` brings every refresh, and every
+    /// call to the AoR, to the registrar the AoR ranks first, back there too once it is usable
+    /// again after a failover; a pin would keep the refreshes on the registrar that took one
+    /// over while the calls went to the first.
+    pub(super) fn pins_call(&self, msg: &SipMsg<'_>) -> bool {
+        pins_dialog(msg)
+            && !(self.method == Method::AorHash && msg.method_kind() == SipMethod::Register)
+    }
+
     pub(super) fn choose(
         &self,
         msg: &SipMsg<'_>,
@@ -389,7 +400,7 @@ impl SipCore {
         // (a new CSeq) on an entry whose request was refused, an INVITE sent again with
         // credentials, makes it pending again.
         let cseq = msg.cseq().map_or(0, |c| c.seq);
-        let pinning = pins_dialog(msg) && msg.to_tag().is_none();
+        let pinning = self.pins_call(msg) && msg.to_tag().is_none();
         let pinned = call_hash.and_then(|h| {
             if pinning {
                 self.dialogs.get_pinning(h, cseq, now_ms, |c| self.tally(c))
@@ -418,7 +429,7 @@ impl SipCore {
             self.end_dialog(h, now_ms);
         }
         match call_hash {
-            Some(h) if pins_dialog(msg) => self.pin(h, member, cseq, now_ms),
+            Some(h) if self.pins_call(msg) => self.pin(h, member, cseq, now_ms),
             // No dialog: only its retransmissions follow it (a MESSAGE delivered twice by two
             // services would be a duplicate the user sees), uncounted. An ACK has none.
             Some(h) if msg.method_kind() != SipMethod::Ack => {

@@ -223,7 +223,7 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         let (outbox, rx) = Outbox::new();
         let level = outbox.level();
-        let activity = Arc::new(crate::budget::Activity::new(shared.now() / 1_000_000));
+        let activity = Arc::new(crate::budget::Activity::new(shared.now()));
         let own = ClientOwn {
             rx,
             level,

@@ -136,7 +136,7 @@ fn frame_buffered(
                         }
                         let now = shared.now();
                         if let Some(a) = peer.activity {
-                            a.touch(now / 1_000_000, true);
+                            a.touch(now, true);
                         }
                         let _in = reader.enter();
                         let g = shared.current.load();
@@ -170,7 +170,7 @@ fn frame_buffered(
                     Frame::Ping => {
                         bump(&shared.counters.keepalive_pings);
                         if let Some(a) = peer.activity {
-                            a.touch(shared.now() / 1_000_000, false);
+                            a.touch(shared.now(), false);
                         }
                         shared.reply(peer.reply, Bytes::from_static(PONG));
                     }

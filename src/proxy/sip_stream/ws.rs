@@ -227,7 +227,7 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             Message::Text(t) => t.as_bytes(),
             Message::Binary(b) => b,
             Message::Ping(_) | Message::Pong(_) => {
-                activity.touch(shared.now() / 1_000_000, false);
+                activity.touch(shared.now(), false);
                 continue;
             }
             Message::Close(_) => break,
@@ -237,7 +237,7 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         // (SIP.js: a message of two CRLFs), answered with one CRLF as over TCP; a lone CRLF
         // (the client's own pong) is activity and nothing else.
         if bytes == b"\r\n\r\n" || bytes == PONG {
-            activity.touch(shared.now() / 1_000_000, false);
+            activity.touch(shared.now(), false);
             if bytes != PONG {
                 bump(&shared.counters.keepalive_pings);
                 shared.reply(ReplyTo::Client(id), bytes::Bytes::from_static(PONG));
@@ -266,7 +266,7 @@ fn handle_message(
     activity: &crate::budget::Activity,
 ) {
     let now = shared.now();
-    activity.touch(now / 1_000_000, true);
+    activity.touch(now, true);
     let g = shared.current.load();
     if g.core.registers_flow(bytes) {
         activity.mark_registered();

@@ -722,3 +722,70 @@ fn a_reload_that_turns_failover_off_lets_held_requests_finish() {
     assert!(sends.is_empty(), "no 100 from fulcrum: {sends:?}");
     assert_eq!(off.transactions().len(), 1);
 }
+
+/// With `aor_hash` a REGISTER that failed over pins nothing: its refresh, and a call to its
+/// AoR, go to the registrar the AoR ranks first once that one is usable again, so bindings
+/// and calls meet at one registrar.
+#[test]
+fn with_aor_hash_a_register_that_failed_over_converges_on_the_first_registrar() {
+    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n  - { name: c, address: 127.0.0.1:5073, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, method: aor_hash, eject: off, services: [a, b, c] }\n";
+    let cfg = config::from_str("t", y).expect("config");
+    let v = &cfg.vservers[0];
+    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
+    let c = SipCore::new(SipParams::of(
+        &cfg,
+        v,
+        local,
+        Arc::new(Balancer::new(&cfg, v)),
+    ))
+    .with_failover(v.failover.clone(), Arc::default());
+    let register = |cseq: u32, branch: &str| {
+        format!(
+            "REGISTER sip:example.com SIP/2.0\r\nVia: SIP/2.0/UDP 192.0.2.10:5062;branch=z9hG4bK{branch};rport\r\nMax-Forwards: 70\r\nFrom: <sip:alice@example.com>;tag=f1\r\nTo: <sip:alice@example.com>\r\nCall-ID: reg-conv\r\nCSeq: {cseq} REGISTER\r\nContact: <sip:alice@192.0.2.10:5062>\r\nExpires: 600\r\nContent-Length: 0\r\n\r\n"
+        )
+    };
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(first) = from(&c, &register(1, "r1"), CLIENT, 0, &mut out, &mut sends)
+    else {
+        panic!("not forwarded");
+    };
+    let refused = answer(&out, 503, "Service Unavailable")
+        .replace("1 INVITE", "1 REGISTER")
+        .replace("Retry-After: 30\r\n", "");
+    from(
+        &c,
+        &refused,
+        &member_addr(&c, first),
+        S / 10,
+        &mut out,
+        &mut sends,
+    );
+    let second = sends
+        .iter()
+        .find(|s| first_line(&s.1).starts_with("REGISTER"))
+        .expect("failed over")
+        .clone();
+    assert_ne!(second.0, c.member_addr(first).expect("first"));
+    let ok = answer(&second.1, 200, "OK").replace("1 INVITE", "1 REGISTER");
+    from(&c, &ok, &second.0.to_string(), S / 5, &mut out, &mut sends);
+    // The refresh, minutes later: the first-ranked registrar again.
+    let a = from(
+        &c,
+        &register(2, "r2"),
+        CLIENT,
+        300 * S,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(
+        a,
+        Action::ToMember(first),
+        "the refresh goes back to the AoR's registrar"
+    );
+    // And a call to the AoR meets the binding there.
+    let call = invite("call-to-alice")
+        .replace("INVITE sip:svc@example.com", "INVITE sip:alice@example.com")
+        .replace("z9hG4bKc1", "z9hG4bKc9");
+    let a = from(&c, &call, CLIENT, 301 * S, &mut out, &mut sends);
+    assert_eq!(a, Action::ToMember(first));
+}
