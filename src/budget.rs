@@ -420,6 +420,23 @@ impl Gate {
         r
     }
 
+    /// Its source's place alone (the first check of [`Gate::admit`]), refused when the
+    /// source is at its limit (counted).
+    pub fn admit_source(&self, ip: IpAddr) -> Result<SourceSlot, Refusal> {
+        self.sources.admit(ip).ok_or(Refusal::PerSource)
+    }
+
+    /// The files each connection costs.
+    pub fn files(&self) -> u64 {
+        self.files
+    }
+
+    /// Count a refusal for want of files, and say so.
+    pub fn refused_for_files(&self) -> Refusal {
+        self.refused_budget.fetch_add(1, Ordering::Relaxed);
+        Refusal::Budget
+    }
+
     pub fn budget(&self) -> &Arc<FileBudget> {
         &self.budget
     }

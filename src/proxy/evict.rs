@@ -19,27 +19,35 @@ use std::time::Duration;
 pub(crate) const EVICTION_WAIT_STEPS: usize = 10;
 pub(crate) const EVICTION_WAIT_STEP: Duration = Duration::from_millis(5);
 
-/// Admit a new client from `ip` through `gate`. While the process's file pool runs low, the
-/// new client first makes room: `evict` closes one idle connection and says how many it
-/// closed; a new client then refused for want of files waits a little for the evicted
-/// one's file to come back.
+/// Admit a new client from `ip` through `gate`: its source's limit first (a source at its
+/// limit is refused without costing anyone a connection), then the files. While the
+/// process's file pool runs low, a client its source's limit admits first makes room:
+/// `evict` closes one idle connection and says how many it closed; a new client then refused
+/// for want of files waits a little for the evicted one's file to come back.
 pub(crate) async fn admit_evicting(
     gate: &Gate,
     ip: IpAddr,
     evict: impl FnOnce() -> usize,
 ) -> Result<Admission, Refusal> {
+    let source = gate.admit_source(ip)?;
     let evicted = gate.budget().is_low() && evict() > 0;
-    let mut r = gate.admit(ip);
+    let mut files = gate.budget().permit(gate.files());
     if evicted {
         for _ in 0..EVICTION_WAIT_STEPS {
-            if !matches!(r, Err(Refusal::Budget)) {
+            if files.is_some() {
                 break;
             }
             tokio::time::sleep(EVICTION_WAIT_STEP).await;
-            r = gate.admit(ip);
+            files = gate.budget().permit(gate.files());
         }
     }
-    r
+    match files {
+        Some(files) => Ok(Admission {
+            files,
+            source: Some(source),
+        }),
+        None => Err(gate.refused_for_files()),
+    }
 }
 
 /// A vserver's client connections as the process-wide eviction sees them.
@@ -196,6 +204,45 @@ impl Drop for Registration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::budget::{FileBudget, Needs};
+
+    /// A pool with `free` files left of which all but the reserve are taken: low.
+    fn low_pool() -> Arc<FileBudget> {
+        let b = Arc::new(FileBudget::new(1_000, &Needs::default()));
+        while b.take(1) {}
+        assert!(b.is_low());
+        b
+    }
+
+    /// A source at its limit is refused before anything is evicted: one source retrying
+    /// cannot close a legitimate connection per attempt.
+    #[tokio::test]
+    async fn a_source_at_its_limit_evicts_nothing() {
+        let gate = Gate::new(low_pool(), 1, Some(1));
+        let ip: IpAddr = "192.0.2.7".parse().expect("ip");
+        let held = gate.admit_source(ip).expect("its first connection");
+        let evicted = std::sync::atomic::AtomicUsize::new(0);
+        for _ in 0..5 {
+            let r = admit_evicting(&gate, ip, || {
+                evicted.fetch_add(1, Ordering::Relaxed);
+                1
+            })
+            .await;
+            assert_eq!(r.err(), Some(Refusal::PerSource));
+        }
+        assert_eq!(evicted.load(Ordering::Relaxed), 0);
+        drop(held);
+        // Another source, admitted by its limit, makes room on a low pool.
+        let other: IpAddr = "192.0.2.8".parse().expect("ip");
+        let r = admit_evicting(&gate, other, || {
+            evicted.fetch_add(1, Ordering::Relaxed);
+            0
+        })
+        .await;
+        assert_eq!(evicted.load(Ordering::Relaxed), 1);
+        assert_eq!(r.err(), Some(Refusal::Budget), "nothing was freed");
+        assert_eq!(gate.refusals()[0], (Refusal::Budget, 1));
+    }
 
     #[test]
     fn a_table_emptied_after_a_burst_gives_its_room_back_and_a_full_one_keeps_it() {

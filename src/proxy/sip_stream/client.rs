@@ -188,23 +188,9 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                 continue;
             }
         }
-        // Its file from the process's pool and its place among its source's, held by the
-        // client's task: given back however it ends (docs/limits.md). A pool running low
-        // first makes room by evicting idle clients.
-        let admission = match shared.admit_client(src.ip()).await {
-            Ok(a) => a,
-            Err(why) => {
-                bump(&shared.counters.clients_refused);
-                if shared.log.allow(shared.now()) {
-                    tracing::warn!(vserver = %shared.name, %src, reason = why.name(), "client connection refused");
-                }
-                drop(stream);
-                continue;
-            }
-        };
-        // Its place in `max_sessions`, reserved atomically: the accept loops of every
-        // listener draw on it together. Given back when the client leaves the table
-        // (`forget_client`).
+        // Its place in `max_sessions` first, reserved atomically (the accept loops of every
+        // listener draw on it together; given back when the client leaves the table,
+        // `forget_client`): a client refused anyway must not evict another on its way out.
         let max = shared.current.load().max_clients as u64;
         let reserved =
             shared
@@ -215,9 +201,24 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                 });
         if reserved.is_err() {
             bump(&shared.counters.clients_refused);
-            drop((stream, admission));
+            drop(stream);
             continue;
         }
+        // Then its place among its source's and its file from the process's pool, held by the
+        // client's task: given back however it ends (docs/limits.md). Only a pool running low
+        // makes room by evicting an idle client, and only for a client nothing else refuses.
+        let admission = match shared.admit_client(src.ip()).await {
+            Ok(a) => a,
+            Err(why) => {
+                shared.counters.clients_open.fetch_sub(1, Ordering::AcqRel);
+                bump(&shared.counters.clients_refused);
+                if shared.log.allow(shared.now()) {
+                    tracing::warn!(vserver = %shared.name, %src, reason = why.name(), "client connection refused");
+                }
+                drop(stream);
+                continue;
+            }
+        };
         let src = SocketAddr::new(src.ip().to_canonical(), src.port());
         let dst = stream.local_addr().unwrap_or(src);
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);

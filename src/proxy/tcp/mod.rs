@@ -586,20 +586,8 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
         {
             continue;
         }
-        // Its files from the process's pool and its place among its source's, held by the
-        // connection's task (docs/limits.md). A pool running low first makes room by
-        // evicting an idle connection.
-        let evict = || core.evictors.evict(core.now());
-        let admission = match admit_evicting(&core.gate, peer.ip(), evict).await {
-            Ok(a) => a,
-            Err(why) => {
-                bump(&core.counters.refused);
-                if log.allow(core.now()) {
-                    tracing::warn!(vserver = %core.name, %peer, reason = why.name(), "connection refused");
-                }
-                continue;
-            }
-        };
+        // Its place under the vserver's bound first: a connection refused anyway must not
+        // evict another on its way out.
         let reserved = core
             .live
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -612,6 +600,21 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
             }
             continue;
         }
+        // Then its place among its source's and its files from the process's pool, held by
+        // the connection's task (docs/limits.md). Only a pool running low makes room by
+        // evicting an idle connection, and only for a connection nothing else refuses.
+        let evict = || core.evictors.evict(core.now());
+        let admission = match admit_evicting(&core.gate, peer.ip(), evict).await {
+            Ok(a) => a,
+            Err(why) => {
+                core.live.fetch_sub(1, Ordering::AcqRel);
+                bump(&core.counters.refused);
+                if log.allow(core.now()) {
+                    tracing::warn!(vserver = %core.name, %peer, reason = why.name(), "connection refused");
+                }
+                continue;
+            }
+        };
         // TLS on either side takes the stream path; plain to plain keeps the
         // single-buffer relay below. Registered for eviction before the task first runs: the
         // worker's runtime is single-threaded, so the task starts only once this loop awaits
