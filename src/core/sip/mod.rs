@@ -343,14 +343,15 @@ impl SipCore {
         &self.balancer
     }
 
-    /// The core with flow tokens signed and verified with `keys`, and Path added to REGISTERs
-    /// as `path` says (docs/sip.md, "Path and flow tokens").
+    /// The core with flow tokens signed and verified with `keys`, bound to this vserver's
+    /// name (a token of another vserver is refused), and Path added to REGISTERs as `path`
+    /// says (docs/sip.md, "Path and flow tokens").
     pub fn with_flows(
         mut self,
         keys: Arc<sip::flow::FlowKeys>,
         path: crate::config::PathMode,
     ) -> SipCore {
-        self.flows = Some(keys);
+        self.flows = Some(Arc::new(keys.for_listener(&self.name)));
         self.path = path;
         self
     }

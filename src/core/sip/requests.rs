@@ -460,7 +460,7 @@ impl SipCore {
         // A flow token in fulcrum's own Route: the client's flow, whatever the Request-URI.
         let flow_token = self.flows.as_ref().zip(sip::routed_flow(msg, &self.local));
         if let Some((keys, token)) = flow_token {
-            return self.request_to_flow(msg, member, src, keys, token, out);
+            return self.request_to_flow(msg, member, src, keys.verify(token, now), token, out);
         }
         let target = match request_target(msg, &self.local) {
             Ok(t) => t,
@@ -576,22 +576,23 @@ impl SipCore {
         }
     }
 
-    /// A service's request whose top Route is fulcrum's with a flow token: to that flow (the
-    /// client's address on UDP, its connection on a stream), with the token kept in the
-    /// Record-Route of the dialog it may set up. A token fulcrum did not make is answered
-    /// 403; a flow this vserver cannot reach (a stream of another start, another
-    /// transport) 430 Flow Failed (RFC 5626 §5.3).
+    /// A service's request whose top Route is fulcrum's with a flow token (`verified`: what
+    /// the vserver's keys say of it): to that flow (the client's address on UDP, its
+    /// connection on a stream), with the token kept in the Record-Route of the dialog it may
+    /// set up. A token fulcrum did not make for this vserver is answered 403; a flow this
+    /// vserver cannot reach (a stream of another start, another transport, a token of the
+    /// previous form past its hour) 430 Flow Failed (RFC 5626 §5.3).
     fn request_to_flow(
         &self,
         msg: &SipMsg<'_>,
         member: usize,
         src: SocketAddr,
-        keys: &sip::flow::FlowKeys,
+        verified: Result<sip::flow::Flow, sip::flow::FlowError>,
         token: &[u8],
         out: &mut Vec<u8>,
     ) -> Action {
         use sip::flow::FlowError;
-        let flow = match keys.verify(token) {
+        let flow = match verified {
             Ok(f) if f.transport == self.local.transport() => f,
             Ok(_) | Err(FlowError::Gone) => {
                 bump(&self.counters.flow_failed);

@@ -837,8 +837,10 @@ fn a_register_gets_a_path_naming_its_flow_as_the_path_setting_says() {
         let token = path_token(&out);
         assert_eq!(token.is_some(), wanted, "{mode:?} {extra:?}");
         if let Some(t) = token {
-            let keys = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 1, false).expect("keys");
-            let flow = keys.verify(&t).expect("fulcrum's token");
+            let keys = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 1, false)
+                .expect("keys")
+                .for_listener("v");
+            let flow = keys.verify(&t, 0).expect("fulcrum's token");
             assert_eq!(
                 (flow.transport, flow.addr, flow.conn),
                 (Transport::Udp, client, None)
@@ -910,7 +912,9 @@ fn a_forged_token_is_refused_403_and_a_flow_of_another_start_430() {
     );
     assert_eq!(c.counters.flow_forged.load(Ordering::Relaxed), 1);
     // A stream token made by another start of fulcrum (another nonce): the flow is gone.
-    let other = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 2, false).expect("keys");
+    let other = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 2, false)
+        .expect("keys")
+        .for_listener("v");
     let stream = other.sign(Transport::Tcp, CLIENT.parse().expect("addr"), Some(5));
     handle(
         &c,
@@ -924,7 +928,9 @@ fn a_forged_token_is_refused_403_and_a_flow_of_another_start_430() {
         String::from_utf8_lossy(&out)
     );
     // A sound stream token of this start, on a UDP vserver: not a flow it can reach.
-    let here = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 1, false).expect("keys");
+    let here = crate::sip::flow::FlowKeys::new(vec![[7; 16]], 1, false)
+        .expect("keys")
+        .for_listener("v");
     let stream = here.sign(Transport::Tcp, CLIENT.parse().expect("addr"), Some(5));
     handle(
         &c,
@@ -934,6 +940,33 @@ fn a_forged_token_is_refused_403_and_a_flow_of_another_start_430() {
     );
     assert!(out.starts_with(b"SIP/2.0 430 "));
     assert_eq!(c.counters.flow_failed.load(Ordering::Relaxed), 2);
+}
+
+/// Two vservers on one address with the same keys: a token made on one addresses nothing on
+/// the other, which answers it as a forgery (docs/sip.md, "Path and flow tokens").
+#[test]
+fn a_token_from_one_vserver_is_refused_403_on_another() {
+    let a = with_flows(core(true), config::PathMode::Always, 1);
+    let mut b = core(true);
+    b.name = "w".into();
+    let b = with_flows(b, config::PathMode::Always, 1);
+    let member = "127.0.0.1:5071";
+    let mut out = Vec::new();
+    handle(&a, &register(""), CLIENT, &mut out);
+    let token = path_token(&out).expect("a Path");
+    let on_b = handle(&b, &toward_client(&token, "INVITE"), member, &mut out);
+    assert_eq!(on_b, Action::Reply(member.parse().expect("addr")));
+    assert!(
+        out.starts_with(b"SIP/2.0 403 "),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    assert_eq!(b.counters.flow_forged.load(Ordering::Relaxed), 1);
+    assert_eq!(b.counters.routed_by_flow.load(Ordering::Relaxed), 0);
+    // The vserver that made it still routes it.
+    let on_a = handle(&a, &toward_client(&token, "INVITE"), member, &mut out);
+    assert_eq!(on_a, Action::ToAddr(CLIENT.parse().expect("addr")));
+    assert_eq!(a.counters.flow_forged.load(Ordering::Relaxed), 0);
 }
 
 #[test]
