@@ -160,6 +160,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 Err(code) => return Ok(code),
             };
             init_tracing(cli.log_format, Some(&cfg))?;
+            let name = path.display().to_string();
+            for w in cfg.warning_lines(&name) {
+                tracing::warn!("{w}");
+            }
             run_proxy(cfg, path, drain_timeout)?;
             Ok(ExitCode::SUCCESS)
         }
@@ -439,6 +443,11 @@ fn check(files: &[PathBuf]) -> ExitCode {
     for file in files {
         match config::load(file) {
             Ok(cfg) => {
+                // Warnings on stderr like problems, and the exit code left alone.
+                let name = file.display().to_string();
+                for w in cfg.warning_lines(&name) {
+                    eprintln!("{w}");
+                }
                 println!("{}: ok", file.display());
                 for line in fulcrum::config::summary(&cfg) {
                     println!("  {line}");

@@ -420,6 +420,12 @@ impl Ops {
         systemd::notify(systemd::reloading_now());
         let applied = config::load(path)
             .map_err(ReloadError::from)
+            .inspect(|new| {
+                let file = path.display().to_string();
+                for w in new.warning_lines(&file) {
+                    tracing::warn!("{w}");
+                }
+            })
             .and_then(|new| self.apply_locked(new));
         systemd::notify(systemd::State::Serving);
         applied

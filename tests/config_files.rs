@@ -1,5 +1,8 @@
-//! `fulcrum check` over the shipped examples (all valid) and the invalid fixtures (each must
-//! print exactly its `.expected` lines and exit 2).
+//! `fulcrum check` over the shipped examples (all valid), the invalid fixtures (each must
+//! print exactly its `.expected` lines and exit 2) and the valid but warned ones (each prints
+//! exactly its `.expected` warning lines and exits 0); `fulcrum run` logs the warnings at start.
+
+mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -62,6 +65,61 @@ fn every_invalid_fixture_reports_its_exact_lines() {
         );
         assert!(out.stdout.is_empty());
     }
+}
+
+#[test]
+fn every_warned_fixture_is_valid_and_prints_its_exact_warnings() {
+    let files = yaml_files("fixtures/config_warnings");
+    assert!(files.len() >= 2);
+    for f in files {
+        let expected_path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join(f.with_extension("expected"));
+        let expected = std::fs::read_to_string(&expected_path)
+            .unwrap_or_else(|_| panic!("{} needs a .expected file", f.display()));
+        assert!(expected.contains(": warning: "), "{}", f.display());
+        let out = check(&f);
+        assert_eq!(out.status.code(), Some(0), "{} must exit 0", f.display());
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            expected,
+            "{}",
+            f.display()
+        );
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.contains(": ok"), "{stdout}");
+    }
+}
+
+#[test]
+fn the_shipped_examples_warn_of_nothing() {
+    for f in yaml_files("config") {
+        let out = check(&f);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stderr),
+            "",
+            "{} is an example to copy",
+            f.display()
+        );
+    }
+}
+
+#[test]
+fn run_logs_the_warnings_at_start() {
+    let yaml = "admin: { listen: null }\nservices:\n  - { name: s0, address: 127.0.0.1:9, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: [127.0.0.1:0], workers: 1, failover: { no_answer_non_invite: 1s }, services: [s0] }\n";
+    let file = common::ConfigFile::new("warned", yaml);
+    let (mut child, rx) = common::spawn_fulcrum(&file.path, "1s");
+    let mut seen = Vec::new();
+    let warned = common::expect_line_keeping(&rx, "warning: below 4s", &mut seen);
+    assert!(
+        warned.contains(&format!("{}:5:", file.path.display()))
+            && warned.contains("vservers[0].failover.no_answer_non_invite: warning: "),
+        "{warned}"
+    );
+    // Before the vserver starts, and it starts all the same.
+    assert!(!seen.iter().any(|l| l.contains("listening")), "{seen:?}");
+    common::expect_line_keeping(&rx, "listening", &mut seen);
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 #[test]

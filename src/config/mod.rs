@@ -93,6 +93,32 @@ impl fmt::Display for ProblemLine<'_> {
     }
 }
 
+/// One warning formatted as `FILE:LINE:COL: field.path: warning: message` ([`Config::warnings`]).
+pub struct WarningLine<'a> {
+    pub file: &'a str,
+    pub warning: &'a Problem,
+}
+
+impl Config {
+    /// Each of [`Config::warnings`], to be printed as read from `file`.
+    pub fn warning_lines<'a>(&'a self, file: &'a str) -> impl Iterator<Item = WarningLine<'a>> {
+        self.warnings
+            .iter()
+            .map(move |warning| WarningLine { file, warning })
+    }
+}
+
+impl fmt::Display for WarningLine<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let w = self.warning;
+        write!(f, "{}:{}:{}: ", self.file, w.pos.line, w.pos.col)?;
+        if !w.path.is_empty() {
+            write!(f, "{}: ", w.path)?;
+        }
+        write!(f, "warning: {}", w.message)
+    }
+}
+
 /// Parse and validate YAML text. `file` names the source in error lines; `${NAME}`
 /// references read the process environment.
 pub fn from_str(file: &str, text: &str) -> Result<Config, ConfigError> {

@@ -23,6 +23,9 @@ pub struct Config {
     pub flow_key_file: Option<FlowKeyFile>,
     /// `dns`: how services named in DNS are looked up (docs/discovery.md).
     pub dns: DnsSettings,
+    /// What is valid but probably not meant, with its position and field path
+    /// (`fulcrum check` prints them, `fulcrum run` logs them); never a reason to refuse.
+    pub warnings: Vec<super::Problem>,
 }
 
 /// The global `dns` block: the servers asked and the bounds on how often a name is asked

@@ -16,6 +16,7 @@ mod monitor;
 mod service;
 mod tls;
 mod vserver;
+mod warnings;
 
 use super::model::*;
 use super::yaml::{Key, Node, Pos, Value};
@@ -32,12 +33,16 @@ pub struct Problem {
     pub message: String,
 }
 
-/// Convert a parsed YAML tree into a [`Config`], or every problem found (sorted by position).
+/// Convert a parsed YAML tree into a [`Config`] (with its warnings, sorted by position), or
+/// every problem found (sorted by position).
 pub(crate) fn convert(root: &Node) -> Result<Config, Vec<Problem>> {
     let mut cx = Cx::default();
     let config = cx.config(root);
     if cx.problems.is_empty() {
-        config.ok_or_else(|| {
+        cx.warnings.sort();
+        cx.warnings.dedup();
+        let warnings = cx.warnings;
+        config.map(|c| Config { warnings, ..c }).ok_or_else(|| {
             vec![Problem {
                 pos: root.pos,
                 path: String::new(),
@@ -54,6 +59,8 @@ pub(crate) fn convert(root: &Node) -> Result<Config, Vec<Problem>> {
 #[derive(Default)]
 struct Cx {
     problems: Vec<Problem>,
+    /// Valid but probably not meant ([`Cx::warning`]).
+    warnings: Vec<Problem>,
 }
 
 /// Fields of a mapping, checked against the allowed names.
@@ -499,6 +506,7 @@ impl Cx {
             cx.vserver(n, path, &service_refs, &services_declared)
         });
         self.check_binds(&vservers, admin.as_ref().and_then(|a| a.listen));
+        self.warn_open_websockets(vserver_nodes, &vservers);
 
         let flow_key_file = match f.get("flow_key_file") {
             None => Some(None),
@@ -522,6 +530,7 @@ impl Cx {
             monitors: monitors.into_iter().map(|(m, _)| m).collect(),
             services: services.into_iter().map(|(s, _)| s).collect(),
             vservers: vservers.into_iter().map(|(v, _)| v).collect(),
+            warnings: Vec::new(),
         })
     }
 

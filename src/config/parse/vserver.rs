@@ -439,9 +439,14 @@ impl Cx {
             {
                 Some(None)
             }
-            Some(n) => self
-                .duration(n, &join(&p, "no_answer_non_invite"), false)
-                .map(Some),
+            Some(n) => {
+                let at = join(&p, "no_answer_non_invite");
+                let d = self.duration(n, &at, false);
+                if let Some(d) = d {
+                    self.warn_short_non_invite_timeout(n, &at, d);
+                }
+                d.map(Some)
+            }
         };
         let tries = self.int_field(&ff, &p, "tries", (1, 16), i128::from(d.tries));
         let max_pending = self.int_field(
