@@ -554,3 +554,74 @@ fn a_member_that_appears_enters_slow_start() {
     assert!(slow(&uas[0]).is_null(), "{st}");
     assert_eq!(slow(&uas[1])["rate"], 5, "{st}");
 }
+
+/// A DNS server that answers A queries for every name with `a` (TTL 1 s) and never answers
+/// any other query: a resolver that drops AAAA, as some middleboxes and broken resolvers do.
+fn a_only_dns(a: std::net::Ipv4Addr) -> (SocketAddr, Arc<std::sync::atomic::AtomicU64>) {
+    let sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    sock.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    let addr = sock.local_addr().expect("addr");
+    let dropped = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = Arc::clone(&dropped);
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 512];
+        // Bounded: the test binary ends long before.
+        let until = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < until {
+            let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                continue;
+            };
+            let q = &buf[..n];
+            // Header (12 bytes), then QNAME's labels, QTYPE, QCLASS.
+            let mut i = 12;
+            while i < q.len() && q[i] != 0 {
+                i += 1 + usize::from(q[i]);
+            }
+            let Some(qtype) = q.get(i + 1..i + 3) else {
+                continue;
+            };
+            if qtype != [0, 1] {
+                seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                continue;
+            }
+            let question = &q[12..i + 5];
+            let mut r = Vec::with_capacity(64);
+            r.extend_from_slice(&q[..2]);
+            r.extend_from_slice(&[0x85, 0x80, 0, 1, 0, 1, 0, 0, 0, 0]);
+            r.extend_from_slice(question);
+            r.extend_from_slice(&[0xC0, 0x0C, 0, 1, 0, 1, 0, 0, 0, 1, 0, 4]);
+            r.extend_from_slice(&a.octets());
+            let _ = sock.send_to(&r, from);
+        }
+    });
+    (addr, dropped)
+}
+
+/// A resolver that never answers AAAA queries: the A records still make the pool, at start
+/// and after (each family is its own part of the answer, docs/discovery.md), and the pool
+/// is not reported stale.
+#[test]
+fn a_resolver_that_drops_aaaa_still_fills_the_pool() {
+    let uas = StrictUas::udp_at("s0", SocketAddr::from(([127, 0, 0, 10], 0)));
+    let (dns, dropped) = a_only_dns(std::net::Ipv4Addr::new(127, 0, 0, 10));
+    let yaml = format!(
+        "admin: {{ listen: null }}\n\
+         dns: {{ servers: [\"{dns}\"], min_refresh: 200ms, max_refresh: 1s }}\n\
+         services:\n  - {{ name: pool, protocol: sip-udp, dns: sip.pool.test, port: {} }}\n\
+         vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: call_id_hash\n    workers: 1\n    services: [pool]\n",
+        uas.addr.port()
+    );
+    let cfg = config::from_str("discovery.yaml", &yaml).expect("valid");
+    let ops = Ops::start(cfg, None).expect("start");
+    wait_serving(&ops, &[&uas]);
+    assert!(
+        dropped.load(std::sync::atomic::Ordering::Relaxed) > 0,
+        "AAAA was asked and dropped"
+    );
+    let st = status(&ops);
+    assert_eq!(st["dns"][0]["stale"], false, "{st}");
+    let r = ready(&ops);
+    assert_eq!(r["status"], 200, "{r}");
+    ops.shutdown();
+}

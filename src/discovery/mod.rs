@@ -16,6 +16,14 @@
 //! - anything else (timeout, SERVFAIL, REFUSED, no server): the set stays the last good one,
 //!   and `/status`, the metrics and `/readyz` say the name is not being refreshed. A DNS
 //!   outage never empties a pool.
+//!
+//! A lookup is made of parts, each remembered on its own ([`Outcome::Parts`]): the A and the
+//! AAAA records of a name, and for SRV those of each target. A part that fails keeps its last
+//! good addresses while the others are what they say, so a resolver that drops AAAA queries,
+//! or one SRV target whose name does not resolve, costs nothing of the rest. And a member
+//! leaves only after two answers in a row without it (hysteresis): DNS servers that answer
+//! rotating subsets of a large set do not churn the pool every TTL; an emptied name empties
+//! the pool at the second look.
 
 pub mod resolve;
 
@@ -33,6 +41,31 @@ pub struct Target {
     pub priority: u16,
     /// SRV weight (0 for an A / AAAA name).
     pub weight: u16,
+    /// How many addresses its SRV target has (1 for an A / AAAA name): the target's weight
+    /// is split among them (RFC 2782 weighs targets, not addresses; a dual-stack target
+    /// would otherwise get twice its share).
+    pub share: u16,
+}
+
+/// One part of a lookup: the addresses of one family of one name.
+pub type PartKey = (String, Family);
+
+/// An address family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+/// What one part of a lookup said: its targets (empty: NODATA / NXDOMAIN) and their TTL, or
+/// why it failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Part {
+    pub key: PartKey,
+    /// The SRV record that named it ((priority, weight, port)); for a host name (0, 0,
+    /// its port).
+    pub srv: (u16, u16, u16),
+    pub answer: Result<(Vec<std::net::IpAddr>, u32), String>,
 }
 
 /// What one lookup of a name said.
@@ -45,7 +78,12 @@ pub enum Outcome {
     Empty,
     /// No answer to go by (timeout, SERVFAIL, REFUSED, no server): why.
     Failed(String),
+    /// Part by part ([`Part`]): those that failed keep their last good addresses.
+    Parts(Vec<Part>),
 }
+
+/// How many answers in a row must lack a member before it leaves.
+pub const MISSES_TO_LEAVE: u8 = 2;
 
 /// Lookups by result, for the metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -71,6 +109,12 @@ pub struct Pool {
     /// When to ask again.
     pub next: Nanos,
     pub lookups: Lookups,
+    /// The last good addresses of each part of the answer.
+    pub parts: BTreeMap<PartKey, Vec<std::net::IpAddr>>,
+    /// Members in force that the last answers lacked, and how many in a row.
+    pub missing: BTreeMap<SocketAddr, u8>,
+    /// Parts of the last answer that failed (their last good addresses kept): why.
+    pub partial: Option<String>,
 }
 
 fn nanos(d: Duration) -> Nanos {
@@ -89,7 +133,84 @@ impl Pool {
             last_error: None,
             next: now,
             lookups: Lookups::default(),
+            parts: BTreeMap::new(),
+            missing: BTreeMap::new(),
+            partial: None,
         }
+    }
+
+    /// Outcome `Parts` as the whole answer it stands for, with each failed part's last good
+    /// addresses (`None`: every part failed, nothing to go by). Remembers the good parts.
+    fn merge_parts(&mut self, parts: Vec<Part>) -> Option<(Vec<Target>, u32, Option<String>)> {
+        if parts.iter().all(|p| p.answer.is_err()) {
+            return None;
+        }
+        let mut errors = Vec::new();
+        let mut ttl = u32::MAX;
+        let mut next = BTreeMap::new();
+        let mut by_part: Vec<(Part, Vec<std::net::IpAddr>)> = Vec::new();
+        for p in parts {
+            let ips = match &p.answer {
+                Ok((ips, t)) => {
+                    if !ips.is_empty() {
+                        ttl = ttl.min(*t);
+                    }
+                    ips.clone()
+                }
+                Err(why) => {
+                    errors.push(format!("{} {:?}: {why}", p.key.0, p.key.1));
+                    self.parts.get(&p.key).cloned().unwrap_or_default()
+                }
+            };
+            next.insert(p.key.clone(), ips.clone());
+            by_part.push((p, ips));
+        }
+        self.parts = next;
+        // A target's weight is split among its addresses, both families together.
+        let mut per_name: BTreeMap<&str, usize> = BTreeMap::new();
+        for (p, ips) in &by_part {
+            *per_name.entry(p.key.0.as_str()).or_default() += ips.len();
+        }
+        let mut targets = Vec::new();
+        for (p, ips) in &by_part {
+            let share = per_name.get(p.key.0.as_str()).copied().unwrap_or(1);
+            let (priority, weight, port) = p.srv;
+            for ip in ips {
+                targets.push(Target {
+                    addr: SocketAddr::new(*ip, port),
+                    priority,
+                    weight,
+                    share: u16::try_from(share.max(1)).unwrap_or(u16::MAX),
+                });
+            }
+        }
+        let ttl = if ttl == u32::MAX { 0 } else { ttl };
+        Some((
+            targets,
+            ttl,
+            (!errors.is_empty()).then(|| errors.join("; ")),
+        ))
+    }
+
+    /// The members after an answer that names `found`: those, and those in force it lacked
+    /// fewer than [`MISSES_TO_LEAVE`] times in a row.
+    fn with_hysteresis(&mut self, mut found: Vec<Target>) -> Vec<Target> {
+        found.sort();
+        found.dedup_by_key(|t| t.addr);
+        let mut missing = BTreeMap::new();
+        for m in &self.members {
+            if found.iter().any(|t| t.addr == m.addr) {
+                continue;
+            }
+            let misses = self.missing.get(&m.addr).copied().unwrap_or(0) + 1;
+            if misses < MISSES_TO_LEAVE {
+                missing.insert(m.addr, misses);
+                found.push(*m);
+            }
+        }
+        self.missing = missing;
+        found.sort();
+        found
     }
 
     /// Take a lookup's outcome at `now`; whether the member set changed. After records the
@@ -99,22 +220,42 @@ impl Pool {
     pub fn record(&mut self, outcome: Outcome, now: Nanos, s: &DnsSettings) -> bool {
         let (lo, hi) = (nanos(s.min_refresh), nanos(s.max_refresh).max(1));
         // `None`: the set stays as it is.
+        let outcome = match outcome {
+            Outcome::Parts(parts) => match self.merge_parts(parts) {
+                None => Outcome::Failed("every part of the lookup failed".to_owned()),
+                Some((targets, _, partial)) if targets.is_empty() && partial.is_none() => {
+                    Outcome::Empty
+                }
+                Some((targets, ttl, partial)) => {
+                    self.lookups.found += 1;
+                    let wait = nanos(Duration::from_secs(u64::from(ttl))).clamp(lo, hi);
+                    self.next = now.saturating_add(wait);
+                    self.answered(now);
+                    self.partial = partial;
+                    let members = self.with_hysteresis(targets);
+                    return self.set_members(members);
+                }
+            },
+            other => other,
+        };
         let members = match outcome {
-            Outcome::Found { mut targets, ttl } => {
+            Outcome::Found { targets, ttl } => {
                 self.lookups.found += 1;
-                targets.sort();
-                targets.dedup_by_key(|t| t.addr);
                 let wait = nanos(Duration::from_secs(u64::from(ttl))).clamp(lo, hi);
                 self.next = now.saturating_add(wait);
                 self.answered(now);
-                Some(targets)
+                self.partial = None;
+                Some(self.with_hysteresis(targets))
             }
             Outcome::Empty => {
                 self.lookups.empty += 1;
                 self.next = now.saturating_add(lo);
                 self.answered(now);
-                Some(Vec::new())
+                self.partial = None;
+                self.parts.clear();
+                Some(self.with_hysteresis(Vec::new()))
             }
+            Outcome::Parts(_) => None,
             Outcome::Failed(why) => {
                 self.lookups.failed += 1;
                 let since = *self.failing_since.get_or_insert(now);
@@ -126,12 +267,17 @@ impl Pool {
             }
         };
         match members {
-            Some(m) if m != self.members => {
-                self.members = m;
-                true
-            }
-            _ => false,
+            Some(m) => self.set_members(m),
+            None => false,
         }
+    }
+
+    fn set_members(&mut self, m: Vec<Target>) -> bool {
+        if m == self.members {
+            return false;
+        }
+        self.members = m;
+        true
     }
 
     fn answered(&mut self, now: Nanos) {
@@ -201,6 +347,10 @@ impl Pools {
                 let name = p.dns.name.trim_end_matches('.');
                 if !p.answered {
                     Some(format!("service {service}: no DNS answer yet for {name} ({why})"))
+                } else if let (None, Some(partial)) = (p.failing_since, &p.partial) {
+                    Some(format!(
+                        "service {service}: part of the DNS answer for {name} failed ({partial}); keeping those parts' last addresses"
+                    ))
                 } else if let Some(since) = p.failing_since {
                     let secs = now.saturating_sub(since) / 1_000_000_000;
                     Some(format!(
@@ -227,9 +377,9 @@ pub fn member_name(service: &str, addr: SocketAddr) -> String {
 fn member_weight(s: &Service, t: &Target, max_weight: u16) -> u32 {
     match s.dns.as_ref().map(|d| d.kind) {
         Some(DnsKind::Srv) if max_weight > 100 => {
-            (u32::from(t.weight) * 100 / u32::from(max_weight)).max(1)
+            (u32::from(t.weight) * 100 / u32::from(max_weight) / u32::from(t.share.max(1))).max(1)
         }
-        Some(DnsKind::Srv) => u32::from(t.weight).max(1),
+        Some(DnsKind::Srv) => (u32::from(t.weight) / u32::from(t.share.max(1))).max(1),
         _ => s.weight,
     }
 }

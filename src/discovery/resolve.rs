@@ -2,14 +2,14 @@
 //! (or the system's, from `/etc/resolv.conf`), with its cache off so that every refresh is
 //! a real question, and its answer becomes an [`Outcome`]. IO.
 
-use super::{Outcome, Pool, Target};
+use super::{Family, Outcome, Part, Pool};
 use crate::config::{DnsKind, DnsName, DnsSettings};
 use hickory_resolver::TokioResolver;
 use hickory_resolver::config::{NameServerConfig, ResolverConfig};
 use hickory_resolver::net::NetError;
 use hickory_resolver::net::runtime::TokioRuntimeProvider;
 use hickory_resolver::proto::rr::{RData, RecordType};
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::time::Duration;
 
 /// How long one server is given to answer, and how many times it is asked.
@@ -72,9 +72,14 @@ fn describe(e: &NetError) -> String {
     if s.is_empty() { format!("{e:?}") } else { s }
 }
 
-/// The addresses of `name` (A and AAAA), with their TTLs (none when the name or its
-/// address records do not exist).
-async fn addresses(r: &TokioResolver, name: &str) -> Result<Vec<(IpAddr, u32)>, String> {
+/// The A and the AAAA records of `name` as two parts of an answer, asked at once: one
+/// failing costs nothing of the other ([`super::Pool::record`] keeps its last addresses).
+async fn address_parts(
+    r: &TokioResolver,
+    name: &str,
+    srv: (u16, u16, u16),
+    key: &str,
+) -> [Part; 2] {
     let a = ask(r, name, RecordType::A, |d| match d {
         RData::A(a) => Some(IpAddr::V4(a.0)),
         _ => None,
@@ -84,30 +89,31 @@ async fn addresses(r: &TokioResolver, name: &str) -> Result<Vec<(IpAddr, u32)>, 
         _ => None,
     });
     let (a, aaaa) = tokio::join!(a, aaaa);
-    // A failure of either keeps the last set: half an answer is not an answer.
-    let (mut found, more) = (a?, aaaa?);
-    found.extend(more);
-    Ok(found)
+    let part = |family, answer: Answer<IpAddr>| Part {
+        key: (key.to_owned(), family),
+        srv,
+        answer: answer.map(|found| {
+            let ttl = found.iter().map(|f| f.1).min().unwrap_or(0);
+            (found.into_iter().map(|f| f.0).collect(), ttl)
+        }),
+    };
+    [part(Family::V4, a), part(Family::V6, aaaa)]
 }
 
 /// Ask what `dns` names now.
 pub async fn lookup(r: &TokioResolver, dns: &DnsName) -> Outcome {
     match dns.kind {
-        DnsKind::Host { port } => match addresses(r, &dns.name).await {
-            Err(e) => Outcome::Failed(e),
-            Ok(found) if found.is_empty() => Outcome::Empty,
-            Ok(found) => Outcome::Found {
-                ttl: found.iter().map(|f| f.1).min().unwrap_or(0),
-                targets: found
-                    .into_iter()
-                    .map(|(ip, _)| Target {
-                        addr: SocketAddr::new(ip, port),
-                        priority: 0,
-                        weight: 0,
-                    })
-                    .collect(),
-            },
-        },
+        DnsKind::Host { port } => {
+            let parts = address_parts(r, &dns.name, (0, 0, port), "").await;
+            // NXDOMAIN / NODATA on both: the name has no addresses.
+            if parts
+                .iter()
+                .all(|p| p.answer.as_ref().is_ok_and(|(ips, _)| ips.is_empty()))
+            {
+                return Outcome::Empty;
+            }
+            Outcome::Parts(parts.into())
+        }
         DnsKind::Srv => srv(r, &dns.name).await,
     }
 }
@@ -130,68 +136,77 @@ async fn srv(r: &TokioResolver, name: &str) -> Outcome {
     if records.is_empty() {
         return Outcome::Empty;
     }
-    let mut ttl = u32::MAX;
-    let mut targets = Vec::new();
-    for ((priority, weight, port, target), rttl) in records {
-        ttl = ttl.min(rttl);
-        // A target without addresses is no member (the others still are).
-        let found = match addresses(r, &target).await {
-            Err(e) => return Outcome::Failed(format!("{target}: {e}")),
-            Ok(found) => found,
-        };
-        for (ip, attl) in found {
-            ttl = ttl.min(attl);
-            targets.push(Target {
-                addr: SocketAddr::new(ip, port),
-                priority,
-                weight,
-            });
-        }
-    }
-    if targets.is_empty() {
-        return Outcome::Empty;
-    }
-    Outcome::Found { targets, ttl }
+    // Every target at once (a slow one does not hold the others up), each its own parts: a
+    // target whose name fails keeps its last addresses, the others are what they say. A
+    // target named twice (two ports) is asked twice, each its own part.
+    let asks = records
+        .iter()
+        .map(|((priority, weight, port, target), rttl)| {
+            let key = format!("{target} {port}");
+            async move {
+                let mut parts = address_parts(r, target, (*priority, *weight, *port), &key).await;
+                // The SRV record's own TTL bounds its addresses'.
+                for p in &mut parts {
+                    if let Ok((_, ttl)) = &mut p.answer {
+                        *ttl = (*ttl).min(*rttl);
+                    }
+                }
+                parts
+            }
+        });
+    let parts: Vec<Part> = futures_util::future::join_all(asks)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    Outcome::Parts(parts)
 }
 
-/// Log what a lookup says where it changes something: members added or removed, the start
-/// and the end of an outage.
-pub fn log_outcome(service: &str, p: &Pool, outcome: &Outcome) {
+/// Take `outcome` into `p` at `now` ([`Pool::record`]) and log what it changed: members added
+/// or removed, parts that failed, the start and the end of an outage. Whether the members
+/// changed.
+pub fn record_logged(
+    service: &str,
+    p: &mut Pool,
+    outcome: Outcome,
+    now: crate::stats::Nanos,
+    s: &DnsSettings,
+) -> bool {
+    let was_failing = p.failing_since.is_some();
+    let was_answered = p.answered;
+    let before: Vec<std::net::SocketAddr> = p.members.iter().map(|t| t.addr).collect();
+    let empty = matches!(outcome, Outcome::Empty);
+    let changed = p.record(outcome, now, s);
     let name = p.dns.name.trim_end_matches('.');
-    match outcome {
-        Outcome::Failed(why) if p.failing_since.is_none() => tracing::warn!(
+    match (&p.failing_since, was_failing) {
+        (Some(_), false) => tracing::warn!(
             service,
             name,
-            error = %why,
+            error = p.last_error.as_deref().unwrap_or(""),
             kept = p.members.len(),
             "DNS lookup failed; the pool keeps the members of its last answer"
         ),
-        Outcome::Failed(_) => {}
-        _ if p.failing_since.is_some() => {
-            tracing::info!(service, name, "DNS lookups answer again");
-        }
+        (None, true) => tracing::info!(service, name, "DNS lookups answer again"),
         _ => {}
     }
-    let members: Vec<std::net::SocketAddr> = match outcome {
-        Outcome::Found { targets, .. } => targets.iter().map(|t| t.addr).collect(),
-        Outcome::Empty => Vec::new(),
-        Outcome::Failed(_) => return,
-    };
-    let before: Vec<std::net::SocketAddr> = p.members.iter().map(|t| t.addr).collect();
-    let added: Vec<String> = members
+    if let Some(partial) = &p.partial {
+        tracing::warn!(service, name, failed = %partial, "part of the DNS answer failed; those parts keep their last addresses");
+    }
+    let after: Vec<std::net::SocketAddr> = p.members.iter().map(|t| t.addr).collect();
+    let added: Vec<String> = after
         .iter()
         .filter(|a| !before.contains(a))
         .map(ToString::to_string)
         .collect();
-    let mut removed: Vec<String> = before
+    let removed: Vec<String> = before
         .iter()
-        .filter(|a| !members.contains(a))
+        .filter(|a| !after.contains(a))
         .map(ToString::to_string)
         .collect();
-    removed.dedup();
-    if !added.is_empty() || !removed.is_empty() || !p.answered {
-        tracing::info!(service, name, added = ?added, removed = ?removed, empty = matches!(outcome, Outcome::Empty), "DNS pool changed");
+    if changed || (!was_answered && p.answered) {
+        tracing::info!(service, name, added = ?added, removed = ?removed, empty, "DNS pool changed");
     }
+    changed
 }
 
 /// `file` as it runs now: its pools looked up ([`at_start`]) and expanded into their
@@ -205,8 +220,7 @@ pub fn resolved(
     if !pools.by_service.is_empty() {
         for (service, outcome) in at_start(&file.dns, &pools.due(now)) {
             if let Some(p) = pools.by_service.get_mut(&service) {
-                log_outcome(&service, p, &outcome);
-                p.record(outcome, now, &file.dns);
+                record_logged(&service, p, outcome, now, &file.dns);
             }
         }
     }

@@ -24,6 +24,7 @@ fn t(addr: &str, priority: u16, weight: u16) -> Target {
         addr: addr.parse().expect("addr"),
         priority,
         weight,
+        share: 1,
     }
 }
 
@@ -139,20 +140,26 @@ fn a_found_answer_sets_the_members_and_the_next_lookup_at_its_ttl() {
         !p.record(found, 40 * S, &file.dns),
         "the same answer changes nothing"
     );
-    // TTLs are clamped to min_refresh..=max_refresh.
+    // TTLs are clamped to min_refresh..=max_refresh. A member leaves after two answers in a
+    // row without it.
     let tiny = Outcome::Found {
         targets: vec![t("10.0.0.1:5070", 0, 0)],
         ttl: 0,
     };
-    assert!(p.record(tiny, 50 * S, &file.dns));
+    assert!(
+        !p.record(tiny.clone(), 50 * S, &file.dns),
+        "one answer without it: kept"
+    );
     assert_eq!(p.next, 52 * S);
+    assert!(p.record(tiny, 52 * S, &file.dns), "the second: gone");
+    assert_eq!(p.members.len(), 1);
     let huge = Outcome::Found {
         targets: vec![t("10.0.0.1:5070", 0, 0)],
         ttl: 86_400,
     };
     p.record(huge, 60 * S, &file.dns);
     assert_eq!(p.next, 120 * S);
-    assert_eq!(p.lookups.found, 4);
+    assert_eq!(p.lookups.found, 5);
 }
 
 #[test]
@@ -219,9 +226,16 @@ fn an_authoritative_empty_answer_empties_the_pool() {
         0,
         &file.dns,
     );
-    assert!(p.record(Outcome::Empty, S, &file.dns));
-    assert!(p.members.is_empty() && p.answered && !p.is_stale());
+    assert!(
+        !p.record(Outcome::Empty, S, &file.dns),
+        "the first empty answer: kept"
+    );
     assert_eq!(p.next, 3 * S);
+    assert!(
+        p.record(Outcome::Empty, 3 * S, &file.dns),
+        "the second: emptied"
+    );
+    assert!(p.members.is_empty() && p.answered && !p.is_stale());
 }
 
 #[test]
@@ -253,4 +267,160 @@ fn pools_follow_the_file_a_changed_name_starts_afresh() {
         notes,
         ["service pool: no DNS answer yet for other.pool.test (no answer)"]
     );
+}
+
+fn part(name: &str, family: Family, srv: (u16, u16, u16), answer: Result<&[&str], &str>) -> Part {
+    Part {
+        key: (name.to_owned(), family),
+        srv,
+        answer: answer
+            .map(|ips| (ips.iter().map(|ip| ip.parse().expect("ip")).collect(), 30))
+            .map_err(str::to_owned),
+    }
+}
+
+/// A resolver that drops AAAA queries (a failed part) keeps the AAAA part's last addresses
+/// and takes the A part's news; with every part failing the lookup is a failure.
+#[test]
+fn a_failing_family_keeps_its_last_addresses_and_the_other_family_moves_on() {
+    let file = cfg("");
+    let mut pools = Pools::default();
+    pools.sync(&file, 0);
+    let p = pools.by_service.get_mut("pool").expect("pool");
+    let both = Outcome::Parts(vec![
+        part("", Family::V4, (0, 0, 5070), Ok(&["10.0.0.1"])),
+        part("", Family::V6, (0, 0, 5070), Ok(&["2001:db8::1"])),
+    ]);
+    assert!(p.record(both, 0, &file.dns));
+    assert_eq!(p.members.len(), 2);
+    let aaaa_dropped = Outcome::Parts(vec![
+        part("", Family::V4, (0, 0, 5070), Ok(&["10.0.0.1", "10.0.0.2"])),
+        part("", Family::V6, (0, 0, 5070), Err("timed out")),
+    ]);
+    assert!(p.record(aaaa_dropped, 30 * S, &file.dns));
+    let addrs: Vec<String> = p.members.iter().map(|t| t.addr.to_string()).collect();
+    assert_eq!(
+        addrs,
+        ["10.0.0.1:5070", "10.0.0.2:5070", "[2001:db8::1]:5070"]
+    );
+    assert!(!p.is_stale(), "the answer is good, in part");
+    let notes = pools.notes(30 * S);
+    assert!(
+        notes.iter().any(|n| n.contains("part of the DNS answer")),
+        "{notes:?}"
+    );
+    let p = pools.by_service.get_mut("pool").expect("pool");
+    let nothing = Outcome::Parts(vec![
+        part("", Family::V4, (0, 0, 5070), Err("timed out")),
+        part("", Family::V6, (0, 0, 5070), Err("timed out")),
+    ]);
+    assert!(!p.record(nothing, 60 * S, &file.dns));
+    assert!(p.is_stale());
+    assert_eq!(p.members.len(), 3, "a DNS outage never empties a pool");
+}
+
+/// At start (nothing known yet) a failing AAAA part leaves the A part's members: the pool is
+/// not empty for want of IPv6.
+#[test]
+fn at_start_a_failing_family_does_not_leave_the_pool_empty() {
+    let file = cfg("");
+    let mut pools = Pools::default();
+    pools.sync(&file, 0);
+    let p = pools.by_service.get_mut("pool").expect("pool");
+    let a_only = Outcome::Parts(vec![
+        part("", Family::V4, (0, 0, 5070), Ok(&["10.0.0.1"])),
+        part("", Family::V6, (0, 0, 5070), Err("timed out")),
+    ]);
+    assert!(p.record(a_only, 0, &file.dns));
+    assert_eq!(p.members.len(), 1);
+    assert!(p.answered);
+}
+
+/// SRV: one target whose name fails keeps its last addresses while the others move on; a
+/// target's weight is split among its addresses (a dual-stack target gets its share, not
+/// twice it).
+#[test]
+fn srv_targets_are_parts_and_a_targets_weight_is_split_among_its_addresses() {
+    let file = cfg("");
+    let mut pools = Pools::default();
+    pools.sync(&file, 0);
+    let p = pools.by_service.get_mut("srv").expect("srv");
+    let first = Outcome::Parts(vec![
+        part("a.test.", Family::V4, (10, 60, 5080), Ok(&["10.0.1.1"])),
+        part("a.test.", Family::V6, (10, 60, 5080), Ok(&["2001:db8::a"])),
+        part("b.test.", Family::V4, (10, 60, 5080), Ok(&["10.0.1.2"])),
+        part("b.test.", Family::V6, (10, 60, 5080), Ok(&[])),
+    ]);
+    assert!(p.record(first, 0, &file.dns));
+    let mut members = BTreeMap::new();
+    members.insert("srv".to_owned(), p.members.clone());
+    let c = expand(&file, &members);
+    let w: Vec<(String, u32)> = c.services[1..]
+        .iter()
+        .map(|s| (s.address.to_string(), s.weight))
+        .collect();
+    assert_eq!(
+        w,
+        [
+            ("10.0.1.1:5080".to_owned(), 30),
+            ("10.0.1.2:5080".to_owned(), 60),
+            ("[2001:db8::a]:5080".to_owned(), 30)
+        ]
+    );
+    let p = pools.by_service.get_mut("srv").expect("srv");
+    let b_fails = Outcome::Parts(vec![
+        part(
+            "a.test.",
+            Family::V4,
+            (10, 60, 5080),
+            Ok(&["10.0.1.1", "10.0.1.3"]),
+        ),
+        part("a.test.", Family::V6, (10, 60, 5080), Ok(&[])),
+        part("b.test.", Family::V4, (10, 60, 5080), Err("SERVFAIL")),
+        part("b.test.", Family::V6, (10, 60, 5080), Err("SERVFAIL")),
+    ]);
+    p.record(b_fails, 30 * S, &file.dns);
+    let addrs: Vec<String> = p.members.iter().map(|t| t.addr.to_string()).collect();
+    assert!(
+        addrs.contains(&"10.0.1.2:5080".to_owned()),
+        "b's last address kept: {addrs:?}"
+    );
+    assert!(
+        addrs.contains(&"10.0.1.3:5080".to_owned()),
+        "a's news taken: {addrs:?}"
+    );
+}
+
+/// A DNS server answering rotating subsets of a large set: no member leaves on one answer
+/// without it, so the pool does not churn every TTL.
+#[test]
+fn rotating_subsets_do_not_churn_the_pool() {
+    let file = cfg("");
+    let mut pools = Pools::default();
+    pools.sync(&file, 0);
+    let p = pools.by_service.get_mut("pool").expect("pool");
+    let all = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"];
+    let subset = |k: usize| {
+        let ips: Vec<&str> = (0..3).map(|i| all[(k + i) % 4]).collect();
+        Outcome::Found {
+            targets: ips
+                .iter()
+                .map(|ip| t(&format!("{ip}:5070"), 0, 0))
+                .collect(),
+            ttl: 5,
+        }
+    };
+    p.record(subset(0), 0, &file.dns);
+    p.record(subset(1), 5 * S, &file.dns);
+    let mut changes = 0;
+    for k in 2..20 {
+        if p.record(subset(k), k as u64 * 5 * S, &file.dns) {
+            changes += 1;
+        }
+    }
+    assert_eq!(
+        changes, 0,
+        "each address is missing from one answer at a time"
+    );
+    assert_eq!(p.members.len(), 4);
 }

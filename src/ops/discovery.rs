@@ -87,8 +87,7 @@ async fn round(
                 else {
                     continue;
                 };
-                dns::resolve::log_outcome(&service, p, &outcome);
-                changed |= p.record(outcome, now, &file.dns);
+                changed |= dns::resolve::record_logged(&service, p, outcome, now, &file.dns);
             }
             changed
         };
