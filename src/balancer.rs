@@ -351,6 +351,17 @@ impl Balancer {
     /// reads them; every member starts UP. Their ejections go on (passive ejection, within
     /// the new vserver's `max_fraction`).
     pub fn carrying(config: &Config, vserver: &Vserver, old: &Balancer) -> Balancer {
+        Balancer::carried(config, vserver, old, true)
+    }
+
+    /// Build the balancer of `vserver` for a reload that counts its flows afresh (sip-udp
+    /// migrates its dialogs and counts them on the new balancer): only the members' ejections
+    /// go on (docs/ejection.md: a reload does not end one); their counters start empty.
+    pub fn carrying_ejections(config: &Config, vserver: &Vserver, old: &Balancer) -> Balancer {
+        Balancer::carried(config, vserver, old, false)
+    }
+
+    fn carried(config: &Config, vserver: &Vserver, old: &Balancer, counters: bool) -> Balancer {
         let mut b = Balancer::new(config, vserver);
         let old_view = old.eject.as_ref().map(|e| lock(&e.view).clone());
         let mut view = b.eject.as_mut().map(|e| {
@@ -362,7 +373,8 @@ impl Balancer {
             let Some(j) = old.members.iter().position(|o| o.name == m.name) else {
                 continue;
             };
-            if let (Some(slot), Some(c)) = (b.counters.get_mut(i), old.counters.get(j)) {
+            if counters && let (Some(slot), Some(c)) = (b.counters.get_mut(i), old.counters.get(j))
+            {
                 *slot = Arc::clone(c);
             }
             if let (Some(v), Some(state)) = (
@@ -1177,6 +1189,16 @@ mod tests {
         assert!(rebuilt.end_ejection(1));
         assert!(!rebuilt.end_ejection(1));
         assert!((0..6).any(|_| rebuilt.choose(KeyInput::NoKey, S).map(|c| c.member) == Some(1)));
+        // A sip-udp rebuild counts its flows afresh but keeps the ejection too.
+        let fresh = Balancer::carrying_ejections(&c, &c.vservers[0], &b);
+        assert!(fresh.ejection(1, S).is_some_and(|s| s.is_ejected()));
+        assert!((0..6).all(|_| fresh.choose(KeyInput::NoKey, S).map(|c| c.member) != Some(1)));
+        let counters = |x: &Balancer| x.counters(0).map(std::ptr::from_ref);
+        assert_ne!(counters(&fresh), counters(&b), "its own counters");
+        assert_eq!(
+            counters(&Balancer::carrying(&c, &c.vservers[0], &b)),
+            counters(&b)
+        );
     }
 
     #[test]

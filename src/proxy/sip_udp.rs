@@ -347,7 +347,9 @@ impl DataPath for SipUdpPath {
             });
         }
         let old = self.cell.load_full();
-        let balancer = Arc::new(Balancer::new(config, v));
+        // Counted afresh (the dialogs are migrated and counted below), but the ejections go
+        // on: a reload, a DNS change or the end of a drain does not forgive a sick service.
+        let balancer = Arc::new(Balancer::carrying_ejections(config, v, old.balancer()));
         let core = Arc::new(sip_core(config, v, &old, &balancer));
         let links = bridge.as_ref().map(|_| Install {
             core: Arc::clone(&core),
