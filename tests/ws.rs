@@ -3,13 +3,16 @@
 //! WebSocket message (no Content-Length) to a UDP registrar and its 200 back, the call the
 //! registrar sends along fulcrum's Path reaching the WebSocket, double record-routed with
 //! `;transport=ws`; refusals (wrong subprotocol 400, bad Origin 403) and an oversize message
-//! (the connection closes, nothing else is disturbed).
+//! (the connection closes, nothing else is disturbed); the edges: the subprotocol answered
+//! as the client spelt it, a Content-Length past the message's end (a request 400, a response
+//! dropped), and the close codes of a failed connection (1002, 1007, 1009).
 
 mod common;
 
 use common::*;
 use futures_util::{SinkExt, StreamExt};
 use std::net::{SocketAddr, UdpSocket};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -65,6 +68,32 @@ async fn closed(ws: &mut Ws) -> bool {
             Ok(Some(Ok(_))) => continue,
             Err(_) => return false,
         }
+    }
+}
+
+/// The code of the Close frame fulcrum fails `ws` with, within 3 s (`None`: closed without
+/// one, or not closed).
+async fn close_code(ws: &mut Ws) -> Option<u16> {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(3), ws.next()).await {
+            Ok(Some(Ok(Message::Close(frame)))) => return frame.map(|f| u16::from(f.code)),
+            Ok(Some(Ok(_))) => continue,
+            _ => return None,
+        }
+    }
+}
+
+fn vserver_shared(
+    rt: &fulcrum::proxy::Runtime,
+    name: &str,
+) -> std::sync::Arc<fulcrum::proxy::SipStreamShared> {
+    match rt
+        .vserver(name)
+        .expect("vserver")
+        .path::<fulcrum::proxy::SipStreamPath>()
+    {
+        Some(p) => std::sync::Arc::clone(p.shared()),
+        None => panic!("not a SIP stream vserver"),
     }
 }
 
@@ -254,6 +283,84 @@ fn fragments_make_one_message_and_a_stalled_upgrade_is_closed() {
         assert!(
             closed.is_ok(),
             "the stalled upgrade is closed within its 10 s"
+        );
+    });
+}
+
+/// The edges of RFC 7118 and RFC 6455: the `sip` subprotocol answered as the client spelt it;
+/// a SIP message whose Content-Length promises more than its WebSocket message holds (RFC 3261
+/// §18.3, as for a datagram): a request answered 400, a response dropped and counted, the
+/// connection kept; a client breaking WebSocket itself failed with the close code that says
+/// why (RFC 6455 §7.4.1).
+#[test]
+fn websocket_edges_subprotocol_case_short_bodies_and_close_codes() {
+    use tokio_tungstenite::tungstenite::protocol::frame::Frame;
+    use tokio_tungstenite::tungstenite::protocol::frame::coding::{Data, OpCode};
+    let (registrar, _, fulcrum) = lab("");
+    let vs = bound(&fulcrum, "v");
+    let shared = vserver_shared(&fulcrum, "v");
+    let counters = &shared.core().counters;
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    client.block_on(async {
+        // A client that offered `SIP` hears `SIP` (its library checks the answer is one of
+        // its offers, RFC 6455 §4.1), and is served.
+        let (mut ws, agreed) = connect(vs, "chat, SIP", None).await.expect("upgraded");
+        assert_eq!(agreed.as_deref(), Some("SIP"));
+
+        let short = "MESSAGE sip:bob@example.com SIP/2.0\r\nVia: SIP/2.0/WS df7jal23ls0d.invalid;branch=z9hG4bKcl1\r\nMax-Forwards: 70\r\nFrom: <sip:alice@example.com>;tag=c1\r\nTo: <sip:bob@example.com>\r\nCall-ID: ws-short\r\nCSeq: 1 MESSAGE\r\nContent-Type: text/plain\r\nContent-Length: 50\r\n\r\nhello";
+        ws.send(Message::text(short)).await.expect("send");
+        let answer = next_sip(&mut ws).await.expect("the short request is answered");
+        assert!(answer.starts_with("SIP/2.0 400 "), "{answer}");
+        assert!(answer.contains("Call-ID: ws-short"), "{answer}");
+        assert!(answer.contains(";received=127.0.0.1"), "{answer}");
+        let malformed = counters.malformed.load(Ordering::Relaxed);
+        let short_answer = "SIP/2.0 200 OK\r\nVia: SIP/2.0/UDP 127.0.0.1:5071;branch=z9hG4bK-fc-0000000000000001\r\nFrom: <sip:bob@example.com>;tag=b1\r\nTo: <sip:alice@example.com>;tag=a1\r\nCall-ID: ws-short-answer\r\nCSeq: 1 MESSAGE\r\nContent-Length: 50\r\n\r\nhi";
+        ws.send(Message::text(short_answer)).await.expect("send");
+        // The connection carries on, and the registrar saw neither.
+        ws.send(Message::text(REGISTER.replace("ws-reg", "ws-after")))
+            .await
+            .expect("send");
+        let (got, _) = recv_text(&registrar).expect("the next request is forwarded");
+        assert!(got.contains("Call-ID: ws-after"), "{got}");
+        assert_eq!(counters.malformed.load(Ordering::Relaxed), malformed + 1);
+        assert_eq!(counters.replies_400.load(Ordering::Relaxed), 1);
+
+        // Counted inside: a client dropped at the end of this block, without a close
+        // handshake, is one more.
+        let framing_errors = shared.counters.framing_errors.load(Ordering::Relaxed);
+        // A text frame that is not UTF-8: 1007.
+        let (mut ws, _) = connect(vs, "sip", None).await.expect("upgraded");
+        ws.send(Message::Frame(Frame::message(
+            b"REGISTER \xff\xfe".to_vec(),
+            OpCode::Data(Data::Text),
+            true,
+        )))
+        .await
+        .expect("send");
+        assert_eq!(close_code(&mut ws).await, Some(1007));
+        // A continuation frame with nothing to continue: a protocol error, 1002.
+        let (mut ws, _) = connect(vs, "sip", None).await.expect("upgraded");
+        ws.send(Message::Frame(Frame::message(
+            b"REGISTER".to_vec(),
+            OpCode::Data(Data::Continue),
+            true,
+        )))
+        .await
+        .expect("send");
+        assert_eq!(close_code(&mut ws).await, Some(1002));
+        // A message past 64 KiB: 1009, read to its end rather than reset, so the close
+        // frame is not lost.
+        let (mut ws, _) = connect(vs, "sip", None).await.expect("upgraded");
+        let _ = ws
+            .send(Message::text(format!("{REGISTER}{}", "x".repeat(200_000))))
+            .await;
+        assert_eq!(close_code(&mut ws).await, Some(1009));
+        assert_eq!(
+            shared.counters.framing_errors.load(Ordering::Relaxed),
+            framing_errors + 3
         );
     });
 }

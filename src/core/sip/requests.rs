@@ -8,10 +8,10 @@ impl SipCore {
     /// A message that does not scan. A client's request whose start line and headers are
     /// sound is answered rather than dropped, so its sender learns why: 505 for another SIP
     /// version (RFC 3261 §8.2.1 step 1 analogue for a proxy, RFC 4475 §3.1.2.16), 400 for a
-    /// Content-Length that is malformed, conflicting or larger than the datagram (RFC 3261
-    /// §18.3, RFC 4475 §3.1.2.2, §3.1.2.3, §3.3.9). A missing Content-Length is no error on a
-    /// datagram (§18.3) and never gets here. A message past the scanner's header-line limit
-    /// is [`SipCore::refuse_too_large`]'s. Everything else is dropped.
+    /// Content-Length that is malformed, conflicting or larger than the datagram or WebSocket
+    /// message (RFC 3261 §18.3, RFC 4475 §3.1.2.2, §3.1.2.3, §3.3.9). A missing Content-Length
+    /// is no error on a datagram (§18.3) and never gets here. A message past the scanner's
+    /// header-line limit is [`SipCore::refuse_too_large`]'s. Everything else is dropped.
     pub(super) fn unscannable(
         &self,
         buf: &[u8],
@@ -32,9 +32,11 @@ impl SipCore {
                 Origin::Client { .. },
                 sip::ScanError::BadContentLength | sip::ScanError::BadStartLine,
             ) => Reply::BAD_REQUEST,
-            // On a stream the framing already checked Content-Length; an incomplete datagram
-            // is one whose Content-Length promises more than arrived.
-            (Origin::Client { conn: None }, sip::ScanError::Incomplete) => Reply::BAD_REQUEST,
+            // A datagram, or a WebSocket message (RFC 7118 §5.1: one SIP message per
+            // WebSocket message, framed by it as a datagram is), whose Content-Length promises
+            // more than arrived (RFC 3261 §18.3); TCP and TLS framing wait for the bytes, so
+            // their messages never get here incomplete.
+            (Origin::Client { .. }, sip::ScanError::Incomplete) => Reply::BAD_REQUEST,
             _ => {
                 bump(&self.counters.malformed);
                 return Action::Drop(DropReason::Malformed);

@@ -171,9 +171,9 @@ impl SipStreamCounters {
 /// A task that ends with its owner: a client's writer is owned by the client's reading task,
 /// so aborting that task (a client that does not read) takes the writer, the socket, the
 /// queue and the place in `max_sessions` with it.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+struct AbortOnDrop<T = ()>(tokio::task::JoinHandle<T>);
 
-impl Drop for AbortOnDrop {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }

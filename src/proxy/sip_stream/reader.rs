@@ -88,8 +88,8 @@ pub(super) async fn read_messages<R: StreamRead>(
 /// How long, and for how many bytes at most, a connection closed after fulcrum answered a
 /// message past the size limit is still read: closing with unread bytes resets it (RFC 1122
 /// §4.2.2.13), which may discard the answer before the client has read it.
-const LINGER: Duration = Duration::from_secs(1);
-const LINGER_BYTES: usize = 1 << 20;
+pub(super) const LINGER: Duration = Duration::from_secs(1);
+pub(super) const LINGER_BYTES: usize = 1 << 20;
 
 /// What framing the buffered bytes came to.
 enum Framed {

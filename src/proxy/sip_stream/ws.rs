@@ -3,9 +3,11 @@
 //! module checks what RFC 7118 asks of the upgrade (the `sip` subprotocol, §4.1; the page's
 //! Origin against `allowed_origins`, RFC 6455 §10.2), hands each WebSocket message to the
 //! core as one SIP message (§5.1: a message is whole, so no Content-Length framing), writes
-//! each queued message as one WebSocket message, and pings the client (browsers cannot send
-//! pings). Everything else (the core's decisions, the write queue and its bound, eviction,
-//! the idle timeout) is the stream vserver's, as for sip-tcp clients. IO.
+//! each queued message as one WebSocket message, pings the client (browsers cannot send
+//! pings), and fails a connection whose client breaks the protocol with the close code that
+//! says why (RFC 6455 §7.1.7, §7.4.1: 1002, 1007, 1009). Everything else (the core's
+//! decisions, the write queue and its bound, eviction, the idle timeout) is the stream
+//! vserver's, as for sip-tcp clients. IO, but for [`check_upgrade`] and [`failing_close`].
 
 use super::*;
 use crate::sip::{FrameError, next_frame};
@@ -14,7 +16,9 @@ use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::handshake::server::{ErrorResponse, Request, Response};
 use tokio_tungstenite::tungstenite::http::{HeaderValue, StatusCode};
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
-use tokio_tungstenite::tungstenite::{Bytes as WsBytes, Message, Utf8Bytes};
+use tokio_tungstenite::tungstenite::protocol::frame::CloseFrame;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::{Bytes as WsBytes, Error as WsError, Message, Utf8Bytes};
 
 /// The subprotocol of SIP over WebSocket (RFC 7118 §4.1, IANA WebSocket Subprotocol Name
 /// Registry).
@@ -55,26 +59,56 @@ impl Refused {
     }
 }
 
-/// The upgrade's verdict on a request: the subprotocol to answer, or the refusal. PURE.
-pub(super) fn check_upgrade(
+/// The upgrade's verdict on a request whose `Sec-WebSocket-Protocol` fields are `protocols`
+/// (the field may be repeated, RFC 6455 §11.3.4): the subprotocol to answer, or the refusal.
+/// PURE.
+///
+/// The answer is `sip` as the client wrote it. RFC 6455 §4.2.2 has the server select "one of
+/// the values from the |Sec-WebSocket-Protocol| field", and a client fails the connection
+/// when the answer names a subprotocol it did not offer (§4.1); it compares octets (RFC 6455
+/// folds case only where it says so), so a client that offered `SIP` must hear `SIP`. RFC
+/// 7118 §4.1 registers the name `sip` and says nothing of case, so any case is taken.
+pub(super) fn check_upgrade<'a>(
     settings: &WsSettings,
-    protocols: Option<&str>,
+    protocols: &[&'a str],
     origin: Option<&str>,
-) -> Result<&'static str, Refused> {
+) -> Result<&'a str, Refused> {
     let offered = protocols
-        .into_iter()
+        .iter()
         .flat_map(|p| p.split(','))
-        .any(|p| p.trim().eq_ignore_ascii_case(SUBPROTOCOL));
-    if !offered {
-        return Err(Refused::Subprotocol);
-    }
+        .map(str::trim)
+        .find(|p| p.eq_ignore_ascii_case(SUBPROTOCOL))
+        .ok_or(Refused::Subprotocol)?;
     if let Some(allowed) = &settings.allowed_origins {
         let ok = origin.is_some_and(|o| allowed.iter().any(|a| a.eq_ignore_ascii_case(o.trim())));
         if !ok {
             return Err(Refused::Origin);
         }
     }
-    Ok(SUBPROTOCOL)
+    Ok(offered)
+}
+
+/// The Close frame that fails a connection after the library reported `e` reading from the
+/// client (RFC 6455 §7.1.7: "SHOULD send a Close frame with an appropriate status code"), or
+/// `None` when the connection is gone and there is no one to tell. PURE.
+pub(super) fn failing_close(e: &WsError) -> Option<CloseFrame> {
+    use tokio_tungstenite::tungstenite::error::ProtocolError;
+    let (code, reason) = match e {
+        // The client closed the TCP connection without a close handshake: nothing to send.
+        WsError::Protocol(ProtocolError::ResetWithoutClosingHandshake) => return None,
+        // §7.4.1: 1002, "a protocol error" (bad framing, a fragmented control frame, a
+        // continuation out of place, reserved bits or opcodes...).
+        WsError::Protocol(_) => (CloseCode::Protocol, "protocol error"),
+        // §7.4.1 and §8.1: 1007, a text message that is not UTF-8.
+        WsError::Utf8(_) => (CloseCode::Invalid, "text message not UTF-8"),
+        // §7.4.1: 1009, a message or frame larger than fulcrum takes (64 KiB).
+        WsError::Capacity(_) => (CloseCode::Size, "message too big"),
+        _ => return None,
+    };
+    Some(CloseFrame {
+        code,
+        reason: Utf8Bytes::from_static(reason),
+    })
 }
 
 fn refusal(status: StatusCode, why: &str) -> ErrorResponse {
@@ -98,15 +132,18 @@ pub(super) async fn serve_ws_client<S: AsyncRead + AsyncWrite + Unpin + Send + '
     // The refusal's type is tungstenite's (its `Callback` trait), large or not.
     #[allow(clippy::result_large_err)]
     let callback = |req: &Request, mut resp: Response| {
-        let header = |n: &str| req.headers().get(n).and_then(|v| v.to_str().ok());
-        match check_upgrade(
-            &settings,
-            header("sec-websocket-protocol"),
-            header("origin"),
-        ) {
+        let protocols: Vec<&str> = req
+            .headers()
+            .get_all("sec-websocket-protocol")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        let origin = req.headers().get("origin").and_then(|v| v.to_str().ok());
+        let verdict = check_upgrade(&settings, &protocols, origin)
+            .and_then(|p| HeaderValue::from_str(p).map_err(|_| Refused::Subprotocol));
+        match verdict {
             Ok(p) => {
-                resp.headers_mut()
-                    .insert("sec-websocket-protocol", HeaderValue::from_static(p));
+                resp.headers_mut().insert("sec-websocket-protocol", p);
                 Ok(resp)
             }
             Err(why) => {
@@ -159,6 +196,10 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         activity,
     } = own;
     let (mut sink, mut stream) = ws.split();
+    // The Close frame that fails the connection, from the reading side to the writer.
+    // Fused: a receiver polled again once it has completed (its sender dropped) would panic.
+    let (fail_tx, fail_rx) = tokio::sync::oneshot::channel::<CloseFrame>();
+    let mut fail_rx = futures_util::FutureExt::fuse(fail_rx);
     let mut writer = AbortOnDrop(tokio::spawn({
         let shared = Arc::clone(&shared);
         let level = Arc::clone(&level);
@@ -168,6 +209,13 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             let end = loop {
                 let mut cost = 0;
                 let msg = tokio::select! {
+                    // First: once the connection fails, nothing else is sent.
+                    biased;
+                    Ok(frame) = &mut fail_rx => {
+                        let close = sink.send(Message::Close(Some(frame)));
+                        let _ = tokio::time::timeout(CLIENT_FLUSH, close).await;
+                        break client::WriterEnd::Done;
+                    }
                     b = rx.recv() => match b {
                         Some(b) => {
                             cost = outbox::cost(&b);
@@ -206,9 +254,11 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                     }
                 }
             }
+            sink
         }
     }));
     let origin = Origin::Client { conn: Some(id) };
+    let mut failed = false;
     loop {
         let idle = shared.current.load().idle;
         let next = match tokio::time::timeout(idle, stream.next()).await {
@@ -217,6 +267,9 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                 bump(&shared.counters.framing_errors);
                 if shared.log.allow(shared.now()) {
                     tracing::info!(vserver = %shared.name, %src, error = %e, "closing WebSocket after a bad frame");
+                }
+                if let Some(frame) = failing_close(&e) {
+                    failed = fail_tx.send(frame).is_ok();
                 }
                 break;
             }
@@ -252,7 +305,35 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         handle_message(&shared, bytes, origin, src, dst, id, &activity);
     }
     shared.forget_client(id, src);
-    let _ = tokio::time::timeout(CLIENT_FLUSH, &mut writer.0).await;
+    let sink = tokio::time::timeout(CLIENT_FLUSH, &mut writer.0).await;
+    if failed && let Ok(Ok(sink)) = sink {
+        linger(sink, stream).await;
+    }
+}
+
+/// After failing the connection: the server closes the TCP connection first (RFC 6455
+/// §7.1.1), and reads what the client still sends (the rest of a message too big) until it
+/// closes, [`reader::LINGER`] passes or [`reader::LINGER_BYTES`] arrived: closing with unread
+/// bytes resets the connection (RFC 1122 §4.2.2.13), which may discard the Close frame before
+/// the client has read it.
+async fn linger<S: AsyncRead + AsyncWrite + Unpin>(
+    sink: futures_util::stream::SplitSink<WebSocketStream<S>, Message>,
+    stream: futures_util::stream::SplitStream<WebSocketStream<S>>,
+) {
+    let Ok(mut ws) = sink.reunite(stream) else {
+        return;
+    };
+    let raw = ws.get_mut();
+    let until = tokio::time::Instant::now() + reader::LINGER;
+    let _ = tokio::time::timeout_at(until, raw.shutdown()).await;
+    let mut buf = [0u8; 4096];
+    let mut discarded = 0;
+    while discarded < reader::LINGER_BYTES {
+        match tokio::time::timeout_at(until, raw.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => discarded += n,
+            _ => return,
+        }
+    }
 }
 
 /// One SIP message from a WebSocket client, through the current core.
@@ -321,32 +402,68 @@ mod tests {
     #[test]
     fn the_upgrade_needs_the_sip_subprotocol_and_an_allowed_origin() {
         let any = WsSettings::default();
-        assert_eq!(check_upgrade(&any, Some("sip"), None), Ok("sip"));
-        assert_eq!(check_upgrade(&any, Some("chat, SIP"), None), Ok("sip"));
+        assert_eq!(check_upgrade(&any, &["sip"], None), Ok("sip"));
+        // The client's own spelling comes back (RFC 6455 §4.2.2), from any of its fields.
+        assert_eq!(check_upgrade(&any, &["chat, SIP"], None), Ok("SIP"));
+        assert_eq!(check_upgrade(&any, &["chat", " Sip "], None), Ok("Sip"));
         assert_eq!(
-            check_upgrade(&any, Some("sipx"), None),
+            check_upgrade(&any, &["sipx"], None),
             Err(Refused::Subprotocol)
         );
-        assert_eq!(check_upgrade(&any, None, None), Err(Refused::Subprotocol));
+        assert_eq!(check_upgrade(&any, &[], None), Err(Refused::Subprotocol));
         let listed = WsSettings {
             allowed_origins: Some(vec!["https://phone.example.com".to_owned()]),
         };
         assert_eq!(
-            check_upgrade(&listed, Some("sip"), Some("https://PHONE.example.com")),
+            check_upgrade(&listed, &["sip"], Some("https://PHONE.example.com")),
             Ok("sip")
         );
         assert_eq!(
-            check_upgrade(&listed, Some("sip"), Some("https://evil.example")),
+            check_upgrade(&listed, &["sip"], Some("https://evil.example")),
             Err(Refused::Origin)
         );
         assert_eq!(
-            check_upgrade(&listed, Some("sip"), None),
+            check_upgrade(&listed, &["sip"], None),
             Err(Refused::Origin),
             "no Origin where a list is given"
         );
         assert_eq!(
-            check_upgrade(&listed, Some("chat"), Some("https://phone.example.com")),
+            check_upgrade(&listed, &["chat"], Some("https://phone.example.com")),
             Err(Refused::Subprotocol)
+        );
+    }
+
+    #[test]
+    fn a_connection_fails_with_the_close_code_that_says_why() {
+        use tokio_tungstenite::tungstenite::error::{CapacityError, ProtocolError};
+        let code = |e: WsError| failing_close(&e).map(|f| u16::from(f.code));
+        assert_eq!(
+            code(WsError::Protocol(ProtocolError::UnexpectedContinueFrame)),
+            Some(1002)
+        );
+        assert_eq!(
+            code(WsError::Protocol(ProtocolError::FragmentedControlFrame)),
+            Some(1002)
+        );
+        assert_eq!(code(WsError::Utf8("\u{fffd}".into())), Some(1007));
+        assert_eq!(
+            code(WsError::Capacity(CapacityError::MessageTooLong {
+                size: 70_000,
+                max_size: 65_536
+            })),
+            Some(1009)
+        );
+        // Nobody left to tell.
+        assert_eq!(
+            code(WsError::Protocol(
+                ProtocolError::ResetWithoutClosingHandshake
+            )),
+            None
+        );
+        assert_eq!(code(WsError::ConnectionClosed), None);
+        assert_eq!(
+            code(WsError::Io(std::io::ErrorKind::BrokenPipe.into())),
+            None
         );
     }
 }
