@@ -1082,11 +1082,15 @@ mod tests {
         assert_eq!(c.vservers[0].hash.aor_key, AorKey::Uri);
         let bad = problems(&with("method: call_id_hash, aor_key: user"));
         assert!(
-            bad.iter().any(|(_, p, m)| p == "vservers[0].aor_key" && m.contains("aor_hash")),
+            bad.iter()
+                .any(|(_, p, m)| p == "vservers[0].aor_key" && m.contains("aor_hash")),
             "{bad:?}"
         );
         let bad = problems(&with("method: aor_hash, aor_key: domain"));
-        assert!(bad.iter().any(|(_, p, _)| p == "vservers[0].aor_key"), "{bad:?}");
+        assert!(
+            bad.iter().any(|(_, p, _)| p == "vservers[0].aor_key"),
+            "{bad:?}"
+        );
     }
 
     #[test]

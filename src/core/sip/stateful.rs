@@ -704,6 +704,37 @@ impl SipCore {
         }
     }
 
+    /// The attempt `forwarded` (the bytes fulcrum made for a member) could not be handed to
+    /// its member's link: when it belongs to a held request, the transaction moves on to the
+    /// next member at once (what it sends appended to `sends`) and this says `true`; the
+    /// shell answers 503 only to a request nobody holds, so a client never gets fulcrum's
+    /// 503 while its transaction goes on.
+    pub fn attempt_unsent(&self, forwarded: &[u8], now: Nanos, sends: &mut Vec<Send>) -> bool {
+        if self.transactions.is_empty() {
+            return false;
+        }
+        let Ok(msg) = sip::scan(forwarded) else {
+            return false;
+        };
+        // fulcrum's ACK and CANCEL carry the attempt's branch but are not the attempt.
+        if !msg.is_request() || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel) {
+            return false;
+        }
+        let Some((key, attempt)) = msg
+            .top_via()
+            .and_then(|v| v.branch)
+            .and_then(sip::transaction_of)
+        else {
+            return false;
+        };
+        let Some((client, acts)) = self.drive(key, now, |_| Some(Event::Unsent { attempt })) else {
+            return false;
+        };
+        let mut unused = Vec::new();
+        self.carry(now, client, &acts, None, &mut unused, sends);
+        true
+    }
+
     /// Wake the held requests whose deadline passed: their sends appended to `sends`,
     /// finished ones removed. The next deadline, if any.
     pub fn poll_transactions(&self, now: Nanos, sends: &mut Vec<Send>) -> Option<Nanos> {

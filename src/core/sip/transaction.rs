@@ -108,6 +108,10 @@ pub enum Event<'a> {
     Cancel,
     /// A service answered fulcrum's CANCEL of attempt `attempt` (its retransmissions stop).
     CancelAnswered { attempt: u8 },
+    /// Attempt `attempt` could not be handed to its member's link (its queue full: the
+    /// service is not keeping up): the next member takes it at once, inside this
+    /// transaction, so the client still gets one final answer.
+    Unsent { attempt: u8 },
     /// The client acknowledged the non-2xx final answer it was given.
     Ack,
     /// A deadline ([`Transaction::poll_timeout`]) may have passed.
@@ -410,6 +414,29 @@ impl Transaction {
                 out,
             ),
             Event::Timer => self.timer(now, hops, out),
+            Event::Unsent { attempt } => self.unsent(now, usize::from(attempt), hops, out),
+        }
+    }
+
+    fn unsent(&mut self, now: Nanos, i: usize, hops: &dyn Hops, out: &mut Vec<TxAction>) {
+        let current = i + 1 == self.attempts.len();
+        let Some(a) = self.attempts.get_mut(i) else {
+            return;
+        };
+        if !current || self.final_code.is_some() || a.phase != Phase::Calling {
+            return;
+        }
+        a.phase = Phase::Abandoned;
+        a.retransmit_at = None;
+        out.push(TxAction::Failed {
+            addr: a.addr,
+            code: None,
+            retry_after_s: None,
+        });
+        if self.canceled {
+            self.answer(now, 487, hops, out);
+        } else {
+            self.next(now, hops, out);
         }
     }
 

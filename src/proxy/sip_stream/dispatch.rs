@@ -21,21 +21,46 @@ impl SipStreamShared {
     /// Send what held requests asked for (100 Trying, the next attempt, ACK, CANCEL, the
     /// best answer): to a client's connection, a member's link or over the UDP leg.
     pub(super) fn carry_sends(&self, g: &Generation, sends: Vec<Send>) {
-        for (dest, bytes) in sends {
-            match dest {
-                Dest::Conn(id) => {
-                    self.to_client(id, bytes);
-                }
-                Dest::Member(m) => {
-                    self.to_service(g, m, bytes);
-                }
-                Dest::Addr(addr) => {
-                    self.to_udp(&bytes, addr);
-                }
-                Dest::Service(addr) => {
-                    self.to_udp_member(&bytes, addr);
+        let mut sends = sends;
+        // An attempt a link cannot take moves its transaction on, which may send more
+        // (bounded by the transaction's tries).
+        while !sends.is_empty() {
+            let mut more = Vec::new();
+            for (dest, bytes) in sends {
+                self.carry_send(g, dest, bytes, &mut more);
+            }
+            sends = more;
+        }
+    }
+
+    fn carry_send(&self, g: &Generation, dest: Dest, bytes: Bytes, more: &mut Vec<Send>) {
+        match dest {
+            Dest::Conn(id) => {
+                self.to_client(id, bytes);
+            }
+            Dest::Member(m) => {
+                if !self.to_service(g, m, bytes.clone()) && !scan::is_response(&bytes) {
+                    g.core.attempt_unsent(&bytes, self.now(), more);
                 }
             }
+            Dest::Addr(addr) => {
+                self.to_udp(&bytes, addr);
+            }
+            Dest::Service(addr) => {
+                self.to_udp_member(&bytes, addr);
+            }
+        }
+    }
+
+    /// A request `out` that member `m`'s link could not take: its held transaction moves
+    /// on to the next member; one nobody holds is answered 503 + Retry-After now rather
+    /// than left to a transaction timeout.
+    fn not_queued(&self, g: &Generation, out: &[u8]) {
+        let mut sends = Vec::new();
+        if g.core.attempt_unsent(out, self.now(), &mut sends) {
+            self.carry_sends(g, sends);
+        } else {
+            self.answer_unavailable(g, out);
         }
     }
 
@@ -185,7 +210,7 @@ impl SipStreamShared {
                     }
                     Some(m) => {
                         if !self.to_service(&g, m, Bytes::copy_from_slice(out)) {
-                            self.answer_unavailable(&g, out);
+                            self.not_queued(&g, out);
                         }
                         None
                     }
@@ -321,9 +346,8 @@ impl SipStreamShared {
         match action {
             Action::ToMember(m) => {
                 if !self.to_service(g, m, bytes()) {
-                    // The service's queue is full (it is not keeping up): the client hears
-                    // 503 + Retry-After now rather than waiting for a transaction timeout.
-                    self.answer_unavailable(g, out);
+                    // The service's queue is full (it is not keeping up).
+                    self.not_queued(g, out);
                 }
             }
             Action::ToConn(id) => {

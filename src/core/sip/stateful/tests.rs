@@ -789,3 +789,38 @@ fn with_aor_hash_a_register_that_failed_over_converges_on_the_first_registrar() 
     let a = from(&c, &call, CLIENT, 301 * S, &mut out, &mut sends);
     assert_eq!(a, Action::ToMember(first));
 }
+
+/// A held request whose attempt its member's link could not take moves on at once inside
+/// its transaction (no 503 from the shell beside it); a request nobody holds is left to the
+/// shell's 503, and fulcrum's own ACK or CANCEL on the attempt's branch never moves it.
+#[test]
+fn an_attempt_no_link_took_moves_on_inside_its_transaction() {
+    let c = core();
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &invite("q-1"), CLIENT, 0, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let first = out.clone();
+    let cancel = String::from_utf8_lossy(&first)
+        .replacen("INVITE sip", "CANCEL sip", 1)
+        .replace("1 INVITE", "1 CANCEL");
+    let mut raw = Vec::new();
+    assert!(!c.attempt_unsent(cancel.as_bytes(), 1, &mut raw));
+    assert!(c.attempt_unsent(&first, 1, &mut raw));
+    let next = flat(raw);
+    assert_eq!(next.len(), 1, "{next:?}");
+    assert!(first_line(&next[0].1).starts_with("INVITE"));
+    assert_ne!(next[0].0, c.member_addr(m0).expect("m0"));
+    // An in-dialog request is forwarded statelessly: nothing holds it.
+    let bye = invite("q-2")
+        .replace("INVITE sip", "BYE sip")
+        .replace("1 INVITE", "2 BYE")
+        .replace("To: <sip:svc@example.com>", "To: <sip:svc@example.com>;tag=s1")
+        .replace("z9hG4bKc1", "z9hG4bKc3");
+    let Action::ToMember(_) = from(&c, &bye, CLIENT, 2, &mut out, &mut sends) else {
+        panic!("not forwarded");
+    };
+    let mut raw = Vec::new();
+    assert!(!c.attempt_unsent(&out, 3, &mut raw));
+    assert!(raw.is_empty());
+}

@@ -794,6 +794,33 @@ proptest::proptest! {
     }
 }
 
+/// An attempt its member's link could not take moves on at once, inside the transaction:
+/// the client hears one final answer (the next service's), never fulcrum's 503 beside it.
+#[test]
+fn an_attempt_that_could_not_be_queued_moves_on_at_once() {
+    let mut core = Core::new(3);
+    core.streams = vec![0, 1, 2];
+    let (mut tx, _) = start(&core, true);
+    let out = at(&mut tx, &core, 1, Event::Unsent { attempt: 0 });
+    assert_eq!(to_members(&out), [(1, "INVITE attempt 1 to 1".to_owned())]);
+    assert!(out.contains(&TxAction::Failed {
+        addr: addr(0),
+        code: None,
+        retry_after_s: None
+    }));
+    assert!(to_client(&out).is_empty());
+    // A stale report (an earlier attempt) changes nothing.
+    assert!(at(&mut tx, &core, 2, Event::Unsent { attempt: 0 }).is_empty());
+    let out = respond_relayed(&mut tx, &core, 3, 1, 200);
+    assert_eq!(to_client(&out), ["relay"]);
+    // Every member unable to take it: the client gets 408 from the last, once.
+    let (mut tx, _) = start(&core, true);
+    at(&mut tx, &core, 1, Event::Unsent { attempt: 0 });
+    at(&mut tx, &core, 2, Event::Unsent { attempt: 1 });
+    let out = at(&mut tx, &core, 3, Event::Unsent { attempt: 2 });
+    assert_eq!(to_client(&out), ["SIP/2.0 408 by fulcrum"]);
+}
+
 /// The code of a final as the test core writes it (`SIP/2.0 486 by fulcrum`, `relayed
 /// SIP/2.0 486 from attempt 1`).
 fn code_of(text: &str) -> Option<u16> {
