@@ -815,7 +815,10 @@ fn an_attempt_no_link_took_moves_on_inside_its_transaction() {
     let bye = invite("q-2")
         .replace("INVITE sip", "BYE sip")
         .replace("1 INVITE", "2 BYE")
-        .replace("To: <sip:svc@example.com>", "To: <sip:svc@example.com>;tag=s1")
+        .replace(
+            "To: <sip:svc@example.com>",
+            "To: <sip:svc@example.com>;tag=s1",
+        )
         .replace("z9hG4bKc1", "z9hG4bKc3");
     let Action::ToMember(_) = from(&c, &bye, CLIENT, 2, &mut out, &mut sends) else {
         panic!("not forwarded");
