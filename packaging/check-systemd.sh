@@ -104,6 +104,16 @@ inside() { timeout 30 nsenter --target "$pid1" --all --root --wd=/ env -i PATH=/
 prop() { inside systemctl show -P "$1" fulcrum.service; }
 # The unit's journal: systemd's debug lines about it (each notify message) and fulcrum's output.
 unitlog() { inside journalctl --no-pager -o cat -u fulcrum.service; }
+# logged ERE: whether the unit's journal holds a line matching ERE, waiting up to 5 s for
+# journald to write it (it may lag behind the systemctl call that caused it).
+logged() {
+  local i
+  for i in $(seq 1 25); do
+    unitlog | grep -qE "$1" && return 0
+    sleep 0.2
+  done
+  return 1
+}
 
 mkdir "$cg" || skip "cannot create a cgroup under $cg2"
 mkdir "$work/ns"
@@ -330,16 +340,15 @@ say "reload: RELOADING=1 then READY=1 from PID $main, still active"
 stop0=$SECONDS
 inside systemctl stop fulcrum.service || fail "systemctl stop fulcrum failed"
 say "systemctl stop fulcrum: $((SECONDS - stop0)) s"
-unitlog | grep -qE "fulcrum.service: Got notification message from PID $main \(STOPPING=1" ||
+logged "fulcrum.service: Got notification message from PID $main \(STOPPING=1" ||
   fail "no STOPPING=1 from PID $main"
 # The unit is unloaded once inactive (its ExecMain* properties reset), so the exit is read
 # from systemd's own lines: exited by itself with 0 (not killed by SIGKILL), then dead.
 state=$(inside systemctl is-active fulcrum.service || true)
 [ "$state" = inactive ] || fail "fulcrum is $state after the stop, not inactive"
-journal=$(unitlog)
-grep -qF "fulcrum.service: Main process exited, code=exited, status=0/SUCCESS" <<<"$journal" ||
+logged "fulcrum.service: Main process exited, code=exited, status=0/SUCCESS" ||
   fail "fulcrum's main process did not exit with 0"
-grep -qF "fulcrum.service: Changed stop-sigterm -> dead" <<<"$journal" ||
+logged "fulcrum.service: Changed stop-sigterm -> dead" ||
   fail "fulcrum did not go from stop-sigterm to dead (a failed or SIGKILLed stop)"
 say "stop: STOPPING=1, main process exited 0, stop-sigterm -> dead, inactive"
 
