@@ -607,6 +607,12 @@ fn own_route_removal(msg: &SipMsg<'_>, local: &Local) -> (Option<Span>, Option<S
 /// number and Request-URI. Our own address is mixed in so that a request spiralling through
 /// fulcrum twice gets a new branch.
 fn branch_hash(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local) -> u64 {
+    branch_hash_tagged(msg, top, local, msg.to_tag().unwrap_or_default())
+}
+
+/// [`branch_hash`] with `to_tag` in place of the message's own To tag (branches without the
+/// magic cookie only; a cookie branch ignores it).
+fn branch_hash_tagged(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local, to_tag: &[u8]) -> u64 {
     let mut h = local.branch_seed;
     if top.has_cookie() {
         h = xxh3_64_with_seed(top.host, h);
@@ -614,7 +620,7 @@ fn branch_hash(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local) -> u64 {
         return xxh3_64_with_seed(top.branch.unwrap_or_default(), h);
     }
     h = xxh3_64_with_seed(top.raw, h);
-    h = xxh3_64_with_seed(msg.to_tag().unwrap_or_default(), h);
+    h = xxh3_64_with_seed(to_tag, h);
     h = xxh3_64_with_seed(msg.from_tag().unwrap_or_default(), h);
     h = xxh3_64_with_seed(msg.call_id().unwrap_or_default(), h);
     let seq = msg.cseq().map_or(0, |c| c.seq);
@@ -628,6 +634,16 @@ fn branch_hash(msg: &SipMsg<'_>, top: &Via<'_>, local: &Local) -> u64 {
 pub fn transaction_key(msg: &SipMsg<'_>, local: &Local) -> Option<u64> {
     let top = msg.top_via()?;
     Some(branch_hash(msg, &top, local))
+}
+
+/// The key of the INVITE that an ACK from an RFC 2543 client (a top Via without the magic
+/// cookie) acknowledges: its own key but for the To tag, which the INVITE did not have (RFC
+/// 3261 §17.2.3 matches such an ACK by Request-URI, From tag, Call-ID, CSeq number and top
+/// Via, and its To tag against the final response's). `None` for a cookie branch: the ACK
+/// of a non-2xx then shares the INVITE's branch, and so its key.
+pub fn rfc2543_invite_key(msg: &SipMsg<'_>, local: &Local) -> Option<u64> {
+    let top = msg.top_via()?;
+    (!top.has_cookie()).then(|| branch_hash_tagged(msg, &top, local, b""))
 }
 
 /// The transaction key and attempt a branch of fulcrum's names (`z9hG4bK-fc-<hex>[.k]`,

@@ -357,6 +357,15 @@ impl SipCore {
                 {
                     return action;
                 }
+                // An RFC 2543 client's ACK of a non-2xx final: the INVITE's key has no To
+                // tag, and the ACK's To tag must be the final's (RFC 3261 §17.2.3).
+                if msg.method_kind() == SipMethod::Ack
+                    && let Some(k) = sip::rfc2543_invite_key(&msg, &self.local)
+                    && self.final_to_tag_is(k, msg.to_tag())
+                    && let Some(action) = self.held_request(&msg, k, client, src, now, out, sends)
+                {
+                    return action;
+                }
                 let action = self.handle_scanned(&msg, origin, src, dst, now, out);
                 if let (Action::ToMember(m), Some(key), Some(failover)) = (action, key, failover) {
                     self.hold(failover, &msg, key, m, client, src, dst, now, out, sends);
@@ -375,6 +384,16 @@ impl SipCore {
             }
             _ => self.handle_scanned(&msg, origin, src, dst, now, out),
         }
+    }
+
+    /// Whether the final answer held request `key` gave its client carries To tag `tag`.
+    fn final_to_tag_is(&self, key: u64, tag: Option<&[u8]>) -> bool {
+        let Some(h) = self.transactions.held.get(&key) else {
+            return false;
+        };
+        h.tx.final_answer()
+            .and_then(|b| sip::scan(b).ok().map(|m| m.to_tag() == tag))
+            .unwrap_or(false)
     }
 
     /// A client's request that belongs to a held one: a retransmission, its CANCEL or the ACK

@@ -289,6 +289,11 @@ impl Transaction {
         self.final_code
     }
 
+    /// The final answer the client was given, as it left (once known).
+    pub fn final_answer(&self) -> Option<&Bytes> {
+        self.final_bytes.as_ref()
+    }
+
     /// Whether a client's ACK that names this transaction ends here: the ACK of a non-2xx
     /// final (RFC 3261 §17.2.1). The ACK of a 2xx is a request of its own that goes on to
     /// the service end to end (§13.2.2.4), whatever branch it carries; before any final an

@@ -827,3 +827,47 @@ fn an_attempt_no_link_took_moves_on_inside_its_transaction() {
     assert!(!c.attempt_unsent(&out, 3, &mut raw));
     assert!(raw.is_empty());
 }
+
+/// RFC 3261 §17.2.3: an RFC 2543 client (no magic cookie in its branch) ACKs a non-2xx final
+/// with the final's To tag; fulcrum matches it to the INVITE it held without that tag, absorbs
+/// it and stops Timer G. An ACK with another To tag is not the transaction's.
+#[test]
+fn an_rfc2543_clients_ack_ends_its_refused_invite() {
+    let c = core();
+    let client: SocketAddr = CLIENT.parse().expect("client");
+    let old = |m: &str| m.replace(";branch=z9hG4bKc1", ";branch=2543abc");
+    let (mut out, mut sends) = (Vec::new(), Vec::new());
+    let Action::ToMember(m0) = from(&c, &old(&invite("o-1")), CLIENT, 0, &mut out, &mut sends)
+    else {
+        panic!("not forwarded");
+    };
+    let fwd = out.clone();
+    let svc = member_addr(&c, m0);
+    let a = from(
+        &c,
+        &answer(&fwd, 486, "Busy Here"),
+        &svc,
+        S / 10,
+        &mut out,
+        &mut sends,
+    );
+    assert_eq!(a, Action::ToAddr(client));
+    let ack = |tag: &str| old(&ack_of("o-1")).replace(";tag=s1", &format!(";tag={tag}"));
+    let a = from(&c, &ack("other"), CLIENT, S / 5, &mut out, &mut sends);
+    assert_ne!(
+        a,
+        Action::Drop(DropReason::Absorbed),
+        "another To tag: not ours"
+    );
+    let a = from(&c, &ack("s1"), CLIENT, S / 4, &mut out, &mut sends);
+    assert_eq!(a, Action::Drop(DropReason::Absorbed));
+    let mut timers = Vec::new();
+    let mut t = S / 4;
+    while let Some(next) = poll(&c, t, &mut timers) {
+        t = next;
+    }
+    assert!(
+        timers.iter().all(|(to, _)| *to != client),
+        "Timer G stopped: {timers:?}"
+    );
+}
