@@ -431,18 +431,8 @@ impl Transaction {
         if !current || self.final_code.is_some() || a.phase != Phase::Calling {
             return;
         }
-        a.phase = Phase::Abandoned;
-        a.retransmit_at = None;
-        out.push(TxAction::Failed {
-            addr: a.addr,
-            code: None,
-            retry_after_s: None,
-        });
-        if self.canceled {
-            self.answer(now, 487, hops, out);
-        } else {
-            self.next(now, hops, out);
-        }
+        abandon_unanswered(a, out);
+        self.next(now, hops, out);
     }
 
     /// §17.2.1, §17.2.2: the final the client was given, sent again; before it, the 100; an
@@ -648,16 +638,8 @@ impl Transaction {
         let a = &mut self.attempts[i];
         match a.phase {
             Phase::Calling if now >= calling_until => {
-                a.phase = Phase::Abandoned;
-                a.retransmit_at = None;
-                out.push(TxAction::Failed {
-                    addr: a.addr,
-                    code: None,
-                    retry_after_s: None,
-                });
-                if canceled {
-                    self.answer(now, 487, hops, out);
-                } else if !invite && now >= a.started.saturating_add(TIMER_64T1) {
+                abandon_unanswered(a, out);
+                if !canceled && !invite && now >= a.started.saturating_add(TIMER_64T1) {
                     // Timer F: the client's own Timer F has ended its side too.
                     self.give_up(now, hops, out);
                 } else {
@@ -735,6 +717,19 @@ impl Transaction {
             });
         }
     }
+}
+
+/// Give up on attempt `a`, which never answered (`no_answer`, Timer B / F, or no link took
+/// it): it stops retransmitting and its service is charged a failure without a code. Its
+/// late answers are still handled.
+fn abandon_unanswered(a: &mut Attempt, out: &mut Vec<TxAction>) {
+    a.phase = Phase::Abandoned;
+    a.retransmit_at = None;
+    out.push(TxAction::Failed {
+        addr: a.addr,
+        code: None,
+        retry_after_s: None,
+    });
 }
 
 fn send_cancel(now: Nanos, a: &mut Attempt, hops: &dyn Hops, out: &mut Vec<TxAction>) {

@@ -9,13 +9,20 @@ const US: &str = "127.0.0.1:5060";
 const S: Nanos = 1_000_000_000;
 
 fn core() -> SipCore {
-    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n  - { name: c, address: 127.0.0.1:5073, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, services: [a, b, c] }\n";
-    let cfg = config::from_str("t", y).expect("config");
+    core_with("", Arc::default())
+}
+
+/// The core of a sip-udp vserver on `US` over services a, b, c (127.0.0.1:5071..) with the
+/// vserver fields `fields` (`key: value, ` each), holding its requests in `table`.
+fn core_with(fields: &str, table: Arc<Transactions>) -> SipCore {
+    let y = format!(
+        "services:\n  - {{ name: a, address: 127.0.0.1:5071, protocol: sip-udp }}\n  - {{ name: b, address: 127.0.0.1:5072, protocol: sip-udp }}\n  - {{ name: c, address: 127.0.0.1:5073, protocol: sip-udp }}\nvservers:\n  - {{ name: v, protocol: sip-udp, bind: 127.0.0.1:5060, {fields}services: [a, b, c] }}\n"
+    );
+    let cfg = config::from_str("t", &y).expect("config");
     let v = &cfg.vservers[0];
     let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
     let balancer = Arc::new(Balancer::new(&cfg, v));
-    SipCore::new(SipParams::of(&cfg, v, local, balancer))
-        .with_failover(v.failover.clone(), Arc::default())
+    SipCore::new(SipParams::of(&cfg, v, local, balancer)).with_failover(v.failover.clone(), table)
 }
 
 fn invite(call_id: &str) -> String {
@@ -615,17 +622,7 @@ fn the_table_is_bounded_in_bytes_and_retransmissions_queue_no_timers() {
     assert_eq!(c.transactions().timers_queued(), queued);
     assert_eq!(c.transactions().bytes(), held);
     // A budget smaller than two entries: the second request goes statelessly, counted.
-    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, failover: { max_pending_bytes: 65536 }, services: [a] }\n";
-    let cfg = config::from_str("t", y).expect("config");
-    let v = &cfg.vservers[0];
-    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
-    let c = SipCore::new(SipParams::of(
-        &cfg,
-        v,
-        local,
-        Arc::new(Balancer::new(&cfg, v)),
-    ))
-    .with_failover(v.failover.clone(), Arc::default());
+    let c = core_with("failover: { max_pending_bytes: 65536 }, ", Arc::default());
     // About 12 KB each, so about 24 KB held with its attempt: two fit, a third does not.
     let big = |id: &str| {
         invite(id)
@@ -675,17 +672,7 @@ fn a_reload_that_turns_failover_off_lets_held_requests_finish() {
     let fwd = out.clone();
     let svc = member_addr(&c, m0);
     // The rebuilt core: the same services, failover off, the old table handed over.
-    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n  - { name: c, address: 127.0.0.1:5073, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, failover: off, services: [a, b, c] }\n";
-    let cfg = config::from_str("t", y).expect("config");
-    let v = &cfg.vservers[0];
-    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
-    let off = SipCore::new(SipParams::of(
-        &cfg,
-        v,
-        local,
-        Arc::new(Balancer::new(&cfg, v)),
-    ))
-    .with_failover(v.failover.clone(), Arc::clone(c.transactions()));
+    let off = core_with("failover: off, ", Arc::clone(c.transactions()));
     let a = from(
         &off,
         &answer(&fwd, 486, "Busy Here"),
@@ -728,17 +715,7 @@ fn a_reload_that_turns_failover_off_lets_held_requests_finish() {
 /// and calls meet at one registrar.
 #[test]
 fn with_aor_hash_a_register_that_failed_over_converges_on_the_first_registrar() {
-    let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\n  - { name: c, address: 127.0.0.1:5073, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, method: aor_hash, eject: off, services: [a, b, c] }\n";
-    let cfg = config::from_str("t", y).expect("config");
-    let v = &cfg.vservers[0];
-    let local = Local::from_addr(US.parse().expect("addr"), Transport::Udp);
-    let c = SipCore::new(SipParams::of(
-        &cfg,
-        v,
-        local,
-        Arc::new(Balancer::new(&cfg, v)),
-    ))
-    .with_failover(v.failover.clone(), Arc::default());
+    let c = core_with("method: aor_hash, eject: off, ", Arc::default());
     let register = |cseq: u32, branch: &str| {
         format!(
             "REGISTER sip:example.com SIP/2.0\r\nVia: SIP/2.0/UDP 192.0.2.10:5062;branch=z9hG4bK{branch};rport\r\nMax-Forwards: 70\r\nFrom: <sip:alice@example.com>;tag=f1\r\nTo: <sip:alice@example.com>\r\nCall-ID: reg-conv\r\nCSeq: {cseq} REGISTER\r\nContact: <sip:alice@192.0.2.10:5062>\r\nExpires: 600\r\nContent-Length: 0\r\n\r\n"

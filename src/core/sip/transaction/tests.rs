@@ -497,7 +497,8 @@ fn a_refusal_relayed_to_a_udp_client_is_retransmitted_on_timer_g_until_its_ack()
         "the ACK stops Timer G"
     );
     assert!(tx.is_finished(9 * S + 1 + T4), "Timer I");
-    assert!(!tx.absorbs_ack() || tx.final_code() == Some(486));
+    assert_eq!(tx.final_code(), Some(486));
+    assert!(tx.absorbs_ack());
 }
 
 /// Without an ACK, Timer H (64·T1 from the final) ends the retransmissions; fulcrum's own
@@ -680,7 +681,8 @@ fn the_default_no_answer_moves_invites_only() {
     assert_eq!(tx.attempts(), 1);
     let first = core.hop(0, Bytes::from_static(b"INVITE"));
     let mut tx = Transaction::start(0, true, true, &d, first, &core, &mut out);
-    assert!(at(&mut tx, &core, 2 * S - 1, Event::Timer).is_empty() || tx.attempts() == 1);
+    at(&mut tx, &core, 2 * S - 1, Event::Timer);
+    assert_eq!(tx.attempts(), 1, "not before 2 s");
     at(&mut tx, &core, 2 * S, Event::Timer);
     assert_eq!(tx.attempts(), 2);
 }
@@ -729,9 +731,6 @@ fn a_6xx_ends_the_search_and_cancels_what_still_rings() {
 #[test]
 fn a_2xx_cancels_the_other_attempts() {
     let core = Core::new(4);
-    let (mut tx, _) = start(&core, true);
-    respond(&mut tx, &core, 1, 0, 180);
-    at(&mut tx, &core, 1 + TIMER_C, Event::Timer);
     let (mut tx, _) = start(&core, true);
     at(&mut tx, &core, S, Event::Timer); // attempt 0 silent: attempt 1
     at(&mut tx, &core, 2 * S, Event::Timer); // attempt 1 silent: attempt 2
