@@ -384,3 +384,150 @@ mod recv_tests {
         }
     }
 }
+
+/// Ask the kernel to report, with each datagram `socket` receives, the local address it was
+/// sent to (IP_PKTINFO / IPV6_RECVPKTINFO): what a wildcard socket cannot tell otherwise.
+pub(crate) fn set_pktinfo(socket: &UdpSocket) -> io::Result<()> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let r = if socket.local_addr()?.is_ipv4() {
+        setsockopt(socket, sockopt::Ipv4PacketInfo, &true)
+    } else {
+        setsockopt(socket, sockopt::Ipv6RecvPacketInfo, &true)
+    };
+    r.map_err(io::Error::from)
+}
+
+/// Room for one packet-info control message of either family.
+pub(crate) fn pktinfo_buffer() -> Vec<u8> {
+    nix::cmsg_space!(nix::libc::in6_pktinfo)
+}
+
+/// As [`recv_from`], and the local address the datagram was sent to: from the packet info
+/// when `socket` has [`set_pktinfo`] (`cmsg` from [`pktinfo_buffer`]), else `bound`.
+#[expect(clippy::ptr_arg, reason = "nix's recvmsg takes the control buffer as a Vec")]
+pub(crate) fn recv_with_local(
+    socket: &UdpSocket,
+    buf: &mut [u8],
+    cmsg: &mut Vec<u8>,
+    bound: SocketAddr,
+) -> io::Result<(usize, Option<SocketAddr>, SocketAddr)> {
+    use nix::sys::socket::{ControlMessageOwned, MsgFlags, SockaddrStorage, recvmsg};
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let mut iov = [io::IoSliceMut::new(buf)];
+    let msg =
+        recvmsg::<SockaddrStorage>(socket.as_raw_fd(), &mut iov, Some(cmsg), MsgFlags::empty())?;
+    let mut local = bound;
+    if let Ok(cmsgs) = msg.cmsgs() {
+        for c in cmsgs {
+            match c {
+                ControlMessageOwned::Ipv4PacketInfo(pi) => {
+                    let ip = Ipv4Addr::from(u32::from_be(pi.ipi_addr.s_addr));
+                    local = SocketAddr::new(IpAddr::V4(ip), bound.port());
+                }
+                ControlMessageOwned::Ipv6PacketInfo(pi) => {
+                    let ip = Ipv6Addr::from(pi.ipi6_addr.s6_addr);
+                    local = SocketAddr::new(IpAddr::V6(ip), bound.port());
+                }
+                _ => {}
+            }
+        }
+    }
+    let from = msg.address.and_then(|a| {
+        if let Some(v4) = a.as_sockaddr_in() {
+            Some(SocketAddr::V4((*v4).into()))
+        } else {
+            a.as_sockaddr_in6().map(|v6| SocketAddr::V6((*v6).into()))
+        }
+    });
+    Ok((msg.bytes, from, local))
+}
+
+/// Send `bytes` to `to` from `socket`, naming `from` as the source address when given
+/// (IP_PKTINFO's `ipi_spec_dst`, IPV6_PKTINFO's `ipi6_addr`; the port stays the socket's);
+/// `dontwait`: MSG_DONTWAIT.
+pub(crate) fn send_from(
+    socket: &UdpSocket,
+    bytes: &[u8],
+    to: SocketAddr,
+    from: Option<std::net::IpAddr>,
+    dontwait: bool,
+) -> io::Result<usize> {
+    use nix::sys::socket::{ControlMessage, MsgFlags, SockaddrStorage, sendmsg};
+    use std::net::IpAddr;
+    let flags = if dontwait {
+        MsgFlags::MSG_DONTWAIT
+    } else {
+        MsgFlags::empty()
+    };
+    let Some(from) = from else {
+        return socket2::SockRef::from(socket).send_to_with_flags(bytes, &to.into(), flags.bits());
+    };
+    let iov = [io::IoSlice::new(bytes)];
+    let dest = SockaddrStorage::from(to);
+    let sent = match from {
+        IpAddr::V4(ip) => {
+            let pi = nix::libc::in_pktinfo {
+                ipi_ifindex: 0,
+                ipi_spec_dst: nix::libc::in_addr {
+                    s_addr: u32::from(ip).to_be(),
+                },
+                ipi_addr: nix::libc::in_addr { s_addr: 0 },
+            };
+            sendmsg(
+                socket.as_raw_fd(),
+                &iov,
+                &[ControlMessage::Ipv4PacketInfo(&pi)],
+                flags,
+                Some(&dest),
+            )
+        }
+        IpAddr::V6(ip) => {
+            let pi = nix::libc::in6_pktinfo {
+                ipi6_addr: nix::libc::in6_addr {
+                    s6_addr: ip.octets(),
+                },
+                ipi6_ifindex: 0,
+            };
+            sendmsg(
+                socket.as_raw_fd(),
+                &iov,
+                &[ControlMessage::Ipv6PacketInfo(&pi)],
+                flags,
+                Some(&dest),
+            )
+        }
+    };
+    sent.map_err(io::Error::from)
+}
+
+#[cfg(test)]
+mod pktinfo_tests {
+    use super::*;
+
+    /// A wildcard socket learns which of the host's addresses a datagram was sent to, and
+    /// answers from it when asked: 127.0.0.1 and 127.0.0.2 are both this host's.
+    #[test]
+    fn a_wildcard_socket_answers_from_the_address_it_was_sent_to() {
+        let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+        set_pktinfo(&s).expect("pktinfo");
+        let port = s.local_addr().expect("addr").port();
+        let c = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        c.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .expect("timeout");
+        let mut cmsg = pktinfo_buffer();
+        let mut buf = [0u8; 64];
+        for target in ["127.0.0.2", "127.0.0.1"] {
+            let to: SocketAddr = format!("{target}:{port}").parse().expect("addr");
+            c.send_to(b"ping", to).expect("send");
+            let (n, from, local) =
+                recv_with_local(&s, &mut buf, &mut cmsg, s.local_addr().expect("addr"))
+                    .expect("receive");
+            assert_eq!((n, from), (4, Some(c.local_addr().expect("addr"))));
+            assert_eq!(local, to, "the address the client sent to");
+            let from = from.expect("sender");
+            send_from(&s, b"pong", from, Some(local.ip()), false).expect("send");
+            let (n, src) = c.recv_from(&mut buf).expect("answer");
+            assert_eq!((n, src), (4, to), "the answer leaves from {to}");
+        }
+    }
+}

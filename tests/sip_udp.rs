@@ -87,6 +87,19 @@ impl Lab {
         }
     }
 
+    /// Where the service saw `req` come from: fulcrum's Via sent-by (its address toward the
+    /// services).
+    fn proxy_seen_by_service(&self, req: &str) -> SocketAddr {
+        let via = header(req, "Via");
+        let sent_by = via
+            .strip_prefix("SIP/2.0/UDP ")
+            .and_then(|v| v.split(';').next())
+            .unwrap_or_else(|| panic!("no sent-by in {via}"));
+        sent_by
+            .parse()
+            .unwrap_or_else(|_| panic!("sent-by {sent_by}"))
+    }
+
     fn vs(&self) -> &VserverHandle {
         self.rt.vserver("v").expect("vserver")
     }
@@ -815,4 +828,125 @@ fn a_flood_of_unanswered_invites_leaves_confirmed_calls_pinned() {
         .map(|c| c.active())
         .sum();
     assert_eq!(active, 0);
+}
+
+/// A stateless vserver on `binds` (YAML list items) with one service on 127.0.0.1, and a
+/// client on 127.0.0.1; `proxy` is the first bound address.
+fn lab_bound(binds: &str, record_route: bool) -> Lab {
+    let service = sock("127.0.0.1");
+    let y = format!(
+        "admin: {{ listen: null }}\nservices:\n  - {{ name: s0, address: \"{}\", protocol: sip-udp }}\n\
+         vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [{binds}]\n    method: call_id_hash\n    record_route: {record_route}\n    workers: 2\n    failover: off\n    services: [s0]\n",
+        hp(addr(&service))
+    );
+    let cfg = config::from_str("test.yaml", &y).expect("config");
+    let rt = Runtime::start(&cfg).expect("runtime");
+    let proxy = rt.vserver("v").expect("vserver").bound[0];
+    Lab {
+        rt,
+        proxy,
+        services: vec![service],
+        client: sock("127.0.0.1"),
+    }
+}
+
+/// What `s` receives next, and from where.
+fn recv_src(s: &UdpSocket) -> (String, SocketAddr) {
+    let mut buf = vec![0u8; 65_536];
+    let (n, from) = s.recv_from(&mut buf).expect("nothing received");
+    (String::from_utf8_lossy(&buf[..n]).into_owned(), from)
+}
+
+/// RFC 3581 §4: answers leave from the address the request was sent to. On a wildcard bind
+/// the kernel would pick 127.0.0.1 toward a client on 127.0.0.1 (the route's source), not
+/// the 127.0.0.2 or 127.0.0.3 the client used; fulcrum names the arrival address as the
+/// source (IP_PKTINFO), for relayed answers and for its own.
+#[test]
+fn a_wildcard_bind_answers_from_the_address_each_request_was_sent_to() {
+    let lab = lab_bound("\"0.0.0.0:0\"", false);
+    let port = lab.proxy.port();
+    let client = hp(addr(&lab.client));
+    for (i, target) in ["127.0.0.2", "127.0.0.3"].iter().enumerate() {
+        let to: SocketAddr = format!("{target}:{port}").parse().expect("addr");
+        let options = request(
+            "OPTIONS",
+            "sip:bob@example.com",
+            &client,
+            &format!("z9hG4bKwild{i}"),
+            &format!("wild-{i}@test"),
+            "1 OPTIONS",
+        );
+        lab.client.send_to(options.as_bytes(), to).expect("send");
+        let got = lab.service_recv(0);
+        lab.services[0]
+            .send_to(
+                response_to(&got, "200 OK").as_bytes(),
+                lab.proxy_seen_by_service(&got),
+            )
+            .expect("answer");
+        let (answer, from) = recv_src(&lab.client);
+        assert_eq!(first_line(&answer), "SIP/2.0 200 OK");
+        assert_eq!(
+            from, to,
+            "the relayed answer leaves from the address the client used"
+        );
+    }
+    // fulcrum's own answer (every service down: 503) too.
+    assert_eq!(lab.rt.set_health("s0", Health::Down), 1);
+    let to: SocketAddr = format!("127.0.0.3:{port}").parse().expect("addr");
+    let options = request(
+        "OPTIONS",
+        "sip:bob@example.com",
+        &client,
+        "z9hG4bKwild9",
+        "wild-9@test",
+        "1 OPTIONS",
+    );
+    lab.client.send_to(options.as_bytes(), to).expect("send");
+    let (answer, from) = recv_src(&lab.client);
+    assert_eq!(first_line(&answer), "SIP/2.0 503 Service Unavailable");
+    assert_eq!(
+        from, to,
+        "fulcrum's own answer leaves from the address the client used"
+    );
+}
+
+/// A vserver on two addresses: the callee's BYE reaches fulcrum on the address its
+/// Record-Route names (the first), and goes on to the caller from the address the caller
+/// used (the second), not from the socket it arrived on.
+#[test]
+fn a_request_toward_a_client_leaves_from_the_address_that_client_used() {
+    let lab = lab_bound("\"127.0.0.1:0\", \"127.0.0.2:0\"", true);
+    let second = lab.vs().bound[1];
+    let client = addr(&lab.client);
+    let svc = addr(&lab.services[0]);
+    lab.client
+        .send_to(invite(&lab, "z9hG4bKtwo", "two@test").as_bytes(), second)
+        .expect("send");
+    let got = lab.service_recv(0);
+    let rr = header(&got, "Record-Route");
+    assert!(
+        rr.contains(&hp(lab.proxy)),
+        "Record-Route names the first address: {rr}"
+    );
+    let bye = format!(
+        "BYE sip:alice@{c} SIP/2.0\r\n\
+         Via: SIP/2.0/UDP {s};branch=z9hG4bKbyetwo;rport\r\n\
+         Max-Forwards: 70\r\n\
+         Route: {rr}\r\n\
+         From: <sip:bob@example.com>;tag=b1\r\n\
+         To: <sip:alice@example.com>;tag=a1\r\n\
+         Call-ID: two@test\r\nCSeq: 1 BYE\r\nContent-Length: 0\r\n\r\n",
+        c = hp(client),
+        s = hp(svc),
+    );
+    lab.services[0]
+        .send_to(bye.as_bytes(), lab.proxy)
+        .expect("service send");
+    let (got, from) = recv_src(&lab.client);
+    assert!(first_line(&got).starts_with("BYE "), "{got}");
+    assert_eq!(
+        from, second,
+        "the BYE leaves from the address the caller used"
+    );
 }

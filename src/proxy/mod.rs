@@ -10,6 +10,7 @@ pub mod proxy_protocol;
 pub(crate) mod reconfig;
 pub(crate) mod runtime;
 pub(crate) mod shutdown;
+pub(crate) mod sip_front;
 pub(crate) mod sip_stream;
 pub(crate) mod sip_udp;
 pub(crate) mod tcp;

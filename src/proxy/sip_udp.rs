@@ -30,6 +30,8 @@ use crate::proxy::reconfig::{
     catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
 };
 use crate::proxy::shutdown::Shutdown;
+pub(crate) use crate::proxy::sip_front::Senders;
+use crate::proxy::sip_front::{Fronts, needs_arrivals};
 use crate::proxy::sip_stream::{Install, SipStreamShared};
 use crate::sip::Transport;
 use crate::stats::{LogLimiter, bump};
@@ -61,13 +63,25 @@ pub(crate) fn run_worker<B: Bridge>(
     // Only the name is kept: holding the first core would keep its dialog table alive, and
     // count this worker's receive errors on it, after a reload replaced it.
     let name = cell.load().name.clone();
-    let dst = match socket.local_addr() {
+    let bound = match socket.local_addr() {
         Ok(a) => a,
         Err(e) => {
             tracing::error!(vserver = %name, error = %e, "worker socket has no address");
             return;
         }
     };
+    // A wildcard socket learns where each datagram was sent (IP_PKTINFO); every socket of a
+    // vserver with several addresses or a wildcard notes it for the answers (sip_front).
+    let pktinfo = bound.ip().is_unspecified()
+        && match net::set_pktinfo(&socket) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(vserver = %name, error = %e, "no IP_PKTINFO: answers leave from the kernel's choice of source");
+                false
+            }
+        };
+    let mut cmsg = net::pktinfo_buffer();
+    let arrivals = out_socks.arrivals_at(bound);
     let mut buf = vec![0u8; 65_536];
     let mut out: Vec<u8> = Vec::with_capacity(65_536 + 1024);
     // What held requests send besides the datagram a decision names (failover).
@@ -76,12 +90,17 @@ pub(crate) fn run_worker<B: Bridge>(
     let send_log = LogLimiter::default();
     let drop_log = LogLimiter::default();
     while !stop.load(Ordering::Acquire) {
-        let (n, src) = match net::recv_from(&socket, &mut buf) {
-            Ok((n, Some(src))) => (n, src),
+        let received = if pktinfo {
+            net::recv_with_local(&socket, &mut buf, &mut cmsg, bound)
+        } else {
+            net::recv_from(&socket, &mut buf).map(|(n, src)| (n, src, bound))
+        };
+        let (n, src, dst) = match received {
+            Ok((n, Some(src), dst)) => (n, src, dst),
             // The wake-up of the shutdown (a receive on a shut-down socket: no sender), not a
             // datagram; nothing else arrives without a sender address.
-            Ok((_, None)) if stop.load(Ordering::Acquire) => break,
-            Ok((_, None)) => continue,
+            Ok((_, None, _)) if stop.load(Ordering::Acquire) => break,
+            Ok((_, None, _)) => continue,
             Err(e)
                 if matches!(
                     e.kind(),
@@ -103,6 +122,10 @@ pub(crate) fn run_worker<B: Bridge>(
             }
         };
         let now = elapsed_nanos(epoch);
+        if let Some(arrivals) = arrivals {
+            arrivals.note(src, dst, now);
+            arrivals.sweep_if_due(now);
+        }
         // Until the end of this iteration, after the sends (dropped after `core`).
         let _in = reader.enter();
         let core = cell.load();
@@ -113,11 +136,9 @@ pub(crate) fn run_worker<B: Bridge>(
         let to = match action {
             Action::ToMember(m) => bridge
                 .to_member(&core, m, &out)
-                .map(|a| (&out_socks.services, a)),
-            Action::ToAddr(a) => bridge
-                .to_addr(&core, a, &out)
-                .map(|a| (&out_socks.clients, a)),
-            Action::Reply(a) => Some((&out_socks.clients, a)),
+                .map(|a| (Some(&out_socks.services), a)),
+            Action::ToAddr(a) => bridge.to_addr(&core, a, &out).map(|a| (None, a)),
+            Action::Reply(a) => Some((None, a)),
             // Connection ids exist only on streams.
             Action::ToConn(_) | Action::ToFlow(_) => None,
             Action::Drop(reason) => {
@@ -128,30 +149,16 @@ pub(crate) fn run_worker<B: Bridge>(
             }
         };
         if let Some((via, to)) = to
-            && let Err(e) = via.send_to(&out, to)
+            && let Err(e) = match via {
+                Some(via) => via.send_to(&out, to),
+                None => out_socks.to_client(&out, to, false),
+            }
         {
             bump(&core.counters.send_errors);
             if send_log.allow(now) {
                 tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
             }
         }
-    }
-}
-
-/// The sockets a worker sends from: toward clients (one of the vserver's) and toward
-/// services (one bound at `service_source`, else the same as toward clients).
-pub(crate) struct Senders {
-    pub clients: UdpSocket,
-    pub services: UdpSocket,
-}
-
-impl Senders {
-    /// Clones of `clients` and, when given, `services` (else `clients` again).
-    fn of(clients: &UdpSocket, services: Option<&UdpSocket>) -> std::io::Result<Senders> {
-        Ok(Senders {
-            clients: clients.try_clone()?,
-            services: services.unwrap_or(clients).try_clone()?,
-        })
     }
 }
 
@@ -169,16 +176,20 @@ fn send_all<B: Bridge>(
     use crate::core::sip::stateful::Dest;
     for (dest, bytes) in sends.drain(..) {
         let (socket, to) = match dest {
-            Dest::Addr(a) => (&socks.clients, a),
-            Dest::Service(a) => (&socks.services, a),
+            Dest::Addr(a) => (None, a),
+            Dest::Service(a) => (Some(&socks.services), a),
             Dest::Member(m) => match bridge.to_member(core, m, &bytes) {
-                Some(a) => (&socks.services, a),
+                Some(a) => (Some(&socks.services), a),
                 None => continue,
             },
             // Connection ids exist only on streams.
             Dest::Conn(_) => continue,
         };
-        if let Err(e) = socket.send_to(&bytes, to) {
+        let sent = match socket {
+            Some(s) => s.send_to(&bytes, to),
+            None => socks.to_client(&bytes, to, false),
+        };
+        if let Err(e) = sent {
             bump(&core.counters.send_errors);
             if log.allow(now) {
                 tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
@@ -419,6 +430,17 @@ pub(crate) fn start(
 ) -> Result<VserverHandle, RuntimeError> {
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_udp(v, workers)?;
+    let fronts = if needs_arrivals(&bound) {
+        Some(Arc::new(Fronts::of(&bound, &per_addr)?))
+    } else {
+        None
+    };
+    // Each socket's bound address's rank (its front).
+    let ranks: Vec<usize> = per_addr
+        .iter()
+        .enumerate()
+        .flat_map(|(i, socks)| std::iter::repeat_n(i, socks.len()))
+        .collect();
     let sockets: Vec<UdpSocket> = per_addr.into_iter().flatten().collect();
     let member_addrs = config.member_addrs(v);
     let local = local_identity(v, &bound, &member_addrs, Transport::Udp)?;
@@ -449,13 +471,13 @@ pub(crate) fn start(
     };
     let bridge = match sockets.first() {
         Some(first) if streams => {
-            let front = Senders::of(first, service_socks.first())?;
+            let front = Senders::of(first, service_socks.first())?.with_fronts(&fronts, 0);
             Some(crate::proxy::sip_stream::start_bridge(
                 ctx, config, v, &core, front, &readers,
             ))
         }
         Some(first) => {
-            let socks = Senders::of(first, service_socks.first())?;
+            let socks = Senders::of(first, service_socks.first())?.with_fronts(&fronts, 0);
             start_transaction_timers(ctx, v, socks, Arc::clone(&cell), readers.register())?;
             None
         }
@@ -465,14 +487,16 @@ pub(crate) fn start(
     // receive for clients from the vserver's socket of the same rank).
     let mut receivers = Vec::new();
     for (i, socket) in sockets.iter().enumerate() {
-        let senders = Senders::of(socket, service_socks.get(i % service_socks.len().max(1)))?;
+        let senders = Senders::of(socket, service_socks.get(i % service_socks.len().max(1)))?
+            .with_fronts(&fronts, ranks.get(i).copied().unwrap_or(0));
         receivers.push((format!("{}-{i}", v.name), socket.try_clone()?, senders));
     }
     for (i, socket) in service_socks.iter().enumerate() {
         let Some(front) = sockets.get(i % sockets.len().max(1)) else {
             break;
         };
-        let senders = Senders::of(front, Some(socket))?;
+        let rank = ranks.get(i % sockets.len().max(1)).copied().unwrap_or(0);
+        let senders = Senders::of(front, Some(socket))?.with_fronts(&fronts, rank);
         receivers.push((format!("{}-svc{i}", v.name), socket.try_clone()?, senders));
     }
     drop((sockets, service_socks));

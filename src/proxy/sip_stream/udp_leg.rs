@@ -9,7 +9,10 @@ impl SipStreamShared {
     /// buffer loses the datagram (counted), and SIP retransmits it (RFC 3261 §17.1.1.2).
     pub(super) fn to_udp(&self, bytes: &[u8], addr: SocketAddr) -> bool {
         if let Some(front) = &self.front {
-            return self.to_front(&front.clients, bytes, addr);
+            // Without waiting (the socket blocks for its worker's receive; MSG_DONTWAIT keeps
+            // this send from blocking a link's task on a full send buffer: the datagram is
+            // lost and counted, as on the leg), from the address the client sent to.
+            return self.datagram_sent(front.to_client(bytes, addr, true), addr);
         }
         self.to_leg(bytes, addr)
     }

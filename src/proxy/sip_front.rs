@@ -1,0 +1,304 @@
+//! The client-facing sockets of a sip-udp vserver, and which of them, from which local
+//! address, an answer to a client leaves. IO, but for the pure choice ([`choose`]) and the
+//! table of arrivals ([`Arrivals`]), which take time as an argument.
+//!
+//! RFC 3581 §4: a server sends its response "to the source IP address and port the request
+//! came from, from the same address and port the request was sent to". A vserver bound to
+//! one address does that by construction. One bound to a wildcard (`0.0.0.0:5060`, `[::]:5060`)
+//! or to several addresses does not: the kernel picks the source of a wildcard socket's
+//! datagram by routing (the interface's primary address, not the VRRP address or the
+//! secondary address the phone used), and the answer that a service sends back arrives on
+//! whichever socket faces that service, not the one the client used. A client, or a NAT or
+//! firewall in front of it, then drops the answer as unsolicited. So such a vserver learns
+//! each client's arrival address (IP_PKTINFO / IPV6_PKTINFO on a wildcard socket, the bound
+//! address otherwise) in [`Arrivals`], and every datagram toward that client, fulcrum's own
+//! answers, relayed answers and requests a service sends the client alike, leaves from it:
+//! from the socket bound there, or from the wildcard socket with the address named as the
+//! source (IP_PKTINFO's `ipi_spec_dst`, IPV6_PKTINFO's `ipi6_addr`).
+
+use crate::net;
+use crate::stats::Nanos;
+use dashmap::DashMap;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// How long a client's arrival address is remembered after its last datagram: longer than
+/// any registration or keep-alive interval a phone uses, so that a BYE toward a caller after
+/// a long call still leaves from the address the caller used.
+pub(crate) const ARRIVAL_TTL: Nanos = 2 * 3600 * 1_000_000_000;
+
+/// At most this many clients are remembered (about 80 bytes each); a client past it is
+/// answered from the kernel's choice of source, as without this table, and counted.
+pub(crate) const ARRIVAL_CAP: usize = 1 << 20;
+
+/// How often the table drops the clients silent for longer than [`ARRIVAL_TTL`].
+const SWEEP_EVERY: Nanos = 60 * 1_000_000_000;
+
+/// A stamp is rewritten only when it is older than this: a client sending many datagrams a
+/// second reads the table, it does not write it.
+const RESTAMP_AFTER: Nanos = 1_000_000_000;
+
+/// Which local address each client last sent to. Shared by a vserver's workers (a client's
+/// datagrams reach one worker, the answers its services send may reach any).
+#[derive(Debug, Default)]
+pub(crate) struct Arrivals {
+    map: DashMap<SocketAddr, (SocketAddr, Nanos)>,
+    next_sweep: AtomicU64,
+    /// Clients not remembered because the table was full.
+    pub full: AtomicU64,
+    len_hint: AtomicUsize,
+}
+
+impl Arrivals {
+    /// `client` sent a datagram to `local` at `now`.
+    pub(crate) fn note(&self, client: SocketAddr, local: SocketAddr, now: Nanos) {
+        if let Some(e) = self.map.get(&client)
+            && e.0 == local
+            && now.saturating_sub(e.1) < RESTAMP_AFTER
+        {
+            return;
+        }
+        if self.len_hint.load(Ordering::Relaxed) >= ARRIVAL_CAP && !self.map.contains_key(&client) {
+            if self.full.fetch_add(1, Ordering::Relaxed) == 0 {
+                tracing::warn!(
+                    clients = ARRIVAL_CAP,
+                    "the table of client arrival addresses is full: clients past it are answered from the kernel's choice of source address"
+                );
+            }
+            return;
+        }
+        self.map.insert(client, (local, now));
+        self.len_hint.store(self.map.len(), Ordering::Relaxed);
+    }
+
+    /// The local address `client` last sent to, if remembered.
+    pub(crate) fn local_of(&self, client: SocketAddr) -> Option<SocketAddr> {
+        self.map.get(&client).map(|e| e.0)
+    }
+
+    /// Drop the clients silent for longer than [`ARRIVAL_TTL`], at most once per
+    /// [`SWEEP_EVERY`] whoever calls (one caller wins each round). The number dropped.
+    pub(crate) fn sweep_if_due(&self, now: Nanos) -> usize {
+        let due = self.next_sweep.load(Ordering::Relaxed);
+        if now < due
+            || self
+                .next_sweep
+                .compare_exchange(due, now + SWEEP_EVERY, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return 0;
+        }
+        let before = self.map.len();
+        self.map
+            .retain(|_, (_, stamp)| now.saturating_sub(*stamp) <= ARRIVAL_TTL);
+        let after = self.map.len();
+        self.len_hint.store(after, Ordering::Relaxed);
+        before - after
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+/// Which of `bound` (the client-facing sockets' addresses) sends to `to`, and the source
+/// address to name (IP_PKTINFO) when the socket cannot say it by itself. `local` is where
+/// the client sent to (when known); `default` the socket to use otherwise (the caller's
+/// own). Prefers, in order: the socket bound at `local`; a wildcard socket of `local`'s port
+/// and family, naming `local`; a socket bound to another address of that port and family,
+/// naming `local`; else `default` if its family fits `to`, else the first socket of
+/// `to`'s family, naming nothing.
+pub(crate) fn choose(
+    bound: &[SocketAddr],
+    local: Option<SocketAddr>,
+    to: SocketAddr,
+    default: usize,
+) -> (usize, Option<IpAddr>) {
+    if let Some(l) = local.filter(|l| l.is_ipv4() == to.is_ipv4()) {
+        if let Some(i) = bound.iter().position(|b| *b == l) {
+            return (i, None);
+        }
+        let same_port = |b: &SocketAddr| b.port() == l.port() && b.is_ipv4() == l.is_ipv4();
+        if let Some(i) = bound
+            .iter()
+            .position(|b| same_port(b) && b.ip().is_unspecified())
+        {
+            return (i, Some(l.ip()));
+        }
+        if let Some(i) = bound.iter().position(same_port) {
+            return (i, Some(l.ip()));
+        }
+    }
+    match bound.get(default) {
+        Some(b) if b.is_ipv4() == to.is_ipv4() => (default, None),
+        _ => (
+            bound
+                .iter()
+                .position(|b| b.is_ipv4() == to.is_ipv4())
+                .unwrap_or(default),
+            None,
+        ),
+    }
+}
+
+/// Whether a vserver bound at `bound` must learn its clients' arrival addresses: a wildcard
+/// bind, or more than one address. One specific address answers from it by construction.
+pub(crate) fn needs_arrivals(bound: &[SocketAddr]) -> bool {
+    bound.len() > 1 || bound.iter().any(|b| b.ip().is_unspecified())
+}
+
+/// The client-facing side of a vserver with several addresses or a wildcard bind: one
+/// socket per bound address, and the table of arrivals.
+#[derive(Debug)]
+pub(crate) struct Fronts {
+    bound: Vec<SocketAddr>,
+    sockets: Vec<UdpSocket>,
+    pub arrivals: Arrivals,
+}
+
+impl Fronts {
+    /// One clone of a worker socket per bound address (`per_addr[i][0]` for `bound[i]`).
+    pub(crate) fn of(bound: &[SocketAddr], per_addr: &[Vec<UdpSocket>]) -> std::io::Result<Self> {
+        let mut sockets = Vec::with_capacity(bound.len());
+        for socks in per_addr {
+            if let Some(s) = socks.first() {
+                sockets.push(s.try_clone()?);
+            }
+        }
+        Ok(Fronts {
+            bound: bound[..sockets.len().min(bound.len())].to_vec(),
+            sockets,
+            arrivals: Arrivals::default(),
+        })
+    }
+}
+
+/// The sockets a worker sends from: toward clients (one of the vserver's) and toward
+/// services (one bound at `service_source`, else the same as toward clients); with
+/// [`Fronts`], toward each client from the address it sent to.
+#[derive(Debug)]
+pub(crate) struct Senders {
+    pub clients: UdpSocket,
+    pub services: UdpSocket,
+    /// `clients`'s index among the fronts' sockets.
+    rank: usize,
+    fronts: Option<Arc<Fronts>>,
+}
+
+impl Senders {
+    /// Clones of `clients` and, when given, `services` (else `clients` again).
+    pub(crate) fn of(clients: &UdpSocket, services: Option<&UdpSocket>) -> std::io::Result<Self> {
+        Ok(Senders {
+            clients: clients.try_clone()?,
+            services: services.unwrap_or(clients).try_clone()?,
+            rank: 0,
+            fronts: None,
+        })
+    }
+
+    /// These senders answering each client from the address it sent to; `clients` is the
+    /// socket of `fronts`'s address `rank`.
+    pub(crate) fn with_fronts(mut self, fronts: &Option<Arc<Fronts>>, rank: usize) -> Self {
+        self.fronts = fronts.clone();
+        self.rank = rank;
+        self
+    }
+
+    /// Send `bytes` to `to`, a client (anyone but a service): from the address `to` last
+    /// sent to when the vserver has several or a wildcard (RFC 3581 §4). `dontwait`: do not
+    /// block on a full send buffer (the datagram is lost; SIP retransmits it).
+    pub(crate) fn to_client(
+        &self,
+        bytes: &[u8],
+        to: SocketAddr,
+        dontwait: bool,
+    ) -> std::io::Result<usize> {
+        let Some(f) = &self.fronts else {
+            return net::send_from(&self.clients, bytes, to, None, dontwait);
+        };
+        let (i, from) = choose(&f.bound, f.arrivals.local_of(to), to, self.rank);
+        let socket = f.sockets.get(i).unwrap_or(&self.clients);
+        net::send_from(socket, bytes, to, from, dontwait)
+    }
+
+    /// The table of arrivals, when the vserver keeps one and `bound` (a receiving socket's
+    /// address) faces clients: a `service_source` socket's datagrams are not noted.
+    pub(crate) fn arrivals_at(&self, bound: SocketAddr) -> Option<&Arrivals> {
+        self.fronts
+            .as_deref()
+            .filter(|f| f.bound.contains(&bound))
+            .map(|f| &f.arrivals)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().expect("address")
+    }
+
+    #[test]
+    fn a_client_is_answered_from_the_socket_bound_where_it_sent() {
+        let bound = [a("10.0.0.1:5060"), a("10.0.0.2:5060")];
+        assert_eq!(
+            choose(&bound, Some(a("10.0.0.2:5060")), a("192.0.2.9:5060"), 0),
+            (1, None)
+        );
+        assert_eq!(
+            choose(&bound, Some(a("10.0.0.1:5060")), a("192.0.2.9:5060"), 1),
+            (0, None)
+        );
+    }
+
+    #[test]
+    fn a_wildcard_socket_names_the_arrival_address_as_the_source() {
+        let bound = [a("0.0.0.0:5060"), a("[::]:5060")];
+        assert_eq!(
+            choose(&bound, Some(a("10.0.0.7:5060")), a("192.0.2.9:5060"), 0),
+            (0, Some("10.0.0.7".parse().expect("ip")))
+        );
+        assert_eq!(
+            choose(
+                &bound,
+                Some(a("[2001:db8::7]:5060")),
+                a("[2001:db8::9]:5060"),
+                0
+            ),
+            (1, Some("2001:db8::7".parse().expect("ip")))
+        );
+    }
+
+    #[test]
+    fn an_unknown_client_gets_a_socket_of_its_family() {
+        let bound = [a("[::1]:5060"), a("127.0.0.1:5060")];
+        assert_eq!(choose(&bound, None, a("127.0.0.2:40000"), 0), (1, None));
+        assert_eq!(choose(&bound, None, a("[::1]:40000"), 0), (0, None));
+        // An arrival of the other family (a stale entry) is not used.
+        assert_eq!(
+            choose(&bound, Some(a("[::1]:5060")), a("127.0.0.2:40000"), 0),
+            (1, None)
+        );
+    }
+
+    #[test]
+    fn the_table_remembers_the_last_arrival_and_forgets_silent_clients() {
+        let t = Arrivals::default();
+        let c = a("192.0.2.9:5060");
+        t.note(c, a("10.0.0.1:5060"), 0);
+        assert_eq!(t.local_of(c), Some(a("10.0.0.1:5060")));
+        // Another address at once: the new one (not held back by the restamp delay).
+        t.note(c, a("10.0.0.2:5060"), 10);
+        assert_eq!(t.local_of(c), Some(a("10.0.0.2:5060")));
+        assert_eq!(t.sweep_if_due(ARRIVAL_TTL), 0, "not silent long enough");
+        assert_eq!(t.sweep_if_due(ARRIVAL_TTL + 20), 0, "one sweep a minute");
+        assert_eq!(t.sweep_if_due(ARRIVAL_TTL + SWEEP_EVERY + 20), 1);
+        assert_eq!((t.local_of(c), t.len()), (None, 0));
+        assert!(needs_arrivals(&[a("0.0.0.0:5060")]));
+        assert!(needs_arrivals(&[a("10.0.0.1:5060"), a("10.0.0.2:5060")]));
+        assert!(!needs_arrivals(&[a("10.0.0.1:5060")]));
+    }
+}
