@@ -404,7 +404,10 @@ pub(crate) fn pktinfo_buffer() -> Vec<u8> {
 
 /// As [`recv_from`], and the local address the datagram was sent to: from the packet info
 /// when `socket` has [`set_pktinfo`] (`cmsg` from [`pktinfo_buffer`]), else `bound`.
-#[expect(clippy::ptr_arg, reason = "nix's recvmsg takes the control buffer as a Vec")]
+#[expect(
+    clippy::ptr_arg,
+    reason = "nix's recvmsg takes the control buffer as a Vec"
+)]
 pub(crate) fn recv_with_local(
     socket: &UdpSocket,
     buf: &mut [u8],

@@ -431,7 +431,10 @@ impl Transaction {
         if !current || self.final_code.is_some() || a.phase != Phase::Calling {
             return;
         }
-        abandon_unanswered(a, out);
+        // Not charged here: the link that could not take it records its own failure (a
+        // refused connect is `refused`, not a timeout of the service).
+        a.phase = Phase::Abandoned;
+        a.retransmit_at = None;
         self.next(now, hops, out);
     }
 

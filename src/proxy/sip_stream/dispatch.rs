@@ -265,13 +265,27 @@ impl SipStreamShared {
     }
 
     /// Send a forwarded request to the member `g`'s core chooses now, other than `failed`'s;
-    /// with none, it is counted lost and its client gets fulcrum's 503.
+    /// with none, it is counted lost and its client gets fulcrum's 503. A request fulcrum
+    /// holds (failover) moves on inside its transaction instead: the failed member is
+    /// charged and the next attempt, with its own branch, goes where the transaction says,
+    /// so the answer of the member that took it is matched to it, and the client gets one
+    /// final, never fulcrum's 503 beside the transaction's.
     pub(super) fn redispatch_request(
         &self,
         g: &Generation,
         failed_link: Option<&ServiceLink>,
         bytes: Bytes,
     ) {
+        let mut sends = Vec::new();
+        if g.core.attempt_unsent(&bytes, self.now(), &mut sends) {
+            // Nothing to send: the attempt was no longer the transaction's current one, or
+            // it is answered already; the request is not lost.
+            if !sends.is_empty() {
+                bump(&self.counters.requests_rerouted);
+            }
+            self.carry_sends(g, sends);
+            return;
+        }
         let failed = failed_link.and_then(|l| g.index_of(l));
         let dst = failed_link.map_or(SocketAddr::from(([0, 0, 0, 0], 0)), |l| l.addr);
         let sent = match g.core.rechoose(&bytes, dst, self.now()) {
