@@ -558,7 +558,17 @@ fn a_member_that_appears_enters_slow_start() {
 /// A DNS server that answers A queries for every name with `a` (TTL 1 s) and never answers
 /// any other query: a resolver that drops AAAA, as some middleboxes and broken resolvers do.
 fn a_only_dns(a: std::net::Ipv4Addr) -> (SocketAddr, Arc<std::sync::atomic::AtomicU64>) {
-    let sock = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    a_only_dns_at(SocketAddr::from(([127, 0, 0, 1], 0)), a, false).expect("bind")
+}
+
+/// [`a_only_dns`] listening at `at`; `nodata`: other queries are answered NODATA (no
+/// records, at once) instead of dropped.
+fn a_only_dns_at(
+    at: SocketAddr,
+    a: std::net::Ipv4Addr,
+    nodata: bool,
+) -> std::io::Result<(SocketAddr, Arc<std::sync::atomic::AtomicU64>)> {
+    let sock = std::net::UdpSocket::bind(at)?;
     sock.set_read_timeout(Some(Duration::from_millis(200)))
         .expect("timeout");
     let addr = sock.local_addr().expect("addr");
@@ -581,11 +591,20 @@ fn a_only_dns(a: std::net::Ipv4Addr) -> (SocketAddr, Arc<std::sync::atomic::Atom
             let Some(qtype) = q.get(i + 1..i + 3) else {
                 continue;
             };
+            let Some(question) = q.get(12..i + 5) else {
+                continue;
+            };
             if qtype != [0, 1] {
                 seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if nodata {
+                    let mut r = Vec::with_capacity(64);
+                    r.extend_from_slice(&q[..2]);
+                    r.extend_from_slice(&[0x85, 0x80, 0, 1, 0, 0, 0, 0, 0, 0]);
+                    r.extend_from_slice(question);
+                    let _ = sock.send_to(&r, from);
+                }
                 continue;
             }
-            let question = &q[12..i + 5];
             let mut r = Vec::with_capacity(64);
             r.extend_from_slice(&q[..2]);
             r.extend_from_slice(&[0x85, 0x80, 0, 1, 0, 1, 0, 0, 0, 0]);
@@ -595,7 +614,7 @@ fn a_only_dns(a: std::net::Ipv4Addr) -> (SocketAddr, Arc<std::sync::atomic::Atom
             let _ = sock.send_to(&r, from);
         }
     });
-    (addr, dropped)
+    Ok((addr, dropped))
 }
 
 /// A resolver that never answers AAAA queries: the A records still make the pool, at start
@@ -624,4 +643,54 @@ fn a_resolver_that_drops_aaaa_still_fills_the_pool() {
     let r = ready(&ops);
     assert_eq!(r["status"], 200, "{r}");
     ops.shutdown();
+}
+
+/// Without `servers` the system's configuration is used, and read again when it changes (a
+/// DHCP lease or systemd-resolved rewrites /etc/resolv.conf while fulcrum runs): the pool
+/// follows the server the file names now. resolv.conf names servers without a port, so the
+/// two stub servers listen on port 53 of their own loopback addresses (root only).
+#[test]
+fn a_rewritten_resolv_conf_is_read_again() {
+    let one = a_only_dns_at(
+        "127.0.53.1:53".parse().expect("addr"),
+        [127, 0, 0, 10].into(),
+        true,
+    );
+    let two = a_only_dns_at(
+        "127.0.53.2:53".parse().expect("addr"),
+        [127, 0, 0, 11].into(),
+        true,
+    );
+    let (Ok(_), Ok(_)) = (&one, &two) else {
+        assert!(
+            std::env::var_os("FULCRUM_REQUIRE_NETNS").is_none(),
+            "port 53 on 127.0.53.x: {one:?} {two:?}"
+        );
+        eprintln!("skipped: cannot listen on port 53 (not root?)");
+        return;
+    };
+    let first = StrictUas::udp_at("s0", SocketAddr::from(([127, 0, 0, 10], 0)));
+    let second = StrictUas::udp_at("s1", SocketAddr::from(([127, 0, 0, 11], first.addr.port())));
+    let dir = std::env::temp_dir().join(format!("fulcrum-resolv-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let conf = dir.join("resolv.conf");
+    std::fs::write(&conf, "nameserver 127.0.53.1\n").expect("write");
+    let yaml = format!(
+        "admin: {{ listen: null }}\n\
+         dns: {{ resolv_conf: \"{}\", min_refresh: 200ms, max_refresh: 1s }}\n\
+         services:\n  - {{ name: pool, protocol: sip-udp, dns: sip.pool.test, port: {} }}\n\
+         vservers:\n  - name: v\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: call_id_hash\n    workers: 1\n    services: [pool]\n",
+        conf.display(),
+        first.addr.port()
+    );
+    let cfg = config::from_str("discovery.yaml", &yaml).expect("valid");
+    let ops = Ops::start(cfg, None).expect("start");
+    wait_serving(&ops, &[&first]);
+    // Rewritten in place (a new file renamed over it, as resolvconf does).
+    let staged = dir.join("resolv.conf.new");
+    std::fs::write(&staged, "nameserver 127.0.53.2\n").expect("write");
+    std::fs::rename(&staged, &conf).expect("rename");
+    wait_serving(&ops, &[&second]);
+    ops.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -32,10 +32,13 @@ pub struct Config {
 /// again (its records' TTL, clamped to `min_refresh..=max_refresh`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DnsSettings {
-    /// Empty: the system's resolver configuration (`/etc/resolv.conf`).
+    /// Empty: the system's resolver configuration (`resolv_conf`).
     pub servers: Vec<SocketAddr>,
     pub min_refresh: Duration,
     pub max_refresh: Duration,
+    /// The system's resolver configuration, read when `servers` is empty, and again
+    /// whenever it changes (a DHCP lease, systemd-resolved, a container's runtime rewrites it).
+    pub resolv_conf: std::path::PathBuf,
 }
 
 impl Default for DnsSettings {
@@ -44,6 +47,7 @@ impl Default for DnsSettings {
             servers: Vec::new(),
             min_refresh: Duration::from_secs(1),
             max_refresh: Duration::from_secs(300),
+            resolv_conf: std::path::PathBuf::from("/etc/resolv.conf"),
         }
     }
 }

@@ -121,6 +121,21 @@ fn nanos(d: Duration) -> Nanos {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+/// Refreshes after records come up to this share (in thousandths) earlier than the TTL says,
+/// so that pools whose records share a TTL, and instances that started together, do not ask
+/// their servers in the same instant every time.
+pub const JITTER_PER_MILLE: u64 = 100;
+
+/// `wait` shortened by a jitter of up to [`JITTER_PER_MILLE`], fixed by `name` and `round`
+/// (xxh3: the same inputs give the same wait, and every round of every name another one).
+/// Never below `floor`.
+pub fn jittered(wait: Nanos, name: &str, round: u64, floor: Nanos) -> Nanos {
+    let draw = xxhash_rust::xxh3::xxh3_64_with_seed(name.as_bytes(), round) % 1000;
+    let cut = u128::from(wait) * u128::from(JITTER_PER_MILLE) * u128::from(draw) / 1_000_000;
+    wait.saturating_sub(u64::try_from(cut).unwrap_or(0))
+        .max(floor.min(wait))
+}
+
 impl Pool {
     /// A pool not asked yet: due at `now`.
     pub fn new(dns: DnsName, now: Nanos) -> Pool {
@@ -214,7 +229,8 @@ impl Pool {
     }
 
     /// Take a lookup's outcome at `now`; whether the member set changed. After records the
-    /// next lookup is at their TTL (within `min_refresh..=max_refresh`); after an empty
+    /// next lookup is at their TTL (within `min_refresh..=max_refresh`, up to a tenth
+    /// earlier: [`jittered`]); after an empty
     /// answer at `min_refresh` (the name may come back soon); after a failure at
     /// `min_refresh`, then at twice the time failures have gone on, up to `max_refresh`.
     pub fn record(&mut self, outcome: Outcome, now: Nanos, s: &DnsSettings) -> bool {
@@ -229,6 +245,7 @@ impl Pool {
                 Some((targets, ttl, partial)) => {
                     self.lookups.found += 1;
                     let wait = nanos(Duration::from_secs(u64::from(ttl))).clamp(lo, hi);
+                    let wait = jittered(wait, &self.dns.name, self.lookups.found, lo);
                     self.next = now.saturating_add(wait);
                     self.answered(now);
                     self.partial = partial;
@@ -242,6 +259,7 @@ impl Pool {
             Outcome::Found { targets, ttl } => {
                 self.lookups.found += 1;
                 let wait = nanos(Duration::from_secs(u64::from(ttl))).clamp(lo, hi);
+                let wait = jittered(wait, &self.dns.name, self.lookups.found, lo);
                 self.next = now.saturating_add(wait);
                 self.answered(now);
                 self.partial = None;

@@ -12,16 +12,26 @@ use hickory_resolver::proto::rr::{RData, RecordType};
 use std::net::IpAddr;
 use std::time::Duration;
 
+/// At most this many names are asked at once (each with its A and AAAA, or an SRV name
+/// with its targets): a config with hundreds of pools does not fire them all at its server.
+pub const LOOKUPS_AT_ONCE: usize = 16;
+
 /// How long one server is given to answer, and how many times it is asked.
 const TIMEOUT: Duration = Duration::from_secs(2);
 const ATTEMPTS: usize = 2;
 
 /// A resolver for `s`: its servers (each over UDP, then TCP for truncated answers), or the
-/// system's configuration when it names none.
+/// system's configuration (`s.resolv_conf`) when it names none.
 pub fn resolver(s: &DnsSettings) -> Result<TokioResolver, String> {
     let mut b = if s.servers.is_empty() {
-        TokioResolver::builder_tokio()
-            .map_err(|e| format!("the system's resolver configuration: {e}"))?
+        let text = std::fs::read(&s.resolv_conf)
+            .map_err(|e| format!("reading {}: {e}", s.resolv_conf.display()))?;
+        let (config, options) = hickory_resolver::system_conf::parse_resolv_conf(&text)
+            .map_err(|e| format!("{}: {e}", s.resolv_conf.display()))?;
+        let mut b = TokioResolver::builder_with_config(config, TokioRuntimeProvider::default());
+        // Its options (ndots, search, ...); the cache, timeout and attempts are set below.
+        *b.options_mut() = options;
+        b
     } else {
         let servers = s
             .servers
@@ -74,6 +84,7 @@ fn describe(e: &NetError) -> String {
 
 /// The A and the AAAA records of `name` as two parts of an answer, asked at once: one
 /// failing costs nothing of the other ([`super::Pool::record`] keeps its last addresses).
+/// AAAA addresses this host has no route to are left out ([`routable`]).
 async fn address_parts(
     r: &TokioResolver,
     name: &str,
@@ -88,7 +99,18 @@ async fn address_parts(
         RData::AAAA(a) => Some(IpAddr::V6(a.0)),
         _ => None,
     });
-    let (a, aaaa) = tokio::join!(a, aaaa);
+    let (a, mut aaaa) = tokio::join!(a, aaaa);
+    if let Ok(found) = &mut aaaa {
+        let before = found.len();
+        found.retain(|(ip, _)| routable(*ip));
+        if found.len() < before {
+            tracing::debug!(
+                name,
+                skipped = before - found.len(),
+                "AAAA records skipped: this host has no route to them"
+            );
+        }
+    }
     let part = |family, answer: Answer<IpAddr>| Part {
         key: (key.to_owned(), family),
         srv,
@@ -98,6 +120,30 @@ async fn address_parts(
         }),
     };
     [part(Family::V4, a), part(Family::V6, aaaa)]
+}
+
+/// Whether this host has a route to `ip`: a UDP socket connected toward it (no packet is
+/// sent) says so. An AAAA member on a host without IPv6 routes (common on IPv4-only hosts
+/// whose DNS publishes both families) would only be a member every connection to fails.
+fn routable(ip: IpAddr) -> bool {
+    let any: IpAddr = match ip {
+        IpAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        IpAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+    };
+    std::net::UdpSocket::bind((any, 0))
+        .and_then(|s| s.connect((ip, 9)))
+        .is_ok()
+}
+
+/// What says that the system's resolver configuration changed: its file's identity, size
+/// and modification time (`None`: unreadable, or not used because `s` names servers).
+pub fn system_conf_stamp(s: &DnsSettings) -> Option<(u64, u64, std::time::SystemTime)> {
+    use std::os::unix::fs::MetadataExt;
+    if !s.servers.is_empty() {
+        return None;
+    }
+    let m = std::fs::metadata(&s.resolv_conf).ok()?;
+    Some((m.ino(), m.len(), m.modified().ok()?))
 }
 
 /// Ask what `dns` names now.
@@ -249,6 +295,7 @@ pub fn at_start(s: &DnsSettings, names: &[(String, DnsName)]) -> Vec<(String, Ou
             Ok(r) => r,
             Err(e) => return failed(e),
         };
+        use futures_util::StreamExt;
         let all = names.iter().map(|(service, dns)| {
             let r = &r;
             async move {
@@ -258,6 +305,32 @@ pub fn at_start(s: &DnsSettings, names: &[(String, DnsName)]) -> Vec<(String, Ou
                 (service.clone(), o)
             }
         });
-        futures_util::future::join_all(all).await
+        futures_util::stream::iter(all)
+            .buffer_unordered(LOOKUPS_AT_ONCE)
+            .collect()
+            .await
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Loopback is always routable; an IPv6 address with no route (none of the host's
+    /// routes covers the discard prefix 100::/64 of RFC 6666 unless it is configured so) is not,
+    /// unless this host routes it, which the test then checks through `ip -6 route get`.
+    #[test]
+    fn loopback_is_routable_and_an_unrouted_address_is_not() {
+        assert!(routable("127.0.0.1".parse().expect("ip")));
+        let v6_loopback: IpAddr = "::1".parse().expect("ip");
+        let has_v6 = std::net::UdpSocket::bind("[::1]:0").is_ok();
+        assert_eq!(routable(v6_loopback), has_v6);
+        let discard: IpAddr = "100::1".parse().expect("ip");
+        let routed = std::process::Command::new("ip")
+            .args(["-6", "route", "get", "100::1"])
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        assert_eq!(routable(discard), routed);
+    }
 }

@@ -135,7 +135,10 @@ fn a_found_answer_sets_the_members_and_the_next_lookup_at_its_ttl() {
     };
     assert!(p.record(found.clone(), 10 * S, &file.dns));
     assert_eq!(p.members.len(), 2, "sorted, one per address");
-    assert_eq!(p.next, 40 * S);
+    // At the TTL, up to a tenth earlier (the jitter of round 1 of this name).
+    let name = p.dns.name.clone();
+    assert_eq!(p.next, 10 * S + jittered(30 * S, &name, 1, 2 * S));
+    assert!((37 * S..=40 * S).contains(&p.next), "{}", p.next);
     assert!(
         !p.record(found, 40 * S, &file.dns),
         "the same answer changes nothing"
@@ -150,7 +153,7 @@ fn a_found_answer_sets_the_members_and_the_next_lookup_at_its_ttl() {
         !p.record(tiny.clone(), 50 * S, &file.dns),
         "one answer without it: kept"
     );
-    assert_eq!(p.next, 52 * S);
+    assert_eq!(p.next, 52 * S, "min_refresh is a floor, jitter or not");
     assert!(p.record(tiny, 52 * S, &file.dns), "the second: gone");
     assert_eq!(p.members.len(), 1);
     let huge = Outcome::Found {
@@ -158,8 +161,39 @@ fn a_found_answer_sets_the_members_and_the_next_lookup_at_its_ttl() {
         ttl: 86_400,
     };
     p.record(huge, 60 * S, &file.dns);
-    assert_eq!(p.next, 120 * S);
+    assert_eq!(p.next, 60 * S + jittered(60 * S, &name, 5, 2 * S));
+    assert!((114 * S..=120 * S).contains(&p.next), "{}", p.next);
     assert_eq!(p.lookups.found, 5);
+}
+
+/// The jitter takes at most a tenth off, never goes below the floor, is the same for the
+/// same name and round, and spreads names and rounds over the whole tenth.
+#[test]
+fn refreshes_are_jittered_by_up_to_a_tenth_and_deterministically() {
+    let wait = 30 * S;
+    let mut seen = Vec::new();
+    for round in 0..200 {
+        for name in ["a.example.", "b.example.", "sip.pool.test."] {
+            let j = jittered(wait, name, round, 0);
+            assert!((27 * S..=30 * S).contains(&j), "{j}");
+            assert_eq!(j, jittered(wait, name, round, 0));
+            seen.push(j);
+        }
+    }
+    let (lo, hi) = (
+        seen.iter().min().copied().unwrap_or(0),
+        seen.iter().max().copied().unwrap_or(0),
+    );
+    assert!(lo < 27 * S + S / 5 && hi > 30 * S - S / 5, "{lo}..{hi}");
+    assert_eq!(
+        jittered(wait, "a.example.", 7, 29 * S).max(29 * S),
+        jittered(wait, "a.example.", 7, 29 * S)
+    );
+    assert_eq!(
+        jittered(S, "a.example.", 7, 5 * S),
+        S,
+        "a floor above the wait leaves it"
+    );
 }
 
 #[test]

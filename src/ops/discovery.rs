@@ -22,7 +22,7 @@ pub(super) fn watch(ops: &Arc<Ops>, jobs: &TaskGroup) {
     ops.tokio.spawn(async move {
         let _guard = guard;
         let mut signal = signal;
-        let mut resolver: Option<(DnsSettings, TokioResolver)> = None;
+        let mut resolver: Option<Resolver> = None;
         loop {
             let wait = match round(&weak, &mut resolver).await {
                 Some(wait) => wait,
@@ -38,10 +38,12 @@ pub(super) fn watch(ops: &Arc<Ops>, jobs: &TaskGroup) {
 
 /// Ask the names that are due and apply what changed; how long to sleep (`None`: the
 /// proxy is gone).
-async fn round(
-    weak: &Weak<Ops>,
-    resolver: &mut Option<(DnsSettings, TokioResolver)>,
-) -> Option<Duration> {
+/// The resolver in use: the settings it was built from, the stamp of the system's
+/// configuration it read (`dns::resolve::system_conf_stamp`), and the resolver.
+type Resolver = (DnsSettings, Option<Stamp>, TokioResolver);
+type Stamp = (u64, u64, std::time::SystemTime);
+
+async fn round(weak: &Weak<Ops>, resolver: &mut Option<Resolver>) -> Option<Duration> {
     let (file, due) = {
         let ops = weak.upgrade()?;
         let file: Arc<Config> = ops.config();
@@ -51,9 +53,20 @@ async fn round(
         (file, pools.due(now))
     };
     if !due.is_empty() {
-        if resolver.as_ref().is_none_or(|(s, _)| *s != file.dns) {
+        // Built again when the settings change, or the system's configuration (a DHCP
+        // lease, systemd-resolved rewriting /etc/resolv.conf while fulcrum runs).
+        let stamp = dns::resolve::system_conf_stamp(&file.dns);
+        if let Some((_, old, _)) = resolver.as_ref()
+            && *old != stamp
+        {
+            tracing::info!(path = %file.dns.resolv_conf.display(), "DNS: the system's resolver configuration changed; read again");
+        }
+        if resolver
+            .as_ref()
+            .is_none_or(|(s, old, _)| *s != file.dns || *old != stamp)
+        {
             *resolver = match dns::resolve::resolver(&file.dns) {
-                Ok(r) => Some((file.dns.clone(), r)),
+                Ok(r) => Some((file.dns.clone(), stamp, r)),
                 Err(e) => {
                     tracing::warn!(error = %e, "DNS: no resolver");
                     None
@@ -61,12 +74,21 @@ async fn round(
             };
         }
         let outcomes: Vec<(String, Outcome)> = match resolver {
-            Some((_, r)) => {
-                let r = &*r;
-                futures_util::future::join_all(due.iter().map(|(service, name)| async move {
-                    (service.clone(), dns::resolve::lookup(r, name).await)
-                }))
-                .await
+            Some((_, _, r)) => {
+                use futures_util::StreamExt;
+                // Owned (a resolver clone shares its connections): a borrowing stream is not
+                // `Send` enough for the spawned task.
+                let asks: Vec<_> = due
+                    .iter()
+                    .map(|(service, name)| {
+                        let (r, service, name) = (r.clone(), service.clone(), name.clone());
+                        async move { (service, dns::resolve::lookup(&r, &name).await) }
+                    })
+                    .collect();
+                futures_util::stream::iter(asks)
+                    .buffer_unordered(dns::resolve::LOOKUPS_AT_ONCE)
+                    .collect()
+                    .await
             }
             None => due
                 .iter()

@@ -251,7 +251,7 @@ fn dns_name(s: &str) -> Result<String, String> {
     Ok(format!("{t}."))
 }
 
-const DNS_FIELDS: &[&str] = &["servers", "min_refresh", "max_refresh"];
+const DNS_FIELDS: &[&str] = &["servers", "min_refresh", "max_refresh", "resolv_conf"];
 
 impl Cx {
     /// The global `dns` block.
@@ -309,10 +309,25 @@ impl Cx {
             );
             return None;
         }
+        let resolv_conf = match f.get("resolv_conf") {
+            None => Some(d.resolv_conf),
+            Some(n) => {
+                let p = join(path, "resolv_conf");
+                match self.string(n, &p) {
+                    Some(text) if text.starts_with('/') => Some(std::path::PathBuf::from(text)),
+                    Some(_) => {
+                        self.problem(n.pos, &p, "an absolute path (such as /etc/resolv.conf)");
+                        None
+                    }
+                    None => None,
+                }
+            }
+        };
         Some(DnsSettings {
             servers: servers?,
             min_refresh: min_refresh?,
             max_refresh: max_refresh?,
+            resolv_conf: resolv_conf?,
         })
     }
 }
