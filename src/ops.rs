@@ -47,6 +47,15 @@ struct RateSample {
 /// The operator's handle on a running proxy.
 pub struct Ops {
     rt: Mutex<Option<Runtime>>,
+    /// The runtime is there (`rt` is `Some`): read without `rt`'s lock, which a reload
+    /// holds while it rebuilds vservers (the watchdog must not wait for it).
+    serving: std::sync::atomic::AtomicBool,
+    /// The runtime's clock (its epoch), read without `rt`'s lock.
+    epoch: std::time::Instant,
+    /// What readiness said of the vservers when `rt` was last free: `/readyz` answers from
+    /// it while a reload holds `rt` (a load balancer's health check must not time out on a
+    /// long reload and withdraw the instance).
+    last_facts: Mutex<Option<Vec<crate::readiness::VserverFacts>>>,
     tokio: tokio::runtime::Handle,
     health: Arc<HealthBoard>,
     /// The config as the file says.
@@ -106,8 +115,13 @@ impl Ops {
         board.apply_all();
         board.watch_with(Arc::clone(rt.liveness()));
         board.start_monitors(&config, &tokio);
+        let epoch = rt.epoch();
+        let facts: Vec<_> = rt.vservers().iter().map(vserver_facts).collect();
         let ops = Arc::new(Ops {
+            epoch,
             rt: Mutex::new(Some(rt)),
+            serving: std::sync::atomic::AtomicBool::new(true),
+            last_facts: Mutex::new(Some(facts)),
             tokio,
             health: board,
             drains: Mutex::new((Drains::default(), Arc::new(config.clone()))),
@@ -133,9 +147,19 @@ impl Ops {
                     () = signal.recv() => return,
                 }
                 let Some(ops) = weak.upgrade() else { return };
-                ops.sample_rates();
-                ops.end_drains();
-                ops.return_memory();
+                // They take the runtime's and the reload's locks, which a reload holds while
+                // it rebuilds: on a blocking thread, so no worker of this runtime (SIP
+                // streams, the admin API, monitors, the watchdog) waits with them.
+                let tokio = ops.tokio.clone();
+                let _ = tokio
+                    .spawn_blocking(move || {
+                        // Keeps what `/readyz` answers during a reload fresh.
+                        let _ = ops.readiness();
+                        ops.sample_rates();
+                        ops.end_drains();
+                        ops.return_memory();
+                    })
+                    .await;
             }
         });
         discovery::watch(&ops, &jobs);
@@ -210,7 +234,8 @@ impl Ops {
 
     /// The runtime's clock; `None` once shut down.
     fn now(&self) -> Option<crate::stats::Nanos> {
-        self.with_runtime(Runtime::now)
+        self.is_serving()
+            .then(|| crate::proxy::context::elapsed_nanos(self.epoch))
     }
 
     fn with_runtime<R>(&self, f: impl FnOnce(&Runtime) -> R) -> Option<R> {
@@ -313,12 +338,29 @@ impl Ops {
 
     /// Whether the proxy still runs its vservers (`false` once shut down).
     pub fn is_serving(&self) -> bool {
-        self.runtime().is_some()
+        self.serving.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Whether this instance should get new traffic (`GET /readyz`; [`crate::readiness`]).
     pub fn readiness(&self) -> Readiness {
-        let facts = self.with_vservers(|vs, _| vs.iter().map(vserver_facts).collect::<Vec<_>>());
+        // Without waiting for a reload that holds the runtime: the facts it last gave.
+        let facts = match self.rt.try_lock() {
+            Ok(g) => {
+                let facts = g
+                    .as_ref()
+                    .map(|rt| rt.vservers().iter().map(vserver_facts).collect::<Vec<_>>());
+                drop(g);
+                lock(&self.last_facts).clone_from(&facts);
+                facts
+            }
+            Err(std::sync::TryLockError::Poisoned(p)) => p
+                .into_inner()
+                .as_ref()
+                .map(|rt| rt.vservers().iter().map(vserver_facts).collect::<Vec<_>>()),
+            Err(std::sync::TryLockError::WouldBlock) => lock(&self.last_facts)
+                .clone()
+                .or_else(|| self.with_vservers(|vs, _| vs.iter().map(vserver_facts).collect())),
+        };
         let notes = lock(&self.pools).notes(self.now().unwrap_or(0));
         readiness::readiness(facts.as_deref(), self.is_draining()).with_notes(notes)
     }
@@ -739,6 +781,9 @@ impl Ops {
     pub fn shutdown(&self) {
         self.health.stop_monitors();
         let rt = self.runtime().take();
+        self.serving
+            .store(false, std::sync::atomic::Ordering::Release);
+        *lock(&self.last_facts) = None;
         if let Some(rt) = rt {
             rt.shutdown();
         }

@@ -832,3 +832,73 @@ fn an_ejection_shows_in_status_and_metrics_and_enable_ends_it() {
     assert_eq!(s1["ejection"]["ejections_total"], 1, "{s1}");
     ops.shutdown();
 }
+
+/// A reload holds the runtime while it rebuilds vservers (building them aside, then waiting
+/// for every worker to finish with the old ones); one that takes 5 s must not stop what runs
+/// beside it. The test holds the runtime's lock for 5 s, as such a rebuild does, and
+/// meanwhile the admin API answers `/readyz` and `/healthz` over its socket, what the
+/// watchdog reads each tick answers at once, and a SIP request over TCP (the streams run on
+/// the runtime the admin API shares) is answered.
+#[test]
+fn a_five_second_reload_leaves_the_admin_api_the_watchdog_and_sip_streams_answering() {
+    use common::sip_tcp::{TcpUas, read_message, request};
+    use std::io::Write;
+    let uas = TcpUas::start();
+    let yaml = format!(
+        "admin: {{ listen: null }}\nservices:\n  - {{ name: s0, address: \"{}\", protocol: sip-tcp }}\n\
+         vservers:\n  - name: v\n    protocol: sip-tcp\n    bind: [127.0.0.1:0]\n    method: call_id_hash\n    services: [s0]\n",
+        uas.addr
+    );
+    let ops = start(&yaml);
+    let proxy = proxy_addr(&ops);
+    let (admin, _task) = ops
+        .tokio()
+        .block_on(fulcrum::admin::serve(Arc::clone(&ops), any()))
+        .expect("admin API");
+    let mut client = std::net::TcpStream::connect(proxy).expect("connect");
+    client
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .expect("timeout");
+    let local = client.local_addr().expect("local");
+    let mut buf = Vec::new();
+    client
+        .write_all(request("OPTIONS", "before@x", local, "z9hG4bKbefore").as_bytes())
+        .expect("write");
+    assert!(
+        read_message(&mut client, &mut buf).is_some(),
+        "answered before"
+    );
+    let (held_tx, held_rx) = std::sync::mpsc::channel();
+    let holder = {
+        let ops = Arc::clone(&ops);
+        std::thread::spawn(move || {
+            ops.with_vservers(|_, _| {
+                let _ = held_tx.send(());
+                std::thread::sleep(Duration::from_secs(5));
+            })
+        })
+    };
+    held_rx
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the runtime is held");
+    let started = Instant::now();
+    let ready = http(admin, "GET /readyz HTTP/1.1\r\nHost: t\r\n\r\n");
+    assert!(ready.starts_with("HTTP/1.1 200"), "{ready}");
+    let live = http(admin, "GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n");
+    assert!(live.starts_with("HTTP/1.1 200"), "{live}");
+    assert!(ops.is_serving(), "what the watchdog reads");
+    client
+        .write_all(request("OPTIONS", "during@x", local, "z9hG4bKduring").as_bytes())
+        .expect("write");
+    assert!(
+        read_message(&mut client, &mut buf).is_some(),
+        "a SIP request over TCP is answered during the reload"
+    );
+    let took = started.elapsed();
+    assert!(
+        !holder.is_finished() && took < Duration::from_secs(3),
+        "all of it answered while the runtime was held: {took:?}"
+    );
+    holder.join().expect("holder");
+    ops.shutdown();
+}
