@@ -369,10 +369,24 @@ impl Balancer {
                 .get_mut()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
         });
+        let old_ss = old.slow_start().filter(SlowStart::is_active);
+        let mut ss = b.slow_start.as_mut().map(|s| {
+            s.get_mut()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+        });
+        if let (Some(ss), Some(o)) = (ss.as_deref_mut(), old_ss.as_ref()) {
+            ss.carry_totals(o);
+        }
         for (i, m) in b.members.iter().enumerate() {
             let Some(j) = old.members.iter().position(|o| o.name == m.name) else {
                 continue;
             };
+            // A member still in slow start stays in it, where its ramp had reached.
+            if let (Some(ss), Some(o)) = (ss.as_deref_mut(), old_ss.as_ref())
+                && !m.draining
+            {
+                ss.carry(i, o, j);
+            }
             if counters && let (Some(slot), Some(c)) = (b.counters.get_mut(i), old.counters.get(j))
             {
                 *slot = Arc::clone(c);
@@ -389,6 +403,10 @@ impl Balancer {
             for i in 0..b.members.len() {
                 e.mirror(&v, i);
             }
+        }
+        if let Some(ss) = &b.slow_start {
+            b.slow_start_active
+                .store(lock(ss).is_active(), Ordering::Release);
         }
         b
     }
@@ -1221,6 +1239,42 @@ mod tests {
         assert_eq!(e.failures[0].load(Ordering::Relaxed), 1);
         b.report_success(0, 0);
         assert_eq!(e.failures[0].load(Ordering::Relaxed), 0);
+    }
+
+    /// A rebuild (here: a reload that adds s3) keeps s2, added earlier and still warming up,
+    /// in slow start where its ramp had reached, at its new index too; it does not take its
+    /// full share because another member came.
+    #[test]
+    fn a_rebuild_keeps_a_member_still_in_slow_start_in_it() {
+        let extra = "    slow_start: { new_service_request_rate: 2, unit: per_second, increment_interval: 1s }\n";
+        let c3 = config("least_connection", extra, 3);
+        let old = Balancer::new(&c3, &c3.vservers[0]);
+        old.mark_added(&[2], 0);
+        // Two seconds of traffic: s2's rate has been raised twice (2, 4, 6 per second).
+        for i in 0..200u64 {
+            let _ = old.choose(KeyInput::NoKey, i * 10_000_000);
+        }
+        let before = old
+            .slow_start()
+            .and_then(|s| s.status(2))
+            .expect("s2 is new");
+        // The reload lists s2 first: its index moves from 2 to 0.
+        let mut c4 = config("least_connection", extra, 4);
+        c4.vservers[0].services = vec![2, 0, 1, 3];
+        let b = Balancer::carrying(&c4, &c4.vservers[0], &old);
+        assert_eq!(b.members()[0].name, "s2");
+        b.mark_added(&[3], 2_000_000_000);
+        let ss = b.slow_start().expect("slow start");
+        let after = ss.status(0).expect("s2 is still new after the rebuild");
+        assert_eq!(
+            (after.rate, after.increases, after.since),
+            (before.rate, before.increases, before.since)
+        );
+        assert!(ss.is_new(3), "the member the reload added is new");
+        assert!(!ss.is_new(1) && !ss.is_new(2), "the base stays the base");
+        // Without carrying, s2 would be part of the base: full share at once.
+        let fresh = Balancer::new(&c4, &c4.vservers[0]);
+        assert!(!fresh.slow_start().is_some_and(|s| s.is_new(0)));
     }
 
     #[test]

@@ -222,6 +222,34 @@ impl SlowStart {
         }
     }
 
+    /// A rebuild (reload, DNS change, end of a drain) made this state anew for the vserver's
+    /// members, all of them registered as the base set: service `idx` takes over what
+    /// service `old_idx` was in `old` (the same service, perhaps at another index) — still
+    /// new with the rate and increases it had reached, or its last exit — so a member still
+    /// warming up does not take its full share because another member came or went. Call it
+    /// for every carried member, then [`SlowStart::carry_totals`] once.
+    pub fn carry(&mut self, idx: usize, old: &SlowStart, old_idx: usize) {
+        let Some(was) = old.slots.get(old_idx) else {
+            return;
+        };
+        if let Some(slot) = self.slots.get_mut(idx)
+            && slot.present
+        {
+            slot.last_exit = was.last_exit;
+            if slot.up && was.up {
+                slot.new = was.new.clone();
+            }
+        }
+        self.refresh_weight();
+    }
+
+    /// The request totals of `old`, which the carried states' windows and intervals were
+    /// measured against ([`SlowStart::carry`]).
+    pub fn carry_totals(&mut self, old: &SlowStart) {
+        self.vserver_requests = old.vserver_requests;
+        self.existing_requests = old.existing_requests;
+    }
+
     /// A service was removed from the vserver.
     pub fn remove_service(&mut self, idx: usize, now: Nanos) {
         if let Some(slot) = self.slots.get_mut(idx) {
