@@ -259,6 +259,11 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
     }));
     let origin = Origin::Client { conn: Some(id) };
     let mut failed = false;
+    // Marks each message handled with the core, so that a reload's hand-over waits for it
+    // (crate::proxy::handover), as a TCP client's task does: without it a reload could swap
+    // the core while this client's message pinned a dialog in the old table, and the pin
+    // (and its count) would be lost.
+    let reader = shared.readers.register();
     loop {
         let idle = shared.current.load().idle;
         let next = match tokio::time::timeout(idle, stream.next()).await {
@@ -302,7 +307,7 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             bump(&shared.counters.client_reads_paused);
             level.drained().await;
         }
-        handle_message(&shared, bytes, origin, src, dst, id, &activity);
+        handle_message(&shared, bytes, origin, src, dst, id, &activity, &reader);
     }
     shared.forget_client(id, src);
     let sink = tokio::time::timeout(CLIENT_FLUSH, &mut writer.0).await;
@@ -337,6 +342,7 @@ async fn linger<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 /// One SIP message from a WebSocket client, through the current core.
+#[allow(clippy::too_many_arguments)]
 fn handle_message(
     shared: &SipStreamShared,
     bytes: &[u8],
@@ -345,9 +351,11 @@ fn handle_message(
     dst: SocketAddr,
     id: u64,
     activity: &crate::budget::Activity,
+    reader: &crate::proxy::handover::Reader,
 ) {
     let now = shared.now();
     activity.touch(now, true);
+    let _in = reader.enter();
     let g = shared.current.load();
     if g.core.registers_flow(bytes) {
         activity.mark_registered();
