@@ -1,0 +1,391 @@
+//! fulcrum's SIP transaction duties (docs/sip.md, "Failover") with real SIPp callers and
+//! strict services (tests/common/strict_uas.rs: a BYE or re-INVITE for a dialog a service did
+//! not set up gets 481, as from a production one), Kamailio registrars and reloads:
+//!
+//! - server transactions over UDP: a non-2xx final to an INVITE, relayed or fulcrum's own, is
+//!   sent again on Timer G until the caller's ACK (RFC 3261 §17.2.1); a retransmitted MESSAGE
+//!   gets the final it was given, the best answer after every try included (§17.2.2);
+//! - a failover attempt carries what the first carried: the Path and flow token of a
+//!   REGISTER, the Record-Route of an INVITE whose callee hangs up over sip-tcp;
+//! - held transactions survive reloads;
+//! - one final per request on streams when the first attempt cannot even be queued;
+//! - registrations converge with `aor_hash`.
+//!
+//! Without `sipp` (or `kamailio`) on the PATH a test says why and passes without running,
+//! unless `FULCRUM_REQUIRE_SIPP=1` (`FULCRUM_REQUIRE_KAMAILIO=1`), as in CI. Every SIPp
+//! process runs under `timeout` and is ended when its guard drops.
+
+mod common;
+
+use common::sipp::{Proc, Scratch, Transport, spawn_listening, uac_counts};
+use common::strict_uas::{Counts, Sick, StrictUas};
+use fulcrum::admin::router;
+use fulcrum::config;
+use fulcrum::ops::Ops;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/sipp")
+        .join(name)
+}
+
+fn ops_of(yaml: &str) -> Arc<Ops> {
+    let c =
+        config::from_str("sip_transactions.yaml", yaml).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+    Ops::start(c, None).expect("start")
+}
+
+fn vserver_addr(ops: &Ops) -> SocketAddr {
+    ops.with_vservers(|v, _| v[0].bound[0]).expect("running")
+}
+
+/// A vserver `v` of `protocol` over `services` (name, address, protocol), with `extra`
+/// fields (`, field: value`); no monitor, so a service is UP unless ejected.
+fn farm(protocol: &str, services: &[(&str, SocketAddr, &str)], extra: &str) -> String {
+    let mut y = String::from("admin: { listen: null }\nservices:\n");
+    for (name, addr, proto) in services {
+        y.push_str(&format!(
+            "  - {{ name: {name}, address: \"{addr}\", protocol: {proto} }}\n"
+        ));
+    }
+    let names: Vec<&str> = services.iter().map(|s| s.0).collect();
+    y.push_str(&format!(
+        "vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], record_route: true{extra}, services: [{}] }}\n",
+        names.join(", ")
+    ));
+    y
+}
+
+/// Strict services `s0..` over `t`, each sick as given.
+fn strict(t: Transport, sick: &[Sick]) -> Vec<StrictUas> {
+    sick.iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let u = match t {
+                Transport::Udp => StrictUas::udp(&format!("s{i}")),
+                Transport::Tcp => StrictUas::tcp(&format!("s{i}")),
+            };
+            u.set_sick(*s);
+            u
+        })
+        .collect()
+}
+
+fn members(uas: &[StrictUas], t: Transport) -> Vec<(&str, SocketAddr, &'static str)> {
+    uas.iter()
+        .map(|u| (u.name.as_str(), u.addr, t.protocol()))
+        .collect()
+}
+
+/// The vserver's `fulcrum_sip_failover_total` of `event`, as /metrics shows it.
+fn failover_total(ops: &Ops, event: &str) -> u64 {
+    metric(
+        ops,
+        "fulcrum_sip_failover_total{",
+        &format!("event=\"{event}\""),
+    )
+}
+
+/// The value of the first /metrics line starting with `prefix` and containing `label`.
+fn metric(ops: &Ops, prefix: &str, label: &str) -> u64 {
+    let body = router::handle(ops, &router::Request::new("GET", "/metrics")).body;
+    body.lines()
+        .find(|l| l.starts_with(prefix) && l.contains(label))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or_else(|| panic!("no {prefix}..{label} in /metrics:\n{body}"))
+}
+
+/// How one SIPp UAC run ended.
+#[derive(Debug)]
+struct Outcome {
+    exit: Option<i32>,
+    successful: u64,
+    failed: u64,
+    /// The first lines of SIPp's error log.
+    errors: String,
+    /// Each (rtd name, milliseconds) of every call (-trace_rtt).
+    rtts: Vec<(String, u64)>,
+    /// The -trace_msg log: every message SIPp sent and received.
+    messages: String,
+}
+
+/// Run a SIPp UAC (`scenario`, over `t`, toward `proxy`) to its end: `calls` calls at
+/// `rate_per_s`, `-nr` (no retransmission handling of SIPp's own: every copy of a message is
+/// matched against the scenario), each call failing after 8 s without an expected message.
+/// Bounded by `timeout`.
+fn run_uac(
+    dir: &Scratch,
+    t: Transport,
+    proxy: SocketAddr,
+    scenario: &Path,
+    calls: u32,
+    rate_per_s: u32,
+    tag: &str,
+) -> Outcome {
+    let run = dir.path(tag);
+    std::fs::create_dir_all(&run).expect("run dir");
+    let stat = run.join("stat.csv");
+    let errors = run.join("errors.log");
+    let messages = run.join("messages.log");
+    let limit = Duration::from_secs(u64::from(calls / rate_per_s.max(1)) + 30);
+    let secs = limit.as_secs().to_string();
+    let (mut proc, _port): (Proc, u16) = spawn_listening(&format!("sipp uac {tag}"), t, |port| {
+        let mut cmd = Command::new("timeout");
+        cmd.args(["-s", "KILL", &secs, "sipp", "-t", t.sipp_mode(), "-nr"])
+            .arg("-sf")
+            .arg(scenario)
+            .arg(proxy.to_string())
+            .args(["-i", "127.0.0.1", "-p", &port.to_string()])
+            .args(["-r", &rate_per_s.to_string(), "-m", &calls.to_string()])
+            .args(["-nostdin", "-timeout", &format!("{secs}s")])
+            .args(["-recv_timeout", "8000", "-trace_stat", "-stf"])
+            .arg(&stat)
+            .args(["-trace_rtt", "-rtt_freq", "1"])
+            .args(["-trace_err", "-error_file"])
+            .arg(&errors)
+            .args(["-trace_msg", "-message_file"])
+            .arg(&messages)
+            .current_dir(&run);
+        cmd
+    });
+    let exit = proc.wait_for(limit + Duration::from_secs(5));
+    let (successful, failed) = uac_counts(&stat);
+    let mut rtts = Vec::new();
+    for f in std::fs::read_dir(&run).expect("run dir").flatten() {
+        if f.file_name().to_string_lossy().ends_with("_rtt.csv") {
+            let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+            rtts.extend(text.lines().skip(1).filter_map(|l| {
+                let cols: Vec<&str> = l.split(';').collect();
+                Some((
+                    cols.get(2)?.trim().to_owned(),
+                    cols.get(1)?.trim().parse().ok()?,
+                ))
+            }));
+        }
+    }
+    Outcome {
+        exit,
+        successful,
+        failed,
+        errors: std::fs::read_to_string(&errors)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .take(12)
+            .collect::<Vec<_>>()
+            .join("\n"),
+        rtts,
+        messages: std::fs::read_to_string(&messages).unwrap_or_default(),
+    }
+}
+
+/// `fixtures/sipp/uac_final_twice.xml` expecting `code` instead of 486, written to `dir`.
+fn final_twice(dir: &Scratch, code: u16) -> PathBuf {
+    let text = std::fs::read_to_string(fixture("uac_final_twice.xml")).expect("fixture");
+    let path = dir.path(&format!("uac_final_twice_{code}.xml"));
+    std::fs::write(
+        &path,
+        text.replace("response=\"486\"", &format!("response=\"{code}\"")),
+    )
+    .expect("write scenario");
+    path
+}
+
+fn sum(counts: &[Counts], f: impl Fn(&Counts) -> u64) -> u64 {
+    counts.iter().map(f).sum()
+}
+
+/// `calls` calls through a sip-udp vserver over strict services sick as `sick` (failover on,
+/// `extra` vserver fields), each refused with `code`: the caller does not ACK the first copy
+/// and must get the final again after T1 (Timer G, 500 ms; accepted 400..=900 ms on a loaded
+/// machine), then ACKs, and no copy follows the ACK. The services' counts are returned.
+fn final_retransmitted_until_ack(
+    sick: &[Sick],
+    extra: &str,
+    code: u16,
+    calls: u32,
+    tag: &str,
+) -> (Vec<Counts>, Arc<Ops>) {
+    let uas = strict(Transport::Udp, sick);
+    let ops = ops_of(&farm("sip-udp", &members(&uas, Transport::Udp), extra));
+    let dir = Scratch::new(tag);
+    let scenario = final_twice(&dir, code);
+    let out = run_uac(
+        &dir,
+        Transport::Udp,
+        vserver_addr(&ops),
+        &scenario,
+        calls,
+        10,
+        tag,
+    );
+    println!(
+        "{tag}: {out:?}",
+        out = (&out.exit, out.successful, out.failed, &out.rtts)
+    );
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    let g: Vec<u64> = out
+        .rtts
+        .iter()
+        .filter(|(n, _)| n == "g")
+        .map(|(_, ms)| *ms)
+        .collect();
+    assert_eq!(
+        g.len(),
+        calls as usize,
+        "one Timer G interval per call: {g:?}"
+    );
+    assert!(
+        g.iter().all(|ms| (400..=900).contains(ms)),
+        "the second copy of the {code} came T1 (500 ms) after the first: {g:?}"
+    );
+    // Each final reached the caller exactly twice before its ACK, and never after it.
+    let finals = out.messages.matches(&format!("SIP/2.0 {code} ")).count();
+    assert_eq!(finals, 2 * calls as usize, "copies of the {code} received");
+    let counts: Vec<Counts> = uas.iter().map(StrictUas::counts).collect();
+    for (i, c) in counts.iter().enumerate() {
+        assert_eq!((c.r481, c.stray_acks), (0, 0), "s{i}: {c:?}");
+    }
+    (counts, ops)
+}
+
+/// RFC 3261 §17.2.1: a callee's 486 (not a failover code) is relayed, and fulcrum's INVITE
+/// server transaction sends it again on Timer G until the caller's ACK, which ends at
+/// fulcrum. The callee is asked once and ACKed once (by fulcrum, for its own client
+/// transaction): the copies are fulcrum's.
+#[test]
+fn a_relayed_486_is_sent_again_on_timer_g_until_the_callers_ack() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let calls = 10;
+    let (counts, _ops) = final_retransmitted_until_ack(
+        &[Sick::Refusing; 3],
+        ", eject: off",
+        486,
+        calls,
+        "timer-g-486",
+    );
+    assert_eq!(sum(&counts, |c| c.invites), u64::from(calls), "{counts:?}");
+    // Each service saw the INVITE and fulcrum's ACK of its 486, nothing more.
+    assert_eq!(
+        sum(&counts, |c| c.requests),
+        2 * u64::from(calls),
+        "{counts:?}"
+    );
+}
+
+/// fulcrum's own final: every service answers 503, the tries (3) run out and the caller gets
+/// the best answer as 500 (§16.7 step 6), sent again on Timer G like a relayed one.
+#[test]
+fn fulcrums_own_500_after_every_try_is_sent_again_on_timer_g() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let calls = 5;
+    let (counts, ops) = final_retransmitted_until_ack(
+        &[Sick::Overloaded; 3],
+        ", eject: off",
+        500,
+        calls,
+        "timer-g-500",
+    );
+    // Every call tried all three services, each attempt ACKed by fulcrum.
+    assert_eq!(
+        sum(&counts, |c| c.invites),
+        3 * u64::from(calls),
+        "{counts:?}"
+    );
+    assert_eq!(
+        sum(&counts, |c| c.requests),
+        6 * u64::from(calls),
+        "{counts:?}"
+    );
+    assert_eq!(failover_total(&ops, "exhausted"), u64::from(calls));
+}
+
+/// fulcrum's own 408: no service answers an INVITE at all (`no_answer` 200 ms, three tries),
+/// and the 408 is sent again on Timer G too.
+#[test]
+fn fulcrums_own_408_when_no_service_answers_is_sent_again_on_timer_g() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let calls = 5;
+    let (counts, _ops) = final_retransmitted_until_ack(
+        &[Sick::Silent; 3],
+        ", eject: off, failover: { no_answer: 200ms }",
+        408,
+        calls,
+        "timer-g-408",
+    );
+    assert_eq!(
+        sum(&counts, |c| c.invites),
+        3 * u64::from(calls),
+        "{counts:?}"
+    );
+}
+
+/// RFC 3261 §17.2.2: a MESSAGE every service refuses (503) gets the best answer, 500, and
+/// the same MESSAGE sent again gets that 500 at once from fulcrum's memory: no service is
+/// asked again.
+#[test]
+fn a_retransmitted_message_gets_the_remembered_best_answer() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let uas = strict(Transport::Udp, &[Sick::Overloaded; 3]);
+    let ops = ops_of(&farm(
+        "sip-udp",
+        &members(&uas, Transport::Udp),
+        ", eject: off",
+    ));
+    let dir = Scratch::new("message-twice");
+    let calls = 5;
+    let out = run_uac(
+        &dir,
+        Transport::Udp,
+        vserver_addr(&ops),
+        &fixture("uac_message_twice.xml"),
+        calls,
+        10,
+        "message",
+    );
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    let counts: Vec<Counts> = uas.iter().map(StrictUas::counts).collect();
+    // Three attempts per MESSAGE (one per service), none for its retransmission.
+    assert_eq!(
+        sum(&counts, |c| c.requests),
+        3 * u64::from(calls),
+        "{counts:?}"
+    );
+    let r: Vec<u64> = out
+        .rtts
+        .iter()
+        .filter(|(n, _)| n == "r")
+        .map(|(_, ms)| *ms)
+        .collect();
+    assert_eq!(r.len(), calls as usize, "{r:?}");
+    assert!(
+        r.iter().all(|ms| *ms < 200),
+        "the remembered answer comes at once, without asking a service: {r:?}"
+    );
+    assert_eq!(failover_total(&ops, "exhausted"), u64::from(calls));
+}
