@@ -102,6 +102,13 @@ fn metric(ops: &Ops, prefix: &str, label: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {prefix}..{label} in /metrics:\n{body}"))
 }
 
+/// Requests the vserver took for its service `i` (`/status` `requests_total`).
+fn requests_total(ops: &Ops, i: usize) -> u64 {
+    router::status(ops)["vservers"][0]["services"][i]["requests_total"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no requests_total for service {i}"))
+}
+
 /// How one SIPp UAC run ended.
 #[derive(Debug)]
 struct Outcome {
@@ -388,4 +395,235 @@ fn a_retransmitted_message_gets_the_remembered_best_answer() {
         "the remembered answer comes at once, without asking a service: {r:?}"
     );
     assert_eq!(failover_total(&ops, "exhausted"), u64::from(calls));
+}
+
+/// The status codes of the final responses SIPp received, in order, from its -trace_msg log
+/// (blocks headed `... message received [N] bytes :`).
+fn received_finals(messages: &str) -> Vec<u16> {
+    messages
+        .split("-----------------------------------------------")
+        .filter(|block| block.contains("message received"))
+        .filter_map(|block| {
+            let status = block.lines().find(|l| l.starts_with("SIP/2.0 "))?;
+            status.split(' ').nth(1)?.parse().ok()
+        })
+        .filter(|code| *code >= 200)
+        .collect()
+}
+
+/// A SIPp UAS running `scenario` over `t` on a port of its own, for `calls` calls at most,
+/// bounded by `timeout`; its stat file is `dir`/`tag`-uas.csv.
+fn sipp_uas(dir: &Scratch, t: Transport, scenario: &Path, calls: u32, tag: &str) -> (Proc, u16) {
+    let stat = dir.path(&format!("{tag}-uas.csv"));
+    spawn_listening(&format!("sipp uas {tag}"), t, |port| {
+        let mut cmd = Command::new("timeout");
+        cmd.args(["-s", "KILL", "120", "sipp", "-t", t.sipp_mode()])
+            .arg("-sf")
+            .arg(scenario)
+            .args(["-i", "127.0.0.1", "-p", &port.to_string()])
+            .args(["-m", &calls.to_string(), "-nostdin"])
+            .args(["-trace_stat", "-stf"])
+            .arg(&stat)
+            .current_dir(&dir.0);
+        cmd
+    })
+}
+
+/// Over sip-tcp the first service refuses connections (its port is closed), so a request
+/// taken for it cannot even be queued on its link; the held INVITE moves to the next service
+/// inside its transaction. Each SIPp call (fixtures/sipp/uac_rr.xml: INVITE, 200, ACK, BYE
+/// along the Record-Route, 200) gets exactly one final per request, never fulcrum's 503
+/// beside the second service's 200 (an unexpected 503 would fail the call too).
+#[test]
+fn over_tcp_an_attempt_no_link_can_take_moves_on_with_one_final_answer() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let ok = StrictUas::tcp("s1");
+    let refusing = common::closed_port("127.0.0.1");
+    let ops = ops_of(&farm(
+        "sip-tcp",
+        &[("s0", refusing, "sip-tcp"), ("s1", ok.addr, "sip-tcp")],
+        ", method: round_robin, eject: off",
+    ));
+    let dir = Scratch::new("tcp-refused");
+    let calls = 20;
+    let out = run_uac(
+        &dir,
+        Transport::Tcp,
+        vserver_addr(&ops),
+        &fixture("uac_rr.xml"),
+        calls,
+        20,
+        "refused",
+    );
+    // The test tests something: a request was taken for s0 (and moved on), before its link
+    // was marked down and round robin passed it over.
+    assert!(requests_total(&ops, 0) >= 1, "no request was taken for s0");
+    one_final_each(&out, calls, &ok);
+}
+
+/// What every call of a [`run_uac`] of fixtures/sipp/uac_rr.xml must have seen when `ok`
+/// answered all of them: success, one 200 to its INVITE and one to its BYE and no other
+/// final, its dialog set up and ended at `ok`, which saw no request for another's dialog.
+fn one_final_each(out: &Outcome, calls: u32, ok: &StrictUas) {
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    let finals = received_finals(&out.messages);
+    assert_eq!(
+        finals,
+        vec![200; 2 * calls as usize],
+        "one final per request, each a 200"
+    );
+    let c = ok.counts();
+    assert_eq!(
+        (c.dialogs, c.byes_ok, c.r481),
+        (u64::from(calls), u64::from(calls), 0),
+        "{c:?}"
+    );
+}
+
+/// The same when the first service's link was up and its service then went away (its
+/// connections closed, its port refusing): calls taken for it in round robin move on, each
+/// with one final.
+#[test]
+fn over_tcp_an_attempt_on_a_closed_link_moves_on_with_one_final_answer() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let gone = StrictUas::tcp("s0");
+    let ok = StrictUas::tcp("s1");
+    let ops = ops_of(&farm(
+        "sip-tcp",
+        &[("s0", gone.addr, "sip-tcp"), ("s1", ok.addr, "sip-tcp")],
+        ", method: round_robin, eject: off",
+    ));
+    let dir = Scratch::new("tcp-closed");
+    let vs = vserver_addr(&ops);
+    let first = run_uac(
+        &dir,
+        Transport::Tcp,
+        vs,
+        &fixture("uac_rr.xml"),
+        4,
+        20,
+        "before",
+    );
+    assert_eq!((first.successful, first.failed), (4, 0), "{}", first.errors);
+    assert!(
+        gone.counts().dialogs > 0,
+        "s0's link was up: {:?}",
+        gone.counts()
+    );
+    let before = ok.counts();
+    let taken_before = requests_total(&ops, 0);
+    // s0 goes away: its listener and, within 200 ms, its connections close.
+    let at = gone.addr;
+    drop(gone);
+    assert!(
+        common::wait_until(Duration::from_secs(5), || std::net::TcpStream::connect(at)
+            .is_err()),
+        "s0's port still accepts"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let calls = 20;
+    let out = run_uac(
+        &dir,
+        Transport::Tcp,
+        vs,
+        &fixture("uac_rr.xml"),
+        calls,
+        20,
+        "after",
+    );
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    assert_eq!(
+        received_finals(&out.messages),
+        vec![200; 2 * calls as usize],
+        "one final per request, each a 200"
+    );
+    assert!(
+        requests_total(&ops, 0) > taken_before,
+        "no request was taken for s0 after it went away"
+    );
+    let c = ok.counts();
+    assert_eq!(c.dialogs - before.dialogs, u64::from(calls), "{c:?}");
+    assert_eq!(c.r481, 0, "{c:?}");
+}
+
+/// RFC 3261 §16.6 step 4, §12.1.2: over sip-tcp, an INVITE that failed over (the first
+/// service answers 503) reaches the second with fulcrum's Record-Route and the flow token in
+/// it, so the callee's own BYE (fixtures/sipp/uas_hangs_up.xml, a SIPp UAS) finds the
+/// caller's connection, whose Contact names only SIPp's listening port.
+#[test]
+fn over_tcp_a_failed_over_invite_keeps_the_record_route_the_callees_bye_follows() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let dir = Scratch::new("tcp-hangup");
+    let calls = 10;
+    let busy = StrictUas::tcp("s0");
+    busy.set_sick(Sick::Busy);
+    let (mut uas, port) = sipp_uas(
+        &dir,
+        Transport::Tcp,
+        &fixture("uas_hangs_up.xml"),
+        calls,
+        "hangup",
+    );
+    let callee = SocketAddr::from(([127, 0, 0, 1], port));
+    let ops = ops_of(&farm(
+        "sip-tcp",
+        &[("s0", busy.addr, "sip-tcp"), ("s1", callee, "sip-tcp")],
+        ", method: round_robin, eject: off",
+    ));
+    let out = run_uac(
+        &dir,
+        Transport::Tcp,
+        vserver_addr(&ops),
+        &fixture("uac_hung_up.xml"),
+        calls,
+        10,
+        "hangup",
+    );
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    let moved = failover_total(&ops, "failover");
+    assert!(
+        moved >= u64::from(calls) / 2,
+        "half the calls (s0's in round robin) failed over: {moved}"
+    );
+    // Every BYE came from the callee through fulcrum, and the callee got its 200.
+    // The 200s the caller got name fulcrum's flow to it in their Record-Route.
+    let flows = out
+        .messages
+        .lines()
+        .filter(|l| l.starts_with("Record-Route:") && l.contains(";fc-flow="))
+        .count();
+    assert!(
+        flows >= calls as usize,
+        "Record-Routes with a flow token: {flows}"
+    );
+    let byes = out.messages.matches("BYE sip:sipp@").count();
+    assert_eq!(byes, calls as usize, "BYEs the caller received");
+    assert_eq!(
+        uas.wait_for(Duration::from_secs(10)),
+        Some(0),
+        "the SIPp callee's calls all ended well"
+    );
+    let c = busy.counts();
+    assert_eq!((c.dialogs, c.r481), (0, 0), "{c:?}");
 }
