@@ -45,12 +45,13 @@ fn vserver_addr(ops: &Ops) -> SocketAddr {
 }
 
 /// A vserver `v` of `protocol` over `services` (name, address, protocol), with `extra`
-/// fields (`, field: value`); no monitor, so a service is UP unless ejected.
+/// fields (`, field: value`); no monitor, so a service is UP unless ejected. Each service
+/// hashes by its name (`hash_id`), not its port, so a key ranks them the same every run.
 fn farm(protocol: &str, services: &[(&str, SocketAddr, &str)], extra: &str) -> String {
     let mut y = String::from("admin: { listen: null }\nservices:\n");
     for (name, addr, proto) in services {
         y.push_str(&format!(
-            "  - {{ name: {name}, address: \"{addr}\", protocol: {proto} }}\n"
+            "  - {{ name: {name}, address: \"{addr}\", protocol: {proto}, hash_id: {name} }}\n"
         ));
     }
     let names: Vec<&str> = services.iter().map(|s| s.0).collect();
@@ -626,4 +627,145 @@ fn over_tcp_a_failed_over_invite_keeps_the_record_route_the_callees_bye_follows(
     );
     let c = busy.counts();
     assert_eq!((c.dialogs, c.r481), (0, 0), "{c:?}");
+}
+
+/// A REGISTER for `user@domain` from `phone` (Contact: an address no one reaches, as a NAT's
+/// inside one), sent to `to`; its final answer (3 s at most).
+fn register(
+    phone: &std::net::UdpSocket,
+    to: SocketAddr,
+    user: &str,
+    domain: &str,
+    call_id: &str,
+    cseq: u32,
+) -> Option<String> {
+    let me = phone.local_addr().expect("addr");
+    let msg = format!(
+        "REGISTER sip:{domain} SIP/2.0\r\nVia: SIP/2.0/UDP {me};branch=z9hG4bK{call_id}.{cseq};rport\r\n\
+         Max-Forwards: 70\r\nFrom: <sip:{user}@{domain}>;tag=f{call_id}\r\nTo: <sip:{user}@{domain}>\r\n\
+         Call-ID: {call_id}\r\nCSeq: {cseq} REGISTER\r\nContact: <sip:{user}@10.1.2.3:9>\r\n\
+         Expires: 300\r\nContent-Length: 0\r\n\r\n"
+    );
+    phone.send_to(msg.as_bytes(), to).expect("send REGISTER");
+    let mut buf = vec![0u8; 65_536];
+    let end = std::time::Instant::now() + common::ANSWER;
+    while std::time::Instant::now() < end {
+        let (n, _) = common::recv_from_retrying(phone, &mut buf).ok()?;
+        let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let ours = text.contains(&format!("Call-ID: {call_id}\r\n"))
+            && text.contains(&format!("CSeq: {cseq} REGISTER"));
+        let code = text.get(8..11).and_then(|c| c.parse::<u16>().ok());
+        if ours && code.is_some_and(|c| c >= 200) {
+            return Some(text);
+        }
+    }
+    None
+}
+
+/// The registrars (indices into `regs`) that received a request of `call_id`, and how many.
+fn holders(regs: &[StrictUas], call_id: &str) -> Vec<(usize, usize)> {
+    regs.iter()
+        .enumerate()
+        .map(|(i, r)| (i, r.methods_of(call_id).len()))
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+/// docs/sip.md, "Registrations: one registrar per user": with `aor_hash` a REGISTER is not
+/// pinned by its Call-ID. A user's registrar refuses (503) a refresh, which fails over to the
+/// next-ranked one; once it is back, the next refresh (same Call-ID, next CSeq, RFC 3261
+/// §10.2.4) reaches it again, not the registrar the failover found.
+#[test]
+fn with_aor_hash_refreshes_return_to_the_first_registrar_once_it_is_back() {
+    let regs = strict(Transport::Udp, &[Sick::Healthy; 3]);
+    let ops = ops_of(&farm(
+        "sip-udp",
+        &members(&regs, Transport::Udp),
+        ", method: aor_hash, eject: off",
+    ));
+    let vs = vserver_addr(&ops);
+    let phone = common::udp_client("127.0.0.1");
+    for u in 0..6 {
+        let (user, call_id) = (format!("conv{u}"), format!("conv-{u}"));
+        let ok = |cseq| {
+            let a = register(&phone, vs, &user, "example.com", &call_id, cseq)
+                .unwrap_or_else(|| panic!("no answer to REGISTER {call_id} {cseq}"));
+            assert!(a.starts_with("SIP/2.0 200 "), "{a}");
+        };
+        ok(1);
+        let at = holders(&regs, &call_id);
+        assert_eq!(at.len(), 1, "{user} registered at one registrar: {at:?}");
+        let home = at[0].0;
+        // Its registrar refuses: the refresh fails over.
+        regs[home].set_sick(Sick::Overloaded);
+        ok(2);
+        regs[home].set_sick(Sick::Healthy);
+        let moved: Vec<(usize, usize)> = holders(&regs, &call_id)
+            .into_iter()
+            .filter(|(i, _)| *i != home)
+            .collect();
+        assert_eq!(
+            moved.len(),
+            1,
+            "{user}: the refresh failed over once: {moved:?}"
+        );
+        // Back: the next refresh reaches the home registrar again.
+        ok(3);
+        assert_eq!(
+            regs[home].methods_of(&call_id),
+            ["REGISTER"; 3],
+            "{user}: every REGISTER but the refused one's failover reached r{home}"
+        );
+        assert_eq!(
+            holders(&regs, &call_id),
+            {
+                let mut h = vec![(home, 3), moved[0]];
+                h.sort();
+                h
+            },
+            "{user}: the failover registrar got only the refused refresh"
+        );
+    }
+    assert!(failover_total(&ops, "failover") >= 6);
+}
+
+/// `aor_key: user`: a user's registrations in two domains hash by the user part alone and
+/// reach one registrar; with the whole URI (the default) some user's two registrations are
+/// split (with names as `hash_id`, the ranking is the same every run).
+#[test]
+fn with_aor_key_user_a_user_of_two_domains_registers_at_one_registrar() {
+    let split = |extra: &str| -> usize {
+        let regs = strict(Transport::Udp, &[Sick::Healthy; 3]);
+        let ops = ops_of(&farm(
+            "sip-udp",
+            &members(&regs, Transport::Udp),
+            &format!(", method: aor_hash{extra}"),
+        ));
+        let vs = vserver_addr(&ops);
+        let phone = common::udp_client("127.0.0.1");
+        (0..12)
+            .filter(|u| {
+                let user = format!("dom{u}");
+                let at: Vec<usize> = ["a.example", "b.example"]
+                    .iter()
+                    .map(|domain| {
+                        let call_id = format!("{user}-{domain}");
+                        let a = register(&phone, vs, &user, domain, &call_id, 1)
+                            .unwrap_or_else(|| panic!("no answer to REGISTER {call_id}"));
+                        assert!(a.starts_with("SIP/2.0 200 "), "{a}");
+                        let h = holders(&regs, &call_id);
+                        assert_eq!(h.len(), 1, "{call_id}: {h:?}");
+                        h[0].0
+                    })
+                    .collect();
+                at[0] != at[1]
+            })
+            .count()
+    };
+    assert_eq!(
+        split(", aor_key: user"),
+        0,
+        "users split with aor_key: user"
+    );
+    assert!(split("") > 0, "no user split by domain with the whole URI");
 }
