@@ -769,3 +769,79 @@ fn with_aor_key_user_a_user_of_two_domains_registers_at_one_registrar() {
     );
     assert!(split("") > 0, "no user split by domain with the whole URI");
 }
+
+/// A REGISTER that fails over carries what its first attempt carried: fulcrum's Path with the
+/// phone's flow token (`path: always`). The first-ranked registrar of some users refuses
+/// (a strict service answering 503); their REGISTERs reach the second, a Kamailio registrar
+/// that stores Path (`use_path`). A caller then asks that registrar for each user directly:
+/// its INVITE, routed along the stored Path, reaches each phone at the address it registered
+/// from through fulcrum, though the phone's Contact names an address no one reaches.
+#[test]
+fn a_register_that_failed_over_reaches_the_next_registrar_with_its_path_and_flow_token() {
+    if !common::kamailio_available() {
+        return;
+    }
+    let scratch = Scratch::new("path-failover");
+    let (_kamailio, port) = spawn_listening("path registrar", Transport::Udp, |port| {
+        let cfg = scratch.path(&format!("path-{port}.cfg"));
+        std::fs::write(&cfg, common::kamailio_path_registrar_cfg(port))
+            .expect("write kamailio config");
+        let mut c = Command::new("kamailio");
+        c.arg("-f").arg(cfg).args(["-DD", "-E"]);
+        c
+    });
+    let registrar = SocketAddr::from(([127, 0, 0, 1], port));
+    let refusing = StrictUas::udp("r0");
+    refusing.set_sick(Sick::Overloaded);
+    let ops = ops_of(&farm(
+        "sip-udp",
+        &[
+            ("r0", refusing.addr, "sip-udp"),
+            ("r1", registrar, "sip-udp"),
+        ],
+        ", method: aor_hash, path: always, eject: off",
+    ));
+    let vs = vserver_addr(&ops);
+    let users: Vec<String> = (0..10).map(|u| format!("nat{u}")).collect();
+    let phones: Vec<std::net::UdpSocket> = users
+        .iter()
+        .map(|_| common::udp_client("127.0.0.2"))
+        .collect();
+    for (user, phone) in users.iter().zip(&phones) {
+        let answer = register(phone, vs, user, "example.com", &format!("reg-{user}"), 1)
+            .unwrap_or_else(|| panic!("no answer to {user}'s REGISTER"));
+        assert!(answer.starts_with("SIP/2.0 200 "), "{answer}");
+    }
+    let failed_over: Vec<&String> = users
+        .iter()
+        .filter(|u| !refusing.methods_of(&format!("reg-{u}")).is_empty())
+        .collect();
+    assert!(
+        !failed_over.is_empty(),
+        "no user ranks r0 first: the test would test nothing"
+    );
+    assert_eq!(failover_total(&ops, "failover"), failed_over.len() as u64);
+    // The caller asks the registrar for every user, directly.
+    let caller = common::udp_client("127.0.0.1");
+    let me = caller.local_addr().expect("addr");
+    let mut buf = vec![0u8; 65_536];
+    for (user, phone) in users.iter().zip(&phones) {
+        let invite = format!(
+            "INVITE sip:{user}@example.com SIP/2.0\r\nVia: SIP/2.0/UDP {me};branch=z9hG4bKcall{user};rport\r\n\
+             Max-Forwards: 70\r\nFrom: <sip:caller@example.com>;tag=c{user}\r\nTo: <sip:{user}@example.com>\r\n\
+             Call-ID: call-{user}\r\nCSeq: 1 INVITE\r\nContact: <sip:caller@{me}>\r\nContent-Length: 0\r\n\r\n"
+        );
+        caller
+            .send_to(invite.as_bytes(), registrar)
+            .expect("send INVITE");
+        let (n, from) = common::recv_from_retrying(phone, &mut buf)
+            .unwrap_or_else(|e| panic!("{user}'s call did not reach the phone: {e}"));
+        let call = String::from_utf8_lossy(&buf[..n]).into_owned();
+        assert!(
+            call.starts_with(&format!("INVITE sip:{user}@10.1.2.3:9 SIP/2.0")),
+            "{call}"
+        );
+        assert!(call.contains(&format!("Call-ID: call-{user}")), "{call}");
+        assert_eq!(from, vs, "through fulcrum");
+    }
+}
