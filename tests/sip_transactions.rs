@@ -845,3 +845,185 @@ fn a_register_that_failed_over_reaches_the_next_registrar_with_its_path_and_flow
         assert_eq!(from, vs, "through fulcrum");
     }
 }
+
+/// A service's entry in `/status`, by name.
+fn service_status(ops: &Ops, name: &str) -> serde_json::Value {
+    let status = router::status(ops);
+    status["vservers"][0]["services"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["name"] == name).cloned())
+        .unwrap_or_else(|| panic!("no service {name} in {status}"))
+}
+
+/// The config of the reload tests: strict UDP services `names` (name, address), `extra`
+/// vserver fields.
+fn reload_farm(services: &[(&str, SocketAddr)], extra: &str) -> String {
+    let members: Vec<(&str, SocketAddr, &str)> =
+        services.iter().map(|(n, a)| (*n, *a, "sip-udp")).collect();
+    farm("sip-udp", &members, extra)
+}
+
+/// A reload while INVITEs are held at a silent service: the reload inserts a service in
+/// front (every index shifts by one) before the held INVITEs' `no_answer` (2 s) ends. They
+/// still fail over to a service other than the silent one, every call succeeds (SIPp,
+/// fixtures/sipp/uac_rr.xml, ACK and BYE along the Record-Route, no 481 anywhere), and the
+/// silence is charged to the silent service (EJECTED after three failures in a row,
+/// docs/ejection.md), not to the service now at its old index.
+#[test]
+fn a_reload_shifting_indices_while_invites_are_held_still_fails_them_over_right() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let front = StrictUas::udp("front");
+    let silent = StrictUas::udp("silent");
+    silent.set_sick(Sick::Silent);
+    let last = StrictUas::udp("last");
+    let before = reload_farm(&[("silent", silent.addr), ("last", last.addr)], "");
+    let after = reload_farm(
+        &[
+            ("front", front.addr),
+            ("silent", silent.addr),
+            ("last", last.addr),
+        ],
+        "",
+    );
+    let file = common::ConfigFile::new("sip-tx-reload-shift", &before);
+    let ops = Ops::start(
+        config::load(&file.path).expect("valid"),
+        Some(file.path.clone()),
+    )
+    .expect("start");
+    let vs = vserver_addr(&ops);
+    let dir = Scratch::new("reload-shift");
+    let calls = 20;
+    let out = std::thread::scope(|s| {
+        let uac = s.spawn(|| {
+            run_uac(
+                &dir,
+                Transport::Udp,
+                vs,
+                &fixture("uac_rr.xml"),
+                calls,
+                20,
+                "shift",
+            )
+        });
+        // Three INVITEs held at the silent service (enough to eject it), none moved on yet.
+        common::wait_for(
+            "3 INVITEs at the silent service",
+            Duration::from_secs(10),
+            || (silent.counts().invites >= 3).then_some(()),
+        );
+        file.write(&after);
+        let changes = ops.reload().expect("reload");
+        assert!(
+            changes.iter().any(|c| c == "vservers.v rebuilt"),
+            "{changes:?}"
+        );
+        assert_eq!(
+            failover_total(&ops, "failover"),
+            0,
+            "the reload came while the INVITEs were held"
+        );
+        uac.join().expect("uac thread")
+    });
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    let held_at_silent = silent.counts().invites;
+    assert!(failover_total(&ops, "failover") >= held_at_silent);
+    for u in [&front, &silent, &last] {
+        let c = u.counts();
+        assert_eq!((c.r481, c.stray_acks), (0, 0), "{}: {c:?}", u.name);
+    }
+    assert_eq!(silent.counts().dialogs, 0);
+    assert_eq!(
+        front.counts().byes_ok + last.counts().byes_ok,
+        u64::from(calls),
+        "every call set up and ended at a service that answers"
+    );
+    let state = |n: &str| {
+        service_status(&ops, n)["state"]
+            .as_str()
+            .unwrap_or("?")
+            .to_owned()
+    };
+    assert_eq!(
+        state("silent"),
+        "EJECTED",
+        "{}",
+        service_status(&ops, "silent")
+    );
+    assert_eq!(state("front"), "UP", "{}", service_status(&ops, "front"));
+    assert_eq!(state("last"), "UP", "{}", service_status(&ops, "last"));
+}
+
+/// A reload that turns failover off while INVITEs are held at a silent service: the held
+/// INVITEs finish as they began (they move on at `no_answer` and are answered 200), and no
+/// caller gets a stray final (a 503 or 408 from a transaction the reload dropped) beside it.
+#[test]
+fn a_reload_turning_failover_off_lets_held_invites_finish() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let silent = StrictUas::udp("silent");
+    silent.set_sick(Sick::Silent);
+    let ok = StrictUas::udp("ok");
+    let services = [("silent", silent.addr), ("ok", ok.addr)];
+    let file = common::ConfigFile::new("sip-tx-reload-off", &reload_farm(&services, ""));
+    let ops = Ops::start(
+        config::load(&file.path).expect("valid"),
+        Some(file.path.clone()),
+    )
+    .expect("start");
+    let vs = vserver_addr(&ops);
+    let dir = Scratch::new("reload-off");
+    let calls = 10;
+    let out = std::thread::scope(|s| {
+        let uac = s.spawn(|| {
+            run_uac(
+                &dir,
+                Transport::Udp,
+                vs,
+                &fixture("uac_rr.xml"),
+                calls,
+                50,
+                "off",
+            )
+        });
+        // Every INVITE placed (and some held at the silent service) before the reload: a new
+        // INVITE after it would go statelessly to the silent service and fail.
+        common::wait_for("every INVITE placed", Duration::from_secs(10), || {
+            let at_silent = silent.counts().invites;
+            (at_silent >= 1 && at_silent + ok.counts().invites >= u64::from(calls)).then_some(())
+        });
+        file.write(&reload_farm(&services, ", failover: off"));
+        let changes = ops.reload().expect("reload");
+        assert!(
+            changes.iter().any(|c| c == "vservers.v rebuilt"),
+            "{changes:?}"
+        );
+        assert_eq!(failover_total(&ops, "failover"), 0, "held at the reload");
+        uac.join().expect("uac thread")
+    });
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    assert_eq!(
+        received_finals(&out.messages),
+        vec![200; 2 * calls as usize],
+        "one final per request, each a 200"
+    );
+    let c = ok.counts();
+    assert_eq!(
+        (c.dialogs, c.byes_ok, c.r481),
+        (u64::from(calls), u64::from(calls), 0),
+        "{c:?}"
+    );
+}
