@@ -223,12 +223,26 @@ fn final_retransmitted_until_ack(
 ) -> (Vec<Counts>, Arc<Ops>) {
     let uas = strict(Transport::Udp, sick);
     let ops = ops_of(&farm("sip-udp", &members(&uas, Transport::Udp), extra));
+    let counts = timer_g_calls(&ops, &uas, None, code, calls, tag);
+    (counts, ops)
+}
+
+/// The SIPp run and checks of [`final_retransmitted_until_ack`] through `ops`'s vserver over
+/// `uas`, with `scenario` (else fixtures/sipp/uac_final_twice.xml expecting `code`).
+fn timer_g_calls(
+    ops: &Ops,
+    uas: &[StrictUas],
+    scenario: Option<PathBuf>,
+    code: u16,
+    calls: u32,
+    tag: &str,
+) -> Vec<Counts> {
     let dir = Scratch::new(tag);
-    let scenario = final_twice(&dir, code);
+    let scenario = scenario.unwrap_or_else(|| final_twice(&dir, code));
     let out = run_uac(
         &dir,
         Transport::Udp,
-        vserver_addr(&ops),
+        vserver_addr(ops),
         &scenario,
         calls,
         10,
@@ -266,7 +280,7 @@ fn final_retransmitted_until_ack(
     for (i, c) in counts.iter().enumerate() {
         assert_eq!((c.r481, c.stray_acks), (0, 0), "s{i}: {c:?}");
     }
-    (counts, ops)
+    counts
 }
 
 /// RFC 3261 §17.2.1: a callee's 486 (not a failover code) is relayed, and fulcrum's INVITE
@@ -344,6 +358,101 @@ fn fulcrums_own_408_when_no_service_answers_is_sent_again_on_timer_g() {
         3 * u64::from(calls),
         "{counts:?}"
     );
+}
+
+/// fulcrum's own 503 when no service can take the call (every one DOWN: its `sip-options`
+/// monitor got 503) is a stateless answer (RFC 3261 §8.2.7, §16.7 step 6), given before any
+/// provisional one: no 100 precedes it (after a 100 the caller stops retransmitting and only
+/// Timer G could recover a lost final), and the caller's retransmitted INVITE gets it again
+/// at once (fixtures/sipp/uac_invite_twice.xml). No Timer G: a copy after the ACK would fail
+/// the call, and exactly two copies arrive per call.
+#[test]
+fn fulcrums_own_503_when_no_service_is_up_comes_before_any_100_and_again_on_retransmission() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let uas = strict(Transport::Udp, &[Sick::Down; 2]);
+    let mut y = String::from(
+        "admin: { listen: null }\nmonitors:\n  - { name: ping, type: sip-options, interval: 200ms, timeout: 100ms, failures_to_down: 1, successes_to_up: 2 }\nservices:\n",
+    );
+    for u in &uas {
+        y.push_str(&format!(
+            "  - {{ name: {}, address: \"{}\", protocol: sip-udp, monitor: ping }}\n",
+            u.name, u.addr
+        ));
+    }
+    y.push_str("vservers:\n  - { name: v, protocol: sip-udp, bind: [\"127.0.0.1:0\"], services: [s0, s1] }\n");
+    let ops = ops_of(&y);
+    common::wait_for("both services DOWN", Duration::from_secs(5), || {
+        ["s0", "s1"]
+            .iter()
+            .all(|n| service_status(&ops, n)["state"] == "DOWN")
+            .then_some(())
+    });
+    let dir = Scratch::new("own-503");
+    let calls = 5;
+    let out = run_uac(
+        &dir,
+        Transport::Udp,
+        vserver_addr(&ops),
+        &fixture("uac_invite_twice.xml"),
+        calls,
+        10,
+        "own-503",
+    );
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    assert_eq!(
+        received_finals(&out.messages),
+        vec![503; 2 * calls as usize]
+    );
+    let r: Vec<u64> = out
+        .rtts
+        .iter()
+        .filter(|(n, _)| n == "r")
+        .map(|(_, ms)| *ms)
+        .collect();
+    assert!(
+        r.len() == calls as usize && r.iter().all(|ms| *ms < 200),
+        "{r:?}"
+    );
+    let counts: Vec<Counts> = uas.iter().map(StrictUas::counts).collect();
+    assert_eq!(
+        sum(&counts, |c| c.invites),
+        0,
+        "no INVITE reached a service: {counts:?}"
+    );
+}
+
+/// RFC 3261 §9.1, §16.10: a call cancelled while it rings ends 487 (the service's, relayed),
+/// and that 487 is sent again on Timer G until the caller's ACK
+/// (fixtures/sipp/uac_cancel_487_twice.xml).
+#[test]
+fn a_cancelled_invites_487_is_sent_again_on_timer_g_until_the_ack() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let uas = strict(Transport::Udp, &[Sick::Ringing; 2]);
+    let ops = ops_of(&farm(
+        "sip-udp",
+        &members(&uas, Transport::Udp),
+        ", eject: off",
+    ));
+    let calls = 5;
+    let counts = timer_g_calls(
+        &ops,
+        &uas,
+        Some(fixture("uac_cancel_487_twice.xml")),
+        487,
+        calls,
+        "timer-g-487",
+    );
+    assert_eq!(sum(&counts, |c| c.cancels), u64::from(calls), "{counts:?}");
+    assert_eq!(sum(&counts, |c| c.invites), u64::from(calls), "{counts:?}");
 }
 
 /// RFC 3261 §17.2.2: a MESSAGE every service refuses (503) gets the best answer, 500, and
@@ -778,10 +887,30 @@ fn with_aor_key_user_a_user_of_two_domains_registers_at_one_registrar() {
 /// from through fulcrum, though the phone's Contact names an address no one reaches.
 #[test]
 fn a_register_that_failed_over_reaches_the_next_registrar_with_its_path_and_flow_token() {
+    register_failover_keeps_path(FirstRegistrar::Refusing);
+}
+
+/// The same when the first-ranked registrar is silent (a socket that never answers) and
+/// `no_answer_non_invite` (500 ms) moves a REGISTER on silence.
+#[test]
+fn a_register_that_failed_over_on_silence_reaches_the_next_registrar_with_its_path() {
+    register_failover_keeps_path(FirstRegistrar::Silent);
+}
+
+/// How the first-ranked registrar fails a REGISTER.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FirstRegistrar {
+    /// A strict service answering 503 to everything.
+    Refusing,
+    /// A UDP socket nobody reads.
+    Silent,
+}
+
+fn register_failover_keeps_path(first: FirstRegistrar) {
     if !common::kamailio_available() {
         return;
     }
-    let scratch = Scratch::new("path-failover");
+    let scratch = Scratch::new(&format!("path-failover-{first:?}"));
     let (_kamailio, port) = spawn_listening("path registrar", Transport::Udp, |port| {
         let cfg = scratch.path(&format!("path-{port}.cfg"));
         std::fs::write(&cfg, common::kamailio_path_registrar_cfg(port))
@@ -793,13 +922,18 @@ fn a_register_that_failed_over_reaches_the_next_registrar_with_its_path_and_flow
     let registrar = SocketAddr::from(([127, 0, 0, 1], port));
     let refusing = StrictUas::udp("r0");
     refusing.set_sick(Sick::Overloaded);
+    let silent = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind silent registrar");
+    let (r0, extra) = match first {
+        FirstRegistrar::Refusing => (refusing.addr, ""),
+        FirstRegistrar::Silent => (
+            silent.local_addr().expect("addr"),
+            ", failover: { no_answer_non_invite: 500ms }",
+        ),
+    };
     let ops = ops_of(&farm(
         "sip-udp",
-        &[
-            ("r0", refusing.addr, "sip-udp"),
-            ("r1", registrar, "sip-udp"),
-        ],
-        ", method: aor_hash, path: always, eject: off",
+        &[("r0", r0, "sip-udp"), ("r1", registrar, "sip-udp")],
+        &format!(", method: aor_hash, path: always, eject: off{extra}"),
     ));
     let vs = vserver_addr(&ops);
     let users: Vec<String> = (0..10).map(|u| format!("nat{u}")).collect();
@@ -812,15 +946,22 @@ fn a_register_that_failed_over_reaches_the_next_registrar_with_its_path_and_flow
             .unwrap_or_else(|| panic!("no answer to {user}'s REGISTER"));
         assert!(answer.starts_with("SIP/2.0 200 "), "{answer}");
     }
-    let failed_over: Vec<&String> = users
-        .iter()
-        .filter(|u| !refusing.methods_of(&format!("reg-{u}")).is_empty())
-        .collect();
+    // Some users rank r0 first (the same ones with either failure: services hash by name).
+    let moved = failover_total(&ops, "failover");
     assert!(
-        !failed_over.is_empty(),
+        moved > 0,
         "no user ranks r0 first: the test would test nothing"
     );
-    assert_eq!(failover_total(&ops, "failover"), failed_over.len() as u64);
+    if first == FirstRegistrar::Refusing {
+        let refused = users
+            .iter()
+            .filter(|u| !refusing.methods_of(&format!("reg-{u}")).is_empty())
+            .count();
+        assert_eq!(
+            moved, refused as u64,
+            "each REGISTER r0 refused moved on once"
+        );
+    }
     // The caller asks the registrar for every user, directly.
     let caller = common::udp_client("127.0.0.1");
     let me = caller.local_addr().expect("addr");
@@ -1001,11 +1142,10 @@ fn a_reload_turning_failover_off_lets_held_invites_finish() {
             (at_silent >= 1 && at_silent + ok.counts().invites >= u64::from(calls)).then_some(())
         });
         file.write(&reload_farm(&services, ", failover: off"));
-        let changes = ops.reload().expect("reload");
-        assert!(
-            changes.iter().any(|c| c == "vservers.v rebuilt"),
-            "{changes:?}"
-        );
+        // Through the admin API this time.
+        let r = router::handle(&ops, &router::Request::new("POST", "/reload"));
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert!(r.body.contains("vservers.v rebuilt"), "{}", r.body);
         assert_eq!(failover_total(&ops, "failover"), 0, "held at the reload");
         uac.join().expect("uac thread")
     });
