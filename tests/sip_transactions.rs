@@ -676,25 +676,46 @@ fn over_tcp_an_attempt_on_a_closed_link_moves_on_with_one_final_answer() {
 /// caller's connection, whose Contact names only SIPp's listening port.
 #[test]
 fn over_tcp_a_failed_over_invite_keeps_the_record_route_the_callees_bye_follows() {
+    hangup_after_failover(Sick::Busy, Transport::Tcp);
+}
+
+/// The same when the first service is silent: the attempt moved on at `no_answer` (300 ms)
+/// is built from the held request, and keeps the Record-Route too.
+#[test]
+fn over_tcp_an_invite_moved_on_after_silence_keeps_the_record_route_the_callees_bye_follows() {
+    hangup_after_failover(Sick::Silent, Transport::Tcp);
+}
+
+/// Across the transports bridge (a sip-tcp vserver over sip-udp services, record-routed
+/// twice, RFC 5658 §3.2): the callee's BYE over UDP still finds the caller's connection.
+#[test]
+fn across_the_bridge_a_failed_over_invite_keeps_the_record_route_the_callees_bye_follows() {
+    hangup_after_failover(Sick::Busy, Transport::Udp);
+}
+
+/// SIPp calls over sip-tcp to services over `services`, taken in round robin: s0 (strict)
+/// sick as `sick`, s1 a SIPp callee that hangs up; every call succeeds and half of them
+/// failed over first.
+fn hangup_after_failover(sick: Sick, services: Transport) {
     if !common::sipp::sipp_available() {
         return;
     }
-    let dir = Scratch::new("tcp-hangup");
+    let dir = Scratch::new(&format!("tcp-hangup-{sick:?}-{}", services.protocol()));
     let calls = 10;
-    let busy = StrictUas::tcp("s0");
-    busy.set_sick(Sick::Busy);
+    let busy = strict(services, &[sick]).remove(0);
     let (mut uas, port) = sipp_uas(
         &dir,
-        Transport::Tcp,
+        services,
         &fixture("uas_hangs_up.xml"),
         calls,
         "hangup",
     );
     let callee = SocketAddr::from(([127, 0, 0, 1], port));
+    let proto = services.protocol();
     let ops = ops_of(&farm(
         "sip-tcp",
-        &[("s0", busy.addr, "sip-tcp"), ("s1", callee, "sip-tcp")],
-        ", method: round_robin, eject: off",
+        &[("s0", busy.addr, proto), ("s1", callee, proto)],
+        ", method: round_robin, eject: off, failover: { no_answer: 300ms }",
     ));
     let out = run_uac(
         &dir,
@@ -1146,6 +1167,72 @@ fn a_reload_turning_failover_off_lets_held_invites_finish() {
         let r = router::handle(&ops, &router::Request::new("POST", "/reload"));
         assert_eq!(r.status, 200, "{}", r.body);
         assert!(r.body.contains("vservers.v rebuilt"), "{}", r.body);
+        assert_eq!(failover_total(&ops, "failover"), 0, "held at the reload");
+        uac.join().expect("uac thread")
+    });
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    assert_eq!(
+        received_finals(&out.messages),
+        vec![200; 2 * calls as usize],
+        "one final per request, each a 200"
+    );
+    let c = ok.counts();
+    assert_eq!(
+        (c.dialogs, c.byes_ok, c.r481),
+        (u64::from(calls), u64::from(calls), 0),
+        "{c:?}"
+    );
+}
+
+/// A reload that removes the silent service while INVITEs are held there: they still move
+/// on at `no_answer` to the service that remains, and every call succeeds there.
+#[test]
+fn a_reload_removing_the_service_invites_are_held_at_still_fails_them_over() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let silent = StrictUas::udp("silent");
+    silent.set_sick(Sick::Silent);
+    let ok = StrictUas::udp("ok");
+    let file = common::ConfigFile::new(
+        "sip-tx-reload-remove",
+        &reload_farm(&[("silent", silent.addr), ("ok", ok.addr)], ""),
+    );
+    let ops = Ops::start(
+        config::load(&file.path).expect("valid"),
+        Some(file.path.clone()),
+    )
+    .expect("start");
+    let vs = vserver_addr(&ops);
+    let dir = Scratch::new("reload-remove");
+    let calls = 10;
+    let out = std::thread::scope(|s| {
+        let uac = s.spawn(|| {
+            run_uac(
+                &dir,
+                Transport::Udp,
+                vs,
+                &fixture("uac_rr.xml"),
+                calls,
+                50,
+                "remove",
+            )
+        });
+        common::wait_for("every INVITE placed", Duration::from_secs(10), || {
+            let at_silent = silent.counts().invites;
+            (at_silent >= 1 && at_silent + ok.counts().invites >= u64::from(calls)).then_some(())
+        });
+        file.write(&reload_farm(&[("ok", ok.addr)], ""));
+        let changes = ops.reload().expect("reload");
+        assert!(
+            changes.iter().any(|c| c == "vservers.v rebuilt"),
+            "{changes:?}"
+        );
         assert_eq!(failover_total(&ops, "failover"), 0, "held at the reload");
         uac.join().expect("uac thread")
     });
