@@ -360,6 +360,55 @@ fn fulcrums_own_408_when_no_service_answers_is_sent_again_on_timer_g() {
     );
 }
 
+/// Across the transports bridge (a sip-udp vserver over sip-tcp services): the 486 comes
+/// back over a service's link and still goes to the UDP caller on Timer G until its ACK.
+#[test]
+fn across_the_bridge_a_relayed_486_is_sent_again_on_timer_g_until_the_ack() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let uas = strict(Transport::Tcp, &[Sick::Refusing; 2]);
+    let ops = ops_of(&farm(
+        "sip-udp",
+        &members(&uas, Transport::Tcp),
+        ", eject: off",
+    ));
+    let calls = 5;
+    let counts = timer_g_calls(&ops, &uas, None, 486, calls, "timer-g-bridge");
+    assert_eq!(sum(&counts, |c| c.invites), u64::from(calls), "{counts:?}");
+}
+
+/// RFC 3261 §16.10: a call cancelled before its service answered anything gets fulcrum's
+/// own 487 once the attempt is given up on (`no_answer`, 300 ms here), sent again on Timer
+/// G until the ACK (fixtures/sipp/uac_cancel_487_twice.xml without the 180, the 100 then
+/// required).
+#[test]
+fn a_call_cancelled_before_any_answer_gets_fulcrums_487_on_timer_g() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let uas = strict(Transport::Udp, &[Sick::Silent; 2]);
+    let ops = ops_of(&farm(
+        "sip-udp",
+        &members(&uas, Transport::Udp),
+        ", eject: off, failover: { no_answer: 300ms }",
+    ));
+    let dir = Scratch::new("cancel-unanswered-scenario");
+    let text = std::fs::read_to_string(fixture("uac_cancel_487_twice.xml")).expect("fixture");
+    let unanswered = text.replace("<recv response=\"180\"/>", "").replace(
+        "<recv response=\"100\" optional=\"true\"/>",
+        "<recv response=\"100\"/>",
+    );
+    assert_ne!(unanswered, text, "the fixture changed shape");
+    let scenario = dir.path("uac_cancel_unanswered_487_twice.xml");
+    std::fs::write(&scenario, unanswered).expect("write scenario");
+    let calls = 5;
+    let counts = timer_g_calls(&ops, &uas, Some(scenario), 487, calls, "timer-g-own-487");
+    // Cancelled where it was first sent, never moved on (§16.10: nothing to cancel there yet).
+    assert_eq!(sum(&counts, |c| c.invites), u64::from(calls), "{counts:?}");
+    assert_eq!(failover_total(&ops, "failover"), 0);
+}
+
 /// fulcrum's own 503 when no service can take the call (every one DOWN: its `sip-options`
 /// monitor got 503) is a stateless answer (RFC 3261 §8.2.7, §16.7 step 6), given before any
 /// provisional one: no 100 precedes it (after a 100 the caller stops retransmitting and only
