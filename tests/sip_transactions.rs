@@ -148,6 +148,21 @@ fn run_uac(
     rate_per_s: u32,
     tag: &str,
 ) -> Outcome {
+    run_uac_with(dir, t, proxy, scenario, calls, rate_per_s, tag, &[])
+}
+
+/// [`run_uac`] with `extra` SIPp arguments (`-d MS` for a scenario's `<pause/>`).
+#[allow(clippy::too_many_arguments)]
+fn run_uac_with(
+    dir: &Scratch,
+    t: Transport,
+    proxy: SocketAddr,
+    scenario: &Path,
+    calls: u32,
+    rate_per_s: u32,
+    tag: &str,
+    extra: &[&str],
+) -> Outcome {
     let run = dir.path(tag);
     std::fs::create_dir_all(&run).expect("run dir");
     let stat = run.join("stat.csv");
@@ -171,6 +186,7 @@ fn run_uac(
             .arg(&errors)
             .args(["-trace_msg", "-message_file"])
             .arg(&messages)
+            .args(extra)
             .current_dir(&run);
         cmd
     });
@@ -1321,4 +1337,92 @@ fn a_reload_removing_the_service_invites_are_held_at_still_fails_them_over() {
         (u64::from(calls), u64::from(calls), 0),
         "{c:?}"
     );
+}
+
+/// A reload that shifts service indices while calls ring (their INVITEs held, answered 180
+/// by strict services that ring until cancelled): each caller's CANCEL, 1 s after the 180
+/// (fixtures/sipp/uac_cancel.xml), still reaches the service its INVITE rings at (RFC 3261
+/// §16.10), never the service now at that index (which would answer it 481), and the call
+/// ends 487.
+#[test]
+fn a_reload_shifting_indices_while_calls_ring_still_cancels_them_where_they_ring() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let front = StrictUas::udp("front");
+    let ring: Vec<StrictUas> = (0..2)
+        .map(|i| {
+            let u = StrictUas::udp(&format!("ring{i}"));
+            u.set_sick(Sick::Ringing);
+            u
+        })
+        .collect();
+    let before = reload_farm(&[("ring0", ring[0].addr), ("ring1", ring[1].addr)], "");
+    let after = reload_farm(
+        &[
+            ("front", front.addr),
+            ("ring0", ring[0].addr),
+            ("ring1", ring[1].addr),
+        ],
+        "",
+    );
+    let file = common::ConfigFile::new("sip-tx-reload-ringing", &before);
+    let ops = Ops::start(
+        config::load(&file.path).expect("valid"),
+        Some(file.path.clone()),
+    )
+    .expect("start");
+    let vs = vserver_addr(&ops);
+    let dir = Scratch::new("reload-ringing");
+    let calls = 10;
+    let out = std::thread::scope(|s| {
+        let uac = s.spawn(|| {
+            run_uac_with(
+                &dir,
+                Transport::Udp,
+                vs,
+                &fixture("uac_cancel.xml"),
+                calls,
+                50,
+                "ringing",
+                &["-d", "1000"],
+            )
+        });
+        common::wait_for("every call ringing", Duration::from_secs(10), || {
+            (ring.iter().map(|r| r.counts().invites).sum::<u64>() >= u64::from(calls)).then_some(())
+        });
+        file.write(&after);
+        let changes = ops.reload().expect("reload");
+        assert!(
+            changes.iter().any(|c| c == "vservers.v rebuilt"),
+            "{changes:?}"
+        );
+        assert_eq!(
+            ring.iter().map(|r| r.counts().cancels).sum::<u64>(),
+            0,
+            "the reload came before the CANCELs"
+        );
+        uac.join().expect("uac thread")
+    });
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "every call gets 200 to its CANCEL and 487 to its INVITE\n{}",
+        out.errors
+    );
+    assert_eq!(front.counts().requests, 0, "{:?}", front.counts());
+    for r in &ring {
+        let c = r.counts();
+        assert_eq!(
+            c.cancels, c.invites,
+            "{}: each INVITE cancelled there: {c:?}",
+            r.name
+        );
+        assert_eq!(
+            (c.stray_cancels, c.r481, c.stray_acks, c.dialogs),
+            (0, 0, 0, 0),
+            "{}: {c:?}",
+            r.name
+        );
+    }
 }
