@@ -1426,3 +1426,48 @@ fn a_reload_shifting_indices_while_calls_ring_still_cancels_them_where_they_ring
         );
     }
 }
+
+/// Over a stream the transport is reliable: no Timer G (RFC 3261 §17.2.1). A sip-tcp caller
+/// that waits 1.5 s before ACKing a relayed 486 gets it once
+/// (fixtures/sipp/uac_final_twice.xml with the second copy replaced by that wait: a copy
+/// would be an unexpected message and fail the call).
+#[test]
+fn over_tcp_a_486_is_sent_once() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let uas = strict(Transport::Tcp, &[Sick::Refusing; 2]);
+    let ops = ops_of(&farm(
+        "sip-tcp",
+        &members(&uas, Transport::Tcp),
+        ", eject: off",
+    ));
+    let dir = Scratch::new("tcp-final-once");
+    let text = std::fs::read_to_string(fixture("uac_final_twice.xml")).expect("fixture");
+    let once = text
+        .replace(
+            "<recv response=\"486\" rtd=\"g\"/>",
+            "<pause milliseconds=\"1500\"/>",
+        )
+        .replace(" start_rtd=\"g\"", "");
+    assert_ne!(once, text, "the fixture changed shape");
+    let scenario = dir.path("uac_final_once.xml");
+    std::fs::write(&scenario, once).expect("write scenario");
+    let calls = 5;
+    let out = run_uac(
+        &dir,
+        Transport::Tcp,
+        vserver_addr(&ops),
+        &scenario,
+        calls,
+        10,
+        "once",
+    );
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    assert_eq!(received_finals(&out.messages), vec![486; calls as usize]);
+}
