@@ -2,14 +2,17 @@
 //! strict services (tests/common/strict_uas.rs: a BYE or re-INVITE for a dialog a service did
 //! not set up gets 481, as from a production one), Kamailio registrars and reloads:
 //!
-//! - server transactions over UDP: a non-2xx final to an INVITE, relayed or fulcrum's own, is
-//!   sent again on Timer G until the caller's ACK (RFC 3261 §17.2.1); a retransmitted MESSAGE
-//!   gets the final it was given, the best answer after every try included (§17.2.2);
+//! - server transactions over UDP: a non-2xx final to an INVITE (relayed, a CANCELed call's
+//!   487, fulcrum's own 500 / 408 / 487) is sent again on Timer G until the caller's ACK and
+//!   never after it (RFC 3261 §17.2.1), over a stream only once; a retransmitted MESSAGE gets
+//!   the final it was given, the best answer after every try included (§17.2.2); fulcrum's
+//!   at-once 503 is stateless, with no 100 before it (§8.2.7);
 //! - a failover attempt carries what the first carried: the Path and flow token of a
 //!   REGISTER, the Record-Route of an INVITE whose callee hangs up over sip-tcp;
-//! - held transactions survive reloads;
+//! - held transactions survive reloads that shift, remove or stop failing over, and a ringing
+//!   call's CANCEL still reaches its service;
 //! - one final per request on streams when the first attempt cannot even be queued;
-//! - registrations converge with `aor_hash`.
+//! - registrations converge with `aor_hash`, and `aor_key: user` ignores the domain.
 //!
 //! Without `sipp` (or `kamailio`) on the PATH a test says why and passes without running,
 //! unless `FULCRUM_REQUIRE_SIPP=1` (`FULCRUM_REQUIRE_KAMAILIO=1`), as in CI. Every SIPp
