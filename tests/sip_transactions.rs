@@ -1474,3 +1474,70 @@ fn over_tcp_a_486_is_sent_once() {
     );
     assert_eq!(received_finals(&out.messages), vec![486; calls as usize]);
 }
+
+/// RFC 3261 §17.2.1: an INVITE retransmitted after its relayed 486 (200 ms later, before
+/// the ACK) gets the 486 again at once from the server transaction, well before Timer G's
+/// copy (due 500 ms after the first), and the service is not asked again
+/// (fixtures/sipp/uac_invite_twice.xml expecting 486, after fulcrum's 100).
+#[test]
+fn a_retransmitted_invite_gets_the_relayed_486_again_at_once() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let uas = strict(Transport::Udp, &[Sick::Refusing; 2]);
+    let ops = ops_of(&farm(
+        "sip-udp",
+        &members(&uas, Transport::Udp),
+        ", eject: off",
+    ));
+    let dir = Scratch::new("invite-twice-486");
+    let text = std::fs::read_to_string(fixture("uac_invite_twice.xml")).expect("fixture");
+    // fulcrum holds a call it forwards and answers it 100 at once (§16.2); the 486 follows.
+    let refused = text
+        .replace("response=\"503\"", "response=\"486\"")
+        .replacen(
+            "<recv response=\"486\"/>",
+            "<recv response=\"100\" optional=\"true\"/>\n  <recv response=\"486\"/>",
+            1,
+        );
+    assert_ne!(refused, text, "the fixture changed shape");
+    let scenario = dir.path("uac_invite_twice_486.xml");
+    std::fs::write(&scenario, refused).expect("write scenario");
+    let calls = 5;
+    let out = run_uac(
+        &dir,
+        Transport::Udp,
+        vserver_addr(&ops),
+        &scenario,
+        calls,
+        10,
+        "invite-twice",
+    );
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    assert_eq!(
+        received_finals(&out.messages),
+        vec![486; 2 * calls as usize]
+    );
+    let r: Vec<u64> = out
+        .rtts
+        .iter()
+        .filter(|(n, _)| n == "r")
+        .map(|(_, ms)| *ms)
+        .collect();
+    assert!(
+        r.len() == calls as usize && r.iter().all(|ms| *ms < 250),
+        "the retransmission's answer, not Timer G's copy (300 ms after it): {r:?}"
+    );
+    let counts: Vec<Counts> = uas.iter().map(StrictUas::counts).collect();
+    // One INVITE per call reached a service, and fulcrum's ACK of its 486.
+    assert_eq!(
+        sum(&counts, |c| c.requests),
+        2 * u64::from(calls),
+        "{counts:?}"
+    );
+}
