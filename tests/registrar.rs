@@ -155,21 +155,6 @@ fn with_call_id_hash_some_users_phones_are_split() {
     assert!(split > 0, "no user split among {USERS}: {per_user:?}");
 }
 
-/// A registrar that stores Path (`use_path`, saved whatever the REGISTER's Supported says)
-/// and calls a registered user along it: `lookup` sets the destination to the first Path URI
-/// and the Path as the Route set; `forward` sends statelessly.
-fn path_registrar_cfg(port: u16) -> String {
-    kamailio_cfg(
-        port,
-        &["kex", "sl", "usrloc", "registrar"],
-        "modparam(\"usrloc\", \"db_mode\", 0)\n\
-         modparam(\"registrar\", \"use_path\", 1)\nmodparam(\"registrar\", \"path_mode\", 0)\n",
-        "if (method == \"REGISTER\") { if (!save(\"location\")) { sl_reply_error(); } exit; }\n\
-         if (method == \"INVITE\") { if (!lookup(\"location\")) { sl_send_reply(\"404\", \"Not Found\"); exit; } forward(); exit; }\n\
-         sl_send_reply(\"404\", \"Not Here\"); exit;",
-    )
-}
-
 /// A phone on 127.0.0.2 registers through fulcrum (`path: always`) with the Contact a NAT's
 /// inside address would give (port 9, where nothing listens); a caller asks the Kamailio
 /// registrar directly for the user, and the registrar's INVITE, routed along fulcrum's Path,
@@ -182,7 +167,7 @@ fn a_kamailio_registrar_calls_a_phone_behind_nat_along_fulcrums_path() {
     let scratch = Scratch::new("path");
     let (_proc, port) = spawn_listening("registrar with path", Transport::Udp, |port| {
         let cfg = scratch.path(&format!("path-{port}.cfg"));
-        std::fs::write(&cfg, path_registrar_cfg(port)).expect("write kamailio config");
+        std::fs::write(&cfg, kamailio_path_registrar_cfg(port)).expect("write kamailio config");
         let mut c = Command::new("kamailio");
         c.arg("-f").arg(cfg).args(["-DD", "-E"]);
         c

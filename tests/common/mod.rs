@@ -524,3 +524,18 @@ pub fn kamailio_cfg(port: u16, modules: &[&str], params: &str, route: &str) -> S
     cfg.push_str(&format!("request_route {{\n{route}\n}}\n"));
     cfg
 }
+
+/// A registrar that stores Path (`use_path`, saved whatever the REGISTER's Supported says)
+/// and calls a registered user along it: `lookup` sets the destination to the first Path URI
+/// and the Path as the Route set; `forward` sends statelessly.
+pub fn kamailio_path_registrar_cfg(port: u16) -> String {
+    kamailio_cfg(
+        port,
+        &["kex", "sl", "usrloc", "registrar"],
+        "modparam(\"usrloc\", \"db_mode\", 0)\n\
+         modparam(\"registrar\", \"use_path\", 1)\nmodparam(\"registrar\", \"path_mode\", 0)\n",
+        "if (method == \"REGISTER\") { if (!save(\"location\")) { sl_reply_error(); } exit; }\n\
+         if (method == \"INVITE\") { if (!lookup(\"location\")) { sl_send_reply(\"404\", \"Not Found\"); exit; } forward(); exit; }\n\
+         sl_send_reply(\"404\", \"Not Here\"); exit;",
+    )
+}

@@ -16,7 +16,9 @@
 //! - Sick on demand ([`Sick`]), as services fail in real farms while their keep-alive may
 //!   still look fine: INVITEs answered 503 with Retry-After (OPTIONS too, or not), or never
 //!   answered at all, or answered 180 and then nothing until cancelled, or answered 200 only
-//!   after a delay (a UAS stuck for a while); the ACK of its 503 is expected, not stray.
+//!   after a delay (a UAS stuck for a while), or answered 486 Busy Here (a busy callee), or
+//!   every new request answered 503 (an overloaded server); the ACK of its 486 or 503 is
+//!   expected, not stray.
 //!
 //! Retransmission-safe: the To tag is derived from the UAS name, Call-ID and From tag, so a
 //! retransmitted INVITE gets the same answers (and sets up nothing new); an ended dialog is
@@ -89,6 +91,12 @@ pub enum Sick {
     /// INVITE answered 200 only after this many milliseconds, nothing before (a UAS stuck for
     /// a while, then answering); the dialog is set up when the INVITE arrives.
     Late(u32),
+    /// INVITE answered 486 Busy Here (a callee on another call: a final answer that is not a
+    /// failover code, relayed to the caller); OPTIONS still 200.
+    Refusing,
+    /// Every request outside a dialog (INVITE, REGISTER, MESSAGE, OPTIONS...) answered 503 +
+    /// Retry-After: an overloaded server refusing all new work.
+    Overloaded,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,7 +133,7 @@ pub struct UasCore {
     acked: std::collections::HashSet<DialogId>,
     /// Answers due later, with their delay from the request (Late): the shell sends them.
     later: Vec<(Duration, Vec<u8>)>,
-    /// Call-IDs this UAS refused with 503 or 487 (their ACK is expected).
+    /// Call-IDs this UAS refused with 486, 503 or 487 (their ACK is expected).
     refused: std::collections::HashSet<Vec<u8>>,
 }
 
@@ -247,6 +255,14 @@ impl UasCore {
                 return unavailable();
             }
             (Sick::Down, SipMethod::Options, None) => return unavailable(),
+            (Sick::Refusing, SipMethod::Invite, None) => {
+                self.refused.insert(call_id.to_vec());
+                return vec![respond(&msg, 486, "Busy Here", Some(&tag), None, false)];
+            }
+            (Sick::Overloaded, m, None) if m != SipMethod::Ack && m != SipMethod::Cancel => {
+                self.refused.insert(call_id.to_vec());
+                return unavailable();
+            }
             (Sick::Silent, SipMethod::Invite, None) => {
                 self.pending.entry(tx).or_insert_with(|| bytes.to_vec());
                 return Vec::new();
