@@ -31,7 +31,6 @@
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
 //! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
 //! - `sip`        PURE  zero-copy SIP scanner, stateless-proxy rewrite, TCP stream framing
-//! - `sockmap`    IO    the in-kernel TCP relay (BPF sockmap and verdict program; unsafe: the bpf system call)
 //! - `slow_start` PURE  slow-start state machine driven by injected time
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)
 //! - `sync`       PURE  `lock`: a mutex guard that recovers from poison (why it may)
@@ -73,7 +72,6 @@ pub(crate) mod session;
 pub mod simulate;
 pub mod sip;
 pub mod slow_start;
-pub mod sockmap;
 pub mod stats;
 mod sync;
 pub mod systemd;
