@@ -251,7 +251,7 @@ pub(crate) struct StartCtx<'a> {
     pub threads: &'a mut Vec<JoinHandle<()>>,
     pub tokio: &'a tokio::runtime::Handle,
     /// Where the vserver's workers show their progress to the watchdog.
-    pub liveness: &'a Arc<crate::proxy::liveness::Liveness>,
+    pub liveness: &'a Arc<crate::liveness::Liveness>,
     /// Every vserver's evictable client connections (the file pool is the process's).
     pub evictors: &'a Arc<crate::proxy::evict::Evictors>,
 }
@@ -431,4 +431,26 @@ pub const POLL: Duration = Duration::from_millis(100);
 /// Nanoseconds since `epoch` (the shell's clock, handed to the pure core).
 pub fn elapsed_nanos(epoch: Instant) -> Nanos {
     u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+/// The sockets a sip-udp worker sends from: toward clients (one of the vserver's) and toward
+/// services (one bound at `service_source`, else the same as toward clients). Here, below
+/// both, because the stream links of a sip-udp vserver's bridge send their datagrams from
+/// them too (`sip_stream::start_bridge`).
+pub(crate) struct Senders {
+    pub clients: std::net::UdpSocket,
+    pub services: std::net::UdpSocket,
+}
+
+impl Senders {
+    /// Clones of `clients` and, when given, `services` (else `clients` again).
+    pub(crate) fn of(
+        clients: &std::net::UdpSocket,
+        services: Option<&std::net::UdpSocket>,
+    ) -> std::io::Result<Senders> {
+        Ok(Senders {
+            clients: clients.try_clone()?,
+            services: services.unwrap_or(clients).try_clone()?,
+        })
+    }
 }

@@ -24,7 +24,7 @@ use crate::proxy::context::{
     DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_service_source,
     bind_udp, local_identity,
 };
-use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
+use crate::proxy::context::{POLL, Rebuilt, Senders, elapsed_nanos};
 use crate::proxy::handover::{Reader, Readers};
 use crate::proxy::reconfig::{
     catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
@@ -135,23 +135,6 @@ pub(crate) fn run_worker<B: Bridge>(
                 tracing::warn!(vserver = %core.name, %to, error = %e, "send failed");
             }
         }
-    }
-}
-
-/// The sockets a worker sends from: toward clients (one of the vserver's) and toward
-/// services (one bound at `service_source`, else the same as toward clients).
-pub(crate) struct Senders {
-    pub clients: UdpSocket,
-    pub services: UdpSocket,
-}
-
-impl Senders {
-    /// Clones of `clients` and, when given, `services` (else `clients` again).
-    fn of(clients: &UdpSocket, services: Option<&UdpSocket>) -> std::io::Result<Senders> {
-        Ok(Senders {
-            clients: clients.try_clone()?,
-            services: services.unwrap_or(clients).try_clone()?,
-        })
     }
 }
 

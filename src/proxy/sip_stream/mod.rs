@@ -225,7 +225,7 @@ pub struct SipStreamShared {
     /// answered over UDP from these sockets (clones of the vserver's own, blocking: sent to
     /// without waiting), not over client connections; its sip-udp members are reached from
     /// its `service_source` socket when it has one.
-    front: Option<crate::proxy::sip_udp::Senders>,
+    front: Option<crate::proxy::context::Senders>,
     /// Client connections' admission: one open file each from the process's pool, and at
     /// most `max_per_source` from one source (docs/limits.md).
     pub gate: crate::budget::Gate,
@@ -714,7 +714,7 @@ struct Shells {
     tasks: String,
     tls: Option<Arc<crate::tls::TlsListener>>,
     udp: Option<Arc<tokio::net::UdpSocket>>,
-    front: Option<crate::proxy::sip_udp::Senders>,
+    front: Option<crate::proxy::context::Senders>,
     readers: Arc<Readers>,
     /// A WebSocket vserver's upgrade settings.
     ws: Option<ws::WsSettings>,
@@ -783,7 +783,7 @@ pub(crate) fn start_bridge(
     config: &Config,
     v: &Vserver,
     core: &Arc<SipCore>,
-    front: crate::proxy::sip_udp::Senders,
+    front: crate::proxy::context::Senders,
     readers: &Arc<Readers>,
 ) -> Arc<SipStreamShared> {
     let shared = launch(
