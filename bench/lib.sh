@@ -73,7 +73,7 @@ tcp_peer_configs() {
 
 # tcp_yaml LEVEL NAME:PORT[:FIELDS]...: a fulcrum config (log level LEVEL, no admin API) in
 # front of the three backends of tcp_peer_configs, one `tcp` vserver per argument on
-# 127.0.0.1:PORT with `source_ip_hash` and FIELDS (e.g. `kernel_relay: auto`) added.
+# 127.0.0.1:PORT with `source_ip_hash` and FIELDS (e.g. `max_per_source: off`) added.
 tcp_yaml() {
   local level=$1 v name port fields; shift
   cat <<YAML

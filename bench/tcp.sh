@@ -2,9 +2,7 @@
 # TCP: fulcrum `tcp` vservers vs HAProxy (mode tcp, balance source, hash-type consistent,
 # nbthread HA_THREADS, default 2 like fulcrum's one worker per core), in one run, in front of
 # the same 3 nginx HTTP backends (peers' configs, moved to free ports). Targets: direct (wrk
-# to a backend), haproxy, fulcrum (kernel_relay: auto, the kernel relays each connection once
-# its service is chosen) and fulcrum-user (the same vserver with kernel_relay: off, the
-# user-space relay). ROUNDS rounds, the order of the targets alternating, each target
+# to a backend), haproxy and fulcrum. ROUNDS rounds, the order of the targets alternating, each target
 # `wrk -t2 -cCONNS -dDUR`, keep-alive ("ka") and `Connection: close` ("close").
 #
 # Per target and round: req/s, p99, the whole machine's CPU per request (busy ticks of
@@ -13,29 +11,27 @@
 # figure through the proxy minus the same figure direct to the backends in the same round
 # (wrk's and nginx's share cancels out). Then medians over the rounds and each fulcrum's cost
 # as a ratio of HAProxy's. Last, idle-connection memory: N connections opened and held through
-# fulcrum-user (the default relay), RSS growth / N.
-# Usage: DUR=10 ROUNDS=5 CONNS=64 IDLE=8000 bench/tcp.sh   (needs nginx, haproxy, wrk; root for
-# the kernel relay, else both fulcrum targets relay in user space and the log says why)
+# fulcrum, RSS growth / N.
+# Usage: DUR=10 ROUNDS=5 CONNS=64 IDLE=8000 bench/tcp.sh   (needs nginx, haproxy, wrk)
 . "$(dirname "$0")/lib.sh"
 DUR=${DUR:-10}; CONNS=${CONNS:-64}; IDLE=${IDLE:-8000}; ROUNDS=${ROUNDS:-5}; HA_THREADS=${HA_THREADS:-2}
 B1=${B1:-18081}; HA=${HA:-19000}; FU=${FU:-19100}
 build_fulcrum
 tcp_peer_configs
 sed -i "s/nbthread 1/nbthread $HA_THREADS/" "$TMP/haproxy.cfg"
-tcp_yaml info "t:$FU:kernel_relay: auto" "u:$((FU + 1)):kernel_relay: off" > "$TMP/tcp.yaml"
+tcp_yaml info "t:$FU" > "$TMP/tcp.yaml"
 timeout 1800 nginx -c "$TMP/backends.conf" > "$TMP/backends.log" 2>&1 & BPID=$!; PIDS+=($BPID)
 timeout 1800 haproxy -db -f "$TMP/haproxy.cfg" > "$TMP/haproxy.log" 2>&1 & HPID=$!; PIDS+=($HPID)
 start_fulcrum "$TMP/fulcrum.log" --config "$TMP/tcp.yaml"
 sleep 1
 echo "# tcp: wrk -t2 -c$CONNS -d${DUR}s, $ROUNDS rounds, haproxy nbthread $HA_THREADS; $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "# fulcrum: $(grep -o 'kernel relay [a-z]*[^"]*' "$TMP/fulcrum.log" | head -1 | cut -c1-120)"
 RES=$TMP/results
 for r in $(seq 1 "$ROUNDS"); do
-  order="direct haproxy fulcrum fulcrum-user"; [ $((r % 2)) = 0 ] && order="fulcrum-user fulcrum haproxy direct"
+  order="direct haproxy fulcrum"; [ $((r % 2)) = 0 ] && order="fulcrum haproxy direct"
   for mode in ka close; do
     hdr=(); [ $mode = close ] && hdr=(-H "Connection: close")
     for tgt in $order; do
-      case $tgt in direct) port=$B1;; haproxy) port=$HA;; fulcrum) port=$FU;; fulcrum-user) port=$((FU + 1));; esac
+      case $tgt in direct) port=$B1;; haproxy) port=$HA;; fulcrum) port=$FU;; esac
       b0=$(busy_ticks)
       out=$(timeout $((DUR + 30)) wrk -t2 -c"$CONNS" -d"${DUR}s" --latency "${hdr[@]}" "http://127.0.0.1:$port/" 2>&1)
       b1=$(busy_ticks)
@@ -49,8 +45,8 @@ for r in $(seq 1 "$ROUNDS"); do
     awk -v r="$r" -v m="$mode" '$1 == r && $2 == m { rps[$3] = $4; host[$3] = $5; p99[$3] = $6; se[$3] = $7 }
       END {
         printf "round %d %-5s", r, m
-        for (i = 1; i <= 4; i++) {
-          t = (i == 1) ? "direct" : (i == 2) ? "haproxy" : (i == 3) ? "fulcrum" : "fulcrum-user"
+        for (i = 1; i <= 3; i++) {
+          t = (i == 1) ? "direct" : (i == 2) ? "haproxy" : "fulcrum"
           printf "  %s %.0f req/s %.2f us/req", t, rps[t], host[t]
           if (t != "direct") printf " (cost %.2f)", host[t] - host["direct"]
           if (se[t] != "") printf " [%s]", se[t]
@@ -69,19 +65,19 @@ done
     }
     $2 == m { rps[$3, $1] = $4; host[$3, $1] = $5; if ($1 > R) R = $1 }
     END {
-      split("direct haproxy fulcrum fulcrum-user", ts, " ")
-      for (k = 1; k <= 4; k++) {
+      split("direct haproxy fulcrum", ts, " ")
+      for (k = 1; k <= 3; k++) {
         t = ts[k]; delete a; delete b; delete c
         for (r = 1; r <= R; r++) { a[r] = rps[t, r]; b[r] = host[t, r]; c[r] = host[t, r] - host["direct", r] }
         mr[t] = median(a, R); mh[t] = median(b, R); mc[t] = median(c, R)
       }
       printf "%-5s median of %d rounds:", m, R
-      for (k = 1; k <= 4; k++) {
+      for (k = 1; k <= 3; k++) {
         t = ts[k]; printf "  %s %.0f req/s %.2f us/req", t, mr[t], mh[t]
         if (t != "direct") printf " cost %.2f", mc[t]
       }
-      printf "\n%-5s cost / haproxy: fulcrum %.2f, fulcrum-user %.2f; req/s / haproxy: fulcrum %.2f, fulcrum-user %.2f\n",
-        m, mc["fulcrum"] / mc["haproxy"], mc["fulcrum-user"] / mc["haproxy"], mr["fulcrum"] / mr["haproxy"], mr["fulcrum-user"] / mr["haproxy"]
+      printf "\n%-5s cost / haproxy: fulcrum %.2f; req/s / haproxy: fulcrum %.2f\n",
+        m, mc["fulcrum"] / mc["haproxy"], mr["fulcrum"] / mr["haproxy"]
     }' "$RES"
 done
 echo "# end $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -91,7 +87,7 @@ stop_fulcrum
 start_fulcrum "$TMP/fulcrum2.log" --config "$TMP/tcp.yaml" --drain-timeout 0s
 sleep 1
 r0=$(settled $FPID)
-"$LOAD" tcp-idle 127.0.0.1:$((FU + 1)) --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & PIDS+=($!)
+"$LOAD" tcp-idle 127.0.0.1:$FU --sockets "$IDLE" --secs 120 > "$TMP/idle.out" 2>&1 & PIDS+=($!)
 wait_ready "$TMP/idle.out"
 # Wait until fulcrum has connected every one upstream (its RSS stops growing).
 r1=$(settled $FPID)

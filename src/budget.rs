@@ -19,6 +19,9 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Connections the admin API serves at once by default, each kept a file in the reserve
+/// (`admin::Limits`).
+pub const ADMIN_CONNECTIONS: usize = 256;
 /// The least reserve, whatever the limit.
 pub const MIN_RESERVE: u64 = 64;
 /// The reserve's share of the open-file limit (a tenth), at most [`MAX_RESERVE`] besides what

@@ -14,11 +14,13 @@
 //! - `discovery`  PURE  pools published in DNS: answers -> member sets, refresh times, the expanded config (`discovery::resolve`: the lookups, IO)
 //! - `edge`       PURE  a vserver's access lists, flood table and drop counters
 //! - `eject`      PURE  passive ejection: a service's failures in a row eject it for a while, half-open trials, max_fraction
+//! - `fd_limit`   IO    the open-file limit raised once per process, divided into the `budget`; start warnings when vservers could need more
 //! - `flood`      PURE  per-source new-request limits and bans in a fixed-size table
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
 //! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine and `health::answer` judgement
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
+//! - `liveness`   PURE  whether every worker still makes progress, for the watchdog; IO edge: the looks at each worker's heart
 //! - `memory`     PURE  when to give freed heap memory back after connections close; IO edge asks jemalloc to purge
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
 //! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
@@ -31,7 +33,6 @@
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
 //! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
 //! - `sip`        PURE  zero-copy SIP scanner, stateless-proxy rewrite, TCP stream framing
-//! - `sockmap`    IO    the in-kernel TCP relay (BPF sockmap and verdict program; unsafe: the bpf system call)
 //! - `slow_start` PURE  slow-start state machine driven by injected time
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)
 //! - `sync`       PURE  `lock`: a mutex guard that recovers from poison (why it may)
@@ -55,11 +56,13 @@ pub mod discovery;
 pub(crate) mod drain;
 pub(crate) mod edge;
 pub mod eject;
+pub mod fd_limit;
 pub(crate) mod flood;
 pub mod hash;
 pub mod health;
 pub mod http;
 pub mod key;
+pub mod liveness;
 pub mod memory;
 pub mod methods;
 pub(crate) mod net;
@@ -73,7 +76,6 @@ pub(crate) mod session;
 pub mod simulate;
 pub mod sip;
 pub mod slow_start;
-pub mod sockmap;
 pub mod stats;
 mod sync;
 pub mod systemd;

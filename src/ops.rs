@@ -584,7 +584,7 @@ impl Ops {
                 rt.vservers().iter().map(|v| v.balancer()),
             ));
             // A rebuild may raise max_sessions: warn again if the total no longer fits.
-            crate::proxy::fd_limit::check_capacity(&new.vservers, rt.budget());
+            crate::fd_limit::check_capacity(&new.vservers, rt.budget());
             // Request rates are indexed by member position, which a rebuild may change.
             *lock(&self.rates) = RateSample::default();
         }
@@ -691,7 +691,7 @@ impl Ops {
     }
 
     /// Pet the service manager's watchdog every `every` for as long as the proxy serves and
-    /// every worker shows progress ([`crate::proxy::liveness`]): each sip-udp thread, udp
+    /// every worker shows progress ([`crate::liveness`]): each sip-udp thread, udp
     /// event loop, timer and sweep thread, tcp worker runtime, the runtime of the SIP streams,
     /// admin API and monitors (this task runs there too), and each monitor's rounds. A worker
     /// stalled for `every` stops the keep-alives, so the manager steps in; they resume if it

@@ -42,8 +42,9 @@ pub struct Limits {
     pub body_timeout: Duration,
 }
 
-/// Admin connections served at once by default (kept in the open-file reserve).
-pub const MAX_CONNECTIONS: usize = 256;
+/// Admin connections served at once by default (kept in the open-file reserve, where
+/// [`crate::budget::ADMIN_CONNECTIONS`] counts them).
+pub const MAX_CONNECTIONS: usize = crate::budget::ADMIN_CONNECTIONS;
 
 impl Default for Limits {
     fn default() -> Self {

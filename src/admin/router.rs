@@ -521,10 +521,6 @@ pub fn status(ops: &Ops) -> Value {
                             "active": s.is_active(),
                         })),
                         "services": services,
-                        "kernel_relay": v.path::<crate::proxy::TcpPath>().map(|t| match t.core().kernel_relay() {
-                            Ok(()) => json!({ "in_use": true }),
-                            Err(why) => json!({ "in_use": false, "reason": why }),
-                        }),
                         "edge": edge_status(v.data.edge(), now),
                         "admission": v.data.gate().map(|g| json!({
                             "max_per_source": g.sources().max(),

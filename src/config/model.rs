@@ -679,8 +679,6 @@ pub struct Vserver {
     /// IP_FREEBIND on the listening sockets: bind addresses the host does not hold yet (a
     /// standby's VIP; docs/deployment.md).
     pub freebind: bool,
-    /// tcp / http: move a connection's bytes in the kernel once its service is chosen.
-    pub kernel_relay: KernelRelay,
     /// Send a PROXY protocol header toward services.
     pub send_proxy: Option<ProxyProtocol>,
     /// Worker sockets (SO_REUSEPORT) for datagram vservers; 0 = one per core.
@@ -716,23 +714,6 @@ impl Vserver {
             .chain(self.discovered.iter().copied())
             .any(p)
     }
-}
-
-/// `kernel_relay` of a tcp / http vserver (docs/kernel-relay.md).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KernelRelay {
-    /// The kernel relays a connection's bytes once its service is chosen, where the
-    /// start's self-test passed and the method needs no per-byte samples.
-    Auto,
-    /// The user-space relay. The default: measured on Linux 6.18, the kernel's relay costs
-    /// the machine more CPU per request than the user-space one (docs/kernel-relay.md).
-    #[default]
-    Off,
-}
-
-impl KernelRelay {
-    pub const ALL: [(&'static str, KernelRelay); 2] =
-        [("auto", KernelRelay::Auto), ("off", KernelRelay::Off)];
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

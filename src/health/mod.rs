@@ -141,7 +141,7 @@ pub struct HealthBoard {
     /// trouble is the host's, and hits every monitor at once).
     local_log: LogLimiter,
     /// Where each monitor task shows its rounds to the watchdog, once set.
-    liveness: std::sync::OnceLock<Arc<crate::proxy::liveness::Liveness>>,
+    liveness: std::sync::OnceLock<Arc<crate::liveness::Liveness>>,
 }
 
 impl HealthBoard {
@@ -160,7 +160,7 @@ impl HealthBoard {
     }
 
     /// Show every monitor task's rounds on `liveness` (set once; tasks started from now on).
-    pub fn watch_with(&self, liveness: Arc<crate::proxy::liveness::Liveness>) {
+    pub fn watch_with(&self, liveness: Arc<crate::liveness::Liveness>) {
         let _ = self.liveness.set(liveness);
     }
 

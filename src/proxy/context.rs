@@ -251,7 +251,7 @@ pub(crate) struct StartCtx<'a> {
     pub threads: &'a mut Vec<JoinHandle<()>>,
     pub tokio: &'a tokio::runtime::Handle,
     /// Where the vserver's workers show their progress to the watchdog.
-    pub liveness: &'a Arc<crate::proxy::liveness::Liveness>,
+    pub liveness: &'a Arc<crate::liveness::Liveness>,
     /// Every vserver's evictable client connections (the file pool is the process's).
     pub evictors: &'a Arc<crate::proxy::evict::Evictors>,
 }

@@ -102,7 +102,7 @@ pub(crate) struct Reader {
 }
 
 impl Reader {
-    /// The slot this reader marks, for the watchdog ([`crate::proxy::liveness`]).
+    /// The slot this reader marks, for the watchdog ([`crate::liveness`]).
     pub(crate) fn mark(&self) -> Weak<AtomicU64> {
         Arc::downgrade(&self.slot)
     }

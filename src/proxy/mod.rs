@@ -2,10 +2,8 @@
 
 pub(crate) mod context;
 pub(crate) mod evict;
-pub(crate) mod fd_limit;
 pub(crate) mod flows;
 pub(crate) mod handover;
-pub mod liveness;
 pub mod proxy_protocol;
 pub(crate) mod reconfig;
 pub(crate) mod runtime;
@@ -19,7 +17,6 @@ pub(crate) mod udp;
 pub use crate::core::udp::UdpCore;
 pub use context::{DataPath, POLL, RuntimeError, VserverHandle, elapsed_nanos};
 pub use context::{Prepared, Rebuilt};
-pub use fd_limit::raise_nofile_limit;
 pub use runtime::{PreparedVserver, Runtime};
 pub use sip_stream::{SipStreamCounters, SipStreamPath, SipStreamShared};
 pub use sip_udp::SipUdpPath;

@@ -2,11 +2,11 @@
 
 use crate::balancer::Health;
 use crate::config::{Config, Protocol, Vserver};
+use crate::liveness::{Heart, Liveness};
 use crate::proxy::context::Rebuilt;
 use crate::proxy::context::{
     Prepared, RebuildCx, RuntimeError, SHUTDOWN_WAIT, StartCtx, VserverHandle,
 };
-use crate::proxy::liveness::{Heart, Liveness};
 use crate::proxy::shutdown::{Shutdown, Signal};
 use crate::proxy::{sip_stream, sip_udp, tcp, udp};
 use crate::stats::Nanos;
@@ -61,7 +61,7 @@ impl Runtime {
             .build()?;
         let liveness = Arc::new(Liveness::default());
         let _tokio_heart = liveness.runtime("fulcrum-io runtime".into(), tokio.handle().clone());
-        let budget = std::sync::Arc::new(crate::proxy::fd_limit::budget(config));
+        let budget = std::sync::Arc::new(crate::fd_limit::budget(config));
         let mut rt = Runtime {
             budget,
             epoch: Instant::now(),
@@ -75,7 +75,7 @@ impl Runtime {
             #[cfg(test)]
             fail_rebuild: None,
         };
-        crate::proxy::fd_limit::check_capacity(&config.vservers, &rt.budget);
+        crate::fd_limit::check_capacity(&config.vservers, &rt.budget);
         for v in &config.vservers {
             if let Err(e) = rt.start_vserver(config, v) {
                 rt.stop_all();

@@ -30,7 +30,7 @@ use crate::proxy::reconfig::{
     catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
 };
 use crate::proxy::shutdown::Shutdown;
-pub(crate) use crate::proxy::sip_front::Senders;
+use crate::proxy::sip_front::Senders;
 use crate::proxy::sip_front::{Fronts, needs_arrivals};
 use crate::proxy::sip_stream::{Install, SipStreamShared};
 use crate::sip::Transport;

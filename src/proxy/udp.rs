@@ -23,12 +23,12 @@
 use crate::config::Protocol;
 use crate::config::{Config, Vserver};
 use crate::core::udp::{Decision, UdpCore, nanos};
+use crate::liveness::Heart;
 use crate::net;
 use crate::proxy::context::elapsed_nanos;
 use crate::proxy::context::{
     DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_udp,
 };
-use crate::proxy::liveness::Heart;
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::reconfig;
 use crate::session::{Admit, Session, SessionId, SessionKey, SessionTable};

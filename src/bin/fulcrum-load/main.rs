@@ -86,7 +86,7 @@ fn source_ip(i: usize) -> IpAddr {
 }
 
 fn open(n: usize, target: SocketAddr, port: u16, poll: &Poll) -> std::io::Result<Vec<UdpSocket>> {
-    let _ = fulcrum::proxy::raise_nofile_limit();
+    let _ = fulcrum::fd_limit::raise_nofile_limit();
     let mut v = Vec::with_capacity(n);
     for i in 0..n {
         let mut s = UdpSocket::bind(SocketAddr::new(source_ip(i), port))?;
@@ -130,7 +130,7 @@ fn main() {
 
 /// Open `n` TCP connections to `target` and hold them (idle-connection memory).
 fn tcp_idle(target: SocketAddr, n: usize, secs: u64) -> std::io::Result<()> {
-    let _ = fulcrum::proxy::raise_nofile_limit();
+    let _ = fulcrum::fd_limit::raise_nofile_limit();
     let mut held = Vec::with_capacity(n);
     for i in 0..n {
         let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
@@ -155,7 +155,7 @@ fn hold(secs: u64) {
 
 /// Accept up to `n` connections on `addr` and hold them until `secs` have passed.
 fn tcp_sink(addr: SocketAddr, n: usize, secs: u64) -> std::io::Result<()> {
-    let _ = fulcrum::proxy::raise_nofile_limit();
+    let _ = fulcrum::fd_limit::raise_nofile_limit();
     let l = std::net::TcpListener::bind(addr)?;
     l.set_nonblocking(true)?;
     let end = Instant::now() + Duration::from_secs(secs);

@@ -515,14 +515,10 @@ impl Cx {
                 .int_in(n, &join(path, "max_per_source"), 1, i128::from(u32::MAX))
                 .map(|v| Some(v as u32)),
         };
-        let kernel_relay = match f.get("kernel_relay") {
-            None => Some(KernelRelay::Off),
-            // YAML 1.1 reads a bare `off` as false.
-            Some(n) if n.value == Value::Bool(false) => Some(KernelRelay::Off),
-            Some(n) => self.choice(n, &join(path, "kernel_relay"), &KernelRelay::ALL),
-        };
+        if let Some(n) = f.get("kernel_relay") {
+            self.removed_kernel_relay(n, &join(path, "kernel_relay"));
+        }
         ProxyOptions {
-            kernel_relay,
             max_per_source,
             max_sessions: self.int_field(f, path, "max_sessions", (1, 10_000_000), 100_000),
             workers: self.int_field(f, path, "workers", (0, 256), 0),
@@ -797,18 +793,6 @@ impl Cx {
                 ),
             );
         }
-        if let (Some(p), Some(n)) = (protocol, f.get("kernel_relay"))
-            && !matches!(p, Protocol::Tcp | Protocol::Http)
-        {
-            self.problem(
-                n.pos,
-                &join(path, "kernel_relay"),
-                format!(
-                    "`kernel_relay` applies to tcp and http vservers only, not {}",
-                    p.name()
-                ),
-            );
-        }
         if let (Some(p), Some(n)) = (protocol, f.get("allowed_origins"))
             && !p.is_websocket()
         {
@@ -886,7 +870,6 @@ struct HashFields {
 
 /// The listener and forwarding options as read.
 struct ProxyOptions {
-    kernel_relay: Option<KernelRelay>,
     max_per_source: Option<Option<u32>>,
     max_sessions: Option<i128>,
     workers: Option<i128>,
@@ -943,7 +926,6 @@ impl VserverFields {
             transparent: o.transparent?,
             freebind: o.freebind?,
             send_proxy: o.send_proxy?,
-            kernel_relay: o.kernel_relay?,
             workers: o.workers? as usize,
             tls: self.tls?,
         })
@@ -1134,29 +1116,42 @@ mod tests {
     }
 
     #[test]
-    fn kernel_relay_is_off_by_default_and_for_tcp_and_http_only() {
+    fn kernel_relay_off_is_a_warning_and_auto_a_problem_since_the_relay_was_removed() {
         let tcp = |field: &str| {
             format!(
                 "services:\n  - {{ name: s1, address: 127.0.0.1:81, protocol: tcp }}\nvservers:\n  - {{ name: v, protocol: tcp, bind: 127.0.0.1:80, {field}services: [s1] }}\n"
             )
         };
-        let read =
-            |field: &str| from_str("t", &tcp(field)).expect("valid").vservers[0].kernel_relay;
-        assert_eq!(read(""), KernelRelay::Off);
-        assert_eq!(read("kernel_relay: auto, "), KernelRelay::Auto);
-        // YAML 1.1's bare `off` is false.
-        assert_eq!(read("kernel_relay: off, "), KernelRelay::Off);
-        let bad = problems(&tcp("kernel_relay: on, "));
-        assert!(
-            bad.iter().any(|(_, p, _)| p == "vservers[0].kernel_relay"),
-            "{bad:?}"
-        );
-        let bad = problems(&sip_with("    kernel_relay: auto\n"));
-        assert!(
-            bad.iter()
-                .any(|(_, p, m)| p == "vservers[0].kernel_relay" && m.contains("tcp and http")),
-            "{bad:?}"
-        );
+        // Where the value stands on line 4: the warning and the problem point at it.
+        let at = |text: &str| {
+            let line = text.lines().nth(3).expect("line 4");
+            let col = line.find("kernel_relay: ").expect("field") + "kernel_relay: ".len() + 1;
+            (4, u32::try_from(col).expect("short line"))
+        };
+        // YAML 1.1's bare `off` is false; quoted, a string: both only warn.
+        for off in ["kernel_relay: off, ", "kernel_relay: \"off\", "] {
+            let text = tcp(off);
+            let c = from_str("t", &text).expect("valid");
+            assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+            let w = &c.warnings[0];
+            assert_eq!(w.path, "vservers[0].kernel_relay");
+            assert_eq!((w.pos.line, w.pos.col), at(&text));
+            assert!(w.message.contains("removed"), "{}", w.message);
+        }
+        assert!(from_str("t", &tcp("")).expect("valid").warnings.is_empty());
+        for refused in ["kernel_relay: auto, ", "kernel_relay: on, "] {
+            let text = tcp(refused);
+            let err = from_str("t", &text).expect_err("invalid");
+            let bad = err.problems();
+            assert_eq!(bad.len(), 1, "{bad:?}");
+            assert_eq!(bad[0].path, "vservers[0].kernel_relay");
+            assert_eq!((bad[0].pos.line, bad[0].pos.col), at(&text));
+            let m = &bad[0].message;
+            assert!(
+                m.contains("removed") && m.contains("slower") && m.contains("BENCHMARKS.md"),
+                "{m}"
+            );
+        }
     }
 
     #[test]

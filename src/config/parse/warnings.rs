@@ -42,6 +42,31 @@ impl Cx {
         }
     }
 
+    /// `kernel_relay` (`node`, at `path`): the in-kernel TCP relay was removed. `off` asked
+    /// for what every tcp / http vserver now does, so it only warns; anything else asked for
+    /// the relay and is refused, with the reason (BENCHMARKS.md, "TCP: the in-kernel relay
+    /// against the user-space relay and HAProxy").
+    pub(super) fn removed_kernel_relay(&mut self, node: &Node, path: &str) {
+        // YAML 1.1 reads a bare `off` as false.
+        let is_off =
+            node.value == Value::Bool(false) || matches!(&node.value, Value::Str(s) if s == "off");
+        if is_off {
+            self.warning(
+                node.pos,
+                path,
+                "the in-kernel TCP relay was removed and the user-space relay always serves: \
+                 `kernel_relay: off` changes nothing, delete the field",
+            );
+        } else {
+            self.problem(
+                node.pos,
+                path,
+                "the in-kernel TCP relay was removed: it was measured slower than the \
+                 user-space relay (BENCHMARKS.md); delete the field",
+            );
+        }
+    }
+
     /// A `sip-ws` / `sip-wss` vserver with `allow` but no `allowed_origins`: the access list
     /// admits networks, not pages. A browser does not hold a WebSocket to its page's origin
     /// (RFC 6455 §10.2 leaves the Origin check to the server), so any page opened inside an

@@ -57,7 +57,6 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-pub(crate) mod kernel;
 mod tls_path;
 use tls_path::serve_stream;
 
@@ -97,20 +96,13 @@ pub struct TcpCounters {
     /// ephemeral range (`net.ipv4.ip_local_port_range`, about 28,000 ports) is shared by all
     /// connections to one service address (docs/limits.md).
     pub ports_exhausted: AtomicU64,
-    /// Connections handed to the kernel relay, and splices that failed (those connections
-    /// stayed in the user-space relay).
-    pub kernel_relayed: AtomicU64,
-    pub kernel_relay_errors: AtomicU64,
-    /// Kernel-relayed connections with a direction kept in user space (bytes that came in
-    /// the moment the pair entered the map; `sockmap` module doc).
-    pub kernel_relay_kept: AtomicU64,
 }
 
 impl TcpCounters {
     /// Each counter by its event name, in the order metrics lists them.
     /// (`evicted`, the idle connections closed to make room while the file pool ran low, is
     /// counted by the vserver's [`Evictable`], kept across reloads.)
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 15] {
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 12] {
         [
             ("accepted", &self.accepted),
             ("refused", &self.refused),
@@ -124,9 +116,6 @@ impl TcpCounters {
             ("service_errors", &self.service_errors),
             ("accept_errors", &self.accept_errors),
             ("ports_exhausted", &self.ports_exhausted),
-            ("kernel_relayed", &self.kernel_relayed),
-            ("kernel_relay_errors", &self.kernel_relay_errors),
-            ("kernel_relay_kept", &self.kernel_relay_kept),
         ]
     }
 }
@@ -167,8 +156,6 @@ pub struct TcpCore {
     tls_members: bool,
     epoch: Instant,
     pub counters: TcpCounters,
-    /// The in-kernel relay where this vserver uses it, else why not ([`kernel::for_vserver`]).
-    kernel: Result<Arc<crate::sockmap::Relay>, String>,
 }
 
 impl std::fmt::Debug for TcpCore {
@@ -221,7 +208,6 @@ impl TcpCore {
             connectors,
             epoch,
             counters: TcpCounters::default(),
-            kernel: kernel::for_vserver(v),
         }
     }
 
@@ -323,12 +309,6 @@ impl TcpCore {
 
     pub fn balancer(&self) -> &Arc<Balancer> {
         &self.balancer
-    }
-
-    /// Whether connections are relayed in the kernel once their service is chosen
-    /// (`kernel_relay`), and if not, why not.
-    pub fn kernel_relay(&self) -> Result<(), &str> {
-        self.kernel.as_ref().map(drop).map_err(String::as_str)
     }
 
     pub fn edge(&self) -> &crate::edge::Edge {
@@ -740,20 +720,6 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr, activity
     drop(prefix);
     // The client's bytes already went to the service: its answer to them is timed from now.
     let asked_at = if first_len > 0 { core.now().max(1) } else { 0 };
-    if let Some(spliced) = kernel::splice(&core, &client, &upstream) {
-        // Boxed: inline, its state would enlarge the task of every connection, the
-        // user-space relay's included.
-        Box::pin(kernel::own(
-            &core,
-            (&client, &upstream),
-            spliced,
-            counters,
-            activity,
-            core.cut_of(member),
-        ))
-        .await;
-        return;
-    }
     tokio::select! {
         () = relay(&core, &client, &upstream, counters, asked_at, activity) => {}
         () = core.cut_of(member) => {}

@@ -71,7 +71,7 @@ pub(crate) fn needs(config: &Config) -> crate::budget::Needs {
         .count() as u64;
     if config.admin.listen.is_some() {
         // The listener and the connections the admin API serves at once.
-        n.admin = 1 + crate::admin::MAX_CONNECTIONS as u64;
+        n.admin = 1 + crate::budget::ADMIN_CONNECTIONS as u64;
     }
     n
 }
