@@ -489,6 +489,10 @@ impl Ops {
         let rt = guard.as_mut().ok_or(ReloadError::ShutDown)?;
         let mut prepared = Vec::with_capacity(plan.rebuild.len());
         for vs in &plan.rebuild {
+            // A vserver refused at start stays so until a restart (the log said why).
+            if rt.refused().iter().any(|(name, _)| name == vs) {
+                continue;
+            }
             prepared.push((vs, rt.prepare_rebuild(&running, vs)?));
         }
         // Everything is built: commit. Nothing below fails.

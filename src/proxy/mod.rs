@@ -6,6 +6,7 @@ pub(crate) mod fd_limit;
 pub(crate) mod flows;
 pub(crate) mod handover;
 pub mod liveness;
+pub(crate) mod packet;
 pub mod proxy_protocol;
 pub(crate) mod reconfig;
 pub(crate) mod runtime;
