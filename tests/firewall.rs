@@ -239,6 +239,34 @@ fn a_packet_vserver_is_refused_and_the_others_start() {
     assert!(answer.is_some(), "the udp vserver beside it answers");
 }
 
+/// A reload that changes a refused packet vserver's members leaves it refused and applies
+/// the rest: the vserver beside it is rebuilt with its new member.
+#[test]
+fn a_reload_leaves_a_refused_packet_vserver_refused() {
+    let (a, _) = common::udp_service("a", "127.0.0.1");
+    let (b, _) = common::udp_service("b", "127.0.0.1");
+    let yaml = |fws: &str, members: &str| {
+        format!(
+            "admin: {{ listen: null }}\nservices:\n  - {{ name: fw1, protocol: ip, address: 10.2.1.2, interface: lbo-f1, hash_id: fw1 }}\n  - {{ name: fw2, protocol: ip, address: 10.2.2.2, interface: lbo-f2, hash_id: fw2 }}\n  - {{ name: a, protocol: udp, address: \"{a}\" }}\n  - {{ name: b, protocol: udp, address: \"{b}\" }}\nvservers:\n  - {{ name: outside, protocol: ip, interface: [lbo-c], services: [{fws}] }}\n  - {{ name: plain, protocol: udp, bind: 127.0.0.1:0, services: [{members}] }}\n"
+        )
+    };
+    let file = common::ConfigFile::new("fw-reload", &yaml("fw1", "a"));
+    let config = fulcrum::config::load(&file.path).expect("valid");
+    let ops = fulcrum::ops::Ops::start(config, Some(file.path.clone())).expect("start");
+    file.write(&yaml("fw1, fw2", "a, b"));
+    let r = ops.reload();
+    assert!(r.is_ok(), "{r:?}");
+    let members = ops
+        .with_vservers(|v, _| {
+            assert!(v.iter().all(|h| h.name != "outside"));
+            v.iter()
+                .find(|h| h.name == "plain")
+                .map(|h| h.balancer().members().len())
+        })
+        .flatten();
+    assert_eq!(members, Some(2), "the udp vserver got its new member");
+}
+
 /// The forwarding cost through the sandwich (bench/firewall.sh): a fixed UDP rate from the
 /// client to the server's sink, the machine's CPU per forwarded packet from /proc/stat,
 /// for plain routing and for nftables `symhash` + `fwd`, in alternating rounds. Two figures
@@ -291,6 +319,7 @@ fn bench_forwarding() {
             let sent = last_number(&blaster.expect("BLAST"));
             let after = cpu_times();
             let got = last_number(&server.expect("SINK"));
+            let drops = bed.counters("dropped");
             let wall = after.wall.saturating_sub(before.wall);
             let scale = |q: u64| {
                 let r = u128::from(q) * u128::from(wall)
@@ -303,7 +332,7 @@ fn bench_forwarding() {
             let softirq = after.softirq.saturating_sub(before.softirq);
             let per = |v: u64, bg: u64| v.saturating_sub(bg) as f64 / got.max(1) as f64;
             println!(
-                "BENCH round {round} {mode:?}: sent {sent} received {got} ({:.1}%) in {:.2} s; busy {:.2} s (background {:.2} s) = {:.0} ns/pkt; softirq {:.3} s (background {:.3} s) = {:.0} ns/pkt",
+                "BENCH round {round} {mode:?}: sent {sent} received {got} ({:.1}%) in {:.2} s; busy {:.2} s (background {:.2} s) = {:.0} ns/pkt; softirq {:.3} s (background {:.3} s) = {:.0} ns/pkt; firewalls dropped {drops:?}",
                 100.0 * got as f64 / sent.max(1) as f64,
                 wall as f64 / 1e9,
                 busy as f64 / 1e9,
