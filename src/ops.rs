@@ -201,6 +201,15 @@ impl Ops {
         g.as_ref().map(|rt| f(rt.vservers(), rt.now()))
     }
 
+    /// The vservers of the config that did not start, with why (a packet vserver this build
+    /// cannot run, [`crate::proxy::Runtime::refused`]); empty once shut down.
+    pub fn not_started(&self) -> Vec<(String, String)> {
+        self.runtime()
+            .as_ref()
+            .map(|rt| rt.refused().to_vec())
+            .unwrap_or_default()
+    }
+
     /// The open files client connections and sessions draw from; `None` once shut down.
     pub fn budget(&self) -> Option<std::sync::Arc<crate::budget::FileBudget>> {
         self.runtime()

@@ -239,8 +239,9 @@ fn a_packet_vserver_is_refused_and_the_others_start() {
     assert!(answer.is_some(), "the udp vserver beside it answers");
 }
 
-/// A reload that changes a refused packet vserver's members leaves it refused and applies
-/// the rest: the vserver beside it is rebuilt with its new member.
+/// `/status` lists a refused packet vserver with its reason; a reload that changes its
+/// members leaves it refused and applies the rest: the vserver beside it is rebuilt with its
+/// new member.
 #[test]
 fn a_reload_leaves_a_refused_packet_vserver_refused() {
     let (a, _) = common::udp_service("a", "127.0.0.1");
@@ -253,6 +254,14 @@ fn a_reload_leaves_a_refused_packet_vserver_refused() {
     let file = common::ConfigFile::new("fw-reload", &yaml("fw1", "a"));
     let config = fulcrum::config::load(&file.path).expect("valid");
     let ops = fulcrum::ops::Ops::start(config, Some(file.path.clone())).expect("start");
+    let status = fulcrum::admin::router::status(&ops);
+    assert_eq!(status["not_started"][0]["name"], "outside", "{status}");
+    assert!(
+        status["not_started"][0]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("packet data path")),
+        "{status}"
+    );
     file.write(&yaml("fw1, fw2", "a, b"));
     let r = ops.reload();
     assert!(r.is_ok(), "{r:?}");
