@@ -47,7 +47,7 @@ fn fds_at_max(v: &Vserver) -> u64 {
         | Protocol::SipWs
         | Protocol::SipWss => 1,
         Protocol::Tcp | Protocol::Http => 2,
-        Protocol::SipUdp => 0,
+        Protocol::SipUdp | Protocol::Ip => 0,
     };
     (v.max_sessions as u64).saturating_mul(each)
 }

@@ -17,7 +17,7 @@
 //! - `fd_limit`   IO    the open-file limit raised once per process, divided into the `budget`; start warnings when vservers could need more
 //! - `flood`      PURE  per-source new-request limits and bans in a fixed-size table
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
-//! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine and `health::answer` judgement
+//! - `health`     IO    monitors: probes on tokio (SIP OPTIONS, TCP, UDP, HTTP, ICMP echo) around the PURE `health::state` machine, `health::answer` judgement and `health::icmp` echo matching
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
 //! - `liveness`   PURE  whether every worker still makes progress, for the watchdog; IO edge: the looks at each worker's heart
@@ -26,7 +26,7 @@
 //! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
-//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http) around `core`, the runtime that starts vservers, in-place rebuild on reload
+//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http) around `core`, the runtime that starts vservers (a packet vserver through `proxy::packet`), in-place rebuild on reload
 //! - `readiness`  PURE  whether the instance should get new traffic (`/readyz`): vserver facts + drain -> verdict
 //! - `reload`     PURE  what a reload changes in place, and what needs a restart
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering

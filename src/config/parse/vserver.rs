@@ -42,6 +42,8 @@ const VSERVER_FIELDS: &[&str] = &[
     "workers",
     "tls",
     "tls_handshake_timeout",
+    "interface",
+    "sticky",
 ];
 
 const FAILOVER_FIELDS: &[&str] = &[
@@ -71,8 +73,9 @@ fn default_idle_timeout(protocol: Protocol) -> Duration {
         | Protocol::SipTls
         | Protocol::SipWs
         | Protocol::SipWss => Duration::from_secs(3600),
-        // nginx stream / Envoy UDP proxy default idle timeouts are about a minute.
-        Protocol::Udp => Duration::from_secs(60),
+        // nginx stream / Envoy UDP proxy default idle timeouts are about a minute. A packet
+        // vserver keeps no sessions of its own; the value is never read there.
+        Protocol::Udp | Protocol::Ip => Duration::from_secs(60),
         Protocol::Tcp | Protocol::Http => Duration::from_secs(600),
     }
 }
@@ -112,18 +115,27 @@ impl Cx {
         let protocol = self
             .required(f, path, "protocol")
             .and_then(|n| self.choice(n, &join(path, "protocol"), &Protocol::ALL));
-        let bind = self
-            .required(f, path, "bind")
-            .and_then(|n| self.bind_list(n, &join(path, "bind")));
+        let is_packet = protocol.is_some_and(Protocol::is_packet);
+        let bind = if is_packet {
+            // Reported with the other fields a packet vserver cannot use.
+            Some(Vec::new())
+        } else {
+            self.required(f, path, "bind")
+                .and_then(|n| self.bind_list(n, &join(path, "bind")))
+        };
         let method = match (f.get("method"), protocol) {
             (Some(n), _) => self.choice(n, &join(path, "method"), &Method::ALL),
             (None, Some(p)) if p.is_sip() => Some(Method::CallIdHash),
+            (None, Some(Protocol::Ip)) => Some(Method::SourceDestIpHash),
             (None, _) => Some(Method::LeastConnection),
         };
         let (idle_timeout, drain_timeout) = self.timeouts(f, path, protocol);
         let tls = self.vserver_tls_fields(f, path, protocol);
+        let (interfaces, sticky) = self.packet_fields(f, path, protocol);
         VserverFields {
             tls,
+            interfaces,
+            sticky,
             name,
             protocol,
             bind,
@@ -629,6 +641,10 @@ impl Cx {
     /// token rule against method and protocol, slow start against method, and the fields
     /// that apply to some methods or protocols only. Each is reported at the field to change.
     fn vserver_rules(&mut self, f: &Fields, path: &str, v: &VserverFields) {
+        if v.protocol.is_some_and(Protocol::is_packet) {
+            self.packet_rules(f, path, v.method);
+            return;
+        }
         if let (Some(m), Some(p), Some(n)) = (v.method, v.protocol, f.get("method")) {
             self.method_fits_protocol(n, &join(path, "method"), m, p);
         }
@@ -855,6 +871,9 @@ struct VserverFields {
     options: ProxyOptions,
     /// `tls` with `tls_handshake_timeout` (`Some(None)` when absent).
     tls: Option<Option<VserverTls>>,
+    /// `interface` (empty but on `protocol: ip`).
+    interfaces: Option<Vec<String>>,
+    sticky: Option<bool>,
 }
 
 /// The hashing fields as read (`token` and `hash_balance_factor` are `Some(None)` when
@@ -928,6 +947,8 @@ impl VserverFields {
             send_proxy: o.send_proxy?,
             workers: o.workers? as usize,
             tls: self.tls?,
+            interfaces: self.interfaces?,
+            sticky: self.sticky?,
         })
     }
 }
