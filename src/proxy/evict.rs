@@ -36,7 +36,7 @@ pub(crate) enum Admitted {
 /// eviction.
 #[derive(Debug)]
 pub(crate) struct Pending {
-    source: SourceSlot,
+    source: Option<SourceSlot>,
     budget: Arc<FileBudget>,
     files: u64,
 }
@@ -55,7 +55,7 @@ impl Pending {
             if let Some(files) = self.budget.permit_uncounted(self.files) {
                 return Ok(Admission {
                     files,
-                    source: Some(self.source),
+                    source: self.source,
                 });
             }
             if tokio::time::timeout_at(deadline, freed).await.is_err() {
@@ -87,12 +87,26 @@ pub(crate) fn admit_evicting(
     evict: impl FnOnce() -> usize,
 ) -> Result<Admitted, Refusal> {
     let source = gate.admit_source(ip)?;
+    admit_files(gate, Some(source), evict)
+}
+
+/// [`admit_evicting`] for a connection from one of the vserver's own members (a service
+/// opening a flow toward fulcrum): no source limit; it may make room like a client.
+pub(crate) fn admit_member(
+    gate: &Gate,
+    evict: impl FnOnce() -> usize,
+) -> Result<Admitted, Refusal> {
+    admit_files(gate, None, evict)
+}
+
+fn admit_files(
+    gate: &Gate,
+    source: Option<SourceSlot>,
+    evict: impl FnOnce() -> usize,
+) -> Result<Admitted, Refusal> {
     let evicted = gate.budget().is_low() && evict() > 0;
     match gate.budget().permit_uncounted(gate.files()) {
-        Some(files) => Ok(Admitted::Now(Admission {
-            files,
-            source: Some(source),
-        })),
+        Some(files) => Ok(Admitted::Now(Admission { files, source })),
         None if evicted => Ok(Admitted::Pending(Pending {
             source,
             budget: Arc::clone(gate.budget()),

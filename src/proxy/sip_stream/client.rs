@@ -11,7 +11,8 @@ pub(super) struct Client {
     pub(super) abort: tokio::task::AbortHandle,
     /// Its place among the process's evictable clients (ranked by what it has done, docs/limits.md),
     /// given up with this entry.
-    pub(super) _evictable: crate::proxy::evict::Ticket,
+    /// `None` for a member's connection, which is not evicted.
+    pub(super) _evictable: Option<crate::proxy::evict::Ticket>,
 }
 
 /// Most bytes gathered into one write toward a client.
@@ -208,7 +209,14 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
         // Then its place among its source's and its file from the process's pool, held by the
         // client's task: given back however it ends (docs/limits.md). Only a pool running low
         // makes room by evicting an idle client, and only for a client nothing else refuses.
-        let admitted = match shared.admit_client(src.ip()) {
+        // A member connecting in (a service opening a flow toward fulcrum) is no client: its
+        // address is not limited per source and its connection is never evicted.
+        let member = shared.current.load().core.is_member_ip(src);
+        let admitted = match if member {
+            shared.admit_member()
+        } else {
+            shared.admit_client(src.ip())
+        } {
             Ok(a) => a,
             Err(why) => {
                 shared.counters.clients_open.fetch_sub(1, Ordering::AcqRel);
@@ -277,7 +285,7 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
         });
         let me: std::sync::Weak<dyn crate::proxy::evict::IdleClients> =
             Arc::downgrade(&shared) as std::sync::Weak<SipStreamShared>;
-        let evictable = shared.evictors.enter(me, id, activity);
+        let evictable = (!member).then(|| shared.evictors.enter(me, id, activity));
         shared.clients.insert(
             id,
             Client {

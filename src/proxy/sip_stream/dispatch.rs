@@ -106,6 +106,15 @@ impl SipStreamShared {
     ) -> Result<crate::proxy::evict::Admitted, crate::budget::Refusal> {
         crate::proxy::evict::admit_evicting(&self.gate, ip, || self.evictors.evict(self.now()))
     }
+
+    /// Admit a connection from one of the vserver's members (a service opening a flow
+    /// toward fulcrum, e.g. a PBX): not limited per source, and never evicted as a client;
+    /// its file is the pool's like any other.
+    pub(super) fn admit_member(
+        &self,
+    ) -> Result<crate::proxy::evict::Admitted, crate::budget::Refusal> {
+        crate::proxy::evict::admit_member(&self.gate, || self.evictors.evict(self.now()))
+    }
 }
 
 /// A stream vserver's clients, as the process-wide eviction sees them.
