@@ -1,5 +1,5 @@
-//! The open-file budget and per-source connection limits. PURE (atomics and a map; no IO, no
-//! clock).
+//! The open-file budget and per-source connection limits. PURE (atomics, a map and a
+//! notification for whoever waits for files; no IO, no clock).
 //!
 //! Every client connection or session costs open files: one per SIP stream client (sip-tcp,
 //! sip-tls), two per tcp / http connection (the client's and the service's), one per udp
@@ -12,7 +12,7 @@
 //!
 //! Per source, a stream listener admits at most `max_per_source` concurrent connections from
 //! one address (IPv6 grouped by /64, the prefix one subscriber is given), so that one or two
-//! sources cannot take the whole pool.
+//! sources cannot take the whole pool; a udp vserver, when asked, as many sessions.
 
 use dashmap::DashMap;
 use std::net::IpAddr;
