@@ -354,6 +354,28 @@ vservers:\n  - {{ name: v, protocol: udp, bind: [\"127.0.0.1:0\"], method: {meth
         s.parse().expect("addr")
     }
 
+    /// An unset `max_sessions` above the pool is the pool; a set one stays as written (the
+    /// start warns about it instead), and one under the pool is left alone.
+    #[test]
+    fn an_unset_max_sessions_is_clamped_to_the_pool() {
+        let needs = crate::budget::Needs::default();
+        let pool = |limit: u64| Arc::new(crate::budget::FileBudget::new(limit, &needs));
+        let small = pool(1_000);
+        let n = small.pool() as usize;
+        assert_eq!(
+            core("round_robin", "")
+                .with_budget(Arc::clone(&small))
+                .max_sessions,
+            n
+        );
+        let set = core("round_robin", ", max_sessions: 5000").with_budget(Arc::clone(&small));
+        assert_eq!(set.max_sessions, 5_000);
+        let under = core("round_robin", ", max_sessions: 10").with_budget(small);
+        assert_eq!(under.max_sessions, 10);
+        let large = core("round_robin", "").with_budget(pool(10_000_000));
+        assert_eq!(large.max_sessions, 100_000);
+    }
+
     #[test]
     fn sessions_stick_until_their_member_is_down() {
         let c = core("round_robin", "");

@@ -1182,3 +1182,21 @@ fn upstream_socket(
     s.set_nonblocking(true)?;
     Ok(s.into())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A session's eviction id names its worker, slot and serial, and a slot reused by a
+    /// later session (another serial) is told apart.
+    #[test]
+    fn an_eviction_id_names_the_worker_slot_and_serial() {
+        for (w, slot, serial) in [(0, 0, 0), (3, 123_456, 0xff_ffff), (255, 9_999_999, 77)] {
+            assert_eq!(evict_parts(evict_id(w, slot, serial)), (w, slot, serial));
+        }
+        assert_ne!(evict_id(1, 5, 1), evict_id(1, 5, 2));
+        assert_ne!(evict_id(1, 5, 1), evict_id(2, 5, 1));
+        // The serial keeps its low 24 bits, as the worker compares it.
+        assert_eq!(evict_parts(evict_id(0, 1, 0x0100_0002)).2, 2);
+    }
+}
