@@ -497,9 +497,10 @@ fn a_tcp_vserver_full_of_silent_connections_serves_a_new_client_by_eviction() {
 
 /// The pool is the process's, and so is eviction: silent connections from sources on
 /// 127.1.0.0/16 to a `tcp` vserver take 85% of it (under the low mark, so none is evicted
-/// yet), udp sessions (never evicted) the rest, then a new client of a `sip-tcp` vserver,
-/// which holds no connection of its own to give up, is served by evicting one of the tcp
-/// vserver's (counted there as `evicted`).
+/// yet), udp sessions opened after them (as idle and unproven, but younger) the rest, then a
+/// new client of a `sip-tcp` vserver, which holds no connection of its own to give up, is
+/// served by evicting the longest idle: one of the tcp vserver's (counted there as
+/// `evicted`).
 #[test]
 fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_connection() {
     if !prlimit_available() {
@@ -523,6 +524,14 @@ fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_conne
             f.metric("fulcrum_open_files{kind=\"used\"}") == 2 * n
         }),
         "{n} tcp connections, two files each"
+    );
+    // Each relaying (its service connected): a relay's start is its last activity, and the
+    // udp sessions opened next must be younger than every one of them.
+    assert!(
+        common::wait_until(Duration::from_secs(5), || {
+            f.metric("fulcrum_active{vserver=\"flood\",service=\"s0\"}") == n
+        }),
+        "{n} tcp connections relaying"
     );
     // Udp sessions take the rest of the pool, ten new flows at a time (at most 50 rounds).
     let mut flows: Vec<UdpSocket> = Vec::new();
@@ -559,7 +568,8 @@ fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_conne
     assert_eq!(
         f.metric("fulcrum_transport_events_total{vserver=\"flood\",event=\"evicted\"}"),
         1,
-        "one connection of the tcp vserver was evicted"
+        "one connection of the tcp vserver was evicted (udp sessions evicted: {})",
+        f.metric("fulcrum_transport_events_total{vserver=\"gen\",event=\"sessions_evicted\"}")
     );
     assert_eq!(closed_by_peer(&held), 1, "one held connection was closed");
     assert_eq!(f.get("/healthz").0, 200);

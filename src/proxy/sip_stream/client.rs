@@ -9,9 +9,9 @@ pub(super) struct Client {
     pub(super) remote: SocketAddr,
     /// The client's task; aborting it ends its writer too (see [`AbortOnDrop`]).
     pub(super) abort: tokio::task::AbortHandle,
-    /// Its place among the process's evictable clients (ranked by what it has done, docs/limits.md),
-    /// given up with this entry.
-    /// `None` for a member's connection, which is not evicted.
+    /// Its place among the process's evictable clients, ranked by what it has done
+    /// (docs/limits.md) and given up with this entry; `None` for a member's connection,
+    /// which is never evicted.
     pub(super) _evictable: Option<crate::proxy::evict::Ticket>,
 }
 
