@@ -9,6 +9,9 @@
 //! (three quarters proven, a tenth registered, the rest unproven) with last activity spread
 //! over an hour.
 //!
+//! Beside it, `victim_scan`: the same choice by looking at every client, as it was made
+//! before the index.
+//!
 //! `cargo bench --bench victims` (BENCHMARKS.md records the figures).
 
 use std::cell::Cell;
@@ -81,5 +84,27 @@ fn choose(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, choose);
+/// What the index replaced, as a lower bound: the first victim found by looking at every
+/// client's rank in a plain vector (the registries were concurrent maps, slower to walk).
+fn scan(c: &mut Criterion) {
+    let mut g = c.benchmark_group("victim_scan");
+    for n in [100_000usize, 500_000] {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ n as u64);
+        let (ranks, _) = clients(n, &mut rng);
+        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+            b.iter(|| {
+                let first = ranks
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (r.get(), i))
+                    .min()
+                    .expect("clients");
+                black_box(first)
+            });
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, choose, scan);
 criterion_main!(benches);
