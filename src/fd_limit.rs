@@ -124,6 +124,15 @@ fn check_ports(vservers: &[Vserver]) {
 /// together.
 pub(crate) fn check_capacity(vservers: &[Vserver], budget: &crate::budget::FileBudget) {
     check_ports(vservers);
+    // A udp vserver's unset max_sessions is clamped to the pool (and says so at its start).
+    let fds_at_max = |v: &Vserver| {
+        let n = fds_at_max(v);
+        if v.protocol == Protocol::Udp && !v.max_sessions_set {
+            n.min(budget.pool())
+        } else {
+            n
+        }
+    };
     let need: u64 = vservers.iter().map(fds_at_max).fold(0, u64::saturating_add);
     tracing::info!(
         open_file_limit = budget.limit(),

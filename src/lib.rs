@@ -38,6 +38,7 @@
 //! - `sync`       PURE  `lock`: a mutex guard that recovers from poison (why it may)
 //! - `systemd`    PURE  service-manager notify messages (READY, RELOADING, STOPPING, watchdog); IO edge sends them
 //! - `tls`        IO    rustls configurations from PEM files, reloadable listener / connector, handshake failure reasons (PURE)
+//! - `victims`    PURE  idle clients ordered for eviction (class, last activity): a priority queue re-keyed lazily
 //! - `uring`      IO    batched sends on many sockets in one system call (io_uring); `unsafe` here and in `memory::release` only
 // Denied everywhere but in `uring` and `memory::release`, which document why their blocks are sound.
 #![deny(unsafe_code)]
@@ -81,3 +82,4 @@ mod sync;
 pub mod systemd;
 pub mod tls;
 pub mod uring;
+pub mod victims;

@@ -689,8 +689,12 @@ pub struct Vserver {
     pub draining: Vec<usize>,
     /// Bound of the session / connection / dialog table.
     pub max_sessions: usize,
+    /// `max_sessions` was written in the file (an unset one on a udp vserver is clamped to
+    /// the open-file pool at start, docs/limits.md).
+    pub max_sessions_set: bool,
     /// Concurrent connections from one source (an IPv4 address, an IPv6 /64) on a stream
-    /// listener (sip-tcp, sip-tls, tcp, http); `None`: no limit (docs/limits.md).
+    /// listener (sip-tcp, sip-tls, tcp, http), or sessions on a udp vserver (off there by
+    /// default); `None`: no limit (docs/limits.md).
     pub max_per_source: Option<u32>,
     /// IP_TRANSPARENT toward services (firewall pools).
     pub transparent: bool,

@@ -169,7 +169,7 @@ impl Cx {
             drain_timeout,
             edge: self.edge_fields(f, path),
             eject: self.eject_field(f, path),
-            options: self.proxy_options(f, path),
+            options: self.proxy_options(f, path, protocol),
         }
     }
 
@@ -505,7 +505,12 @@ impl Cx {
     }
 
     /// `max_sessions`, `workers`, `transparent`, `freebind` and `send_proxy`.
-    fn proxy_options(&mut self, f: &Fields, path: &str) -> ProxyOptions {
+    fn proxy_options(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> ProxyOptions {
         let send_proxy = match f.get("send_proxy") {
             None => Some(None),
             Some(Node {
@@ -516,6 +521,9 @@ impl Cx {
                 .map(Some),
         };
         let max_per_source = match f.get("max_per_source") {
+            // Off on udp unless asked: resolvers and carrier-grade NATs put many clients
+            // behind one address (docs/limits.md).
+            None if protocol == Some(Protocol::Udp) => Some(None),
             None => Some(Some(crate::budget::DEFAULT_MAX_PER_SOURCE)),
             Some(n)
                 if matches!(&n.value, Value::Str(s) if s == "off")
@@ -533,6 +541,7 @@ impl Cx {
         ProxyOptions {
             max_per_source,
             max_sessions: self.int_field(f, path, "max_sessions", (1, 10_000_000), 100_000),
+            max_sessions_set: f.get("max_sessions").is_some(),
             workers: self.int_field(f, path, "workers", (0, 256), 0),
             transparent: self.bool_field(f, path, "transparent", false),
             freebind: self.bool_field(f, path, "freebind", false),
@@ -798,13 +807,13 @@ impl Cx {
             );
         }
         if let (Some(p), Some(n)) = (protocol, f.get("max_per_source"))
-            && matches!(p, Protocol::Udp | Protocol::SipUdp)
+            && p == Protocol::SipUdp
         {
             self.problem(
                 n.pos,
                 &join(path, "max_per_source"),
                 format!(
-                    "`max_per_source` applies to stream listeners (sip-tcp, sip-tls, tcp, http), not {}",
+                    "`max_per_source` applies to stream listeners (sip-tcp, sip-tls, tcp, http) and udp sessions, not {}",
                     p.name()
                 ),
             );
@@ -891,6 +900,7 @@ struct HashFields {
 struct ProxyOptions {
     max_per_source: Option<Option<u32>>,
     max_sessions: Option<i128>,
+    max_sessions_set: bool,
     workers: Option<i128>,
     transparent: Option<bool>,
     freebind: Option<bool>,
@@ -941,6 +951,7 @@ impl VserverFields {
             failover: self.failover?,
             eject: self.eject?,
             max_sessions: o.max_sessions? as usize,
+            max_sessions_set: o.max_sessions_set,
             max_per_source: o.max_per_source?,
             transparent: o.transparent?,
             freebind: o.freebind?,
@@ -1277,6 +1288,22 @@ mod tests {
                     && m.contains("stream listeners")),
             "{p:?}"
         );
+        // On udp it counts sessions, off unless asked.
+        let udp = |extra: &str| {
+            format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: udp }}\nvservers:\n  - {{ name: v, protocol: udp, bind: 127.0.0.1:80, method: round_robin{extra}, services: [s1] }}\n"
+            )
+        };
+        let v = |extra: &str| {
+            from_str("t", &udp(extra))
+                .expect("valid")
+                .vservers
+                .remove(0)
+        };
+        assert_eq!(v("").max_per_source, None);
+        assert_eq!(v(", max_per_source: 4").max_per_source, Some(4));
+        assert!(!v("").max_sessions_set);
+        assert!(v(", max_sessions: 10").max_sessions_set);
     }
 
     /// A null token name is a problem of its own; before, the vserver vanished from a config
