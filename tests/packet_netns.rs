@@ -1,0 +1,271 @@
+//! The packet program on real interfaces, in network namespaces the test builds:
+//!
+//! ```text
+//!  cl ── lb ──┬── fw1 ──┬── srv (10.2.0.1)
+//!             └── fw2 ──┘
+//! ```
+//!
+//! `lb` does not forward by itself (ip_forward=0): only the program carries a datagram on.
+//! Its "outside" program (on the client's link) sends the client's datagrams to the firewall
+//! the bucket table names; its "inside" program (on the firewalls' links) sends the replies
+//! to the client. Checked: a UDP echo through fw1, then fw2 after a new table, nothing when
+//! the table names no firewall (dropped, counted), a restart that puts a new program into
+//! the pinned link, and nothing after detach. Needs root and `ip`; skipped with a message
+//! otherwise, a failure when FULCRUM_REQUIRE_NETNS=1.
+
+mod common;
+
+use common::netns::{Netns, ROLE, ip, is_root};
+use fulcrum::bpf::{PacketPath, host_addresses};
+use fulcrum::packet::{BUCKETS, Masks, PacketMethod, PathConfig};
+use std::net::{IpAddr, Ipv4Addr, UdpSocket};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const SERVER: &str = "10.2.0.1:7007";
+
+/// Server role: echo datagrams, for at most a minute.
+#[test]
+fn helper_packet_server() {
+    if std::env::var(ROLE).as_deref() != Ok("packet-server") {
+        return;
+    }
+    let s = UdpSocket::bind(SERVER).expect("bind");
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    let end = Instant::now() + Duration::from_secs(60);
+    let mut buf = [0u8; 1500];
+    while Instant::now() < end {
+        if let Ok((n, from)) = s.recv_from(&mut buf) {
+            let _ = s.send_to(&buf[..n], from);
+        }
+    }
+}
+
+/// Client role: send until echoed (1.5 s at most), say whether it was.
+#[test]
+fn helper_packet_client() {
+    if std::env::var(ROLE).as_deref() != Ok("packet-client") {
+        return;
+    }
+    let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .expect("timeout");
+    let end = Instant::now() + Duration::from_millis(1500);
+    let mut buf = [0u8; 64];
+    while Instant::now() < end {
+        let _ = s.send_to(b"through a firewall", SERVER);
+        if let Ok((n, _)) = s.recv_from(&mut buf)
+            && &buf[..n] == b"through a firewall"
+        {
+            println!("ANSWER ok");
+            return;
+        }
+    }
+    println!("ANSWER none");
+}
+
+fn in_ns(ns: &str, role: &str, helper: &str) -> Command {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", ns])
+        .arg(std::env::current_exe().expect("test binary"))
+        .args([helper, "--exact", "--nocapture"])
+        .env(ROLE, role)
+        .stdin(Stdio::null());
+    c
+}
+
+/// Whether the client's datagram came back.
+fn echoed() -> bool {
+    let cl = std::env::var("FULCRUM_PACKET_CL").expect("client namespace");
+    let out = in_ns(&cl, "packet-client", "helper_packet_client")
+        .output()
+        .expect("run the client");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("ANSWER"), "the client did not run: {text}");
+    text.contains("ANSWER ok")
+}
+
+fn index(name: &str) -> u32 {
+    nix::net::if_::if_nametoindex(name).expect("interface")
+}
+
+fn all(slot: u32) -> Vec<u32> {
+    vec![slot; BUCKETS]
+}
+
+/// Load balancer role: everything the module doc lists, from inside `lb`.
+#[test]
+fn helper_packet_lb() {
+    if std::env::var(ROLE).as_deref() != Ok("packet-lb") {
+        return;
+    }
+    let config = PathConfig {
+        method: PacketMethod::SourceDestIp,
+        masks: Masks::full(),
+    };
+    let locals = host_addresses().expect("addresses");
+    let outside_path = |table: &[u32]| {
+        let mut p = PacketPath::load("outside", &config).expect("load outside");
+        p.set_leg(1, index("lbo-f1"), IpAddr::V4(Ipv4Addr::new(10, 3, 1, 1)))
+            .expect("leg 1");
+        p.set_leg(2, index("lbo-f2"), IpAddr::V4(Ipv4Addr::new(10, 3, 2, 1)))
+            .expect("leg 2");
+        p.set_local_addresses(&locals).expect("locals");
+        p.install_table(table).expect("table");
+        p.attach("lbo-c").expect("attach outside");
+        p
+    };
+    let mut inside = PacketPath::load("inside", &config).expect("load inside");
+    inside
+        .set_leg(1, index("lbo-c"), IpAddr::V4(Ipv4Addr::new(10, 1, 0, 1)))
+        .expect("client leg");
+    inside.set_local_addresses(&locals).expect("locals");
+    inside.install_table(&all(1)).expect("table");
+    inside.attach("lbo-f1").expect("attach inside");
+    inside.attach("lbo-f2").expect("attach inside");
+
+    let mut outside = outside_path(&all(1));
+    assert!(echoed(), "through fw1");
+    let c = outside.counters().expect("counters");
+    assert!(c.forwarded[0].packets >= 1, "{c:?}");
+    assert_eq!(c.forwarded[1].packets, 0, "{c:?}");
+
+    outside.install_table(&all(2)).expect("table");
+    assert!(echoed(), "through fw2");
+    let c = outside.counters().expect("counters");
+    assert!(c.forwarded[1].packets >= 1, "{c:?}");
+
+    outside.install_table(&all(0)).expect("table");
+    assert!(!echoed(), "a table with no firewall drops");
+    assert!(
+        outside
+            .counters()
+            .expect("counters")
+            .dropped_no_firewall
+            .packets
+            >= 1
+    );
+
+    // A restart: the old program's process state is gone, its pinned link stays; the new
+    // program goes into that link with its table already in place.
+    drop(outside);
+    let mut outside = outside_path(&all(1));
+    assert!(echoed(), "after the restart");
+    assert!(
+        outside.counters().expect("counters").forwarded[0].packets >= 1,
+        "the new program carried it"
+    );
+    assert!(outside.pin_dir().join("lbo-c").exists());
+
+    outside.detach_all().expect("detach");
+    assert!(!outside.pin_dir().exists());
+    assert!(!echoed(), "nothing forwards without the program");
+    inside.detach_all().expect("detach inside");
+    println!("RESULT ok");
+}
+
+#[test]
+fn a_datagram_crosses_the_firewall_the_table_names() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let skip = |why: String| {
+        assert!(
+            std::env::var("FULCRUM_REQUIRE_NETNS").as_deref() != Ok("1"),
+            "{why}, and FULCRUM_REQUIRE_NETNS=1"
+        );
+        println!("SKIP: {why} (FULCRUM_REQUIRE_NETNS=1 makes this a failure)");
+    };
+    if !is_root() {
+        return skip("needs root for network namespaces".into());
+    }
+    let pid = std::process::id();
+    let name = |n: &str| format!("pk{n}-{pid}");
+    let (cl, lb, fw1, fw2, srv) = (name("cl"), name("lb"), name("f1"), name("f2"), name("sv"));
+    let mut guards = Vec::new();
+    for n in [&cl, &lb, &fw1, &fw2, &srv] {
+        if let Err(e) = ip(&["netns", "add", n]) {
+            return skip(format!("cannot create a network namespace: {e}"));
+        }
+        guards.push(Netns(n.clone()));
+        ip(&["-n", n, "link", "set", "lo", "up"]).expect("lo");
+    }
+    let run = |ns: &str, cmd: &str| {
+        let mut args = vec!["-n", ns];
+        args.extend(cmd.split_whitespace());
+        ip(&args).unwrap_or_else(|e| panic!("{e}"));
+    };
+    let sysctl = |ns: &str, setting: &str| {
+        ip(&["netns", "exec", ns, "sysctl", "-qw", setting]).unwrap_or_else(|e| panic!("{e}"));
+    };
+    run(
+        &lb,
+        &format!("link add lbo-c type veth peer name c0 netns {cl}"),
+    );
+    run(
+        &lb,
+        &format!("link add lbo-f1 type veth peer name f1a netns {fw1}"),
+    );
+    run(
+        &lb,
+        &format!("link add lbo-f2 type veth peer name f2a netns {fw2}"),
+    );
+    run(
+        &fw1,
+        &format!("link add f1b type veth peer name s1 netns {srv}"),
+    );
+    run(
+        &fw2,
+        &format!("link add f2b type veth peer name s2 netns {srv}"),
+    );
+    for (ns, dev, addr) in [
+        (&cl, "c0", "10.1.0.1/24"),
+        (&lb, "lbo-c", "10.1.0.254/24"),
+        (&lb, "lbo-f1", "10.3.1.254/24"),
+        (&lb, "lbo-f2", "10.3.2.254/24"),
+        (&fw1, "f1a", "10.3.1.1/24"),
+        (&fw1, "f1b", "10.2.1.1/24"),
+        (&fw2, "f2a", "10.3.2.1/24"),
+        (&fw2, "f2b", "10.2.2.1/24"),
+        (&srv, "s1", "10.2.1.2/24"),
+        (&srv, "s2", "10.2.2.2/24"),
+    ] {
+        run(ns, &format!("addr add {addr} dev {dev}"));
+        run(ns, &format!("link set {dev} up"));
+    }
+    run(&srv, "addr add 10.2.0.1/32 dev lo");
+    run(&cl, "route add default via 10.1.0.254");
+    sysctl(&lb, "net.ipv4.ip_forward=0");
+    for (fw, n) in [(&fw1, 1), (&fw2, 2)] {
+        sysctl(fw, "net.ipv4.ip_forward=1");
+        run(fw, &format!("route add 10.1.0.0/24 via 10.3.{n}.254"));
+        run(fw, &format!("route add 10.2.0.1/32 via 10.2.{n}.2"));
+    }
+    // The server answers through fw1 whichever firewall the request took.
+    run(&srv, "route add 10.1.0.0/24 via 10.2.1.1");
+
+    let mut server = in_ns(&srv, "packet-server", "helper_packet_server")
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("server");
+    let out = in_ns(&lb, "packet-lb", "helper_packet_lb")
+        .env("FULCRUM_PACKET_CL", &cl)
+        .output()
+        .expect("lb");
+    let _ = server.kill();
+    let _ = server.wait();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if text.contains("Operation not permitted") && std::env::var_os("FULCRUM_REQUIRE_BPF").is_none()
+    {
+        return skip(format!("BPF unavailable: {text}"));
+    }
+    assert!(
+        out.status.success() && text.contains("RESULT ok"),
+        "the lb helper failed:\n{text}"
+    );
+}
