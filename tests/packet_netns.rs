@@ -10,13 +10,15 @@
 //! the bucket table names; its "inside" program (on the firewalls' links) sends the replies
 //! to the client. Checked: a UDP echo through fw1, then fw2 after a new table, nothing when
 //! the table names no firewall (dropped, counted), a restart that puts a new program into
-//! the pinned link, and nothing after detach. Needs root and `ip`; skipped with a message
+//! the pinned link, nothing after detach; then `PacketVserver` as the runtime drives it: a
+//! firewall marked DOWN gets nothing, the other everything, none UP drops. Needs root and `ip`; skipped with a message
 //! otherwise, a failure when FULCRUM_REQUIRE_NETNS=1.
 
 mod common;
 
 use common::netns::{Netns, ROLE, ip, is_root};
-use fulcrum::bpf::{PacketPath, host_addresses};
+use fulcrum::bpf::{Firewall, PacketPath, PacketVserver, host_addresses};
+use fulcrum::config::LbParams;
 use fulcrum::packet::{BUCKETS, Masks, PacketMethod, PathConfig};
 use std::net::{IpAddr, Ipv4Addr, UdpSocket};
 use std::process::{Command, Stdio};
@@ -161,6 +163,49 @@ fn helper_packet_lb() {
     outside.detach_all().expect("detach");
     assert!(!outside.pin_dir().exists());
     assert!(!echoed(), "nothing forwards without the program");
+    drop(outside);
+
+    // The runtime's shell: firewalls ranked by the selector, health changes as new tables.
+    let firewalls = [
+        Firewall::new(
+            IpAddr::V4(Ipv4Addr::new(10, 3, 1, 1)),
+            "lbo-f1",
+            Some("fw1"),
+            1,
+        ),
+        Firewall::new(
+            IpAddr::V4(Ipv4Addr::new(10, 3, 2, 1)),
+            "lbo-f2",
+            Some("fw2"),
+            1,
+        ),
+    ];
+    let mut v = PacketVserver::start(
+        "outside",
+        &["lbo-c".to_string()],
+        &config,
+        &LbParams::default(),
+        &firewalls,
+        &[true, true],
+    )
+    .expect("start");
+    assert!(echoed(), "both firewalls UP");
+    for (up, via) in [([false, true], 1), ([true, false], 0)] {
+        let before = v.counters().expect("counters");
+        v.set_up(&up).expect("health");
+        assert!(v.table().iter().all(|&s| s == via as u32 + 1), "{up:?}");
+        assert!(echoed(), "{up:?}");
+        let after = v.counters().expect("counters");
+        assert!(after.forwarded[via].packets > before.forwarded[via].packets);
+        assert_eq!(
+            after.forwarded[1 - via].packets,
+            before.forwarded[1 - via].packets,
+            "{up:?}: nothing through the DOWN firewall"
+        );
+    }
+    v.set_up(&[false, false]).expect("health");
+    assert!(!echoed(), "no firewall UP");
+    v.stop().expect("stop");
     inside.detach_all().expect("detach inside");
     println!("RESULT ok");
 }

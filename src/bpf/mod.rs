@@ -36,8 +36,10 @@
 mod asm;
 mod program;
 mod sys;
+mod vserver;
 
 pub use asm::AsmError;
+pub use vserver::{Firewall, PacketVserver};
 
 use crate::packet::{
     BUCKETS, COUNTER_DROP_NO_FIREWALL, COUNTER_LEGS, COUNTERS, MAX_LEGS, PassReason, PathConfig,
