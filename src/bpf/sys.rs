@@ -161,6 +161,8 @@ pub(crate) fn prog_load_sched_cls(code: &[u8], name: &str) -> Result<OwnedFd, (i
 #[derive(Debug, Clone)]
 pub(crate) struct TestRun {
     pub(crate) retval: u32,
+    /// Mean nanoseconds per run, as the kernel measured.
+    pub(crate) duration_ns: u32,
     pub(crate) ctx: [u8; SKB_CTX_LEN],
 }
 
@@ -168,7 +170,7 @@ pub(crate) struct TestRun {
 pub(crate) const SKB_CTX_LEN: usize = 192;
 
 /// Run `prog` once on `frame` (an Ethernet frame, at least 14 bytes).
-pub(crate) fn test_run(prog: &OwnedFd, frame: &[u8]) -> io::Result<TestRun> {
+pub(crate) fn test_run(prog: &OwnedFd, frame: &[u8], repeat: u32) -> io::Result<TestRun> {
     let ctx_in = [0u8; SKB_CTX_LEN];
     let mut ctx_out = [0u8; SKB_CTX_LEN];
     let mut data_out = vec![0u8; frame.len() + 256];
@@ -178,7 +180,7 @@ pub(crate) fn test_run(prog: &OwnedFd, frame: &[u8]) -> io::Result<TestRun> {
     put(&mut a, 12, &(data_out.len() as u32).to_ne_bytes());
     put(&mut a, 16, &ptr(frame.as_ptr()));
     put(&mut a, 24, &ptr(data_out.as_mut_ptr()));
-    put(&mut a, 32, &1u32.to_ne_bytes());
+    put(&mut a, 32, &repeat.max(1).to_ne_bytes());
     put(&mut a, 40, &(SKB_CTX_LEN as u32).to_ne_bytes());
     put(&mut a, 44, &(SKB_CTX_LEN as u32).to_ne_bytes());
     put(&mut a, 48, &ptr(ctx_in.as_ptr()));
@@ -187,6 +189,7 @@ pub(crate) fn test_run(prog: &OwnedFd, frame: &[u8]) -> io::Result<TestRun> {
     let retval = u32::from_ne_bytes([a[4], a[5], a[6], a[7]]);
     Ok(TestRun {
         retval,
+        duration_ns: u32::from_ne_bytes([a[36], a[37], a[38], a[39]]),
         ctx: ctx_out,
     })
 }
