@@ -6,8 +6,8 @@
 
 use fulcrum::bpf::{PacketPath, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 use fulcrum::packet::{
-    BUCKETS, COUNTER_DROP_NO_FIREWALL, COUNTER_LEGS, Masks, PacketMethod, PassReason, PathConfig,
-    Verdict, decide, local_key,
+    BUCKETS, COUNTER_DROP_NO_FIREWALL, COUNTER_DROP_NO_NEXT_HOP, COUNTER_LEGS, Masks, PacketMethod,
+    PassReason, PathConfig, Verdict, decide, local_key,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -15,8 +15,28 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 const LOCAL4: [u8; 4] = [10, 9, 9, 9];
 const LOCAL6: [u8; 16] = [0x20, 0x01, 0x0d, 0xb8, 9, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9];
-/// Slots 1..=3 have legs; slot 4 is in the table without one (dropped).
+/// Slots 1..=3 have legs; slot 4 is in the table without one (dropped). Slot 1 has an IPv4
+/// next hop only (its IPv6 packets are dropped), slot 2 an IPv6 one only (for both
+/// families), slot 3 both.
 const LEGS: u32 = 3;
+
+fn leg(slot: u32) -> Option<(bool, bool)> {
+    match slot {
+        1 => Some((true, false)),
+        2 | 3 => Some((true, true)),
+        _ => None,
+    }
+}
+
+fn hops(slot: u32) -> Vec<IpAddr> {
+    let v4 = IpAddr::V4(Ipv4Addr::new(192, 0, 2, slot as u8));
+    let v6 = IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, slot as u16));
+    match slot {
+        1 => vec![v4],
+        2 => vec![v6],
+        _ => vec![v6, v4],
+    }
+}
 
 fn load(config: &PathConfig) -> Option<PacketPath> {
     match PacketPath::load_at("twin-test", config, std::path::Path::new("/nonexistent")) {
@@ -299,7 +319,7 @@ fn agree(
     frame: &[u8],
 ) -> Result<Verdict, TestCaseError> {
     let local: Vec<[u8; 16]> = locals().into_iter().map(local_key).collect();
-    let want = decide(frame, config, |k| local.contains(k), live, |s| s <= LEGS);
+    let want = decide(frame, config, |k| local.contains(k), live, leg);
     // The kernel's test run refuses an IP frame cut inside its fixed header (it reads the
     // header to set the socket family): those runts are the twin's alone to say.
     let header = match frame.get(12..14) {
@@ -323,6 +343,11 @@ fn agree(
             prop_assert_eq!((got.hash, got.bucket), (hash, bucket));
             prop_assert_eq!(got.counter, COUNTER_DROP_NO_FIREWALL);
         }
+        Verdict::NoNextHop { hash, bucket, slot } => {
+            prop_assert_eq!(got.action, TC_ACT_SHOT, "{:?} {:?}", want, got);
+            prop_assert_eq!((got.hash, got.bucket, got.slot), (hash, bucket, slot));
+            prop_assert_eq!(got.counter, COUNTER_DROP_NO_NEXT_HOP);
+        }
         Verdict::Forward { hash, bucket, slot } => {
             prop_assert_eq!(got.action, TC_ACT_REDIRECT, "{:?} {:?}", want, got);
             prop_assert_eq!((got.hash, got.bucket, got.slot), (hash, bucket, slot));
@@ -340,8 +365,7 @@ fn prepared(method: PacketMethod) -> Option<(PacketPath, Vec<u32>)> {
     let mut path = load(&config)?;
     path.set_local_addresses(&locals()).expect("locals");
     for slot in 1..=LEGS {
-        path.set_leg(slot, 1, IpAddr::V4(Ipv4Addr::new(192, 0, 2, slot as u8)))
-            .expect("leg");
+        path.set_leg(slot, 1, &hops(slot)).expect("leg");
     }
     // Twice: the second table is in the other half, and live.
     path.install_table(&table(7)).expect("table");
@@ -371,6 +395,7 @@ fn twin_matches_program(method: PacketMethod) {
                     seen.borrow_mut().insert(match v {
                         Verdict::Pass(r) => r as u32,
                         Verdict::Drop { .. } => 100,
+                        Verdict::NoNextHop { .. } => 300,
                         Verdict::Forward { .. } => 200,
                     });
                 }
@@ -386,7 +411,10 @@ fn twin_matches_program(method: PacketMethod) {
             "{r:?} never generated: {seen:?}"
         );
     }
-    assert!(seen.contains(&100) && seen.contains(&200), "{seen:?}");
+    assert!(
+        seen.contains(&100) && seen.contains(&200) && seen.contains(&300),
+        "{seen:?}"
+    );
 }
 
 #[test]

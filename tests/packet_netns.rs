@@ -109,10 +109,18 @@ fn helper_packet_lb() {
     let locals = host_addresses().expect("addresses");
     let outside_path = |table: &[u32]| {
         let mut p = PacketPath::load("outside", &config).expect("load outside");
-        p.set_leg(1, index("lbo-f1"), IpAddr::V4(Ipv4Addr::new(10, 3, 1, 1)))
-            .expect("leg 1");
-        p.set_leg(2, index("lbo-f2"), IpAddr::V4(Ipv4Addr::new(10, 3, 2, 1)))
-            .expect("leg 2");
+        p.set_leg(
+            1,
+            index("lbo-f1"),
+            &[IpAddr::V4(Ipv4Addr::new(10, 3, 1, 1))],
+        )
+        .expect("leg 1");
+        p.set_leg(
+            2,
+            index("lbo-f2"),
+            &[IpAddr::V4(Ipv4Addr::new(10, 3, 2, 1))],
+        )
+        .expect("leg 2");
         p.set_local_addresses(&locals).expect("locals");
         p.install_table(table).expect("table");
         p.attach("lbo-c").expect("attach outside");
@@ -120,7 +128,7 @@ fn helper_packet_lb() {
     };
     let mut inside = PacketPath::load("inside", &config).expect("load inside");
     inside
-        .set_leg(1, index("lbo-c"), IpAddr::V4(Ipv4Addr::new(10, 1, 0, 1)))
+        .set_leg(1, index("lbo-c"), &[IpAddr::V4(Ipv4Addr::new(10, 1, 0, 1))])
         .expect("client leg");
     inside.set_local_addresses(&locals).expect("locals");
     inside.install_table(&all(1)).expect("table");

@@ -42,8 +42,8 @@ pub use asm::AsmError;
 pub use vserver::{Firewall, PacketVserver};
 
 use crate::packet::{
-    BUCKETS, COUNTER_DROP_NO_FIREWALL, COUNTER_LEGS, COUNTERS, MAX_LEGS, PassReason, PathConfig,
-    local_key,
+    BUCKETS, COUNTER_DROP_NO_FIREWALL, COUNTER_DROP_NO_NEXT_HOP, COUNTER_LEGS, COUNTERS, MAX_LEGS,
+    PassReason, PathConfig, local_key, next_hops,
 };
 use std::io;
 use std::net::IpAddr;
@@ -59,7 +59,7 @@ pub const TC_ACT_SHOT: u32 = 2;
 /// `TC_ACT_REDIRECT`: redirected (`bpf_redirect_neigh`).
 pub const TC_ACT_REDIRECT: u32 = 7;
 
-const LEG_LEN: usize = 24;
+const LEG_LEN: usize = 44;
 const AF_INET: u32 = 2;
 const AF_INET6: u32 = 10;
 
@@ -146,6 +146,8 @@ pub struct Counters {
     pub passed: [Packets; 5],
     /// Dropped: the bucket named no usable firewall.
     pub dropped_no_firewall: Packets,
+    /// Dropped: the firewall has no next hop of the packet's family.
+    pub dropped_no_next_hop: Packets,
     /// Forwarded, per firewall slot (index 0 is slot 1).
     pub forwarded: Vec<Packets>,
 }
@@ -303,20 +305,29 @@ impl PacketPath {
     }
 
     /// Firewall `slot` (1-based: the service's index + 1) is reached on `ifindex` through
-    /// `next_hop`, whose MAC the kernel's neighbour table resolves.
-    pub fn set_leg(&self, slot: u32, ifindex: u32, next_hop: IpAddr) -> Result<(), BpfError> {
+    /// `hops`, whose MAC the kernel's neighbour table resolves: its first IPv4 address for
+    /// IPv4 packets (else its IPv6 one), its first IPv6 address for IPv6 packets (without
+    /// one, IPv6 packets for this firewall are dropped and counted).
+    pub fn set_leg(&self, slot: u32, ifindex: u32, hops: &[IpAddr]) -> Result<(), BpfError> {
         self.check_slot(slot)?;
         let mut v = [0u8; LEG_LEN];
         v[..4].copy_from_slice(&ifindex.to_ne_bytes());
-        match next_hop {
+        let neigh = |v: &mut [u8; LEG_LEN], at: usize, hop: IpAddr| match hop {
             IpAddr::V4(a) => {
-                v[4..8].copy_from_slice(&AF_INET.to_ne_bytes());
-                v[8..12].copy_from_slice(&a.octets());
+                v[at..at + 4].copy_from_slice(&AF_INET.to_ne_bytes());
+                v[at + 4..at + 8].copy_from_slice(&a.octets());
             }
             IpAddr::V6(a) => {
-                v[4..8].copy_from_slice(&AF_INET6.to_ne_bytes());
-                v[8..24].copy_from_slice(&a.octets());
+                v[at..at + 4].copy_from_slice(&AF_INET6.to_ne_bytes());
+                v[at + 4..at + 20].copy_from_slice(&a.octets());
             }
+        };
+        let (for_v4, for_v6) = next_hops(hops);
+        if let Some(h) = for_v4 {
+            neigh(&mut v, 4, h);
+        }
+        if let Some(h) = for_v6 {
+            neigh(&mut v, 24, IpAddr::V6(h));
         }
         sys::map_update(&self.maps.legs, &(slot - 1).to_ne_bytes(), &v)
             .map_err(self.kernel("set a firewall leg"))
@@ -397,6 +408,7 @@ impl PacketPath {
             c.passed[r as usize] = read(r as u32)?;
         }
         c.dropped_no_firewall = read(COUNTER_DROP_NO_FIREWALL)?;
+        c.dropped_no_next_hop = read(COUNTER_DROP_NO_NEXT_HOP)?;
         for s in 0..MAX_LEGS as u32 {
             c.forwarded.push(read(COUNTER_LEGS + s)?);
         }

@@ -13,7 +13,10 @@
 //! index.
 
 use super::asm::{Alu, Asm, AsmError, Cond, FP, R0, R1, R2, R3, R4, R5, R6, R7, R8, R9, Size};
-use crate::packet::{BUCKETS, COUNTER_DROP_NO_FIREWALL, COUNTER_LEGS, M1, M2, MAX_LEGS, SEED};
+use crate::packet::{
+    BUCKETS, COUNTER_DROP_NO_FIREWALL, COUNTER_DROP_NO_NEXT_HOP, COUNTER_LEGS, M1, M2, MAX_LEGS,
+    SEED,
+};
 
 const SRC: i16 = -128;
 const DST: i16 = -112;
@@ -36,6 +39,9 @@ const TC_ACT_OK: i32 = 0;
 const TC_ACT_SHOT: i32 = 2;
 /// Size of `struct bpf_redir_neigh`: family, then a 16-byte address.
 const REDIR_NEIGH_LEN: i32 = 20;
+/// Offsets in a leg: the next hop for IPv4 packets, then for IPv6 packets.
+const LEG_NEIGH_V4: i32 = 4;
+const LEG_NEIGH_V6: i32 = 24;
 
 /// The descriptors of the program's maps.
 #[derive(Debug, Clone, Copy)]
@@ -46,7 +52,8 @@ pub(crate) struct MapFds {
     pub(crate) active: i32,
     /// Array, 2 × BUCKETS u32: firewall slot per bucket, two tables.
     pub(crate) table: i32,
-    /// Array, MAX_LEGS entries: ifindex, then `struct bpf_redir_neigh`.
+    /// Array, MAX_LEGS entries: ifindex, then a `struct bpf_redir_neigh` for IPv4 packets and
+    /// one for IPv6 packets (family 0: none).
     pub(crate) legs: i32,
     /// Hash, 16-byte address → u32: this host's addresses.
     pub(crate) local: i32,
@@ -153,6 +160,11 @@ pub(crate) fn program(m: &MapFds) -> Result<Vec<u8>, AsmError> {
     a.label("drop");
     a.mov_imm(R9, COUNTER_DROP_NO_FIREWALL as i32);
     count(&mut a, m, "drop_counted");
+    a.mov_imm(R0, TC_ACT_SHOT);
+    a.exit();
+    a.label("drop_no_next_hop");
+    a.mov_imm(R9, COUNTER_DROP_NO_NEXT_HOP as i32);
+    count(&mut a, m, "no_next_hop_counted");
     a.mov_imm(R0, TC_ACT_SHOT);
     a.exit();
     debug_assert!(a.len() < 4096);
@@ -479,13 +491,24 @@ fn keyed(a: &mut Asm, m: &MapFds) {
     a.jmp_imm(Cond::Eq, R2, 0, "drop");
     a.mov(R8, R0);
     a.stx(Size::W, R6, SKB_CB + 8, R9);
+    // r7 = the next hop for the packet's family; none: dropped.
+    a.mov(R7, R8);
+    a.ldx(Size::W, R2, FP, FLAGS);
+    a.alu64_imm(Alu::And, R2, 1);
+    a.jmp_imm(Cond::Ne, R2, 0, "leg_v6");
+    a.alu64_imm(Alu::Add, R7, LEG_NEIGH_V4);
+    a.ja("leg_chosen");
+    a.label("leg_v6");
+    a.alu64_imm(Alu::Add, R7, LEG_NEIGH_V6);
+    a.label("leg_chosen");
+    a.ldx(Size::W, R2, R7, 0);
+    a.jmp_imm(Cond::Eq, R2, 0, "drop_no_next_hop");
     a.alu64_imm(Alu::Add, R9, COUNTER_LEGS as i32 - 1);
     count(a, m, "forward_counted");
     // bpf_redirect_neigh(ifindex, &leg.neigh, sizeof, 0): the kernel's neighbour table
     // gives the firewall's MAC and refreshes it.
     a.ldx(Size::W, R1, R8, 0);
-    a.mov(R2, R8);
-    a.alu64_imm(Alu::Add, R2, 4);
+    a.mov(R2, R7);
     a.mov_imm(R3, REDIR_NEIGH_LEN);
     a.mov_imm(R4, 0);
     a.call(HELPER_REDIRECT_NEIGH);

@@ -20,8 +20,12 @@ use std::path::Path;
 /// A firewall leg: a `protocol: ip` service of the vserver.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Firewall {
-    /// Its address: the next hop the kernel resolves to a MAC.
+    /// Its address: the next hop the kernel resolves to a MAC, and its identity when it
+    /// has no `hash_id`.
     pub address: IpAddr,
+    /// Its other-family address on the same link, if any (an IPv6 packet needs an IPv6 next
+    /// hop).
+    pub other_address: Option<IpAddr>,
     /// The interface it is reached on.
     pub interface: String,
     /// Its place in the ranking: identity (`hash_id`, shared by a firewall's legs) and weight.
@@ -34,12 +38,29 @@ impl Firewall {
     pub fn new(address: IpAddr, interface: &str, hash_id: Option<&str>, weight: u32) -> Firewall {
         Firewall {
             address,
+            other_address: None,
             interface: interface.to_string(),
             member: Member {
                 id_hash: crate::hash::service_identity_hash(hash_id, &SocketAddr::new(address, 0)),
                 weight,
             },
         }
+    }
+}
+
+impl Firewall {
+    /// The same firewall with its other-family address on the same link.
+    pub fn with_other_address(self, other: IpAddr) -> Firewall {
+        Firewall {
+            other_address: Some(other),
+            ..self
+        }
+    }
+
+    fn hops(&self) -> Vec<IpAddr> {
+        std::iter::once(self.address)
+            .chain(self.other_address)
+            .collect()
     }
 }
 
@@ -106,7 +127,7 @@ impl PacketVserver {
         }
         let mut path = PacketPath::load_at(name, config, root)?;
         for (i, (f, index)) in firewalls.iter().zip(legs).enumerate() {
-            path.set_leg(i as u32 + 1, index, f.address)?;
+            path.set_leg(i as u32 + 1, index, &f.hops())?;
         }
         let locals = host_addresses().map_err(|source| BpfError::Kernel {
             vserver: name.to_string(),

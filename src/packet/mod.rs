@@ -75,7 +75,7 @@
 //! no firewall pool needs at sixteen times the update cost.
 
 use crate::select::HashSelector;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 #[cfg(test)]
 mod tests;
@@ -95,6 +95,9 @@ pub const M2: u32 = 0xc2b2_ae35;
 
 /// Counter slots: the pass reasons, then the drop, then one per firewall slot.
 pub const COUNTER_DROP_NO_FIREWALL: u32 = 5;
+/// Counter of packets whose firewall has no next hop of their family (an IPv6 packet and a
+/// firewall known by an IPv4 address only).
+pub const COUNTER_DROP_NO_NEXT_HOP: u32 = 6;
 /// First firewall counter (slot 1's); slot `s` counts at `COUNTER_LEGS + s - 1`.
 pub const COUNTER_LEGS: u32 = 8;
 /// Entries of the counter map.
@@ -491,6 +494,15 @@ pub enum Verdict {
         /// Its bucket.
         bucket: u32,
     },
+    /// Its firewall has no next hop of the packet's family (TC_ACT_SHOT).
+    NoNextHop {
+        /// The flow hash.
+        hash: u32,
+        /// Its bucket.
+        bucket: u32,
+        /// The firewall slot (1-based).
+        slot: u32,
+    },
     /// Redirected to the firewall in `slot` (TC_ACT_REDIRECT).
     Forward {
         /// The flow hash.
@@ -502,14 +514,15 @@ pub enum Verdict {
     },
 }
 
-/// The whole decision for one frame: `table` is the live bucket table, `has_leg(slot)` says
-/// whether a slot has a leg (an interface and next hop) set.
+/// The whole decision for one frame: `table` is the live bucket table, `leg(slot)` says
+/// whether a slot has a leg and which next hops: (IPv4 packets, IPv6 packets), `None` when
+/// it has none.
 pub fn decide(
     frame: &[u8],
     config: &PathConfig,
     is_local: impl Fn(&[u8; 16]) -> bool,
     table: &[u32],
-    has_leg: impl Fn(u32) -> bool,
+    leg: impl Fn(u32) -> Option<(bool, bool)>,
 ) -> Verdict {
     let flow = match classify(frame, is_local) {
         Class::Pass(r) => return Verdict::Pass(r),
@@ -517,11 +530,33 @@ pub fn decide(
     };
     let hash = flow_hash(&key_words(config.method, &config.masks, &flow));
     let bucket = bucket_of(hash);
-    match table.get(bucket as usize).copied().unwrap_or(0) {
-        0 => Verdict::Drop { hash, bucket },
-        slot if slot as usize > MAX_LEGS || !has_leg(slot) => Verdict::Drop { hash, bucket },
-        slot => Verdict::Forward { hash, bucket, slot },
+    let slot = table.get(bucket as usize).copied().unwrap_or(0);
+    if slot == 0 || slot as usize > MAX_LEGS {
+        return Verdict::Drop { hash, bucket };
     }
+    match leg(slot) {
+        None => Verdict::Drop { hash, bucket },
+        Some((v4, v6)) if (if flow.is_v6 { v6 } else { v4 }) => {
+            Verdict::Forward { hash, bucket, slot }
+        }
+        Some(_) => Verdict::NoNextHop { hash, bucket, slot },
+    }
+}
+
+/// The next hops of a leg: (for IPv4 packets, for IPv6 packets). An IPv4 packet may go to
+/// an IPv6 next hop (RFC 8950's IPv4 over an IPv6 next hop, which `bpf_redirect_neigh`
+/// supports); an IPv6 packet needs an IPv6 next hop.
+pub fn next_hops(hops: &[IpAddr]) -> (Option<IpAddr>, Option<Ipv6Addr>) {
+    let v6 = hops.iter().find_map(|h| match h {
+        IpAddr::V6(a) => Some(*a),
+        IpAddr::V4(_) => None,
+    });
+    let v4 = hops
+        .iter()
+        .find(|h| h.is_ipv4())
+        .copied()
+        .or(v6.map(IpAddr::V6));
+    (v4, v6)
 }
 
 /// The selector's key hash for bucket `b`.

@@ -390,3 +390,14 @@ fn masks_and_config_value() {
     assert_eq!(v[..4], 4u32.to_le_bytes());
     assert_eq!(v[4..8], [255, 255, 255, 0]);
 }
+
+#[test]
+fn next_hops_by_family() {
+    let v4: IpAddr = "10.0.0.1".parse().expect("ip");
+    let a6: Ipv6Addr = "2001:db8::1".parse().expect("ip");
+    let v6 = IpAddr::V6(a6);
+    assert_eq!(next_hops(&[v4]), (Some(v4), None));
+    assert_eq!(next_hops(&[v6]), (Some(v6), Some(a6)));
+    assert_eq!(next_hops(&[v6, v4]), (Some(v4), Some(a6)));
+    assert_eq!(next_hops(&[]), (None, None));
+}
