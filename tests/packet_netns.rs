@@ -8,7 +8,8 @@
 //! `lb` does not forward by itself (ip_forward=0): only the program carries a datagram on.
 //! Its "outside" program (on the client's link) sends the client's datagrams to the firewall
 //! the bucket table names; its "inside" program (on the firewalls' links) sends the replies
-//! to the client. Checked: a UDP echo through fw1, then fw2 after a new table, nothing when
+//! to the client. Checked: a UDP echo through fw1 (IPv4 and IPv6), then fw2 after a new
+//! table (IPv4; fw2 has no IPv6 next hop, so IPv6 for it is dropped and counted), nothing when
 //! the table names no firewall (dropped, counted), a restart that puts a new program into
 //! the pinned link, nothing after detach; then `PacketVserver` as the runtime drives it: a
 //! firewall marked DOWN gets nothing, the other everything, none UP drops. Needs root and `ip`; skipped with a message
@@ -25,38 +26,58 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const SERVER: &str = "10.2.0.1:7007";
+const SERVER6: &str = "[fd02::1]:7007";
 
-/// Server role: echo datagrams, for at most a minute.
+/// Server role: echo datagrams on both addresses, for at most a minute.
 #[test]
 fn helper_packet_server() {
     if std::env::var(ROLE).as_deref() != Ok("packet-server") {
         return;
     }
-    let s = UdpSocket::bind(SERVER).expect("bind");
-    s.set_read_timeout(Some(Duration::from_millis(200)))
-        .expect("timeout");
+    let sockets: Vec<UdpSocket> = [SERVER, SERVER6]
+        .iter()
+        .map(|a| {
+            let s = UdpSocket::bind(a).expect("bind");
+            s.set_read_timeout(Some(Duration::from_millis(50)))
+                .expect("timeout");
+            s
+        })
+        .collect();
     let end = Instant::now() + Duration::from_secs(60);
     let mut buf = [0u8; 1500];
     while Instant::now() < end {
-        if let Ok((n, from)) = s.recv_from(&mut buf) {
-            let _ = s.send_to(&buf[..n], from);
+        for s in &sockets {
+            if let Ok((n, from)) = s.recv_from(&mut buf) {
+                let _ = s.send_to(&buf[..n], from);
+            }
         }
     }
 }
 
-/// Client role: send until echoed (1.5 s at most), say whether it was.
+/// Client role: send until echoed (FULCRUM_PACKET_WAIT_MS, 4 s by default: the first
+/// datagrams wait for neighbour discovery at three hops), say whether it was.
 #[test]
 fn helper_packet_client() {
     if std::env::var(ROLE).as_deref() != Ok("packet-client") {
         return;
     }
-    let s = UdpSocket::bind("0.0.0.0:0").expect("bind");
+    let to = std::env::var("FULCRUM_PACKET_TO").unwrap_or_else(|_| SERVER.to_string());
+    let s = UdpSocket::bind(if to.starts_with('[') {
+        "[::]:0"
+    } else {
+        "0.0.0.0:0"
+    })
+    .expect("bind");
     s.set_read_timeout(Some(Duration::from_millis(100)))
         .expect("timeout");
-    let end = Instant::now() + Duration::from_millis(1500);
+    let wait_ms = std::env::var("FULCRUM_PACKET_WAIT_MS")
+        .ok()
+        .and_then(|w| w.parse().ok())
+        .unwrap_or(4000);
+    let end = Instant::now() + Duration::from_millis(wait_ms);
     let mut buf = [0u8; 64];
     while Instant::now() < end {
-        let _ = s.send_to(b"through a firewall", SERVER);
+        let _ = s.send_to(b"through a firewall", to.as_str());
         if let Ok((n, _)) = s.recv_from(&mut buf)
             && &buf[..n] == b"through a firewall"
         {
@@ -77,10 +98,23 @@ fn in_ns(ns: &str, role: &str, helper: &str) -> Command {
     c
 }
 
-/// Whether the client's datagram came back.
+/// Whether the client's datagram to the server's IPv4 address came back.
 fn echoed() -> bool {
+    echoed_to(SERVER, 4000)
+}
+
+/// Whether no datagram to `to` comes back within a second (the neighbours are known by
+/// then: an echo would take milliseconds).
+fn not_echoed(to: &str) -> bool {
+    !echoed_to(to, 1000)
+}
+
+/// Whether the client's datagram to `to` came back within `wait_ms`.
+fn echoed_to(to: &str, wait_ms: u32) -> bool {
     let cl = std::env::var("FULCRUM_PACKET_CL").expect("client namespace");
     let out = in_ns(&cl, "packet-client", "helper_packet_client")
+        .env("FULCRUM_PACKET_TO", to)
+        .env("FULCRUM_PACKET_WAIT_MS", wait_ms.to_string())
         .output()
         .expect("run the client");
     let text = String::from_utf8_lossy(&out.stdout);
@@ -90,6 +124,14 @@ fn echoed() -> bool {
 
 fn index(name: &str) -> u32 {
     nix::net::if_::if_nametoindex(name).expect("interface")
+}
+
+fn v4(a: &str) -> IpAddr {
+    IpAddr::V4(a.parse::<Ipv4Addr>().expect("ipv4"))
+}
+
+fn v6(a: &str) -> IpAddr {
+    IpAddr::V6(a.parse::<std::net::Ipv6Addr>().expect("ipv6"))
 }
 
 fn all(slot: u32) -> Vec<u32> {
@@ -109,18 +151,10 @@ fn helper_packet_lb() {
     let locals = host_addresses().expect("addresses");
     let outside_path = |table: &[u32]| {
         let mut p = PacketPath::load("outside", &config).expect("load outside");
-        p.set_leg(
-            1,
-            index("lbo-f1"),
-            &[IpAddr::V4(Ipv4Addr::new(10, 3, 1, 1))],
-        )
-        .expect("leg 1");
-        p.set_leg(
-            2,
-            index("lbo-f2"),
-            &[IpAddr::V4(Ipv4Addr::new(10, 3, 2, 1))],
-        )
-        .expect("leg 2");
+        p.set_leg(1, index("lbo-f1"), &[v4("10.3.1.1"), v6("fd03:1::1")])
+            .expect("leg 1");
+        p.set_leg(2, index("lbo-f2"), &[v4("10.3.2.1")])
+            .expect("leg 2");
         p.set_local_addresses(&locals).expect("locals");
         p.install_table(table).expect("table");
         p.attach("lbo-c").expect("attach outside");
@@ -128,7 +162,7 @@ fn helper_packet_lb() {
     };
     let mut inside = PacketPath::load("inside", &config).expect("load inside");
     inside
-        .set_leg(1, index("lbo-c"), &[IpAddr::V4(Ipv4Addr::new(10, 1, 0, 1))])
+        .set_leg(1, index("lbo-c"), &[v4("10.1.0.1"), v6("fd01::1")])
         .expect("client leg");
     inside.set_local_addresses(&locals).expect("locals");
     inside.install_table(&all(1)).expect("table");
@@ -140,14 +174,61 @@ fn helper_packet_lb() {
     let c = outside.counters().expect("counters");
     assert!(c.forwarded[0].packets >= 1, "{c:?}");
     assert_eq!(c.forwarded[1].packets, 0, "{c:?}");
+    let ok6 = echoed_to(SERVER6, 4000);
+    if !ok6 {
+        // What neighbour discovery got to, for the failure's reader.
+        for args in [
+            vec!["-6", "neigh"],
+            vec!["-s", "link"],
+            vec![
+                "-n",
+                &std::env::var("FULCRUM_PACKET_FW1").unwrap_or_default(),
+                "-6",
+                "neigh",
+            ],
+            vec![
+                "-n",
+                &std::env::var("FULCRUM_PACKET_FW1").unwrap_or_default(),
+                "-s",
+                "link",
+            ],
+            vec![
+                "-n",
+                &std::env::var("FULCRUM_PACKET_FW1").unwrap_or_default(),
+                "-6",
+                "addr",
+            ],
+        ] {
+            let o = Command::new("ip").args(&args).output().expect("ip");
+            eprintln!("DEBUG ip {args:?}\n{}", String::from_utf8_lossy(&o.stdout));
+        }
+    }
+    assert!(
+        ok6,
+        "IPv6 through fw1: outside {:?} inside {:?}",
+        outside.counters().expect("counters"),
+        inside.counters().expect("counters")
+    );
+    let c6 = outside.counters().expect("counters");
+    assert!(c6.forwarded[0].packets > c.forwarded[0].packets, "{c6:?}");
 
     outside.install_table(&all(2)).expect("table");
     assert!(echoed(), "through fw2");
     let c = outside.counters().expect("counters");
     assert!(c.forwarded[1].packets >= 1, "{c:?}");
+    // fw2 is known by its IPv4 address only: IPv6 for it is dropped and counted.
+    assert!(not_echoed(SERVER6), "no IPv6 next hop for fw2");
+    assert!(
+        outside
+            .counters()
+            .expect("counters")
+            .dropped_no_next_hop
+            .packets
+            >= 1
+    );
 
     outside.install_table(&all(0)).expect("table");
-    assert!(!echoed(), "a table with no firewall drops");
+    assert!(not_echoed(SERVER), "a table with no firewall drops");
     assert!(
         outside
             .counters()
@@ -170,7 +251,7 @@ fn helper_packet_lb() {
 
     outside.detach_all().expect("detach");
     assert!(!outside.pin_dir().exists());
-    assert!(!echoed(), "nothing forwards without the program");
+    assert!(not_echoed(SERVER), "nothing forwards without the program");
     drop(outside);
 
     // The runtime's shell: firewalls ranked by the selector, health changes as new tables.
@@ -212,7 +293,7 @@ fn helper_packet_lb() {
         );
     }
     v.set_up(&[false, false]).expect("health");
-    assert!(!echoed(), "no firewall UP");
+    assert!(not_echoed(SERVER), "no firewall UP");
     v.stop().expect("stop");
     inside.detach_all().expect("detach inside");
     println!("RESULT ok");
@@ -287,6 +368,23 @@ fn a_datagram_crosses_the_firewall_the_table_names() {
         run(ns, &format!("addr add {addr} dev {dev}"));
         run(ns, &format!("link set {dev} up"));
     }
+    for (ns, dev, addr) in [
+        (&cl, "c0", "fd01::1/64"),
+        (&lb, "lbo-c", "fd01::fe/64"),
+        (&lb, "lbo-f1", "fd03:1::fe/64"),
+        (&fw1, "f1a", "fd03:1::1/64"),
+        (&fw1, "f1b", "fd02:1::1/64"),
+        (&srv, "s1", "fd02:1::2/64"),
+    ] {
+        run(ns, &format!("addr add {addr} dev {dev} nodad"));
+    }
+    run(&srv, "addr add fd02::1/128 dev lo");
+    run(&cl, "-6 route add default via fd01::fe");
+    sysctl(&lb, "net.ipv6.conf.all.forwarding=0");
+    sysctl(&fw1, "net.ipv6.conf.all.forwarding=1");
+    run(&fw1, "-6 route add fd01::/64 via fd03:1::fe");
+    run(&fw1, "-6 route add fd02::1/128 via fd02:1::2");
+    run(&srv, "-6 route add fd01::/64 via fd02:1::1");
     run(&srv, "addr add 10.2.0.1/32 dev lo");
     run(&cl, "route add default via 10.1.0.254");
     sysctl(&lb, "net.ipv4.ip_forward=0");
@@ -304,6 +402,7 @@ fn a_datagram_crosses_the_firewall_the_table_names() {
         .expect("server");
     let out = in_ns(&lb, "packet-lb", "helper_packet_lb")
         .env("FULCRUM_PACKET_CL", &cl)
+        .env("FULCRUM_PACKET_FW1", &fw1)
         .output()
         .expect("lb");
     let _ = server.kill();
