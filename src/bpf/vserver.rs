@@ -49,6 +49,11 @@ impl Firewall {
 }
 
 impl Firewall {
+    /// Service `s` reached on `interface`: its address, `hash_id` and weight.
+    pub fn of(s: &crate::config::Service, interface: &str) -> Firewall {
+        Firewall::new(s.address.ip(), interface, s.hash_id.as_deref(), s.weight)
+    }
+
     /// The same firewall with its other-family address on the same link.
     pub fn with_other_address(self, other: IpAddr) -> Firewall {
         Firewall {

@@ -471,6 +471,15 @@ pub struct PathConfig {
 }
 
 impl PathConfig {
+    /// The settings of vserver `v`: its method and `netmask` / `v6_netmask_len`. `None` when
+    /// its method is not one a packet vserver hashes by.
+    pub fn of(v: &crate::config::Vserver) -> Option<PathConfig> {
+        Some(PathConfig {
+            method: PacketMethod::of(v.method)?,
+            masks: Masks::new(v.hash.netmask, v.hash.v6_netmask_len),
+        })
+    }
+
     /// The config map's value: method code, then [`Masks::words`].
     pub fn value(&self) -> [u8; 24] {
         let mut v = [0u8; 24];

@@ -401,3 +401,26 @@ fn next_hops_by_family() {
     assert_eq!(next_hops(&[v6, v4]), (Some(v4), Some(a6)));
     assert_eq!(next_hops(&[]), (None, None));
 }
+
+#[test]
+fn path_config_of_a_vserver() {
+    let cfg = |method: &str, masks: &str| {
+        crate::config::from_str(
+            "t.yaml",
+            &format!(
+                "admin: {{ listen: null }}\n\
+                 services:\n\
+                 \x20 - {{ name: a, address: 127.0.0.1:7001, protocol: udp }}\n\
+                 vservers:\n  - {{ name: v, protocol: udp, bind: 127.0.0.1:9000, services: [a], \
+                 method: {method}{masks} }}\n"
+            ),
+        )
+        .expect("valid test config")
+    };
+    let masks = ", netmask: 255.255.0.0, v6_netmask_len: 48";
+    let c =
+        PathConfig::of(&cfg("source_dest_ip_hash", masks).vservers[0]).expect("a packet method");
+    assert_eq!(c.method, PacketMethod::SourceDestIp);
+    assert_eq!(c.masks, Masks::new(Ipv4Addr::new(255, 255, 0, 0), 48));
+    assert_eq!(PathConfig::of(&cfg("round_robin", "").vservers[0]), None);
+}
