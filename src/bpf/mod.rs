@@ -266,10 +266,14 @@ impl PacketPath {
                 }
             }
         })?;
-        let safe: String = vserver
+        // One directory per vserver, whatever its name: no separator, no `.` or `..`.
+        let mut safe: String = vserver
             .chars()
             .map(|c| if c == '/' || c == '\0' { '_' } else { c })
             .collect();
+        if safe.is_empty() || safe.chars().all(|c| c == '.') {
+            safe = format!("_{safe}");
+        }
         Ok(PacketPath {
             vserver: vserver.to_string(),
             dir: root.join(safe),
@@ -361,7 +365,9 @@ impl PacketPath {
     }
 
     /// Make `table` (`crate::packet::build_table`) the live bucket table: written into the
-    /// idle half, then `active` flipped, so each packet sees the old table or the new one.
+    /// idle half, then `active` flipped, so each packet sees the old table or the new one. (A
+    /// program run reads `active` and then one bucket, within microseconds; the next install
+    /// rewrites that half only after this one returned, thousands of map writes later.)
     pub fn install_table(&mut self, table: &[u32]) -> Result<(), BpfError> {
         if table.len() != BUCKETS || table.iter().any(|&s| s as usize > MAX_LEGS) {
             return Err(BpfError::Table {

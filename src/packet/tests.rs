@@ -113,6 +113,25 @@ fn masks_strategy() -> impl Strategy<Value = Masks> {
 }
 
 proptest! {
+    /// Any bytes: a verdict, never a panic (the twin reads frames as the program does, from
+    /// the network).
+    #[test]
+    fn any_frame_gets_a_verdict(frame in proptest::collection::vec(any::<u8>(), 0..200), ether in 0u8..3) {
+        let mut frame = frame;
+        if frame.len() >= 14 {
+            let t: [u8; 2] = match ether { 0 => [0x08, 0x00], 1 => [0x86, 0xdd], _ => [frame[12], frame[13]] };
+            frame[12..14].copy_from_slice(&t);
+            if ether < 2 && frame.len() > 14 {
+                frame[14] = (frame[14] & 0x0f) | if ether == 0 { 0x40 } else { 0x60 };
+            }
+        }
+        let table = vec![1u32; BUCKETS];
+        for method in PacketMethod::ALL {
+            let config = PathConfig { method, masks: Masks::full() };
+            let _ = decide(&frame, &config, nobody, &table, |_| Some((true, false)));
+        }
+    }
+
     /// The symmetric methods give a flow and its reverse the same key, so both directions
     /// reach the same firewall.
     #[test]
