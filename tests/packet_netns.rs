@@ -11,7 +11,7 @@
 //! to the client. Checked: a UDP echo through fw1 (IPv4 and IPv6), then fw2 after a new
 //! table (IPv4; fw2 has no IPv6 next hop, so IPv6 for it is dropped and counted), nothing when
 //! the table names no firewall (dropped, counted), a restart that puts a new program into
-//! the pinned link, nothing after detach; then `PacketVserver` as the runtime drives it: a
+//! the pinned link, nothing after detach; the same with the cls_bpf fallback; then `PacketVserver` as the runtime drives it: a
 //! firewall marked DOWN gets nothing, the other everything, none UP drops. Needs root and `ip`; skipped with a message
 //! otherwise, a failure when FULCRUM_REQUIRE_NETNS=1.
 
@@ -253,6 +253,26 @@ fn helper_packet_lb() {
     assert!(!outside.pin_dir().exists());
     assert!(not_echoed(SERVER), "nothing forwards without the program");
     drop(outside);
+
+    // The cls_bpf fallback (kernels without tcx): a filter on clsact, replaced in place by
+    // a restart, removed by detach.
+    for round in 0..2 {
+        let mut p = PacketPath::load("outside", &config).expect("load");
+        p.set_leg(1, index("lbo-f1"), &[v4("10.3.1.1")])
+            .expect("leg");
+        p.set_local_addresses(&locals).expect("locals");
+        p.install_table(&all(1)).expect("table");
+        p.attach_cls_bpf("lbo-c").expect("cls_bpf");
+        assert!(echoed(), "cls_bpf, round {round}");
+        assert!(
+            p.counters().expect("counters").forwarded[0].packets >= 1,
+            "round {round}: this program carried it"
+        );
+        if round == 1 {
+            p.detach("lbo-c").expect("detach");
+            assert!(not_echoed(SERVER), "cls_bpf filter removed");
+        }
+    }
 
     // The runtime's shell: firewalls ranked by the selector, health changes as new tables.
     let firewalls = [

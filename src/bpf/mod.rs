@@ -29,13 +29,15 @@
 //! [`PIN_ROOT`]; bpffs is mounted on /sys/fs/bpf when it is not). The pinned link outlives
 //! the process: a restarted fulcrum finds it and puts its new program in at once
 //! (`BPF_LINK_UPDATE`), with its table already installed, so no packet finds no program.
-//! [`PacketPath::detach`] ends it. There is no cls_bpf fallback: without tcx, BPF or the
-//! permission, every call here fails with an error naming the vserver, and the caller
-//! refuses that vserver.
+//! [`PacketPath::detach`] ends it. Where the kernel has no tcx, the program goes on as a
+//! direct-action cls_bpf filter on a `clsact` qdisc (`tc.rs`), at a fixed priority and
+//! handle that a restart replaces in place. Without BPF or the permission, every call here
+//! fails with an error naming the vserver, and the caller refuses that vserver.
 
 mod asm;
 mod program;
 mod sys;
+mod tc;
 mod vserver;
 
 pub use asm::AsmError;
@@ -190,7 +192,15 @@ pub struct PacketPath {
     maps: Maps,
     prog: OwnedFd,
     live: u32,
-    links: Vec<(String, OwnedFd)>,
+    links: Vec<(String, Attachment)>,
+}
+
+/// How the program sits on an interface.
+enum Attachment {
+    /// A tcx link (pinned).
+    Tcx(OwnedFd),
+    /// A cls_bpf filter on the clsact qdisc of this ifindex (the fallback).
+    ClsBpf(u32),
 }
 
 impl std::fmt::Debug for PacketPath {
@@ -456,48 +466,88 @@ impl PacketPath {
     }
 
     /// Attach the program at `interface`'s ingress: into the link pinned for it when there
-    /// is one (a restart: replaced at once), else a new tcx link, pinned.
+    /// is one (a restart: replaced at once), else a new tcx link, pinned; where the kernel
+    /// has no tcx (before Linux 6.6), a direct-action cls_bpf filter instead.
     pub fn attach(&mut self, interface: &str) -> Result<(), BpfError> {
-        let ifindex =
-            nix::net::if_::if_nametoindex(interface).map_err(|e| BpfError::Interface {
-                vserver: self.vserver.clone(),
-                interface: interface.to_string(),
-                source: io::Error::from(e),
-            })?;
+        let ifindex = self.ifindex(interface)?;
         ensure_bpffs(&self.dir).map_err(self.kernel("prepare the bpffs pin directory"))?;
         let pin = self.dir.join(interface);
-        let link = match sys::obj_get(&pin) {
+        let attachment = match sys::obj_get(&pin) {
             Ok(link) => {
                 sys::link_update(&link, &self.prog)
                     .map_err(self.kernel("replace the program in its pinned link"))?;
-                link
+                Attachment::Tcx(link)
             }
             Err(e) if e.raw_os_error() == Some(nix::libc::ENOENT) => {
-                let link = sys::tcx_attach(&self.prog, ifindex)
-                    .map_err(self.kernel("attach the program (tcx ingress, Linux 6.6+)"))?;
-                sys::obj_pin(&link, &pin).map_err(self.kernel("pin the link"))?;
-                link
+                match sys::tcx_attach(&self.prog, ifindex) {
+                    Ok(link) => {
+                        sys::obj_pin(&link, &pin).map_err(self.kernel("pin the link"))?;
+                        Attachment::Tcx(link)
+                    }
+                    // An attach type this kernel does not know.
+                    Err(e) if e.raw_os_error() == Some(nix::libc::EINVAL) => {
+                        return self.attach_cls_bpf(interface);
+                    }
+                    Err(e) => return Err(self.kernel("attach the program (tcx ingress)")(e)),
+                }
             }
             Err(e) => return Err(self.kernel("open the pinned link")(e)),
         };
         self.links.retain(|(name, _)| name != interface);
-        self.links.push((interface.to_string(), link));
+        self.links.push((interface.to_string(), attachment));
         Ok(())
     }
 
-    /// Detach the program from `interface` and remove its pin.
+    /// Attach the program at `interface`'s ingress as a direct-action cls_bpf filter (the
+    /// fallback [`PacketPath::attach`] takes without tcx), replacing fulcrum's filter there.
+    pub fn attach_cls_bpf(&mut self, interface: &str) -> Result<(), BpfError> {
+        let ifindex = self.ifindex(interface)?;
+        tc::attach(ifindex, self.prog.as_raw_fd(), "fulcrum_fw")
+            .map_err(self.kernel("attach the program (cls_bpf ingress)"))?;
+        self.links.retain(|(name, _)| name != interface);
+        self.links
+            .push((interface.to_string(), Attachment::ClsBpf(ifindex)));
+        Ok(())
+    }
+
+    fn ifindex(&self, interface: &str) -> Result<u32, BpfError> {
+        nix::net::if_::if_nametoindex(interface).map_err(|e| BpfError::Interface {
+            vserver: self.vserver.clone(),
+            interface: interface.to_string(),
+            source: io::Error::from(e),
+        })
+    }
+
+    /// Detach the program from `interface`: its tcx link and pin, or its cls_bpf filter
+    /// (this process's or a previous one's).
     pub fn detach(&mut self, interface: &str) -> Result<(), BpfError> {
         let pin = self.dir.join(interface);
-        let link = match self.links.iter().position(|(n, _)| n == interface) {
+        let attachment = match self.links.iter().position(|(n, _)| n == interface) {
             Some(i) => Some(self.links.remove(i).1),
             None => match sys::obj_get(&pin) {
-                Ok(l) => Some(l),
+                Ok(l) => Some(Attachment::Tcx(l)),
                 Err(e) if e.raw_os_error() == Some(nix::libc::ENOENT) => None,
                 Err(e) => return Err(self.kernel("open the pinned link")(e)),
             },
         };
-        if let Some(link) = link {
-            sys::link_detach(&link).map_err(self.kernel("detach the program"))?;
+        match attachment {
+            Some(Attachment::Tcx(link)) => {
+                sys::link_detach(&link).map_err(self.kernel("detach the program"))?;
+            }
+            Some(Attachment::ClsBpf(ifindex)) => {
+                tc::remove(ifindex).map_err(self.kernel("remove the cls_bpf filter"))?;
+            }
+            None => {
+                if let Ok(ifindex) = self.ifindex(interface) {
+                    // A previous start's filter; none (or no clsact qdisc) is fine.
+                    match tc::remove(ifindex) {
+                        Err(e) if e.raw_os_error() != Some(nix::libc::EINVAL) => {
+                            return Err(self.kernel("remove the cls_bpf filter")(e));
+                        }
+                        _ => {}
+                    }
+                }
+            }
         }
         match std::fs::remove_file(&pin) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => {
