@@ -5,6 +5,7 @@
 //!
 //! - `acl`        PURE  allow / deny CIDR lists of a vserver
 //! - `admin`      IO    admin HTTP API: socket-free router over `Ops`, hyper HTTP/1.1 server, /metrics, dashboard page
+//! - `bpf`        IO    packet vservers' kernel side: tc ingress program (assembled in Rust), maps, tcx links; unsafe in `bpf::sys` only
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `core`       PURE  the data paths' decisions: the SIP proxy core, SIP stream link and receive buffer, udp sessions, tcp keys
@@ -25,6 +26,7 @@
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
 //! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
+//! - `packet`     PURE  packet vservers (firewall pools): frame → flow → fixed hash → bucket, bucket table from a selector; the program's twin
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
 //! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http) around `core`, the runtime that starts vservers (a packet vserver through `proxy::packet`), in-place rebuild on reload
 //! - `readiness`  PURE  whether the instance should get new traffic (`/readyz`): vserver facts + drain -> verdict
@@ -39,8 +41,8 @@
 //! - `systemd`    PURE  service-manager notify messages (READY, RELOADING, STOPPING, watchdog); IO edge sends them
 //! - `tls`        IO    rustls configurations from PEM files, reloadable listener / connector, handshake failure reasons (PURE)
 //! - `victims`    PURE  idle clients ordered for eviction (class, last activity): a priority queue re-keyed lazily
-//! - `uring`      IO    batched sends on many sockets in one system call (io_uring); `unsafe` here and in `memory::release` only
-// Denied everywhere but in `uring` and `memory::release`, which document why their blocks are sound.
+//! - `uring`      IO    batched sends on many sockets in one system call (io_uring); `unsafe` here, in `memory::release` and `bpf::sys` only
+// Denied everywhere but in `uring`, `memory::release` and `bpf::sys`, which document why their blocks are sound.
 #![deny(unsafe_code)]
 // Public means used by the binaries, benches, examples, fuzz targets or integration tests.
 #![warn(unreachable_pub)]
@@ -48,6 +50,7 @@
 pub(crate) mod acl;
 pub mod admin;
 pub mod balancer;
+pub mod bpf;
 pub mod budget;
 pub mod config;
 pub mod core;
@@ -68,6 +71,7 @@ pub mod memory;
 pub mod methods;
 pub(crate) mod net;
 pub mod ops;
+pub mod packet;
 pub mod peer;
 pub mod proxy;
 pub(crate) mod readiness;
