@@ -13,15 +13,15 @@
 # row. /proc/stat counts in 10 ms ticks: at 20,000 packets/s for 5 s one tick is 100 ns a
 # packet; raise RATE, SECS or ROUNDS for finer figures.
 # Rows: `route` (plain kernel routing through firewall 1, no balancer), `symhash` (nftables
-# netdev ingress `symhash mod 3` + `fwd` on both balancers). fulcrum's row joins when its
-# packet data path does (tests/firewall.rs, `bench_forwarding`).
-# Usage (root, nftables): RATE=20000 SECS=5 ROUNDS=2 MODES=route,symhash bench/firewall.sh
+# netdev ingress `symhash mod 3` + `fwd` on both balancers), `fulcrum` (a `protocol: ip`
+# vserver on both balancers: the tc program redirecting to the firewall's leg).
+# Usage (root, nftables): RATE=20000 SECS=5 ROUNDS=2 MODES=route,symhash,fulcrum bench/firewall.sh
 . "$(dirname "$0")/lib.sh"
-RATE=${RATE:-20000}; SECS=${SECS:-5}; ROUNDS=${ROUNDS:-2}; MODES=${MODES:-route,symhash}
+RATE=${RATE:-20000}; SECS=${SECS:-5}; ROUNDS=${ROUNDS:-2}; MODES=${MODES:-route,symhash,fulcrum}
 cd "$ROOT" || exit 1
 echo "# firewall: rate=${RATE}/s dur=${SECS}s rounds=$ROUNDS modes=$MODES nproc=$(nproc) kernel=$(uname -r)"
 # Built first, untimed (a cold release build takes minutes); the run itself is bounded.
 cargo test --release --test firewall --no-run || exit 1
-FWBENCH_RATE=$RATE FWBENCH_SECONDS=$SECS FWBENCH_ROUNDS=$ROUNDS FWBENCH_MODES=$MODES FULCRUM_REQUIRE_NETNS=1 \
+FWBENCH_RATE=$RATE FWBENCH_SECONDS=$SECS FWBENCH_ROUNDS=$ROUNDS FWBENCH_MODES=$MODES FULCRUM_REQUIRE_NETNS=1 FULCRUM_REQUIRE_BPF=1 \
   timeout 300 cargo test --release --test firewall -- --ignored --exact bench_forwarding \
   --nocapture --test-threads 1 2>&1 | grep -E 'BENCH|SKIP|panicked'

@@ -3,11 +3,13 @@
 //! balancers before fulcrum steers it: `symhash` + `fwd` on both sides carries every TCP,
 //! UDP and ping flow with no firewall dropping a packet (the positive control); hashing the
 //! inside by source only, or ECMP routes that hash each direction on its own, cuts flows and
-//! raises the firewalls' drop counters (the negative controls: the test can fail). The
-//! same traffic through fulcrum `protocol: ip` vservers on both balancers runs once this
-//! build has the packet data path, and says so where it has not.
+//! raises the firewalls' drop counters (the negative controls: the test can fail). Then
+//! fulcrum `protocol: ip` vservers on both balancers: 300 concurrent TCP connections, UDP
+//! flows and pings with no drop; the outside instance killed and started again under
+//! load; a firewall going DOWN and coming back.
 //!
-//! Needs root and nftables (FULCRUM_REQUIRE_NETNS=1 makes their absence a failure).
+//! Needs root and nftables (FULCRUM_REQUIRE_NETNS=1 makes their absence a failure) and BPF
+//! (FULCRUM_REQUIRE_BPF=1 makes a refused packet vserver a failure).
 
 mod common;
 
@@ -19,6 +21,8 @@ const LOAD: Load = Load {
     tcp: 24,
     udp: 24,
     pings: 12,
+    addrs: 0,
+    pause_ms: 0,
 };
 
 #[test]
@@ -103,9 +107,10 @@ fn ecmp_on_each_side_drops_tcp_flows() {
     );
 }
 
-/// The outside or inside balancer's fulcrum config: one `protocol: ip` vserver taking the
-/// packets of `from`, a service per firewall leg.
-fn fulcrum_config(side: &str, from: &str, net: u8) -> String {
+/// The outside or inside balancer's fulcrum config: one `protocol: ip` vserver `name`
+/// taking the packets of `from`, a service per firewall leg. Each bed names its vservers
+/// apart: the program's pins are named by vserver and interface, and beds run at once.
+fn fulcrum_config(side: &str, name: &str, from: &str, net: u8) -> String {
     let mut y = String::from(
         "admin: { listen: null }\nmonitors:\n  - { name: fw-ping, type: icmp, interval: 500ms, timeout: 300ms, failures_to_down: 2, successes_to_up: 2 }\nservices:\n",
     );
@@ -116,36 +121,70 @@ fn fulcrum_config(side: &str, from: &str, net: u8) -> String {
     }
     let names: Vec<String> = (1..=FIREWALLS).map(|i| format!("fw{i}-{side}")).collect();
     y += &format!(
-        "vservers:\n  - {{ name: {side}, protocol: ip, interface: [{from}], method: source_dest_ip_hash, services: [{}] }}\n",
+        "vservers:\n  - {{ name: {name}, protocol: ip, interface: [{from}], method: source_dest_ip_hash, services: [{}] }}\n",
         names.join(", ")
     );
     y
 }
 
-/// fulcrum on both balancers: the same traffic and the same verdict as the positive
-/// control. Until this build has the packet data path, fulcrum refuses the vservers; the
-/// test then says so and passes, unless FULCRUM_REQUIRE_PACKET=1.
-#[test]
-fn fulcrum_on_both_sides_carries_every_flow() {
-    let Some(bed) = Bed::build("f", Balancing::Fulcrum) else {
-        return;
-    };
-    let dir = std::env::temp_dir().join(format!("fulcrum-fwbed-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let mut running = Vec::new();
-    for (ns, side, from, net) in [(&bed.lbo, "o", "lbo-c", 2u8), (&bed.lbi, "i", "lbi-s", 3)] {
-        let path = dir.join(format!("{side}.yaml"));
-        std::fs::write(&path, fulcrum_config(side, from, net)).expect("write");
-        let mut child = std::process::Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &ns.0,
-                env!("CARGO_BIN_EXE_fulcrum"),
-                "run",
-                "--config",
-            ])
-            .arg(&path)
+/// fulcrum on both balancers of a bed: the two processes and their log lines.
+struct Pair {
+    dir: std::path::PathBuf,
+    /// Outside, then inside: the process and its stderr lines.
+    running: Vec<(Killed, std::sync::mpsc::Receiver<String>)>,
+    namespaces: [String; 2],
+    /// The vservers' names, outside then inside.
+    names: [String; 2],
+}
+
+impl Pair {
+    /// Start fulcrum in both balancers; `None` (after saying why) when the kernel refuses
+    /// the packet vserver and FULCRUM_REQUIRE_BPF is not set.
+    fn start(bed: &Bed, tag: &str) -> Option<Pair> {
+        let dir = std::env::temp_dir().join(format!("fulcrum-fwbed-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let mut pair = Pair {
+            dir,
+            running: Vec::new(),
+            namespaces: [bed.lbo.0.clone(), bed.lbi.0.clone()],
+            names: [format!("outside-{tag}"), format!("inside-{tag}")],
+        };
+        for (k, side, from, net) in [(0, "o", "lbo-c", 2u8), (1, "i", "lbi-s", 3)] {
+            std::fs::write(
+                pair.dir.join(format!("{side}.yaml")),
+                fulcrum_config(side, &pair.names[k], from, net),
+            )
+            .expect("write");
+        }
+        for k in 0..2 {
+            let p = pair.spawn(k);
+            pair.running.push(p);
+        }
+        for k in 0..2 {
+            if let Err(line) = pair.wait_log(k, "packet vserver attached", Duration::from_secs(10))
+            {
+                assert!(
+                    std::env::var("FULCRUM_REQUIRE_BPF").as_deref() != Ok("1"),
+                    "the packet vserver did not start, and FULCRUM_REQUIRE_BPF=1: {line}"
+                );
+                println!(
+                    "NOT RUN: the packet vserver did not start: {line} (FULCRUM_REQUIRE_BPF=1 makes this a failure)"
+                );
+                return None;
+            }
+        }
+        Some(pair)
+    }
+
+    fn spawn(&self, k: usize) -> (Killed, std::sync::mpsc::Receiver<String>) {
+        let side = ["o", "i"][k];
+        // `nsenter --net`, not `ip netns exec`: the latter gives the process a mount
+        // namespace of its own, and so a bpffs of its own whose pins die with it; a
+        // restarted instance must find its predecessor's pinned links, as under systemd.
+        let mut child = std::process::Command::new("nsenter")
+            .arg(format!("--net=/var/run/netns/{}", self.namespaces[k]))
+            .args([env!("CARGO_BIN_EXE_fulcrum"), "run", "--config"])
+            .arg(self.dir.join(format!("{side}.yaml")))
             .env("RUST_LOG", "info")
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
@@ -153,42 +192,186 @@ fn fulcrum_on_both_sides_carries_every_flow() {
             .spawn()
             .expect("fulcrum");
         let lines = lines_of(child.stderr.take().expect("stderr"));
-        running.push((Killed(child), lines));
+        (Killed(child), lines)
     }
-    // fulcrum logs a refused vserver as it starts.
-    let refusal = running.iter().find_map(|(_, lines)| {
-        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+
+    /// Wait for a log line of instance `k` containing `what`; the line, or what was seen
+    /// instead (the refusal, or nothing).
+    fn wait_log(&self, k: usize, what: &str, within: Duration) -> Result<String, String> {
+        let deadline = std::time::Instant::now() + within;
+        let mut last = String::from("no such line");
         while let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) {
-            match lines.recv_timeout(left) {
-                Ok(l) if l.contains("vserver not started") => return Some(l),
+            match self.running[k].1.recv_timeout(left) {
+                Ok(l) if l.contains(what) => return Ok(l),
+                Ok(l) if l.contains("not started") || l.contains("ERROR") => last = l,
                 Ok(_) => {}
                 Err(_) => break,
             }
         }
-        None
-    });
-    if let Some(line) = refusal {
-        assert!(
-            std::env::var("FULCRUM_REQUIRE_PACKET").as_deref() != Ok("1"),
-            "the packet vserver is refused, and FULCRUM_REQUIRE_PACKET=1: {line}"
-        );
-        println!(
-            "NOT RUN: this build has no packet data path; fulcrum said: {line} (FULCRUM_REQUIRE_PACKET=1 makes this a failure)"
-        );
-        let _ = std::fs::remove_dir_all(&dir);
-        return;
+        Err(last)
     }
-    // Both monitors have seen their firewalls (2 successes at 500 ms).
-    let t = bed.traffic("helper_serve", "helper_client", LOAD);
+
+    /// Kill instance `k` (SIGKILL: no goodbye) and start it again.
+    fn kill_and_restart(&mut self, k: usize, gap: Duration) {
+        let _ = self.running[k].0.0.kill();
+        let _ = self.running[k].0.0.wait();
+        std::thread::sleep(gap);
+        let p = self.spawn(k);
+        self.running[k] = p;
+        self.wait_log(k, "packet vserver attached", Duration::from_secs(10))
+            .expect("restarted");
+    }
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        self.running.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+        // The pinned links outlive the processes by design: unpin them.
+        for n in &self.names {
+            let _ = std::fs::remove_dir_all(std::path::Path::new("/sys/fs/bpf/fulcrum").join(n));
+        }
+    }
+}
+
+/// Firewall `fw` stops (`true`: every packet arriving at it dropped before it is routed or
+/// answered, as a hung box; its routes and connection state stay) or runs again.
+fn hang(fw: &common::netns::Netns, hung: bool) {
+    let script = if hung {
+        "table inet dead {\n  chain in {\n    type filter hook prerouting priority -300; policy drop;\n  }\n}\n"
+    } else {
+        "delete table inet dead\n"
+    };
+    let mut c = std::process::Command::new("ip")
+        .args(["netns", "exec", &fw.0, "nft", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("nft");
+    use std::io::Write;
+    c.stdin
+        .take()
+        .expect("stdin")
+        .write_all(script.as_bytes())
+        .expect("script");
+    assert!(c.wait().expect("nft").success(), "nft {script}");
+}
+
+/// fulcrum on both balancers, hashing by source and destination address (symmetric): 300
+/// concurrent TCP connections from 32 client addresses, UDP flows and pings all complete,
+/// no firewall drops a packet and every firewall carries some flows.
+#[test]
+fn fulcrum_on_both_sides_carries_every_flow() {
+    let Some(bed) = Bed::build("f", Balancing::Fulcrum) else {
+        return;
+    };
+    let Some(_pair) = Pair::start(&bed, "f") else {
+        return;
+    };
+    let load = Load {
+        tcp: 300,
+        udp: 60,
+        pings: 12,
+        addrs: fwbed::CLIENT_ALIASES,
+        pause_ms: 0,
+    };
+    let t = bed.traffic("helper_serve", "helper_client", load);
     let drops = bed.counters("dropped");
     let new = bed.counters("new_flows");
-    let _ = std::fs::remove_dir_all(&dir);
     println!("fulcrum: {t:?} drops {drops:?} new flows {new:?}");
     assert!(t.all_ok(), "{t:?}");
     assert_eq!(drops, vec![0; FIREWALLS]);
     assert!(
         new.iter().all(|n| *n > 0),
         "one firewall got no flow: {new:?}"
+    );
+}
+
+/// The outside instance killed (SIGKILL) while 60 TCP connections and 30 UDP flows exchange
+/// data, and started again a second later: its program stays attached meanwhile and the
+/// new instance puts its own in place with the same table, so every flow completes and no
+/// firewall drops a packet (a flow sent through another firewall would be dropped there).
+#[test]
+fn the_outside_instance_killed_and_restarted_loses_no_flow() {
+    let Some(bed) = Bed::build("k", Balancing::Fulcrum) else {
+        return;
+    };
+    let Some(mut pair) = Pair::start(&bed, "k") else {
+        return;
+    };
+    let load = Load {
+        tcp: 60,
+        udp: 30,
+        pings: 0,
+        addrs: fwbed::CLIENT_ALIASES,
+        pause_ms: 250,
+    };
+    let mut running = bed.start_traffic("helper_serve", "helper_client", load);
+    let connected = running.connected();
+    assert_eq!(connected, "CONNECTED 60/60");
+    pair.kill_and_restart(0, Duration::from_secs(1));
+    let t = running.finish();
+    let drops = bed.counters("dropped");
+    println!("kill and restart: {t:?} drops {drops:?}");
+    assert!(t.all_ok(), "{t:?}");
+    assert_eq!(drops, vec![0; FIREWALLS]);
+}
+
+/// Firewall 2 hangs (drops everything it receives) under load: both balancers' monitors take it
+/// DOWN and move its buckets, so exactly the TCP connections that had started through it
+/// break (their packets reach a firewall without their state) and the rest complete. New
+/// flows then avoid it. Back UP, it takes its share of new flows again.
+#[test]
+fn a_dead_firewall_loses_only_its_own_flows_and_new_ones_avoid_it() {
+    let Some(bed) = Bed::build("d", Balancing::Fulcrum) else {
+        return;
+    };
+    let Some(pair) = Pair::start(&bed, "d") else {
+        return;
+    };
+    let tcp_only = Load {
+        tcp: 60,
+        udp: 0,
+        pings: 0,
+        addrs: fwbed::CLIENT_ALIASES,
+        pause_ms: 250,
+    };
+    let mut running = bed.start_traffic("helper_serve", "helper_client", tcp_only);
+    assert_eq!(running.connected(), "CONNECTED 60/60");
+    let on_fw2 = bed.counters("new_flows")[1];
+    assert!(on_fw2 > 0, "no connection through firewall 2");
+    let fw2 = &bed.fws[1];
+    hang(fw2, true);
+    for k in 0..2 {
+        pair.wait_log(k, "firewall set changed", Duration::from_secs(10))
+            .expect("the monitors take firewall 2 down");
+    }
+    let t = running.finish();
+    println!("firewall 2 down under load: {t:?}, {on_fw2} connections had started through it");
+    assert_eq!(t.tcp - t.tcp_ok, on_fw2 as usize, "{t:?}");
+
+    let quick = Load {
+        pause_ms: 0,
+        udp: 30,
+        ..tcp_only
+    };
+    let t = bed.traffic("helper_serve", "helper_client", quick);
+    let new = bed.counters("new_flows");
+    println!("firewall 2 down, new flows: {t:?} new flows {new:?}");
+    assert!(t.all_ok(), "{t:?}");
+    assert_eq!(new[1], on_fw2, "a new flow went to the dead firewall");
+
+    hang(fw2, false);
+    for k in 0..2 {
+        pair.wait_log(k, "firewall set changed", Duration::from_secs(15))
+            .expect("the monitors bring firewall 2 back");
+    }
+    let t = bed.traffic("helper_serve", "helper_client", quick);
+    let after = bed.counters("new_flows");
+    println!("firewall 2 back: {t:?} new flows {after:?}");
+    assert!(t.all_ok(), "{t:?}");
+    assert!(
+        after[1] > new[1],
+        "firewall 2 took no new flow back: {after:?}"
     );
 }
 
@@ -215,7 +398,8 @@ fn lines_of(r: impl std::io::Read + Send + 'static) -> std::sync::mpsc::Receiver
     rx
 }
 
-/// A packet vserver is refused at start with a message that names it and says why; the
+/// A packet vserver the kernel cannot start (here: its firewall leg's interface does not
+/// exist in this namespace) is refused with a message that names it and says why; the
 /// vservers beside it start and carry traffic.
 #[test]
 fn a_packet_vserver_is_refused_and_the_others_start() {
@@ -229,7 +413,7 @@ fn a_packet_vserver_is_refused_and_the_others_start() {
     assert_eq!(refused.len(), 1, "{refused:?}");
     assert_eq!(refused[0].0, "outside");
     assert!(
-        refused[0].1.contains("vserver `outside`") && refused[0].1.contains("packet data path"),
+        refused[0].1.contains("vserver `outside`") && refused[0].1.contains("no interface lbo-f1"),
         "{refused:?}"
     );
     assert!(rt.vserver("outside").is_none());
@@ -259,7 +443,7 @@ fn a_reload_leaves_a_refused_packet_vserver_refused() {
     assert!(
         status["not_started"][0]["reason"]
             .as_str()
-            .is_some_and(|r| r.contains("packet data path")),
+            .is_some_and(|r| r.contains("no interface lbo-f1")),
         "{status}"
     );
     file.write(&yaml("fw1, fw2", "a, b"));
@@ -295,8 +479,9 @@ fn bench_forwarding() {
         .filter_map(|m| match m.trim() {
             "route" => Some(Balancing::Route),
             "symhash" => Some(Balancing::Symhash),
-            // fulcrum's row joins here once it forwards packets: its two configs as in
-            // `fulcrum_on_both_sides_carries_every_flow`, started before the blast.
+            // fulcrum's two instances as in `fulcrum_on_both_sides_carries_every_flow`,
+            // started before the blast.
+            "fulcrum" => Some(Balancing::Fulcrum),
             _ => None,
         })
         .collect();
@@ -305,6 +490,13 @@ fn bench_forwarding() {
         for &mode in &modes {
             let Some(bed) = Bed::build("b", mode) else {
                 return;
+            };
+            let _pair = match mode {
+                Balancing::Fulcrum => match Pair::start(&bed, "b") {
+                    Some(p) => Some(p),
+                    None => return,
+                },
+                _ => None,
             };
             let mut server = Bed::helper(&bed.srv, "helper_serve", "fw-serve", &[]);
             server.expect("READY");

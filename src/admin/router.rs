@@ -527,6 +527,7 @@ pub fn status(ops: &Ops) -> Value {
                             "sources": g.sources().sources(),
                             "refused": g.refusals().iter().map(|(r, n)| (r.name().to_owned(), json!(n))).collect::<serde_json::Map<_, _>>(),
                         })),
+                        "packet": packet_status(v),
                         "eject": b.eject_params().map(|p| json!({
                             "after": p.after,
                             "base_s": p.base_ns as f64 / 1e9,
@@ -552,6 +553,50 @@ pub fn status(ops: &Ops) -> Value {
         "flow_tokens": flow_tokens_status(ops),
         "dns": dns_status(ops),
     })
+}
+
+/// `/status` of a packet vserver (docs/firewall.md): its interfaces, each firewall leg's
+/// share of the bucket table and what it forwarded, what went to the stack and what was
+/// dropped, as last read from the kernel (every second).
+fn packet_status(v: &crate::proxy::VserverHandle) -> Option<Value> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let p = v
+        .data
+        .as_any()
+        .downcast_ref::<crate::proxy::packet::PacketPath>()?;
+    let table = p.table();
+    let c = p.counters();
+    let forwarded = crate::sync::lock(&c.forwarded).clone();
+    let legs: Vec<Value> = p
+        .legs()
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let slot = i as u32 + 1;
+            let (packets, bytes) = forwarded.get(i).map_or((0, 0), |(_, p, b)| (*p, *b));
+            json!({
+                "name": name,
+                "buckets": table.iter().filter(|&&s| s == slot).count(),
+                "packets": packets,
+                "bytes": bytes,
+            })
+        })
+        .collect();
+    Some(json!({
+        "interfaces": p.interfaces(),
+        "buckets": table.len(),
+        "legs": legs,
+        "passed": crate::packet::PassReason::ALL
+            .iter()
+            .zip(&c.passed)
+            .map(|(r, n)| (r.name().to_owned(), json!(n.load(Relaxed))))
+            .collect::<serde_json::Map<_, _>>(),
+        "dropped": {
+            "no_firewall": c.dropped_no_firewall.load(Relaxed),
+            "no_next_hop": c.dropped_no_next_hop.load(Relaxed),
+        },
+        "tables_installed": c.tables.load(Relaxed),
+    }))
 }
 
 /// `/status` `open_files`: the file budget ([`crate::budget`]).

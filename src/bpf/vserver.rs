@@ -197,6 +197,11 @@ impl PacketVserver {
     /// Detach from every interface (the vserver is removed). Dropped without this, the
     /// pinned links keep forwarding with the last table, for the next start to take over.
     pub fn stop(mut self) -> Result<(), BpfError> {
+        self.detach()
+    }
+
+    /// Detach from every interface and remove the pins: packets reach the stack again.
+    pub fn detach(&mut self) -> Result<(), BpfError> {
         self.path.detach_all()
     }
 }

@@ -1,20 +1,395 @@
 //! Packet vservers (`protocol: ip`, docs/firewall.md): packets forwarded unchanged at the IP
 //! layer by a kernel program, only their Ethernet addresses rewritten. IO.
 //!
-//! This build carries no such data path: [`start`] refuses every packet vserver with the
-//! reason, and [`super::Runtime::start`] starts the other vservers beside it. The refusal
-//! is the one place a packet data path plugs in.
+//! [`start`] loads and attaches the vserver's tc program ([`crate::bpf::PacketVserver`]) and
+//! gives it a handle like any other vserver's: a balancer that the monitors and the operator
+//! set health on, as for every service, and a data path whose counters the admin API reads.
+//! One thread per packet vserver follows the balancer: when the set of usable firewalls
+//! changes it installs the selector's new bucket table (only the buckets of a firewall that
+//! left or came back move), and it copies the program's counters out for the metrics.
+//!
+//! Where the kernel refuses the program (no BPF permission, no such interface), [`start`]
+//! fails with the reason and [`super::Runtime::start`] starts the other vservers beside it.
+//!
+//! The program and its maps stay attached when fulcrum stops or dies (they are pinned under
+//! [`crate::bpf::PIN_ROOT`]): packets keep flowing with the last table while fulcrum is
+//! restarted, and the next start replaces the program in place. Removing the pin directory
+//! (`/sys/fs/bpf/fulcrum/<vserver>`) detaches it by hand.
 
-use crate::config::{Config, Vserver};
-use crate::proxy::RuntimeError;
+use crate::balancer::Balancer;
+use crate::bpf::{Counters, Firewall, PacketVserver};
+use crate::config::{Config, Protocol, Vserver};
+use crate::edge::Edge;
+use crate::packet::{PassReason, PathConfig};
+use crate::proxy::context::{
+    DataPath, Prepared, Rebuild, RebuildCx, RuntimeError, StartCtx, VserverHandle,
+};
+use crate::proxy::reconfig;
+use arc_swap::ArcSwap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-/// Why this build cannot forward packets, in the words the operator reads.
-pub(crate) const UNAVAILABLE: &str = "protocol ip needs the kernel packet data path (a tc BPF program), which this build of fulcrum does not have; the vserver is not started, the others are";
+/// How often the follower thread looks at the firewalls' health: a DOWN firewall's buckets
+/// move within this of the monitor's verdict.
+const FOLLOW: Duration = Duration::from_millis(50);
+/// How often the program's counters are copied out for the metrics.
+const COUNT_EVERY: u32 = 20;
 
-/// Start packet vserver `v` of `config`; here always the error that names it and says why.
-pub(crate) fn start(_config: &Config, v: &Vserver) -> Result<(), RuntimeError> {
-    Err(RuntimeError::Setup {
+/// The firewall legs of vserver `v`: one per member, except that two members with one
+/// `hash_id` on one `interface` and of different families are one leg with an address of
+/// each family (an IPv6 packet needs an IPv6 next hop). Each leg with the indices (into
+/// [`Config::services`]) of its members.
+fn legs(config: &Config, v: &Vserver) -> Result<Vec<(Firewall, Vec<usize>)>, String> {
+    let mut out: Vec<(Firewall, Vec<usize>)> = Vec::new();
+    for &i in &v.services {
+        let Some(s) = config.services.get(i) else {
+            continue;
+        };
+        let Some(interface) = s.interface.as_deref() else {
+            return Err(format!("service `{}` has no `interface`", s.name));
+        };
+        let ip = s.address.ip();
+        let twin = out.iter_mut().find(|(f, members)| {
+            s.hash_id.is_some()
+                && f.interface == interface
+                && f.other_address.is_none()
+                && f.address.is_ipv4() != ip.is_ipv4()
+                && members
+                    .first()
+                    .and_then(|&m| config.services.get(m))
+                    .is_some_and(|first| first.hash_id == s.hash_id)
+        });
+        match twin {
+            Some((f, members)) => {
+                *f = f.clone().with_other_address(ip);
+                members.push(i);
+            }
+            None => out.push((Firewall::of(s, interface), vec![i])),
+        }
+    }
+    Ok(out)
+}
+
+/// The program's counters as the admin API reads them, copied from the kernel by the
+/// follower thread.
+#[derive(Debug, Default)]
+pub(crate) struct PacketCounters {
+    /// Passed to the stack, per [`PassReason::ALL`].
+    pub passed: [AtomicU64; 5],
+    pub dropped_no_firewall: AtomicU64,
+    pub dropped_no_next_hop: AtomicU64,
+    /// Forwarded packets and bytes per leg, in leg order.
+    pub forwarded: Mutex<Vec<(String, u64, u64)>>,
+    /// Table installs (the usable set changed) and buckets moved by them.
+    pub tables: AtomicU64,
+    pub buckets_moved: AtomicU64,
+}
+
+impl PacketCounters {
+    fn store(&self, c: &Counters, names: &[String]) {
+        for (slot, reason) in self.passed.iter().zip(PassReason::ALL) {
+            slot.store(c.passed(reason).packets, Ordering::Relaxed);
+        }
+        self.dropped_no_firewall
+            .store(c.dropped_no_firewall.packets, Ordering::Relaxed);
+        self.dropped_no_next_hop
+            .store(c.dropped_no_next_hop.packets, Ordering::Relaxed);
+        let per: Vec<(String, u64, u64)> = names
+            .iter()
+            .zip(&c.forwarded)
+            .map(|(n, p)| (n.clone(), p.packets, p.bytes))
+            .collect();
+        *crate::sync::lock(&self.forwarded) = per;
+    }
+}
+
+/// What the follower thread and the handle share.
+#[derive(Debug)]
+struct Shared {
+    name: String,
+    program: Mutex<Program>,
+    balancer: ArcSwap<Balancer>,
+    counters: Arc<PacketCounters>,
+}
+
+/// The loaded program with what the follower needs to read the balancer.
+#[derive(Debug)]
+struct Program {
+    vserver: PacketVserver,
+    interfaces: Vec<String>,
+    /// Each leg's members, as indices into `Config::services`.
+    members: Vec<Vec<usize>>,
+    /// Each leg's name (its members' names joined by `+`).
+    names: Vec<String>,
+    /// The usable set the table was built for.
+    up: Vec<bool>,
+    /// Each leg's forwarded (packets, bytes) as last read, so that the members' traffic
+    /// counters grow by the difference.
+    last: Vec<(u64, u64)>,
+}
+
+impl Program {
+    /// Add what each leg forwarded since the last read to its first member's traffic
+    /// counters (`fulcrum_packets_total`, `fulcrum_bytes_total`, `/status`).
+    fn charge(&mut self, b: &Balancer, c: &Counters, now: crate::stats::Nanos) {
+        for ((ms, last), now_fwd) in self.members.iter().zip(&mut self.last).zip(&c.forwarded) {
+            let (packets, bytes) = (now_fwd.packets, now_fwd.bytes);
+            let dp = packets.saturating_sub(last.0);
+            let db = bytes.saturating_sub(last.1);
+            *last = (packets, bytes);
+            let member = ms
+                .first()
+                .and_then(|s| b.members().iter().position(|m| m.service == *s));
+            if let Some(counters) = member.and_then(|m| b.counters(m))
+                && dp > 0
+            {
+                counters.record_traffic(db, dp, now);
+            }
+        }
+    }
+
+    /// Which legs the balancer would give a new flow: every member of the leg usable.
+    fn usable(&self, b: &Balancer, now: crate::stats::Nanos) -> Vec<bool> {
+        self.members
+            .iter()
+            .map(|ms| {
+                ms.iter().all(|s| {
+                    b.members()
+                        .iter()
+                        .position(|m| m.service == *s)
+                        .is_some_and(|m| b.is_usable(m, now))
+                })
+            })
+            .collect()
+    }
+}
+
+/// A packet vserver's data path as the runtime and the admin API see it.
+#[derive(Debug)]
+pub(crate) struct PacketPath {
+    shared: Arc<Shared>,
+    edge: Edge,
+}
+
+impl PacketPath {
+    /// The program's counters, as last copied from the kernel.
+    pub(crate) fn counters(&self) -> &Arc<PacketCounters> {
+        &self.shared.counters
+    }
+
+    /// The interfaces the program is attached to.
+    pub(crate) fn interfaces(&self) -> Vec<String> {
+        crate::sync::lock(&self.shared.program).interfaces.clone()
+    }
+
+    /// The live bucket table: the leg (1-based, 0 none) of each bucket.
+    pub(crate) fn table(&self) -> Vec<u32> {
+        crate::sync::lock(&self.shared.program)
+            .vserver
+            .table()
+            .to_vec()
+    }
+
+    /// Each leg's name, in slot order (slot `i + 1` is leg `i`).
+    pub(crate) fn legs(&self) -> Vec<String> {
+        crate::sync::lock(&self.shared.program).names.clone()
+    }
+}
+
+fn setup(v: &Vserver, problem: impl std::fmt::Display) -> RuntimeError {
+    let problem = problem.to_string();
+    // The data path's own errors name the vserver too; once is enough.
+    let own = format!("vserver {}: ", v.name);
+    RuntimeError::Setup {
         vserver: v.name.clone(),
-        problem: UNAVAILABLE.to_owned(),
+        problem: problem.strip_prefix(&own).unwrap_or(&problem).to_owned(),
+    }
+}
+
+/// Load and attach the program of `v`, every firewall UP until its monitor says otherwise.
+fn load(config: &Config, v: &Vserver) -> Result<Program, RuntimeError> {
+    let path = PathConfig::of(v)
+        .ok_or_else(|| setup(v, format!("method {} cannot hash packets", v.method.name())))?;
+    let legs = legs(config, v).map_err(|e| setup(v, e))?;
+    let firewalls: Vec<Firewall> = legs.iter().map(|(f, _)| f.clone()).collect();
+    let up = vec![true; firewalls.len()];
+    let vserver = PacketVserver::start(&v.name, &v.interfaces, &path, &config.lb, &firewalls, &up)
+        .map_err(|e| setup(v, e))?;
+    let names = legs
+        .iter()
+        .map(|(_, ms)| {
+            ms.iter()
+                .filter_map(|&i| config.services.get(i).map(|s| s.name.as_str()))
+                .collect::<Vec<_>>()
+                .join("+")
+        })
+        .collect();
+    let last = vec![(0, 0); legs.len()];
+    Ok(Program {
+        last,
+        vserver,
+        interfaces: v.interfaces.clone(),
+        members: legs.into_iter().map(|(_, ms)| ms).collect(),
+        names,
+        up,
     })
+}
+
+/// Start packet vserver `v` of `config`: load and attach its program and start the thread
+/// that follows its firewalls' health.
+pub(crate) fn start(
+    ctx: &mut StartCtx<'_>,
+    config: &Config,
+    v: &Vserver,
+) -> Result<VserverHandle, RuntimeError> {
+    if v.sticky {
+        return Err(setup(
+            v,
+            "`sticky: true` is not carried by this build's packet program (flows follow the hash); set `sticky: false`",
+        ));
+    }
+    let program = load(config, v)?;
+    let balancer = Arc::new(Balancer::new(config, v));
+    let shared = Arc::new(Shared {
+        name: v.name.clone(),
+        program: Mutex::new(program),
+        balancer: ArcSwap::new(Arc::clone(&balancer)),
+        counters: Arc::default(),
+    });
+    let follower = Arc::clone(&shared);
+    let sleeper = ctx.shutdown.sleeper();
+    let epoch = ctx.epoch;
+    let heart = ctx
+        .liveness
+        .periodic(format!("{}-follower", v.name), FOLLOW * 4);
+    let thread = std::thread::Builder::new()
+        .name(format!("fulcrum-{}", v.name))
+        .spawn(move || follow(&follower, epoch, &sleeper, &heart))
+        .map_err(|e| setup(v, format!("cannot start its thread: {e}")))?;
+    ctx.threads.push(thread);
+    tracing::info!(vserver = %v.name, interfaces = ?v.interfaces, "packet vserver attached");
+    Ok(VserverHandle::new(
+        v.name.clone(),
+        Protocol::Ip,
+        Vec::new(),
+        balancer,
+        Arc::new(PacketPath {
+            shared,
+            edge: v.edge(None),
+        }),
+    ))
+}
+
+/// The follower: install a new table whenever the usable set changes, copy the counters.
+fn follow(
+    shared: &Shared,
+    epoch: std::time::Instant,
+    sleeper: &crate::proxy::shutdown::Sleeper,
+    heart: &crate::liveness::Heart,
+) {
+    let mut round = 0u32;
+    loop {
+        heart.beat();
+        let now = crate::proxy::context::elapsed_nanos(epoch);
+        let b = shared.balancer.load_full();
+        {
+            let mut p = crate::sync::lock(&shared.program);
+            let up = p.usable(&b, now);
+            if up != p.up {
+                match p.vserver.set_up(&up) {
+                    Ok(moved) => {
+                        shared.counters.tables.fetch_add(1, Ordering::Relaxed);
+                        shared
+                            .counters
+                            .buckets_moved
+                            .fetch_add(moved as u64, Ordering::Relaxed);
+                        tracing::info!(vserver = %shared.name, up = ?up, moved, "firewall set changed: bucket table replaced");
+                        p.up = up;
+                    }
+                    Err(e) => {
+                        tracing::error!(vserver = %shared.name, error = %e, "bucket table not replaced; tried again");
+                    }
+                }
+            }
+            if round.is_multiple_of(COUNT_EVERY) {
+                match p.vserver.counters() {
+                    Ok(c) => {
+                        shared.counters.store(&c, &p.names);
+                        p.charge(&b, &c, now);
+                    }
+                    Err(e) => tracing::debug!(vserver = %shared.name, error = %e, "counters"),
+                }
+            }
+        }
+        round = round.wrapping_add(1);
+        if sleeper.sleep(FOLLOW) {
+            return;
+        }
+    }
+}
+
+impl DataPath for PacketPath {
+    fn edge(&self) -> &Edge {
+        &self.edge
+    }
+
+    fn each_event(&self, visit: &mut dyn FnMut(&'static str, &AtomicU64)) {
+        let c = &self.shared.counters;
+        const PASSED: [&str; 5] = [
+            "packets_passed_non_ip",
+            "packets_passed_multicast",
+            "packets_passed_link_local",
+            "packets_passed_to_host",
+            "packets_passed_malformed",
+        ];
+        for (name, n) in PASSED.iter().zip(&c.passed) {
+            visit(name, n);
+        }
+        visit("packets_dropped_no_firewall", &c.dropped_no_firewall);
+        visit("packets_dropped_no_next_hop", &c.dropped_no_next_hop);
+        visit("bucket_tables_installed", &c.tables);
+        visit("buckets_moved", &c.buckets_moved);
+    }
+
+    /// A new member list or weights: new legs and table in the running program; a new
+    /// method or masks: a new program, put in place of the old one in its links.
+    fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError> {
+        PathConfig::of(v)
+            .ok_or_else(|| setup(v, format!("method {} cannot hash packets", v.method.name())))?;
+        let legs = legs(config, v).map_err(|e| setup(v, e))?;
+        for (f, _) in &legs {
+            nix::net::if_::if_nametoindex(f.interface.as_str())
+                .map_err(|e| setup(v, format!("interface {}: {e}", f.interface)))?;
+        }
+        let balancer = Arc::new(Balancer::new(config, v));
+        let shared = Arc::clone(&self.shared);
+        let (config, v) = (config.clone(), v.clone());
+        Ok(Prepared::new(move |cx: &RebuildCx<'_>| {
+            let old = shared.balancer.load_full();
+            let old_names = reconfig::names_of(&old);
+            let added = reconfig::settle(&balancer, &old_names, cx.health_of, cx.now());
+            // Loading cannot be done aside without attaching: on failure the old program
+            // keeps forwarding with its table, and the log says why.
+            match load(&config, &v) {
+                Ok(program) => *crate::sync::lock(&shared.program) = program,
+                Err(e) => {
+                    tracing::error!(vserver = %v.name, error = %e, "packet vserver not rebuilt: it forwards as before")
+                }
+            }
+            shared.balancer.store(Arc::clone(&balancer));
+            Rebuild {
+                rebuilt: reconfig::rebuilt(&old_names, &balancer, &added),
+                balancer,
+                data: Arc::new(PacketPath {
+                    shared,
+                    edge: v.edge(None),
+                }),
+            }
+        }))
+    }
+
+    fn protocols(&self) -> &'static [Protocol] {
+        &[Protocol::Ip]
+    }
 }

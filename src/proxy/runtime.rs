@@ -22,7 +22,7 @@ pub struct Runtime {
     shutdown: Shutdown,
     vservers: Vec<VserverHandle>,
     /// Vservers of the config that could not start while the others did, with why: packet
-    /// vservers this build cannot run ([`crate::proxy::packet::start`]).
+    /// vservers the kernel would not take ([`crate::proxy::packet::start`]).
     refused: Vec<(String, String)>,
     threads: Vec<JoinHandle<()>>,
     /// Async data paths, monitors and the admin API run here.
@@ -83,7 +83,7 @@ impl Runtime {
         for v in &config.vservers {
             if v.protocol.is_packet() {
                 // One vserver the host cannot run does not keep the others down.
-                if let Err(e) = crate::proxy::packet::start(config, v) {
+                if let Err(e) = rt.start_vserver(config, v) {
                     tracing::error!(vserver = %v.name, error = %e, "vserver not started");
                     rt.refused.push((v.name.clone(), e.to_string()));
                 }
@@ -326,20 +326,8 @@ fn starter(
         }
         Protocol::Udp => udp::start,
         Protocol::Tcp | Protocol::Http => tcp::start,
-        // Started apart, in `Runtime::start`: no listener or handle of the kinds above.
-        Protocol::Ip => not_a_socket_path,
+        Protocol::Ip => crate::proxy::packet::start,
     }
-}
-
-fn not_a_socket_path(
-    _: &mut StartCtx<'_>,
-    _: &Config,
-    v: &Vserver,
-) -> Result<VserverHandle, RuntimeError> {
-    Err(RuntimeError::Setup {
-        vserver: v.name.clone(),
-        problem: crate::proxy::packet::UNAVAILABLE.to_owned(),
-    })
 }
 
 impl Drop for Runtime {

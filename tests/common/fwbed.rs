@@ -33,6 +33,9 @@ pub const SERVER: &str = "10.4.0.2";
 pub const TCP_PORT: u16 = 7000;
 pub const UDP_PORT: u16 = 7001;
 pub const SINK_PORT: u16 = 7002;
+/// The client's extra addresses, 10.1.0.100 onwards: flows spread over them when a load
+/// asks (`Load::addrs`), so that a hash of addresses alone has more than one key to spread.
+pub const CLIENT_ALIASES: usize = 32;
 
 /// What the balancers do with the packets that reach them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +200,12 @@ impl Bed {
         bed.link(&bed.cli, "cli0", CLIENT, &bed.lbo, "lbo-c", "10.1.0.1");
         bed.link(&bed.srv, "srv0", SERVER, &bed.lbi, "lbi-s", "10.4.0.1");
         ipn(&bed.cli, "route add default via 10.1.0.1");
+        for k in 0..CLIENT_ALIASES {
+            ipn(
+                &bed.cli,
+                &format!("addr add 10.1.0.{}/24 dev cli0", 100 + k),
+            );
+        }
         ipn(&bed.srv, "route add default via 10.4.0.1");
         for (k, fw) in bed.fws.iter().enumerate() {
             let i = k + 1;
@@ -328,9 +337,16 @@ impl Bed {
     /// Run `tcp` concurrent TCP connections, `udp` UDP flows and `pings` echoes from the
     /// client to the server through the sandwich; what came through.
     pub fn traffic(&self, helper_serve: &str, helper_client: &str, load: Load) -> Traffic {
+        self.start_traffic(helper_serve, helper_client, load)
+            .finish()
+    }
+
+    /// [`Bed::traffic`] started: the flows are under way when this returns (every TCP
+    /// connection is up once `Running::connected` returns).
+    pub fn start_traffic(&self, helper_serve: &str, helper_client: &str, load: Load) -> Running {
         let mut server = Bed::helper(&self.srv, helper_serve, "fw-serve", &[]);
         server.expect("READY");
-        let mut client = Bed::helper(
+        let client = Bed::helper(
             &self.cli,
             helper_client,
             "fw-client",
@@ -338,9 +354,32 @@ impl Bed {
                 ("FWBED_TCP", load.tcp.to_string()),
                 ("FWBED_UDP", load.udp.to_string()),
                 ("FWBED_PING", load.pings.to_string()),
+                ("FWBED_ADDRS", load.addrs.to_string()),
+                ("FWBED_PAUSE_MS", load.pause_ms.to_string()),
             ],
         );
-        let line = client.expect("TRAFFIC");
+        Running {
+            _server: server,
+            client,
+        }
+    }
+}
+
+/// Traffic under way ([`Bed::start_traffic`]).
+pub struct Running {
+    _server: Helper,
+    client: Helper,
+}
+
+impl Running {
+    /// Wait until every TCP connection of the load is established (or failed to be).
+    pub fn connected(&mut self) -> String {
+        self.client.expect("CONNECTED")
+    }
+
+    /// Wait for the client's report.
+    pub fn finish(mut self) -> Traffic {
+        let line = self.client.expect("TRAFFIC");
         Traffic::parse(&line).unwrap_or_else(|| panic!("bad report: {line}"))
     }
 }
@@ -351,6 +390,12 @@ pub struct Load {
     pub tcp: usize,
     pub udp: usize,
     pub pings: usize,
+    /// Spread the TCP and UDP flows over this many of the client's addresses (0: all from
+    /// [`CLIENT`]).
+    pub addrs: usize,
+    /// The pause between two exchanges of a flow: 20 exchanges make a TCP flow last 20
+    /// pauses (and a UDP flow 5).
+    pub pause_ms: u64,
 }
 
 /// What came through: flows that completed of those tried, per kind.
@@ -488,28 +533,62 @@ pub fn serve() {
     std::thread::sleep(life);
 }
 
-/// One TCP flow: connect, 20 exchanges of 1,000 bytes echoed, close; every wait bounded.
-fn tcp_flow(i: usize) -> bool {
+/// The source address of flow `i`: [`CLIENT`], or one of the aliases when `FWBED_ADDRS`
+/// asks to spread.
+fn source_of(i: usize) -> std::net::IpAddr {
+    let n = env_usize("FWBED_ADDRS").min(CLIENT_ALIASES);
+    let a = if n == 0 {
+        CLIENT.to_string()
+    } else {
+        format!("10.1.0.{}", 100 + i % n)
+    };
+    a.parse().expect("ip")
+}
+
+fn pause() {
+    let ms = env_usize("FWBED_PAUSE_MS") as u64;
+    if ms > 0 {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+}
+
+/// One TCP connection from flow `i`'s source, established (or `None`), every wait bounded.
+fn tcp_connect(i: usize) -> Option<TcpStream> {
     let to: SocketAddr = format!("{SERVER}:{TCP_PORT}").parse().expect("addr");
-    let Ok(mut s) = TcpStream::connect_timeout(&to, Duration::from_secs(3)) else {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
+    sock.bind(&SocketAddr::new(source_of(i), 0).into()).ok()?;
+    sock.connect_timeout(&to.into(), Duration::from_secs(5))
+        .ok()?;
+    let s: TcpStream = sock.into();
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = s.set_write_timeout(Some(Duration::from_secs(5)));
+    Some(s)
+}
+
+/// One TCP flow on connection `s`: 20 exchanges of 1,000 bytes echoed (a pause between
+/// them), close.
+fn tcp_flow(i: usize, s: Option<TcpStream>) -> bool {
+    let Some(mut s) = s else {
         return false;
     };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(3)));
-    let _ = s.set_write_timeout(Some(Duration::from_secs(3)));
     let msg: Vec<u8> = (0..1000).map(|k| (i + k) as u8).collect();
     let mut back = vec![0u8; msg.len()];
-    (0..20).all(|_| s.write_all(&msg).is_ok() && s.read_exact(&mut back).is_ok() && back == msg)
+    (0..20).all(|_| {
+        pause();
+        s.write_all(&msg).is_ok() && s.read_exact(&mut back).is_ok() && back == msg
+    })
 }
 
 /// One UDP flow (its own source port): 5 requests, each answered within 1 s (three tries:
 /// a busy machine may stall one; a flow through the wrong firewall fails every try).
 fn udp_flow(i: usize) -> bool {
-    let Ok(s) = UdpSocket::bind((CLIENT, 0)) else {
+    let Ok(s) = UdpSocket::bind((source_of(i), 0)) else {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
     let mut buf = [0u8; 256];
     (0..5).all(|k| {
+        pause();
         let msg = format!("flow {i} request {k}");
         (0..3).any(|_| {
             s.send_to(msg.as_bytes(), (SERVER, UDP_PORT)).is_ok()
@@ -527,8 +606,23 @@ pub fn client() {
         env_usize("FWBED_UDP"),
         env_usize("FWBED_PING"),
     );
-    let tcp_threads: Vec<_> = (0..tcp)
-        .map(|i| std::thread::spawn(move || tcp_flow(i)))
+    // Every connection is set up first (so a test can act on established flows), then
+    // each exchanges its data on its own thread.
+    let connect: Vec<_> = (0..tcp)
+        .map(|i| std::thread::spawn(move || tcp_connect(i)))
+        .collect();
+    let conns: Vec<Option<TcpStream>> = connect
+        .into_iter()
+        .map(|t| t.join().ok().flatten())
+        .collect();
+    println!(
+        "CONNECTED {}/{tcp}",
+        conns.iter().filter(|c| c.is_some()).count()
+    );
+    let tcp_threads: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(i, c)| std::thread::spawn(move || tcp_flow(i, c)))
         .collect();
     let udp_threads: Vec<_> = (0..udp)
         .map(|i| std::thread::spawn(move || udp_flow(i)))
