@@ -33,7 +33,10 @@ use std::time::Duration;
 /// How often the follower thread looks at the firewalls' health: a DOWN firewall's buckets
 /// move within this of the monitor's verdict.
 const FOLLOW: Duration = Duration::from_millis(50);
-/// How often the program's counters are copied out for the metrics.
+/// The follower's beat as the watchdog expects it: a table install is 4,097 map writes,
+/// which a loaded machine may stretch well past [`FOLLOW`].
+const HEART: Duration = Duration::from_secs(2);
+/// How often (in rounds of [`FOLLOW`]) the program's counters are copied out.
 const COUNT_EVERY: u32 = 20;
 
 /// The firewall legs of vserver `v`: one per member, except that two members with one
@@ -260,9 +263,7 @@ pub(crate) fn start(
     let follower = Arc::clone(&shared);
     let sleeper = ctx.shutdown.sleeper();
     let epoch = ctx.epoch;
-    let heart = ctx
-        .liveness
-        .periodic(format!("{}-follower", v.name), FOLLOW * 4);
+    let heart = ctx.liveness.periodic(format!("{}-follower", v.name), HEART);
     let thread = std::thread::Builder::new()
         .name(format!("fulcrum-{}", v.name))
         .spawn(move || follow(&follower, epoch, &sleeper, &heart))
