@@ -102,6 +102,31 @@ enum Simulate {
         #[arg(long)]
         json: bool,
     },
+    /// Which firewall a `protocol: ip` vserver of a config sends a flow to (and its reply),
+    /// by the Rust twin of the kernel program.
+    Flow {
+        #[arg(long)]
+        config: PathBuf,
+        /// The packet vserver (may be left out when the config has one).
+        #[arg(long)]
+        vserver: Option<String>,
+        #[arg(long)]
+        src: std::net::IpAddr,
+        #[arg(long)]
+        dst: std::net::IpAddr,
+        /// tcp, udp, sctp, icmp, icmpv6 or a protocol number.
+        #[arg(long, default_value = "tcp")]
+        proto: String,
+        #[arg(long, requires = "dport")]
+        sport: Option<u16>,
+        #[arg(long, requires = "sport")]
+        dport: Option<u16>,
+        /// Services taken DOWN for the answer (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        down: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Run a slow-start scenario (YAML) and print requests per second per service.
     SlowStart {
         scenario: PathBuf,
@@ -408,6 +433,84 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
                 print!("{}", hash::render_text(&report));
+            }
+        }
+        Simulate::Flow {
+            config: path,
+            vserver,
+            src,
+            dst,
+            proto,
+            sport,
+            dport,
+            down,
+            json,
+        } => {
+            let cfg = match load_or_report(&path) {
+                Ok(c) => c,
+                Err(code) => return Ok(code),
+            };
+            let proto: u8 = match proto.to_ascii_lowercase().as_str() {
+                "tcp" => 6,
+                "udp" => 17,
+                "sctp" => 132,
+                "icmp" => 1,
+                "icmpv6" => 58,
+                n => n.parse().map_err(|_| {
+                    anyhow::anyhow!("--proto {n:?}: tcp, udp, sctp, icmp, icmpv6 or a number")
+                })?,
+            };
+            let packet: Vec<&config::Vserver> = cfg
+                .vservers
+                .iter()
+                .filter(|v| v.protocol.is_packet())
+                .collect();
+            let vs = match vserver.as_deref() {
+                Some(n) => cfg
+                    .vservers
+                    .iter()
+                    .find(|v| v.name == n)
+                    .ok_or_else(|| anyhow::anyhow!("no vserver named {n:?} in the config"))?,
+                None => match packet.as_slice() {
+                    [one] => one,
+                    [] => anyhow::bail!("no `protocol: ip` vserver in this config"),
+                    _ => {
+                        anyhow::bail!("several `protocol: ip` vservers: choose one with --vserver")
+                    }
+                },
+            };
+            let ports = match (proto, sport, dport) {
+                (6 | 17 | 132, Some(s), Some(d)) => Some((s, d)),
+                (6 | 17 | 132, _, _) => {
+                    anyhow::bail!("--sport and --dport are needed for tcp, udp and sctp")
+                }
+                _ => None,
+            };
+            let q = fulcrum::simulate::flow::FlowQuery {
+                src,
+                dst,
+                proto,
+                ports,
+            };
+            let r = fulcrum::simulate::flow::which_firewall(&cfg, vs, &q, &down)
+                .map_err(|e| anyhow::anyhow!(e))?;
+            if json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                let fw = |c: &fulcrum::simulate::flow::Choice| {
+                    c.firewall
+                        .clone()
+                        .unwrap_or_else(|| "none (dropped: every firewall DOWN)".into())
+                };
+                println!(
+                    "vserver {} ({}): {src} -> {dst}: bucket {} -> {}; reply: bucket {} -> {}",
+                    r.vserver,
+                    r.method,
+                    r.forward.bucket,
+                    fw(&r.forward),
+                    r.reply.bucket,
+                    fw(&r.reply)
+                );
             }
         }
         Simulate::SlowStart {

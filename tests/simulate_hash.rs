@@ -417,3 +417,70 @@ fn simulate_hash_over_the_firewall_sandwich() {
     assert_eq!(outside.len(), 3, "{outside:?}");
     assert_eq!(outside, inside, "both sides rank the firewalls alike");
 }
+
+/// `simulate flow` on the shipped sandwich: for many flows the outside vserver and the
+/// inside one name the same firewall (by `hash_id`), the client's packet and the server's
+/// reply alike, a DOWN firewall is never named, and a non-packet vserver is refused.
+#[test]
+fn simulate_flow_agrees_on_both_balancers_of_the_shipped_sandwich() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/config/firewall.yaml");
+    let ask = |vserver: &str, src: &str, dst: &str, sport: &str, dport: &str, down: &str| {
+        let mut args = vec![
+            "simulate",
+            "flow",
+            "--config",
+            path,
+            "--vserver",
+            vserver,
+            "--src",
+            src,
+            "--dst",
+            dst,
+            "--sport",
+            sport,
+            "--dport",
+            dport,
+            "--json",
+        ];
+        if !down.is_empty() {
+            args.extend(["--down", down]);
+        }
+        let out = fulcrum(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+        v["forward"]["firewall"]
+            .as_str()
+            .map(|f| f.split('-').next().unwrap_or(f).to_string())
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    for i in 1..=40 {
+        let client = format!("10.1.{}.{}", i / 7, i * 5 % 250 + 1);
+        let port = (40000 + i).to_string();
+        let out = ask("outside", &client, "10.4.0.2", &port, "443", "");
+        let back = ask("inside", "10.4.0.2", &client, "443", &port, "");
+        assert_eq!(out, back, "flow {client}:{port}");
+        seen.insert(out.clone());
+        let down = ask("outside", &client, "10.4.0.2", &port, "443", "fw2-out");
+        assert_ne!(down.as_deref(), Some("fw2"));
+    }
+    assert_eq!(seen.len(), 3, "{seen:?}");
+    let out = fulcrum(&[
+        "simulate",
+        "flow",
+        "--config",
+        path,
+        "--vserver",
+        "nope",
+        "--src",
+        "10.0.0.1",
+        "--dst",
+        "10.0.0.2",
+        "--proto",
+        "icmp",
+    ]);
+    assert!(!out.status.success());
+}

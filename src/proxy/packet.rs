@@ -39,12 +39,12 @@ const HEART: Duration = Duration::from_secs(2);
 /// How often (in rounds of [`FOLLOW`]) the program's counters are copied out.
 const COUNT_EVERY: u32 = 20;
 
-/// The firewall legs of vserver `v`: one per member, except that two members with one
-/// `hash_id` on one `interface` and of different families are one leg with an address of
-/// each family (an IPv6 packet needs an IPv6 next hop). Each leg with the indices (into
-/// [`Config::services`]) of its members.
-fn legs(config: &Config, v: &Vserver) -> Result<Vec<(Firewall, Vec<usize>)>, String> {
-    let mut out: Vec<(Firewall, Vec<usize>)> = Vec::new();
+/// The firewall legs of vserver `v`: one per member, with the index (into
+/// [`Config::services`]) of its service. (A leg with an IPv6 address carries both families:
+/// an IPv4 packet may take an IPv6 next hop, RFC 8950; one with an IPv4 address drops IPv6
+/// packets, counted `no_next_hop`.)
+pub(crate) fn legs(config: &Config, v: &Vserver) -> Result<Vec<(Firewall, Vec<usize>)>, String> {
+    let mut out = Vec::new();
     for &i in &v.services {
         let Some(s) = config.services.get(i) else {
             continue;
@@ -52,24 +52,7 @@ fn legs(config: &Config, v: &Vserver) -> Result<Vec<(Firewall, Vec<usize>)>, Str
         let Some(interface) = s.interface.as_deref() else {
             return Err(format!("service `{}` has no `interface`", s.name));
         };
-        let ip = s.address.ip();
-        let twin = out.iter_mut().find(|(f, members)| {
-            s.hash_id.is_some()
-                && f.interface == interface
-                && f.other_address.is_none()
-                && f.address.is_ipv4() != ip.is_ipv4()
-                && members
-                    .first()
-                    .and_then(|&m| config.services.get(m))
-                    .is_some_and(|first| first.hash_id == s.hash_id)
-        });
-        match twin {
-            Some((f, members)) => {
-                *f = f.clone().with_other_address(ip);
-                members.push(i);
-            }
-            None => out.push((Firewall::of(s, interface), vec![i])),
-        }
+        out.push((Firewall::of(s, interface), vec![i]));
     }
     Ok(out)
 }
