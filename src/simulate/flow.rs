@@ -99,11 +99,7 @@ pub fn which_firewall(
         .collect();
     let up: Vec<bool> = legs
         .iter()
-        .map(|(_, ms)| {
-            !ms.iter()
-                .filter_map(name_of)
-                .any(|n| down.iter().any(|d| *d == n))
-        })
+        .map(|(_, ms)| !ms.iter().filter_map(name_of).any(|n| down.contains(&n)))
         .collect();
     let members: Vec<Member> = legs.iter().map(|(f, _)| f.member).collect();
     let selector = HashSelector::build_bounded(
