@@ -111,15 +111,20 @@ fn ecmp_on_each_side_drops_tcp_flows() {
 /// taking the packets of `from`, a service per firewall leg. Each bed names its vservers
 /// apart: the program's pins are named by vserver and interface, and beds run at once.
 fn fulcrum_config(side: &str, name: &str, from: &str, net: u8) -> String {
+    fulcrum_config_of(side, name, from, net, &(1..=FIREWALLS).collect::<Vec<_>>())
+}
+
+/// [`fulcrum_config`] with firewalls `fws` only.
+fn fulcrum_config_of(side: &str, name: &str, from: &str, net: u8, fws: &[usize]) -> String {
     let mut y = String::from(
         "admin: { listen: null }\nmonitors:\n  - { name: fw-ping, type: icmp, interval: 500ms, timeout: 300ms, failures_to_down: 2, successes_to_up: 2 }\nservices:\n",
     );
-    for i in 1..=FIREWALLS {
+    for &i in fws {
         y += &format!(
             "  - {{ name: fw{i}-{side}, protocol: ip, address: 10.{net}.{i}.2, interface: lb{side}-f{i}, hash_id: fw{i}, monitor: fw-ping }}\n"
         );
     }
-    let names: Vec<String> = (1..=FIREWALLS).map(|i| format!("fw{i}-{side}")).collect();
+    let names: Vec<String> = fws.iter().map(|i| format!("fw{i}-{side}")).collect();
     y += &format!(
         "vservers:\n  - {{ name: {name}, protocol: ip, interface: [{from}], method: source_dest_ip_hash, services: [{}] }}\n",
         names.join(", ")
@@ -209,6 +214,28 @@ impl Pair {
             }
         }
         Err(last)
+    }
+
+    /// Give both instances a config with firewalls `fws` only and reload them (SIGHUP);
+    /// returns once both have rebuilt their vserver.
+    fn reload_with(&self, fws: &[usize]) {
+        for (k, side, from, net) in [(0, "o", "lbo-c", 2u8), (1, "i", "lbi-s", 3)] {
+            std::fs::write(
+                self.dir.join(format!("{side}.yaml")),
+                fulcrum_config_of(side, &self.names[k], from, net, fws),
+            )
+            .expect("write");
+            let pid = self.running[k].0.0.id().to_string();
+            let ok = std::process::Command::new("kill")
+                .args(["-HUP", &pid])
+                .status()
+                .expect("kill");
+            assert!(ok.success());
+        }
+        for k in 0..2 {
+            self.wait_log(k, "vserver rebuilt", Duration::from_secs(10))
+                .expect("reloaded");
+        }
     }
 
     /// Kill instance `k` (SIGKILL: no goodbye) and start it again.
@@ -314,6 +341,39 @@ fn the_outside_instance_killed_and_restarted_loses_no_flow() {
     println!("kill and restart: {t:?} drops {drops:?}");
     assert!(t.all_ok(), "{t:?}");
     assert_eq!(drops, vec![0; FIREWALLS]);
+}
+
+/// A reload takes firewall 3 out of both vservers: new flows avoid it and every flow
+/// completes with no drop; a second reload brings it back and it takes new flows again.
+#[test]
+fn a_reload_takes_a_firewall_out_and_brings_it_back() {
+    let Some(bed) = Bed::build("r", Balancing::Fulcrum) else {
+        return;
+    };
+    let Some(pair) = Pair::start(&bed, "r") else {
+        return;
+    };
+    let load = Load {
+        tcp: 60,
+        udp: 30,
+        pings: 0,
+        addrs: fwbed::CLIENT_ALIASES,
+        pause_ms: 0,
+    };
+    pair.reload_with(&[1, 2]);
+    let t = bed.traffic("helper_serve", "helper_client", load);
+    let new = bed.counters("new_flows");
+    println!("firewall 3 reloaded out: {t:?} new flows {new:?}");
+    assert!(t.all_ok(), "{t:?}");
+    assert_eq!(new[2], 0, "a flow went to the firewall reloaded out");
+    assert_eq!(bed.counters("dropped"), vec![0; FIREWALLS]);
+    pair.reload_with(&[1, 2, 3]);
+    let t = bed.traffic("helper_serve", "helper_client", load);
+    let after = bed.counters("new_flows");
+    println!("firewall 3 reloaded in: {t:?} new flows {after:?}");
+    assert!(t.all_ok(), "{t:?}");
+    assert!(after[2] > 0, "firewall 3 took no flow back: {after:?}");
+    assert_eq!(bed.counters("dropped"), vec![0; FIREWALLS]);
 }
 
 /// Firewall 2 hangs (drops everything it receives) under load: both balancers' monitors take it
