@@ -3,8 +3,8 @@
 //!
 //! Every client connection or session costs open files: one per SIP stream client (sip-tcp,
 //! sip-tls), two per tcp / http connection (the client's and the service's), one per udp
-//! session; a sip-udp dialog costs none. The process's open-file limit is divided once at
-//! start into a **reserve** for what must keep working whatever clients do (monitors' probes,
+//! session; a sip-udp dialog costs none. The process's open-file limit is divided at start,
+//! and again when the config's needs change ([`FileBudget::resize`]), into a **reserve** for what must keep working whatever clients do (monitors' probes,
 //! the admin API, service links, logs, reloads) and one **pool** that every vserver's client
 //! connections and sessions draw from. A connection the pool cannot take is closed at once and
 //! counted; the reserve is never lent out, so one client holding idle connections cannot take
@@ -81,8 +81,10 @@ impl Refusal {
 #[derive(Debug)]
 pub struct FileBudget {
     limit: u64,
-    reserve: u64,
-    pool: u64,
+    /// The reserve and the pool, resized when the config's needs change
+    /// ([`FileBudget::resize`]).
+    reserve: AtomicU64,
+    pool: AtomicU64,
     used: AtomicU64,
     /// The highest `used` since the last [`FileBudget::take_high`]: a burst shorter than the
     /// sampling of `used` is seen too.
@@ -101,8 +103,8 @@ impl FileBudget {
         let (reserve, pool) = split(limit, needs);
         FileBudget {
             limit,
-            reserve,
-            pool,
+            reserve: AtomicU64::new(reserve),
+            pool: AtomicU64::new(pool),
             used: AtomicU64::new(0),
             high: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -115,8 +117,8 @@ impl FileBudget {
     pub fn unlimited() -> FileBudget {
         FileBudget {
             limit: u64::MAX,
-            reserve: 0,
-            pool: u64::MAX,
+            reserve: AtomicU64::new(0),
+            pool: AtomicU64::new(u64::MAX),
             used: AtomicU64::new(0),
             high: AtomicU64::new(0),
             refused: AtomicU64::new(0),
@@ -130,11 +132,26 @@ impl FileBudget {
     }
 
     pub fn reserve(&self) -> u64 {
-        self.reserve
+        self.reserve.load(Ordering::Relaxed)
     }
 
     pub fn pool(&self) -> u64 {
-        self.pool
+        self.pool.load(Ordering::Acquire)
+    }
+
+    /// The config's needs changed (a reload, members a DNS pool added or removed): split the
+    /// limit again, so that a member added later has its link and probe files kept too.
+    /// Files in use stay taken; when the pool shrank below them, new connections are refused
+    /// (or evict) until enough are given back. Nothing changes for an unlimited budget.
+    /// The new (reserve, pool).
+    pub fn resize(&self, needs: &Needs) -> (u64, u64) {
+        if self.limit == u64::MAX {
+            return (self.reserve(), self.pool());
+        }
+        let (reserve, pool) = split(self.limit, needs);
+        self.reserve.store(reserve, Ordering::Relaxed);
+        self.pool.store(pool, Ordering::Release);
+        (reserve, pool)
     }
 
     /// Files of the pool in use now.
@@ -163,7 +180,7 @@ impl FileBudget {
             .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
                 let next = u.checked_add(files)?;
-                (next <= self.pool).then_some(next)
+                (next <= self.pool()).then_some(next)
             });
         if let Ok(before) = ok {
             self.high.fetch_max(before + files, Ordering::Relaxed);
@@ -221,7 +238,7 @@ impl FileBudget {
     /// Whether the pool is running low: at least nine tenths used, the point from which idle
     /// connections are evicted to make room for new ones.
     pub fn is_low(&self) -> bool {
-        self.used().saturating_mul(10) >= self.pool.saturating_mul(9)
+        self.used().saturating_mul(10) >= self.pool().saturating_mul(9)
     }
 }
 
@@ -507,6 +524,34 @@ impl Gate {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Members added later (a reload, a DNS pool growing) grow the reserve by what they
+    /// need, out of the pool; files already taken stay taken, and past the smaller pool new
+    /// ones are refused until enough come back.
+    #[test]
+    fn a_config_that_needs_more_grows_the_reserve() {
+        let small = Needs {
+            links: 10,
+            ..Needs::default()
+        };
+        let b = FileBudget::new(10_000, &small);
+        let (r0, p0) = (b.reserve(), b.pool());
+        assert!(b.take(p0 - 50));
+        let big = Needs {
+            links: 110,
+            probes: 100,
+            ..Needs::default()
+        };
+        let (r1, p1) = b.resize(&big);
+        assert_eq!((r1, p1), (r0 + 200, p0 - 200));
+        assert_eq!((b.reserve(), b.pool()), (r1, p1));
+        assert!(!b.take(1), "the pool shrank below what is in use");
+        b.give_back(200);
+        assert!(b.take(50));
+        assert_eq!(b.resize(&small), (r0, p0));
+        let u = FileBudget::unlimited();
+        assert_eq!(u.resize(&big), (0, u64::MAX));
+    }
 
     #[test]
     fn the_reserve_is_a_tenth_and_what_the_config_needs() {

@@ -551,6 +551,9 @@ impl Ops {
         *lock(&self.config) = Arc::new(file);
         *lock(&self.expanded) = Arc::new(new);
         let new = running;
+        // Members added (by the file or by DNS) keep their links' and probes' files too.
+        let (reserve, pool) = rt.budget().resize(&crate::fd_limit::needs(&new));
+        tracing::debug!(reserve, pool, "open files divided again");
         for (vs, rate) in &plan.slow_start_rates {
             if let Some(h) = rt.vserver(vs) {
                 h.balancer().set_slow_start_rate(*rate, rt.now());

@@ -978,3 +978,47 @@ fn spoofed_udp_sources_neither_disconnect_a_keep_alive_client_nor_evict_for_a_li
         println!("{l}");
     }
 }
+
+/// A reload that adds monitored members grows the reserve by their probes' files (out of
+/// the pool), and one that removes them gives them back: members added after start are
+/// covered like those of the first config.
+#[test]
+fn a_reload_that_adds_members_grows_the_reserve() {
+    let yaml = |n: u16| {
+        let mut y = String::from(
+            "admin: { listen: null }\nmonitors:\n  - { name: m, type: tcp-connect, interval: 10s, timeout: 1s }\nservices:\n",
+        );
+        for i in 0..n {
+            y += &format!(
+                "  - {{ name: s{i}, protocol: tcp, address: \"127.0.0.1:{}\", monitor: m }}\n",
+                20000 + i
+            );
+        }
+        let names: Vec<String> = (0..n).map(|i| format!("s{i}")).collect();
+        y += &format!(
+            "vservers:\n  - {{ name: t, protocol: tcp, bind: \"127.0.0.1:0\", method: source_ip_hash, services: [{}] }}\n",
+            names.join(", ")
+        );
+        y
+    };
+    let file = common::ConfigFile::new("reserve-grows", &yaml(2));
+    let config = fulcrum::config::load(&file.path).expect("valid");
+    let ops = fulcrum::ops::Ops::start(config, Some(file.path.clone())).expect("start");
+    let files = |ops: &fulcrum::ops::Ops| {
+        let s = fulcrum::admin::router::status(ops);
+        let f = &s["open_files"];
+        (
+            f["reserve"].as_u64().expect("reserve"),
+            f["pool"].as_u64().expect("pool"),
+        )
+    };
+    let (r0, p0) = files(&ops);
+    file.write(&yaml(42));
+    ops.reload().expect("reload");
+    let (r1, p1) = files(&ops);
+    assert_eq!((r1 - r0, p0 - p1), (40, 40), "{r0}/{p0} -> {r1}/{p1}");
+    file.write(&yaml(2));
+    ops.reload().expect("reload");
+    assert_eq!(files(&ops), (r0, p0));
+    ops.shutdown();
+}
