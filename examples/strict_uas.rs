@@ -3,11 +3,12 @@
 //! and `bench/gray.sh`: it answers 481 to a BYE for a dialog it did not set up, and prints its
 //! counts.
 //!
-//! `strict_uas [--sick busy|down|silent] NAME IP:PORT [udp|tcp|tls CERT KEY] [SECONDS]`
+//! `strict_uas [--sick busy|down|silent|refusing|overloaded] NAME IP:PORT [udp|tcp|tls CERT KEY] [SECONDS]`
 //! (defaults healthy, `udp`, `600`): binds IP:PORT (over TLS presenting the PEM certificate
 //! chain CERT with its key KEY), sick from the start when `--sick` is given (busy: INVITE
 //! answered 503 + Retry-After, OPTIONS 200; down: INVITE and OPTIONS 503; silent: INVITE never
-//! answered, OPTIONS 200), then prints `ready NAME ADDR`, a counts line whenever they changed
+//! answered, OPTIONS 200; refusing: INVITE answered 486 Busy Here; overloaded: every request
+//! outside a dialog answered 503 + Retry-After), then prints `ready NAME ADDR`, a counts line whenever they changed
 //! (at most every 200 ms, so a SIGKILLed UAS leaves counts at most 200 ms old) and a final one
 //! on SIGTERM, SIGINT or after SECONDS:
 //!
@@ -46,6 +47,8 @@ fn sick_of(s: &str) -> Option<Sick> {
         "busy" => Some(Sick::Busy),
         "down" => Some(Sick::Down),
         "silent" => Some(Sick::Silent),
+        "refusing" => Some(Sick::Refusing),
+        "overloaded" => Some(Sick::Overloaded),
         "healthy" | "none" => Some(Sick::Healthy),
         _ => None,
     }
@@ -67,8 +70,7 @@ fn take_sick(args: &mut Vec<String>, usage: &str) -> anyhow::Result<Sick> {
 
 fn main() -> anyhow::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
-    let usage =
-        "usage: strict_uas [--sick busy|down|silent] NAME IP:PORT [udp|tcp|tls CERT KEY] [SECONDS]";
+    let usage = "usage: strict_uas [--sick busy|down|silent|refusing|overloaded] NAME IP:PORT [udp|tcp|tls CERT KEY] [SECONDS]";
     let sick = take_sick(&mut args, usage)?;
     let (Some(name), Some(addr)) = (args.first(), args.get(1)) else {
         anyhow::bail!(usage);

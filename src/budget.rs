@@ -1,5 +1,5 @@
-//! The open-file budget and per-source connection limits. PURE (atomics and a map; no IO, no
-//! clock).
+//! The open-file budget and per-source connection limits. PURE (atomics, a map and a
+//! notification for whoever waits for files; no IO, no clock).
 //!
 //! Every client connection or session costs open files: one per SIP stream client (sip-tcp,
 //! sip-tls), two per tcp / http connection (the client's and the service's), one per udp
@@ -12,7 +12,7 @@
 //!
 //! Per source, a stream listener admits at most `max_per_source` concurrent connections from
 //! one address (IPv6 grouped by /64, the prefix one subscriber is given), so that one or two
-//! sources cannot take the whole pool.
+//! sources cannot take the whole pool; a udp vserver, when asked, as many sessions.
 
 use dashmap::DashMap;
 use std::net::IpAddr;
@@ -89,6 +89,10 @@ pub struct FileBudget {
     high: AtomicU64,
     /// Connections and sessions refused for want of files.
     pub refused: AtomicU64,
+    /// Raised when files are given back while someone waits for them ([`FileBudget::freed`]).
+    freed: tokio::sync::Notify,
+    /// How many wait for files.
+    waiting: AtomicU64,
 }
 
 impl FileBudget {
@@ -102,6 +106,8 @@ impl FileBudget {
             used: AtomicU64::new(0),
             high: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            freed: tokio::sync::Notify::new(),
+            waiting: AtomicU64::new(0),
         }
     }
 
@@ -114,6 +120,8 @@ impl FileBudget {
             used: AtomicU64::new(0),
             high: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            freed: tokio::sync::Notify::new(),
+            waiting: AtomicU64::new(0),
         }
     }
 
@@ -142,6 +150,15 @@ impl FileBudget {
 
     /// Take `files` from the pool, or nothing (counted) when they are not all there.
     pub fn take(&self, files: u64) -> bool {
+        let ok = self.take_uncounted(files);
+        if !ok {
+            self.count_refusal();
+        }
+        ok
+    }
+
+    /// [`FileBudget::take`] without counting a refusal (for a caller that tries again).
+    pub fn take_uncounted(&self, files: u64) -> bool {
         let ok = self
             .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
@@ -151,20 +168,38 @@ impl FileBudget {
         if let Ok(before) = ok {
             self.high.fetch_max(before + files, Ordering::Relaxed);
         }
-        let ok = ok.is_ok();
-        if !ok {
-            self.refused.fetch_add(1, Ordering::Relaxed);
-        }
-        ok
+        ok.is_ok()
     }
 
-    /// Give back `files` taken with [`FileBudget::take`].
+    /// Count one connection or session refused for want of files.
+    pub fn count_refusal(&self) {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Give back `files` taken with [`FileBudget::take`], waking whoever waits for files.
     pub fn give_back(&self, files: u64) {
         let _ = self
             .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
                 Some(u.saturating_sub(files))
             });
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.freed.notify_waiters();
+        }
+    }
+
+    /// Completes when files are next given back (enable it before looking at the pool, so
+    /// that a file given back in between is not missed); only while a [`FileBudget::waiter`]
+    /// is held.
+    pub fn freed(&self) -> tokio::sync::futures::Notified<'_> {
+        self.freed.notified()
+    }
+
+    /// Count one more waiter for files while the guard lives: [`FileBudget::give_back`]
+    /// wakes waiters only while there are some.
+    pub fn waiter(&self) -> Waiter<'_> {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        Waiter(self)
     }
 
     /// [`FileBudget::take`] as a guard that gives the files back when dropped.
@@ -175,10 +210,28 @@ impl FileBudget {
         })
     }
 
+    /// [`FileBudget::permit`] without counting a refusal.
+    pub fn permit_uncounted(self: &Arc<Self>, files: u64) -> Option<Permit> {
+        self.take_uncounted(files).then(|| Permit {
+            budget: Arc::clone(self),
+            files,
+        })
+    }
+
     /// Whether the pool is running low: at least nine tenths used, the point from which idle
     /// connections are evicted to make room for new ones.
     pub fn is_low(&self) -> bool {
         self.used().saturating_mul(10) >= self.pool.saturating_mul(9)
+    }
+}
+
+/// One waiter for files, counted while it lives ([`FileBudget::waiter`]).
+#[derive(Debug)]
+pub struct Waiter<'a>(&'a FileBudget);
+
+impl Drop for Waiter<'_> {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -376,16 +429,6 @@ impl Activity {
     }
 }
 
-/// The connection to evict first among `candidates` (id, [`Activity::rank`]), with its rank:
-/// those that never completed a message before any that did, those that carry a
-/// registration flow last, and within each class the longest idle first (nginx closes its
-/// reusable connections, idle keep-alives, when it runs out). Ties go to the older id.
-pub fn first_victim<K: Copy + Ord>(
-    candidates: impl Iterator<Item = (K, (u8, u64))>,
-) -> Option<((u8, u64), K)> {
-    candidates.map(|(id, rank)| (rank, id)).min()
-}
-
 /// A stream listener's admission: the process's pool, the listener's per-source limit, the
 /// files each connection costs, and what it refused.
 #[derive(Debug)]
@@ -547,28 +590,8 @@ mod tests {
     }
 
     #[test]
-    fn victims_are_the_unproven_then_the_longest_idle_and_registrations_last() {
+    fn a_rank_is_the_class_then_the_last_activity() {
         use class::{PROVEN, REGISTERED, UNPROVEN};
-        // (id, (class, last active ms))
-        let c = [
-            (1u64, (PROVEN, 100)),
-            (2, (UNPROVEN, 900)),
-            (3, (PROVEN, 50)),
-            (4, (UNPROVEN, 200)),
-            (5, (PROVEN, 5_000)),
-            (6, (REGISTERED, 10)),
-            (7, (REGISTERED, 1)),
-        ];
-        // Evicted one at a time, each time the first of those left.
-        let mut left = c.to_vec();
-        let mut order = Vec::new();
-        while let Some((_, id)) = first_victim(left.iter().copied()) {
-            order.push(id);
-            left.retain(|(i, _)| *i != id);
-        }
-        assert_eq!(order, vec![4, 2, 3, 1, 5, 7, 6]);
-        assert_eq!(first_victim(c.into_iter()), Some(((UNPROVEN, 200), 4)));
-        assert_eq!(first_victim(std::iter::empty::<(u64, (u8, u64))>()), None);
         let a = Activity::new(10);
         assert_eq!(a.rank(), (UNPROVEN, 10));
         a.touch(20, false);

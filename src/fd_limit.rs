@@ -47,7 +47,7 @@ fn fds_at_max(v: &Vserver) -> u64 {
         | Protocol::SipWs
         | Protocol::SipWss => 1,
         Protocol::Tcp | Protocol::Http => 2,
-        Protocol::SipUdp => 0,
+        Protocol::SipUdp | Protocol::Ip => 0,
     };
     (v.max_sessions as u64).saturating_mul(each)
 }
@@ -124,6 +124,15 @@ fn check_ports(vservers: &[Vserver]) {
 /// together.
 pub(crate) fn check_capacity(vservers: &[Vserver], budget: &crate::budget::FileBudget) {
     check_ports(vservers);
+    // A udp vserver's unset max_sessions is clamped to the pool (and says so at its start).
+    let fds_at_max = |v: &Vserver| {
+        let n = fds_at_max(v);
+        if v.protocol == Protocol::Udp && !v.max_sessions_set {
+            n.min(budget.pool())
+        } else {
+            n
+        }
+    };
     let need: u64 = vservers.iter().map(fds_at_max).fold(0, u64::saturating_add);
     tracing::info!(
         open_file_limit = budget.limit(),

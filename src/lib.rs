@@ -5,6 +5,7 @@
 //!
 //! - `acl`        PURE  allow / deny CIDR lists of a vserver
 //! - `admin`      IO    admin HTTP API: socket-free router over `Ops`, hyper HTTP/1.1 server, /metrics, dashboard page
+//! - `bpf`        IO    packet vservers' kernel side: tc ingress program (assembled in Rust), maps, tcx links; unsafe in `bpf::sys` only
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `capture`    IO    SIP messages to a HEP collector: bounded queue, one sender thread (`capture::hep`: the packets, PURE)
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
@@ -18,7 +19,7 @@
 //! - `fd_limit`   IO    the open-file limit raised once per process, divided into the `budget`; start warnings when vservers could need more
 //! - `flood`      PURE  per-source new-request limits and bans in a fixed-size table
 //! - `hash`       PURE  fixed, seeded hash functions: keys, service identities, carp combine
-//! - `health`     IO    monitors: probes on tokio around the PURE `health::state` machine and `health::answer` judgement
+//! - `health`     IO    monitors: probes on tokio (SIP OPTIONS, TCP, UDP, HTTP, ICMP echo) around the PURE `health::state` machine, `health::answer` judgement and `health::icmp` echo matching
 //! - `http`       PURE  first HTTP/1.x request head: target, Host, headers, query
 //! - `key`        PURE  hash method -> key from a request context (addresses + payload view)
 //! - `liveness`   PURE  whether every worker still makes progress, for the watchdog; IO edge: the looks at each worker's heart
@@ -26,8 +27,9 @@
 //! - `methods`    PURE  non-hash methods (round robin, least connection, ...) over the counters
 //! - `net`        IO    SO_REUSEPORT worker sockets, IP_FREEBIND
 //! - `ops`        IO    the running proxy as the operator sees it: status, disable, reload, drain
+//! - `packet`     PURE  packet vservers (firewall pools): frame → flow → fixed hash → bucket, bucket table from a selector; the program's twin
 //! - `peer`       IO    minimal SIP UAS / UAC for the demo and socket tests
-//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http) around `core`, the runtime that starts vservers, in-place rebuild on reload
+//! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http) around `core`, the runtime that starts vservers (a packet vserver through `proxy::packet`), in-place rebuild on reload
 //! - `readiness`  PURE  whether the instance should get new traffic (`/readyz`): vserver facts + drain -> verdict
 //! - `reload`     PURE  what a reload changes in place, and what needs a restart
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
@@ -39,8 +41,9 @@
 //! - `sync`       PURE  `lock`: a mutex guard that recovers from poison (why it may)
 //! - `systemd`    PURE  service-manager notify messages (READY, RELOADING, STOPPING, watchdog); IO edge sends them
 //! - `tls`        IO    rustls configurations from PEM files, reloadable listener / connector, handshake failure reasons (PURE)
-//! - `uring`      IO    batched sends on many sockets in one system call (io_uring); `unsafe` here and in `memory::release` only
-// Denied everywhere but in `uring` and `memory::release`, which document why their blocks are sound.
+//! - `victims`    PURE  idle clients ordered for eviction (class, last activity): a priority queue re-keyed lazily
+//! - `uring`      IO    batched sends on many sockets in one system call (io_uring); `unsafe` here, in `memory::release` and `bpf::sys` only
+// Denied everywhere but in `uring`, `memory::release` and `bpf::sys`, which document why their blocks are sound.
 #![deny(unsafe_code)]
 // Public means used by the binaries, benches, examples, fuzz targets or integration tests.
 #![warn(unreachable_pub)]
@@ -48,6 +51,7 @@
 pub(crate) mod acl;
 pub mod admin;
 pub mod balancer;
+pub mod bpf;
 pub mod budget;
 pub mod capture;
 pub mod config;
@@ -69,6 +73,7 @@ pub mod memory;
 pub mod methods;
 pub(crate) mod net;
 pub mod ops;
+pub mod packet;
 pub mod peer;
 pub mod proxy;
 pub(crate) mod readiness;
@@ -83,3 +88,4 @@ mod sync;
 pub mod systemd;
 pub mod tls;
 pub mod uring;
+pub mod victims;

@@ -225,6 +225,15 @@ impl Ops {
         g.as_ref().map(|rt| f(rt.vservers(), rt.now()))
     }
 
+    /// The vservers of the config that did not start, with why (a packet vserver this build
+    /// cannot run, [`crate::proxy::Runtime::refused`]); empty once shut down.
+    pub fn not_started(&self) -> Vec<(String, String)> {
+        self.runtime()
+            .as_ref()
+            .map(|rt| rt.refused().to_vec())
+            .unwrap_or_default()
+    }
+
     /// The open files client connections and sessions draw from; `None` once shut down.
     pub fn budget(&self) -> Option<std::sync::Arc<crate::budget::FileBudget>> {
         self.runtime()
@@ -531,6 +540,10 @@ impl Ops {
         let rt = guard.as_mut().ok_or(ReloadError::ShutDown)?;
         let mut prepared = Vec::with_capacity(plan.rebuild.len());
         for vs in &plan.rebuild {
+            // A vserver refused at start stays so until a restart (the log said why).
+            if rt.refused().iter().any(|(name, _)| name == vs) {
+                continue;
+            }
             prepared.push((vs, rt.prepare_rebuild(&running, vs)?));
         }
         // Everything is built: commit. Nothing below fails.

@@ -236,6 +236,18 @@ fn sip_tcp_options(to: SocketAddr, tag: &str) -> Option<u16> {
     fulcrum::sip::scan(&m).ok()?.status_code()
 }
 
+/// An OPTIONS over a new sip-tcp connection from `ip`: its answer's status code.
+fn sip_tcp_options_from(ip: IpAddr, to: SocketAddr, tag: &str) -> Option<u16> {
+    let mut c = hold_from(ip, to)?;
+    c.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    let local = c.local_addr().ok()?;
+    c.write_all(request("OPTIONS", &format!("{tag}@x"), local, tag).as_bytes())
+        .ok()?;
+    let mut buf = Vec::new();
+    let m = read_message(&mut c, &mut buf)?;
+    fulcrum::sip::scan(&m).ok()?.status_code()
+}
+
 /// An OPTIONS to the sip-udp vserver: its answer's status code.
 fn sip_udp_options(to: SocketAddr, tag: &str) -> Option<u16> {
     let c = UdpSocket::bind("127.0.0.1:0").ok()?;
@@ -485,9 +497,10 @@ fn a_tcp_vserver_full_of_silent_connections_serves_a_new_client_by_eviction() {
 
 /// The pool is the process's, and so is eviction: silent connections from sources on
 /// 127.1.0.0/16 to a `tcp` vserver take 85% of it (under the low mark, so none is evicted
-/// yet), udp sessions (never evicted) the rest, then a new client of a `sip-tcp` vserver,
-/// which holds no connection of its own to give up, is served by evicting one of the tcp
-/// vserver's (counted there as `evicted`).
+/// yet), udp sessions opened after them (as idle and unproven, but younger) the rest, then a
+/// new client of a `sip-tcp` vserver, which holds no connection of its own to give up, is
+/// served by evicting the longest idle: one of the tcp vserver's (counted there as
+/// `evicted`).
 #[test]
 fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_connection() {
     if !prlimit_available() {
@@ -511,6 +524,14 @@ fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_conne
             f.metric("fulcrum_open_files{kind=\"used\"}") == 2 * n
         }),
         "{n} tcp connections, two files each"
+    );
+    // Each relaying (its service connected): a relay's start is its last activity, and the
+    // udp sessions opened next must be younger than every one of them.
+    assert!(
+        common::wait_until(Duration::from_secs(5), || {
+            f.metric("fulcrum_active{vserver=\"flood\",service=\"s0\"}") == n
+        }),
+        "{n} tcp connections relaying"
     );
     // Udp sessions take the rest of the pool, ten new flows at a time (at most 50 rounds).
     let mut flows: Vec<UdpSocket> = Vec::new();
@@ -547,7 +568,8 @@ fn a_new_client_of_one_vserver_is_served_by_evicting_another_vservers_idle_conne
     assert_eq!(
         f.metric("fulcrum_transport_events_total{vserver=\"flood\",event=\"evicted\"}"),
         1,
-        "one connection of the tcp vserver was evicted"
+        "one connection of the tcp vserver was evicted (udp sessions evicted: {})",
+        f.metric("fulcrum_transport_events_total{vserver=\"gen\",event=\"sessions_evicted\"}")
     );
     assert_eq!(closed_by_peer(&held), 1, "one held connection was closed");
     assert_eq!(f.get("/healthz").0, 200);
@@ -656,4 +678,303 @@ fn a_connection_carrying_a_registration_is_evicted_after_every_other() {
         1,
         "the longest idle proven connection went"
     );
+}
+
+/// One UDP datagram from `src` to `dst` with `payload`, as an IPv4 packet for a raw socket
+/// with IP_HDRINCL: the kernel fills in the header checksum and id; the UDP checksum is 0
+/// (none, RFC 768).
+fn spoofed_udp(
+    src: std::net::SocketAddrV4,
+    dst: std::net::SocketAddrV4,
+    payload: &[u8],
+) -> Vec<u8> {
+    let total = 20 + 8 + payload.len();
+    let mut p = Vec::with_capacity(total);
+    p.extend_from_slice(&[
+        0x45,
+        0,
+        (total >> 8) as u8,
+        total as u8,
+        0,
+        0,
+        0,
+        0,
+        64,
+        17,
+        0,
+        0,
+    ]);
+    p.extend_from_slice(&src.ip().octets());
+    p.extend_from_slice(&dst.ip().octets());
+    let udp_len = 8 + payload.len();
+    p.extend_from_slice(&src.port().to_be_bytes());
+    p.extend_from_slice(&dst.port().to_be_bytes());
+    p.extend_from_slice(&[(udp_len >> 8) as u8, udp_len as u8, 0, 0]);
+    p.extend_from_slice(payload);
+    p
+}
+
+/// The namespace's side of
+/// [`spoofed_udp_sources_neither_disconnect_a_keep_alive_client_nor_evict_for_a_limited_source`]:
+/// run again inside a namespace where 10.0.0.0/8 goes out of a veth pair toward a peer that
+/// does not forward (the replies to spoofed sources vanish there) and loopback accepts any
+/// source.
+#[test]
+fn helper_spoofed_udp_flood() {
+    if std::env::var(common::netns::ROLE).as_deref() != Ok("udp-flood") {
+        return;
+    }
+    const SOURCES: u32 = 100_000;
+    let tcp = StrictUas::tcp("t");
+    // The udp service: echoes every datagram (so each session is answered).
+    let echo = UdpSocket::bind("127.0.0.1:0").expect("echo");
+    let echo_addr = echo.local_addr().expect("echo addr");
+    std::thread::spawn(move || {
+        let mut b = [0u8; 2048];
+        while let Ok((n, from)) = echo.recv_from(&mut b) {
+            let _ = echo.send_to(&b[..n], from);
+        }
+    });
+    let yaml = format!(
+        "admin: {{ listen: \"127.0.0.1:0\" }}\nservices:\n  - {{ name: e, address: \"{echo_addr}\", protocol: udp }}\n  - {{ name: t, address: \"{}\", protocol: sip-tcp }}\nvservers:\n  - {{ name: udp, protocol: udp, bind: [\"127.0.0.1:0\"], method: round_robin, workers: 1, services: [e] }}\n  - {{ name: tcp, protocol: sip-tcp, bind: [\"127.0.0.1:0\"], workers: 1, max_per_source: 2, services: [t] }}\n  - {{ name: lim, protocol: udp, bind: [\"127.0.0.1:0\"], method: round_robin, workers: 1, max_per_source: 3, services: [e] }}\n",
+        tcp.addr
+    );
+    let mut f = start_with(1_200, &yaml);
+    let lim = f.vserver("lim");
+    let ev = |v: &str, e: &str| {
+        f.metric(&format!(
+            "fulcrum_transport_events_total{{vserver=\"{v}\",event=\"{e}\"}}"
+        ))
+    };
+    let std::net::SocketAddr::V4(udp_to) = f.sip_udp else {
+        panic!("udp vserver on IPv4")
+    };
+    let std::net::SocketAddr::V4(lim_to) = lim else {
+        panic!("lim vserver on IPv4")
+    };
+    let raw = socket2::Socket::new(
+        socket2::Domain::IPV4,
+        socket2::Type::RAW,
+        Some(socket2::Protocol::from(255)),
+    )
+    .expect("raw socket (IPPROTO_RAW)");
+    // The limited vserver: one source from five ports keeps three sessions, the rest refused
+    // without anything evicted.
+    for port in 1..=5u16 {
+        let src = std::net::SocketAddrV4::new([10, 250, 0, 1].into(), 40_000 + port);
+        raw.send_to(
+            &spoofed_udp(src, lim_to, b"x"),
+            &std::net::SocketAddr::V4(lim_to).into(),
+        )
+        .expect("send");
+    }
+    assert!(
+        common::wait_until(Duration::from_secs(5), || ev(
+            "lim",
+            "sessions_refused_per_source"
+        ) == 2),
+        "refused per source: {}",
+        ev("lim", "sessions_refused_per_source")
+    );
+    assert_eq!(ev("lim", "sessions_created"), 3);
+    // The sip-tcp service's own address (a member, as a PBX opening flows toward fulcrum)
+    // holds more silent connections than max_per_source: none is refused, none evicted.
+    let member_ip: IpAddr = "127.0.0.1".parse().expect("ip");
+    let members: Vec<TcpStream> = (0..4)
+        .filter_map(|_| hold_from(member_ip, f.sip_tcp))
+        .collect();
+    assert_eq!(members.len(), 4);
+    // A sip-tcp client that made itself known with a request, then only keeps the
+    // connection alive with CRLFCRLF pings (RFC 5626 §4.4.1).
+    let mut keep = hold_from("127.0.0.5".parse().expect("ip"), f.sip_tcp).expect("connect");
+    keep.set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    let local = keep.local_addr().expect("local");
+    keep.write_all(request("OPTIONS", "keep@x", local, "keep").as_bytes())
+        .expect("options");
+    let mut buf = Vec::new();
+    let m = read_message(&mut keep, &mut buf).expect("answer");
+    assert_eq!(
+        fulcrum::sip::scan(&m).ok().and_then(|m| m.status_code()),
+        Some(200)
+    );
+    let pinger = {
+        let mut s = keep.try_clone().expect("clone");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = std::sync::Arc::clone(&stop);
+        let t = std::thread::spawn(move || {
+            let mut failed = None;
+            while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Err(e) = s.write_all(b"\r\n\r\n") {
+                    failed = Some(e.to_string());
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            failed
+        });
+        (stop, t)
+    };
+    // The flood: one datagram from each of SOURCES spoofed addresses of 10.0.0.0/8, bounded
+    // in time; new sip-tcp clients arrive meanwhile.
+    let started = Instant::now();
+    let (mut sent, mut served, mut asked) = (0u32, 0u32, 0u32);
+    let to = std::net::SocketAddr::V4(udp_to).into();
+    while sent < SOURCES && started.elapsed() < Duration::from_secs(60) {
+        let i = sent + 1;
+        let src = std::net::SocketAddrV4::new(
+            [10, (i >> 16) as u8, (i >> 8) as u8, i as u8].into(),
+            5_060,
+        );
+        if raw
+            .send_to(&spoofed_udp(src, udp_to, b"spoofed"), &to)
+            .is_err()
+        {
+            // The loopback queue is full (ENOBUFS): let it drain.
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        }
+        sent += 1;
+        // Paced to about 100 per ms, near what a worker turns into sessions or refusals,
+        // so that the flood reaches fulcrum rather than overflowing its socket buffer.
+        if sent.is_multiple_of(100) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if sent.is_multiple_of(10_000) {
+            asked += 1;
+            let from = IpAddr::from([127, 0, 1, (asked % 250) as u8 + 1]);
+            if sip_tcp_options_from(from, f.sip_tcp, &format!("new{sent}")) == Some(200) {
+                served += 1;
+            }
+        }
+    }
+    let flood_secs = started.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(300));
+    let used = f.metric("fulcrum_open_files{kind=\"used\"}");
+    let (created, refused, evicted) = (
+        ev("udp", "sessions_created"),
+        ev("udp", "sessions_refused"),
+        ev("udp", "sessions_evicted"),
+    );
+    let stream_evicted = ev("tcp", "clients_evicted");
+    println!(
+        "FIGURES sent {sent} spoofed datagrams in {flood_secs:.1} s; pool {} used {used}; udp sessions created {created}, refused {refused}, evicted {evicted}; new sip-tcp clients served {served} of {asked}; sip-tcp clients evicted {stream_evicted}",
+        f.pool
+    );
+    assert_eq!(sent, SOURCES, "the flood was cut short by its time bound");
+    assert!(used <= f.pool, "the pool was passed: {used} > {}", f.pool);
+    assert!(
+        created + refused >= u64::from(SOURCES) / 2,
+        "fulcrum did not see the flood: {created} created, {refused} refused"
+    );
+    assert!(refused > 0, "the pool never filled");
+    assert_eq!(served, asked, "every new sip-tcp client is served");
+    assert!(evicted >= 1, "no udp session was evicted to make room");
+    assert_eq!(
+        stream_evicted, 0,
+        "a sip-tcp client was evicted for the udp flood"
+    );
+    assert_eq!(
+        closed_by_peer(&members),
+        0,
+        "a member's connection was closed"
+    );
+    assert_eq!(
+        f.metric("fulcrum_refused_total{vserver=\"tcp\",reason=\"per_source\"}"),
+        0,
+        "a member's connection was limited per source"
+    );
+    // The keep-alive client is still connected: its pings went through, and a request on it
+    // is answered.
+    let (stop, t) = pinger;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(t.join().expect("pinger"), None, "a ping failed");
+    keep.write_all(request("OPTIONS", "keep2@x", local, "keep2").as_bytes())
+        .expect("options on the kept connection");
+    let answered = loop {
+        let Some(m) = read_message(&mut keep, &mut buf) else {
+            break None;
+        };
+        // Pongs (a CRLF each) come before the answer.
+        if let Some(code) = fulcrum::sip::scan(&m).ok().and_then(|m| m.status_code()) {
+            break Some(code);
+        }
+    };
+    assert_eq!(
+        answered,
+        Some(200),
+        "the keep-alive client was disconnected"
+    );
+    // A udp datagram never evicts, even with the pool full: neither the limited source's
+    // (its sessions were among the oldest idle, evicted for the new sip-tcp clients) nor
+    // new sources'; they are refused and counted.
+    let evictions = || {
+        ev("udp", "sessions_evicted") + ev("lim", "sessions_evicted") + ev("tcp", "clients_evicted")
+    };
+    // Every datagram is decided: a session (while a file is left) or a refusal.
+    let decided = || {
+        ["lim", "udp"]
+            .iter()
+            .map(|v| ev(v, "sessions_refused") + ev(v, "sessions_created"))
+            .sum::<u64>()
+    };
+    let before = (evictions(), decided());
+    for port in 6..=8u16 {
+        let src = std::net::SocketAddrV4::new([10, 250, 0, 1].into(), 40_000 + port);
+        raw.send_to(
+            &spoofed_udp(src, lim_to, b"x"),
+            &std::net::SocketAddr::V4(lim_to).into(),
+        )
+        .expect("send");
+    }
+    for i in 1..=100u8 {
+        let src = std::net::SocketAddrV4::new([10, 251, 0, i].into(), 5_060);
+        raw.send_to(&spoofed_udp(src, udp_to, b"late"), &to)
+            .expect("send");
+    }
+    assert!(
+        common::wait_until(Duration::from_secs(5), || decided() >= before.1 + 103),
+        "decided {} after {}",
+        decided(),
+        before.1
+    );
+    assert_eq!(evictions(), before.0, "a udp datagram evicted something");
+    println!("RESULT ok");
+}
+
+/// 100,000 spoofed UDP sources (raw packets from 10.0.0.0/8, in a network namespace the
+/// test makes) fill the open-file pool with udp sessions while new sip-tcp clients arrive:
+/// each is served by evicting an idle udp session, never the sip-tcp client that keeps its
+/// connection alive with CRLFCRLF pings; and a udp source at its `max_per_source` is refused
+/// without anything evicted. Needs root (FULCRUM_REQUIRE_NETNS=1 makes a skip a failure).
+#[test]
+fn spoofed_udp_sources_neither_disconnect_a_keep_alive_client_nor_evict_for_a_limited_source() {
+    if std::env::var(common::netns::ROLE).is_ok() {
+        return;
+    }
+    if !prlimit_available() {
+        println!("SKIP: no prlimit");
+        return;
+    }
+    let Some(out) = common::netns::run_helper(
+        "fc-udpflood",
+        &[
+            "link add v0 type veth peer name v1",
+            "link set v0 up",
+            "link set v1 up",
+            "addr add 192.0.2.1/30 dev v0",
+            "addr add 192.0.2.2/30 dev v1",
+            "route add 10.0.0.0/8 via 192.0.2.2",
+            "sysctl net.ipv4.conf.all.rp_filter 0",
+            "sysctl net.ipv4.conf.default.rp_filter 0",
+            "sysctl net.ipv4.conf.lo.rp_filter 0",
+        ],
+        "helper_spoofed_udp_flood",
+        "udp-flood",
+    ) else {
+        return;
+    };
+    for l in out.lines().filter(|l| l.starts_with("FIGURES")) {
+        println!("{l}");
+    }
 }

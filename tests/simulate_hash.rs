@@ -380,3 +380,40 @@ fn simulate_hash_from_a_config_lists_backups_with_no_share() {
     let shares: f64 = per.iter().map(|s| s["share"].as_f64().unwrap()).sum();
     assert!((shares - 1.0).abs() < 1e-9, "{shares}");
 }
+
+/// `simulate hash` over each side of config/firewall.yaml (two `protocol: ip` vservers): the
+/// firewalls' shares by hash_id, alike on both sides (the legs of one firewall share it).
+#[test]
+fn simulate_hash_over_the_firewall_sandwich() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/config/firewall.yaml");
+    let side = |v: &str| {
+        let out = fulcrum(&[
+            "simulate",
+            "hash",
+            "--config",
+            path,
+            "--vserver",
+            v,
+            "--keys",
+            "40000",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let j: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
+        j["per_service"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|s| (s["hash_id"].to_string(), s["keys"].as_u64().unwrap_or(0)))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    let (outside, inside) = (side("outside"), side("inside"));
+    assert_eq!(outside.len(), 3, "{outside:?}");
+    assert_eq!(outside, inside, "both sides rank the firewalls alike");
+}

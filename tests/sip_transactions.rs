@@ -1541,3 +1541,82 @@ fn a_retransmitted_invite_gets_the_relayed_486_again_at_once() {
         "{counts:?}"
     );
 }
+
+/// A `fulcrum run` child process, killed when dropped however the test ends.
+struct Fulcrum(std::process::Child);
+
+impl Drop for Fulcrum {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The same as [`a_reload_turning_failover_off_lets_held_invites_finish`] in the `fulcrum
+/// run` binary, reloaded by SIGHUP: the held INVITEs finish with one 200 each.
+#[test]
+fn a_sighup_turning_failover_off_lets_held_invites_finish() {
+    if !common::sipp::sipp_available() {
+        return;
+    }
+    let silent = StrictUas::udp("silent");
+    silent.set_sick(Sick::Silent);
+    let ok = StrictUas::udp("ok");
+    let services = [("silent", silent.addr), ("ok", ok.addr)];
+    let file = common::ConfigFile::new("sip-tx-sighup", &reload_farm(&services, ""));
+    let (child, lines) = common::spawn_fulcrum(&file.path, "2s");
+    let fulcrum = Fulcrum(child);
+    let listening = common::expect_line(&lines, "listening");
+    let vs: SocketAddr = listening
+        .split("bound=[")
+        .nth(1)
+        .and_then(|rest| rest.split(']').next())
+        .and_then(|a| a.split(',').next())
+        .and_then(|a| a.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no bound address in `{listening}`"));
+    let dir = Scratch::new("sighup-off");
+    let calls = 10;
+    let out = std::thread::scope(|s| {
+        let uac = s.spawn(|| {
+            run_uac(
+                &dir,
+                Transport::Udp,
+                vs,
+                &fixture("uac_rr.xml"),
+                calls,
+                50,
+                "sighup",
+            )
+        });
+        common::wait_for("every INVITE placed", Duration::from_secs(10), || {
+            let at_silent = silent.counts().invites;
+            (at_silent >= 1 && at_silent + ok.counts().invites >= u64::from(calls)).then_some(())
+        });
+        file.write(&reload_farm(&services, ", failover: off"));
+        let hup = Command::new("kill")
+            .args(["-HUP", &fulcrum.0.id().to_string()])
+            .status()
+            .expect("kill runs");
+        assert!(hup.success(), "kill -HUP");
+        common::expect_line(&lines, "reloaded");
+        uac.join().expect("uac thread")
+    });
+    assert_eq!(
+        (out.exit, out.successful, out.failed),
+        (Some(0), u64::from(calls), 0),
+        "{}",
+        out.errors
+    );
+    assert_eq!(
+        received_finals(&out.messages),
+        vec![200; 2 * calls as usize],
+        "one final per request, each a 200"
+    );
+    let c = ok.counts();
+    assert_eq!(
+        (c.dialogs, c.byes_ok, c.r481),
+        (u64::from(calls), u64::from(calls), 0),
+        "{c:?}"
+    );
+    drop(fulcrum);
+}

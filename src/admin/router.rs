@@ -539,8 +539,15 @@ pub fn status(ops: &Ops) -> Value {
                 .collect::<Vec<_>>()
         })
         .unwrap_or_default();
+    let not_started: Vec<Value> = ops
+        .not_started()
+        .into_iter()
+        .map(|(name, reason)| json!({ "name": name, "reason": reason }))
+        .collect();
     json!({
         "vservers": vservers,
+        // Vservers of the config that did not start, and why (docs/firewall.md).
+        "not_started": not_started,
         "open_files": files_status(ops),
         "flow_tokens": flow_tokens_status(ops),
         "dns": dns_status(ops),

@@ -376,7 +376,12 @@ pub fn summary(cfg: &Config) -> Vec<String> {
     cfg.vservers
         .iter()
         .map(|v| {
-            let binds: Vec<String> = v.bind.iter().map(ToString::to_string).collect();
+            let binds: Vec<String> = if v.protocol.is_packet() {
+                let sticky = if v.sticky { " (sticky)" } else { "" };
+                vec![format!("interface {}{sticky}", v.interfaces.join(" "))]
+            } else {
+                v.bind.iter().map(ToString::to_string).collect()
+            };
             let services: Vec<String> = v
                 .services
                 .iter()

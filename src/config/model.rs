@@ -237,6 +237,9 @@ pub enum MonitorKind {
         path: String,
         expect_codes: Vec<u16>,
     },
+    /// ICMP echo (RFC 792; ICMPv6 echo, RFC 4443 §4) to the service's address: the one probe
+    /// a firewall leg of a packet vserver answers (docs/firewall.md).
+    Icmp,
 }
 
 /// Transport a service speaks.
@@ -253,10 +256,13 @@ pub enum Protocol {
     Udp,
     Tcp,
     Http,
+    /// Packets forwarded unchanged at the IP layer, only the Ethernet addresses rewritten:
+    /// a pool of firewalls or other routers (docs/firewall.md).
+    Ip,
 }
 
 impl Protocol {
-    pub const ALL: [(&'static str, Protocol); 8] = [
+    pub const ALL: [(&'static str, Protocol); 9] = [
         ("sip-udp", Protocol::SipUdp),
         ("sip-tcp", Protocol::SipTcp),
         ("sip-tls", Protocol::SipTls),
@@ -265,6 +271,7 @@ impl Protocol {
         ("udp", Protocol::Udp),
         ("tcp", Protocol::Tcp),
         ("http", Protocol::Http),
+        ("ip", Protocol::Ip),
     ];
 
     pub fn name(self) -> &'static str {
@@ -277,6 +284,7 @@ impl Protocol {
             Protocol::Udp => "udp",
             Protocol::Tcp => "tcp",
             Protocol::Http => "http",
+            Protocol::Ip => "ip",
         }
     }
 
@@ -303,6 +311,12 @@ impl Protocol {
     /// to fulcrum; services are reached over sip-udp, sip-tcp or sip-tls).
     pub fn is_websocket(self) -> bool {
         matches!(self, Protocol::SipWs | Protocol::SipWss)
+    }
+
+    /// Forwarded packet by packet in the kernel, no socket of fulcrum's on the path
+    /// (docs/firewall.md).
+    pub fn is_packet(self) -> bool {
+        self == Protocol::Ip
     }
 
     pub fn is_datagram(self) -> bool {
@@ -401,6 +415,7 @@ impl ServiceTls {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Service {
     pub name: String,
+    /// Port 0 for a `protocol: ip` service, whose `address` is an IP alone.
     pub address: SocketAddr,
     pub protocol: Protocol,
     /// 1..=100, default 1.
@@ -426,6 +441,9 @@ pub struct Service {
     pub dns: Option<DnsName>,
     /// The SRV priority of a member found through SRV records (`None` otherwise).
     pub priority: Option<u16>,
+    /// `interface` of a `protocol: ip` service: the link its address is reached on, where
+    /// its Ethernet address is resolved (`None` for every other protocol).
+    pub interface: Option<String>,
 }
 
 impl Service {
@@ -671,8 +689,12 @@ pub struct Vserver {
     pub draining: Vec<usize>,
     /// Bound of the session / connection / dialog table.
     pub max_sessions: usize,
+    /// `max_sessions` was written in the file (an unset one on a udp vserver is clamped to
+    /// the open-file pool at start, docs/limits.md).
+    pub max_sessions_set: bool,
     /// Concurrent connections from one source (an IPv4 address, an IPv6 /64) on a stream
-    /// listener (sip-tcp, sip-tls, tcp, http); `None`: no limit (docs/limits.md).
+    /// listener (sip-tcp, sip-tls, tcp, http), or sessions on a udp vserver (off there by
+    /// default); `None`: no limit (docs/limits.md).
     pub max_per_source: Option<u32>,
     /// IP_TRANSPARENT toward services (firewall pools).
     pub transparent: bool,
@@ -685,6 +707,12 @@ pub struct Vserver {
     pub workers: usize,
     /// Terminate TLS on the listener (`None`: plain).
     pub tls: Option<VserverTls>,
+    /// `interface` of a `protocol: ip` vserver: the links whose arriving packets it
+    /// forwards (empty for every other protocol, which has `bind` instead).
+    pub interfaces: Vec<String>,
+    /// `sticky` of a `protocol: ip` vserver: a flow keeps its firewall when the pool
+    /// changes, instead of following the hash (docs/firewall.md).
+    pub sticky: bool,
 }
 
 impl Vserver {

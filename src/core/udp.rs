@@ -25,6 +25,11 @@ pub struct UdpCounters {
     pub sessions_expired: AtomicU64,
     /// New sessions refused because the table was full (their datagrams dropped).
     pub sessions_refused: AtomicU64,
+    /// New sessions refused because their source held `max_per_source` (counted in
+    /// `sessions_refused` too).
+    pub sessions_refused_per_source: AtomicU64,
+    /// Idle sessions closed to make room when the open-file pool ran low (docs/limits.md).
+    pub sessions_evicted: AtomicU64,
     /// Sessions moved because their member went DOWN.
     pub sessions_rerouted: AtomicU64,
     /// Datagrams dropped because no member could take them.
@@ -39,13 +44,18 @@ pub struct UdpCounters {
 
 impl UdpCounters {
     /// Each counter by its event name, in the order metrics lists them.
-    pub fn events(&self) -> [(&'static str, &AtomicU64); 11] {
+    pub fn events(&self) -> [(&'static str, &AtomicU64); 13] {
         [
             ("datagrams_in", &self.datagrams_in),
             ("datagrams_out", &self.datagrams_out),
             ("sessions_created", &self.sessions_created),
             ("sessions_expired", &self.sessions_expired),
             ("sessions_refused", &self.sessions_refused),
+            (
+                "sessions_refused_per_source",
+                &self.sessions_refused_per_source,
+            ),
+            ("sessions_evicted", &self.sessions_evicted),
             ("sessions_rerouted", &self.sessions_rerouted),
             ("no_service", &self.no_service),
             ("socket_errors", &self.socket_errors),
@@ -86,6 +96,11 @@ pub struct UdpCore {
     per_datagram: bool,
     pub(crate) idle_ns: Nanos,
     pub(crate) max_sessions: usize,
+    /// `max_sessions` was written in the config (else it is clamped to the pool).
+    max_sessions_set: bool,
+    /// Sessions per source (`max_per_source`), when limited: shared by every worker and
+    /// kept across reloads.
+    pub(crate) sources: Option<Arc<crate::budget::SourceLimit>>,
     live: Arc<AtomicUsize>,
     /// The process's open files: each session's socket is one ([`crate::budget`]).
     budget: Arc<crate::budget::FileBudget>,
@@ -125,6 +140,10 @@ impl UdpCore {
                 && matches!(v.hash.token, Some(TokenRule::Payload { .. })),
             idle_ns: nanos(v.idle_timeout),
             max_sessions: v.max_sessions,
+            max_sessions_set: v.max_sessions_set,
+            sources: v
+                .max_per_source
+                .map(|m| Arc::new(crate::budget::SourceLimit::new(m))),
             live: Arc::new(AtomicUsize::new(0)),
             budget: Arc::new(crate::budget::FileBudget::unlimited()),
             transparent: v.transparent,
@@ -141,9 +160,13 @@ impl UdpCore {
         let mut core = UdpCore::new(config, v);
         core.balancer = Arc::new(Balancer::carrying(config, v, &old.balancer));
         core.live = Arc::clone(&old.live);
-        core.budget = Arc::clone(&old.budget);
         core.edge = v.edge(Some(&old.edge));
-        core
+        // Sessions established before the reload stay counted on their source.
+        if let (Some(old), Some(max)) = (&old.sources, v.max_per_source) {
+            old.set_max(max);
+            core.sources = Some(Arc::clone(old));
+        }
+        core.with_budget(Arc::clone(&old.budget))
     }
 
     pub fn edge(&self) -> &crate::edge::Edge {
@@ -178,8 +201,15 @@ impl UdpCore {
         self.live.load(Ordering::Relaxed)
     }
 
-    /// The core drawing its sessions' files from `budget`.
+    /// The core drawing its sessions' files from `budget`. An unset `max_sessions` above
+    /// the pool is clamped to the pool (said once, at info): past it sessions are refused
+    /// for want of files anyway, and the bound is what `/status` shows.
     pub fn with_budget(mut self, budget: Arc<crate::budget::FileBudget>) -> UdpCore {
+        let pool = usize::try_from(budget.pool()).unwrap_or(usize::MAX);
+        if !self.max_sessions_set && self.max_sessions > pool {
+            tracing::info!(vserver = %self.name, max_sessions = pool, default = self.max_sessions, "max_sessions unset: clamped to the open-file pool, one file per session (docs/limits.md)");
+            self.max_sessions = pool;
+        }
         self.budget = budget;
         self
     }
@@ -322,6 +352,28 @@ vservers:\n  - {{ name: v, protocol: udp, bind: [\"127.0.0.1:0\"], method: {meth
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().expect("addr")
+    }
+
+    /// An unset `max_sessions` above the pool is the pool; a set one stays as written (the
+    /// start warns about it instead), and one under the pool is left alone.
+    #[test]
+    fn an_unset_max_sessions_is_clamped_to_the_pool() {
+        let needs = crate::budget::Needs::default();
+        let pool = |limit: u64| Arc::new(crate::budget::FileBudget::new(limit, &needs));
+        let small = pool(1_000);
+        let n = small.pool() as usize;
+        assert_eq!(
+            core("round_robin", "")
+                .with_budget(Arc::clone(&small))
+                .max_sessions,
+            n
+        );
+        let set = core("round_robin", ", max_sessions: 5000").with_budget(Arc::clone(&small));
+        assert_eq!(set.max_sessions, 5_000);
+        let under = core("round_robin", ", max_sessions: 10").with_budget(small);
+        assert_eq!(under.max_sessions, 10);
+        let large = core("round_robin", "").with_budget(pool(10_000_000));
+        assert_eq!(large.max_sessions, 100_000);
     }
 
     #[test]

@@ -33,6 +33,7 @@
 //! shows as the monitor's `hold` and the log as `retry_after_s` / `held_s`.
 
 pub mod answer;
+pub mod icmp;
 pub mod probe;
 pub(crate) mod state;
 

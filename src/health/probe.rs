@@ -57,6 +57,9 @@ pub enum ProbeError {
     Tls(&'static str),
     #[error("a sip-tls service without loaded `tls` cannot be probed")]
     NoTls,
+    /// Neither socket an `icmp` probe may use could be opened: what the host lacks.
+    #[error("cannot send ICMP echoes: {0}")]
+    NoIcmpSocket(String),
 }
 
 impl ProbeError {
@@ -323,6 +326,18 @@ async fn probe_inner(
                     load: None,
                 }),
             }
+        }
+        MonitorKind::Icmp => {
+            let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+            // A nonce no other process or probe shares; the sequence number alone would
+            // repeat across instances probing the same firewall from one host.
+            let nonce = {
+                use std::hash::{BuildHasher, Hasher};
+                let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+                h.write_u64(seq);
+                h.finish()
+            };
+            super::icmp::ping(target.ip(), seq as u16, nonce).await
         }
         MonitorKind::Http { path, expect_codes } => {
             let start = Instant::now();

@@ -4,6 +4,7 @@ pub(crate) mod context;
 pub(crate) mod evict;
 pub(crate) mod flows;
 pub(crate) mod handover;
+pub(crate) mod packet;
 pub mod proxy_protocol;
 pub(crate) mod reconfig;
 pub(crate) mod runtime;

@@ -21,6 +21,9 @@ pub struct Runtime {
     budget: std::sync::Arc<crate::budget::FileBudget>,
     shutdown: Shutdown,
     vservers: Vec<VserverHandle>,
+    /// Vservers of the config that could not start while the others did, with why: packet
+    /// vservers this build cannot run ([`crate::proxy::packet::start`]).
+    refused: Vec<(String, String)>,
     threads: Vec<JoinHandle<()>>,
     /// Async data paths, monitors and the admin API run here.
     tokio: Option<tokio::runtime::Runtime>,
@@ -67,6 +70,7 @@ impl Runtime {
             epoch: Instant::now(),
             shutdown: Shutdown::new(),
             vservers: Vec::new(),
+            refused: Vec::new(),
             threads: Vec::new(),
             tokio: Some(tokio),
             liveness,
@@ -77,6 +81,14 @@ impl Runtime {
         };
         crate::fd_limit::check_capacity(&config.vservers, &rt.budget);
         for v in &config.vservers {
+            if v.protocol.is_packet() {
+                // One vserver the host cannot run does not keep the others down.
+                if let Err(e) = crate::proxy::packet::start(config, v) {
+                    tracing::error!(vserver = %v.name, error = %e, "vserver not started");
+                    rt.refused.push((v.name.clone(), e.to_string()));
+                }
+                continue;
+            }
             if let Err(e) = rt.start_vserver(config, v) {
                 rt.stop_all();
                 return Err(e);
@@ -107,6 +119,11 @@ impl Runtime {
 
     pub fn vservers(&self) -> &[VserverHandle] {
         &self.vservers
+    }
+
+    /// The vservers of the config that were not started, with why.
+    pub fn refused(&self) -> &[(String, String)] {
+        &self.refused
     }
 
     pub fn vserver(&self, name: &str) -> Option<&VserverHandle> {
@@ -309,7 +326,20 @@ fn starter(
         }
         Protocol::Udp => udp::start,
         Protocol::Tcp | Protocol::Http => tcp::start,
+        // Started apart, in `Runtime::start`: no listener or handle of the kinds above.
+        Protocol::Ip => not_a_socket_path,
     }
+}
+
+fn not_a_socket_path(
+    _: &mut StartCtx<'_>,
+    _: &Config,
+    v: &Vserver,
+) -> Result<VserverHandle, RuntimeError> {
+    Err(RuntimeError::Setup {
+        vserver: v.name.clone(),
+        problem: crate::proxy::packet::UNAVAILABLE.to_owned(),
+    })
 }
 
 impl Drop for Runtime {

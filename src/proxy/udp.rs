@@ -20,6 +20,7 @@
 //! source address. The receive and reply buffers belong to the
 //! worker: an idle session costs its table entry and a socket, no buffer.
 
+use crate::budget::{Activity, SourceSlot};
 use crate::config::Protocol;
 use crate::config::{Config, Vserver};
 use crate::core::udp::{Decision, UdpCore, nanos};
@@ -29,6 +30,7 @@ use crate::proxy::context::elapsed_nanos;
 use crate::proxy::context::{
     DataPath, Prepared, Rebuild, RuntimeError, StartCtx, VserverHandle, bind_udp,
 };
+use crate::proxy::evict::{Evictors, IdleClients, Ticket};
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::reconfig;
 use crate::session::{Admit, Session, SessionId, SessionKey, SessionTable};
@@ -46,8 +48,8 @@ use socket2::{Domain, Socket, Type};
 use std::io::{self, IoSlice, IoSliceMut};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 /// Largest UDP payload (IPv4 65,535 − 8 − 20; IPv6 jumbograms are not supported).
@@ -138,15 +140,37 @@ pub(crate) fn start(
             }
         }
     }
-    for (i, set) in sets.into_iter().enumerate() {
-        // Made here, so the shutdown can wake the worker's poll from the moment it exists.
+    // Made here, so the shutdown can wake a worker's poll from the moment it exists.
+    let mut polls = Vec::with_capacity(sets.len());
+    let mut inboxes = Vec::with_capacity(sets.len());
+    for _ in &sets {
         let poll = Poll::new()?;
-        let waker = mio::Waker::new(poll.registry(), WAKE)?;
+        let waker = Arc::new(mio::Waker::new(poll.registry(), WAKE)?);
+        let w = Arc::clone(&waker);
         ctx.shutdown.on_raise(move || {
-            if let Err(e) = waker.wake() {
+            if let Err(e) = w.wake() {
                 tracing::warn!(error = %e, "cannot wake a udp worker: it stops at its next wake-up");
             }
         });
+        polls.push(poll);
+        inboxes.push(Inbox {
+            asked: Mutex::new(Vec::new()),
+            pending: AtomicBool::new(false),
+            waker,
+        });
+    }
+    // Its idle sessions may make room for any vserver's new connection.
+    let idle = Arc::new(IdleSessions { inboxes });
+    let weak: Weak<dyn IdleClients> = Arc::downgrade(&idle) as Weak<IdleSessions>;
+    ctx.evictors.add(weak.clone());
+    for (i, (set, poll)) in sets.into_iter().zip(polls).enumerate() {
+        let evict = Evict {
+            evictors: Arc::clone(ctx.evictors),
+            idle: Arc::clone(&idle),
+            weak: weak.clone(),
+            worker: i,
+            serial: 0,
+        };
         let cell = Arc::clone(&cell);
         let stop = ctx.shutdown.flag();
         let epoch = ctx.epoch;
@@ -154,7 +178,7 @@ pub(crate) fn start(
         let heart = ctx.liveness.periodic(format!("{}-{i}", v.name), POLL);
         let t = std::thread::Builder::new()
             .name(format!("{}-{i}", v.name))
-            .spawn(move || run_worker(set, poll, cell, epoch, stop, heart))?;
+            .spawn(move || run_worker(set, poll, cell, epoch, stop, heart, evict))?;
         ctx.threads.push(t);
     }
     tracing::info!(vserver = %v.name, bind = ?bound, workers, method = v.method.name(), "udp vserver started");
@@ -168,6 +192,76 @@ pub(crate) fn start(
             cell: Arc::clone(&cell),
         }),
     ))
+}
+
+/// A udp vserver's sessions as the process-wide eviction sees them (docs/limits.md): a
+/// session lives in one worker's table, which no other thread touches, so an eviction is
+/// asked of its worker (queued, the worker woken) and carried out at its next wake-up.
+pub(crate) struct IdleSessions {
+    inboxes: Vec<Inbox>,
+}
+
+/// The sessions a worker is asked to close, and its waker.
+struct Inbox {
+    asked: Mutex<Vec<u64>>,
+    /// Something is in `asked` (looked at without the lock at each wake-up).
+    pending: AtomicBool,
+    waker: Arc<mio::Waker>,
+}
+
+/// A session's id among the evictable clients: its worker, slot and serial (the slot is
+/// reused; the serial tells a later session in it from the one asked to close).
+fn evict_id(worker: usize, slot: SessionId, serial: u32) -> u64 {
+    ((worker as u64 & 0xff) << 56)
+        | ((slot as u64 & 0xffff_ffff) << 24)
+        | u64::from(serial & 0xff_ffff)
+}
+
+/// The worker, slot and serial of [`evict_id`].
+fn evict_parts(id: u64) -> (usize, SessionId, u32) {
+    (
+        (id >> 56) as usize,
+        ((id >> 24) & 0xffff_ffff) as usize,
+        (id & 0xff_ffff) as u32,
+    )
+}
+
+impl IdleClients for IdleSessions {
+    fn evict_one(&self, id: u64, _now: Nanos) -> bool {
+        let Some(inbox) = self.inboxes.get(evict_parts(id).0) else {
+            return false;
+        };
+        crate::sync::lock(&inbox.asked).push(id);
+        inbox.pending.store(true, Ordering::Release);
+        if let Err(e) = inbox.waker.wake() {
+            tracing::warn!(error = %e, "cannot wake a udp worker to evict a session");
+        }
+        true
+    }
+
+    fn shrink(&self) {}
+}
+
+/// What a worker needs to make its sessions evictable and to carry out evictions.
+pub(crate) struct Evict {
+    evictors: Arc<Evictors>,
+    idle: Arc<IdleSessions>,
+    weak: Weak<dyn IdleClients>,
+    worker: usize,
+    /// The next session's serial ([`evict_id`]).
+    serial: u32,
+}
+
+/// A session's own resources: its socket toward the service, its activity (stamped by each
+/// client datagram: the service's replies, which reach a spoofed source's session too, do
+/// not keep it alive for eviction), its place among the evictable clients and its source's
+/// count.
+struct Upstream {
+    sock: MioUdp,
+    serial: u32,
+    activity: Arc<Activity>,
+    _evictable: Option<Ticket>,
+    _source: Option<SourceSlot>,
 }
 
 /// A worker's listening socket.
@@ -235,7 +329,8 @@ struct Worker {
     core: Arc<UdpCore>,
     poll: Poll,
     listeners: Vec<Listener>,
-    table: SessionTable<MioUdp>,
+    table: SessionTable<Upstream>,
+    evict: Evict,
     /// `BATCH` receive slots of `SLOT` bytes for client datagrams (pages are touched only
     /// as far as datagrams fill them).
     rx_buf: Vec<u8>,
@@ -266,6 +361,7 @@ pub(crate) fn run_worker(
     epoch: Instant,
     stop: Arc<AtomicBool>,
     heart: Heart,
+    evict: Evict,
 ) {
     let core = cell.load_full();
     let mut listeners = Vec::new();
@@ -313,6 +409,7 @@ pub(crate) fn run_worker(
     let mut w = Worker {
         cell,
         table: core.table(),
+        evict,
         core,
         poll,
         listeners,
@@ -385,6 +482,7 @@ impl Worker {
             }
             heart.beat();
             let now = elapsed_nanos(epoch);
+            self.evict_asked(now);
             // Before any datagram of this wake-up, so none is routed by a replaced core.
             if self.adopt_reload() {
                 sweep_every = self.sweep_every();
@@ -415,6 +513,35 @@ impl Worker {
         let core = Arc::clone(&self.core);
         let registry = self.poll.registry();
         self.table.drain(|_, s| close_session(&core, registry, s));
+    }
+
+    /// Close the sessions the process-wide eviction chose among this worker's (a new
+    /// connection elsewhere needs their files), those still open.
+    fn evict_asked(&mut self, now: Nanos) {
+        let Some(inbox) = self.evict.idle.inboxes.get(self.evict.worker) else {
+            return;
+        };
+        if !inbox.pending.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let asked = std::mem::take(&mut *crate::sync::lock(&inbox.asked));
+        for id in asked {
+            let (_, slot, serial) = evict_parts(id);
+            if self
+                .table
+                .get(slot)
+                .is_none_or(|s| s.resource.serial != serial & 0xff_ffff)
+            {
+                continue;
+            }
+            if let Some(s) = self.table.remove(slot) {
+                close_session(&self.core, self.poll.registry(), s);
+                bump(&self.core.counters.sessions_evicted);
+                if self.log.allow(now) {
+                    tracing::info!(vserver = %self.core.name, "idle session evicted: the open-file pool runs low");
+                }
+            }
+        }
     }
 
     fn sweep(&mut self, now: Nanos) {
@@ -588,7 +715,7 @@ impl Worker {
         let Some(s) = self.table.get(id) else {
             return;
         };
-        let (member, fd) = (s.member as usize, s.resource.as_raw_fd());
+        let (member, fd) = (s.member as usize, s.resource.sock.as_raw_fd());
         // The PROXY header goes right before the payload already in the buffer.
         let start = if self.core.send_proxy {
             let mut hdr = [0u8; MAX_V2_LEN];
@@ -631,6 +758,11 @@ impl Worker {
             match r {
                 Ok(_) => {
                     self.table.touch(f.id, 1, f.len as u64, true, now);
+                    // A client that speaks again once answered has shown it gets the
+                    // answers: proven, as a stream client that completed a message.
+                    if let Some(s) = self.table.get(f.id) {
+                        s.resource.activity.touch(now, s.packets_out > 0);
+                    }
                     if let Some(c) = self.core.balancer.counters(f.member) {
                         c.record_traffic(f.len as u64, 1, now);
                     }
@@ -673,6 +805,21 @@ impl Worker {
             close_session(&self.core, self.poll.registry(), s);
             bump(&self.core.counters.sessions_expired);
         }
+        // Its source's count first: a source at its limit takes nothing from the pool.
+        let source = match &self.core.sources {
+            Some(limit) => match limit.admit(key.client.ip()) {
+                Some(slot) => Some(slot),
+                None => {
+                    bump(&self.core.counters.sessions_refused);
+                    bump(&self.core.counters.sessions_refused_per_source);
+                    if self.log.allow(now) {
+                        tracing::warn!(vserver = %self.core.name, client = %key.client, max = limit.max(), "source at max_per_source: new session refused");
+                    }
+                    return None;
+                }
+            },
+            None => None,
+        };
         match self.table.admit() {
             Admit::Reserved => {}
             Admit::Full => {
@@ -706,9 +853,19 @@ impl Worker {
             }
         };
         let listener = u16::try_from(li).unwrap_or(0);
-        let (id, stale) =
-            self.table
-                .insert(key, member as u32, listener, MioUdp::from_std(sock), now);
+        let serial = self.evict.serial & 0xff_ffff;
+        self.evict.serial = self.evict.serial.wrapping_add(1);
+        let activity = Arc::new(Activity::new(now));
+        let upstream = Upstream {
+            sock: MioUdp::from_std(sock),
+            serial,
+            activity: Arc::clone(&activity),
+            _evictable: None,
+            _source: source,
+        };
+        let (id, stale) = self
+            .table
+            .insert(key, member as u32, listener, upstream, now);
         if let Some(s) = stale {
             // Not expected (`take_expired` above, and `decide` replaces a DOWN member's
             // session before): closed rather than leaked.
@@ -717,10 +874,11 @@ impl Worker {
         // The token is the slot index, known only once the session is in the table.
         let token = Token(self.base() + id);
         let registered = match self.table.get_mut(id) {
-            Some(s) => self
-                .poll
-                .registry()
-                .register(&mut s.resource, token, Interest::READABLE),
+            Some(s) => {
+                self.poll
+                    .registry()
+                    .register(&mut s.resource.sock, token, Interest::READABLE)
+            }
             None => return None,
         };
         if let Err(e) = registered {
@@ -731,6 +889,15 @@ impl Worker {
             // Never opened on the member's counters, so it is dropped, not closed.
             drop(self.table.remove(id));
             return None;
+        }
+        // Evictable from now on, by its activity (docs/limits.md).
+        let ticket = self.evict.evictors.enter(
+            self.evict.weak.clone(),
+            evict_id(self.evict.worker, id, serial),
+            activity,
+        );
+        if let Some(s) = self.table.get_mut(id) {
+            s.resource._evictable = Some(ticket);
         }
         bump(&self.core.counters.sessions_created);
         if let Some(c) = self.core.balancer.counters(member) {
@@ -752,7 +919,7 @@ impl Worker {
                 return true;
             };
             let (fd, listener, client, local, member) = (
-                s.resource.as_raw_fd(),
+                s.resource.sock.as_raw_fd(),
                 s.listener,
                 s.key.client,
                 s.key.local,
@@ -917,8 +1084,8 @@ impl Worker {
 }
 
 /// Close a session: deregister its socket and stop counting it on its member.
-fn close_session(core: &UdpCore, registry: &mio::Registry, mut s: Session<MioUdp>) {
-    let _ = registry.deregister(&mut s.resource);
+fn close_session(core: &UdpCore, registry: &mio::Registry, mut s: Session<Upstream>) {
+    let _ = registry.deregister(&mut s.resource.sock);
     if let Some(c) = core.balancer.counters(s.member as usize) {
         c.close();
     }
@@ -1014,4 +1181,22 @@ fn upstream_socket(
     s.connect(&service.into())?;
     s.set_nonblocking(true)?;
     Ok(s.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A session's eviction id names its worker, slot and serial, and a slot reused by a
+    /// later session (another serial) is told apart.
+    #[test]
+    fn an_eviction_id_names_the_worker_slot_and_serial() {
+        for (w, slot, serial) in [(0, 0, 0), (3, 123_456, 0xff_ffff), (255, 9_999_999, 77)] {
+            assert_eq!(evict_parts(evict_id(w, slot, serial)), (w, slot, serial));
+        }
+        assert_ne!(evict_id(1, 5, 1), evict_id(1, 5, 2));
+        assert_ne!(evict_id(1, 5, 1), evict_id(2, 5, 1));
+        // The serial keeps its low 24 bits, as the worker compares it.
+        assert_eq!(evict_parts(evict_id(0, 1, 0x0100_0002)).2, 2);
+    }
 }

@@ -5,6 +5,7 @@
 
 pub mod churn;
 pub mod dns;
+pub mod fwbed;
 pub mod netns;
 pub mod sip_load;
 pub mod sip_tcp;

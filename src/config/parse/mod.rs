@@ -6,13 +6,15 @@
 //!
 //! One submodule per section of the file ([`lb`] with `admin` and `logging`, [`monitor`],
 //! [`service`], [`vserver`], with the `tls` blocks in [`tls`], `allow`, `deny` and `flood`
-//! in [`edge`] and `eject` in [`eject`]), each adding the readers of its section to [`Cx`];
-//! the readers every section shares, and the file as a whole, are here.
+//! in [`edge`], `eject` in [`eject`] and the rules of `protocol: ip` vservers in
+//! [`packet`]), each adding the readers of its section to [`Cx`]; the readers every section
+//! shares, and the file as a whole, are here.
 
 mod edge;
 mod eject;
 mod lb;
 mod monitor;
+mod packet;
 mod service;
 mod tls;
 mod vserver;
@@ -481,7 +483,7 @@ impl Cx {
             .get("monitors")
             .map_or(&[][..], |n| self.seq(n, "monitors"));
         let monitors = self.named_list(monitor_nodes, "monitors", Cx::monitor);
-        let monitor_names: Vec<&str> = monitors.iter().map(|(m, _)| m.name.as_str()).collect();
+        let monitor_refs: Vec<&Monitor> = monitors.iter().map(|(m, _)| m).collect();
         let monitors_declared = declared_names(monitor_nodes);
 
         let service_nodes = match self.required(&f, "", "services") {
@@ -489,7 +491,7 @@ impl Cx {
             None => &[],
         };
         let services = self.named_list(service_nodes, "services", |cx, n, path| {
-            cx.service(n, path, &monitor_names, &monitors_declared)
+            cx.service(n, path, &monitor_refs, &monitors_declared)
         });
 
         let vserver_nodes = match self.required(&f, "", "vservers") {

@@ -18,7 +18,7 @@ const MONITOR_FIELDS: &[&str] = &[
     "path",
 ];
 
-const MONITOR_TYPES: &[&str] = &["sip-options", "tcp-connect", "udp", "http"];
+const MONITOR_TYPES: &[&str] = &["sip-options", "tcp-connect", "udp", "http", "icmp"];
 
 impl Cx {
     fn status_codes(&mut self, f: &Fields, path: &str) -> Option<Vec<u16>> {
@@ -73,6 +73,7 @@ impl Cx {
                 expect_codes: codes?,
             },
             "tcp-connect" => MonitorKind::TcpConnect,
+            "icmp" => MonitorKind::Icmp,
             "udp" => {
                 let send = self.required(&f, path, "send");
                 let send = send.and_then(|n| self.string(n, &join(path, "send")));

@@ -18,6 +18,24 @@ const SERVICE_FIELDS: &[&str] = &[
     "backup",
     "dns",
     "port",
+    "interface",
+];
+
+/// Fields of a service that a `protocol: ip` service cannot use, and why.
+const NOT_FOR_IP: &[(&str, &str)] = &[
+    (
+        "max_clients",
+        "the kernel forwards packets, not clients, and counts none",
+    ),
+    (
+        "tls",
+        "packets are forwarded as they are; no TLS is originated",
+    ),
+    (
+        "dns",
+        "a firewall leg is one address on one link; give `address`",
+    ),
+    ("port", "packets keep their own ports"),
 ];
 
 impl Cx {
@@ -25,17 +43,23 @@ impl Cx {
         &mut self,
         node: &Node,
         path: &str,
-        monitors: &[&str],
+        monitors: &[&Monitor],
         monitors_declared: &[String],
     ) -> Option<Service> {
         let f = self.fields(node, path, SERVICE_FIELDS)?;
         let name = self
             .required(&f, path, "name")
             .and_then(|n| self.string(n, &join(path, "name")));
-        let (address, dns) = self.service_address(&f, path);
         let protocol = self
             .required(&f, path, "protocol")
             .and_then(|n| self.choice(n, &join(path, "protocol"), &Protocol::ALL));
+        let is_ip = protocol.is_some_and(Protocol::is_packet);
+        let (address, dns) = if is_ip {
+            self.ip_service_fields(&f, path)
+        } else {
+            self.service_address(&f, path)
+        };
+        let interface = self.service_interface(&f, path, protocol);
         let weight = self.int_field(&f, path, "weight", (1, 100), 1);
         let max_clients = self.int_field(&f, path, "max_clients", (0, u32::MAX as i128), 0);
         let monitor = match f.get("monitor") {
@@ -46,7 +70,15 @@ impl Cx {
             Some(n) => {
                 let p = join(path, "monitor");
                 self.string(n, &p).and_then(|m| {
-                    match monitors.iter().position(|name| *name == m) {
+                    match monitors.iter().position(|mon| mon.name == m) {
+                        Some(i) if is_ip && monitors[i].kind != MonitorKind::Icmp => {
+                            self.problem(
+                                n.pos,
+                                &p,
+                                format!("monitor `{m}` is not of type icmp: a `protocol: ip` service is a router with no port to probe; ping it"),
+                            );
+                            None
+                        }
                         Some(i) => Some(Some(i)),
                         // Declared but invalid: its own problem is already reported.
                         None if monitors_declared.contains(&m) => None,
@@ -124,7 +156,96 @@ impl Cx {
             backup: backup?,
             dns: dns?,
             priority: None,
+            interface: interface?,
         })
+    }
+
+    /// The `address` of a `protocol: ip` service: an IP without port (the port 0 in the
+    /// model), with the fields it cannot use reported.
+    fn ip_service_fields(
+        &mut self,
+        f: &Fields,
+        path: &str,
+    ) -> (Option<SocketAddr>, Option<Option<DnsName>>) {
+        for (field, why) in NOT_FOR_IP {
+            if let Some(n) = f.get(field) {
+                self.problem(
+                    n.pos,
+                    &join(path, field),
+                    format!("`{field}` does not apply to a `protocol: ip` service: {why}"),
+                );
+            }
+        }
+        let Some(n) = self.required(f, path, "address") else {
+            return (None, None);
+        };
+        let p = join(path, "address");
+        let address = self.string(n, &p).and_then(|s| {
+            match s.trim().parse::<std::net::IpAddr>() {
+                Ok(ip) if ip.is_unspecified() || ip.is_multicast() => {
+                    self.problem(n.pos, &p, format!("`{s}` is not the unicast address of a router"));
+                    None
+                }
+                Ok(ip) => Some(SocketAddr::new(ip, 0)),
+                Err(_) if parse_socket_addr(&s).is_ok() => {
+                    self.problem(
+                        n.pos,
+                        &p,
+                        format!("`{s}` has a port: a `protocol: ip` service is a router reached at its IP alone (packets keep their own ports)"),
+                    );
+                    None
+                }
+                Err(_) => {
+                    self.problem(n.pos, &p, format!("`{s}` is not an IP address"));
+                    None
+                }
+            }
+        });
+        (address, Some(None))
+    }
+
+    /// `interface`: required on a `protocol: ip` service (the link its leg is on), refused
+    /// on every other. `Some(None)` when absent where it may be.
+    fn service_interface(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> Option<Option<String>> {
+        let p = join(path, "interface");
+        match (protocol, f.get("interface")) {
+            (Some(Protocol::Ip), Some(n)) => {
+                let name = self.string(n, &p)?;
+                match interface_name(&name) {
+                    Ok(()) => Some(Some(name)),
+                    Err(e) => {
+                        self.problem(n.pos, &p, e);
+                        None
+                    }
+                }
+            }
+            (Some(Protocol::Ip), None) => {
+                self.problem(
+                    f.pos,
+                    &p,
+                    "missing required field `interface`: the link on which a `protocol: ip` service's address is reached",
+                );
+                None
+            }
+            (Some(pr), Some(n)) => {
+                self.problem(
+                    n.pos,
+                    &p,
+                    format!(
+                        "`interface` applies to `protocol: ip` services only, not {}",
+                        pr.name()
+                    ),
+                );
+                None
+            }
+            (None, Some(_)) => None,
+            (_, None) => Some(None),
+        }
     }
 
     /// `address: IP:PORT`, or `dns: NAME` (with `port` for an A/AAAA name; an SRV name,
@@ -223,6 +344,25 @@ impl Cx {
                 (Some(placeholder), Some(Some(DnsName { name, kind })))
             }
         }
+    }
+}
+
+/// A Linux network interface name: 1 to 15 bytes (IFNAMSIZ less the final NUL), no `/`,
+/// `:` or white space, not `.` or `..` (the kernel's `dev_valid_name`). Whether it exists
+/// is not checked: `fulcrum check` reads the file only.
+pub(super) fn interface_name(s: &str) -> Result<(), String> {
+    let ok = (1..=15).contains(&s.len())
+        && s != "."
+        && s != ".."
+        && !s
+            .bytes()
+            .any(|b| b == b'/' || b == b':' || b.is_ascii_whitespace());
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{s}` is not a network interface name (1 to 15 bytes, no `/`, `:` or spaces)"
+        ))
     }
 }
 

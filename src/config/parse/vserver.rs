@@ -42,6 +42,8 @@ const VSERVER_FIELDS: &[&str] = &[
     "workers",
     "tls",
     "tls_handshake_timeout",
+    "interface",
+    "sticky",
 ];
 
 const FAILOVER_FIELDS: &[&str] = &[
@@ -71,8 +73,9 @@ fn default_idle_timeout(protocol: Protocol) -> Duration {
         | Protocol::SipTls
         | Protocol::SipWs
         | Protocol::SipWss => Duration::from_secs(3600),
-        // nginx stream / Envoy UDP proxy default idle timeouts are about a minute.
-        Protocol::Udp => Duration::from_secs(60),
+        // nginx stream / Envoy UDP proxy default idle timeouts are about a minute. A packet
+        // vserver keeps no sessions of its own; the value is never read there.
+        Protocol::Udp | Protocol::Ip => Duration::from_secs(60),
         Protocol::Tcp | Protocol::Http => Duration::from_secs(600),
     }
 }
@@ -112,18 +115,27 @@ impl Cx {
         let protocol = self
             .required(f, path, "protocol")
             .and_then(|n| self.choice(n, &join(path, "protocol"), &Protocol::ALL));
-        let bind = self
-            .required(f, path, "bind")
-            .and_then(|n| self.bind_list(n, &join(path, "bind")));
+        let is_packet = protocol.is_some_and(Protocol::is_packet);
+        let bind = if is_packet {
+            // Reported with the other fields a packet vserver cannot use.
+            Some(Vec::new())
+        } else {
+            self.required(f, path, "bind")
+                .and_then(|n| self.bind_list(n, &join(path, "bind")))
+        };
         let method = match (f.get("method"), protocol) {
             (Some(n), _) => self.choice(n, &join(path, "method"), &Method::ALL),
             (None, Some(p)) if p.is_sip() => Some(Method::CallIdHash),
+            (None, Some(Protocol::Ip)) => Some(Method::SourceDestIpHash),
             (None, _) => Some(Method::LeastConnection),
         };
         let (idle_timeout, drain_timeout) = self.timeouts(f, path, protocol);
         let tls = self.vserver_tls_fields(f, path, protocol);
+        let (interfaces, sticky) = self.packet_fields(f, path, protocol);
         VserverFields {
             tls,
+            interfaces,
+            sticky,
             name,
             protocol,
             bind,
@@ -157,7 +169,7 @@ impl Cx {
             drain_timeout,
             edge: self.edge_fields(f, path),
             eject: self.eject_field(f, path),
-            options: self.proxy_options(f, path),
+            options: self.proxy_options(f, path, protocol),
         }
     }
 
@@ -493,7 +505,12 @@ impl Cx {
     }
 
     /// `max_sessions`, `workers`, `transparent`, `freebind` and `send_proxy`.
-    fn proxy_options(&mut self, f: &Fields, path: &str) -> ProxyOptions {
+    fn proxy_options(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> ProxyOptions {
         let send_proxy = match f.get("send_proxy") {
             None => Some(None),
             Some(Node {
@@ -504,6 +521,9 @@ impl Cx {
                 .map(Some),
         };
         let max_per_source = match f.get("max_per_source") {
+            // Off on udp unless asked: resolvers and carrier-grade NATs put many clients
+            // behind one address (docs/limits.md).
+            None if protocol == Some(Protocol::Udp) => Some(None),
             None => Some(Some(crate::budget::DEFAULT_MAX_PER_SOURCE)),
             Some(n)
                 if matches!(&n.value, Value::Str(s) if s == "off")
@@ -521,6 +541,7 @@ impl Cx {
         ProxyOptions {
             max_per_source,
             max_sessions: self.int_field(f, path, "max_sessions", (1, 10_000_000), 100_000),
+            max_sessions_set: f.get("max_sessions").is_some(),
             workers: self.int_field(f, path, "workers", (0, 256), 0),
             transparent: self.bool_field(f, path, "transparent", false),
             freebind: self.bool_field(f, path, "freebind", false),
@@ -629,6 +650,10 @@ impl Cx {
     /// token rule against method and protocol, slow start against method, and the fields
     /// that apply to some methods or protocols only. Each is reported at the field to change.
     fn vserver_rules(&mut self, f: &Fields, path: &str, v: &VserverFields) {
+        if v.protocol.is_some_and(Protocol::is_packet) {
+            self.packet_rules(f, path, v.method);
+            return;
+        }
         if let (Some(m), Some(p), Some(n)) = (v.method, v.protocol, f.get("method")) {
             self.method_fits_protocol(n, &join(path, "method"), m, p);
         }
@@ -782,13 +807,13 @@ impl Cx {
             );
         }
         if let (Some(p), Some(n)) = (protocol, f.get("max_per_source"))
-            && matches!(p, Protocol::Udp | Protocol::SipUdp)
+            && p == Protocol::SipUdp
         {
             self.problem(
                 n.pos,
                 &join(path, "max_per_source"),
                 format!(
-                    "`max_per_source` applies to stream listeners (sip-tcp, sip-tls, tcp, http), not {}",
+                    "`max_per_source` applies to stream listeners (sip-tcp, sip-tls, tcp, http) and udp sessions, not {}",
                     p.name()
                 ),
             );
@@ -855,6 +880,9 @@ struct VserverFields {
     options: ProxyOptions,
     /// `tls` with `tls_handshake_timeout` (`Some(None)` when absent).
     tls: Option<Option<VserverTls>>,
+    /// `interface` (empty but on `protocol: ip`).
+    interfaces: Option<Vec<String>>,
+    sticky: Option<bool>,
 }
 
 /// The hashing fields as read (`token` and `hash_balance_factor` are `Some(None)` when
@@ -872,6 +900,7 @@ struct HashFields {
 struct ProxyOptions {
     max_per_source: Option<Option<u32>>,
     max_sessions: Option<i128>,
+    max_sessions_set: bool,
     workers: Option<i128>,
     transparent: Option<bool>,
     freebind: Option<bool>,
@@ -922,12 +951,15 @@ impl VserverFields {
             failover: self.failover?,
             eject: self.eject?,
             max_sessions: o.max_sessions? as usize,
+            max_sessions_set: o.max_sessions_set,
             max_per_source: o.max_per_source?,
             transparent: o.transparent?,
             freebind: o.freebind?,
             send_proxy: o.send_proxy?,
             workers: o.workers? as usize,
             tls: self.tls?,
+            interfaces: self.interfaces?,
+            sticky: self.sticky?,
         })
     }
 }
@@ -1256,6 +1288,22 @@ mod tests {
                     && m.contains("stream listeners")),
             "{p:?}"
         );
+        // On udp it counts sessions, off unless asked.
+        let udp = |extra: &str| {
+            format!(
+                "services:\n  - {{ name: s1, address: 127.0.0.1:5071, protocol: udp }}\nvservers:\n  - {{ name: v, protocol: udp, bind: 127.0.0.1:80, method: round_robin{extra}, services: [s1] }}\n"
+            )
+        };
+        let v = |extra: &str| {
+            from_str("t", &udp(extra))
+                .expect("valid")
+                .vservers
+                .remove(0)
+        };
+        assert_eq!(v("").max_per_source, None);
+        assert_eq!(v(", max_per_source: 4").max_per_source, Some(4));
+        assert!(!v("").max_sessions_set);
+        assert!(v(", max_sessions: 10").max_sessions_set);
     }
 
     /// A null token name is a problem of its own; before, the vserver vanished from a config

@@ -253,7 +253,7 @@ pub fn sip_transport(p: crate::config::Protocol) -> Option<Transport> {
         Protocol::SipTls => Some(Transport::Tls),
         Protocol::SipWs => Some(Transport::Ws),
         Protocol::SipWss => Some(Transport::Wss),
-        Protocol::Udp | Protocol::Tcp | Protocol::Http => None,
+        Protocol::Udp | Protocol::Tcp | Protocol::Http | Protocol::Ip => None,
     }
 }
 

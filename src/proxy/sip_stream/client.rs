@@ -9,8 +9,10 @@ pub(super) struct Client {
     pub(super) remote: SocketAddr,
     /// The client's task; aborting it ends its writer too (see [`AbortOnDrop`]).
     pub(super) abort: tokio::task::AbortHandle,
-    /// What it has done, for eviction when the file pool runs low (docs/limits.md).
-    pub(super) activity: Arc<crate::budget::Activity>,
+    /// Its place among the process's evictable clients, ranked by what it has done
+    /// (docs/limits.md) and given up with this entry; `None` for a member's connection,
+    /// which is never evicted.
+    pub(super) _evictable: Option<crate::proxy::evict::Ticket>,
 }
 
 /// Most bytes gathered into one write toward a client.
@@ -207,7 +209,14 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
         // Then its place among its source's and its file from the process's pool, held by the
         // client's task: given back however it ends (docs/limits.md). Only a pool running low
         // makes room by evicting an idle client, and only for a client nothing else refuses.
-        let admission = match shared.admit_client(src.ip()).await {
+        // A member connecting in (a service opening a flow toward fulcrum) is no client: its
+        // address is not limited per source and its connection is never evicted.
+        let member = shared.current.load().core.is_member_ip(src);
+        let admitted = match if member {
+            shared.admit_member()
+        } else {
+            shared.admit_client(src.ip())
+        } {
             Ok(a) => a,
             Err(why) => {
                 shared.counters.clients_open.fetch_sub(1, Ordering::AcqRel);
@@ -239,10 +248,22 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
             let guard = shared.tasks.guard();
             async move {
                 let _guard = guard;
-                let _admission = admission;
                 if wait_registered.await.is_err() {
                     return;
                 }
+                // Here, not in the accept loop: a client for which an idle one was evicted
+                // waits for that one's file to come back.
+                let _admission = match admitted.files(&shared.gate).await {
+                    Ok(a) => a,
+                    Err(why) => {
+                        shared.forget_client(id, src);
+                        bump(&shared.counters.clients_refused);
+                        if shared.log.allow(shared.now()) {
+                            tracing::warn!(vserver = %shared.name, %src, reason = why.name(), "client connection refused");
+                        }
+                        return;
+                    }
+                };
                 let ws = shared.ws.is_some();
                 match shared.tls.clone() {
                     None if ws => ws::serve_ws_client(shared, stream, id, src, dst, own).await,
@@ -262,13 +283,16 @@ pub(super) async fn accept_loop(shared: Arc<SipStreamShared>, listener: TcpListe
                 }
             }
         });
+        let me: std::sync::Weak<dyn crate::proxy::evict::IdleClients> =
+            Arc::downgrade(&shared) as std::sync::Weak<SipStreamShared>;
+        let evictable = (!member).then(|| shared.evictors.enter(me, id, activity));
         shared.clients.insert(
             id,
             Client {
                 outbox,
                 remote: src,
                 abort: task.abort_handle(),
-                activity,
+                _evictable: evictable,
             },
         );
         shared.by_remote.insert(src, id);

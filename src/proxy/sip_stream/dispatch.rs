@@ -98,26 +98,27 @@ impl SipStreamShared {
     /// Admit a new client from `ip` ([`crate::budget::Gate`]). While the process's file pool
     /// runs low, each new client first evicts one, of any vserver: connections that never
     /// completed a message or request before any that did, the longest idle first; a new
-    /// client refused for want of files waits a little for an eviction's file to come back.
-    pub(super) async fn admit_client(
+    /// client whose files are not back yet from the eviction waits for them in its own task
+    /// ([`crate::proxy::evict::Admitted::files`]), never in the accept loop.
+    pub(super) fn admit_client(
         &self,
         ip: std::net::IpAddr,
-    ) -> Result<crate::budget::Admission, crate::budget::Refusal> {
+    ) -> Result<crate::proxy::evict::Admitted, crate::budget::Refusal> {
         crate::proxy::evict::admit_evicting(&self.gate, ip, || self.evictors.evict(self.now()))
-            .await
+    }
+
+    /// Admit a connection from one of the vserver's members (a service opening a flow
+    /// toward fulcrum, e.g. a PBX): not limited per source, and never evicted as a client;
+    /// its file is the pool's like any other.
+    pub(super) fn admit_member(
+        &self,
+    ) -> Result<crate::proxy::evict::Admitted, crate::budget::Refusal> {
+        crate::proxy::evict::admit_member(&self.gate, || self.evictors.evict(self.now()))
     }
 }
 
 /// A stream vserver's clients, as the process-wide eviction sees them.
 impl crate::proxy::evict::IdleClients for SipStreamShared {
-    fn first_victim(&self) -> Option<((u8, u64), u64)> {
-        crate::budget::first_victim(
-            self.clients
-                .iter()
-                .map(|e| (*e.key(), e.value().activity.rank())),
-        )
-    }
-
     fn evict_one(&self, id: u64, now: crate::stats::Nanos) -> bool {
         let Some((abort, remote)) = self.clients.get(&id).map(|c| (c.abort.clone(), c.remote))
         else {

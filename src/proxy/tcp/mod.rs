@@ -584,33 +584,38 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
         // the connection's task (docs/limits.md). Only a pool running low makes room by
         // evicting an idle connection, and only for a connection nothing else refuses.
         let evict = || core.evictors.evict(core.now());
-        let admission = match admit_evicting(&core.gate, peer.ip(), evict).await {
+        let admitted = match admit_evicting(&core.gate, peer.ip(), evict) {
             Ok(a) => a,
             Err(why) => {
-                core.live.fetch_sub(1, Ordering::AcqRel);
-                bump(&core.counters.refused);
-                if log.allow(core.now()) {
-                    tracing::warn!(vserver = %core.name, %peer, reason = why.name(), "connection refused");
-                }
+                refuse(&core, &log, peer, why);
                 continue;
             }
         };
         // TLS on either side takes the stream path; plain to plain keeps the
         // single-buffer relay below. Registered for eviction before the task first runs: the
         // worker's runtime is single-threaded, so the task starts only once this loop awaits
-        // (and an entry whose task ended anyway is dropped at the next eviction).
+        // (and an entry whose task ended anyway is passed over by the eviction).
         let activity = Arc::new(Activity::new(core.now()));
         let id = core.conns.next_id();
         let conns = Arc::clone(&core.conns);
+        let evictors = Arc::clone(&core.evictors);
         let stream_path = tls.is_some() || core.has_tls_members();
         let tls = tls.clone();
         let task = tokio::spawn({
             let activity = Arc::clone(&activity);
             async move {
-                let _admission = admission;
                 let _registration = Registration {
                     table: Arc::clone(&core.conns),
                     id,
+                };
+                // Here, not in the accept loop: a connection for which an idle one was
+                // evicted waits for that one's files to come back.
+                let _admission = match admitted.files(&core.gate).await {
+                    Ok(a) => a,
+                    Err(why) => {
+                        refuse(&core, &core.log, peer, why);
+                        return;
+                    }
                 };
                 if stream_path {
                     serve_stream(core, stream, peer, tls, &activity).await;
@@ -619,7 +624,17 @@ async fn accept_loop(cell: TcpCell, tls: Option<Arc<TlsListener>>, listener: Tcp
                 }
             }
         });
-        conns.register(id, activity, task.abort_handle());
+        conns.register(&evictors, id, activity, task.abort_handle());
+    }
+}
+
+/// A connection its source's limit or the file pool refused: its place under the vserver's
+/// bound goes back, and it is counted and logged.
+fn refuse(core: &TcpCore, log: &LogLimiter, peer: SocketAddr, why: crate::budget::Refusal) {
+    core.live.fetch_sub(1, Ordering::AcqRel);
+    bump(&core.counters.refused);
+    if log.allow(core.now()) {
+        tracing::warn!(vserver = %core.name, %peer, reason = why.name(), "connection refused");
     }
 }
 
