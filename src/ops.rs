@@ -241,6 +241,13 @@ impl Ops {
             .map(|rt| std::sync::Arc::clone(rt.budget()))
     }
 
+    /// SIP message capture (docs/capture.md); `None` once shut down.
+    pub fn capture(&self) -> Option<std::sync::Arc<crate::capture::Capture>> {
+        self.runtime()
+            .as_ref()
+            .map(|rt| std::sync::Arc::clone(rt.capture()))
+    }
+
     /// The runtime's clock; `None` once shut down.
     fn now(&self) -> Option<crate::stats::Nanos> {
         self.is_serving()
@@ -551,6 +558,9 @@ impl Ops {
         *lock(&self.config) = Arc::new(file);
         *lock(&self.expanded) = Arc::new(new);
         let new = running;
+        if plan.capture_changed {
+            rt.capture().configure(new.capture.as_ref());
+        }
         for (vs, rate) in &plan.slow_start_rates {
             if let Some(h) = rt.vserver(vs) {
                 h.balancer().set_slow_start_rate(*rate, rt.now());

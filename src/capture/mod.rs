@@ -1,3 +1,657 @@
-//! SIP message capture to a HEP collector (Homer, sngrep, Kamailio's sipcapture):
-//! `hep` writes the packets (PURE).
+//! SIP messages to a HEP collector (Homer's heplify-server, sngrep, Kamailio's sipcapture;
+//! docs/capture.md). IO, around the PURE packet writer [`hep`].
+//!
+//! Never on the call path: a data path hands each message to [`Capture::tap`], which copies
+//! it into one buffer and offers it to a bounded queue without waiting (a full queue drops
+//! it, counted); one sender thread per configuration writes the packets to the collector.
+//! A slow or dead collector costs capture packets, never a SIP message or a stall. With
+//! capture off, a tap is one atomic load and a branch.
+
 pub mod hep;
+
+use crate::config::{CaptureTransport, HepCapture};
+use arc_swap::ArcSwapOption;
+use std::io::Write as _;
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub use hep::Transport;
+
+/// Messages waiting for the sender at most; past it they are dropped.
+pub const QUEUE: usize = 8192;
+/// Bytes of messages waiting for the sender at most (SIP over a stream may be 64 KiB a
+/// message): past it they are dropped too.
+pub const QUEUE_BYTES: usize = 16 << 20;
+
+/// How long a write to a TCP collector may block the sender before the connection is
+/// given up (a collector that stops reading).
+const TCP_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+const TCP_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Reconnection backoff of the TCP transport: doubled after each failure, up to the cap.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// How long a UDP collector shows as down after a failed send.
+const UDP_DOWN_FOR: Duration = Duration::from_secs(5);
+/// Drops are logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// The counters of capture, kept across reloads (metrics and `/status` read them).
+#[derive(Debug, Default)]
+pub struct CaptureStats {
+    pub sent: AtomicU64,
+    /// The queue was full (the sender or the collector too slow).
+    pub dropped_queue_full: AtomicU64,
+    /// Larger than one HEP packet can carry (16-bit length).
+    pub dropped_too_big: AtomicU64,
+    /// The collector could not be written to (unreachable, not connected, write failed).
+    pub dropped_send_error: AtomicU64,
+}
+
+impl CaptureStats {
+    /// `(reason, count)` of every drop reason, as the metrics label them.
+    pub fn dropped(&self) -> [(&'static str, u64); 3] {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("queue_full", l(&self.dropped_queue_full)),
+            ("too_big", l(&self.dropped_too_big)),
+            ("send_error", l(&self.dropped_send_error)),
+        ]
+    }
+
+    fn dropped_total(&self) -> u64 {
+        self.dropped().iter().map(|d| d.1).sum()
+    }
+}
+
+/// One message on its way to the sender.
+struct Record {
+    leg: hep::Leg,
+    payload: Vec<u8>,
+}
+
+/// The running configuration: the queue to its sender thread and what it captures.
+struct Exporter {
+    tx: SyncSender<Record>,
+    /// Set by this exporter's own sender (an old sender still ending cannot touch it): the
+    /// collector is reachable, the last UDP send went out or a TCP connection is open.
+    connected: Arc<AtomicBool>,
+    /// Payload bytes in the queue (bounded by [`QUEUE_BYTES`]).
+    queued_bytes: Arc<AtomicUsize>,
+    vservers: Option<Vec<String>>,
+    probes: bool,
+    config: HepCapture,
+}
+
+/// The process's capture: off, or one exporter; swapped by a reload.
+#[derive(Default)]
+pub struct Capture {
+    exporter: ArcSwapOption<Exporter>,
+    stats: Arc<CaptureStats>,
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("config", &self.config())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Capture {
+    /// Capture as `config` says (`None`: off).
+    pub fn new(config: Option<&HepCapture>) -> Capture {
+        let c = Capture::default();
+        c.configure(config);
+        c
+    }
+
+    /// Apply a (re)loaded configuration: an unchanged one keeps its sender; a changed one
+    /// starts a new sender and the old one ends once its queue is empty; `None` turns
+    /// capture off.
+    pub fn configure(&self, config: Option<&HepCapture>) {
+        let current = self.exporter.load();
+        if current.as_ref().map(|e| &e.config) == config {
+            return;
+        }
+        let next = config.map(|c| {
+            let (tx, rx) = sync_channel(QUEUE);
+            let stats = Arc::clone(&self.stats);
+            let connected = Arc::new(AtomicBool::new(false));
+            let link_up = Arc::clone(&connected);
+            let queued_bytes = Arc::new(AtomicUsize::new(0));
+            let queue = Queue {
+                rx,
+                bytes: Arc::clone(&queued_bytes),
+            };
+            let sender_config = c.clone();
+            let spawned = std::thread::Builder::new()
+                .name("fulcrum-capture".into())
+                .spawn(move || send_loop(&sender_config, &queue, &stats, &link_up));
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "capture: cannot start the sender thread; capture is off");
+            }
+            Arc::new(Exporter {
+                tx,
+                connected,
+                queued_bytes,
+                vservers: c.vservers.clone(),
+                probes: c.probes,
+                config: c.clone(),
+            })
+        });
+        self.exporter.store(next);
+        tracing::info!(collector = ?config.map(|c| c.address), "capture configured");
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Option<HepCapture> {
+        self.exporter.load().as_ref().map(|e| e.config.clone())
+    }
+
+    pub fn stats(&self) -> &CaptureStats {
+        &self.stats
+    }
+
+    /// Whether the collector in force is reachable (false while capture is off).
+    pub fn is_connected(&self) -> bool {
+        self.exporter
+            .load()
+            .as_ref()
+            .is_some_and(|e| e.connected.load(Ordering::Relaxed))
+    }
+
+    /// Whether capture is on at all (a cheap check before work only capture needs).
+    pub fn is_on(&self) -> bool {
+        self.exporter.load().is_some()
+    }
+
+    /// Capture `payload`, a SIP message vserver `vserver` received or sent now on `transport`
+    /// from `src` to `dst` (as on the wire for that leg). Never blocks.
+    pub fn tap(
+        &self,
+        vserver: &str,
+        transport: Transport,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &[u8],
+    ) {
+        let guard = self.exporter.load();
+        let Some(e) = guard.as_ref() else {
+            return;
+        };
+        if let Some(only) = &e.vservers
+            && !only.iter().any(|n| n == vserver)
+        {
+            return;
+        }
+        self.offer(e, transport, src, dst, payload);
+    }
+
+    /// Capture a health monitor's SIP probe or its answer, when `probes` is on.
+    pub fn tap_probe(
+        &self,
+        transport: Transport,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &[u8],
+    ) {
+        let guard = self.exporter.load();
+        if let Some(e) = guard.as_ref().filter(|e| e.probes) {
+            self.offer(e, transport, src, dst, payload);
+        }
+    }
+
+    fn offer(
+        &self,
+        e: &Exporter,
+        transport: Transport,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &[u8],
+    ) {
+        // The time of the receive or send, in the collector's terms (Unix time).
+        let t = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        let leg = hep::Leg {
+            transport,
+            src,
+            dst,
+            time_s: t.as_secs() as u32,
+            time_us: t.subsec_micros(),
+        };
+        let auth = e.config.password.as_deref().map(str::as_bytes);
+        if hep::packet_len(&leg, auth, None, payload) > hep::MAX_PACKET {
+            self.stats.dropped_too_big.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let queued = e.queued_bytes.fetch_add(payload.len(), Ordering::Relaxed);
+        let r = Record {
+            leg,
+            payload: payload.to_vec(),
+        };
+        let refused = queued + payload.len() > QUEUE_BYTES
+            || matches!(
+                e.tx.try_send(r),
+                Err(TrySendError::Full(_) | TrySendError::Disconnected(_))
+            );
+        if refused {
+            e.queued_bytes.fetch_sub(payload.len(), Ordering::Relaxed);
+            self.stats
+                .dropped_queue_full
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Where the packets go: a UDP socket connected to the collector, or a TCP connection
+/// (re)opened with backoff.
+enum Link {
+    Udp {
+        socket: Option<UdpSocket>,
+        last_error: Option<Instant>,
+    },
+    Tcp {
+        stream: Option<TcpStream>,
+        next_try: Instant,
+        backoff: Duration,
+    },
+}
+
+impl Link {
+    fn new(c: &HepCapture, connected: &AtomicBool) -> Link {
+        match c.transport {
+            CaptureTransport::Udp => {
+                let local: SocketAddr = if c.address.is_ipv4() {
+                    (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+                } else {
+                    (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+                };
+                let s = UdpSocket::bind(local).and_then(|s| s.connect(c.address).map(|()| s));
+                match s {
+                    Ok(s) => {
+                        connected.store(true, Ordering::Relaxed);
+                        Link::Udp {
+                            socket: Some(s),
+                            last_error: None,
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(collector = %c.address, error = %e, "capture: cannot set up the UDP socket");
+                        Link::Udp {
+                            socket: None,
+                            last_error: None,
+                        }
+                    }
+                }
+            }
+            CaptureTransport::Tcp => Link::Tcp {
+                stream: None,
+                next_try: Instant::now(),
+                backoff: BACKOFF_MIN,
+            },
+        }
+    }
+
+    /// Send one packet; `false` when it was not sent.
+    fn send(&mut self, c: &HepCapture, packet: &[u8], connected: &AtomicBool) -> bool {
+        match self {
+            Link::Udp { socket, last_error } => {
+                // A connected UDP socket hears the ICMP port unreachable of a collector that
+                // is not listening: a later send fails (one in two at most), and the
+                // collector shows as down until sends have gone out for a while.
+                let ok = socket.as_ref().is_some_and(|s| s.send(packet).is_ok());
+                let now = Instant::now();
+                if !ok {
+                    *last_error = Some(now);
+                }
+                let quiet = last_error.is_none_or(|t| now.duration_since(t) >= UDP_DOWN_FOR);
+                connected.store(ok && quiet, Ordering::Relaxed);
+                ok
+            }
+            Link::Tcp {
+                stream,
+                next_try,
+                backoff,
+            } => {
+                if stream.is_none() && Instant::now() >= *next_try {
+                    match TcpStream::connect_timeout(&c.address, TCP_CONNECT_TIMEOUT) {
+                        Ok(s) => {
+                            let _ = s.set_write_timeout(Some(TCP_WRITE_TIMEOUT));
+                            let _ = s.set_nodelay(true);
+                            tracing::info!(collector = %c.address, "capture: connected");
+                            connected.store(true, Ordering::Relaxed);
+                            *stream = Some(s);
+                        }
+                        Err(e) => {
+                            tracing::debug!(collector = %c.address, error = %e, retry_in = ?*backoff, "capture: cannot connect");
+                            *next_try = Instant::now() + *backoff;
+                            *backoff = (*backoff * 2).min(BACKOFF_MAX);
+                        }
+                    }
+                }
+                let Some(s) = stream.as_mut() else {
+                    return false;
+                };
+                if s.write_all(packet).is_ok() {
+                    // Only a collector that reads resets the backoff: one that accepts and
+                    // never reads is retried less and less often.
+                    *backoff = BACKOFF_MIN;
+                    return true;
+                }
+                // A partial write leaves the stream out of step: start a new connection.
+                tracing::warn!(collector = %c.address, "capture: the collector connection failed or stopped reading; reconnecting");
+                *stream = None;
+                connected.store(false, Ordering::Relaxed);
+                *next_try = Instant::now() + *backoff;
+                *backoff = (*backoff * 2).min(BACKOFF_MAX);
+                false
+            }
+        }
+    }
+}
+
+/// The sender's end of the queue.
+struct Queue {
+    rx: Receiver<Record>,
+    bytes: Arc<AtomicUsize>,
+}
+
+/// The sender thread: packets out until every queue handle is gone (capture turned off or
+/// reconfigured, or the process ends).
+fn send_loop(c: &HepCapture, queue: &Queue, stats: &CaptureStats, connected: &AtomicBool) {
+    let mut link = Link::new(c, connected);
+    let mut packet = Vec::with_capacity(4096);
+    let auth = c.password.as_deref().map(str::as_bytes);
+    let mut logged_drops = stats.dropped_total();
+    let mut last_log = Instant::now();
+    loop {
+        match queue.rx.recv_timeout(Duration::from_secs(1)) {
+            Ok(r) => {
+                queue.bytes.fetch_sub(r.payload.len(), Ordering::Relaxed);
+                let call_id = crate::sip::scan(&r.payload).ok().and_then(|m| m.call_id());
+                match hep::encode(&r.leg, c.id, auth, call_id, &r.payload, &mut packet) {
+                    Ok(()) => {
+                        if link.send(c, &packet, connected) {
+                            stats.sent.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            stats.dropped_send_error.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Err(hep::EncodeError::TooBig(_)) => {
+                        stats.dropped_too_big.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        if last_log.elapsed() >= LOG_EVERY {
+            let total = stats.dropped_total();
+            if total > logged_drops {
+                tracing::warn!(dropped = total - logged_drops, collector = %c.address, "capture packets dropped (queue full, too big or collector unreachable)");
+                logged_drops = total;
+            }
+            last_log = Instant::now();
+        }
+    }
+}
+
+/// One vserver's view of [`Capture`]: what its data path calls per message.
+#[derive(Debug, Clone)]
+pub struct Tap {
+    capture: Arc<Capture>,
+    vserver: Arc<str>,
+}
+
+impl Tap {
+    pub fn new(capture: &Arc<Capture>, vserver: &str) -> Tap {
+        Tap {
+            capture: Arc::clone(capture),
+            vserver: Arc::from(vserver),
+        }
+    }
+
+    /// [`Capture::tap`] for this vserver.
+    #[inline]
+    pub fn tap(&self, transport: Transport, src: SocketAddr, dst: SocketAddr, payload: &[u8]) {
+        self.capture
+            .tap(&self.vserver, transport, src, dst, payload);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read as _;
+    use std::net::TcpListener;
+
+    const INVITE: &[u8] =
+        b"INVITE sip:bob@example.com SIP/2.0\r\nCall-ID: c7@host\r\nContent-Length: 0\r\n\r\n";
+
+    fn config(address: SocketAddr, transport: CaptureTransport) -> HepCapture {
+        HepCapture {
+            address,
+            transport,
+            id: 2001,
+            password: Some("s3".into()),
+            vservers: None,
+            probes: false,
+        }
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().expect("address")
+    }
+
+    /// Poll `cond` every 10 ms for at most 5 s.
+    fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        cond()
+    }
+
+    fn collector_udp() -> UdpSocket {
+        let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        s
+    }
+
+    fn recv_hep(s: &UdpSocket) -> hep::Decoded {
+        let mut buf = vec![0u8; 70_000];
+        let n = s.recv(&mut buf).expect("a HEP packet");
+        hep::decode(&buf[..n]).expect("decodes")
+    }
+
+    /// Read one HEP packet from a stream: its total length is in bytes 4..6.
+    fn read_hep(s: &mut std::net::TcpStream) -> std::io::Result<hep::Decoded> {
+        let mut head = [0u8; 6];
+        s.read_exact(&mut head)?;
+        let len = u16::from_be_bytes([head[4], head[5]]) as usize;
+        let mut rest = vec![0u8; len.saturating_sub(6)];
+        s.read_exact(&mut rest)?;
+        let whole = [&head[..], &rest].concat();
+        hep::decode(&whole).map_err(|e| std::io::Error::other(e.to_string()))
+    }
+
+    #[test]
+    fn a_udp_collector_gets_each_message_with_its_leg_and_call_id() {
+        let collector = collector_udp();
+        let c = Capture::new(Some(&config(
+            collector.local_addr().expect("addr"),
+            CaptureTransport::Udp,
+        )));
+        let before = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("clock")
+            .as_secs();
+        c.tap(
+            "edge",
+            Transport::Udp,
+            addr("127.0.0.1:40000"),
+            addr("127.0.0.1:5060"),
+            INVITE,
+        );
+        let d = recv_hep(&collector);
+        assert_eq!((d.family, d.ip_proto), (Some(2), Some(17)));
+        assert_eq!(d.src, Some(addr("127.0.0.1:40000").ip()));
+        assert_eq!((d.src_port, d.dst_port), (Some(40000), Some(5060)));
+        assert_eq!((d.agent_id, d.proto_type), (Some(2001), Some(1)));
+        assert_eq!(d.auth_key.as_deref(), Some(&b"s3"[..]));
+        assert_eq!(d.payload.as_deref(), Some(INVITE));
+        assert_eq!(d.correlation_id.as_deref(), Some(&b"c7@host"[..]));
+        assert!(u64::from(d.time_s.expect("time")) >= before);
+        assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 1));
+        assert!(c.is_connected());
+    }
+
+    #[test]
+    fn only_the_listed_vservers_and_probes_when_asked_are_captured() {
+        let collector = collector_udp();
+        let mut cfg = config(collector.local_addr().expect("addr"), CaptureTransport::Udp);
+        cfg.vservers = Some(vec!["edge".into()]);
+        let c = Capture::new(Some(&cfg));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap("other", Transport::Udp, a, b, b"not this one");
+        c.tap_probe(Transport::Udp, a, b, b"nor this probe");
+        c.tap("edge", Transport::Tcp, a, b, INVITE);
+        let d = recv_hep(&collector);
+        assert_eq!((d.payload.as_deref(), d.ip_proto), (Some(INVITE), Some(6)));
+        cfg.probes = true;
+        c.configure(Some(&cfg));
+        c.tap_probe(Transport::Udp, a, b, b"OPTIONS probe");
+        let d = recv_hep(&collector);
+        assert_eq!(d.payload.as_deref(), Some(&b"OPTIONS probe"[..]));
+    }
+
+    #[test]
+    fn a_message_too_big_for_one_packet_is_counted_and_skipped() {
+        let collector = collector_udp();
+        let c = Capture::new(Some(&config(
+            collector.local_addr().expect("addr"),
+            CaptureTransport::Udp,
+        )));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap("edge", Transport::Tcp, a, b, &vec![b'x'; hep::MAX_PACKET]);
+        c.tap("edge", Transport::Udp, a, b, INVITE);
+        assert_eq!(recv_hep(&collector).payload.as_deref(), Some(INVITE));
+        assert_eq!(c.stats().dropped_too_big.load(Ordering::Relaxed), 1);
+        assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 1));
+    }
+
+    #[test]
+    fn reload_turns_capture_off_and_on() {
+        let collector = collector_udp();
+        let cfg = config(collector.local_addr().expect("addr"), CaptureTransport::Udp);
+        let c = Capture::new(None);
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        assert!(!c.is_on());
+        c.tap("edge", Transport::Udp, a, b, b"while off");
+        c.configure(Some(&cfg));
+        assert_eq!(c.config(), Some(cfg.clone()));
+        c.tap("edge", Transport::Udp, a, b, INVITE);
+        assert_eq!(recv_hep(&collector).payload.as_deref(), Some(INVITE));
+        c.configure(None);
+        assert!(!c.is_on() && !c.is_connected());
+        c.tap("edge", Transport::Udp, a, b, b"off again");
+        collector
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("timeout");
+        let mut buf = [0u8; 2048];
+        assert!(collector.recv(&mut buf).is_err(), "nothing while off");
+        assert_eq!(c.stats().sent.load(Ordering::Relaxed), 1);
+    }
+
+    /// Nothing listens: every message is accounted for as sent or dropped, and the taps never
+    /// wait for the collector.
+    #[test]
+    fn a_dead_udp_collector_costs_capture_packets_only() {
+        let port = collector_udp().local_addr().expect("addr"); // closed once dropped
+        let c = Capture::new(Some(&config(port, CaptureTransport::Udp)));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        let n = 20_000u64;
+        for _ in 0..n {
+            c.tap("edge", Transport::Udp, a, b, INVITE);
+        }
+        let s = c.stats();
+        assert!(eventually(|| {
+            s.sent.load(Ordering::Relaxed) + s.dropped().iter().map(|d| d.1).sum::<u64>() == n
+        }));
+        assert!(s.dropped_send_error.load(Ordering::Relaxed) > 0);
+        assert!(eventually(|| !c.is_connected()));
+    }
+
+    #[test]
+    fn a_tcp_collector_is_reconnected_after_it_closes() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = Capture::new(Some(&config(
+            listener.local_addr().expect("addr"),
+            CaptureTransport::Tcp,
+        )));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap("edge", Transport::Tcp, a, b, INVITE);
+        let (mut first, _) = listener.accept().expect("first connection");
+        first
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let d = read_hep(&mut first).expect("first packet");
+        assert_eq!(d.payload.as_deref(), Some(INVITE));
+        assert!(c.is_connected());
+        drop(first);
+        // Taps go on until a packet fails on the closed connection and a new one is opened
+        // (after at least the shortest backoff).
+        listener.set_nonblocking(true).expect("nonblocking");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut second = None;
+        while second.is_none() && Instant::now() < deadline {
+            c.tap("edge", Transport::Tcp, a, b, INVITE);
+            std::thread::sleep(Duration::from_millis(20));
+            second = listener.accept().ok().map(|(s, _)| s);
+        }
+        let mut second = second.expect("a second connection");
+        second.set_nonblocking(false).expect("blocking");
+        second
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        c.tap("edge", Transport::Tcp, a, b, INVITE);
+        let d = read_hep(&mut second).expect("a packet on the new connection");
+        assert_eq!(d.correlation_id.as_deref(), Some(&b"c7@host"[..]));
+        assert!(c.stats().dropped_send_error.load(Ordering::Relaxed) > 0);
+    }
+
+    /// A collector that accepts and never reads: the queue fills and drops, the taps return at
+    /// once, and the sender gives the connection up after its write timeout.
+    #[test]
+    fn a_tcp_collector_that_stops_reading_never_stalls_the_taps() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = Capture::new(Some(&config(
+            listener.local_addr().expect("addr"),
+            CaptureTransport::Tcp,
+        )));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap("edge", Transport::Tcp, a, b, INVITE);
+        let (_held, _) = listener.accept().expect("connection");
+        let big = vec![b'x'; 60_000];
+        let started = Instant::now();
+        for _ in 0..2_000 {
+            c.tap("edge", Transport::Tcp, a, b, &big);
+        }
+        // 120 MB offered: far past the queue's bytes and the socket buffers.
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(c.stats().dropped_queue_full.load(Ordering::Relaxed) > 0);
+        assert!(eventually(|| !c.is_connected()));
+    }
+}
