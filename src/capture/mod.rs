@@ -66,6 +66,22 @@ impl CaptureStats {
     }
 }
 
+/// When a message crossed the wire, in the collector's terms (Unix time): taken by a data
+/// path right after its receive or right before its send, so that the times of a forwarded
+/// message's two legs, and of a request and its answer, keep their causal order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp(Duration);
+
+impl Stamp {
+    pub fn now() -> Stamp {
+        Stamp(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default(),
+        )
+    }
+}
+
 /// One message on its way to the sender.
 struct Record {
     leg: hep::Leg,
@@ -168,11 +184,13 @@ impl Capture {
         self.exporter.load().is_some()
     }
 
-    /// Capture `payload`, a SIP message vserver `vserver` received or sent now on `transport`
+    /// Capture `payload`, a SIP message vserver `vserver` received or sent `at` on `transport`
     /// from `src` to `dst` (as on the wire for that leg). Never blocks.
+    #[allow(clippy::too_many_arguments)]
     pub fn tap(
         &self,
         vserver: &str,
+        at: Stamp,
         transport: Transport,
         src: SocketAddr,
         dst: SocketAddr,
@@ -187,12 +205,13 @@ impl Capture {
         {
             return;
         }
-        self.offer(e, transport, src, dst, payload);
+        self.offer(e, at, transport, src, dst, payload);
     }
 
     /// Capture a health monitor's SIP probe or its answer, when `probes` is on.
     pub fn tap_probe(
         &self,
+        at: Stamp,
         transport: Transport,
         src: SocketAddr,
         dst: SocketAddr,
@@ -200,22 +219,21 @@ impl Capture {
     ) {
         let guard = self.exporter.load();
         if let Some(e) = guard.as_ref().filter(|e| e.probes) {
-            self.offer(e, transport, src, dst, payload);
+            self.offer(e, at, transport, src, dst, payload);
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn offer(
         &self,
         e: &Exporter,
+        at: Stamp,
         transport: Transport,
         src: SocketAddr,
         dst: SocketAddr,
         payload: &[u8],
     ) {
-        // The time of the receive or send, in the collector's terms (Unix time).
-        let t = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default();
+        let t = at.0;
         let leg = hep::Leg {
             transport,
             src,
@@ -415,11 +433,25 @@ impl Tap {
         }
     }
 
+    /// The time of a receive or send about to be captured; `None` (no clock read) while
+    /// capture is off.
+    #[inline]
+    pub fn stamp(&self) -> Option<Stamp> {
+        self.capture.is_on().then(Stamp::now)
+    }
+
     /// [`Capture::tap`] for this vserver.
     #[inline]
-    pub fn tap(&self, transport: Transport, src: SocketAddr, dst: SocketAddr, payload: &[u8]) {
+    pub fn tap(
+        &self,
+        at: Stamp,
+        transport: Transport,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &[u8],
+    ) {
         self.capture
-            .tap(&self.vserver, transport, src, dst, payload);
+            .tap(&self.vserver, at, transport, src, dst, payload);
     }
 }
 
@@ -490,12 +522,9 @@ mod tests {
             collector.local_addr().expect("addr"),
             CaptureTransport::Udp,
         )));
-        let before = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .expect("clock")
-            .as_secs();
         c.tap(
             "edge",
+            Stamp(Duration::new(1_764_900_000, 123_456_789)),
             Transport::Udp,
             addr("127.0.0.1:40000"),
             addr("127.0.0.1:5060"),
@@ -509,7 +538,7 @@ mod tests {
         assert_eq!(d.auth_key.as_deref(), Some(&b"s3"[..]));
         assert_eq!(d.payload.as_deref(), Some(INVITE));
         assert_eq!(d.correlation_id.as_deref(), Some(&b"c7@host"[..]));
-        assert!(u64::from(d.time_s.expect("time")) >= before);
+        assert_eq!((d.time_s, d.time_us), (Some(1_764_900_000), Some(123_456)));
         assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 1));
         assert!(c.is_connected());
     }
@@ -521,14 +550,14 @@ mod tests {
         cfg.vservers = Some(vec!["edge".into()]);
         let c = Capture::new(Some(&cfg));
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
-        c.tap("other", Transport::Udp, a, b, b"not this one");
-        c.tap_probe(Transport::Udp, a, b, b"nor this probe");
-        c.tap("edge", Transport::Tcp, a, b, INVITE);
+        c.tap("other", Stamp::now(), Transport::Udp, a, b, b"not this one");
+        c.tap_probe(Stamp::now(), Transport::Udp, a, b, b"nor this probe");
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
         let d = recv_hep(&collector);
         assert_eq!((d.payload.as_deref(), d.ip_proto), (Some(INVITE), Some(6)));
         cfg.probes = true;
         c.configure(Some(&cfg));
-        c.tap_probe(Transport::Udp, a, b, b"OPTIONS probe");
+        c.tap_probe(Stamp::now(), Transport::Udp, a, b, b"OPTIONS probe");
         let d = recv_hep(&collector);
         assert_eq!(d.payload.as_deref(), Some(&b"OPTIONS probe"[..]));
     }
@@ -541,8 +570,15 @@ mod tests {
             CaptureTransport::Udp,
         )));
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
-        c.tap("edge", Transport::Tcp, a, b, &vec![b'x'; hep::MAX_PACKET]);
-        c.tap("edge", Transport::Udp, a, b, INVITE);
+        c.tap(
+            "edge",
+            Stamp::now(),
+            Transport::Tcp,
+            a,
+            b,
+            &vec![b'x'; hep::MAX_PACKET],
+        );
+        c.tap("edge", Stamp::now(), Transport::Udp, a, b, INVITE);
         assert_eq!(recv_hep(&collector).payload.as_deref(), Some(INVITE));
         assert_eq!(c.stats().dropped_too_big.load(Ordering::Relaxed), 1);
         assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 1));
@@ -555,14 +591,14 @@ mod tests {
         let c = Capture::new(None);
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
         assert!(!c.is_on());
-        c.tap("edge", Transport::Udp, a, b, b"while off");
+        c.tap("edge", Stamp::now(), Transport::Udp, a, b, b"while off");
         c.configure(Some(&cfg));
         assert_eq!(c.config(), Some(cfg.clone()));
-        c.tap("edge", Transport::Udp, a, b, INVITE);
+        c.tap("edge", Stamp::now(), Transport::Udp, a, b, INVITE);
         assert_eq!(recv_hep(&collector).payload.as_deref(), Some(INVITE));
         c.configure(None);
         assert!(!c.is_on() && !c.is_connected());
-        c.tap("edge", Transport::Udp, a, b, b"off again");
+        c.tap("edge", Stamp::now(), Transport::Udp, a, b, b"off again");
         collector
             .set_read_timeout(Some(Duration::from_millis(300)))
             .expect("timeout");
@@ -580,7 +616,7 @@ mod tests {
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
         let n = 20_000u64;
         for _ in 0..n {
-            c.tap("edge", Transport::Udp, a, b, INVITE);
+            c.tap("edge", Stamp::now(), Transport::Udp, a, b, INVITE);
         }
         let s = c.stats();
         assert!(eventually(|| {
@@ -598,7 +634,7 @@ mod tests {
             CaptureTransport::Tcp,
         )));
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
-        c.tap("edge", Transport::Tcp, a, b, INVITE);
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
         let (mut first, _) = listener.accept().expect("first connection");
         first
             .set_read_timeout(Some(Duration::from_secs(5)))
@@ -613,7 +649,7 @@ mod tests {
         let deadline = Instant::now() + Duration::from_secs(10);
         let mut second = None;
         while second.is_none() && Instant::now() < deadline {
-            c.tap("edge", Transport::Tcp, a, b, INVITE);
+            c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
             std::thread::sleep(Duration::from_millis(20));
             second = listener.accept().ok().map(|(s, _)| s);
         }
@@ -622,7 +658,7 @@ mod tests {
         second
             .set_read_timeout(Some(Duration::from_secs(5)))
             .expect("timeout");
-        c.tap("edge", Transport::Tcp, a, b, INVITE);
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
         let d = read_hep(&mut second).expect("a packet on the new connection");
         assert_eq!(d.correlation_id.as_deref(), Some(&b"c7@host"[..]));
         assert!(c.stats().dropped_send_error.load(Ordering::Relaxed) > 0);
@@ -638,12 +674,12 @@ mod tests {
             CaptureTransport::Tcp,
         )));
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
-        c.tap("edge", Transport::Tcp, a, b, INVITE);
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
         let (_held, _) = listener.accept().expect("connection");
         let big = vec![b'x'; 60_000];
         let started = Instant::now();
         for _ in 0..2_000 {
-            c.tap("edge", Transport::Tcp, a, b, &big);
+            c.tap("edge", Stamp::now(), Transport::Tcp, a, b, &big);
         }
         // 120 MB offered: far past the queue's bytes and the socket buffers.
         assert!(
