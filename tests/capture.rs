@@ -192,6 +192,13 @@ fn read_pcap(b: &[u8]) -> Vec<Frame> {
 }
 
 fn yaml(services: &[(&str, SocketAddr)], capture: Option<u16>) -> String {
+    yaml_over(Transport::Udp, services, capture)
+}
+
+/// A vserver `v` of `t`'s protocol over `services` of the same, capturing to sngrep at
+/// `capture`.
+fn yaml_over(t: Transport, services: &[(&str, SocketAddr)], capture: Option<u16>) -> String {
+    let protocol = t.protocol();
     let mut y = String::from("admin: { listen: null }\n");
     if let Some(port) = capture {
         y.push_str(&format!(
@@ -201,12 +208,12 @@ fn yaml(services: &[(&str, SocketAddr)], capture: Option<u16>) -> String {
     y.push_str("services:\n");
     for (name, addr) in services {
         y.push_str(&format!(
-            "  - {{ name: {name}, address: \"{addr}\", protocol: sip-udp }}\n"
+            "  - {{ name: {name}, address: \"{addr}\", protocol: {protocol} }}\n"
         ));
     }
     let names: Vec<&str> = services.iter().map(|s| s.0).collect();
     y.push_str(&format!(
-        "vservers:\n  - {{ name: v, protocol: sip-udp, bind: [\"127.0.0.1:0\"], record_route: true, method: round_robin, eject: off, services: [{}] }}\n",
+        "vservers:\n  - {{ name: v, protocol: {protocol}, bind: [\"127.0.0.1:0\"], record_route: true, method: round_robin, eject: off, services: [{}] }}\n",
         names.join(", ")
     ));
     y
@@ -230,12 +237,16 @@ fn sent(ops: &Ops) -> u64 {
 /// `calls` calls of SIPp's built-in `uac` scenario (INVITE, ACK, BYE) through `ops`'s vserver,
 /// every one successful.
 fn calls(ops: &Ops, dir: &Scratch, calls: u32, tag: &str) {
+    calls_over(Transport::Udp, ops, dir, calls, tag)
+}
+
+fn calls_over(t: Transport, ops: &Ops, dir: &Scratch, calls: u32, tag: &str) {
     let load = UacLoad {
         calls,
         rate_per_s: 10,
         hold_ms: 100,
     };
-    let out = Uac::start(dir, Transport::Udp, vserver_addr(ops), load, tag).finish();
+    let out = Uac::start(dir, t, vserver_addr(ops), load, tag).finish();
     assert_eq!(
         (out.exit, out.successful, out.failed),
         (Some(0), u64::from(calls), 0),
@@ -312,7 +323,7 @@ fn check_client_leg(client: &[Frame], vserver: SocketAddr) {
             (vserver, caller)
         };
         assert_eq!((f.src, f.dst), (from, to), "{}", f.label());
-        assert_eq!(f.ip_proto, 17);
+        assert_eq!(f.ip_proto, 17, "sngrep writes every message as a UDP frame");
     }
 }
 
@@ -491,4 +502,64 @@ fn a_dead_collector_costs_no_call_and_reload_turns_capture_on_and_off() {
         router::status(&ops)["capture"].is_null(),
         "capture off in /status"
     );
+}
+
+/// Over sip-tcp: the client's connection and fulcrum's link to the service are the two legs,
+/// each message captured as TCP (IP protocol 6) with the connection's addresses.
+#[test]
+fn every_message_of_each_call_is_captured_on_both_legs_over_sip_tcp() {
+    if !tools_available() {
+        return;
+    }
+    let dir = Scratch::new("capture-tcp");
+    let sngrep = Sngrep::start(&dir);
+    let uas = StrictUas::tcp("s0");
+    let ops = ops_of(&yaml_over(
+        Transport::Tcp,
+        &[("s0", uas.addr)],
+        Some(sngrep.port),
+    ));
+    let vserver = vserver_addr(&ops);
+    let n = 3;
+    calls_over(Transport::Tcp, &ops, &dir, n, "tcp");
+    let frames = settled(&ops, &sngrep);
+    let calls = by_call(&frames);
+    assert_eq!(calls.len(), n as usize, "{:?}", calls.keys());
+    for (call_id, frames) in &calls {
+        let client = leg(frames, |f| f.src != uas.addr && f.dst != uas.addr);
+        let service = leg(frames, |f| f.src == uas.addr || f.dst == uas.addr);
+        assert_eq!(labels(&client), CALL, "client leg of {call_id}");
+        assert_eq!(labels(&service), CALL, "service leg of {call_id}");
+        check_client_leg(&client, vserver);
+        // fulcrum's end of its link: one connection from an ephemeral port of its own.
+        let link = service[0].src;
+        assert_eq!(link.ip(), uas.addr.ip());
+        assert!(link != vserver && link != uas.addr);
+        for f in &service {
+            let (from, to) = if f.is_request() {
+                (link, uas.addr)
+            } else {
+                (uas.addr, link)
+            };
+            assert_eq!((f.src, f.dst), (from, to), "{}", f.label());
+        }
+        check_forwarding_times(&client, &service);
+    }
+    // sngrep writes UDP frames whatever the packet says: the IP protocol is read from the
+    // HEP packets themselves, at a collector of the test's own that a reload points to.
+    let own = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+    own.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let port = own.local_addr().expect("addr").port();
+    let to_own = yaml_over(Transport::Tcp, &[("s0", uas.addr)], Some(port));
+    ops.apply(config::from_str("own.yaml", &to_own).expect("config"))
+        .expect("reload");
+    calls_over(Transport::Tcp, &ops, &dir, 1, "tcp-own");
+    let mut buf = vec![0u8; 65_536];
+    for _ in 0..14 {
+        let n = own.recv(&mut buf).expect("a HEP packet");
+        let d = fulcrum::capture::hep::decode(&buf[..n]).expect("HEP3");
+        assert_eq!((d.family, d.ip_proto), (Some(2), Some(6)));
+        assert_eq!(d.agent_id, Some(2001));
+    }
 }

@@ -196,6 +196,10 @@ impl Capture {
         dst: SocketAddr,
         payload: &[u8],
     ) {
+        // A keep-alive (CRLF, RFC 5626 §3.5.1) is no SIP message.
+        if !payload.first().is_some_and(u8::is_ascii_alphabetic) {
+            return;
+        }
         let guard = self.exporter.load();
         let Some(e) = guard.as_ref() else {
             return;

@@ -286,6 +286,14 @@ impl Senders {
     }
 }
 
+/// Whether a received message is captured: all but those fulcrum dropped (access lists,
+/// flood control, no route, not SIP at all), which took no part in a call; a message a held
+/// transaction absorbed (a retransmission, the ACK of fulcrum's final, a failed attempt's
+/// answer) did (docs/capture.md).
+pub(crate) fn is_captured(action: &crate::core::sip::Action) -> bool {
+    !matches!(action, crate::core::sip::Action::Drop(r) if *r != crate::core::sip::DropReason::Absorbed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -353,5 +361,32 @@ mod tests {
         assert!(needs_arrivals(&[a("0.0.0.0:5060")]));
         assert!(needs_arrivals(&[a("10.0.0.1:5060"), a("10.0.0.2:5060")]));
         assert!(!needs_arrivals(&[a("10.0.0.1:5060")]));
+    }
+
+    #[test]
+    fn every_message_but_those_dropped_is_captured() {
+        let a: SocketAddr = "127.0.0.1:5060".parse().expect("addr");
+        for kept in [
+            crate::core::sip::Action::ToMember(0),
+            crate::core::sip::Action::ToAddr(a),
+            crate::core::sip::Action::Reply(a),
+            crate::core::sip::Action::Drop(crate::core::sip::DropReason::Absorbed),
+        ] {
+            assert!(is_captured(&kept), "{kept:?}");
+        }
+        for dropped in [
+            crate::core::sip::DropReason::Malformed,
+            crate::core::sip::DropReason::NotOurs,
+            crate::core::sip::DropReason::Loop,
+            crate::core::sip::DropReason::Unroutable,
+            crate::core::sip::DropReason::AckNotForwarded,
+            crate::core::sip::DropReason::Acl,
+            crate::core::sip::DropReason::Flood,
+        ] {
+            assert!(
+                !is_captured(&crate::core::sip::Action::Drop(dropped)),
+                "{dropped:?}"
+            );
+        }
     }
 }

@@ -17,7 +17,7 @@
 use crate::balancer::Balancer;
 use crate::config::{Config, Protocol, Vserver};
 use crate::core::sip::SipParams;
-use crate::core::sip::{Action, DropReason, SipCore};
+use crate::core::sip::{Action, SipCore};
 use crate::dialog::Change;
 use crate::net;
 use crate::proxy::context::{
@@ -134,7 +134,7 @@ pub(crate) fn run_worker<B: Bridge>(
         // Captured as received unless dropped; before its sends, so the collector sees them
         // in order.
         if let (Some(t), Some(at)) = (out_socks.tap(), at)
-            && is_captured(&action)
+            && crate::proxy::sip_front::is_captured(&action)
         {
             t.tap(at, crate::capture::Transport::Udp, src, dst, &buf[..n]);
         }
@@ -167,14 +167,6 @@ pub(crate) fn run_worker<B: Bridge>(
             }
         }
     }
-}
-
-/// Whether a received message is captured: all but those fulcrum dropped (access lists,
-/// flood control, no route, not SIP at all), which took no part in a call; a message a held
-/// transaction absorbed (a retransmission, the ACK of fulcrum's final, a failed attempt's
-/// answer) did (docs/capture.md).
-fn is_captured(action: &Action) -> bool {
-    !matches!(action, Action::Drop(r) if *r != DropReason::Absorbed)
 }
 
 /// Send what held requests asked for (100 Trying, retransmissions, the next attempt, ACK,
@@ -624,29 +616,5 @@ mod tests {
         done.recv_timeout(Duration::from_secs(5))
             .expect("the receive returned");
         let _ = t.join().expect("thread");
-    }
-
-    #[test]
-    fn every_message_but_those_dropped_is_captured() {
-        let a: SocketAddr = "127.0.0.1:5060".parse().expect("addr");
-        for kept in [
-            Action::ToMember(0),
-            Action::ToAddr(a),
-            Action::Reply(a),
-            Action::Drop(DropReason::Absorbed),
-        ] {
-            assert!(is_captured(&kept), "{kept:?}");
-        }
-        for dropped in [
-            DropReason::Malformed,
-            DropReason::NotOurs,
-            DropReason::Loop,
-            DropReason::Unroutable,
-            DropReason::AckNotForwarded,
-            DropReason::Acl,
-            DropReason::Flood,
-        ] {
-            assert!(!is_captured(&Action::Drop(dropped)), "{dropped:?}");
-        }
     }
 }
