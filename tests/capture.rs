@@ -1,11 +1,12 @@
 //! HEP capture (docs/capture.md) read by a real collector: sngrep (Debian `sngrep`) in
 //! headless mode, listening for HEP over UDP and writing what it receives to a pcap file,
-//! while SIPp calls go through a sip-udp vserver to strict services
-//! (tests/common/strict_uas.rs).
+//! while SIPp calls (over sip-tls, a TLS client of the tests' own) go through fulcrum to
+//! strict services (tests/common/strict_uas.rs).
 //!
 //! - every message of each call appears on both legs, client side and service side, with the
-//!   addresses and ports as on the wire, each forwarded message first on the leg it came in
-//!   on (by the HEP time sngrep writes as the frame's time);
+//!   addresses and ports as on the wire, over sip-udp, sip-tcp and sip-tls (decrypted), each
+//!   forwarded message first on the leg it came in on (by the HEP time sngrep writes as the
+//!   frame's time);
 //! - fulcrum's own messages are captured: its 100 Trying and its ACK of a service's 503
 //!   before the failover;
 //! - a dead collector costs no call, and a reload turns capture on and off.
@@ -562,4 +563,76 @@ fn every_message_of_each_call_is_captured_on_both_legs_over_sip_tcp() {
         assert_eq!((d.family, d.ip_proto), (Some(2), Some(6)));
         assert_eq!(d.agent_id, Some(2001));
     }
+}
+
+/// Over sip-tls, on both legs (a TLS client, a TLS service): what no network capture can read,
+/// fulcrum's capture shows decrypted, every message of each call on both legs.
+#[test]
+fn every_message_of_each_call_over_sip_tls_is_captured_decrypted_on_both_legs() {
+    if !sngrep_available() {
+        return;
+    }
+    use common::tls::{Ca, client_config, connect, server_config};
+    let dir = Scratch::new("capture-tls");
+    let sngrep = Sngrep::start(&dir);
+    let f = common::ConfigFile::new("capture-tls", "");
+    let ca = Ca::new("fulcrum capture test CA");
+    ca.write(&f, "ca.crt");
+    ca.issue(&f, "sip", "fulcrum.test", "fulcrum");
+    let uas_cert = ca.issue(&f, "uas", "uas.test", "uas");
+    let uas = StrictUas::tls_at(
+        "s0",
+        SocketAddr::from(([127, 0, 0, 1], 0)),
+        server_config(&uas_cert),
+    );
+    f.write(&format!(
+        "admin: {{ listen: null }}\n\
+         capture: {{ hep: {{ address: \"127.0.0.1:{}\", id: 2001 }} }}\n\
+         services:\n  - {{ name: s0, address: \"{}\", protocol: sip-tls, tls: {{ ca: ca.crt, server_name: uas.test }} }}\n\
+         vservers:\n  - {{ name: v, protocol: sip-tls, bind: [\"127.0.0.1:0\"], record_route: true, tls: {{ cert: sip.crt, key: sip.key }}, services: [s0] }}\n",
+        sngrep.port, uas.addr
+    ));
+    let ops = common::tls::start(&f);
+    let vserver = vserver_addr(&ops);
+    let s = connect(
+        vserver,
+        &client_config(&ca, None),
+        "fulcrum.test",
+        common::ANSWER,
+    )
+    .expect("TLS client");
+    let caller = s.sock.local_addr().expect("addr");
+    let mut uac = common::sip_uac::Uac::new(s, caller, "TLS");
+    let n = 3;
+    for i in 0..n {
+        let call = uac.call(&format!("tls-capture-{i}"));
+        assert_eq!((call.invite, call.bye), (200, 200), "call {i}: {call:?}");
+    }
+    let frames = settled(&ops, &sngrep);
+    let calls = by_call(&frames);
+    assert_eq!(calls.len(), n, "{:?}", calls.keys());
+    for (call_id, frames) in &calls {
+        let client = leg(frames, |f| f.src != uas.addr && f.dst != uas.addr);
+        let service = leg(frames, |f| f.src == uas.addr || f.dst == uas.addr);
+        assert_eq!(labels(&client), CALL, "client leg of {call_id}");
+        assert_eq!(labels(&service), CALL, "service leg of {call_id}");
+        check_client_leg(&client, vserver);
+        assert_eq!(client[0].src, caller);
+        let link = service[0].src;
+        assert!(link.ip() == uas.addr.ip() && link != vserver && link != uas.addr);
+        for f in &service {
+            let (from, to) = if f.is_request() {
+                (link, uas.addr)
+            } else {
+                (uas.addr, link)
+            };
+            assert_eq!((f.src, f.dst), (from, to), "{}", f.label());
+            // Readable SIP: fulcrum's Via toward the service says TLS.
+            if f.label() == "INVITE" {
+                assert!(f.text().contains("Via: SIP/2.0/TLS "), "{}", f.text());
+            }
+        }
+        check_forwarding_times(&client, &service);
+    }
+    ops.shutdown();
 }
