@@ -256,15 +256,19 @@ fn calls_over(t: Transport, ops: &Ops, dir: &Scratch, calls: u32, tag: &str) {
     );
 }
 
-/// Wait (bounded) until sngrep has written every packet fulcrum sent, and read them.
+/// Wait (bounded) until sngrep has written every packet fulcrum sent, and read them: the
+/// calls are over, so what they captured is queued; the sender takes the queue every few
+/// milliseconds, so a count unchanged over two reads 50 ms apart is the whole of it.
 fn settled(ops: &Ops, sngrep: &Sngrep) -> Vec<Frame> {
     let deadline = Instant::now() + Duration::from_secs(10);
+    let mut before = 0;
     loop {
         let n = sent(ops);
         let frames = sngrep.frames();
-        if n > 0 && frames.len() as u64 == n {
+        if n > 0 && frames.len() as u64 == n && n == before {
             return frames;
         }
+        before = n;
         assert!(
             Instant::now() < deadline,
             "sngrep wrote {} frames, fulcrum sent {n}",
