@@ -33,6 +33,8 @@ const TCP_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Reconnection backoff of the TCP transport: doubled after each failure, up to the cap.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// How long packets toward a UDP collector are dropped unsent after a failed send.
+const UDP_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// How long a UDP collector shows as down after a failed send.
 const UDP_DOWN_FOR: Duration = Duration::from_secs(5);
 /// How long the sender sleeps once its queue is empty: the delay of a captured message at
@@ -325,7 +327,11 @@ impl Link {
     /// tried.
     fn may_send(&self) -> bool {
         match self {
-            Link::Udp { socket, .. } => socket.is_some(),
+            // After a failed send the collector is left alone for a while: a dead one would
+            // otherwise cost an encoding, a send and an ICMP error for every other packet.
+            Link::Udp { socket, last_error } => {
+                socket.is_some() && last_error.is_none_or(|t| t.elapsed() >= UDP_RETRY_AFTER)
+            }
             Link::Tcp {
                 stream, next_try, ..
             } => stream.is_some() || Instant::now() >= *next_try,
