@@ -7,6 +7,7 @@
 //! - `admin`      IO    admin HTTP API: socket-free router over `Ops`, hyper HTTP/1.1 server, /metrics, dashboard page
 //! - `bpf`        IO    packet vservers' kernel side: tc ingress program (assembled in Rust), maps, tcx links; unsafe in `bpf::sys` only
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
+//! - `capture`    IO    SIP messages to a HEP collector: bounded queue, one sender thread (`capture::hep`: the packets, PURE)
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `core`       PURE  the data paths' decisions: the SIP proxy core, SIP stream link and receive buffer, udp sessions, tcp keys
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
@@ -52,6 +53,7 @@ pub mod admin;
 pub mod balancer;
 pub mod bpf;
 pub mod budget;
+pub mod capture;
 pub mod config;
 pub mod core;
 pub mod demo;

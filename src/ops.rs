@@ -241,6 +241,13 @@ impl Ops {
             .map(|rt| std::sync::Arc::clone(rt.budget()))
     }
 
+    /// SIP message capture (docs/capture.md); `None` once shut down.
+    pub fn capture(&self) -> Option<std::sync::Arc<crate::capture::Capture>> {
+        self.runtime()
+            .as_ref()
+            .map(|rt| std::sync::Arc::clone(rt.capture()))
+    }
+
     /// The runtime's clock; `None` once shut down.
     fn now(&self) -> Option<crate::stats::Nanos> {
         self.is_serving()
@@ -554,6 +561,9 @@ impl Ops {
         // Members added (by the file or by DNS) keep their links' and probes' files too.
         let (reserve, pool) = rt.budget().resize(&crate::fd_limit::needs(&new));
         tracing::debug!(reserve, pool, "open files divided again");
+        if plan.capture_changed {
+            rt.capture().configure(new.capture.as_ref());
+        }
         for (vs, rate) in &plan.slow_start_rates {
             if let Some(h) = rt.vserver(vs) {
                 h.balancer().set_slow_start_rate(*rate, rt.now());

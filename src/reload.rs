@@ -26,6 +26,8 @@
 //!   `tls_handshake_timeout` change in place this way; a service's `tls` fields are part of
 //!   its data (a change rebuilds its vservers; its monitor runs on, probing with the new
 //!   `tls`).
+//! - `capture`: a changed collector, id, password, vserver list or `probes` starts a new
+//!   sender; the old one ends when its queue is empty (docs/capture.md).
 //! - `logging` is ignored (the subscriber is set once).
 //! - services that belong to no vserver may be added, changed or removed freely.
 //!
@@ -60,6 +62,8 @@ pub struct Plan {
     /// Vservers rebuilt in place (services, weights, method, slow start or timeouts
     /// changed).
     pub rebuild: Vec<String>,
+    /// The `capture` block changed (applied in place).
+    pub capture_changed: bool,
 }
 
 impl Plan {
@@ -71,6 +75,9 @@ impl Plan {
         }
         if self.token != TokenChange::Unchanged {
             v.push("admin.token".to_owned());
+        }
+        if self.capture_changed {
+            v.push("capture".to_owned());
         }
         for vs in &self.rebuild {
             v.push(format!("vservers.{vs} rebuilt"));
@@ -200,6 +207,7 @@ pub fn plan(old: &Config, new: &Config) -> Result<Plan, Vec<String>> {
     if old.admin.token != new.admin.token {
         p.token = TokenChange::Set(new.admin.token.clone());
     }
+    p.capture_changed = old.capture != new.capture;
     Ok(p)
 }
 

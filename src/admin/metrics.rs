@@ -148,6 +148,7 @@ pub(crate) fn render(ops: &Ops) -> String {
         dns_members.add(&[("service", service)], p.members.len());
         dns_stale.add(&[("service", service)], u8::from(p.is_stale()));
     }
+    let (capture_packets, capture_connected) = capture_families(ops);
     let mut edge = EdgeFamilies::new();
     let mut tls = TlsFamilies::new();
     let health = ops.health();
@@ -180,11 +181,35 @@ pub(crate) fn render(ops: &Ops) -> String {
         .chain(tls.families())
         .chain([&events, &refused, &files, &trim_runs, &trim_kib])
         .chain([&dns_lookups, &dns_members, &dns_stale])
+        .chain([&capture_packets, &capture_connected])
         .chain(monitors.families());
     for f in families {
         f.render(&mut out);
     }
     out
+}
+
+/// `fulcrum_capture_packets_total` and `fulcrum_capture_connected` (docs/capture.md).
+fn capture_families(ops: &Ops) -> (Family, Family) {
+    let mut packets = Family::new(
+        "fulcrum_capture_packets_total",
+        "counter",
+        "SIP messages captured to the HEP collector, by result: sent, or dropped by reason: queue_full (the sender or collector too slow), too_big (past one HEP packet), send_error (collector unreachable or not connected) (docs/capture.md).",
+    );
+    let mut connected = Family::new(
+        "fulcrum_capture_connected",
+        "gauge",
+        "1 while the HEP collector is reachable (UDP socket set up, TCP connection open), else 0.",
+    );
+    if let Some(c) = ops.capture() {
+        let s = c.stats();
+        packets.add(&[("result", "sent")], load(&s.sent));
+        for (reason, n) in s.dropped() {
+            packets.add(&[("result", "dropped"), ("reason", reason)], n);
+        }
+        connected.add(&[], u8::from(c.is_connected()));
+    }
+    (packets, connected)
 }
 
 /// One sample per `(value label, counter)` of `list`, labelled with the vserver `n` and

@@ -552,6 +552,7 @@ pub fn status(ops: &Ops) -> Value {
         "open_files": files_status(ops),
         "flow_tokens": flow_tokens_status(ops),
         "dns": dns_status(ops),
+        "capture": capture_status(ops),
     })
 }
 
@@ -596,6 +597,30 @@ fn packet_status(v: &crate::proxy::VserverHandle) -> Option<Value> {
             "no_next_hop": c.dropped_no_next_hop.load(Relaxed),
         },
         "tables_installed": c.tables.load(Relaxed),
+    }))
+}
+
+/// `/status` `capture`: the HEP collector, `null` when capture is off (docs/capture.md).
+fn capture_status(ops: &Ops) -> Option<Value> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = ops.capture()?;
+    let config = c.config()?;
+    let s = c.stats();
+    let dropped: serde_json::Map<String, Value> = s
+        .dropped()
+        .iter()
+        .map(|(r, n)| ((*r).to_owned(), json!(n)))
+        .collect();
+    Some(json!({
+        "address": config.address.to_string(),
+        "transport": match config.transport {
+            crate::config::CaptureTransport::Udp => "udp",
+            crate::config::CaptureTransport::Tcp => "tcp",
+        },
+        "id": config.id,
+        "connected": c.is_connected(),
+        "sent": s.sent.load(Relaxed),
+        "dropped": dropped,
     }))
 }
 

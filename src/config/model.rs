@@ -23,9 +23,40 @@ pub struct Config {
     pub flow_key_file: Option<FlowKeyFile>,
     /// `dns`: how services named in DNS are looked up (docs/discovery.md).
     pub dns: DnsSettings,
+    /// `capture.hep`: every SIP message sent to a HEP collector (docs/capture.md); `None`: off.
+    pub capture: Option<HepCapture>,
     /// What is valid but probably not meant, with its position and field path
     /// (`fulcrum check` prints them, `fulcrum run` logs them); never a reason to refuse.
     pub warnings: Vec<super::Problem>,
+}
+
+/// How capture packets reach the collector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CaptureTransport {
+    Udp,
+    Tcp,
+}
+
+impl CaptureTransport {
+    pub const ALL: [(&'static str, CaptureTransport); 2] = [
+        ("udp", CaptureTransport::Udp),
+        ("tcp", CaptureTransport::Tcp),
+    ];
+}
+
+/// The global `capture.hep` block: where SIP messages are sent as HEP3 packets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HepCapture {
+    pub address: SocketAddr,
+    pub transport: CaptureTransport,
+    /// The capture agent id written in every packet (Homer shows it as the node).
+    pub id: u32,
+    /// The authentication key chunk, when the collector wants one.
+    pub password: Option<String>,
+    /// Only these vservers' messages; `None`: every SIP vserver's.
+    pub vservers: Option<Vec<String>>,
+    /// The health monitors' SIP OPTIONS too.
+    pub probes: bool,
 }
 
 /// The global `dns` block: the servers asked and the bounds on how often a name is asked

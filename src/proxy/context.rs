@@ -254,6 +254,8 @@ pub(crate) struct StartCtx<'a> {
     pub liveness: &'a Arc<crate::liveness::Liveness>,
     /// Every vserver's evictable client connections (the file pool is the process's).
     pub evictors: &'a Arc<crate::proxy::evict::Evictors>,
+    /// SIP message capture, tapped by the SIP data paths (docs/capture.md).
+    pub capture: &'a Arc<crate::capture::Capture>,
 }
 
 /// How long a shutdown waits for async handlers to finish (and then for what is left on

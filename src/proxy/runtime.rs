@@ -31,6 +31,8 @@ pub struct Runtime {
     liveness: Arc<Liveness>,
     /// Every vserver's evictable client connections.
     evictors: Arc<crate::proxy::evict::Evictors>,
+    /// SIP messages to a HEP collector (docs/capture.md); reconfigured by reload.
+    capture: Arc<crate::capture::Capture>,
     /// The heart of `tokio`'s probe, held while the runtime lives.
     _tokio_heart: Heart,
     /// The vserver whose next rebuild fails in [`Runtime::prepare_rebuild`]: a fault for the
@@ -75,6 +77,7 @@ impl Runtime {
             tokio: Some(tokio),
             liveness,
             evictors: Arc::default(),
+            capture: Arc::new(crate::capture::Capture::new(config.capture.as_ref())),
             _tokio_heart,
             #[cfg(test)]
             fail_rebuild: None,
@@ -105,6 +108,11 @@ impl Runtime {
     /// Every vserver's evictable client connections.
     pub(crate) fn evictors(&self) -> &Arc<crate::proxy::evict::Evictors> {
         &self.evictors
+    }
+
+    /// SIP message capture (docs/capture.md).
+    pub fn capture(&self) -> &Arc<crate::capture::Capture> {
+        &self.capture
     }
 
     /// The open files client connections and sessions draw from (docs/limits.md).
@@ -207,6 +215,7 @@ impl Runtime {
             tokio: &tokio,
             liveness: &self.liveness,
             evictors: &self.evictors,
+            capture: &self.capture,
         };
         let start = starter(v.protocol);
         let handle = start(&mut ctx, config, v)?;

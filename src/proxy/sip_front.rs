@@ -182,6 +182,11 @@ impl Fronts {
 pub(crate) struct Senders {
     pub clients: UdpSocket,
     pub services: UdpSocket,
+    /// The local addresses of `clients` and `services` (the source a capture names).
+    clients_addr: SocketAddr,
+    services_addr: SocketAddr,
+    /// Every datagram sent is captured here (docs/capture.md).
+    tap: Option<crate::capture::Tap>,
     /// `clients`'s index among the fronts' sockets.
     rank: usize,
     fronts: Option<Arc<Fronts>>,
@@ -190,12 +195,43 @@ pub(crate) struct Senders {
 impl Senders {
     /// Clones of `clients` and, when given, `services` (else `clients` again).
     pub(crate) fn of(clients: &UdpSocket, services: Option<&UdpSocket>) -> std::io::Result<Self> {
+        let services = services.unwrap_or(clients);
         Ok(Senders {
+            clients_addr: clients.local_addr()?,
+            services_addr: services.local_addr()?,
             clients: clients.try_clone()?,
-            services: services.unwrap_or(clients).try_clone()?,
+            services: services.try_clone()?,
+            tap: None,
             rank: 0,
             fronts: None,
         })
+    }
+
+    /// These senders capturing every datagram they send.
+    pub(crate) fn with_tap(mut self, tap: crate::capture::Tap) -> Self {
+        self.tap = Some(tap);
+        self
+    }
+
+    /// The capture tap, for the receive side of the same worker.
+    pub(crate) fn tap(&self) -> Option<&crate::capture::Tap> {
+        self.tap.as_ref()
+    }
+
+    /// Send `bytes` to `to`, a service, from the service-facing socket.
+    pub(crate) fn to_service(&self, bytes: &[u8], to: SocketAddr) -> std::io::Result<usize> {
+        let at = self.tap.as_ref().and_then(crate::capture::Tap::stamp);
+        let n = self.services.send_to(bytes, to)?;
+        if let (Some(t), Some(at)) = (&self.tap, at) {
+            t.tap(
+                at,
+                crate::capture::Transport::Udp,
+                self.services_addr,
+                to,
+                bytes,
+            );
+        }
+        Ok(n)
     }
 
     /// These senders answering each client from the address it sent to; `clients` is the
@@ -215,12 +251,29 @@ impl Senders {
         to: SocketAddr,
         dontwait: bool,
     ) -> std::io::Result<usize> {
+        let at = self.tap.as_ref().and_then(crate::capture::Tap::stamp);
         let Some(f) = &self.fronts else {
-            return net::send_from(&self.clients, bytes, to, None, dontwait);
+            let n = net::send_from(&self.clients, bytes, to, None, dontwait)?;
+            if let (Some(t), Some(at)) = (&self.tap, at) {
+                t.tap(
+                    at,
+                    crate::capture::Transport::Udp,
+                    self.clients_addr,
+                    to,
+                    bytes,
+                );
+            }
+            return Ok(n);
         };
         let (i, from) = choose(&f.bound, f.arrivals.local_of(to), to, self.rank);
         let socket = f.sockets.get(i).unwrap_or(&self.clients);
-        net::send_from(socket, bytes, to, from, dontwait)
+        let n = net::send_from(socket, bytes, to, from, dontwait)?;
+        if let (Some(t), Some(at)) = (&self.tap, at) {
+            let bound = f.bound.get(i).copied().unwrap_or(self.clients_addr);
+            let src = from.map_or(bound, |ip| SocketAddr::new(ip, bound.port()));
+            t.tap(at, crate::capture::Transport::Udp, src, to, bytes);
+        }
+        Ok(n)
     }
 
     /// The table of arrivals, when the vserver keeps one and `bound` (a receiving socket's
@@ -231,6 +284,14 @@ impl Senders {
             .filter(|f| f.bound.contains(&bound))
             .map(|f| &f.arrivals)
     }
+}
+
+/// Whether a received message is captured: all but those fulcrum dropped (access lists,
+/// flood control, no route, not SIP at all), which took no part in a call; a message a held
+/// transaction absorbed (a retransmission, the ACK of fulcrum's final, a failed attempt's
+/// answer) did (docs/capture.md).
+pub(crate) fn is_captured(action: &crate::core::sip::Action) -> bool {
+    !matches!(action, crate::core::sip::Action::Drop(r) if *r != crate::core::sip::DropReason::Absorbed)
 }
 
 #[cfg(test)]
@@ -300,5 +361,32 @@ mod tests {
         assert!(needs_arrivals(&[a("0.0.0.0:5060")]));
         assert!(needs_arrivals(&[a("10.0.0.1:5060"), a("10.0.0.2:5060")]));
         assert!(!needs_arrivals(&[a("10.0.0.1:5060")]));
+    }
+
+    #[test]
+    fn every_message_but_those_dropped_is_captured() {
+        let a: SocketAddr = "127.0.0.1:5060".parse().expect("addr");
+        for kept in [
+            crate::core::sip::Action::ToMember(0),
+            crate::core::sip::Action::ToAddr(a),
+            crate::core::sip::Action::Reply(a),
+            crate::core::sip::Action::Drop(crate::core::sip::DropReason::Absorbed),
+        ] {
+            assert!(is_captured(&kept), "{kept:?}");
+        }
+        for dropped in [
+            crate::core::sip::DropReason::Malformed,
+            crate::core::sip::DropReason::NotOurs,
+            crate::core::sip::DropReason::Loop,
+            crate::core::sip::DropReason::Unroutable,
+            crate::core::sip::DropReason::AckNotForwarded,
+            crate::core::sip::DropReason::Acl,
+            crate::core::sip::DropReason::Flood,
+        ] {
+            assert!(
+                !is_captured(&crate::core::sip::Action::Drop(dropped)),
+                "{dropped:?}"
+            );
+        }
     }
 }

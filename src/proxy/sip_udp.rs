@@ -121,6 +121,7 @@ pub(crate) fn run_worker<B: Bridge>(
                 continue;
             }
         };
+        let at = out_socks.tap().and_then(crate::capture::Tap::stamp);
         let now = elapsed_nanos(epoch);
         if let Some(arrivals) = arrivals {
             arrivals.note(src, dst, now);
@@ -130,15 +131,20 @@ pub(crate) fn run_worker<B: Bridge>(
         let _in = reader.enter();
         let core = cell.load();
         let action = core.handle_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
+        // Captured as received unless dropped; before its sends, so the collector sees them
+        // in order.
+        if let (Some(t), Some(at)) = (out_socks.tap(), at)
+            && crate::proxy::sip_front::is_captured(&action)
+        {
+            t.tap(at, crate::capture::Transport::Udp, src, dst, &buf[..n]);
+        }
         // A held request's own sends first: an INVITE's 100 (Trying) must reach the client
         // before the service's answers, which another worker may relay at once.
         send_all(&out_socks, &core, &bridge, &mut sends, &send_log, now);
         let to = match action {
-            Action::ToMember(m) => bridge
-                .to_member(&core, m, &out)
-                .map(|a| (Some(&out_socks.services), a)),
-            Action::ToAddr(a) => bridge.to_addr(&core, a, &out).map(|a| (None, a)),
-            Action::Reply(a) => Some((None, a)),
+            Action::ToMember(m) => bridge.to_member(&core, m, &out).map(|a| (true, a)),
+            Action::ToAddr(a) => bridge.to_addr(&core, a, &out).map(|a| (false, a)),
+            Action::Reply(a) => Some((false, a)),
             // Connection ids exist only on streams.
             Action::ToConn(_) | Action::ToFlow(_) => None,
             Action::Drop(reason) => {
@@ -148,10 +154,11 @@ pub(crate) fn run_worker<B: Bridge>(
                 None
             }
         };
-        if let Some((via, to)) = to
-            && let Err(e) = match via {
-                Some(via) => via.send_to(&out, to),
-                None => out_socks.to_client(&out, to, false),
+        if let Some((to_service, to)) = to
+            && let Err(e) = if to_service {
+                out_socks.to_service(&out, to)
+            } else {
+                out_socks.to_client(&out, to, false)
             }
         {
             bump(&core.counters.send_errors);
@@ -175,19 +182,20 @@ fn send_all<B: Bridge>(
 ) {
     use crate::core::sip::stateful::Dest;
     for (dest, bytes) in sends.drain(..) {
-        let (socket, to) = match dest {
-            Dest::Addr(a) => (None, a),
-            Dest::Service(a) => (Some(&socks.services), a),
+        let (to_service, to) = match dest {
+            Dest::Addr(a) => (false, a),
+            Dest::Service(a) => (true, a),
             Dest::Member(m) => match bridge.to_member(core, m, &bytes) {
-                Some(a) => (Some(&socks.services), a),
+                Some(a) => (true, a),
                 None => continue,
             },
             // Connection ids exist only on streams.
             Dest::Conn(_) => continue,
         };
-        let sent = match socket {
-            Some(s) => s.send_to(&bytes, to),
-            None => socks.to_client(&bytes, to, false),
+        let sent = if to_service {
+            socks.to_service(&bytes, to)
+        } else {
+            socks.to_client(&bytes, to, false)
         };
         if let Err(e) = sent {
             bump(&core.counters.send_errors);
@@ -428,6 +436,7 @@ pub(crate) fn start(
     config: &Config,
     v: &Vserver,
 ) -> Result<VserverHandle, RuntimeError> {
+    let tap = crate::capture::Tap::new(ctx.capture, &v.name);
     let workers = net::worker_count(v.workers);
     let (per_addr, bound) = bind_udp(v, workers)?;
     let fronts = if needs_arrivals(&bound) {
@@ -471,13 +480,17 @@ pub(crate) fn start(
     };
     let bridge = match sockets.first() {
         Some(first) if streams => {
-            let front = Senders::of(first, service_socks.first())?.with_fronts(&fronts, 0);
+            let front = Senders::of(first, service_socks.first())?
+                .with_fronts(&fronts, 0)
+                .with_tap(tap.clone());
             Some(crate::proxy::sip_stream::start_bridge(
                 ctx, config, v, &core, front, &readers,
             ))
         }
         Some(first) => {
-            let socks = Senders::of(first, service_socks.first())?.with_fronts(&fronts, 0);
+            let socks = Senders::of(first, service_socks.first())?
+                .with_fronts(&fronts, 0)
+                .with_tap(tap.clone());
             start_transaction_timers(ctx, v, socks, Arc::clone(&cell), readers.register())?;
             None
         }
@@ -488,7 +501,8 @@ pub(crate) fn start(
     let mut receivers = Vec::new();
     for (i, socket) in sockets.iter().enumerate() {
         let senders = Senders::of(socket, service_socks.get(i % service_socks.len().max(1)))?
-            .with_fronts(&fronts, ranks.get(i).copied().unwrap_or(0));
+            .with_fronts(&fronts, ranks.get(i).copied().unwrap_or(0))
+            .with_tap(tap.clone());
         receivers.push((format!("{}-{i}", v.name), socket.try_clone()?, senders));
     }
     for (i, socket) in service_socks.iter().enumerate() {
@@ -496,7 +510,9 @@ pub(crate) fn start(
             break;
         };
         let rank = ranks.get(i % sockets.len().max(1)).copied().unwrap_or(0);
-        let senders = Senders::of(front, Some(socket))?.with_fronts(&fronts, rank);
+        let senders = Senders::of(front, Some(socket))?
+            .with_fronts(&fronts, rank)
+            .with_tap(tap.clone());
         receivers.push((format!("{}-svc{i}", v.name), socket.try_clone()?, senders));
     }
     drop((sockets, service_socks));

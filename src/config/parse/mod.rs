@@ -10,6 +10,7 @@
 //! [`packet`]), each adding the readers of its section to [`Cx`]; the readers every section
 //! shares, and the file as a whole, are here.
 
+mod capture;
 mod edge;
 mod eject;
 mod lb;
@@ -180,6 +181,7 @@ const TOP_FIELDS: &[&str] = &[
     "vservers",
     "flow_key_file",
     "dns",
+    "capture",
 ];
 
 /// The `name` of every item of a list, valid or not, so that a reference to an item that
@@ -523,7 +525,14 @@ impl Cx {
             Some(n) => self.dns_settings(n),
             None => Some(DnsSettings::default()),
         };
+        let vserver_names: Vec<&str> = vservers.iter().map(|(v, _)| v.name.as_str()).collect();
+        let vservers_declared = declared_names(vserver_nodes);
+        let capture = match f.get("capture") {
+            None => Some(None),
+            Some(n) => self.capture(n, &vserver_names, &vservers_declared),
+        };
         Some(Config {
+            capture: capture?,
             dns: dns?,
             flow_key_file: flow_key_file?,
             lb: lb?,

@@ -56,6 +56,14 @@ pub(super) async fn write_to_client<W: AsyncWrite + Unpin>(
     .await
 }
 
+/// A client connection's two ends, where its writer captures what it writes (docs/capture.md):
+/// the time is taken before the write, each message of a batch captured on its own.
+pub(super) struct Wire {
+    pub(super) tap: crate::capture::Tap,
+    pub(super) local: SocketAddr,
+    pub(super) remote: SocketAddr,
+}
+
 /// How a client's writer ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum WriterEnd {
@@ -75,15 +83,25 @@ pub(super) async fn write_messages<W: AsyncWrite + Unpin>(
     mut write: W,
     mut rx: mpsc::UnboundedReceiver<Bytes>,
     level: Arc<Level>,
+    wire: Option<Wire>,
 ) -> WriterEnd {
     let mut batch = BytesMut::new();
     while let Some(b) = rx.recv().await {
         let mut cost = outbox::cost(&b);
+        let at = wire.as_ref().and_then(|w| w.tap.stamp());
+        let tap = |m: &[u8]| {
+            if let (Some(w), Some(at)) = (&wire, at) {
+                w.tap
+                    .tap(at, crate::capture::Transport::Tcp, w.local, w.remote, m);
+            }
+        };
+        tap(&b);
         let write_once = match rx.try_recv() {
             // The common case: one message, written from where it is.
             Err(_) => write_to_client(&mut write, &b).await,
             Ok(next) => {
                 cost += outbox::cost(&next);
+                tap(&next);
                 batch.clear();
                 batch.extend_from_slice(&b);
                 batch.extend_from_slice(&next);
@@ -91,6 +109,7 @@ pub(super) async fn write_messages<W: AsyncWrite + Unpin>(
                     match rx.try_recv() {
                         Ok(more) => {
                             cost += outbox::cost(&more);
+                            tap(&more);
                             batch.extend_from_slice(&more);
                         }
                         Err(_) => break,
@@ -142,7 +161,12 @@ pub(super) async fn serve_client<S: SipStream>(
         let shared = Arc::clone(&shared);
         let level = Arc::clone(&level);
         async move {
-            match write_messages(write, rx, level).await {
+            let wire = Wire {
+                tap: shared.tap.clone(),
+                local: dst,
+                remote: src,
+            };
+            match write_messages(write, rx, level, Some(wire)).await {
                 WriterEnd::Done => {}
                 WriterEnd::Stalled => shared.disconnect_slow_client(id, "a write made no progress"),
                 // The reader finds the broken connection itself, unless it is paused on the
@@ -347,7 +371,7 @@ mod tests {
         let (_read, write) = tokio::io::split(server);
         let (outbox, rx) = Outbox::new();
         let level = outbox.level();
-        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level), None));
         let msg = vec![b'x'; 16 * 1024];
         assert_eq!(outbox.push(Bytes::from(msg.clone())), Push::Queued);
         let mut got = vec![0u8; msg.len()];
@@ -370,7 +394,7 @@ mod tests {
         let (outbox, rx) = Outbox::new();
         let level = outbox.level();
         let started = tokio::time::Instant::now();
-        let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level)));
+        let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level), None));
         assert_eq!(outbox.push(Bytes::from(vec![b'x'; 4096])), Push::Queued);
         assert_eq!(writer.await.expect("writer"), WriterEnd::Stalled);
         assert_eq!(started.elapsed(), CLIENT_SEND_TIMEOUT);
@@ -386,7 +410,7 @@ mod tests {
         let (outbox, rx) = Outbox::new();
         let level = outbox.level();
         let started = tokio::time::Instant::now();
-        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level), None));
         assert_eq!(
             outbox.push(Bytes::from(vec![b'x'; 128 * 1024])),
             Push::Queued
@@ -402,7 +426,7 @@ mod tests {
         let (server, mut client) = tokio::io::duplex(1024);
         let (outbox, rx) = Outbox::new();
         let level = outbox.level();
-        let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level)));
+        let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level), None));
         let len = 64 * 1024;
         assert_eq!(outbox.push(Bytes::from(vec![b'x'; len])), Push::Queued);
         let mut got = 0;
@@ -426,7 +450,7 @@ mod tests {
         let (_read, write) = tokio::io::split(server);
         let (outbox, rx) = Outbox::new();
         let level = outbox.level();
-        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level)));
+        let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level), None));
         let msg: Vec<u8> = (0..128 * 1024).map(|i| (i % 251) as u8).collect();
         assert_eq!(outbox.push(Bytes::from(msg.clone())), Push::Queued);
         let mut got = Vec::with_capacity(msg.len());

@@ -99,6 +99,8 @@ pub(super) async fn service_loop(
 /// drains, clients' responses to its in-dialog requests).
 pub(super) struct LinkConn<W> {
     pub(super) write: W,
+    /// fulcrum's end of the connection (what a capture names as the source of its writes).
+    pub(super) local: SocketAddr,
     /// Ends with the connection too: a shutdown aborts the link's task, not its reader.
     pub(super) reader: AbortOnDrop,
     pub(super) replies: mpsc::Receiver<Bytes>,
@@ -162,7 +164,7 @@ pub(super) async fn drive_link<C: Connector>(
             // while draining, when the drain ends.
             Phase::Writing | Phase::DrainWriting => match (conn.as_mut(), writing.take()) {
                 (Some(c), Some(b)) => tokio::select! {
-                    r = write_out(&mut c.write, &b) => if r.is_ok() { LinkEvent::WriteDone } else { LinkEvent::WriteFailed },
+                    r = write_captured(&mut c.write, &b, &shared.tap, c.local, addr) => if r.is_ok() { LinkEvent::WriteDone } else { LinkEvent::WriteFailed },
                     () = link.retired(), if !machine.is_retired() => LinkEvent::Retired,
                     () = sleep_until(machine.poll_timeout()) => LinkEvent::TimerFired,
                 },
@@ -408,11 +410,29 @@ pub(super) fn open_link_conn<S: SipStream>(
     }));
     LinkConn {
         write,
+        local: dst,
         reader,
         replies,
         drain_tx,
         heard,
     }
+}
+
+/// [`write_out`] of one message to the service at `to`, captured (docs/capture.md) with the
+/// time taken before the write once the write is done.
+async fn write_captured<W: AsyncWrite + Unpin>(
+    write: &mut W,
+    bytes: &[u8],
+    tap: &crate::capture::Tap,
+    local: SocketAddr,
+    to: SocketAddr,
+) -> std::io::Result<()> {
+    let at = tap.stamp();
+    write_out(write, bytes).await?;
+    if let Some(at) = at {
+        tap.tap(at, crate::capture::Transport::Tcp, local, to, bytes);
+    }
+    Ok(())
 }
 
 /// A connect to `link`'s service failed on fulcrum's own side: counted as a failed connect and

@@ -238,6 +238,9 @@ pub struct SipStreamShared {
     readers: Arc<Readers>,
     /// A WebSocket vserver's upgrade settings (`None`: SIP straight on the stream).
     ws: Option<ws::WsSettings>,
+    /// Every message read from or written to a client connection or a service link is
+    /// captured here (docs/capture.md).
+    tap: crate::capture::Tap,
 }
 
 impl std::fmt::Debug for SipStreamShared {
@@ -755,6 +758,7 @@ fn launch(
         evictors: Arc::clone(ctx.evictors),
         readers: sh.readers,
         ws: sh.ws,
+        tap: crate::capture::Tap::new(ctx.capture, &v.name),
     });
     // Its idle clients may make room for any vserver's new connection.
     let idle: Arc<dyn crate::proxy::evict::IdleClients> = shared.clone();

@@ -134,6 +134,7 @@ fn frame_buffered(
                         if let Some(h) = peer.heard.filter(|h| !h.load(Ordering::Relaxed)) {
                             h.store(true, Ordering::Relaxed);
                         }
+                        let at = shared.tap.stamp();
                         let now = shared.now();
                         if let Some(a) = peer.activity {
                             a.touch(now, true);
@@ -162,6 +163,17 @@ fn frame_buffered(
                             out,
                             &mut sends,
                         );
+                        if let Some(at) = at
+                            && crate::proxy::sip_front::is_captured(&action)
+                        {
+                            shared.tap.tap(
+                                at,
+                                crate::capture::Transport::Tcp,
+                                peer.src,
+                                peer.dst,
+                                msg,
+                            );
+                        }
                         // A held request's own messages first: an INVITE's 100 (Trying)
                         // goes to the client before what the service answers.
                         shared.carry_sends(&g, sends);

@@ -1,0 +1,804 @@
+//! SIP messages to a HEP collector (Homer's heplify-server, sngrep, Kamailio's sipcapture;
+//! docs/capture.md). IO, around the PURE packet writer [`hep`].
+//!
+//! Never on the call path: a data path hands each message to [`Capture::tap`], which copies
+//! it into one buffer and offers it to a bounded queue without waiting (a full queue drops
+//! it, counted); one sender thread per configuration writes the packets to the collector.
+//! A slow or dead collector costs capture packets, never a SIP message or a stall. With
+//! capture off, a tap is one atomic load and a branch.
+
+pub mod hep;
+
+use crate::config::{CaptureTransport, HepCapture};
+use arc_swap::ArcSwapOption;
+use std::io::Write as _;
+use std::net::{SocketAddr, TcpStream, UdpSocket};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, TrySendError, sync_channel};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub use hep::Transport;
+
+/// Messages waiting for the sender at most; past it they are dropped.
+pub const QUEUE: usize = 8192;
+/// Bytes of messages waiting for the sender at most (SIP over a stream may be 64 KiB a
+/// message): past it they are dropped too.
+pub const QUEUE_BYTES: usize = 16 << 20;
+
+/// How long a write to a TCP collector may block the sender before the connection is
+/// given up (a collector that stops reading).
+const TCP_WRITE_TIMEOUT: Duration = Duration::from_secs(1);
+const TCP_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Reconnection backoff of the TCP transport: doubled after each failure, up to the cap.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+/// How long packets toward a UDP collector are dropped unsent after a failed send.
+const UDP_RETRY_AFTER: Duration = Duration::from_secs(1);
+/// How long a UDP collector shows as down after a failed send.
+const UDP_DOWN_FOR: Duration = Duration::from_secs(5);
+/// How long the sender sleeps once its queue is empty: the delay of a captured message at
+/// most (the queue holds [`QUEUE`] messages, 1.6 million a second for this long).
+const NAP: Duration = Duration::from_millis(5);
+/// Drops are logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// The counters of capture, kept across reloads (metrics and `/status` read them).
+#[derive(Debug, Default)]
+pub struct CaptureStats {
+    pub sent: AtomicU64,
+    /// The queue was full (the sender or the collector too slow).
+    pub dropped_queue_full: AtomicU64,
+    /// Larger than one HEP packet can carry (16-bit length).
+    pub dropped_too_big: AtomicU64,
+    /// The collector could not be written to (unreachable, not connected, write failed).
+    pub dropped_send_error: AtomicU64,
+}
+
+impl CaptureStats {
+    /// `(reason, count)` of every drop reason, as the metrics label them.
+    pub fn dropped(&self) -> [(&'static str, u64); 3] {
+        let l = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("queue_full", l(&self.dropped_queue_full)),
+            ("too_big", l(&self.dropped_too_big)),
+            ("send_error", l(&self.dropped_send_error)),
+        ]
+    }
+
+    fn dropped_total(&self) -> u64 {
+        self.dropped().iter().map(|d| d.1).sum()
+    }
+}
+
+/// When a message crossed the wire, in the collector's terms (Unix time): taken by a data
+/// path right after its receive or right before its send, so that the times of a forwarded
+/// message's two legs, and of a request and its answer, keep their causal order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp(Duration);
+
+impl Stamp {
+    pub fn now() -> Stamp {
+        Stamp(
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default(),
+        )
+    }
+}
+
+/// One message on its way to the sender.
+struct Record {
+    leg: hep::Leg,
+    payload: Vec<u8>,
+}
+
+/// The running configuration: the queue to its sender thread and what it captures.
+struct Exporter {
+    tx: SyncSender<Record>,
+    /// Set by this exporter's own sender (an old sender still ending cannot touch it): the
+    /// collector is reachable, the last UDP send went out or a TCP connection is open.
+    connected: Arc<AtomicBool>,
+    /// Payload bytes in the queue (bounded by [`QUEUE_BYTES`]).
+    queued_bytes: Arc<AtomicUsize>,
+    vservers: Option<Vec<String>>,
+    probes: bool,
+    config: HepCapture,
+}
+
+/// The process's capture: off, or one exporter; swapped by a reload.
+#[derive(Default)]
+pub struct Capture {
+    exporter: ArcSwapOption<Exporter>,
+    stats: Arc<CaptureStats>,
+}
+
+impl std::fmt::Debug for Capture {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("config", &self.config())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Capture {
+    /// Capture as `config` says (`None`: off).
+    pub fn new(config: Option<&HepCapture>) -> Capture {
+        let c = Capture::default();
+        c.configure(config);
+        c
+    }
+
+    /// Apply a (re)loaded configuration: an unchanged one keeps its sender; a changed one
+    /// starts a new sender and the old one ends once its queue is empty; `None` turns
+    /// capture off.
+    pub fn configure(&self, config: Option<&HepCapture>) {
+        let current = self.exporter.load();
+        if current.as_ref().map(|e| &e.config) == config {
+            return;
+        }
+        let next = config.map(|c| {
+            let (tx, rx) = sync_channel(QUEUE);
+            let stats = Arc::clone(&self.stats);
+            let connected = Arc::new(AtomicBool::new(false));
+            let link_up = Arc::clone(&connected);
+            let queued_bytes = Arc::new(AtomicUsize::new(0));
+            let queue = Queue {
+                rx,
+                bytes: Arc::clone(&queued_bytes),
+            };
+            let sender_config = c.clone();
+            let spawned = std::thread::Builder::new()
+                .name("fulcrum-capture".into())
+                .spawn(move || send_loop(&sender_config, &queue, &stats, &link_up));
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "capture: cannot start the sender thread; capture is off");
+            }
+            Arc::new(Exporter {
+                tx,
+                connected,
+                queued_bytes,
+                vservers: c.vservers.clone(),
+                probes: c.probes,
+                config: c.clone(),
+            })
+        });
+        self.exporter.store(next);
+        tracing::info!(collector = ?config.map(|c| c.address), "capture configured");
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> Option<HepCapture> {
+        self.exporter.load().as_ref().map(|e| e.config.clone())
+    }
+
+    pub fn stats(&self) -> &CaptureStats {
+        &self.stats
+    }
+
+    /// Whether the collector in force is reachable (false while capture is off).
+    pub fn is_connected(&self) -> bool {
+        self.exporter
+            .load()
+            .as_ref()
+            .is_some_and(|e| e.connected.load(Ordering::Relaxed))
+    }
+
+    /// Whether capture is on at all (a cheap check before work only capture needs).
+    pub fn is_on(&self) -> bool {
+        self.exporter.load().is_some()
+    }
+
+    /// Capture `payload`, a SIP message vserver `vserver` received or sent `at` on `transport`
+    /// from `src` to `dst` (as on the wire for that leg). Never blocks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn tap(
+        &self,
+        vserver: &str,
+        at: Stamp,
+        transport: Transport,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &[u8],
+    ) {
+        // A keep-alive (CRLF, RFC 5626 §3.5.1) is no SIP message.
+        if !payload.first().is_some_and(u8::is_ascii_alphabetic) {
+            return;
+        }
+        let guard = self.exporter.load();
+        let Some(e) = guard.as_ref() else {
+            return;
+        };
+        if let Some(only) = &e.vservers
+            && !only.iter().any(|n| n == vserver)
+        {
+            return;
+        }
+        self.offer(e, at, transport, src, dst, payload);
+    }
+
+    /// Capture a health monitor's SIP probe or its answer, when `probes` is on.
+    pub fn tap_probe(
+        &self,
+        at: Stamp,
+        transport: Transport,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &[u8],
+    ) {
+        let guard = self.exporter.load();
+        if let Some(e) = guard.as_ref().filter(|e| e.probes) {
+            self.offer(e, at, transport, src, dst, payload);
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn offer(
+        &self,
+        e: &Exporter,
+        at: Stamp,
+        transport: Transport,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &[u8],
+    ) {
+        let t = at.0;
+        let leg = hep::Leg {
+            transport,
+            src,
+            dst,
+            time_s: t.as_secs() as u32,
+            time_us: t.subsec_micros(),
+        };
+        let auth = e.config.password.as_deref().map(str::as_bytes);
+        if hep::packet_len(&leg, auth, None, payload) > hep::MAX_PACKET {
+            self.stats.dropped_too_big.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let queued = e.queued_bytes.fetch_add(payload.len(), Ordering::Relaxed);
+        let r = Record {
+            leg,
+            payload: payload.to_vec(),
+        };
+        let refused = queued + payload.len() > QUEUE_BYTES
+            || matches!(
+                e.tx.try_send(r),
+                Err(TrySendError::Full(_) | TrySendError::Disconnected(_))
+            );
+        if refused {
+            e.queued_bytes.fetch_sub(payload.len(), Ordering::Relaxed);
+            self.stats
+                .dropped_queue_full
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Where the packets go: a UDP socket connected to the collector, or a TCP connection
+/// (re)opened with backoff.
+enum Link {
+    Udp {
+        socket: Option<UdpSocket>,
+        last_error: Option<Instant>,
+    },
+    Tcp {
+        stream: Option<TcpStream>,
+        next_try: Instant,
+        backoff: Duration,
+    },
+}
+
+impl Link {
+    fn new(c: &HepCapture, connected: &AtomicBool) -> Link {
+        match c.transport {
+            CaptureTransport::Udp => {
+                let local: SocketAddr = if c.address.is_ipv4() {
+                    (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+                } else {
+                    (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+                };
+                let s = UdpSocket::bind(local).and_then(|s| s.connect(c.address).map(|()| s));
+                match s {
+                    Ok(s) => {
+                        connected.store(true, Ordering::Relaxed);
+                        Link::Udp {
+                            socket: Some(s),
+                            last_error: None,
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(collector = %c.address, error = %e, "capture: cannot set up the UDP socket");
+                        Link::Udp {
+                            socket: None,
+                            last_error: None,
+                        }
+                    }
+                }
+            }
+            CaptureTransport::Tcp => Link::Tcp {
+                stream: None,
+                next_try: Instant::now(),
+                backoff: BACKOFF_MIN,
+            },
+        }
+    }
+
+    /// Whether a send may go out now: a socket set up, a connection open or one due to be
+    /// tried.
+    fn may_send(&self) -> bool {
+        match self {
+            // After a failed send the collector is left alone for a while: a dead one would
+            // otherwise cost an encoding, a send and an ICMP error for every other packet.
+            Link::Udp { socket, last_error } => {
+                socket.is_some() && last_error.is_none_or(|t| t.elapsed() >= UDP_RETRY_AFTER)
+            }
+            Link::Tcp {
+                stream, next_try, ..
+            } => stream.is_some() || Instant::now() >= *next_try,
+        }
+    }
+
+    /// Send one packet; `false` when it was not sent.
+    fn send(&mut self, c: &HepCapture, packet: &[u8], connected: &AtomicBool) -> bool {
+        match self {
+            Link::Udp { socket, last_error } => {
+                // A connected UDP socket hears the ICMP port unreachable of a collector that
+                // is not listening: a later send fails (one in two at most), and the
+                // collector shows as down until sends have gone out for a while.
+                let ok = socket.as_ref().is_some_and(|s| s.send(packet).is_ok());
+                let now = Instant::now();
+                if !ok {
+                    *last_error = Some(now);
+                }
+                let quiet = last_error.is_none_or(|t| now.duration_since(t) >= UDP_DOWN_FOR);
+                connected.store(ok && quiet, Ordering::Relaxed);
+                ok
+            }
+            Link::Tcp {
+                stream,
+                next_try,
+                backoff,
+            } => {
+                if stream.is_none() && Instant::now() >= *next_try {
+                    match TcpStream::connect_timeout(&c.address, TCP_CONNECT_TIMEOUT) {
+                        Ok(s) => {
+                            let _ = s.set_write_timeout(Some(TCP_WRITE_TIMEOUT));
+                            let _ = s.set_nodelay(true);
+                            tracing::info!(collector = %c.address, "capture: connected");
+                            connected.store(true, Ordering::Relaxed);
+                            *stream = Some(s);
+                        }
+                        Err(e) => {
+                            tracing::debug!(collector = %c.address, error = %e, retry_in = ?*backoff, "capture: cannot connect");
+                            *next_try = Instant::now() + *backoff;
+                            *backoff = (*backoff * 2).min(BACKOFF_MAX);
+                        }
+                    }
+                }
+                let Some(s) = stream.as_mut() else {
+                    return false;
+                };
+                if s.write_all(packet).is_ok() {
+                    // Only a collector that reads resets the backoff: one that accepts and
+                    // never reads is retried less and less often.
+                    *backoff = BACKOFF_MIN;
+                    return true;
+                }
+                // A partial write leaves the stream out of step: start a new connection.
+                tracing::warn!(collector = %c.address, "capture: the collector connection failed or stopped reading; reconnecting");
+                *stream = None;
+                connected.store(false, Ordering::Relaxed);
+                *next_try = Instant::now() + *backoff;
+                *backoff = (*backoff * 2).min(BACKOFF_MAX);
+                false
+            }
+        }
+    }
+}
+
+/// The sender's end of the queue.
+struct Queue {
+    rx: Receiver<Record>,
+    bytes: Arc<AtomicUsize>,
+}
+
+/// The sender thread: packets out until every queue handle is gone (capture turned off or
+/// reconfigured, or the process ends).
+fn send_loop(c: &HepCapture, queue: &Queue, stats: &CaptureStats, connected: &AtomicBool) {
+    let mut link = Link::new(c, connected);
+    let mut packet = Vec::with_capacity(4096);
+    let mut logged_drops = stats.dropped_total();
+    let mut last_log = Instant::now();
+    loop {
+        // What is queued, at once; then a nap. A data path never wakes this thread (a
+        // wake-up per message, a futex call and a context switch, would cost more than the
+        // capture itself): the queue holds what arrives meanwhile.
+        match queue.rx.try_recv() {
+            Ok(r) => {
+                queue.bytes.fetch_sub(r.payload.len(), Ordering::Relaxed);
+                send_one(c, &r, &mut link, &mut packet, stats, connected);
+            }
+            Err(TryRecvError::Empty) => std::thread::sleep(NAP),
+            Err(TryRecvError::Disconnected) => break,
+        }
+        log_drops(c, stats, &mut logged_drops, &mut last_log);
+    }
+}
+
+/// One record as a HEP packet to the collector, counted as sent or dropped.
+fn send_one(
+    c: &HepCapture,
+    r: &Record,
+    link: &mut Link,
+    packet: &mut Vec<u8>,
+    stats: &CaptureStats,
+    connected: &AtomicBool,
+) {
+    // No link and none due: dropped before any work on it.
+    if !link.may_send() {
+        stats.dropped_send_error.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let auth = c.password.as_deref().map(str::as_bytes);
+    let call_id = call_id_of(&r.payload);
+    match hep::encode(&r.leg, c.id, auth, call_id, &r.payload, packet) {
+        Ok(()) => {
+            if link.send(c, packet, connected) {
+                stats.sent.fetch_add(1, Ordering::Relaxed);
+            } else {
+                stats.dropped_send_error.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        Err(hep::EncodeError::TooBig(_)) => {
+            stats.dropped_too_big.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The Call-ID of a SIP message (its value, trimmed), found without parsing the rest: the
+/// first header line named `Call-ID` or its compact form `i` (RFC 3261 §7.3.3, §20.8) before
+/// the blank line that ends the headers. PURE.
+pub fn call_id_of(msg: &[u8]) -> Option<&[u8]> {
+    let mut lines = msg.split(|&b| b == b'\n');
+    lines.next(); // the start line
+    for line in lines {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        if line.is_empty() {
+            return None;
+        }
+        let Some(colon) = line.iter().position(|&b| b == b':') else {
+            continue;
+        };
+        let name = line[..colon].trim_ascii();
+        if name.eq_ignore_ascii_case(b"call-id") || name.eq_ignore_ascii_case(b"i") {
+            let value = line[colon + 1..].trim_ascii();
+            return (!value.is_empty()).then_some(value);
+        }
+    }
+    None
+}
+
+/// Log the drops since the last log, at most once every [`LOG_EVERY`].
+fn log_drops(c: &HepCapture, stats: &CaptureStats, logged: &mut u64, last: &mut Instant) {
+    if last.elapsed() < LOG_EVERY {
+        return;
+    }
+    let total = stats.dropped_total();
+    if total > *logged {
+        tracing::warn!(dropped = total - *logged, collector = %c.address, "capture packets dropped (queue full, too big or collector unreachable)");
+        *logged = total;
+    }
+    *last = Instant::now();
+}
+
+/// One vserver's view of [`Capture`]: what its data path calls per message.
+#[derive(Debug, Clone)]
+pub struct Tap {
+    capture: Arc<Capture>,
+    vserver: Arc<str>,
+}
+
+impl Tap {
+    pub fn new(capture: &Arc<Capture>, vserver: &str) -> Tap {
+        Tap {
+            capture: Arc::clone(capture),
+            vserver: Arc::from(vserver),
+        }
+    }
+
+    /// The time of a receive or send about to be captured; `None` (no clock read) while
+    /// capture is off.
+    #[inline]
+    pub fn stamp(&self) -> Option<Stamp> {
+        self.capture.is_on().then(Stamp::now)
+    }
+
+    /// [`Capture::tap`] for this vserver.
+    #[inline]
+    pub fn tap(
+        &self,
+        at: Stamp,
+        transport: Transport,
+        src: SocketAddr,
+        dst: SocketAddr,
+        payload: &[u8],
+    ) {
+        self.capture
+            .tap(&self.vserver, at, transport, src, dst, payload);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read as _;
+    use std::net::TcpListener;
+
+    const INVITE: &[u8] =
+        b"INVITE sip:bob@example.com SIP/2.0\r\nCall-ID: c7@host\r\nContent-Length: 0\r\n\r\n";
+
+    fn config(address: SocketAddr, transport: CaptureTransport) -> HepCapture {
+        HepCapture {
+            address,
+            transport,
+            id: 2001,
+            password: Some("s3".into()),
+            vservers: None,
+            probes: false,
+        }
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().expect("address")
+    }
+
+    /// Poll `cond` every 10 ms for at most 5 s.
+    fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if cond() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        cond()
+    }
+
+    fn collector_udp() -> UdpSocket {
+        let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        s
+    }
+
+    fn recv_hep(s: &UdpSocket) -> hep::Decoded {
+        let mut buf = vec![0u8; 70_000];
+        let n = s.recv(&mut buf).expect("a HEP packet");
+        hep::decode(&buf[..n]).expect("decodes")
+    }
+
+    /// Read one HEP packet from a stream: its total length is in bytes 4..6.
+    fn read_hep(s: &mut std::net::TcpStream) -> std::io::Result<hep::Decoded> {
+        let mut head = [0u8; 6];
+        s.read_exact(&mut head)?;
+        let len = u16::from_be_bytes([head[4], head[5]]) as usize;
+        let mut rest = vec![0u8; len.saturating_sub(6)];
+        s.read_exact(&mut rest)?;
+        let whole = [&head[..], &rest].concat();
+        hep::decode(&whole).map_err(|e| std::io::Error::other(e.to_string()))
+    }
+
+    #[test]
+    fn the_call_id_is_found_in_full_or_compact_form_and_only_among_the_headers() {
+        assert_eq!(call_id_of(INVITE), Some(&b"c7@host"[..]));
+        let compact = b"SIP/2.0 200 OK\r\nv: SIP/2.0/UDP h;branch=z9hG4bK1\r\ni:  a@b \r\n\r\n";
+        assert_eq!(call_id_of(compact), Some(&b"a@b"[..]));
+        let lf_only = b"BYE sip:x SIP/2.0\nCALL-ID:q@r\n\n";
+        assert_eq!(call_id_of(lf_only), Some(&b"q@r"[..]));
+        let in_body = b"MESSAGE sip:x SIP/2.0\r\nContent-Length: 12\r\n\r\nCall-ID: no\r\n";
+        assert_eq!(call_id_of(in_body), None);
+        assert_eq!(
+            call_id_of(b"INVITE sip:x SIP/2.0\r\nCall-ID: \r\n\r\n"),
+            None
+        );
+        assert_eq!(call_id_of(b""), None);
+    }
+
+    proptest::proptest! {
+        /// Whatever the bytes, the Call-ID found agrees with the scanner's when the scanner
+        /// reads the message.
+        #[test]
+        fn the_call_id_agrees_with_the_scanner(
+            cid in "[a-zA-Z0-9@.-]{1,30}",
+            compact in proptest::bool::ANY,
+            before in proptest::collection::vec("[A-Z][a-z]{1,8}: [a-z0-9]{1,10}", 0..4),
+        ) {
+            let mut m = String::from("OPTIONS sip:a@b SIP/2.0\r\nVia: SIP/2.0/UDP h;branch=z9hG4bK1\r\n");
+            for h in &before {
+                m.push_str(h);
+                m.push_str("\r\n");
+            }
+            m.push_str(if compact { "i: " } else { "Call-ID: " });
+            m.push_str(&cid);
+            m.push_str("\r\nCSeq: 1 OPTIONS\r\nContent-Length: 0\r\n\r\n");
+            let scanned = crate::sip::scan(m.as_bytes()).ok().and_then(|s| s.call_id());
+            proptest::prop_assert_eq!(call_id_of(m.as_bytes()), scanned);
+        }
+    }
+
+    #[test]
+    fn a_udp_collector_gets_each_message_with_its_leg_and_call_id() {
+        let collector = collector_udp();
+        let c = Capture::new(Some(&config(
+            collector.local_addr().expect("addr"),
+            CaptureTransport::Udp,
+        )));
+        c.tap(
+            "edge",
+            Stamp(Duration::new(1_764_900_000, 123_456_789)),
+            Transport::Udp,
+            addr("127.0.0.1:40000"),
+            addr("127.0.0.1:5060"),
+            INVITE,
+        );
+        let d = recv_hep(&collector);
+        assert_eq!((d.family, d.ip_proto), (Some(2), Some(17)));
+        assert_eq!(d.src, Some(addr("127.0.0.1:40000").ip()));
+        assert_eq!((d.src_port, d.dst_port), (Some(40000), Some(5060)));
+        assert_eq!((d.agent_id, d.proto_type), (Some(2001), Some(1)));
+        assert_eq!(d.auth_key.as_deref(), Some(&b"s3"[..]));
+        assert_eq!(d.payload.as_deref(), Some(INVITE));
+        assert_eq!(d.correlation_id.as_deref(), Some(&b"c7@host"[..]));
+        assert_eq!((d.time_s, d.time_us), (Some(1_764_900_000), Some(123_456)));
+        assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 1));
+        assert!(c.is_connected());
+    }
+
+    #[test]
+    fn only_the_listed_vservers_and_probes_when_asked_are_captured() {
+        let collector = collector_udp();
+        let mut cfg = config(collector.local_addr().expect("addr"), CaptureTransport::Udp);
+        cfg.vservers = Some(vec!["edge".into()]);
+        let c = Capture::new(Some(&cfg));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap("other", Stamp::now(), Transport::Udp, a, b, b"not this one");
+        c.tap_probe(Stamp::now(), Transport::Udp, a, b, b"nor this probe");
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
+        let d = recv_hep(&collector);
+        assert_eq!((d.payload.as_deref(), d.ip_proto), (Some(INVITE), Some(6)));
+        cfg.probes = true;
+        c.configure(Some(&cfg));
+        c.tap_probe(Stamp::now(), Transport::Udp, a, b, b"OPTIONS probe");
+        let d = recv_hep(&collector);
+        assert_eq!(d.payload.as_deref(), Some(&b"OPTIONS probe"[..]));
+    }
+
+    #[test]
+    fn a_message_too_big_for_one_packet_is_counted_and_skipped() {
+        let collector = collector_udp();
+        let c = Capture::new(Some(&config(
+            collector.local_addr().expect("addr"),
+            CaptureTransport::Udp,
+        )));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap(
+            "edge",
+            Stamp::now(),
+            Transport::Tcp,
+            a,
+            b,
+            &vec![b'x'; hep::MAX_PACKET],
+        );
+        c.tap("edge", Stamp::now(), Transport::Udp, a, b, INVITE);
+        assert_eq!(recv_hep(&collector).payload.as_deref(), Some(INVITE));
+        assert_eq!(c.stats().dropped_too_big.load(Ordering::Relaxed), 1);
+        assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 1));
+    }
+
+    #[test]
+    fn reload_turns_capture_off_and_on() {
+        let collector = collector_udp();
+        let cfg = config(collector.local_addr().expect("addr"), CaptureTransport::Udp);
+        let c = Capture::new(None);
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        assert!(!c.is_on());
+        c.tap("edge", Stamp::now(), Transport::Udp, a, b, b"while off");
+        c.configure(Some(&cfg));
+        assert_eq!(c.config(), Some(cfg.clone()));
+        c.tap("edge", Stamp::now(), Transport::Udp, a, b, INVITE);
+        assert_eq!(recv_hep(&collector).payload.as_deref(), Some(INVITE));
+        c.configure(None);
+        assert!(!c.is_on() && !c.is_connected());
+        c.tap("edge", Stamp::now(), Transport::Udp, a, b, b"off again");
+        collector
+            .set_read_timeout(Some(Duration::from_millis(300)))
+            .expect("timeout");
+        let mut buf = [0u8; 2048];
+        assert!(collector.recv(&mut buf).is_err(), "nothing while off");
+        assert_eq!(c.stats().sent.load(Ordering::Relaxed), 1);
+    }
+
+    /// Nothing listens: every message is accounted for as sent or dropped, and the taps never
+    /// wait for the collector.
+    #[test]
+    fn a_dead_udp_collector_costs_capture_packets_only() {
+        let port = collector_udp().local_addr().expect("addr"); // closed once dropped
+        let c = Capture::new(Some(&config(port, CaptureTransport::Udp)));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        let n = 20_000u64;
+        for _ in 0..n {
+            c.tap("edge", Stamp::now(), Transport::Udp, a, b, INVITE);
+        }
+        let s = c.stats();
+        assert!(eventually(|| {
+            s.sent.load(Ordering::Relaxed) + s.dropped().iter().map(|d| d.1).sum::<u64>() == n
+        }));
+        assert!(s.dropped_send_error.load(Ordering::Relaxed) > 0);
+        assert!(eventually(|| !c.is_connected()));
+    }
+
+    #[test]
+    fn a_tcp_collector_is_reconnected_after_it_closes() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = Capture::new(Some(&config(
+            listener.local_addr().expect("addr"),
+            CaptureTransport::Tcp,
+        )));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
+        let (mut first, _) = listener.accept().expect("first connection");
+        first
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let d = read_hep(&mut first).expect("first packet");
+        assert_eq!(d.payload.as_deref(), Some(INVITE));
+        assert!(c.is_connected());
+        drop(first);
+        // Taps go on until a packet fails on the closed connection and a new one is opened
+        // (after at least the shortest backoff).
+        listener.set_nonblocking(true).expect("nonblocking");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut second = None;
+        while second.is_none() && Instant::now() < deadline {
+            c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
+            std::thread::sleep(Duration::from_millis(20));
+            second = listener.accept().ok().map(|(s, _)| s);
+        }
+        let mut second = second.expect("a second connection");
+        second.set_nonblocking(false).expect("blocking");
+        second
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
+        let d = read_hep(&mut second).expect("a packet on the new connection");
+        assert_eq!(d.correlation_id.as_deref(), Some(&b"c7@host"[..]));
+        assert!(c.stats().dropped_send_error.load(Ordering::Relaxed) > 0);
+    }
+
+    /// A collector that accepts and never reads: the queue fills and drops, the taps return at
+    /// once, and the sender gives the connection up after its write timeout.
+    #[test]
+    fn a_tcp_collector_that_stops_reading_never_stalls_the_taps() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = Capture::new(Some(&config(
+            listener.local_addr().expect("addr"),
+            CaptureTransport::Tcp,
+        )));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
+        let (_held, _) = listener.accept().expect("connection");
+        let big = vec![b'x'; 60_000];
+        let started = Instant::now();
+        for _ in 0..2_000 {
+            c.tap("edge", Stamp::now(), Transport::Tcp, a, b, &big);
+        }
+        // 120 MB offered: far past the queue's bytes and the socket buffers.
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(c.stats().dropped_queue_full.load(Ordering::Relaxed) > 0);
+        assert!(eventually(|| !c.is_connected()));
+    }
+}
