@@ -154,7 +154,24 @@ pub(super) fn bind_udp_leg(
         addr: at,
         source,
     };
-    let sock = std::net::UdpSocket::bind(at).map_err(bind_err)?;
+    // With `freebind`, the leg binds the VIP a standby does not hold yet, as the listeners do.
+    let sock = {
+        let s = socket2::Socket::new(
+            socket2::Domain::for_address(at),
+            socket2::Type::DGRAM,
+            Some(socket2::Protocol::UDP),
+        )
+        .map_err(bind_err)?;
+        if v.freebind {
+            if at.is_ipv6() {
+                s.set_freebind_v6(true).map_err(bind_err)?;
+            } else {
+                s.set_freebind_v4(true).map_err(bind_err)?;
+            }
+        }
+        s.bind(&at.into()).map_err(bind_err)?;
+        std::net::UdpSocket::from(s)
+    };
     sock.set_nonblocking(true).map_err(bind_err)?;
     let sock = {
         let _enter = ctx.tokio.enter();
