@@ -306,6 +306,20 @@ impl Uac {
         Uac::start_with(dir, t, proxy, load, tag, None)
     }
 
+    /// As [`Uac::start`], from loopback address `source` (127.0.0.2 and up are other
+    /// clients on `lo`) instead of 127.0.0.1.
+    #[allow(dead_code)]
+    pub fn start_from(
+        dir: &Scratch,
+        t: Transport,
+        proxy: SocketAddr,
+        load: UacLoad,
+        tag: &str,
+        source: &str,
+    ) -> Uac {
+        Uac::start_full(dir, t, proxy, load, tag, None, source)
+    }
+
     /// As [`Uac::start`], with the scenario file `scenario` instead of the built-in `uac`.
     pub fn start_with(
         dir: &Scratch,
@@ -314,6 +328,18 @@ impl Uac {
         load: UacLoad,
         tag: &str,
         scenario: Option<&Path>,
+    ) -> Uac {
+        Uac::start_full(dir, t, proxy, load, tag, scenario, "127.0.0.1")
+    }
+
+    fn start_full(
+        dir: &Scratch,
+        t: Transport,
+        proxy: SocketAddr,
+        load: UacLoad,
+        tag: &str,
+        scenario: Option<&Path>,
+        source: &str,
     ) -> Uac {
         let stat = dir.path(&format!("uac-{tag}.csv"));
         let errors = dir.path(&format!("uac-{tag}-errors.log"));
@@ -330,7 +356,7 @@ impl Uac {
                 None => cmd.args(["-sn", "uac"]),
             }
             .arg(proxy.to_string())
-            .args(["-i", "127.0.0.1", "-p", &port.to_string()])
+            .args(["-i", source, "-p", &port.to_string()])
             .args(["-r", &load.rate_per_s.to_string()])
             .args(["-m", &load.calls.to_string()])
             .args(["-d", &load.hold_ms.to_string()])
