@@ -117,7 +117,7 @@ fn fulcrum_config(side: &str, name: &str, from: &str, net: u8) -> String {
 /// [`fulcrum_config`] with firewalls `fws` only.
 fn fulcrum_config_of(side: &str, name: &str, from: &str, net: u8, fws: &[usize]) -> String {
     let mut y = String::from(
-        "admin: { listen: null }\nmonitors:\n  - { name: fw-ping, type: icmp, interval: 500ms, timeout: 300ms, failures_to_down: 2, successes_to_up: 2 }\nservices:\n",
+        "admin: { listen: \"127.0.0.1:9090\" }\nmonitors:\n  - { name: fw-ping, type: icmp, interval: 500ms, timeout: 300ms, failures_to_down: 2, successes_to_up: 2 }\nservices:\n",
     );
     for &i in fws {
         y += &format!(
@@ -238,6 +238,29 @@ impl Pair {
         }
     }
 
+    /// `GET /vservers/NAME/flow/TAIL` on instance `k`'s admin API (inside its namespace).
+    fn flow(&self, k: usize, tail: &str) -> serde_json::Value {
+        let url = format!(
+            "http://127.0.0.1:9090/vservers/{}/flow/{tail}",
+            self.names[k]
+        );
+        let out = std::process::Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.namespaces[k],
+                "curl",
+                "-sS",
+                "--max-time",
+                "5",
+                &url,
+            ])
+            .output()
+            .expect("curl");
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{url}: {e}: {}", String::from_utf8_lossy(&out.stdout)))
+    }
+
     /// Kill instance `k` (SIGKILL: no goodbye) and start it again.
     fn kill_and_restart(&mut self, k: usize, gap: Duration) {
         let _ = self.running[k].0.0.kill();
@@ -291,7 +314,7 @@ fn fulcrum_on_both_sides_carries_every_flow() {
     let Some(bed) = Bed::build("f", Balancing::Fulcrum) else {
         return;
     };
-    let Some(_pair) = Pair::start(&bed, "f") else {
+    let Some(pair) = Pair::start(&bed, "f") else {
         return;
     };
     let load = Load {
@@ -311,6 +334,25 @@ fn fulcrum_on_both_sides_carries_every_flow() {
         new.iter().all(|n| *n > 0),
         "one firewall got no flow: {new:?}"
     );
+    // Each instance's admin API says where a flow goes by its live table: the outside one
+    // for the client's packets, the inside one for the server's replies, the same firewall.
+    let mut seen = std::collections::BTreeSet::new();
+    for k in 0..16 {
+        let client = format!("10.1.0.{}", 100 + k);
+        let port = 40000 + k;
+        let out = pair.flow(0, &format!("tcp/{client}/{}/{port}/7000", fwbed::SERVER));
+        let back = pair.flow(1, &format!("tcp/{}/{client}/7000/{port}", fwbed::SERVER));
+        let fw = |v: &serde_json::Value, at: &str| {
+            v[at]["firewall"]
+                .as_str()
+                .and_then(|f| f.split('-').next())
+                .map(str::to_owned)
+        };
+        assert_eq!(fw(&out, "forward"), fw(&back, "forward"), "{out} {back}");
+        assert_eq!(fw(&out, "forward"), fw(&out, "reply"), "{out}");
+        seen.insert(fw(&out, "forward").expect("a firewall"));
+    }
+    assert!(seen.len() > 1, "{seen:?}");
 }
 
 /// The outside instance killed (SIGKILL) while 60 TCP connections and 30 UDP flows exchange

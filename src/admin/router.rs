@@ -171,6 +171,9 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
             }
         }
         ("PUT", ["vservers", name, "slow-start"]) => slow_start(ops, name, &req.body),
+        ("GET", ["vservers", name, "flow", proto, src, dst, ports @ ..]) => {
+            packet_flow(ops, name, proto, src, dst, ports)
+        }
         ("GET", ["bans"]) => {
             let bans: Vec<Value> = ops
                 .bans()
@@ -598,6 +601,81 @@ fn packet_status(v: &crate::proxy::VserverHandle) -> Option<Value> {
         },
         "tables_installed": c.tables.load(Relaxed),
     }))
+}
+
+/// `GET /vservers/NAME/flow/PROTO/SRC/DST[/SPORT/DPORT]`: which firewall packet vserver
+/// NAME sends that flow to now, and its reply, by the live bucket table and the program's
+/// twin (docs/firewall.md).
+fn packet_flow(
+    ops: &Ops,
+    name: &str,
+    proto: &str,
+    src: &str,
+    dst: &str,
+    ports: &[&str],
+) -> Response {
+    let proto: u8 = match proto.to_ascii_lowercase().as_str() {
+        "tcp" => 6,
+        "udp" => 17,
+        "sctp" => 132,
+        "icmp" => 1,
+        "icmpv6" => 58,
+        n => match n.parse() {
+            Ok(p) => p,
+            Err(_) => {
+                return Response::error(400, "protocol: tcp, udp, sctp, icmp, icmpv6 or a number");
+            }
+        },
+    };
+    let (Ok(src), Ok(dst)) = (
+        src.parse::<std::net::IpAddr>(),
+        dst.parse::<std::net::IpAddr>(),
+    ) else {
+        return Response::error(400, "source and destination must be IP addresses");
+    };
+    if src.is_ipv4() != dst.is_ipv4() {
+        return Response::error(400, "source and destination must be of one family");
+    }
+    let ports = match (proto, ports) {
+        (6 | 17 | 132, [s, d]) => match (s.parse::<u16>(), d.parse::<u16>()) {
+            (Ok(s), Ok(d)) => Some((s, d)),
+            _ => return Response::error(400, "ports must be numbers 0..=65535"),
+        },
+        (6 | 17 | 132, _) => {
+            return Response::error(400, "tcp, udp and sctp need /SPORT/DPORT");
+        }
+        (_, []) => None,
+        _ => return Response::error(400, "only tcp, udp and sctp take ports"),
+    };
+    let q = crate::simulate::flow::FlowQuery {
+        src,
+        dst,
+        proto,
+        ports,
+    };
+    let answer = ops.with_vservers(|vs, _| {
+        let v = vs.iter().find(|v| v.name == name)?;
+        let p = v
+            .data
+            .as_any()
+            .downcast_ref::<crate::proxy::packet::PacketPath>()?;
+        let (path, table, legs) = (p.path_config(), p.table(), p.legs());
+        let reply = crate::simulate::flow::FlowQuery {
+            src: dst,
+            dst: src,
+            ports: ports.map(|(a, b)| (b, a)),
+            proto,
+        };
+        Some(json!({
+            "vserver": name,
+            "forward": crate::simulate::flow::choice(&path, &table, &legs, &q),
+            "reply": crate::simulate::flow::choice(&path, &table, &legs, &reply),
+        }))
+    });
+    match answer.flatten() {
+        Some(a) => Response::json(200, &a),
+        None => Response::error(404, &format!("no packet vserver `{name}` running")),
+    }
 }
 
 /// `/status` `capture`: the HEP collector, `null` when capture is off (docs/capture.md).

@@ -103,6 +103,8 @@ struct Shared {
 #[derive(Debug)]
 struct Program {
     vserver: PacketVserver,
+    /// The method and masks the program hashes with.
+    path: PathConfig,
     interfaces: Vec<String>,
     /// Each leg's members, as indices into `Config::services`.
     members: Vec<Vec<usize>>,
@@ -164,6 +166,11 @@ impl PacketPath {
         &self.shared.counters
     }
 
+    /// The method and masks the program hashes with.
+    pub(crate) fn path_config(&self) -> PathConfig {
+        crate::sync::lock(&self.shared.program).path
+    }
+
     /// The interfaces the program is attached to.
     pub(crate) fn interfaces(&self) -> Vec<String> {
         crate::sync::lock(&self.shared.program).interfaces.clone()
@@ -215,6 +222,7 @@ fn load(config: &Config, v: &Vserver) -> Result<Program, RuntimeError> {
     Ok(Program {
         last,
         vserver,
+        path,
         interfaces: v.interfaces.clone(),
         members: legs.into_iter().map(|(_, ms)| ms).collect(),
         names,

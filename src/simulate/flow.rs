@@ -51,7 +51,9 @@ fn bytes(ip: IpAddr) -> [u8; 16] {
     b
 }
 
-fn choice(path: &PathConfig, table: &[u32], names: &[String], q: &FlowQuery) -> Choice {
+/// Where `q` goes by bucket table `table` (slot `i + 1` is leg `names[i]`) under `path`: the
+/// program's twin.
+pub fn choice(path: &PathConfig, table: &[u32], names: &[String], q: &FlowQuery) -> Choice {
     let flow = Flow {
         is_v6: q.src.is_ipv6(),
         src: bytes(q.src),
