@@ -450,16 +450,6 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                 Ok(c) => c,
                 Err(code) => return Ok(code),
             };
-            let proto: u8 = match proto.to_ascii_lowercase().as_str() {
-                "tcp" => 6,
-                "udp" => 17,
-                "sctp" => 132,
-                "icmp" => 1,
-                "icmpv6" => 58,
-                n => n.parse().map_err(|_| {
-                    anyhow::anyhow!("--proto {n:?}: tcp, udp, sctp, icmp, icmpv6 or a number")
-                })?,
-            };
             let packet: Vec<&config::Vserver> = cfg
                 .vservers
                 .iter()
@@ -479,19 +469,8 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                     }
                 },
             };
-            let ports = match (proto, sport, dport) {
-                (6 | 17 | 132, Some(s), Some(d)) => Some((s, d)),
-                (6 | 17 | 132, _, _) => {
-                    anyhow::bail!("--sport and --dport are needed for tcp, udp and sctp")
-                }
-                _ => None,
-            };
-            let q = fulcrum::simulate::flow::FlowQuery {
-                src,
-                dst,
-                proto,
-                ports,
-            };
+            let q = fulcrum::simulate::flow::FlowQuery::parse(&proto, src, dst, sport.zip(dport))
+                .map_err(|e| anyhow::anyhow!(e))?;
             let r = fulcrum::simulate::flow::which_firewall(&cfg, vs, &q, &down)
                 .map_err(|e| anyhow::anyhow!(e))?;
             if json {

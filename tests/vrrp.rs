@@ -28,11 +28,9 @@ mod common;
 
 use common::netns::ROLE;
 use common::sipp::{Proc, Scratch, sipp_available, uac_counts};
-use common::strict_uas::{Counts, StrictUas};
-use std::io::Read;
+use common::strict_uas::{Counts, StrictUas, read_counts, report_counts_until_stdin_closes};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const VIP: &str = "10.97.0.100";
@@ -57,35 +55,7 @@ fn helper_vrrp_uas() {
         .iter()
         .map(|(n, a)| StrictUas::udp_at(n, a.parse().expect("service address")))
         .collect();
-    let (tx, rx) = mpsc::channel::<()>();
-    std::thread::spawn(move || {
-        let _ = std::io::stdin().read_to_end(&mut Vec::new());
-        let _ = tx.send(());
-    });
-    loop {
-        // The counts are written after the wait, so the last write follows the end signal.
-        let stop = !matches!(
-            rx.recv_timeout(Duration::from_millis(50)),
-            Err(mpsc::RecvTimeoutError::Timeout)
-        );
-        let text: String = uas
-            .iter()
-            .map(|u| {
-                let c = u.counts();
-                format!(
-                    "{} {} {} {} {} {} {}\n",
-                    u.name, c.requests, c.dialogs, c.byes_ok, c.r481, c.stray_acks, c.invites
-                )
-            })
-            .collect();
-        let tmp = out.with_extension("tmp");
-        if std::fs::write(&tmp, text).is_ok() {
-            let _ = std::fs::rename(&tmp, &out);
-        }
-        if stop {
-            return;
-        }
-    }
+    report_counts_until_stdin_closes(&uas, &out);
 }
 
 /// The directory holding `program` on PATH or in the sbin directories (keepalived lives in
@@ -585,25 +555,7 @@ impl Lab {
 
     /// The services' counts as last written by the services role, by name.
     fn counts(&self) -> Vec<(String, Counts)> {
-        let text = std::fs::read_to_string(&self.counts).unwrap_or_default();
-        text.lines()
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
-                Some((
-                    f.first()?.to_string(),
-                    Counts {
-                        requests: n(1)?,
-                        dialogs: n(2)?,
-                        byes_ok: n(3)?,
-                        r481: n(4)?,
-                        stray_acks: n(5)?,
-                        invites: n(6)?,
-                        ..Counts::default()
-                    },
-                ))
-            })
-            .collect()
+        read_counts(&self.counts)
     }
 
     /// The services' final counts: stop the role (stdin closed), which writes them once more.

@@ -570,14 +570,14 @@ fn packet_status(v: &crate::proxy::VserverHandle) -> Option<Value> {
         .downcast_ref::<crate::proxy::packet::PacketPath>()?;
     let table = p.table();
     let c = p.counters();
-    let forwarded = crate::sync::lock(&c.forwarded).clone();
+    let forwarded = p.forwarded();
     let legs: Vec<Value> = p
         .legs()
         .iter()
         .enumerate()
         .map(|(i, name)| {
             let slot = i as u32 + 1;
-            let (packets, bytes) = forwarded.get(i).map_or((0, 0), |(_, p, b)| (*p, *b));
+            let (packets, bytes) = forwarded.get(i).copied().unwrap_or_default();
             json!({
                 "name": name,
                 "buckets": table.iter().filter(|&&s| s == slot).count(),
@@ -614,44 +614,23 @@ fn packet_flow(
     dst: &str,
     ports: &[&str],
 ) -> Response {
-    let proto: u8 = match proto.to_ascii_lowercase().as_str() {
-        "tcp" => 6,
-        "udp" => 17,
-        "sctp" => 132,
-        "icmp" => 1,
-        "icmpv6" => 58,
-        n => match n.parse() {
-            Ok(p) => p,
-            Err(_) => {
-                return Response::error(400, "protocol: tcp, udp, sctp, icmp, icmpv6 or a number");
-            }
-        },
-    };
     let (Ok(src), Ok(dst)) = (
         src.parse::<std::net::IpAddr>(),
         dst.parse::<std::net::IpAddr>(),
     ) else {
         return Response::error(400, "source and destination must be IP addresses");
     };
-    if src.is_ipv4() != dst.is_ipv4() {
-        return Response::error(400, "source and destination must be of one family");
-    }
-    let ports = match (proto, ports) {
-        (6 | 17 | 132, [s, d]) => match (s.parse::<u16>(), d.parse::<u16>()) {
+    let ports = match ports {
+        [] => None,
+        [s, d] => match (s.parse::<u16>(), d.parse::<u16>()) {
             (Ok(s), Ok(d)) => Some((s, d)),
             _ => return Response::error(400, "ports must be numbers 0..=65535"),
         },
-        (6 | 17 | 132, _) => {
-            return Response::error(400, "tcp, udp and sctp need /SPORT/DPORT");
-        }
-        (_, []) => None,
-        _ => return Response::error(400, "only tcp, udp and sctp take ports"),
+        _ => return Response::error(400, "ports are /SPORT/DPORT"),
     };
-    let q = crate::simulate::flow::FlowQuery {
-        src,
-        dst,
-        proto,
-        ports,
+    let q = match crate::simulate::flow::FlowQuery::parse(proto, src, dst, ports) {
+        Ok(q) => q,
+        Err(e) => return Response::error(400, &e),
     };
     let answer = ops.with_vservers(|vs, _| {
         let v = vs.iter().find(|v| v.name == name)?;
@@ -660,16 +639,10 @@ fn packet_flow(
             .as_any()
             .downcast_ref::<crate::proxy::packet::PacketPath>()?;
         let (path, table, legs) = (p.path_config(), p.table(), p.legs());
-        let reply = crate::simulate::flow::FlowQuery {
-            src: dst,
-            dst: src,
-            ports: ports.map(|(a, b)| (b, a)),
-            proto,
-        };
         Some(json!({
             "vserver": name,
             "forward": crate::simulate::flow::choice(&path, &table, &legs, &q),
-            "reply": crate::simulate::flow::choice(&path, &table, &legs, &reply),
+            "reply": crate::simulate::flow::choice(&path, &table, &legs, &q.reply()),
         }))
     });
     match answer.flatten() {

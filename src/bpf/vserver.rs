@@ -141,13 +141,7 @@ impl PacketVserver {
         })?;
         path.set_local_addresses(&locals)?;
         let members: Vec<Member> = firewalls.iter().map(|f| f.member).collect();
-        let selector = HashSelector::build_bounded(
-            lb.hash_algorithm,
-            lb.hash_fingers,
-            lb.prac_max_share,
-            &members,
-            up,
-        );
+        let selector = crate::packet::selector(lb, &members, up);
         let table = build_table(&selector, |_| true);
         path.install_table(&table)?;
         for i in interfaces {

@@ -573,6 +573,23 @@ pub fn bucket_key_hash(bucket: u32) -> u64 {
     crate::hash::key_hash(&bucket.to_be_bytes())
 }
 
+/// The ranking of a packet vserver's firewalls: `lb`'s algorithm, fingers and prac bound
+/// over `members`, UP where `up` says. The running program's table and `fulcrum simulate
+/// flow`'s are built from it alike.
+pub fn selector(
+    lb: &crate::config::LbParams,
+    members: &[crate::select::Member],
+    up: &[bool],
+) -> HashSelector {
+    HashSelector::build_bounded(
+        lb.hash_algorithm,
+        lb.hash_fingers,
+        lb.prac_max_share,
+        members,
+        up,
+    )
+}
+
 /// The bucket table: bucket `b` holds 1 + the index of the service `selector` picks for
 /// [`bucket_key_hash`]`(b)` among those `usable(i)` (and UP in the selector), 0 when none.
 /// Services past [`MAX_LEGS`] are never picked.

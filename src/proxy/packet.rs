@@ -43,7 +43,7 @@ const COUNT_EVERY: u32 = 20;
 /// [`Config::services`]) of its service. (A leg with an IPv6 address carries both families:
 /// an IPv4 packet may take an IPv6 next hop, RFC 8950; one with an IPv4 address drops IPv6
 /// packets, counted `no_next_hop`.)
-pub(crate) fn legs(config: &Config, v: &Vserver) -> Result<Vec<(Firewall, Vec<usize>)>, String> {
+pub(crate) fn legs(config: &Config, v: &Vserver) -> Result<Vec<(Firewall, usize)>, String> {
     let mut out = Vec::new();
     for &i in &v.services {
         let Some(s) = config.services.get(i) else {
@@ -52,7 +52,7 @@ pub(crate) fn legs(config: &Config, v: &Vserver) -> Result<Vec<(Firewall, Vec<us
         let Some(interface) = s.interface.as_deref() else {
             return Err(format!("service `{}` has no `interface`", s.name));
         };
-        out.push((Firewall::of(s, interface), vec![i]));
+        out.push((Firewall::of(s, interface), i));
     }
     Ok(out)
 }
@@ -65,15 +65,13 @@ pub(crate) struct PacketCounters {
     pub passed: [AtomicU64; 5],
     pub dropped_no_firewall: AtomicU64,
     pub dropped_no_next_hop: AtomicU64,
-    /// Forwarded packets and bytes per leg, in leg order.
-    pub forwarded: Mutex<Vec<(String, u64, u64)>>,
     /// Table installs (the usable set changed) and buckets moved by them.
     pub tables: AtomicU64,
     pub buckets_moved: AtomicU64,
 }
 
 impl PacketCounters {
-    fn store(&self, c: &Counters, names: &[String]) {
+    fn store(&self, c: &Counters) {
         for (slot, reason) in self.passed.iter().zip(PassReason::ALL) {
             slot.store(c.passed(reason).packets, Ordering::Relaxed);
         }
@@ -81,12 +79,6 @@ impl PacketCounters {
             .store(c.dropped_no_firewall.packets, Ordering::Relaxed);
         self.dropped_no_next_hop
             .store(c.dropped_no_next_hop.packets, Ordering::Relaxed);
-        let per: Vec<(String, u64, u64)> = names
-            .iter()
-            .zip(&c.forwarded)
-            .map(|(n, p)| (n.clone(), p.packets, p.bytes))
-            .collect();
-        *crate::sync::lock(&self.forwarded) = per;
     }
 }
 
@@ -106,30 +98,33 @@ struct Program {
     /// The method and masks the program hashes with.
     path: PathConfig,
     interfaces: Vec<String>,
-    /// Each leg's members, as indices into `Config::services`.
-    members: Vec<Vec<usize>>,
-    /// Each leg's name (its members' names joined by `+`).
+    /// Each leg's service, as an index into `Config::services`.
+    services: Vec<usize>,
+    /// Each leg's service name.
     names: Vec<String>,
     /// The usable set the table was built for.
     up: Vec<bool>,
-    /// Each leg's forwarded (packets, bytes) as last read, so that the members' traffic
-    /// counters grow by the difference.
-    last: Vec<(u64, u64)>,
+    /// Each leg's forwarded (packets, bytes) as last read from this program, so that the
+    /// services' traffic counters grow by the difference (`/status` shows them too).
+    forwarded: Vec<(u64, u64)>,
 }
 
 impl Program {
-    /// Add what each leg forwarded since the last read to its first member's traffic
-    /// counters (`fulcrum_packets_total`, `fulcrum_bytes_total`, `/status`).
+    /// The balancer's member for leg `leg`'s service.
+    fn member(&self, b: &Balancer, leg: usize) -> Option<usize> {
+        let s = *self.services.get(leg)?;
+        b.members().iter().position(|m| m.service == s)
+    }
+
+    /// Add what each leg forwarded since the last read to its service's traffic counters
+    /// (`fulcrum_packets_total`, `fulcrum_bytes_total`, `/status`).
     fn charge(&mut self, b: &Balancer, c: &Counters, now: crate::stats::Nanos) {
-        for ((ms, last), now_fwd) in self.members.iter().zip(&mut self.last).zip(&c.forwarded) {
-            let (packets, bytes) = (now_fwd.packets, now_fwd.bytes);
-            let dp = packets.saturating_sub(last.0);
-            let db = bytes.saturating_sub(last.1);
-            *last = (packets, bytes);
-            let member = ms
-                .first()
-                .and_then(|s| b.members().iter().position(|m| m.service == *s));
-            if let Some(counters) = member.and_then(|m| b.counters(m))
+        for (leg, now_fwd) in c.forwarded.iter().enumerate().take(self.forwarded.len()) {
+            let last = self.forwarded[leg];
+            let dp = now_fwd.packets.saturating_sub(last.0);
+            let db = now_fwd.bytes.saturating_sub(last.1);
+            self.forwarded[leg] = (now_fwd.packets, now_fwd.bytes);
+            if let Some(counters) = self.member(b, leg).and_then(|m| b.counters(m))
                 && dp > 0
             {
                 counters.record_traffic(db, dp, now);
@@ -137,18 +132,10 @@ impl Program {
         }
     }
 
-    /// Which legs the balancer would give a new flow: every member of the leg usable.
+    /// Which legs the balancer would give a new flow.
     fn usable(&self, b: &Balancer, now: crate::stats::Nanos) -> Vec<bool> {
-        self.members
-            .iter()
-            .map(|ms| {
-                ms.iter().all(|s| {
-                    b.members()
-                        .iter()
-                        .position(|m| m.service == *s)
-                        .is_some_and(|m| b.is_usable(m, now))
-                })
-            })
+        (0..self.services.len())
+            .map(|leg| self.member(b, leg).is_some_and(|m| b.is_usable(m, now)))
             .collect()
     }
 }
@@ -184,6 +171,11 @@ impl PacketPath {
             .to_vec()
     }
 
+    /// Each leg's forwarded (packets, bytes), as last read from the kernel.
+    pub(crate) fn forwarded(&self) -> Vec<(u64, u64)> {
+        crate::sync::lock(&self.shared.program).forwarded.clone()
+    }
+
     /// Each leg's name, in slot order (slot `i + 1` is leg `i`).
     pub(crate) fn legs(&self) -> Vec<String> {
         crate::sync::lock(&self.shared.program).names.clone()
@@ -200,10 +192,14 @@ fn setup(v: &Vserver, problem: impl std::fmt::Display) -> RuntimeError {
     }
 }
 
+/// The method and masks of packet vserver `v`, or why it cannot hash packets.
+pub(crate) fn path_of(v: &Vserver) -> Result<PathConfig, String> {
+    PathConfig::of(v).ok_or_else(|| format!("method {} cannot hash packets", v.method.name()))
+}
+
 /// Load and attach the program of `v`, every firewall UP until its monitor says otherwise.
 fn load(config: &Config, v: &Vserver) -> Result<Program, RuntimeError> {
-    let path = PathConfig::of(v)
-        .ok_or_else(|| setup(v, format!("method {} cannot hash packets", v.method.name())))?;
+    let path = path_of(v).map_err(|e| setup(v, e))?;
     let legs = legs(config, v).map_err(|e| setup(v, e))?;
     let firewalls: Vec<Firewall> = legs.iter().map(|(f, _)| f.clone()).collect();
     let up = vec![true; firewalls.len()];
@@ -211,20 +207,19 @@ fn load(config: &Config, v: &Vserver) -> Result<Program, RuntimeError> {
         .map_err(|e| setup(v, e))?;
     let names = legs
         .iter()
-        .map(|(_, ms)| {
-            ms.iter()
-                .filter_map(|&i| config.services.get(i).map(|s| s.name.as_str()))
-                .collect::<Vec<_>>()
-                .join("+")
+        .map(|&(_, i)| {
+            config
+                .services
+                .get(i)
+                .map_or_else(String::new, |s| s.name.clone())
         })
         .collect();
-    let last = vec![(0, 0); legs.len()];
     Ok(Program {
-        last,
+        forwarded: vec![(0, 0); legs.len()],
         vserver,
         path,
         interfaces: v.interfaces.clone(),
-        members: legs.into_iter().map(|(_, ms)| ms).collect(),
+        services: legs.into_iter().map(|(_, i)| i).collect(),
         names,
         up,
     })
@@ -307,7 +302,7 @@ fn follow(
             if round.is_multiple_of(COUNT_EVERY) {
                 match p.vserver.counters() {
                     Ok(c) => {
-                        shared.counters.store(&c, &p.names);
+                        shared.counters.store(&c);
                         p.charge(&b, &c, now);
                     }
                     Err(e) => tracing::debug!(vserver = %shared.name, error = %e, "counters"),
@@ -344,11 +339,10 @@ impl DataPath for PacketPath {
         visit("buckets_moved", &c.buckets_moved);
     }
 
-    /// A new member list or weights: new legs and table in the running program; a new
-    /// method or masks: a new program, put in place of the old one in its links.
+    /// Checked aside: the method and every leg's interface. Installed: a new program with
+    /// the new legs, method and table, put in place of the old one in its links.
     fn prepare(&self, config: &Config, v: &Vserver) -> Result<Prepared, RuntimeError> {
-        PathConfig::of(v)
-            .ok_or_else(|| setup(v, format!("method {} cannot hash packets", v.method.name())))?;
+        path_of(v).map_err(|e| setup(v, e))?;
         let legs = legs(config, v).map_err(|e| setup(v, e))?;
         for (f, _) in &legs {
             nix::net::if_::if_nametoindex(f.interface.as_str())

@@ -7,7 +7,7 @@
 
 use crate::config::{Config, Vserver};
 use crate::packet::{Flow, PathConfig, bucket_of, build_table, flow_hash, key_words};
-use crate::select::{HashSelector, Member};
+use crate::select::Member;
 use serde::Serialize;
 use std::net::IpAddr;
 
@@ -22,12 +22,60 @@ pub struct FlowQuery {
     pub ports: Option<(u16, u16)>,
 }
 
+impl FlowQuery {
+    /// A flow from what an operator types: a protocol name (`tcp`, `udp`, `sctp`, `icmp`,
+    /// `icmpv6`) or number, two addresses of one family, and ports exactly for TCP, UDP and
+    /// SCTP. The error says which part is wrong.
+    pub fn parse(
+        proto: &str,
+        src: IpAddr,
+        dst: IpAddr,
+        ports: Option<(u16, u16)>,
+    ) -> Result<FlowQuery, String> {
+        let proto: u8 = match proto.to_ascii_lowercase().as_str() {
+            "tcp" => 6,
+            "udp" => 17,
+            "sctp" => 132,
+            "icmp" => 1,
+            "icmpv6" => 58,
+            n => n
+                .parse()
+                .map_err(|_| format!("protocol {n:?}: tcp, udp, sctp, icmp, icmpv6 or a number"))?,
+        };
+        if src.is_ipv4() != dst.is_ipv4() {
+            return Err("source and destination must be of one family".into());
+        }
+        match (proto, ports) {
+            (6 | 17 | 132, None) => {
+                Err("tcp, udp and sctp need a source and a destination port".into())
+            }
+            (6 | 17 | 132, _) | (_, None) => Ok(FlowQuery {
+                src,
+                dst,
+                proto,
+                ports,
+            }),
+            _ => Err("only tcp, udp and sctp take ports".into()),
+        }
+    }
+
+    /// The reply: addresses and ports swapped.
+    pub fn reply(&self) -> FlowQuery {
+        FlowQuery {
+            src: self.dst,
+            dst: self.src,
+            ports: self.ports.map(|(a, b)| (b, a)),
+            proto: self.proto,
+        }
+    }
+}
+
 /// One direction's answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Choice {
     pub hash: u32,
     pub bucket: u32,
-    /// The firewall leg (its service names joined by `+`), `None` when every firewall is
+    /// The firewall leg (its service's name), `None` when every firewall is
     /// DOWN (the packet is dropped).
     pub firewall: Option<String>,
 }
@@ -88,41 +136,27 @@ pub fn which_firewall(
             v.protocol.name()
         ));
     }
-    if q.src.is_ipv4() != q.dst.is_ipv4() {
-        return Err("source and destination must be of one family".into());
-    }
-    let path = PathConfig::of(v)
-        .ok_or_else(|| format!("method {} cannot hash packets", v.method.name()))?;
+    let path = crate::proxy::packet::path_of(v)?;
     let legs = crate::proxy::packet::legs(config, v)?;
-    let name_of = |i: &usize| config.services.get(*i).map(|s| s.name.clone());
     let names: Vec<String> = legs
         .iter()
-        .map(|(_, ms)| ms.iter().filter_map(name_of).collect::<Vec<_>>().join("+"))
+        .map(|&(_, i)| {
+            config
+                .services
+                .get(i)
+                .map_or_else(String::new, |s| s.name.clone())
+        })
         .collect();
-    let up: Vec<bool> = legs
-        .iter()
-        .map(|(_, ms)| !ms.iter().filter_map(name_of).any(|n| down.contains(&n)))
-        .collect();
+    let up: Vec<bool> = names.iter().map(|n| !down.contains(n)).collect();
     let members: Vec<Member> = legs.iter().map(|(f, _)| f.member).collect();
-    let selector = HashSelector::build_bounded(
-        config.lb.hash_algorithm,
-        config.lb.hash_fingers,
-        config.lb.prac_max_share,
-        &members,
-        &up,
-    );
-    let table = build_table(&selector, |_| true);
-    let reply = FlowQuery {
-        src: q.dst,
-        dst: q.src,
-        ports: q.ports.map(|(a, b)| (b, a)),
-        ..*q
-    };
+    let table = build_table(&crate::packet::selector(&config.lb, &members, &up), |_| {
+        true
+    });
     Ok(FlowReport {
         vserver: v.name.clone(),
         method: v.method.name(),
         forward: choice(&path, &table, &names, q),
-        reply: choice(&path, &table, &names, &reply),
+        reply: choice(&path, &table, &names, &q.reply()),
     })
 }
 
@@ -170,5 +204,26 @@ mod tests {
         let none =
             which_firewall(&config, v, &q("10.1.0.1", "10.4.0.2"), &all_down).expect("report");
         assert_eq!(none.forward.firewall, None);
+    }
+
+    /// What an operator types is checked: protocol, family, ports for the port protocols
+    /// only; the reply swaps addresses and ports.
+    #[test]
+    fn a_query_is_checked_and_its_reply_swaps_both_ends() {
+        let (a, b) = (
+            "10.0.0.1".parse().expect("ip"),
+            "10.0.0.2".parse().expect("ip"),
+        );
+        let v6: IpAddr = "fd00::1".parse().expect("ip");
+        let t = FlowQuery::parse("TCP", a, b, Some((1, 2))).expect("tcp");
+        assert_eq!(
+            (t.proto, t.reply().src, t.reply().ports),
+            (6, b, Some((2, 1)))
+        );
+        assert_eq!(FlowQuery::parse("47", a, b, None).expect("gre").proto, 47);
+        assert!(FlowQuery::parse("tcp", a, b, None).is_err());
+        assert!(FlowQuery::parse("icmp", a, b, Some((1, 2))).is_err());
+        assert!(FlowQuery::parse("udp", a, v6, Some((1, 2))).is_err());
+        assert!(FlowQuery::parse("bogus", a, b, None).is_err());
     }
 }

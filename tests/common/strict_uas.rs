@@ -590,3 +590,65 @@ impl Drop for StrictUas {
         self.stop.store(true, Ordering::Relaxed);
     }
 }
+
+/// The body of a test binary's services role run in a namespace (tests/ha.rs,
+/// tests/vrrp.rs): write `uas`'s counts to `out` (one line per UAS: name requests dialogs
+/// byes_ok r481 stray_acks invites) every 50 ms, and once more when stdin closes, which
+/// ends the role. Each write replaces the file whole, so a reader never sees half of one.
+#[allow(dead_code)]
+pub fn report_counts_until_stdin_closes(uas: &[StrictUas], out: &std::path::Path) {
+    use std::io::Read;
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let _ = std::io::stdin().read_to_end(&mut Vec::new());
+        let _ = tx.send(());
+    });
+    loop {
+        // The counts are written after the wait, so the last write follows the end signal.
+        let stop = !matches!(
+            rx.recv_timeout(Duration::from_millis(50)),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout)
+        );
+        let text: String = uas
+            .iter()
+            .map(|u| {
+                let c = u.counts();
+                format!(
+                    "{} {} {} {} {} {} {}\n",
+                    u.name, c.requests, c.dialogs, c.byes_ok, c.r481, c.stray_acks, c.invites
+                )
+            })
+            .collect();
+        let tmp = out.with_extension("tmp");
+        if std::fs::write(&tmp, text).is_ok() {
+            let _ = std::fs::rename(&tmp, out);
+        }
+        if stop {
+            return;
+        }
+    }
+}
+
+/// The counts [`report_counts_until_stdin_closes`] last wrote to `path`, by UAS name.
+#[allow(dead_code)]
+pub fn read_counts(path: &std::path::Path) -> Vec<(String, Counts)> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let n = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok());
+            Some((
+                f.first()?.to_string(),
+                Counts {
+                    requests: n(1)?,
+                    dialogs: n(2)?,
+                    byes_ok: n(3)?,
+                    r481: n(4)?,
+                    stray_acks: n(5)?,
+                    invites: n(6)?,
+                    ..Counts::default()
+                },
+            ))
+        })
+        .collect()
+}
