@@ -132,9 +132,37 @@ pub struct MemberInfo {
     /// Removed from the vserver by a reload, kept only for the flows pinned to it: never
     /// given a new flow, outside the hash ranking (see `docs/draining.md`).
     pub draining: bool,
+    /// Listed only by routing rules' pools, not by the vserver's own `services`: outside the
+    /// vserver's own ranking and methods, chosen only in the pools that list it
+    /// (docs/routing.md).
+    pub pool_only: bool,
     /// Its tier ([`crate::config::Service::tier`]): new flows go to the best (lowest) tier
     /// with an available member (docs/methods.md, Tiers).
     pub tier: u32,
+}
+
+/// The pool of a routing rule: its own ranking and method over the members it lists; health,
+/// ejection and counters are the members' own, shared with every pool that lists them.
+struct RoutePool {
+    method: Method,
+    /// The balancer's member index of each of the pool's members (pool order).
+    members: Vec<usize>,
+    weights: Vec<u32>,
+    counters: Vec<Arc<ServiceCounters>>,
+    selector: ArcSwap<HashSelector>,
+    state: MethodState,
+}
+
+/// What the routing rules of a vserver decided, per rule (and for the default, last).
+#[derive(Debug, Default)]
+pub struct RouteCounters {
+    /// Requests the rule matched (whatever became of them).
+    pub matched: AtomicU64,
+    /// Requests the rule (or the default) refused with its code.
+    pub rejected: AtomicU64,
+    pub dropped: AtomicU64,
+    /// Requests its pool had no usable member for (answered 503).
+    pub unavailable: AtomicU64,
 }
 
 /// Passive ejection of a vserver's members (`eject:`): the pure [`EjectView`] behind a lock,
@@ -217,6 +245,12 @@ pub struct Balancer {
     eject: Option<Ejector>,
     /// The serving members are in more than one tier.
     has_tiers: bool,
+    /// The vserver's routing rules (docs/routing.md); `None` without `routes`.
+    routes: Option<Arc<crate::route::Routes>>,
+    /// The rules' pools: pool `k` is `pools[k - 1]`, pool 0 the vserver's own members.
+    pools: Vec<RoutePool>,
+    /// Per rule, then the default; carried across a reload by rule name.
+    route_counters: Vec<Arc<RouteCounters>>,
 }
 
 impl std::fmt::Debug for Balancer {
@@ -253,20 +287,23 @@ impl MemberInfo {
     /// `hash_id` or address; weight at least 1). The balancer and `simulate hash --config`
     /// both start here.
     /// Draining members (`vserver.draining`) follow the others.
+    /// Services only routing rules list follow the vserver's own (`pool_only`).
     pub fn of(config: &Config, vserver: &Vserver) -> Vec<MemberInfo> {
         let serving = vserver.services.len();
+        let routed = serving + vserver.pool_only().len();
         vserver
             .members()
             .enumerate()
-            .map(|(k, i)| (i, k >= serving))
-            .filter_map(|(i, d)| config.services.get(i).map(|s| (i, s, d)))
-            .map(|(i, s, draining)| MemberInfo {
+            .map(|(k, i)| (i, k >= routed, (serving..routed).contains(&k)))
+            .filter_map(|(i, d, p)| config.services.get(i).map(|s| (i, s, d, p)))
+            .map(|(i, s, draining, pool_only)| MemberInfo {
                 service: i,
                 name: s.name.clone(),
                 weight: s.weight.max(1),
                 max_clients: s.max_clients,
                 id_hash: hash::service_identity_hash(s.hash_id.as_deref(), &s.address),
                 draining,
+                pool_only,
                 tier: s.tier(),
             })
             .collect()
@@ -285,7 +322,10 @@ impl Balancer {
     /// Build the balancer of `vserver`; every member starts UP.
     pub fn new(config: &Config, vserver: &Vserver) -> Balancer {
         let members = MemberInfo::of(config, vserver);
-        let serving = members.iter().take_while(|m| !m.draining).count();
+        let serving = members
+            .iter()
+            .take_while(|m| !m.draining && !m.pool_only)
+            .count();
         let weights: Vec<u32> = members.iter().map(|m| m.weight).collect();
         let select_members: Vec<select::Member> = members[..serving]
             .iter()
@@ -341,8 +381,57 @@ impl Balancer {
             paths: Default::default(),
             passive_failures,
             has_tiers,
+            routes: vserver.routes.clone().map(Arc::new),
+            pools: Vec::new(),
+            route_counters: vserver.routes.as_ref().map_or_else(Vec::new, |r| {
+                (0..=r.rules.len())
+                    .map(|_| Arc::new(RouteCounters::default()))
+                    .collect()
+            }),
         }
         .with_method_state()
+        .with_pools(config, vserver)
+    }
+
+    /// The routing rules' pools, over the members built already.
+    fn with_pools(mut self, config: &Config, vserver: &Vserver) -> Balancer {
+        let mut pools = Vec::with_capacity(vserver.route_pools.len());
+        for p in &vserver.route_pools {
+            let members: Vec<usize> = p
+                .services
+                .iter()
+                .filter_map(|s| {
+                    self.members
+                        .iter()
+                        .position(|m| m.service == *s && !m.draining)
+                })
+                .collect();
+            let weights: Vec<u32> = members.iter().map(|&m| self.weights[m]).collect();
+            let select_members: Vec<select::Member> = members
+                .iter()
+                .map(|&m| self.members[m].select_member())
+                .collect();
+            let up = vec![true; members.len()];
+            pools.push(RoutePool {
+                method: p.method.unwrap_or(vserver.method),
+                counters: members
+                    .iter()
+                    .map(|&m| Arc::clone(&self.counters[m]))
+                    .collect(),
+                selector: ArcSwap::from_pointee(HashSelector::build_bounded(
+                    config.lb.hash_algorithm,
+                    config.lb.hash_fingers,
+                    config.lb.prac_max_share,
+                    &select_members,
+                    &up,
+                )),
+                state: MethodState::new(&weights),
+                weights,
+                members,
+            });
+        }
+        self.pools = pools;
+        self
     }
 
     /// Build the balancer of `vserver` for a reload of the vserver `old` balanced: members
@@ -408,6 +497,29 @@ impl Balancer {
             b.slow_start_active
                 .store(lock(ss).is_active(), Ordering::Release);
         }
+        for p in &mut b.pools {
+            p.counters = p
+                .members
+                .iter()
+                .map(|&m| Arc::clone(&b.counters[m]))
+                .collect();
+        }
+        // A rule keeps its counts across a reload by name; the default keeps the default's.
+        if let (Some(new), Some(old_routes)) = (&b.routes, &old.routes) {
+            for (i, r) in new.rules.iter().enumerate() {
+                if let Some(j) = old_routes.rules.iter().position(|o| o.name == r.name)
+                    && let (Some(slot), Some(c)) =
+                        (b.route_counters.get_mut(i), old.route_counters.get(j))
+                {
+                    *slot = Arc::clone(c);
+                }
+            }
+            if let (Some(slot), Some(c)) = (b.route_counters.last_mut(), old.route_counters.last())
+            {
+                *slot = Arc::clone(c);
+            }
+        }
+        b.rebuild_selector();
         b
     }
 
@@ -584,6 +696,120 @@ impl Balancer {
         let up = up_set(&self.health, self.serving);
         let built = self.selector.load().with_up(&up);
         self.selector.store(Arc::new(built));
+        for p in &self.pools {
+            let up: Vec<bool> = p
+                .members
+                .iter()
+                .map(|&m| self.health(m) == Some(Health::Up))
+                .collect();
+            let built = p.selector.load().with_up(&up);
+            p.selector.store(Arc::new(built));
+        }
+    }
+
+    /// The vserver's routing rules, when it has any.
+    pub fn routes(&self) -> Option<&Arc<crate::route::Routes>> {
+        self.routes.as_ref()
+    }
+
+    /// The counters of rule `i` (`rules.len()`: the default).
+    pub fn route_counters(&self, i: usize) -> Option<&RouteCounters> {
+        self.route_counters.get(i).map(|c| &**c)
+    }
+
+    /// The members of pool `pool` (0: the vserver's own, ranked ones), by member index.
+    pub fn pool_members(&self, pool: usize) -> Vec<usize> {
+        match pool {
+            0 => (0..self.serving).collect(),
+            k => self
+                .pools
+                .get(k - 1)
+                .map_or_else(Vec::new, |p| p.members.clone()),
+        }
+    }
+
+    /// The method of pool `pool`.
+    pub fn pool_method(&self, pool: usize) -> Method {
+        match pool {
+            0 => self.method,
+            k => self.pools.get(k - 1).map_or(self.method, |p| p.method),
+        }
+    }
+
+    /// Whether pool `pool` has a member that takes new flows at `now`.
+    pub fn pool_usable(&self, pool: usize, now: Nanos) -> bool {
+        self.pool_members(pool)
+            .into_iter()
+            .any(|m| self.is_usable(m, now))
+    }
+
+    /// Choose within pool `pool` (0: the vserver's own members, as [`Balancer::choose_avoiding`];
+    /// a rule's pool: its own ranking and method, never a member outside it).
+    pub fn choose_in(
+        &self,
+        pool: usize,
+        key: KeyInput,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
+        let Some(p) = pool.checked_sub(1).and_then(|k| self.pools.get(k)) else {
+            return self.choose_avoiding(key, now, avoid);
+        };
+        let mut passed: Vec<usize> = Vec::new();
+        loop {
+            let skip = |i: usize| avoid(i) || passed.contains(&i);
+            let choice = self.choose_pool_once(p, key, now, &skip)?;
+            if self.takes_new_flow(choice.member, now, &|_| false) {
+                self.paths[choice.path as usize].fetch_add(1, Ordering::Relaxed);
+                return Some(choice);
+            }
+            passed.push(choice.member);
+        }
+    }
+
+    fn choose_pool_once(
+        &self,
+        p: &RoutePool,
+        key: KeyInput,
+        now: Nanos,
+        avoid: &dyn Fn(usize) -> bool,
+    ) -> Option<Choice> {
+        // A rule's pool is outside the vserver's bounded loads (`hash_balance_factor` weighs
+        // the vserver's own members): usable is UP, not draining or ejected, below max_clients.
+        let usable = |local: usize| {
+            let m = p.members[local];
+            !avoid(m) && self.is_usable_unbounded(m, now)
+        };
+        let fallback = |method: Method, path: Path| {
+            methods::pick(method, &p.state, &p.counters, &p.weights, usable, now).map(|l| Choice {
+                member: p.members[l],
+                path,
+            })
+        };
+        if !p.method.is_hash() {
+            return fallback(p.method, Path::Method);
+        }
+        match key {
+            KeyInput::Hash(h) => {
+                if let Some((local, rank)) = p.selector.load().pick(h, usable) {
+                    let path = if rank == 0 {
+                        Path::Hash
+                    } else {
+                        Path::NextRanked
+                    };
+                    return Some(Choice {
+                        member: p.members[local],
+                        path,
+                    });
+                }
+                fallback(Method::LeastConnection, Path::FallbackLeastConnection)
+            }
+            KeyInput::NoKey => fallback(Method::LeastConnection, Path::FallbackLeastConnection),
+            KeyInput::Unparseable => match methods::fallback(p.method) {
+                Method::RoundRobin => fallback(Method::RoundRobin, Path::FallbackRoundRobin),
+                m => fallback(m, Path::FallbackLeastConnection),
+            },
+        }
     }
 
     /// Operator change of the slow-start rate (manual mode, docs/slow_start.md).
@@ -650,6 +876,18 @@ impl Balancer {
     /// UP, not ejected at `now` (a member in half-open counts while its trial is free),
     /// below `max_clients`, and (with bounded loads) not above factor × average load.
     pub fn is_usable(&self, member: usize, now: Nanos) -> bool {
+        if !self.is_usable_unbounded(member, now) {
+            return false;
+        }
+        if let Some(factor) = self.balance_factor {
+            let active = self.counters[member].load();
+            return !self.is_overloaded(member, active, factor);
+        }
+        true
+    }
+
+    /// [`Balancer::is_usable`] without bounded loads.
+    fn is_usable_unbounded(&self, member: usize, now: Nanos) -> bool {
         let Some(h) = self.health.get(member) else {
             return false;
         };
@@ -666,13 +904,7 @@ impl Balancer {
             return false;
         }
         let active = self.counters[member].load();
-        if info.max_clients > 0 && active >= u64::from(info.max_clients) {
-            return false;
-        }
-        if let Some(factor) = self.balance_factor {
-            return !self.is_overloaded(member, active, factor);
-        }
-        true
+        !(info.max_clients > 0 && active >= u64::from(info.max_clients))
     }
 
     /// Consistent hashing with bounded loads: a member may take a new flow while its load
@@ -877,7 +1109,7 @@ impl Balancer {
                 &self.method_state,
                 &self.counters,
                 &self.weights,
-                |i| self.is_usable(i, now) && !avoid(i) && cap(i),
+                |i| i < self.serving && self.is_usable(i, now) && !avoid(i) && cap(i),
                 now,
             )
         };

@@ -95,7 +95,9 @@ impl Drains {
             let listed = |name: &str| {
                 nv.services
                     .iter()
-                    .any(|&i| new.services.get(i).is_some_and(|s| s.name == name))
+                    .copied()
+                    .chain(nv.pool_only())
+                    .any(|i| new.services.get(i).is_some_and(|s| s.name == name))
             };
             for s in v.members().filter_map(|i| running.services.get(i)) {
                 if listed(&s.name) {
@@ -161,7 +163,7 @@ impl Drains {
                 }
             };
             let v = &mut c.vservers[vi];
-            if !v.services.contains(&si) && !v.draining.contains(&si) {
+            if !v.members().any(|m| m == si) {
                 v.draining.push(si);
             }
         }

@@ -32,6 +32,7 @@
 //! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http) around `core`, the runtime that starts vservers (a packet vserver through `proxy::packet`), in-place rebuild on reload
 //! - `readiness`  PURE  whether the instance should get new traffic (`/readyz`): vserver facts + drain -> verdict
 //! - `reload`     PURE  what a reload changes in place, and what needs a restart
+//! - `route`      PURE  routing rules of a SIP vserver: the pool or refusal a request gets
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
 //! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
@@ -48,7 +49,7 @@
 // Public means used by the binaries, benches, examples, fuzz targets or integration tests.
 #![warn(unreachable_pub)]
 
-pub(crate) mod acl;
+pub mod acl;
 pub mod admin;
 pub mod balancer;
 pub mod bpf;
@@ -78,6 +79,7 @@ pub mod peer;
 pub mod proxy;
 pub(crate) mod readiness;
 pub mod reload;
+pub mod route;
 pub mod select;
 pub(crate) mod session;
 pub mod simulate;

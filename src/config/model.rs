@@ -669,6 +669,17 @@ impl Default for Failover {
     }
 }
 
+/// The pool of a routing rule (docs/routing.md): its services and the method that chooses
+/// among them (the vserver's when the rule gives none).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutePool {
+    /// The rule's name.
+    pub route: String,
+    /// Indices into [`Config::services`].
+    pub services: Vec<usize>,
+    pub method: Option<Method>,
+}
+
 /// One listener (docs/config.md, Model).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Vserver {
@@ -744,6 +755,12 @@ pub struct Vserver {
     /// `sticky` of a `protocol: ip` vserver: a flow keeps its firewall when the pool
     /// changes, instead of following the hash (docs/firewall.md).
     pub sticky: bool,
+    /// `routes` and `default` (SIP vservers, docs/routing.md); `None`: every request goes
+    /// to the vserver's own pool.
+    pub routes: Option<crate::route::Routes>,
+    /// The pools of the rules that have one, in file order: pool `k` of
+    /// [`crate::route::Target::Pool`] is `route_pools[k - 1]` (pool 0 is `services`).
+    pub route_pools: Vec<RoutePool>,
 }
 
 impl Vserver {
@@ -760,7 +777,23 @@ impl Vserver {
     /// The vserver's members as the running proxy indexes them (indices into
     /// [`Config::services`]): its `services`, then the services still draining there.
     pub fn members(&self) -> impl Iterator<Item = usize> + '_ {
-        self.services.iter().chain(&self.draining).copied()
+        self.services
+            .iter()
+            .copied()
+            .chain(self.pool_only())
+            .chain(self.draining.iter().copied())
+    }
+
+    /// The services only routing rules' pools list (not in `services`), in the order they
+    /// first appear: members after the vserver's own, before the draining ones.
+    pub fn pool_only(&self) -> Vec<usize> {
+        let mut out: Vec<usize> = Vec::new();
+        for s in self.route_pools.iter().flat_map(|p| &p.services) {
+            if !self.services.contains(s) && !out.contains(s) {
+                out.push(*s);
+            }
+        }
+        out
     }
 
     /// Whether the vserver forwards to a service whose protocol passes `p`: a member, or a

@@ -445,6 +445,9 @@ pub fn expand(file: &Config, members: &BTreeMap<String, Vec<Target>>) -> Config 
         };
         v.services = remap(&v.services);
         v.draining = remap(&v.draining);
+        for p in &mut v.route_pools {
+            p.services = remap(&p.services);
+        }
     }
     c
 }

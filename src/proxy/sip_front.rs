@@ -382,6 +382,7 @@ mod tests {
             crate::core::sip::DropReason::AckNotForwarded,
             crate::core::sip::DropReason::Acl,
             crate::core::sip::DropReason::Flood,
+            crate::core::sip::DropReason::Routed,
         ] {
             assert!(
                 !is_captured(&crate::core::sip::Action::Drop(dropped)),

@@ -58,10 +58,10 @@ pub use framing::{DEFAULT_MAX_MESSAGE, Frame, FrameError, Framer, PONG, next_fra
 pub use lex::Span;
 pub use rewrite::{
     BRANCH_PREFIX, CONN_PARAM, DEFAULT_MAX_FORWARDS, Host, Local, Reply, RequestRewrite,
-    ResponseRoute, RewriteError, SERVICE_PARAM, Target, Transport, build_hop_request, build_reply,
-    build_response, forward_request, forward_request_attempt, forward_response, reply_target,
-    request_target, rfc2543_invite_key, route_response, routed_flow, routed_service,
-    transaction_key, transaction_of,
+    ResponseRoute, RewriteError, SERVICE_PARAM, Target, Transport, acks_own_reply,
+    build_hop_request, build_reply, build_response, forward_request, forward_request_attempt,
+    forward_response, reply_target, request_target, rfc2543_invite_key, route_response,
+    routed_flow, routed_service, transaction_key, transaction_of,
 };
 pub use scan::{
     Header, HeaderName, Headers, MAX_HEADERS, ScanError, SipMethod, SipMsg, StartLine, Vias, scan,

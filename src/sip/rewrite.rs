@@ -906,11 +906,8 @@ fn build<B: BufMut>(
         out.put_slice(to);
         // RFC 3261 §8.2.6.2: every response but a 100 (Trying) gets a To tag.
         if msg.to_tag().is_none() && reply.code > 100 {
-            let mut h = xxh3_64_with_seed(msg.call_id().unwrap_or_default(), SEED);
-            h = xxh3_64_with_seed(msg.from_tag().unwrap_or_default(), h);
-            h = xxh3_64_with_seed(top.and_then(|t| t.branch).unwrap_or_default(), h);
             out.put_slice(b";tag=fc");
-            out.put_slice(&hex16(h));
+            out.put_slice(&own_tag(msg));
         }
         out.put_slice(b"\r\n");
     }
@@ -927,6 +924,25 @@ fn build<B: BufMut>(
     }
     out.put_slice(b"Content-Length: 0\r\n\r\n");
     Ok(())
+}
+
+/// The To tag (after `fc`) of fulcrum's own reply to `msg`: from its Call-ID, From tag and top
+/// branch, which the ACK of a non-2xx final repeats (RFC 3261 §17.1.1.3).
+fn own_tag(msg: &SipMsg<'_>) -> [u8; 16] {
+    let mut h = xxh3_64_with_seed(msg.call_id().unwrap_or_default(), SEED);
+    h = xxh3_64_with_seed(msg.from_tag().unwrap_or_default(), h);
+    h = xxh3_64_with_seed(msg.top_via().and_then(|t| t.branch).unwrap_or_default(), h);
+    hex16(h)
+}
+
+/// Whether `msg` is the ACK of a final answer fulcrum gave itself (a refusal, a 503): its To
+/// tag is the one fulcrum wrote. Such an ACK ends there (RFC 3261 §17.2.1).
+pub fn acks_own_reply(msg: &SipMsg<'_>) -> bool {
+    msg.method_kind() == SipMethod::Ack
+        && msg
+            .to_tag()
+            .and_then(|t| t.strip_prefix(b"fc"))
+            .is_some_and(|t| t == own_tag(msg))
 }
 
 /// How many of a request's Via lines each line of fulcrum's reply carries, so that the reply

@@ -16,6 +16,7 @@ mod eject;
 mod lb;
 mod monitor;
 mod packet;
+mod routes;
 mod service;
 mod tls;
 mod vserver;

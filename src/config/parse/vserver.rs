@@ -44,6 +44,8 @@ const VSERVER_FIELDS: &[&str] = &[
     "tls_handshake_timeout",
     "interface",
     "sticky",
+    "routes",
+    "default",
 ];
 
 const FAILOVER_FIELDS: &[&str] = &[
@@ -92,9 +94,12 @@ impl Cx {
     ) -> Option<Vserver> {
         let f = self.fields(node, path, VSERVER_FIELDS)?;
         let v = self.vserver_fields(&f, path);
-        let (members, listed_ok) = self.members(&f, path, services, services_declared);
+        let may_be_empty = Cx::default_refuses(&f);
+        let (members, listed_ok) =
+            self.members(&f, path, services, services_declared, may_be_empty);
         let members_fit = self.members_fit(v.protocol, services, &members);
         self.vserver_rules(&f, path, &v);
+        let routes = self.routes(&f, path, v.protocol, services, services_declared);
         let mut discovered: Vec<Protocol> = Vec::new();
         for m in &members {
             let s = services[m.index].1;
@@ -103,7 +108,9 @@ impl Cx {
             }
         }
         let members = members.iter().map(|m| m.index).collect();
-        v.build((listed_ok && members_fit).then_some((members, discovered)))
+        let mut v = v.build((listed_ok && members_fit).then_some((members, discovered)))?;
+        (v.routes, v.route_pools) = routes?;
+        Some(v)
     }
 
     /// Every field of a vserver but `services`, each read on its own (defaults may depend
@@ -557,15 +564,19 @@ impl Cx {
         path: &str,
         services: &[(&str, &Service)],
         services_declared: &[String],
+        may_be_empty: bool,
     ) -> (Vec<Member>, bool) {
         let mut members: Vec<Member> = Vec::new();
         let mut ok = true;
+        if may_be_empty && f.get("services").is_none() {
+            return (members, ok);
+        }
         let Some(list) = self.required(f, path, "services") else {
             return (members, ok);
         };
         let sp = join(path, "services");
         let items = self.seq(list, &sp);
-        if items.is_empty() {
+        if items.is_empty() && !may_be_empty {
             self.problem(list.pos, &sp, "at least one service is required");
             ok = false;
         }
@@ -598,7 +609,7 @@ impl Cx {
 
     /// Members must speak the vserver's protocol, and hash apart: two members with one
     /// hashing identity would tie on every key. False when one does not (reported).
-    fn members_fit(
+    pub(super) fn members_fit(
         &mut self,
         protocol: Option<Protocol>,
         services: &[(&str, &Service)],
@@ -908,10 +919,10 @@ struct ProxyOptions {
 }
 
 /// A service a vserver lists: its index in the services, and where it is listed.
-struct Member {
-    index: usize,
-    pos: Pos,
-    path: String,
+pub(super) struct Member {
+    pub(super) index: usize,
+    pub(super) pos: Pos,
+    pub(super) path: String,
 }
 
 impl VserverFields {
@@ -960,6 +971,8 @@ impl VserverFields {
             tls: self.tls?,
             interfaces: self.interfaces?,
             sticky: self.sticky?,
+            routes: None,
+            route_pools: Vec::new(),
         })
     }
 }

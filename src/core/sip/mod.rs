@@ -52,6 +52,8 @@ pub enum DropReason {
     /// Part of a request fulcrum holds (a retransmission, an ACK, a failed attempt's
     /// answer): handled by its transaction (counted there).
     Absorbed,
+    /// A routing rule (or the default) says `drop: true` (counted per rule).
+    Routed,
 }
 
 /// Where a message came from.
@@ -672,5 +674,7 @@ pub mod transaction;
 mod bridge;
 #[cfg(test)]
 mod record_route_service;
+#[cfg(test)]
+mod routes;
 #[cfg(test)]
 mod tests;

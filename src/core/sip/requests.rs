@@ -3,6 +3,8 @@
 
 use super::checks::{ends_dialog, pins_dialog, request_syntax_error};
 use super::*;
+use crate::route::Target;
+use std::sync::atomic::Ordering;
 
 impl SipCore {
     /// A message that does not scan. A client's request whose start line and headers are
@@ -183,8 +185,32 @@ impl SipCore {
         {
             return Action::Drop(DropReason::Flood);
         }
-        let Some(member) = self.choose(msg, src, dst, now) else {
-            return self.reply(msg, src, &Reply::service_unavailable(RETRY_AFTER_S), out);
+        // The ACK of fulcrum's own final answer (a rule's refusal, a 503) ends here: the
+        // request it acknowledges never reached a service.
+        if sip::acks_own_reply(msg) {
+            out.clear();
+            return Action::Drop(DropReason::Absorbed);
+        }
+        let member = match self.choose_routed(msg, src, dst, now) {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                return self.reply(msg, src, &Reply::service_unavailable(RETRY_AFTER_S), out);
+            }
+            // A rule's refusal, decided before anything is held or pinned: fulcrum's own
+            // final answer (a retransmission gets it again, the ACK of it is absorbed), or
+            // nothing at all.
+            Err(Target::Reject { code, reason }) => {
+                let reply = Reply {
+                    code: *code,
+                    reason,
+                    retry_after_s: None,
+                };
+                return self.reply(msg, src, &reply, out);
+            }
+            Err(_) => {
+                out.clear();
+                return Action::Drop(DropReason::Routed);
+            }
         };
         if member >= self.member_addrs.len() {
             return Action::Drop(DropReason::Unroutable);
@@ -334,12 +360,10 @@ impl SipCore {
         }
     }
 
-    /// Dialog affinity first (an established call stays on its member while it is UP or
-    /// draining OUT_OF_SERVICE), else the vserver's method. The dialog is pinned to whatever
-    /// was chosen.
-    /// The method's key of a request (`call_hash`: its Call-ID hashed, the `call_id_hash` key).
-    pub(super) fn key_of(
+    /// The key of `method` (a rule's pool may have its own) for a request.
+    pub(super) fn key_with(
         &self,
+        method: Method,
         msg: &SipMsg<'_>,
         src: SocketAddr,
         dst: SocketAddr,
@@ -350,25 +374,14 @@ impl SipCore {
             dst,
             payload: Payload::Sip(msg),
         };
-        match (self.method, call_hash) {
+        match (method, call_hash) {
             (Method::CallIdHash, Some(h)) => KeyInput::Hash(h),
-            _ => match key::extract(self.method, &self.hash_params, &ctx) {
+            _ => match key::extract(method, &self.hash_params, &ctx) {
                 KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
                 KeyOutcome::NoKey => KeyInput::NoKey,
                 KeyOutcome::Unparseable => KeyInput::Unparseable,
             },
         }
-    }
-
-    /// Whether `msg` pins its Call-ID to the member chosen for it: a request that sets up a
-    /// dialog, and a REGISTER (its refreshes reuse the Call-ID, RFC 3261 §10.2.4) unless the
-    /// method keys it by its address-of-record: `aor_hash` brings every refresh, and every
-    /// call to the AoR, to the registrar the AoR ranks first, back there too once it is usable
-    /// again after a failover; a pin would keep the refreshes on the registrar that took one
-    /// over while the calls went to the first.
-    pub(super) fn pins_call(&self, msg: &SipMsg<'_>) -> bool {
-        pins_dialog(msg)
-            && !(self.method == Method::AorHash && msg.method_kind() == SipMethod::Register)
     }
 
     pub(super) fn choose(
@@ -378,6 +391,73 @@ impl SipCore {
         dst: SocketAddr,
         now: Nanos,
     ) -> Option<usize> {
+        self.choose_routed(msg, src, dst, now).ok().flatten()
+    }
+
+    /// The pool the routing rules give `msg` (0 without rules, or where they do not apply),
+    /// or their refusal, with the rule that decided (`None`: the default) for its counters.
+    pub(super) fn pool_of(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        dst: SocketAddr,
+    ) -> (Option<usize>, Result<usize, &Target>) {
+        let Some(routes) = self.balancer.routes() else {
+            return (None, Ok(0));
+        };
+        if !self.routes_apply(msg) {
+            return (None, Ok(0));
+        }
+        let mut req = crate::route::Request::new(msg, src, dst);
+        let d = routes.decide(&mut req);
+        match d.target {
+            Target::Pool(p) => (d.rule, Ok(*p)),
+            other => (d.rule, Err(other)),
+        }
+    }
+
+    /// Whether rules route `msg`: a request other than ACK and CANCEL, and not one of a dialog
+    /// (a To tag with fulcrum's Route: it follows its dialog even when this instance does not
+    /// know it). A To tag alone does not skip the rules, so a scanner cannot pass a `drop` by
+    /// adding one.
+    fn routes_apply(&self, msg: &SipMsg<'_>) -> bool {
+        crate::route::applies_to(msg)
+            && !(msg.to_tag().is_some() && sip::routed_service(msg, &self.local).is_some())
+    }
+
+    /// Count what a rule (`None`: the default) decided.
+    fn count_route(&self, rule: Option<usize>, target: &Target) {
+        let Some(routes) = self.balancer.routes() else {
+            return;
+        };
+        let Some(c) = self
+            .balancer
+            .route_counters(rule.unwrap_or(routes.rules.len()))
+        else {
+            return;
+        };
+        if rule.is_some() {
+            c.matched.fetch_add(1, Ordering::Relaxed);
+        }
+        match target {
+            Target::Reject { .. } => c.rejected.fetch_add(1, Ordering::Relaxed),
+            Target::Drop => c.dropped.fetch_add(1, Ordering::Relaxed),
+            Target::Pool(_) => 0,
+        };
+    }
+
+    /// [`SipCore::choose`] with the routing rules' refusal: `Err` when a rule (or the
+    /// default) rejects or drops `msg`, `Ok(None)` when its pool has no member for it.
+    /// Affinity first (fulcrum's Record-Route, then the dialog table): a request of a dialog,
+    /// and an INVITE sent again with credentials after a 401/407, reach the service that has
+    /// the dialog whatever the rules say.
+    pub(super) fn choose_routed(
+        &self,
+        msg: &SipMsg<'_>,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+    ) -> Result<Option<usize>, &Target> {
         let now_ms = now / 1_000_000;
         // The scanner hands out the Call-ID without surrounding LWS, so this is also exactly the
         // call_id_hash key: hashed once, used for both.
@@ -396,13 +476,21 @@ impl SipCore {
                     let _ = self.dialogs.get(h, now_ms);
                 }
             }
-            return Some(m);
+            return Ok(Some(m));
         }
+        // A REGISTER's pin depends on its pool's method (`aor_hash` pins none), so the rules
+        // decide it before the table is asked.
+        let early = (self.balancer.routes().is_some() && msg.method_kind() == SipMethod::Register)
+            .then(|| self.pool_of(msg, src, dst));
+        let method = match &early {
+            Some((_, Ok(p))) => self.balancer.pool_method(*p),
+            _ => self.method,
+        };
         // A request that pins finds its Call-ID's entry through `get_pinning`: a new request
         // (a new CSeq) on an entry whose request was refused, an INVITE sent again with
         // credentials, makes it pending again.
         let cseq = msg.cseq().map_or(0, |c| c.seq);
-        let pinning = self.pins_call(msg) && msg.to_tag().is_none();
+        let pinning = pins_with(method, msg) && msg.to_tag().is_none();
         let pinned = call_hash.and_then(|h| {
             if pinning {
                 self.dialogs.get_pinning(h, cseq, now_ms, |c| self.tally(c))
@@ -418,10 +506,36 @@ impl SipCore {
             if ends_dialog(msg) {
                 self.end_dialog(h, now_ms);
             }
-            return Some(m as usize);
+            return Ok(Some(m as usize));
         }
-        let key = self.key_of(msg, src, dst, call_hash);
-        let choice = self.balancer.choose(key, now)?;
+        let (rule, decided) = match early {
+            Some(d) => d,
+            None => self.pool_of(msg, src, dst),
+        };
+        let pool = match decided {
+            Ok(p) => {
+                if self.balancer.routes().is_some() && self.routes_apply(msg) {
+                    self.count_route(rule, &Target::Pool(p));
+                }
+                p
+            }
+            Err(t) => {
+                self.count_route(rule, t);
+                return Err(t);
+            }
+        };
+        let method = self.balancer.pool_method(pool);
+        let key = self.key_with(method, msg, src, dst, call_hash);
+        let Some(choice) = self.balancer.choose_in(pool, key, now, &|_| false) else {
+            if let Some(routes) = self.balancer.routes()
+                && let Some(c) = self
+                    .balancer
+                    .route_counters(rule.unwrap_or(routes.rules.len()))
+            {
+                c.unavailable.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok(None);
+        };
         let member = choice.member as u32;
         // A BYE (or CANCEL) of a dialog whose member no longer takes it (DOWN) goes elsewhere,
         // and still ends the dialog: its member stops counting it now, not at the idle timeout.
@@ -431,7 +545,7 @@ impl SipCore {
             self.end_dialog(h, now_ms);
         }
         match call_hash {
-            Some(h) if self.pins_call(msg) => self.pin(h, member, cseq, now_ms),
+            Some(h) if pins_with(method, msg) => self.pin(h, member, cseq, now_ms),
             // No dialog: only its retransmissions follow it (a MESSAGE delivered twice by two
             // services would be a duplicate the user sees), uncounted. An ACK has none.
             Some(h) if msg.method_kind() != SipMethod::Ack => {
@@ -439,7 +553,7 @@ impl SipCore {
             }
             _ => {}
         }
-        Some(choice.member)
+        Ok(Some(choice.member))
     }
 
     /// A request from a service toward a client (in-dialog: BYE, re-INVITE, NOTIFY...):
@@ -622,4 +736,14 @@ impl SipCore {
             self.response(answer, true, out)
         })
     }
+}
+
+/// Whether `msg` pins its Call-ID to the member `method` chose for it: a request that sets up
+/// a dialog, and a REGISTER (its refreshes reuse the Call-ID, RFC 3261 §10.2.4) unless the
+/// method keys it by its address-of-record: `aor_hash` brings every refresh, and every call
+/// to the AoR, to the registrar the AoR ranks first, back there too once it is usable again
+/// after a failover; a pin would keep the refreshes on the registrar that took one over while
+/// the calls went to the first.
+pub(super) fn pins_with(method: Method, msg: &SipMsg<'_>) -> bool {
+    pins_dialog(msg) && !(method == Method::AorHash && msg.method_kind() == SipMethod::Register)
 }

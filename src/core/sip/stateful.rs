@@ -283,11 +283,15 @@ impl SipCore {
         avoid: &dyn Fn(usize) -> bool,
     ) -> Option<usize> {
         let call_hash = msg.call_id().map(hash::key_hash);
-        let key = self.key_of(msg, src, dst, call_hash);
-        let member = self.balancer.choose_avoiding(key, now, avoid)?.member;
+        // The pool its rule gave it (rules read only the request and the listener, so this is
+        // the first attempt's): failover never leaves it.
+        let pool = self.pool_of(msg, src, dst).1.ok()?;
+        let method = self.balancer.pool_method(pool);
+        let key = self.key_with(method, msg, src, dst, call_hash);
+        let member = self.balancer.choose_in(pool, key, now, avoid)?.member;
         let now_ms = now / 1_000_000;
         if let (Some(h), Ok(m)) = (call_hash, u32::try_from(member)) {
-            if self.pins_call(msg) {
+            if requests::pins_with(method, msg) {
                 self.pin(h, m, msg.cseq().map_or(0, |c| c.seq), now_ms);
             } else {
                 self.dialogs.linger(h, m, now_ms, |c| self.tally(c));

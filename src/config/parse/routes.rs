@@ -1,0 +1,681 @@
+//! `routes` and `default` of a SIP vserver (docs/routing.md): each rule's tests compiled into
+//! [`crate::route::Match`], its pool's services resolved by name, every problem at its line.
+//! PURE.
+
+use super::vserver::Member;
+use super::{Cx, Fields, did_you_mean, join};
+use crate::config::model::*;
+use crate::config::yaml::{Node, Value};
+use crate::route::{self, HeaderTest, HeaderValue, Hosts, Match, Pattern, Prefixes, Rule, Text};
+
+const ROUTE_FIELDS: &[&str] = &[
+    "name",
+    "match",
+    "services",
+    "method",
+    "reject",
+    "drop",
+    "normalize",
+];
+
+const MATCH_FIELDS: &[&str] = &[
+    "method",
+    "ruri_user",
+    "ruri_host",
+    "to_host",
+    "from_host",
+    "from_user",
+    "source",
+    "header",
+    "local",
+];
+
+const TEXT_FIELDS: &[&str] = &["exact", "prefix", "regex"];
+const HEADER_FIELDS: &[&str] = &["name", "present", "exact", "prefix", "regex"];
+const REJECT_FIELDS: &[&str] = &["code", "reason"];
+const DEFAULT_FIELDS: &[&str] = &["reject", "drop"];
+
+/// A rule's pool with the services it lists, as read (for the protocol checks).
+type ReadPool = (RoutePool, Vec<Member>);
+
+/// The reason phrase fulcrum gives a rejecting rule that names none (RFC 3261 §21).
+fn reason_of(code: u16) -> &'static str {
+    match code {
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        406 => "Not Acceptable",
+        408 => "Request Timeout",
+        410 => "Gone",
+        413 => "Request Entity Too Large",
+        414 => "Request-URI Too Long",
+        415 => "Unsupported Media Type",
+        416 => "Unsupported URI Scheme",
+        420 => "Bad Extension",
+        421 => "Extension Required",
+        480 => "Temporarily Unavailable",
+        481 => "Call/Transaction Does Not Exist",
+        482 => "Loop Detected",
+        483 => "Too Many Hops",
+        484 => "Address Incomplete",
+        485 => "Ambiguous",
+        486 => "Busy Here",
+        487 => "Request Terminated",
+        488 => "Not Acceptable Here",
+        491 => "Request Pending",
+        493 => "Undecipherable",
+        500 => "Server Internal Error",
+        501 => "Not Implemented",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Server Time-out",
+        505 => "Version Not Supported",
+        513 => "Message Too Large",
+        600 => "Busy Everywhere",
+        603 => "Decline",
+        604 => "Does Not Exist Anywhere",
+        606 => "Not Acceptable",
+        _ => "Rejected",
+    }
+}
+
+impl Cx {
+    /// Whether the vserver's `default` refuses (`reject` or `drop`), so its own `services`
+    /// may be empty. Read before the services are resolved; problems are reported later.
+    pub(super) fn default_refuses(f: &Fields) -> bool {
+        f.get("default")
+            .is_some_and(|n| matches!(&n.value, Value::Map(e) if !e.is_empty()))
+    }
+
+    /// `routes` and `default`: `Some((None, []))` when neither is given; `None` when one is bad
+    /// (reported).
+    pub(super) fn routes(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+    ) -> Option<(Option<route::Routes>, Vec<RoutePool>)> {
+        let read = self.routes_read(f, path, protocol, services, services_declared)?;
+        let mut ok = true;
+        for (_, members) in &read.1 {
+            ok &= self.members_fit(protocol, services, members);
+        }
+        let pools = read.1.into_iter().map(|(p, _)| p).collect();
+        ok.then_some((read.0, pools))
+    }
+
+    fn routes_read(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+    ) -> Option<(Option<route::Routes>, Vec<ReadPool>)> {
+        let (list, default) = (f.get("routes"), f.get("default"));
+        if list.is_none() && default.is_none() {
+            return Some((None, Vec::new()));
+        }
+        if let Some(p) = protocol
+            && !p.is_sip()
+        {
+            let (n, name) = match list {
+                Some(n) => (n, "routes"),
+                None => (default?, "default"),
+            };
+            self.problem(
+                n.pos,
+                &join(path, name),
+                format!(
+                    "routing rules apply to SIP vservers only, not {} (docs/routing.md)",
+                    p.name()
+                ),
+            );
+            return None;
+        }
+        let mut ok = true;
+        let mut rules: Vec<Rule> = Vec::new();
+        let mut pools: Vec<ReadPool> = Vec::new();
+        let rp = join(path, "routes");
+        let items = list.map_or(&[][..], |n| self.seq(n, &rp));
+        let mut unconditional: Option<String> = None;
+        for (i, item) in items.iter().enumerate() {
+            let at = format!("{rp}[{i}]");
+            let Some(r) = self.rule(item, &at, services, services_declared, pools.len() + 1) else {
+                ok = false;
+                continue;
+            };
+            if rules.iter().any(|o| o.name == r.0.name) {
+                self.problem(
+                    item.pos,
+                    &join(&at, "name"),
+                    format!("route `{}` is named twice", r.0.name),
+                );
+                ok = false;
+            }
+            if let Some(u) = &unconditional {
+                self.warning(
+                    item.pos,
+                    &at,
+                    format!(
+                        "route `{}` can never match: route `{u}` before it matches every request",
+                        r.0.name
+                    ),
+                );
+            } else if r.0.test.is_unconditional() {
+                unconditional = Some(r.0.name.clone());
+            }
+            if let Some(p) = r.1 {
+                pools.push(p);
+            }
+            rules.push(r.0);
+        }
+        let dp = join(path, "default");
+        let default = match default {
+            None => Some(route::Target::Pool(0)),
+            Some(n) if matches!(&n.value, Value::Str(s) if s == "pool") => {
+                Some(route::Target::Pool(0))
+            }
+            Some(n) => self.refusal(n, &dp, DEFAULT_FIELDS),
+        };
+        let routes = route::Routes {
+            rules,
+            default: default?,
+        };
+        ok.then_some((Some(routes), pools))
+    }
+
+    /// One rule and, when it has one, its pool (number `pool`).
+    fn rule(
+        &mut self,
+        node: &Node,
+        path: &str,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+        pool: usize,
+    ) -> Option<(Rule, Option<ReadPool>)> {
+        let f = self.fields(node, path, ROUTE_FIELDS)?;
+        let name = self
+            .required(&f, path, "name")
+            .and_then(|n| self.string(n, &join(path, "name")));
+        let normalize = self.bool_field(&f, path, "normalize", false);
+        let test = match self.required(&f, path, "match") {
+            Some(n) => self.test(n, &join(path, "match"), normalize.unwrap_or(false)),
+            None => None,
+        };
+        let given: Vec<&str> = ["services", "reject", "drop"]
+            .into_iter()
+            .filter(|k| f.get(k).is_some())
+            .collect();
+        if given.len() != 1 {
+            self.problem(
+                node.pos,
+                path,
+                "give exactly one of `services` (a pool), `reject` or `drop: true`",
+            );
+            return None;
+        }
+        let method = match f.get("method") {
+            Some(n) if given[0] != "services" => {
+                self.problem(
+                    n.pos,
+                    &join(path, "method"),
+                    "`method` chooses within a pool: give it with `services` only",
+                );
+                None
+            }
+            Some(n) => self
+                .choice(n, &join(path, "method"), &Method::ALL)
+                .map(Some),
+            None => Some(None),
+        };
+        let (target, members) = match given[0] {
+            "services" => {
+                let members = self.pool_members(&f, path, services, services_declared)?;
+                (route::Target::Pool(pool), Some(members))
+            }
+            "reject" => {
+                let n = f.get("reject")?;
+                (self.reject(n, &join(path, "reject"))?, None)
+            }
+            _ => {
+                let n = f.get("drop")?;
+                if n.value != Value::Bool(true) {
+                    self.problem(n.pos, &join(path, "drop"), "write `drop: true`");
+                    return None;
+                }
+                (route::Target::Drop, None)
+            }
+        };
+        let name = name?;
+        let pool = members.map(|m| {
+            let p = RoutePool {
+                route: name.clone(),
+                services: m.iter().map(|m| m.index).collect(),
+                method: method.flatten(),
+            };
+            (p, m)
+        });
+        let method = method?;
+        if let (Some(m), Some(n)) = (method, f.get("method"))
+            && matches!(m, Method::UrlHash | Method::DomainHash)
+        {
+            self.problem(
+                n.pos,
+                &join(path, "method"),
+                format!("{} reads an HTTP request, not a SIP one", m.name()),
+            );
+            return None;
+        }
+        Some((
+            Rule {
+                name,
+                test: test?,
+                target,
+            },
+            pool,
+        ))
+    }
+
+    /// A rule pool's `services`, each declared once; at least one.
+    fn pool_members(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+    ) -> Option<Vec<Member>> {
+        let list = f.get("services")?;
+        let sp = join(path, "services");
+        let items = self.seq(list, &sp);
+        if items.is_empty() {
+            self.problem(list.pos, &sp, "a route's pool needs at least one service");
+            return None;
+        }
+        let mut out: Vec<Member> = Vec::new();
+        let mut ok = true;
+        for (i, item) in items.iter().enumerate() {
+            let ip = format!("{sp}[{i}]");
+            let Some(sname) = self.string(item, &ip) else {
+                ok = false;
+                continue;
+            };
+            match services.iter().position(|(n, _)| *n == sname) {
+                None if services_declared.contains(&sname) => ok = false,
+                None => {
+                    let hint = did_you_mean(&sname, services_declared.iter().map(String::as_str));
+                    self.problem(item.pos, &ip, format!("unknown service `{sname}`{hint}"));
+                    ok = false;
+                }
+                Some(idx) if out.iter().any(|m| m.index == idx) => {
+                    self.problem(item.pos, &ip, format!("service `{sname}` is listed twice"));
+                    ok = false;
+                }
+                Some(index) => out.push(Member {
+                    index,
+                    pos: item.pos,
+                    path: ip,
+                }),
+            }
+        }
+        ok.then_some(out)
+    }
+
+    /// `reject: { code, reason }`.
+    fn reject(&mut self, node: &Node, path: &str) -> Option<route::Target> {
+        let f = self.fields(node, path, REJECT_FIELDS)?;
+        let code = self
+            .required(&f, path, "code")
+            .and_then(|n| self.int_in(n, &join(path, "code"), 400, 699))?;
+        let code = u16::try_from(code).ok()?;
+        let reason = match f.get("reason") {
+            None => reason_of(code).to_owned(),
+            Some(n) => {
+                let r = self.string(n, &join(path, "reason"))?;
+                if r.bytes().any(|c| c == b'\r' || c == b'\n') {
+                    self.problem(n.pos, &join(path, "reason"), "a reason phrase is one line");
+                    return None;
+                }
+                r
+            }
+        };
+        Some(route::Target::Reject { code, reason })
+    }
+
+    /// `default: { reject: {...} }` or `{ drop: true }`.
+    fn refusal(&mut self, node: &Node, path: &str, allowed: &[&str]) -> Option<route::Target> {
+        if let Value::Str(s) = &node.value {
+            self.problem(
+                node.pos,
+                path,
+                format!("expected `pool`, `{{ reject: {{ code, reason }} }}` or `{{ drop: true }}`, found `{s}`"),
+            );
+            return None;
+        }
+        let f = self.fields(node, path, allowed)?;
+        match (f.get("reject"), f.get("drop")) {
+            (Some(n), None) => self.reject(n, &join(path, "reject")),
+            (None, Some(n)) if n.value == Value::Bool(true) => Some(route::Target::Drop),
+            _ => {
+                self.problem(
+                    node.pos,
+                    path,
+                    "give exactly one of `reject: { code, reason }` or `drop: true`",
+                );
+                None
+            }
+        }
+    }
+
+    /// A rule's `match`: every key compiled; a key given a list matches any of its items.
+    fn test(&mut self, node: &Node, path: &str, normalize: bool) -> Option<Match> {
+        let f = self.fields(node, path, MATCH_FIELDS)?;
+        let mut ok = true;
+        let mut m = Match {
+            normalize,
+            ..Match::default()
+        };
+        if let Some(n) = f.get("method") {
+            let p = join(path, "method");
+            let names = self.strings(n, &p);
+            match names {
+                Some(v) if v.iter().all(|s| is_token(s)) => {
+                    m.methods = Some(v.into_iter().map(String::into_bytes).collect());
+                }
+                Some(_) => {
+                    self.problem(
+                        n.pos,
+                        &p,
+                        "a SIP method is a token such as INVITE (RFC 3261 §25.1)",
+                    );
+                    ok = false;
+                }
+                None => ok = false,
+            }
+        }
+        if let Some(n) = f.get("ruri_user") {
+            match self.text(n, &join(path, "ruri_user"), normalize) {
+                Some(t) => m.ruri_user = Some(t),
+                None => ok = false,
+            }
+        }
+        for (key, slot) in [
+            ("ruri_host", &mut m.ruri_host),
+            ("to_host", &mut m.to_host),
+            ("from_host", &mut m.from_host),
+        ] {
+            if let Some(n) = f.get(key) {
+                match self.hosts(n, &join(path, key)) {
+                    Some(h) => *slot = Some(h),
+                    None => ok = false,
+                }
+            }
+        }
+        if let Some(n) = f.get("from_user") {
+            let p = join(path, "from_user");
+            let fields = match &n.value {
+                Value::Map(_) => self.fields(n, &p, &["prefix"]),
+                _ => None,
+            };
+            let list = match fields {
+                Some(ff) => ff
+                    .get("prefix")
+                    .and_then(|x| self.strings(x, &join(&p, "prefix"))),
+                None if matches!(&n.value, Value::Map(_)) => None,
+                None => self.strings(n, &p),
+            };
+            match list {
+                Some(v) => m.from_user = Some(Prefixes::new(v.iter().map(|s| s.as_bytes()))),
+                None => ok = false,
+            }
+        }
+        if let Some(n) = f.get("source") {
+            let p = join(path, "source");
+            let mut cidrs = Vec::new();
+            for (i, s) in self.strings_at(n, &p).into_iter().enumerate() {
+                match s {
+                    Some((text, pos)) => match crate::acl::Cidr::parse(&text) {
+                        Ok(c) => cidrs.push(c),
+                        Err(e) => {
+                            self.problem(pos, &format!("{p}[{i}]"), e.to_string());
+                            ok = false;
+                        }
+                    },
+                    None => ok = false,
+                }
+            }
+            m.source = Some(cidrs);
+        }
+        if let Some(n) = f.get("local") {
+            let p = join(path, "local");
+            let mut locals = Vec::new();
+            for (i, s) in self.strings_at(n, &p).into_iter().enumerate() {
+                let Some((text, pos)) = s else {
+                    ok = false;
+                    continue;
+                };
+                let t = text.trim();
+                let l = match (
+                    t.parse::<std::net::IpAddr>(),
+                    t.parse::<std::net::SocketAddr>(),
+                ) {
+                    (Ok(ip), _) => Some(route::Local { ip, port: None }),
+                    (_, Ok(a)) => Some(route::Local {
+                        ip: a.ip(),
+                        port: Some(a.port()),
+                    }),
+                    _ => None,
+                };
+                match l {
+                    Some(l) => locals.push(l),
+                    None => {
+                        self.problem(
+                            pos,
+                            &format!("{p}[{i}]"),
+                            format!("`{t}` is not IP or IP:PORT (IPv6 as [ADDR]:PORT)"),
+                        );
+                        ok = false;
+                    }
+                }
+            }
+            m.local = Some(locals);
+        }
+        if let Some(n) = f.get("header") {
+            let p = join(path, "header");
+            let items: Vec<(&Node, String)> = match &n.value {
+                Value::Seq(items) => items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| (x, format!("{p}[{i}]")))
+                    .collect(),
+                _ => vec![(n, p.clone())],
+            };
+            for (x, at) in items {
+                match self.header_test(x, &at) {
+                    Some(h) => m.headers.push(h),
+                    None => ok = false,
+                }
+            }
+        }
+        ok.then_some(m)
+    }
+
+    /// One `header` test: `name` and one of `present`, `exact`, `prefix`, `regex`.
+    fn header_test(&mut self, node: &Node, path: &str) -> Option<HeaderTest> {
+        let f = self.fields(node, path, HEADER_FIELDS)?;
+        let name = self
+            .required(&f, path, "name")
+            .and_then(|n| self.string(n, &join(path, "name")))?;
+        if !is_token(&name) {
+            self.problem(
+                node.pos,
+                &join(path, "name"),
+                format!("`{name}` is not a header name"),
+            );
+            return None;
+        }
+        let kinds: Vec<&str> = ["present", "exact", "prefix", "regex"]
+            .into_iter()
+            .filter(|k| f.get(k).is_some())
+            .collect();
+        let test = match kinds.as_slice() {
+            ["present"] => HeaderValue::Present(self.bool_field(&f, path, "present", true)?),
+            [_, ..] if !kinds.contains(&"present") => {
+                HeaderValue::Text(self.text_fields(&f, path, false)?)
+            }
+            _ => {
+                self.problem(
+                    node.pos,
+                    path,
+                    "give `present`, or any of `exact`, `prefix`, `regex`",
+                );
+                return None;
+            }
+        };
+        Some(HeaderTest {
+            alias: route::alias_of(&name),
+            name,
+            test,
+        })
+    }
+
+    /// A text test: a string or list (exact values), or a map of `exact`, `prefix`, `regex`.
+    fn text(&mut self, node: &Node, path: &str, normalize: bool) -> Option<Text> {
+        match &node.value {
+            Value::Map(_) => {
+                let f = self.fields(node, path, TEXT_FIELDS)?;
+                if f.entries.is_empty() {
+                    self.problem(node.pos, path, "give any of `exact`, `prefix`, `regex`");
+                    return None;
+                }
+                self.text_fields(&f, path, normalize)
+            }
+            _ => {
+                let v = self.strings(node, path)?;
+                Some(Text {
+                    exact: v.into_iter().map(|s| norm(&s, normalize)).collect(),
+                    ..Text::default()
+                })
+            }
+        }
+    }
+
+    fn text_fields(&mut self, f: &Fields, path: &str, normalize: bool) -> Option<Text> {
+        let mut t = Text::default();
+        let mut ok = true;
+        if let Some(n) = f.get("exact") {
+            match self.strings(n, &join(path, "exact")) {
+                Some(v) => t.exact = v.iter().map(|s| norm(s, normalize)).collect(),
+                None => ok = false,
+            }
+        }
+        if let Some(n) = f.get("prefix") {
+            match self.strings(n, &join(path, "prefix")) {
+                Some(v) => {
+                    let v: Vec<Vec<u8>> = v.iter().map(|s| norm(s, normalize)).collect();
+                    t.prefix = Some(Prefixes::new(v.iter().map(Vec::as_slice)));
+                }
+                None => ok = false,
+            }
+        }
+        if let Some(n) = f.get("regex") {
+            let p = join(path, "regex");
+            for (i, s) in self.strings_at(n, &p).into_iter().enumerate() {
+                let Some((src, pos)) = s else {
+                    ok = false;
+                    continue;
+                };
+                match Pattern::new(&src) {
+                    Ok(re) => t.regex.push(re),
+                    Err(e) => {
+                        let at = if matches!(n.value, Value::Seq(_)) {
+                            format!("{p}[{i}]")
+                        } else {
+                            p.clone()
+                        };
+                        self.problem(pos, &at, format!("bad regex: {e}"));
+                        ok = false;
+                    }
+                }
+            }
+        }
+        ok.then_some(t)
+    }
+
+    /// Host names: a string or list, each a host or `*.suffix`.
+    fn hosts(&mut self, node: &Node, path: &str) -> Option<Hosts> {
+        let mut h = Hosts::default();
+        let mut ok = true;
+        for (i, s) in self.strings_at(node, path).into_iter().enumerate() {
+            let Some((name, pos)) = s else {
+                ok = false;
+                continue;
+            };
+            if !h.add(&name) {
+                self.problem(
+                    pos,
+                    &format!("{path}[{i}]"),
+                    format!("`{name}` is not a host name or `*.suffix`"),
+                );
+                ok = false;
+            }
+        }
+        ok.then_some(h)
+    }
+
+    /// A string or a list of strings.
+    fn strings(&mut self, node: &Node, path: &str) -> Option<Vec<String>> {
+        self.strings_at(node, path)
+            .into_iter()
+            .map(|s| s.map(|(s, _)| s))
+            .collect()
+    }
+
+    /// A string or a list of strings, each with its position (`None` where one is bad,
+    /// reported).
+    fn strings_at(
+        &mut self,
+        node: &Node,
+        path: &str,
+    ) -> Vec<Option<(String, crate::config::yaml::Pos)>> {
+        match &node.value {
+            Value::Seq(items) if items.is_empty() => {
+                self.problem(node.pos, path, "must not be an empty list");
+                vec![None]
+            }
+            Value::Seq(items) => items
+                .iter()
+                .enumerate()
+                .map(|(i, x)| self.string(x, &format!("{path}[{i}]")).map(|s| (s, x.pos)))
+                .collect(),
+            _ => vec![self.string(node, path).map(|s| (s, node.pos))],
+        }
+    }
+}
+
+/// A configured number (`normalize: true`) or text, as bytes.
+fn norm(s: &str, normalize: bool) -> Vec<u8> {
+    if normalize {
+        let mut out = Vec::new();
+        route::normalize_number(s.as_bytes(), &mut out);
+        out
+    } else {
+        s.as_bytes().to_vec()
+    }
+}
+
+/// An RFC 3261 §25.1 token (method and header names).
+fn is_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes().all(|c| {
+            c.is_ascii_alphanumeric()
+                || matches!(
+                    c,
+                    b'-' | b'.' | b'!' | b'%' | b'*' | b'_' | b'+' | b'`' | b'\'' | b'~'
+                )
+        })
+}
