@@ -809,6 +809,10 @@ enum Loss {
     /// SIGTERM: `/readyz` turns 503 at once, the health check withdraws the route, and the
     /// instance answers until the end of its drain.
     Drain,
+    /// A planned stop in the order docs/deployment.md gives: the health check stopped first
+    /// (SIGTERM: it withdraws the route on its way out), fulcrum sent SIGTERM once the router has
+    /// dropped the node. No call is refused: fulcrum takes new calls until no flow reaches it.
+    PlannedStop,
     /// The node falls silent, its link up (every packet in and out dropped by nftables, then
     /// every process killed): the router ends the session when the hold time runs out.
     Silent,
@@ -824,7 +828,10 @@ enum Loss {
 /// placed once the route has changed, succeed through b. Calls placed in between are
 /// reported. The withdrawal time is printed.
 fn node_loss(name: &str, slot: u32, loss: Loss, limit: Duration) {
-    let drain = if loss == Loss::Drain { "8s" } else { "1s" };
+    let drain = match loss {
+        Loss::Drain | Loss::PlannedStop => "8s",
+        _ => "1s",
+    };
     let Some(mut lab) = lab_or_skip(name, slot, drain) else {
         return;
     };
@@ -880,6 +887,13 @@ fn node_loss(name: &str, slot: u32, loss: Loss, limit: Duration) {
             let pid = lab.child("fulcrum-a").map(|c| c.id()).expect("fulcrum a");
             run("kill", &["-TERM", &pid.to_string()]).expect("SIGTERM");
         }
+        Loss::PlannedStop => {
+            let pid = lab
+                .child("health-a")
+                .map(|c| c.id())
+                .expect("health check a");
+            run("kill", &["-TERM", &pid.to_string()]).expect("SIGTERM");
+        }
         Loss::Silent => {
             let mut nft = Command::new("ip")
                 .args(["netns", "exec", &lab.ns("a"), "nft", "-f", "-"])
@@ -911,6 +925,10 @@ fn node_loss(name: &str, slot: u32, loss: Loss, limit: Duration) {
     let withdrawn = lab
         .wait_hops(&["b"], Duration::from_secs(10))
         .unwrap_or_else(|e| panic!("{e}\n{}", lab.logs()));
+    if loss == Loss::PlannedStop {
+        let pid = lab.child("fulcrum-a").map(|c| c.id()).expect("fulcrum a");
+        run("kill", &["-TERM", &pid.to_string()]).expect("SIGTERM");
+    }
     let still_live = lab.admin("a", "healthz");
     let still_running = lab
         .child("fulcrum-a")
@@ -926,7 +944,7 @@ fn node_loss(name: &str, slot: u32, loss: Loss, limit: Duration) {
         "{:14} flow to a, placed from the failure on: {} calls, {} successful, {} failed",
         window.0, window.2, window.3, window.4
     );
-    let exited = (loss == Loss::Drain).then(|| {
+    let exited = matches!(loss, Loss::Drain | Loss::PlannedStop).then(|| {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let done = lab
@@ -954,6 +972,20 @@ fn node_loss(name: &str, slot: u32, loss: Loss, limit: Duration) {
         lab.logs()
     );
     match loss {
+        Loss::PlannedStop => {
+            assert!(
+                lab.log("health-a")
+                    .contains("stopped: fulcrum_vip withdrawn"),
+                "the health check did not withdraw on its way out:\n{}",
+                lab.log("health-a")
+            );
+            assert_eq!(
+                (window.3, window.4),
+                (u64::from(window.2), 0),
+                "{}: calls refused or lost in a planned stop",
+                window.0
+            );
+        }
         Loss::Fulcrum | Loss::Drain => assert!(
             lab.log("health-a")
                 .contains("withdrawing (fulcrum_vip disabled)"),
@@ -1008,6 +1040,21 @@ fn bgp_draining_fulcrum_is_withdrawn_before_it_stops_answering() {
         1,
         Loss::Drain,
         Duration::from_secs(INTERVAL_S * FALL + 1),
+    );
+}
+
+/// A planned stop of node a: its health check stopped first withdraws the route at once (within
+/// 1 s), then fulcrum drains; no call placed meanwhile fails.
+#[test]
+fn bgp_planned_stop_withdraws_first_and_refuses_no_call() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    node_loss(
+        "bgp_planned_stop_withdraws_first_and_refuses_no_call",
+        4,
+        Loss::PlannedStop,
+        Duration::from_secs(1),
     );
 }
 
