@@ -127,6 +127,9 @@ fn kamailio_cfg(port: u16) -> String {
     )
 }
 
+/// Prometheus series of one family for one vserver: (label value, count).
+type Series = Vec<(String, u64)>;
+
 /// Kamailio, fulcrum and the files of one run.
 struct Lab {
     _kamailio: Proc,
@@ -137,7 +140,6 @@ struct Lab {
     tls: SocketAddr,
     /// The CA that signed fulcrum's certificate, and one that did not.
     ca: PathBuf,
-    #[allow(dead_code)]
     other_ca: PathBuf,
     scratch: Scratch,
     _files: ConfigFile,
@@ -202,6 +204,27 @@ impl Lab {
             "tcp" => self.tcp,
             _ => self.tls,
         }
+    }
+
+    /// `fulcrum_sip_messages_total` of vserver `vserver`, by kind, and
+    /// `fulcrum_sip_replies_total` by code (what fulcrum answered itself).
+    fn sip_counts(&self, vserver: &str) -> (Series, Series) {
+        let text = common::tls::metrics(&self.fulcrum);
+        let series = |family: &str, label: &str| -> Series {
+            text.lines()
+                .filter(|l| l.starts_with(&format!("{family}{{")))
+                .filter(|l| l.contains(&format!("vserver=\"{vserver}\"")))
+                .filter_map(|l| {
+                    let key = l.split(&format!("{label}=\"")).nth(1)?.split('"').next()?;
+                    let n = l.rsplit(' ').next()?.parse().ok()?;
+                    Some((key.to_owned(), n))
+                })
+                .collect()
+        };
+        (
+            series("fulcrum_sip_messages_total", "kind"),
+            series("fulcrum_sip_replies_total", "code"),
+        )
     }
 
     /// A long WAV (8 kHz, 16 bit, mono; 2 minutes of a 440 Hz tone) for the phones to send:
@@ -569,8 +592,19 @@ impl Linphone {
     }
 }
 
+/// The vserver fulcrum serves `transport` with.
+fn vserver_of(transport: &str) -> &'static str {
+    match transport {
+        "udp" => "vu",
+        "tcp" => "vt",
+        _ => "vs",
+    }
+}
+
 /// Both phones registered through fulcrum over `transport`; then a call from each to the
-/// other, held and resumed from both sides, hung up by the caller and by the callee.
+/// other, held and resumed from both sides, hung up by the caller and by the callee. fulcrum
+/// added a Path to both registrations and carried the registrar's requests to each phone along
+/// its flow (the INVITEs, re-INVITEs and BYEs toward the callee), and refused nothing.
 fn calls_both_ways(lab: &Lab, transport: &str) {
     let mut alice = Baresip::start(lab, transport, &lab.ca);
     let mut bob = Linphone::start(lab, transport, &lab.ca);
@@ -653,6 +687,27 @@ fn calls_both_ways(lab: &Lab, transport: &str) {
     alice.wait_event("CALL_CLOSED", ev);
     bob.poll("calls", "No active call");
     println!("{transport}: bob -> alice: answered, held and resumed by both, ended by bob");
+
+    let (kinds, replies) = lab.sip_counts(vserver_of(transport));
+    println!("{transport}: fulcrum's SIP counts {kinds:?}; its own replies {replies:?}");
+    let kind = |k: &str| kinds.iter().find(|(n, _)| n == k).map_or(0, |(_, v)| *v);
+    assert!(
+        kind("paths_added") >= 2,
+        "{transport}: Paths added {}",
+        kind("paths_added")
+    );
+    // Toward the callee of each call: the INVITE (by its Path), then the re-INVITEs of the
+    // caller's hold and resume and the caller's BYE (by the Record-Route's token).
+    assert!(
+        kind("routed_by_flow") >= 2 * 4,
+        "{transport}: requests routed by a flow token {}",
+        kind("routed_by_flow")
+    );
+    let refused: u64 = replies.iter().map(|(_, n)| n).sum();
+    assert_eq!(
+        refused, 0,
+        "{transport}: fulcrum answered requests itself: {replies:?}"
+    );
 }
 
 #[test]
@@ -683,4 +738,47 @@ fn softphones_register_call_hold_and_hang_up_over_tls() {
     }
     let lab = Lab::start("tls");
     calls_both_ways(&lab, "tls");
+}
+
+/// Over TLS each phone is given a CA that did not sign fulcrum's certificate. linphone
+/// verifies it (`verify_server_certs`): its handshake fails and it never registers. baresip
+/// 1.0 does not (its TLS, from libre, accepts any certificate; `sip_cafile` only adds trust):
+/// it registers all the same. docs/clients.md records both.
+#[test]
+fn softphones_over_tls_with_a_foreign_ca_linphone_refuses_and_baresip_does_not_check() {
+    let name = "softphones_over_tls_with_a_foreign_ca_linphone_refuses_and_baresip_does_not_check";
+    if !phones_available(name) {
+        return;
+    }
+    let lab = Lab::start("tls-foreign");
+    let mut bob = Linphone::start(&lab, "tls", &lab.other_ca);
+    bob.send(&format!(
+        "register sip:bob@127.0.0.1 sip:localhost:{};transport=tls",
+        lab.tls.port()
+    ));
+    let deadline = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < deadline {
+        let from = bob.seen.len();
+        bob.send("status register");
+        std::thread::sleep(Duration::from_millis(300));
+        while let Ok(line) = bob.lines.try_recv() {
+            bob.seen.push(line);
+        }
+        assert!(
+            !bob.seen[from..].iter().any(|l| l.contains("registered,")),
+            "linphone registered over TLS though fulcrum's certificate is not from its CA"
+        );
+    }
+    let log =
+        std::fs::read_to_string(lab.scratch.path("linphone-tls/linphone.log")).unwrap_or_default();
+    let refusal = log
+        .lines()
+        .find(|l| l.contains("SSL handshake failed"))
+        .unwrap_or_else(|| panic!("linphone logged no failed handshake:\n{log}"));
+    println!("linphone, CA not fulcrum's: {}", refusal.trim());
+    drop(bob);
+
+    let mut alice = Baresip::start(&lab, "tls", &lab.other_ca);
+    alice.wait_registered();
+    println!("baresip, CA not fulcrum's: registered over TLS all the same (no verification)");
 }
