@@ -300,6 +300,7 @@ struct Lab {
     uas_stdin: Option<std::process::ChildStdin>,
     scratch: Scratch,
     counts: PathBuf,
+    bird: PathBuf,
     birdc: PathBuf,
 }
 
@@ -350,6 +351,7 @@ impl Lab {
             names: Vec::new(),
             children: Vec::new(),
             uas_stdin: None,
+            bird: bird.to_owned(),
             birdc: birdc.to_owned(),
         };
         lab.counts = lab.scratch.path("uas-counts.txt");
@@ -1085,5 +1087,44 @@ fn bgp_cut_link_is_withdrawn_at_once() {
         3,
         Loss::LinkCut,
         Duration::from_secs(1),
+    );
+}
+
+/// bird on node a restarted (SIGKILL, then started again from the same file, which starts the
+/// VIP's protocol disabled): the router drops a's route when the session goes, and the health
+/// check, which states its decision every round, announces it again once bird is back.
+#[test]
+fn bgp_restarted_bird_is_put_right_by_the_health_check() {
+    if std::env::var(ROLE).is_ok() {
+        return;
+    }
+    let name = "bgp_restarted_bird_is_put_right_by_the_health_check";
+    let Some(mut lab) = lab_or_skip(name, 5, "1s") else {
+        return;
+    };
+    lab.kill("bird-a");
+    let gone = lab
+        .wait_hops(&["b"], Duration::from_secs(HOLD_TIME_S + 1))
+        .unwrap_or_else(|e| panic!("{e}\n{}", lab.logs()));
+    let (bird, conf) = (lab.bird.clone(), lab.scratch.path("bird-a.conf"));
+    lab.children.retain(|(n, _)| n != "bird-a");
+    lab.start_bird("a", &bird, &conf).expect("bird a again");
+    // The session comes up (connect retry 1 s), then the next round of the check (1 s)
+    // enables the protocol.
+    let back = lab
+        .wait_hops(&["a", "b"], Duration::from_secs(10))
+        .unwrap_or_else(|e| panic!("{e}\n{}", lab.logs()));
+    println!(
+        "bird on a killed: its route gone {} ms later; bird started again: the route back {} ms after the start",
+        gone.as_millis(),
+        back.as_millis()
+    );
+    assert!(
+        lab.log("bird-a")
+            .matches("Enabling protocol fulcrum_vip")
+            .count()
+            >= 2,
+        "the health check did not enable the protocol again:\n{}",
+        lab.log("bird-a")
     );
 }
