@@ -858,7 +858,10 @@ fn node_loss(name: &str, slot: u32, loss: Loss, limit: Duration) {
         .into_iter()
         .map(Uac::finish)
         .collect();
-    let carried = [lab.requests("a") - before[0], lab.requests("b") - before[1]];
+    let carried = [
+        lab.requests("a").saturating_sub(before[0]),
+        lab.requests("b").saturating_sub(before[1]),
+    ];
     println!(
         "route to {VIP}: next hops {:?}; requests sent to services by a: {}, by b: {}",
         lab.hops(),
