@@ -817,15 +817,30 @@ impl Ops {
 }
 
 /// What readiness needs of a running vserver: usable services are UP ones (neither DOWN nor
-/// out of service).
+/// out of service). With routing rules, those of the default's pool; with a default that
+/// refuses, those of any rule's pool (docs/routing.md).
 fn vserver_facts(v: &VserverHandle) -> VserverFacts {
     let b = v.balancer();
+    let up = |m: &usize| b.health(*m) == Some(Health::Up) && !b.is_draining(*m);
+    let usable_services = match b.routes().map(|r| (&r.default, &r.rules)) {
+        None => (0..b.members().len()).filter(up).count(),
+        Some((crate::route::Target::Pool(p), _)) => {
+            b.pool_members(*p).into_iter().filter(up).count()
+        }
+        Some((_, rules)) => rules
+            .iter()
+            .filter_map(|r| match r.target {
+                crate::route::Target::Pool(p) => Some(p),
+                _ => None,
+            })
+            .flat_map(|p| b.pool_members(p))
+            .filter(up)
+            .count(),
+    };
     VserverFacts {
         name: v.name.clone(),
         is_bound: !v.bound.is_empty(),
-        usable_services: (0..b.members().len())
-            .filter(|&m| b.health(m) == Some(Health::Up) && !b.is_draining(m))
-            .count(),
+        usable_services,
     }
 }
 

@@ -149,6 +149,11 @@ pub(crate) fn render(ops: &Ops) -> String {
         dns_stale.add(&[("service", service)], u8::from(p.is_stale()));
     }
     let (capture_packets, capture_connected) = capture_families(ops);
+    let mut routes = Family::new(
+        "fulcrum_route_requests_total",
+        "counter",
+        "Requests each routing rule of a SIP vserver decided (route=\"default\": what no rule matched), by result: matched (the rule held), rejected (its reject answered), dropped, unavailable (its pool had no usable service: 503) (docs/routing.md).",
+    );
     let mut edge = EdgeFamilies::new();
     let mut tls = TlsFamilies::new();
     let health = ops.health();
@@ -156,6 +161,7 @@ pub(crate) fn render(ops: &Ops) -> String {
         for v in vs {
             services.add(v, now);
             add_selections(&mut paths, v);
+            add_routes(&mut routes, v);
             if let Some(core) = v.data.sip_core() {
                 sip.add(&v.name, core);
             }
@@ -175,7 +181,7 @@ pub(crate) fn render(ops: &Ops) -> String {
     }
     let mut out = String::new();
     let families = (services.families().into_iter())
-        .chain([&paths])
+        .chain([&paths, &routes])
         .chain(sip.families())
         .chain(edge.families())
         .chain(tls.families())
@@ -347,6 +353,39 @@ impl ServiceFamilies {
             &self.ejected,
             &self.refused,
         ]
+    }
+}
+
+/// What each routing rule of vserver `v` decided, and its default.
+fn add_routes(family: &mut Family, v: &VserverHandle) {
+    let b = v.balancer();
+    let Some(routes) = b.routes() else {
+        return;
+    };
+    let names = routes
+        .rules
+        .iter()
+        .map(|r| r.name.as_str())
+        .chain(["default"]);
+    for (i, name) in names.enumerate() {
+        let Some(c) = b.route_counters(i) else {
+            continue;
+        };
+        for (result, n) in [
+            ("matched", &c.matched),
+            ("rejected", &c.rejected),
+            ("dropped", &c.dropped),
+            ("unavailable", &c.unavailable),
+        ] {
+            family.add(
+                &[
+                    ("vserver", v.name.as_str()),
+                    ("route", name),
+                    ("result", result),
+                ],
+                load(n),
+            );
+        }
     }
 }
 
@@ -731,6 +770,9 @@ vservers:
     method: round_robin
     slow_start: { new_service_request_rate: 7, unit: per_second, increment_interval: 0s }
     services: [m1, s2]
+    routes:
+      - { name: reg, match: { method: REGISTER }, services: [s2] }
+      - { name: scan, match: { header: { name: User-Agent, present: true } }, drop: true }
   - { name: vk, protocol: sip-tcp, bind: [127.0.0.1:0], method: round_robin, services: [k1] }
 ";
 
@@ -813,6 +855,12 @@ vservers:
                 if matches!(v.name.as_str(), "vu" | "vt") {
                     for _ in 0..3 {
                         b.report_failure_with(0, Failure::new(Cause::Refused), now);
+                    }
+                }
+                for i in 0..3 {
+                    if let Some(r) = b.route_counters(i) {
+                        let c = [&r.matched, &r.rejected, &r.dropped, &r.unavailable];
+                        store(&c, base + 170 + 10 * i as u64);
                     }
                 }
                 if let Some(core) = v.data.sip_core() {

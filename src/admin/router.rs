@@ -531,6 +531,7 @@ pub fn status(ops: &Ops) -> Value {
                             "refused": g.refusals().iter().map(|(r, n)| (r.name().to_owned(), json!(n))).collect::<serde_json::Map<_, _>>(),
                         })),
                         "packet": packet_status(v),
+                        "routes": routes_status(b),
                         "eject": b.eject_params().map(|p| json!({
                             "after": p.after,
                             "base_s": p.base_ns as f64 / 1e9,
@@ -557,6 +558,53 @@ pub fn status(ops: &Ops) -> Value {
         "dns": dns_status(ops),
         "capture": capture_status(ops),
     })
+}
+
+/// `/status` `routes` of a SIP vserver with routing rules (docs/routing.md): each rule in
+/// order, then the default, with what it does (its pool's services and method, or its
+/// refusal) and what it decided; `null` without rules.
+fn routes_status(b: &crate::balancer::Balancer) -> Option<Value> {
+    use crate::route::Target;
+    use std::sync::atomic::Ordering::Relaxed;
+    let routes = b.routes()?;
+    let entry = |i: usize, name: &str, target: &Target| {
+        let c = b.route_counters(i);
+        let n = |f: fn(&crate::balancer::RouteCounters) -> &std::sync::atomic::AtomicU64| {
+            c.map_or(0, |c| f(c).load(Relaxed))
+        };
+        let mut e = json!({
+            "name": name,
+            "matched": n(|c| &c.matched),
+            "rejected": n(|c| &c.rejected),
+            "dropped": n(|c| &c.dropped),
+            "unavailable": n(|c| &c.unavailable),
+        });
+        let what = match target {
+            Target::Pool(p) => json!({
+                "action": "pool",
+                "method": b.pool_method(*p).name(),
+                "services": b.pool_members(*p).iter().filter_map(|&m| b.members().get(m)).map(|m| m.name.clone()).collect::<Vec<_>>(),
+            }),
+            Target::Reject { code, reason } => {
+                json!({ "action": "reject", "code": code, "reason": reason })
+            }
+            Target::Drop => json!({ "action": "drop" }),
+        };
+        if let (Some(e), Value::Object(w)) = (e.as_object_mut(), what) {
+            e.extend(w);
+        }
+        e
+    };
+    let rules: Vec<Value> = routes
+        .rules
+        .iter()
+        .enumerate()
+        .map(|(i, r)| entry(i, &r.name, &r.target))
+        .collect();
+    Some(json!({
+        "rules": rules,
+        "default": entry(routes.rules.len(), "default", &routes.default),
+    }))
 }
 
 /// `/status` of a packet vserver (docs/firewall.md): its interfaces, each firewall leg's

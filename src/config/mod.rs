@@ -418,7 +418,7 @@ pub fn summary(cfg: &Config) -> Vec<String> {
                 ),
                 _ => String::new(),
             };
-            format!(
+            let mut line = format!(
                 "vserver {}: {} on {}, {}{}{}, {} service(s): {}",
                 v.name,
                 v.protocol.name(),
@@ -428,7 +428,35 @@ pub fn summary(cfg: &Config) -> Vec<String> {
                 slow,
                 services.len(),
                 services.join(", ")
-            )
+            );
+            if let Some(r) = &v.routes {
+                let names = |p: &RoutePool| -> Vec<&str> {
+                    p.services
+                        .iter()
+                        .filter_map(|&i| cfg.services.get(i).map(|s| s.name.as_str()))
+                        .collect()
+                };
+                let what = |t: &crate::route::Target| match t {
+                    crate::route::Target::Pool(0) => "the vserver's services".to_owned(),
+                    crate::route::Target::Pool(k) => v
+                        .route_pools
+                        .get(k - 1)
+                        .map_or_else(String::new, |p| names(p).join(", ")),
+                    crate::route::Target::Reject { code, reason } => {
+                        format!("reject {code} {reason}")
+                    }
+                    crate::route::Target::Drop => "drop".to_owned(),
+                };
+                for rule in &r.rules {
+                    line.push_str(&format!(
+                        "\n    route {}: {}",
+                        rule.name,
+                        what(&rule.target)
+                    ));
+                }
+                line.push_str(&format!("\n    default: {}", what(&r.default)));
+            }
+            line
         })
         .collect()
 }

@@ -99,13 +99,13 @@ impl Cx {
         services: &[(&str, &Service)],
         services_declared: &[String],
     ) -> Option<(Option<route::Routes>, Vec<RoutePool>)> {
-        let read = self.routes_read(f, path, protocol, services, services_declared)?;
-        let mut ok = true;
-        for (_, members) in &read.1 {
+        let (read, pools) = self.routes_read(f, path, protocol, services, services_declared)?;
+        let mut ok = read.is_some();
+        for (_, members) in &pools {
             ok &= self.members_fit(protocol, services, members);
         }
-        let pools = read.1.into_iter().map(|(p, _)| p).collect();
-        ok.then_some((read.0, pools))
+        let pools = pools.into_iter().map(|(p, _)| p).collect();
+        ok.then_some((read?, pools))
     }
 
     fn routes_read(
@@ -115,10 +115,10 @@ impl Cx {
         protocol: Option<Protocol>,
         services: &[(&str, &Service)],
         services_declared: &[String],
-    ) -> Option<(Option<route::Routes>, Vec<ReadPool>)> {
+    ) -> Option<(Option<Option<route::Routes>>, Vec<ReadPool>)> {
         let (list, default) = (f.get("routes"), f.get("default"));
         if list.is_none() && default.is_none() {
-            return Some((None, Vec::new()));
+            return Some((Some(None), Vec::new()));
         }
         if let Some(p) = protocol
             && !p.is_sip()
@@ -143,20 +143,26 @@ impl Cx {
         let rp = join(path, "routes");
         let items = list.map_or(&[][..], |n| self.seq(n, &rp));
         let mut unconditional: Option<String> = None;
+        let mut names: Vec<(String, u32)> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let at = format!("{rp}[{i}]");
+            if let Some((name, pos)) = super::item_name(item) {
+                match names.iter().find(|(n, _)| *n == name) {
+                    Some((_, line)) => {
+                        self.problem(
+                            pos,
+                            &join(&at, "name"),
+                            format!("duplicate route name `{name}` (first at line {line})"),
+                        );
+                        ok = false;
+                    }
+                    None => names.push((name, pos.line)),
+                }
+            }
             let Some(r) = self.rule(item, &at, services, services_declared, pools.len() + 1) else {
                 ok = false;
                 continue;
             };
-            if rules.iter().any(|o| o.name == r.0.name) {
-                self.problem(
-                    item.pos,
-                    &join(&at, "name"),
-                    format!("route `{}` is named twice", r.0.name),
-                );
-                ok = false;
-            }
             if let Some(u) = &unconditional {
                 self.warning(
                     item.pos,
@@ -182,11 +188,8 @@ impl Cx {
             }
             Some(n) => self.refusal(n, &dp, DEFAULT_FIELDS),
         };
-        let routes = route::Routes {
-            rules,
-            default: default?,
-        };
-        ok.then_some((Some(routes), pools))
+        let routes = default.map(|default| route::Routes { rules, default });
+        Some(((ok && routes.is_some()).then_some(routes), pools))
     }
 
     /// One rule and, when it has one, its pool (number `pool`).
@@ -597,6 +600,8 @@ impl Cx {
                         } else {
                             p.clone()
                         };
+                        // The crate's message spans lines (the pattern, a caret); one line here.
+                        let e = e.split_whitespace().collect::<Vec<_>>().join(" ");
                         self.problem(pos, &at, format!("bad regex: {e}"));
                         ok = false;
                     }
