@@ -1,4 +1,4 @@
-//! Routing rules on a sip-udp vserver (docs/sip.md, "Routing rules") with real peers: one
+//! Routing rules on a sip-udp vserver (`routes:`, src/route.rs; RFC 3261 for the SIP) with real peers: one
 //! listener in front of a Kamailio registrar, call proxies, a gateway pool and a tenant's
 //! PBXs, each a strict service (tests/common/strict_uas.rs: a BYE for a dialog it did not set
 //! up gets 481), driven by SIPp and Debian's SIPVicious.
@@ -618,7 +618,8 @@ fn a_challenged_invites_retry_reaches_the_challenger() {
 
 /// A gateway answering every INVITE 503: the calls of its route fail over to the other
 /// gateway and complete, never reaching the default pool; with both gateways refusing, the
-/// caller gets a 5xx and still nothing reaches the default pool.
+/// caller gets a 5xx (fulcrum's 500 after every try) and still nothing reaches the default
+/// pool.
 #[test]
 fn a_route_pools_sick_service_fails_over_inside_the_pool_only() {
     if !sipp_available() {
@@ -658,6 +659,8 @@ fn a_route_pools_sick_service_fails_over_inside_the_pool_only() {
     nothing_stray(&[&gateways[0], &gateways[1]]);
     // Both gateways refusing: the caller gets a server error, the call proxies nothing.
     gateways[1].set_sick(Sick::Busy);
+    let asked = |g: &[StrictUas; 2]| g[0].counts().invites + g[1].counts().invites;
+    let before = asked(&gateways);
     let phone = udp_client("127.0.0.1");
     for n in 0..3 {
         let id = format!("sos-exhausted-{n}");
@@ -666,8 +669,14 @@ fn a_route_pools_sick_service_fails_over_inside_the_pool_only() {
         let code = fulcrum::sip::scan(answer.as_bytes())
             .ok()
             .and_then(|m| m.status_code());
+        println!("{id}: {}", answer.lines().next().unwrap_or_default());
         assert!(code.is_some_and(|c| (500..600).contains(&c)), "{answer}");
     }
+    assert!(
+        asked(&gateways) >= before + 3,
+        "the gateways were not asked: {before} INVITEs before, {} after",
+        asked(&gateways)
+    );
     for p in &proxies {
         assert_eq!(p.counts(), Counts::default(), "{}", p.name);
     }
