@@ -1,6 +1,6 @@
-//! Routing rules on a sip-udp vserver (`routes:`, src/route.rs; RFC 3261 for the SIP) with real peers: one
-//! listener in front of a Kamailio registrar, call proxies, a gateway pool and a tenant's
-//! PBXs, each a strict service (tests/common/strict_uas.rs: a BYE for a dialog it did not set
+//! Routing rules on a sip-udp vserver (`routes:`, src/route.rs) with real peers: one listener
+//! in front of a Kamailio registrar, call proxies, a gateway pool and a tenant's PBXs, each a
+//! strict service (tests/common/strict_uas.rs: a BYE for a dialog it did not set
 //! up gets 481), driven by SIPp and Debian's SIPVicious.
 //!
 //! - REGISTERs reach only the registrar, calls by number prefix only the gateways, calls by
