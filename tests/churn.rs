@@ -205,6 +205,44 @@ fn strict_uas_cancels_its_ringing_invites_and_refuses_stray_cancels() {
     assert_eq!(uas.counts().dialogs, 1);
 }
 
+/// RFC 3261 §22.3 at a challenging UAS: an INVITE without Proxy-Authorization gets 407 with a
+/// Proxy-Authenticate challenge (again for its retransmission, counted once), its ACK is
+/// expected; the INVITE sent again with credentials (CSeq 2, new branch) sets up the call.
+#[test]
+fn strict_uas_challenges_an_invite_without_credentials_and_answers_the_retry() {
+    let at: SocketAddr = "127.0.0.1:5060".parse().expect("addr");
+    let mut uas = UasCore::new("s0", at, "udp");
+    uas.set_sick(Sick::Challenging);
+    for _ in 0..2 {
+        let out = uas.handle(req("INVITE", "c1", None, 1, "i1").as_bytes());
+        assert_eq!(out.iter().map(|r| status(r)).collect::<Vec<_>>(), [407]);
+        assert!(String::from_utf8_lossy(&out[0]).contains("\r\nProxy-Authenticate: Digest "));
+    }
+    let tag = to_tag(&uas.handle(req("INVITE", "c1", None, 1, "i1").as_bytes())[0]);
+    assert!(
+        uas.handle(req("ACK", "c1", Some(&tag), 1, "i1").as_bytes())
+            .is_empty()
+    );
+    let retry = req("INVITE", "c1", None, 2, "i2").replace(
+        "Content-Length: 0",
+        "Proxy-Authorization: Digest username=\"a\"\r\nContent-Length: 0",
+    );
+    let out = uas.handle(retry.as_bytes());
+    assert_eq!(
+        out.iter().map(|r| status(r)).collect::<Vec<_>>(),
+        [100, 180, 200]
+    );
+    assert!(
+        uas.handle(req("ACK", "c1", Some(&tag), 2, "a2").as_bytes())
+            .is_empty()
+    );
+    let c = uas.counts();
+    assert_eq!(
+        (c.challenges, c.dialogs, c.acked, c.stray_acks, c.invites),
+        (1, 1, 1, 0, 2)
+    );
+}
+
 #[test]
 fn strict_uas_answers_only_its_own_dialogs_and_retransmissions_alike() {
     let at: SocketAddr = "127.0.0.1:5060".parse().expect("addr");

@@ -17,8 +17,9 @@
 //!   still look fine: INVITEs answered 503 with Retry-After (OPTIONS too, or not), or never
 //!   answered at all, or answered 180 and then nothing until cancelled, or answered 200 only
 //!   after a delay (a UAS stuck for a while), or answered 486 Busy Here (a busy callee), or
-//!   every new request answered 503 (an overloaded server); the ACK of its 486 or 503 is
-//!   expected, not stray.
+//!   every new request answered 503 (an overloaded server), or an INVITE without credentials
+//!   challenged with 407 (a proxy that authenticates its callers); the ACK of its 486, 503 or
+//!   407 is expected, not stray.
 //!
 //! Retransmission-safe: the To tag is derived from the UAS name, Call-ID and From tag, so a
 //! retransmitted INVITE gets the same answers (and sets up nothing new); an ended dialog is
@@ -71,6 +72,9 @@ pub struct Counts {
     pub cancels: u64,
     /// CANCELs of no INVITE transaction this UAS got (answered 481, counted in `r481` too).
     pub stray_cancels: u64,
+    /// INVITEs without credentials challenged with 407 ([`Sick::Challenging`]; a
+    /// retransmission is not counted again).
+    pub challenges: u64,
 }
 
 /// How a UAS is sick.
@@ -97,6 +101,10 @@ pub enum Sick {
     /// Every request outside a dialog (INVITE, REGISTER, MESSAGE, OPTIONS...) answered 503 +
     /// Retry-After: an overloaded server refusing all new work.
     Overloaded,
+    /// An INVITE without Proxy-Authorization answered 407 Proxy Authentication Required with a
+    /// Proxy-Authenticate challenge (RFC 3261 §22.3), one with it answered as a healthy UAS
+    /// answers (the credentials are not checked): a proxy that authenticates its callers.
+    Challenging,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,6 +143,8 @@ pub struct UasCore {
     later: Vec<(Duration, Vec<u8>)>,
     /// Call-IDs this UAS refused with 486, 503 or 487 (their ACK is expected).
     refused: std::collections::HashSet<Vec<u8>>,
+    /// INVITEs (Call-ID, CSeq number) this UAS challenged with 407 (their ACK is expected).
+    challenged: std::collections::HashSet<(Vec<u8>, u32)>,
 }
 
 impl UasCore {
@@ -154,6 +164,7 @@ impl UasCore {
             acked: Default::default(),
             later: Vec::new(),
             refused: Default::default(),
+            challenged: Default::default(),
         }
     }
 
@@ -259,6 +270,26 @@ impl UasCore {
                 self.refused.insert(call_id.to_vec());
                 return vec![respond(&msg, 486, "Busy Here", Some(&tag), None, false)];
             }
+            (Sick::Challenging, SipMethod::Invite, None) if !has_credentials(&msg) => {
+                let seq = msg.cseq().map_or(0, |c| c.seq);
+                if self.challenged.insert((call_id.to_vec(), seq)) {
+                    self.counts.challenges += 1;
+                }
+                let reason = "Proxy Authentication Required";
+                let mut r = respond(&msg, 407, reason, Some(&tag), None, false);
+                let at = r.len() - 2;
+                let challenge = format!(
+                    "Proxy-Authenticate: Digest realm=\"{}\", nonce=\"{:016x}\", algorithm=MD5, qop=\"auth\"\r\n",
+                    self.name,
+                    {
+                        let mut h = DefaultHasher::new();
+                        (call_id, seq).hash(&mut h);
+                        h.finish()
+                    }
+                );
+                r.splice(at..at, challenge.into_bytes());
+                return vec![r];
+            }
             (Sick::Overloaded, m, None) if m != SipMethod::Ack && m != SipMethod::Cancel => {
                 self.refused.insert(call_id.to_vec());
                 return unavailable();
@@ -291,6 +322,13 @@ impl UasCore {
         }
         match (msg.method_kind(), msg.to_tag()) {
             (SipMethod::Ack, _) if self.refused.contains(call_id) => Vec::new(),
+            (SipMethod::Ack, _)
+                if self
+                    .challenged
+                    .contains(&(call_id.to_vec(), msg.cseq().map_or(0, |c| c.seq))) =>
+            {
+                Vec::new()
+            }
             (SipMethod::Ack, _) => match state {
                 None => {
                     self.counts.stray_acks += 1;
@@ -361,6 +399,13 @@ impl UasCore {
             false,
         )]
     }
+}
+
+/// Whether `msg` carries credentials for a proxy (a Proxy-Authorization header, RFC 3261
+/// §22.3).
+fn has_credentials(msg: &SipMsg<'_>) -> bool {
+    msg.headers()
+        .any(|h| h.name.eq_ignore_ascii_case(b"Proxy-Authorization"))
 }
 
 /// A response to `msg` (RFC 3261 §8.2.6.2): its Via values in order, From, To (with `tag`
