@@ -287,6 +287,7 @@ impl SipCore {
         let member = self.balancer.choose_avoiding(key, now, avoid)?.member;
         let now_ms = now / 1_000_000;
         if let (Some(h), Ok(m)) = (call_hash, u32::try_from(member)) {
+            self.pull(h, now_ms);
             if self.pins_call(msg) {
                 self.pin(h, m, msg.cseq().map_or(0, |c| c.seq), now_ms);
             } else {
