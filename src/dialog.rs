@@ -305,6 +305,10 @@ pub struct CatchUp {
     /// too by the new table's own traffic (which this table keeps), by the old table's member
     /// and count: each was counted twice.
     pub doubled: Vec<(u32, Count)>,
+    /// Entries taken from the old table on demand before the catch-up
+    /// ([`DialogTable::pull_from`]), counting as load, by new member (the caller that counts
+    /// afresh counted them when they were taken).
+    pub pulled: Vec<(u32, Count)>,
 }
 
 impl CatchUp {
@@ -319,7 +323,8 @@ impl CatchUp {
                 _ => {}
             }
         }
-        (active(&first.counted) + active(&self.opened) + gained).saturating_sub(lost)
+        (active(&first.counted) + active(&self.opened) + active(&self.pulled) + gained)
+            .saturating_sub(lost)
     }
 }
 
@@ -337,6 +342,18 @@ pub struct DialogTable {
     /// Evictable entries pushed out to make room.
     evicted: AtomicUsize,
     order: Ring,
+    /// What this table took from the table it replaces during a reload's hand-over
+    /// ([`DialogTable::pull_from`]), until the catch-up pass.
+    pulled: std::sync::Mutex<Pulled>,
+}
+
+/// The entries a new table took from its predecessor on demand ([`DialogTable::pull_from`]):
+/// the catch-up pass carries later changes into them as into migrated ones.
+#[derive(Debug, Default)]
+struct Pulled {
+    keys: std::collections::HashSet<u64>,
+    /// By new member, the entries taken that count as load.
+    counted: Vec<(u32, Count)>,
 }
 
 impl DialogTable {
@@ -349,6 +366,7 @@ impl DialogTable {
             refused: AtomicUsize::new(0),
             evicted: AtomicUsize::new(0),
             order: Ring::new(max_entries),
+            pulled: std::sync::Mutex::default(),
         }
     }
 
@@ -727,6 +745,64 @@ impl DialogTable {
         }
     }
 
+    /// During a reload's hand-over, after this table replaced `old` (the switch) and before
+    /// the catch-up pass ([`DialogTable::catch_up_to`]), for a message of Call-ID hash `key`:
+    /// the live entry of `key` in `old`, its member renumbered by `map`, is taken into this
+    /// table when this one has none; when this one has it from `old` (`migrated`: the keys the
+    /// migration copied, sorted; or taken so), what `old`'s last users did to it since is
+    /// carried into it first, as the catch-up would, the count changes added to `changed`.
+    /// Without this, a dialog set up on the old table after the migration pass is unknown
+    /// here until the catch-up, which waits for the old table's last users: its next request,
+    /// handled with the new table meanwhile, would be balanced afresh (and its end would leave
+    /// it counted); and a 2xx the old table took after the migration would be missing here
+    /// when the BYE comes. Nothing is taken when the table is full (the catch-up decides
+    /// then). Returns the new member and the load the entry counts, when one was taken.
+    pub fn pull_from(
+        &self,
+        old: &DialogTable,
+        key: u64,
+        now_ms: u64,
+        map: impl Fn(u32) -> Option<u32>,
+        migrated: &[u64],
+        changed: &mut Vec<Change>,
+    ) -> Option<(u32, Option<Count>)> {
+        if self.map.contains_key(&key) {
+            let from_old = migrated.binary_search(&key).is_ok()
+                || crate::sync::lock(&self.pulled).keys.contains(&key);
+            if from_old {
+                // The old table's shard, then this one's: the order of the catch-up pass too.
+                let e = old.map.get(&key)?;
+                if !e.is_expired(now_ms, old.idle_ms)
+                    && let Some(member) = map(e.member)
+                    && let Some(mut n) = self.map.get_mut(&key)
+                {
+                    carry(&mut n, member, &e, changed);
+                }
+            }
+            return None;
+        }
+        if self.held.load(Ordering::Relaxed) >= self.max_entries {
+            return None;
+        }
+        let e = old.map.get(&key)?;
+        if e.is_expired(now_ms, old.idle_ms) {
+            return None;
+        }
+        let member = map(e.member)?;
+        let dashmap::Entry::Vacant(at) = self.map.entry(key) else {
+            return None;
+        };
+        let count = e.state().count();
+        // Recorded while the key is locked: the catch-up, which locks it too, sees it.
+        let mut pulled = crate::sync::lock(&self.pulled);
+        if !self.adopt(at, key, false, member, &e) {
+            return None;
+        }
+        pulled.keys.insert(key);
+        pulled.counted.extend(count.map(|c| (member, c)));
+        Some((member, count))
+    }
+
     /// The second pass of a migration, run once the new table is the one in use: what the old
     /// table's users did between [`DialogTable::migrate_to`] and the switch (pins, answers,
     /// ends, moves) is carried into `into`. An entry `into` already holds changes only where
@@ -734,8 +810,8 @@ impl DialogTable {
     /// 2xx carries unless this table ended the entry since, a move only when the old entry
     /// was seen after the new one (traffic on the new table wins). `first` is what the
     /// migration did: the entries it refused are not looked at again, and an entry it did not
-    /// copy but `into` holds was made there by the new table's traffic. Run once, after the
-    /// switch.
+    /// copy, and `into` did not take on demand ([`DialogTable::pull_from`]), but `into` holds
+    /// was made there by the new table's traffic. Run once, after the switch.
     pub fn catch_up_to(
         &self,
         into: &DialogTable,
@@ -761,7 +837,9 @@ impl DialogTable {
                 !into.make_room(&mut pushed_out)
             };
             match into.map.entry(*e.key()) {
-                dashmap::Entry::Occupied(mut n) if copied => {
+                dashmap::Entry::Occupied(mut n)
+                    if copied || crate::sync::lock(&into.pulled).keys.contains(e.key()) =>
+                {
                     carry(n.get_mut(), member, &e, &mut done.changed);
                 }
                 dashmap::Entry::Occupied(_) => {
@@ -777,6 +855,9 @@ impl DialogTable {
                 }
             }
         }
+        // No pull follows the catch-up: what was taken is reported, and forgotten.
+        let pulled = std::mem::take(&mut *crate::sync::lock(&into.pulled));
+        done.pulled = pulled.counted;
         done
     }
 
@@ -1250,6 +1331,65 @@ mod tests {
         // Four open dialogs migrated (1 to 4), one ended since (2), one confirmed (8), one
         // made (5).
         assert_eq!(done.kept(&first), 5);
+    }
+
+    /// During the hand-over (after the switch, before the catch-up), the new table takes a
+    /// dialog set up on the old table after the migration when a message of it comes, and
+    /// brings a migrated entry up to date with what the old table did since (its 2xx): the
+    /// ACK and BYE the new table handles find each dialog on its renumbered member, and the
+    /// BYE closes the count the old table opened. The catch-up then has nothing left to do.
+    /// The counters are shared by both tables (by service), as a sip-tcp rebuild keeps them.
+    #[test]
+    fn the_new_table_takes_what_the_old_one_did_before_the_catch_up() {
+        // The reload put a service in front: old member m is new member m + 1.
+        let shift = |m: u32| Some(m + 1);
+        let by_service = |c: Change| match c {
+            Change::Open(m, k) => Change::Open(m + 1, k),
+            Change::Close(m, k) => Change::Close(m + 1, k),
+        };
+        let old = DialogTable::new(10, 1000);
+        let mut l = Loads::default();
+        old.put(1, 0, 1, 0, |c| l.apply(by_service(c)));
+        let new = DialogTable::new(10, 1000);
+        let first = old.migrate_to(&new, 10, shift);
+        // On the old table, after the migration: call 2 set up, call 1 answered.
+        old.put(2, 1, 1, 20, |c| l.apply(by_service(c)));
+        old.answered(2, 1, 200, Answerer::Unknown, 20, |c| l.apply(by_service(c)));
+        old.answered(1, 1, 200, Answerer::Unknown, 21, |c| l.apply(by_service(c)));
+        assert_eq!((l.pending, l.active), ([0; 4], [0, 1, 1, 0]));
+        // On the new table, before the catch-up: unknown there, or pending.
+        assert_eq!(new.get(2, 30), None);
+        assert!(!new.is_confirmed(1));
+        let mut changed = Vec::new();
+        // The ACK of call 2.
+        let taken = new.pull_from(&old, 2, 30, shift, &first.copied_keys, &mut changed);
+        assert_eq!(taken, Some((2, Some(Count::Active))));
+        assert_eq!(new.get(2, 30), Some(2));
+        // The BYE of call 1: its 2xx is carried first (counted already, on the shared
+        // counters), then it ends.
+        new.pull_from(&old, 1, 31, shift, &first.copied_keys, &mut changed);
+        assert!(new.is_confirmed(1));
+        assert_eq!(
+            changed,
+            [
+                Change::Close(1, Count::Pending),
+                Change::Open(1, Count::Active)
+            ]
+        );
+        new.end(1, 31, |c| l.apply(c));
+        // The BYE of call 2.
+        new.pull_from(&old, 2, 32, shift, &first.copied_keys, &mut changed);
+        new.end(2, 32, |c| l.apply(c));
+        assert_eq!(changed.len(), 2, "nothing more to carry");
+        assert_eq!(l.totals(), (0, 0), "{l:?}");
+        let done = old.catch_up_to(&new, &first, 40, shift);
+        assert!(
+            done.opened.is_empty() && done.changed.is_empty() && done.doubled.is_empty(),
+            "{done:?}"
+        );
+        assert_eq!(done.pulled, [(2, Count::Active)]);
+        assert_eq!(new.get(1, 40), Some(1), "ended, lingering");
+        assert!(!new.is_confirmed(1) && !new.is_confirmed(2));
     }
 
     /// A dialog pinned in the old table after the migration whose next request reached the

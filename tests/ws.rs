@@ -5,11 +5,16 @@
 //! `;transport=ws`; refusals (wrong subprotocol 400, bad Origin 403) and an oversize message
 //! (the connection closes, nothing else is disturbed); the edges: the subprotocol answered
 //! as the client spelt it, a Content-Length past the message's end (a request 400, a response
-//! dropped), and the close codes of a failed connection (1002, 1007, 1009).
+//! dropped), and the close codes of a failed connection (1002, 1007, 1009). Reloads: a
+//! WebSocket client's dialog keeps its service (strict UAS: a BYE elsewhere is answered 481)
+//! and its load count across a reload that moves every member's index, also while calls go
+//! on during hundreds of reloads.
 
 mod common;
 
+use common::strict_uas::StrictUas;
 use common::*;
+use fulcrum::ops::Ops;
 use futures_util::{SinkExt, StreamExt};
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::atomic::Ordering;
@@ -36,6 +41,9 @@ async fn connect(
             .insert("origin", HeaderValue::from_str(o).expect("header"));
     }
     let tcp = tokio::net::TcpStream::connect(vs).await.expect("connect");
+    // As browsers do: a request sent right after another (a BYE after its ACK) is not held
+    // back until the first is acknowledged.
+    tcp.set_nodelay(true).expect("nodelay");
     let (ws, resp) = tokio_tungstenite::client_async(req, tcp).await?;
     let agreed = resp
         .headers()
@@ -363,4 +371,368 @@ fn websocket_edges_subprotocol_case_short_bodies_and_close_codes() {
             framing_errors + 3
         );
     });
+}
+
+/// A browser's call over a `sip-ws` vserver: the INVITE, then the ACK and BYE of the dialog
+/// it set up, each request and its answer as one WebSocket message.
+///
+/// The in-dialog requests carry no Route: fulcrum's Record-Route names the dialog's service
+/// (`fc-svc`) and would take them there whatever fulcrum's dialog table says; without it only
+/// the dialog's pin does, and the pin (with the load it counts) is what a reload must hand
+/// over.
+struct Caller {
+    ws: Ws,
+    /// Prefix of this caller's Call-IDs and tags.
+    name: String,
+    calls: u32,
+}
+
+/// The dialog a [`Caller`] set up: what its in-dialog requests need.
+struct Dialog {
+    call_id: String,
+    from_tag: String,
+    /// The To header of the 200, with the service's tag.
+    to: String,
+    /// The service's Contact URI (the Request-URI of the in-dialog requests).
+    target: String,
+}
+
+impl Caller {
+    async fn connect(vs: SocketAddr, name: &str) -> Caller {
+        let (ws, _) = connect(vs, "sip", None).await.expect("upgraded");
+        Caller {
+            ws,
+            name: name.to_owned(),
+            calls: 0,
+        }
+    }
+
+    fn request(&self, method: &str, uri: &str, d: &Dialog, to: &str, cseq: u32) -> String {
+        format!(
+            "{method} {uri} SIP/2.0\r\nVia: SIP/2.0/WS {name}.invalid;branch=z9hG4bK{name}-{call}-{method}\r\nMax-Forwards: 70\r\nFrom: <sip:{name}@example.com>;tag={tag}\r\nTo: {to}\r\nCall-ID: {call}\r\nCSeq: {cseq} {method}\r\nContact: <sip:{name}@{name}.invalid;transport=ws>\r\n\r\n",
+            name = self.name,
+            call = d.call_id,
+            tag = d.from_tag,
+        )
+    }
+
+    /// The final answer to this caller's request `method` (provisional answers skipped):
+    /// its status and text, or why there is none.
+    async fn answer(&mut self, method: &str) -> Result<(u16, String), String> {
+        loop {
+            let Some(m) = next_sip(&mut self.ws).await else {
+                return Err(format!("{}: no final answer to {method}", self.name));
+            };
+            let status = fulcrum::sip::scan(m.as_bytes())
+                .ok()
+                .and_then(|s| s.status_code());
+            let cseq = header(&m, "CSeq")
+                .first()
+                .copied()
+                .unwrap_or_default()
+                .to_owned();
+            match status {
+                Some(s) if s >= 200 && cseq.ends_with(method) => return Ok((s, m)),
+                Some(_) => continue,
+                None => return Err(format!("{}: a request came: {m}", self.name)),
+            }
+        }
+    }
+
+    /// An INVITE outside any dialog, answered 200, and its ACK.
+    async fn invite(&mut self) -> Result<Dialog, String> {
+        self.calls += 1;
+        let mut d = Dialog {
+            call_id: format!("{}-{}", self.name, self.calls),
+            from_tag: format!("{}t{}", self.name, self.calls),
+            to: "<sip:svc@example.com>".to_owned(),
+            target: "sip:svc@example.com".to_owned(),
+        };
+        let invite = self.request("INVITE", &d.target, &d, &d.to, 1);
+        self.ws
+            .send(Message::text(invite))
+            .await
+            .map_err(|e| e.to_string())?;
+        let (status, ok) = self.answer("INVITE").await?;
+        if status != 200 {
+            return Err(format!("{}: INVITE answered {status}", d.call_id));
+        }
+        d.to = header(&ok, "To")[0].to_owned();
+        let contact = header(&ok, "Contact")[0];
+        d.target = contact
+            .trim_start_matches('<')
+            .split('>')
+            .next()
+            .unwrap_or(contact)
+            .to_owned();
+        let ack = self.request("ACK", &d.target, &d, &d.to, 1);
+        self.ws
+            .send(Message::text(ack))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(d)
+    }
+
+    /// The BYE of dialog `d`: the status it is answered with.
+    async fn bye(&mut self, d: &Dialog) -> Result<u16, String> {
+        let bye = self.request("BYE", &d.target, d, &d.to, 2);
+        self.ws
+            .send(Message::text(bye))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(self.answer("BYE").await?.0)
+    }
+}
+
+/// A sip-ws vserver `v` over the strict UDP services `uas` named by `order` (indices into
+/// `uas`), round robin, with the admin API off: the config a reload test rewrites.
+fn ws_over(uas: &[StrictUas], order: &[usize]) -> String {
+    let mut y = String::from("admin:\n  listen: null\nservices:\n");
+    for u in uas {
+        y += &format!(
+            "  - {{ name: {}, address: \"{}\", protocol: sip-udp }}\n",
+            u.name, u.addr
+        );
+    }
+    let names: Vec<&str> = order.iter().map(|&i| uas[i].name.as_str()).collect();
+    y += &format!(
+        "vservers:\n  - {{ name: v, protocol: sip-ws, bind: 127.0.0.1:0, method: round_robin, services: [{}] }}\n",
+        names.join(", ")
+    );
+    y
+}
+
+/// Reload the config in `file` as `yaml`; the reload must rebuild `v`.
+fn reload_to(ops: &Ops, file: &ConfigFile, yaml: &str) {
+    file.write(yaml);
+    let changes = ops
+        .reload()
+        .unwrap_or_else(|e| panic!("reload: {e}\n{yaml}"));
+    assert!(
+        changes.iter().any(|c| c == "vservers.v rebuilt"),
+        "{changes:?}"
+    );
+}
+
+/// The load `/status` shows on each service of `v` (name, active), in the vserver's order.
+fn loads(ops: &Ops) -> Vec<(String, u64)> {
+    let status = fulcrum::admin::router::status(ops);
+    status["vservers"][0]["services"]
+        .as_array()
+        .map(|s| {
+            s.iter()
+                .map(|s| {
+                    (
+                        s["name"].as_str().unwrap_or("?").to_owned(),
+                        s["active"].as_u64().unwrap_or(u64::MAX),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn start_ops(file: &ConfigFile) -> std::sync::Arc<Ops> {
+    let cfg = fulcrum::config::load(&file.path).expect("valid");
+    Ops::start(cfg, Some(file.path.clone())).expect("start")
+}
+
+fn ws_addr(ops: &Ops) -> SocketAddr {
+    ops.with_vservers(|vs, _| vs[0].bound[0]).expect("running")
+}
+
+/// A WebSocket client's dialog across a reload that adds a service in front and reorders the
+/// others (every member's index moves): its BYE, sent on the same WebSocket after the reload,
+/// reaches the service that set the dialog up (a strict UAS, which answers 481 to a dialog
+/// it does not have) and is answered 200; the dialog's load is counted on that service
+/// across the reload and nowhere once it ended, and nothing is counted after the client is
+/// gone.
+#[test]
+fn a_websocket_dialog_keeps_its_service_and_its_count_across_a_reload() {
+    let uas: Vec<StrictUas> = ["s0", "s1", "s2"]
+        .iter()
+        .map(|n| StrictUas::udp(n))
+        .collect();
+    let file = ConfigFile::new("ws-reload", &ws_over(&uas, &[1, 2]));
+    let ops = start_ops(&file);
+    let vs = ws_addr(&ops);
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    client.block_on(async {
+        let mut alice = Caller::connect(vs, "alice").await;
+        // Round robin: two calls, one on each service.
+        let calls = [
+            alice.invite().await.expect("call 1"),
+            alice.invite().await.expect("call 2"),
+        ];
+        let owner = |d: &Dialog| {
+            let at: Vec<&str> = uas
+                .iter()
+                .filter(|u| !u.methods_of(&d.call_id).is_empty())
+                .map(|u| u.name.as_str())
+                .collect();
+            assert_eq!(at.len(), 1, "{} reached {at:?}", d.call_id);
+            at[0].to_owned()
+        };
+        let owners: Vec<String> = calls.iter().map(owner).collect();
+        assert_eq!(
+            loads(&ops),
+            [("s1".to_owned(), 1), ("s2".to_owned(), 1)],
+            "{owners:?}"
+        );
+
+        // s0 added, and the order changed: s1 moves from 0 to 2, s2 from 1 to 0.
+        reload_to(&ops, &file, &ws_over(&uas, &[2, 0, 1]));
+        assert_eq!(
+            loads(&ops),
+            [
+                ("s2".to_owned(), 1),
+                ("s0".to_owned(), 0),
+                ("s1".to_owned(), 1)
+            ],
+            "the dialogs are still counted, on their services"
+        );
+        for (d, o) in calls.iter().zip(&owners) {
+            assert_eq!(alice.bye(d).await, Ok(200), "{}", d.call_id);
+            assert_eq!(owner(d), *o, "the BYE of {} stayed on {o}", d.call_id);
+        }
+        for u in &uas {
+            let c = u.counts();
+            assert_eq!((c.r481, c.stray_acks), (0, 0), "{}: {c:?}", u.name);
+        }
+        assert_eq!(
+            loads(&ops).iter().map(|(_, a)| a).sum::<u64>(),
+            0,
+            "the ended dialogs are counted nowhere"
+        );
+        // A new call after the reload is counted, and uncounted by its BYE, too.
+        let d = alice.invite().await.expect("call 3");
+        assert_eq!(loads(&ops).iter().map(|(_, a)| a).sum::<u64>(), 1);
+        assert_eq!(alice.bye(&d).await, Ok(200));
+        drop(alice);
+    });
+    assert!(
+        wait_until(Duration::from_secs(3), || loads(&ops)
+            .iter()
+            .all(|(_, a)| *a == 0)),
+        "nothing is counted once the client is gone: {:?}",
+        loads(&ops)
+    );
+    ops.shutdown();
+}
+
+/// WebSocket calls while the config is reloaded back and forth (every member's index moving
+/// each time): a reload that swapped the core while a WebSocket client's message was still
+/// using the old one, without waiting for it, would lose what that message did to the
+/// dialog table (a pin set, or ended, in the old table after it was carried over). Every
+/// call completes, each on one service (no 481, no stray ACK at the strict services), and
+/// once the clients are gone no load is left counted.
+#[test]
+fn websocket_calls_during_reloads_keep_their_services_and_leave_no_load() {
+    const CALLERS: usize = 4;
+    /// Reloads, one after another, for this long (each takes a few milliseconds).
+    const RELOADING: Duration = Duration::from_secs(3);
+    let uas: Vec<StrictUas> = ["s0", "s1", "s2"]
+        .iter()
+        .map(|n| StrictUas::udp(n))
+        .collect();
+    let orders: [&[usize]; 2] = [&[0, 1, 2], &[2, 0, 1]];
+    let file = ConfigFile::new("ws-reloads", &ws_over(&uas, orders[0]));
+    let ops = start_ops(&file);
+    let vs = ws_addr(&ops);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let callers = std::thread::spawn({
+        let stop = std::sync::Arc::clone(&stop);
+        move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let tasks: Vec<_> = (0..CALLERS)
+                    .map(|i| {
+                        let stop = std::sync::Arc::clone(&stop);
+                        tokio::spawn(async move {
+                            let mut c = Caller::connect(vs, &format!("c{i}")).await;
+                            let (mut done, mut failed) = (0u32, Vec::new());
+                            while !stop.load(Ordering::Relaxed) {
+                                match c.invite().await {
+                                    Ok(d) => match c.bye(&d).await {
+                                        Ok(200) => done += 1,
+                                        other => {
+                                            failed.push(format!("{}: BYE {other:?}", d.call_id))
+                                        }
+                                    },
+                                    Err(e) => failed.push(e),
+                                }
+                                if failed.len() > 10 {
+                                    break;
+                                }
+                            }
+                            (done, failed)
+                        })
+                    })
+                    .collect();
+                let mut all = (0, Vec::new());
+                for t in tasks {
+                    let (done, failed) = t.await.expect("caller");
+                    all.0 += done;
+                    all.1.extend(failed);
+                }
+                all
+            })
+        }
+    });
+    // Calls under way before the first reload.
+    assert!(
+        wait_until(Duration::from_secs(5), || uas
+            .iter()
+            .map(|u| u.counts().byes_ok)
+            .sum::<u64>()
+            >= 20),
+        "no calls: {:?}",
+        uas.iter().map(StrictUas::counts).collect::<Vec<_>>()
+    );
+    let began = std::time::Instant::now();
+    let mut reloads = 0;
+    while began.elapsed() < RELOADING {
+        reloads += 1;
+        reload_to(&ops, &file, &ws_over(&uas, orders[reloads % 2]));
+    }
+    let during = uas.iter().map(|u| u.counts().byes_ok).sum::<u64>();
+    stop.store(true, Ordering::Relaxed);
+    let (done, failed) = callers.join().expect("callers");
+    let counts: Vec<_> = uas.iter().map(StrictUas::counts).collect();
+    let report = format!(
+        "{reloads} reloads in {:?}, {done} calls ({during} ended by the last reload), failed: {failed:?}; per service: {counts:?}",
+        began.elapsed()
+    );
+    // Where the requests of the first failed calls went.
+    let seen: Vec<String> = failed
+        .iter()
+        .take(5)
+        .map(|f| {
+            let id = f.split(':').next().unwrap_or_default();
+            let at: Vec<_> = uas.iter().map(|u| (&u.name, u.methods_of(id))).collect();
+            format!("{id}: {at:?}")
+        })
+        .collect();
+    let report = format!("{report}; {seen:?}");
+    eprintln!("{report}");
+    assert!(failed.is_empty(), "{report}");
+    assert!(done >= 100, "too few calls to tell: {report}");
+    for c in &counts {
+        assert_eq!((c.r481, c.stray_acks), (0, 0), "{report}");
+        assert_eq!(c.dialogs, c.byes_ok, "{report}");
+    }
+    assert!(
+        wait_until(Duration::from_secs(3), || loads(&ops)
+            .iter()
+            .all(|(_, a)| *a == 0)),
+        "load left counted: {:?}; {report}",
+        loads(&ops)
+    );
+    ops.shutdown();
 }

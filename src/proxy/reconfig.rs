@@ -24,7 +24,12 @@
 //! message with the old core has finished it ([`crate::proxy::handover`]: the workers tell
 //! it, nothing is timed), a catch-up pass carries what they did to dialogs meanwhile (new
 //! pins, ends, moves) into the new table: without it a call set up during a reload lost its
-//! affinity, and its load was never closed.
+//! affinity, and its load was never closed. Between the swap and the catch-up the new core
+//! already handles messages: each brings its dialog's entry up to date from the old table
+//! first, taking it when the new table has none ([`begin_handover`]): without that, the ACK
+//! or BYE of a call set up (or answered) on the old core after the migration, handled by the
+//! new core before the catch-up, was balanced afresh (a strict service answers such a BYE
+//! 481) and its load stayed counted.
 //!
 //! # sip-tcp
 //! The listener, the client connections and the Via identity stay. A new [`SipCore`] is
@@ -151,7 +156,13 @@ pub(crate) fn catch_up_dialogs(
 /// Old member index -> new member index, by service name (`None`: the service left). The
 /// mapping is worked out once, not per dialog.
 fn renumber(old_names: &[String], new_names: &[String]) -> impl Fn(u32) -> Option<u32> + use<> {
-    let to: Vec<Option<u32>> = old_names
+    let to = renumbering(old_names, new_names);
+    move |m| to.get(m as usize).copied().flatten()
+}
+
+/// The new index of each old member, by service name (`None`: the service left).
+fn renumbering(old_names: &[String], new_names: &[String]) -> Vec<Option<u32>> {
+    old_names
         .iter()
         .map(|n| {
             new_names
@@ -159,8 +170,34 @@ fn renumber(old_names: &[String], new_names: &[String]) -> impl Fn(u32) -> Optio
                 .position(|x| x == n)
                 .and_then(|p| u32::try_from(p).ok())
         })
-        .collect();
-    move |m| to.get(m as usize).copied().flatten()
+        .collect()
+}
+
+/// After the migration pass `first`, before `new` replaces `old` in the cell its users load
+/// it from: until [`end_handover`], a message handled by `new` brings its dialog's entry up
+/// to date from `old`'s table first, taking it when `new` has none
+/// ([`SipCore::begin_handover`]), so that a dialog set up or answered on `old` after the
+/// migration pass keeps its service, and its load, while the catch-up pass waits for `old`'s
+/// last users. `counts`: `new`'s balancer counts afresh (it does not share `old`'s counters).
+pub(crate) fn begin_handover(
+    old: &Arc<SipCore>,
+    new: &SipCore,
+    first: &crate::dialog::Migration,
+    old_names: &[String],
+    new_names: &[String],
+    counts: bool,
+) {
+    new.begin_handover(
+        old,
+        renumbering(old_names, new_names),
+        first.copied_keys.clone(),
+        counts,
+    );
+}
+
+/// After the catch-up pass: `new` lets `old` go.
+pub(crate) fn end_handover(new: &SipCore) {
+    new.end_handover();
 }
 
 /// Install `core`, built aside from `old` (the core in `cell`): settle its members' health

@@ -27,7 +27,8 @@ use crate::proxy::context::{
 use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
 use crate::proxy::handover::{Reader, Readers};
 use crate::proxy::reconfig::{
-    catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
+    begin_handover, catch_up_dialogs, end_handover, migrate_dialogs, names_of, rebuilt, settle,
+    sip_core,
 };
 use crate::proxy::shutdown::Shutdown;
 use crate::proxy::sip_front::Senders;
@@ -389,6 +390,9 @@ impl DataPath for SipUdpPath {
             for &(m, count) in &first.counted {
                 core.tally(Change::Open(m, count));
             }
+            // A fresh balancer: what the new core takes from the old one on demand is
+            // counted as it is taken (and reported by the catch-up in `late.pulled`).
+            begin_handover(&old, &core, &first, &old_names, &new_names, true);
             if let (Some(bridge), Some(links)) = (&bridge, links) {
                 // The links first: a worker's decision by the new core finds its member's link
                 // (one by the old core is matched by name, `SipStreamShared::carry_datagram`).
@@ -407,6 +411,7 @@ impl DataPath for SipUdpPath {
             for &c in late.changed.iter().chain(&late.pushed_out) {
                 core.tally(c);
             }
+            end_handover(&core);
             let r = Rebuilt {
                 dialogs_kept: late.kept(&first),
                 ..rebuilt(&old_names, &balancer, &added)

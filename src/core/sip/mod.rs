@@ -151,6 +151,8 @@ pub struct SipCore {
     hash_params: HashParams,
     balancer: Arc<Balancer>,
     dialogs: DialogTable,
+    /// The core this one replaces, while a reload hands over to it ([`SipCore::begin_handover`]).
+    handover: arc_swap::ArcSwapOption<HandOver>,
     /// Address of each member (index = member index).
     member_addrs: Vec<SocketAddr>,
     /// `fc-svc` digest of each member (index = member index).
@@ -174,6 +176,17 @@ impl std::fmt::Debug for SipCore {
             .field("name", &self.name)
             .finish_non_exhaustive()
     }
+}
+
+/// A reload's hand-over from the core a new one replaces ([`SipCore::begin_handover`]).
+struct HandOver {
+    old: Arc<SipCore>,
+    /// New member index by old member index.
+    to: Vec<Option<u32>>,
+    /// The keys the migration pass copied, sorted.
+    migrated: Vec<u64>,
+    /// Whether the new core counts the load of the entries it takes.
+    counts: bool,
 }
 
 /// Everything a SIP vserver needs to decide.
@@ -332,6 +345,7 @@ impl SipCore {
                 p.max_dialogs,
                 u64::try_from(p.dialog_idle.as_millis()).unwrap_or(u64::MAX),
             ),
+            handover: arc_swap::ArcSwapOption::empty(),
             member_addrs: p.member_addrs,
             failover: None,
             transactions: Arc::default(),
@@ -551,6 +565,62 @@ impl SipCore {
         self.member_addrs.iter().any(|m| m.ip() == ip)
     }
 
+    /// From now until [`SipCore::end_handover`], this core (about to replace `old`) brings a
+    /// dialog's entry up to date from `old`'s table when a message of it comes, taking it
+    /// when it has none ([`DialogTable::pull_from`]): one set up or answered on `old` after
+    /// the migration pass (`migrated`: the keys it copied, sorted) keeps its service and its
+    /// count though its next request is handled here before the catch-up pass. `to`
+    /// renumbers `old`'s members (`None`: the service left); `counts`: this core counts the
+    /// load of what it takes (its balancer counts afresh; one sharing `old`'s counters
+    /// already has it).
+    pub(crate) fn begin_handover(
+        &self,
+        old: &Arc<SipCore>,
+        to: Vec<Option<u32>>,
+        migrated: Vec<u64>,
+        counts: bool,
+    ) {
+        self.handover.store(Some(Arc::new(HandOver {
+            old: Arc::clone(old),
+            to,
+            migrated,
+            counts,
+        })));
+    }
+
+    /// The hand-over is over (the catch-up pass has run): nothing more is taken from the old
+    /// core, which is let go.
+    pub(crate) fn end_handover(&self) {
+        self.handover.store(None);
+    }
+
+    /// During a hand-over, the old core's entry of Call-ID hash `h`: taken when this core has
+    /// none, else what the old core did to it since carried here ([`SipCore::begin_handover`],
+    /// [`DialogTable::pull_from`]). One load when there is no hand-over.
+    fn pull(&self, h: u64, now_ms: u64) {
+        let g = self.handover.load();
+        let Some(ho) = g.as_ref() else {
+            return;
+        };
+        let mut changed = Vec::new();
+        let taken = self.dialogs.pull_from(
+            ho.old.dialogs(),
+            h,
+            now_ms,
+            |m| ho.to.get(m as usize).copied().flatten(),
+            &ho.migrated,
+            &mut changed,
+        );
+        if ho.counts {
+            if let Some((m, Some(count))) = taken {
+                self.tally(Change::Open(m, count));
+            }
+            for c in changed {
+                self.tally(c);
+            }
+        }
+    }
+
     /// Pin the request of Call-ID hash `h` and CSeq number `cseq` to `member`: pending there
     /// until a 2xx confirms its dialog (moved from the member it was on, if any).
     fn pin(&self, h: u64, member: u32, cseq: u32, now_ms: u64) {
@@ -590,14 +660,10 @@ impl SipCore {
         ) {
             return;
         }
-        self.dialogs.answered(
-            hash::key_hash(call_id),
-            cseq.seq,
-            code,
-            by,
-            now / 1_000_000,
-            |c| self.tally(c),
-        );
+        let h = hash::key_hash(call_id);
+        self.pull(h, now / 1_000_000);
+        self.dialogs
+            .answered(h, cseq.seq, code, by, now / 1_000_000, |c| self.tally(c));
     }
 
     /// Who sent a response from `src`, as far as addresses tell: the member at that address,
@@ -644,9 +710,9 @@ impl SipCore {
             return false;
         }
         msg.call_id().is_none_or(|c| {
-            self.dialogs
-                .get(hash::key_hash(c), now / 1_000_000)
-                .is_none()
+            let (h, now_ms) = (hash::key_hash(c), now / 1_000_000);
+            self.pull(h, now_ms);
+            self.dialogs.get(h, now_ms).is_none()
         })
     }
 
@@ -660,6 +726,7 @@ impl SipCore {
     /// The dialog of Call-ID hash `h` ended (BYE, or CANCEL of the initial INVITE): its member
     /// stops counting it as load (the entry lingers for retransmissions and the ACK).
     fn end_dialog(&self, h: u64, now_ms: u64) {
+        self.pull(h, now_ms);
         self.dialogs.end(h, now_ms, |c| self.tally(c));
     }
 }

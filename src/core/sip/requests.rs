@@ -462,6 +462,9 @@ impl SipCore {
         // The scanner hands out the Call-ID without surrounding LWS, so this is also exactly the
         // call_id_hash key: hashed once, used for both.
         let call_hash = msg.call_id().map(hash::key_hash);
+        if let Some(h) = call_hash {
+            self.pull(h, now_ms);
+        }
         // The dialog's service named by our Record-Route (`fc-svc`), whichever instance set
         // the dialog up: before the local table, which may not know the dialog.
         if let Some(m) = self.routed_member(msg) {

@@ -291,6 +291,7 @@ impl SipCore {
         let member = self.balancer.choose_in(pool, key, now, avoid)?.member;
         let now_ms = now / 1_000_000;
         if let (Some(h), Ok(m)) = (call_hash, u32::try_from(member)) {
+            self.pull(h, now_ms);
             if requests::pins_with(method, msg) {
                 self.pin(h, m, msg.cseq().map_or(0, |c| c.seq), now_ms);
             } else {

@@ -42,7 +42,8 @@ use crate::proxy::context::{
 use crate::proxy::context::{POLL, Rebuilt, elapsed_nanos};
 use crate::proxy::handover::Readers;
 use crate::proxy::reconfig::{
-    catch_up_dialogs, migrate_dialogs, names_of, rebuilt, settle, sip_core,
+    begin_handover, catch_up_dialogs, end_handover, migrate_dialogs, names_of, rebuilt, settle,
+    sip_core,
 };
 use crate::proxy::shutdown::{Signal, TaskGroup, TaskGuard};
 use crate::sip::framing::{DEFAULT_MAX_MESSAGE, PONG};
@@ -592,6 +593,9 @@ impl DataPath for SipStreamPath {
                 core.tally(Change::Close(m, count));
             }
             shared.gate.set_max_per_source(max_per_source);
+            // Surviving members' counters are shared: what the new core takes from the old
+            // one on demand is counted already.
+            begin_handover(&old, &core, &moved, &old_names, &new_names, false);
             shared.install(generation);
             // Until every task that began a message with the old generation has finished it.
             shared.readers.wait();
@@ -606,6 +610,7 @@ impl DataPath for SipStreamPath {
             for &c in &late.pushed_out {
                 core.tally(c);
             }
+            end_handover(&core);
             let r = Rebuilt {
                 dialogs_kept: late.kept(&moved),
                 ..rebuilt(&old_names, &balancer, &added)
