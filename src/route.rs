@@ -12,7 +12,57 @@
 
 use crate::acl::Cidr;
 use crate::sip::{SipMethod, SipMsg, parse_name_addr, parse_uri};
-use std::collections::HashSet;
+/// A set of byte strings: compared one by one while small (faster than hashing a short key),
+/// hashed with a fixed function (xxh3, never a randomly seeded one) past [`SMALL_SET`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Set {
+    small: Vec<Vec<u8>>,
+    big: Option<std::collections::HashSet<Vec<u8>, xxhash_rust::xxh3::Xxh3DefaultBuilder>>,
+}
+
+/// Items a [`Set`] compares one by one.
+pub const SMALL_SET: usize = 16;
+
+impl Set {
+    pub fn insert(&mut self, v: Vec<u8>) -> bool {
+        if self.contains(&v) {
+            return false;
+        }
+        match &mut self.big {
+            Some(b) => {
+                b.insert(v);
+            }
+            None if self.small.len() < SMALL_SET => self.small.push(v),
+            None => {
+                let mut b: std::collections::HashSet<_, _> = self.small.drain(..).collect();
+                b.insert(v);
+                self.big = Some(b);
+            }
+        }
+        true
+    }
+
+    pub fn contains(&self, v: &[u8]) -> bool {
+        match &self.big {
+            Some(b) => b.contains(v),
+            None => self.small.iter().any(|x| x.as_slice() == v),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.small.is_empty() && self.big.as_ref().is_none_or(|b| b.is_empty())
+    }
+}
+
+impl FromIterator<Vec<u8>> for Set {
+    fn from_iter<I: IntoIterator<Item = Vec<u8>>>(items: I) -> Set {
+        let mut s = Set::default();
+        for v in items {
+            s.insert(v);
+        }
+        s
+    }
+}
 use std::net::SocketAddr;
 
 /// Compiled size limit of one regex (the `regex` crate's `size_limit`): a pattern that needs
@@ -158,7 +208,7 @@ impl Prefixes {
 /// A text test: any of exact values, prefixes, regexes.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Text {
-    pub exact: HashSet<Vec<u8>>,
+    pub exact: Set,
     pub prefix: Option<Prefixes>,
     pub regex: Vec<Pattern>,
 }
@@ -175,9 +225,9 @@ impl Text {
 /// insensitive. Kept lower-cased.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Hosts {
-    pub exact: HashSet<Vec<u8>>,
+    pub exact: Set,
     /// The suffixes of `*.suffix`, without `*.`.
-    pub below: HashSet<Vec<u8>>,
+    pub below: Set,
 }
 
 impl Hosts {
@@ -309,6 +359,21 @@ pub fn normalize_number(v: &[u8], out: &mut Vec<u8>) {
     );
 }
 
+/// [`normalize_number`] into `buf` when it fits (no allocation for a phone number).
+fn normalized<'b>(v: &[u8], buf: &'b mut [u8; 64]) -> Option<&'b [u8]> {
+    let v = v.split(|&c| c == b';').next().unwrap_or(v);
+    let v = v.strip_prefix(b"+").unwrap_or(v);
+    let mut n = 0;
+    for &c in v {
+        if matches!(c, b'-' | b'.' | b'(' | b')' | b' ') {
+            continue;
+        }
+        *buf.get_mut(n)? = c;
+        n += 1;
+    }
+    Some(&buf[..n])
+}
+
 impl Match {
     /// Whether the rule has no test at all (it matches every request).
     pub fn is_unconditional(&self) -> bool {
@@ -342,9 +407,15 @@ impl Match {
                 return false;
             };
             let ok = if self.normalize {
-                let mut n = Vec::with_capacity(u.len());
-                normalize_number(u, &mut n);
-                t.holds(&n)
+                let mut buf = [0u8; 64];
+                match normalized(u, &mut buf) {
+                    Some(n) => t.holds(n),
+                    None => {
+                        let mut n = Vec::with_capacity(u.len());
+                        normalize_number(u, &mut n);
+                        t.holds(&n)
+                    }
+                }
             } else {
                 t.holds(u)
             };
@@ -372,16 +443,19 @@ impl Match {
         {
             return false;
         }
+        if self.headers.is_empty() {
+            return true;
+        }
+        let headers = r.headers();
         self.headers.iter().all(|h| {
-            let v = r
-                .msg
-                .headers()
-                .find(|x| {
-                    x.name.eq_ignore_ascii_case(h.name.as_bytes())
+            let v = headers
+                .iter()
+                .find(|(name, _)| {
+                    name.eq_ignore_ascii_case(h.name.as_bytes())
                         || h.alias
-                            .is_some_and(|a| x.name.eq_ignore_ascii_case(a.as_bytes()))
+                            .is_some_and(|a| name.eq_ignore_ascii_case(a.as_bytes()))
                 })
-                .map(|x| x.value);
+                .map(|(_, value)| *value);
             match (&h.test, v) {
                 (HeaderValue::Present(want), v) => v.is_some() == *want,
                 (HeaderValue::Text(t), Some(v)) => t.holds(v),
@@ -402,6 +476,8 @@ pub struct Request<'m, 'a> {
     ruri: Option<HostUser<'a>>,
     from: Option<HostUser<'a>>,
     to_host: Option<Option<&'a [u8]>>,
+    /// Every header's name and first-line value, read once for the header tests.
+    headers: Option<Vec<(&'a [u8], &'a [u8])>>,
 }
 
 impl<'m, 'a> Request<'m, 'a> {
@@ -413,7 +489,36 @@ impl<'m, 'a> Request<'m, 'a> {
             ruri: None,
             from: None,
             to_host: None,
+            headers: None,
         }
+    }
+
+    /// Every header line's name and value, trimmed: one pass over the header lines without
+    /// the scanner's full parse of each (a folded value's continuation lines are left out:
+    /// folding is obsolete, RFC 3261 §7.3.1, and the tests read the first line).
+    fn headers(&mut self) -> &[(&'a [u8], &'a [u8])] {
+        let msg = self.msg;
+        self.headers.get_or_insert_with(|| {
+            let buf = msg.buf();
+            let head = buf
+                .get(msg.headers_start()..msg.headers_end())
+                .unwrap_or_default();
+            let mut out = Vec::with_capacity(msg.header_count());
+            let mut start = 0;
+            for end in memchr::memchr_iter(b'\n', head).chain([head.len()]) {
+                let line = &head[start..end];
+                start = end + 1;
+                let line = line.strip_suffix(b"\r").unwrap_or(line);
+                if line.first().is_none_or(|c| *c == b' ' || *c == b'\t') {
+                    continue;
+                }
+                let Some(colon) = memchr::memchr(b':', line) else {
+                    continue;
+                };
+                out.push((line[..colon].trim_ascii(), line[colon + 1..].trim_ascii()));
+            }
+            out
+        })
     }
 
     /// The Request-URI's host and user; a `tel:` URI has a user (the number) and no host.
@@ -622,7 +727,7 @@ mod tests {
                 name: "Subject".into(),
                 alias: alias_of("Subject"),
                 test: HeaderValue::Text(Text {
-                    exact: [b"conf-7".to_vec()].into(),
+                    exact: [b"conf-7".to_vec()].into_iter().collect(),
                     ..Text::default()
                 }),
             }],
