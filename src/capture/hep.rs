@@ -114,9 +114,23 @@ pub fn packet_len(
         + call_id.map_or(0, |c| 6 + c.len())
 }
 
-/// Append the HEP3 packet of `payload` on `leg` to `out` (cleared first). Both addresses are
+/// The HEP3 packet of `payload` on `leg`, in `out` (cleared first). Both addresses are
 /// written in one family: a v4 address beside a v6 one is written v4-mapped.
 pub fn encode(
+    leg: &Leg,
+    agent_id: u32,
+    auth_key: Option<&[u8]>,
+    call_id: Option<&[u8]>,
+    payload: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    out.clear();
+    append(leg, agent_id, auth_key, call_id, payload, out)
+}
+
+/// [`encode`], appended to what `out` holds: packets back to back, as a stream carries them
+/// and as the capture queue holds them (each one's length is in its bytes 4..6).
+pub fn append(
     leg: &Leg,
     agent_id: u32,
     auth_key: Option<&[u8]>,
@@ -128,7 +142,7 @@ pub fn encode(
     if len > MAX_PACKET {
         return Err(EncodeError::TooBig(len));
     }
-    out.clear();
+    let start = out.len();
     out.reserve(len);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&(len as u16).to_be_bytes());
@@ -164,8 +178,26 @@ pub fn encode(
     if let Some(c) = call_id {
         put(out, chunk::CORRELATION_ID, c);
     }
-    debug_assert_eq!(out.len(), len);
+    debug_assert_eq!(out.len() - start, len);
     Ok(())
+}
+
+/// The packets [`append`] wrote back to back into `buf`, in order: each one's length is in
+/// its bytes 4..6. Stops at bytes that do not hold a whole packet.
+pub fn packets(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        let len = match rest {
+            [_, _, _, _, hi, lo, ..] => u16::from_be_bytes([*hi, *lo]) as usize,
+            _ => return None,
+        };
+        if len < 6 || len > rest.len() {
+            return None;
+        }
+        let (packet, tail) = rest.split_at(len);
+        rest = tail;
+        Some(packet)
+    })
 }
 
 /// One chunk: vendor, type, length counting the 6-byte header, value. The caller checked
