@@ -640,3 +640,126 @@ fn every_message_of_each_call_over_sip_tls_is_captured_decrypted_on_both_legs() 
     }
     ops.shutdown();
 }
+
+/// A HEP collector of the test's own: a UDP socket whose packets are decoded by the crate's
+/// decoder (the one its unit tests check against the HEP3 layout).
+struct OwnCollector {
+    socket: std::net::UdpSocket,
+}
+
+impl OwnCollector {
+    fn new() -> OwnCollector {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        OwnCollector { socket }
+    }
+
+    fn port(&self) -> u16 {
+        self.socket.local_addr().expect("addr").port()
+    }
+
+    /// Every packet received until `until` holds of them or `within` passes.
+    fn collect(
+        &self,
+        within: Duration,
+        mut until: impl FnMut(&[fulcrum::capture::hep::Decoded]) -> bool,
+    ) -> Vec<fulcrum::capture::hep::Decoded> {
+        let deadline = Instant::now() + within;
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 65_536];
+        while Instant::now() < deadline && !until(&got) {
+            if let Ok(n) = self.socket.recv(&mut buf) {
+                got.push(fulcrum::capture::hep::decode(&buf[..n]).expect("HEP3"));
+            }
+        }
+        got
+    }
+}
+
+/// A sip-udp vserver over one monitored sip-udp service (`sip-options` every 200 ms),
+/// capturing to `port` with `probes` as given.
+fn probes_yaml(service: SocketAddr, port: u16, probes: bool) -> String {
+    format!(
+        "admin: {{ listen: null }}\n\
+         capture: {{ hep: {{ address: \"127.0.0.1:{port}\", id: 7, probes: {probes} }} }}\n\
+         monitors:\n  - {{ name: ping, type: sip-options, interval: 200ms, timeout: 150ms, failures_to_down: 2, successes_to_up: 1 }}\n\
+         services:\n  - {{ name: s0, address: \"{service}\", protocol: sip-udp, monitor: ping }}\n\
+         vservers:\n  - {{ name: v, protocol: sip-udp, bind: [\"127.0.0.1:0\"], services: [s0] }}\n"
+    )
+}
+
+/// `probes: true` captures the monitor's OPTIONS and the service's 200, each on its leg
+/// (fulcrum's probe socket and the service); `probes: false`, and a reload to it, none.
+#[test]
+fn the_monitors_options_are_captured_only_with_probes_on() {
+    let uas = StrictUas::udp("s0");
+    let collector = OwnCollector::new();
+    let is_options = |d: &fulcrum::capture::hep::Decoded| {
+        d.payload
+            .as_deref()
+            .is_some_and(|p| p.starts_with(b"OPTIONS "))
+    };
+    let is_answer = |d: &fulcrum::capture::hep::Decoded| {
+        d.payload.as_deref().is_some_and(|p| {
+            p.starts_with(b"SIP/2.0 200 ") && p.windows(8).any(|w| w == b" OPTIONS")
+        })
+    };
+    let ops = ops_of(&probes_yaml(uas.addr, collector.port(), true));
+    let got = collector.collect(Duration::from_secs(5), |g| {
+        g.iter().filter(|d| is_options(d)).count() >= 2
+            && g.iter().filter(|d| is_answer(d)).count() >= 2
+    });
+    let options: Vec<_> = got.iter().filter(|d| is_options(d)).collect();
+    let answers: Vec<_> = got.iter().filter(|d| is_answer(d)).collect();
+    assert!(options.len() >= 2 && answers.len() >= 2, "{got:?}");
+    for o in &options {
+        assert_eq!((o.ip_proto, o.agent_id), (Some(17), Some(7)));
+        assert_eq!(
+            (o.dst, o.dst_port),
+            (Some(uas.addr.ip()), Some(uas.addr.port()))
+        );
+        assert_eq!(
+            o.src,
+            Some(uas.addr.ip()),
+            "the probe's source is the address it left from"
+        );
+        // The probe's Call-ID, the correlation id.
+        let cid = o.correlation_id.as_deref().expect("a Call-ID");
+        assert!(
+            cid.starts_with(b"fmon-"),
+            "{}",
+            String::from_utf8_lossy(cid)
+        );
+        // Its answer, from the service to the probe's own port.
+        let a = answers
+            .iter()
+            .find(|a| a.correlation_id.as_deref() == Some(cid))
+            .unwrap_or_else(|| panic!("no answer to {}", String::from_utf8_lossy(cid)));
+        assert_eq!(
+            (a.src, a.src_port),
+            (Some(uas.addr.ip()), Some(uas.addr.port()))
+        );
+        assert_eq!((a.dst, a.dst_port), (o.src, o.src_port));
+        let t = |d: &fulcrum::capture::hep::Decoded| {
+            u64::from(d.time_s.unwrap_or(0)) * 1_000_000 + u64::from(d.time_us.unwrap_or(0))
+        };
+        assert!(t(a) >= t(o), "the answer after its request");
+    }
+    // probes: false (by reload): the monitor goes on, nothing of it is captured.
+    ops.apply(
+        config::from_str("off.yaml", &probes_yaml(uas.addr, collector.port(), false))
+            .expect("config"),
+    )
+    .expect("reload");
+    // What the old sender still had queued, then silence.
+    collector.collect(Duration::from_millis(300), |_| false);
+    let probed_before = uas.counts().requests;
+    let got = collector.collect(Duration::from_secs(1), |_| false);
+    assert!(
+        uas.counts().requests >= probed_before + 3,
+        "the monitor still probes"
+    );
+    assert!(got.is_empty(), "{got:?}");
+}
