@@ -882,9 +882,7 @@ impl KamailioCapture {
     }
 
     /// End Kamailio (SIGTERM: db_text writes its table on the way out) and read every row
-    /// as a frame, in the order Kamailio stored them (its `id`), which is the order it
-    /// received them. db_text cannot store `micro_ts` (a 64-bit value), so the order of
-    /// arrival stands for the HEP time: one sender on loopback keeps it.
+    /// as a frame with the HEP time Kamailio stored, in the order it stored them.
     fn frames(mut self) -> Vec<(Frame, Row)> {
         let killed = Command::new("kill")
             .args(["-TERM", &self.proc.id().to_string()])
@@ -907,7 +905,7 @@ impl KamailioCapture {
                     )
                 };
                 let f = Frame {
-                    time_us: r.id,
+                    time_us: r.hep_time_us(),
                     // Kamailio's own protocol numbers: 1 UDP, 2 TCP.
                     ip_proto: match r.get("proto") {
                         "1" => 17,
@@ -954,6 +952,14 @@ impl Row {
             id: fields.first()?.parse().ok()?,
             fields,
         })
+    }
+
+    /// The HEP time in microseconds: db_text has no 64-bit integers and keeps the low 32
+    /// bits of `micro_ts`; `date` (seconds) gives the rest.
+    fn hep_time_us(&self) -> u64 {
+        let base = self.get("date").parse::<u64>().expect("date") * 1_000_000;
+        let low = self.get("micro_ts").parse::<i64>().expect("micro_ts") as u32;
+        base + u64::from(low.wrapping_sub(base as u32))
     }
 
     fn get(&self, column: &str) -> &str {
@@ -1053,7 +1059,9 @@ fn kamailio_sipcapture_stores_every_message_of_each_call_on_both_legs() {
         assert_eq!(r.get("callid"), f.call_id());
         assert!(r.get("node").ends_with(":2001"), "{}", r.get("node"));
     }
-    // IPv6: the OPTIONS and its 200, client leg and service leg, in order of arrival.
+    // IPv6: the OPTIONS and its 200, client leg and service leg, in order of HEP time.
+    let mut v6 = v6;
+    v6.sort_by_key(|(f, _)| f.time_us);
     let legs: Vec<(SocketAddr, SocketAddr, String)> = v6
         .iter()
         .map(|(f, r)| {
