@@ -134,6 +134,9 @@ struct Exporter {
 #[derive(Default)]
 pub struct Capture {
     exporter: ArcSwapOption<Exporter>,
+    /// Whether `exporter` holds one: what [`Tap::stamp`] reads per message, cheaper than a
+    /// load of the exporter.
+    on: AtomicBool,
     stats: Arc<CaptureStats>,
 }
 
@@ -183,7 +186,9 @@ impl Capture {
                 config: c.clone(),
             })
         });
+        let on = next.is_some();
         self.exporter.store(next);
+        self.on.store(on, Ordering::Relaxed);
         tracing::info!(collector = ?config.map(|c| c.address), "capture configured");
     }
 
@@ -206,7 +211,7 @@ impl Capture {
 
     /// Whether capture is on at all (a cheap check before work only capture needs).
     pub fn is_on(&self) -> bool {
-        self.exporter.load().is_some()
+        self.on.load(Ordering::Relaxed)
     }
 
     /// Capture `payload`, a SIP message vserver `vserver` received or sent `at` on `transport`
