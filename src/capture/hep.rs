@@ -433,6 +433,28 @@ mod tests {
         );
     }
 
+    /// Packets appended back to back come apart again whole and in order; bytes that do not
+    /// hold a whole packet (a cut tail, a length under the header's) end the walk.
+    #[test]
+    fn appended_packets_split_back_in_order() {
+        let l = leg("10.0.0.1:5060", "[2001:db8::2]:5070", Transport::Tcp);
+        let mut buf = Vec::new();
+        append(&l, 1, None, Some(b"a@b"), INVITE, &mut buf).expect("fits");
+        append(&l, 2, Some(b"k"), None, b"SIP/2.0 200 OK\r\n\r\n", &mut buf).expect("fits");
+        let whole = buf.len();
+        let mut one = Vec::new();
+        encode(&l, 1, None, Some(b"a@b"), INVITE, &mut one).expect("fits");
+        let split: Vec<&[u8]> = packets(&buf).collect();
+        assert_eq!(split.len(), 2);
+        assert_eq!(split[0], &one[..]);
+        assert_eq!(decode(split[1]).expect("decodes").agent_id, Some(2));
+        buf.extend_from_slice(&one[..one.len() - 1]);
+        assert_eq!(packets(&buf).count(), 2, "a cut packet is not one");
+        buf.truncate(whole);
+        buf.extend_from_slice(b"HEP3\x00\x03");
+        assert_eq!(packets(&buf).count(), 2, "a length under 6 ends the walk");
+    }
+
     #[test]
     fn the_decoder_refuses_wrong_lengths() {
         let mut out = Vec::new();
