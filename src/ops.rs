@@ -114,6 +114,7 @@ impl Ops {
         let board = HealthBoard::new(&config, placements, rt.epoch());
         board.apply_all();
         board.watch_with(Arc::clone(rt.liveness()));
+        board.capture_with(Arc::clone(rt.capture()));
         board.start_monitors(&config, &tokio);
         let epoch = rt.epoch();
         let facts: Vec<_> = rt.vservers().iter().map(vserver_facts).collect();

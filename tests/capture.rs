@@ -9,10 +9,14 @@
 //!   frame's time);
 //! - fulcrum's own messages are captured: its 100 Trying and its ACK of a service's 503
 //!   before the failover;
-//! - a dead collector costs no call, and a reload turns capture on and off.
+//! - a dead collector costs no call, and a reload turns capture on and off;
+//! - Kamailio's `sipcapture` (Debian `kamailio`) stores every message of each call on both
+//!   legs (db_text), over IPv4 and over IPv6;
+//! - the health monitors' OPTIONS are captured with `probes: true` and only then.
 //!
 //! Without `sngrep` or `sipp` on the PATH a test says why and passes without running, unless
-//! `FULCRUM_REQUIRE_SNGREP=1` (`FULCRUM_REQUIRE_SIPP=1`), as in CI. Every child process runs
+//! `FULCRUM_REQUIRE_SNGREP=1` (`FULCRUM_REQUIRE_SIPP=1`, `FULCRUM_REQUIRE_KAMAILIO=1` for
+//! `kamailio`), as in CI. Every child process runs
 //! under `timeout` and is ended when its guard drops.
 
 mod common;
@@ -639,4 +643,441 @@ fn every_message_of_each_call_over_sip_tls_is_captured_decrypted_on_both_legs() 
         check_forwarding_times(&client, &service);
     }
     ops.shutdown();
+}
+
+/// A HEP collector of the test's own: a UDP socket whose packets are decoded by the crate's
+/// decoder (the one its unit tests check against the HEP3 layout).
+struct OwnCollector {
+    socket: std::net::UdpSocket,
+}
+
+impl OwnCollector {
+    fn new() -> OwnCollector {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("bind");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .expect("timeout");
+        OwnCollector { socket }
+    }
+
+    fn port(&self) -> u16 {
+        self.socket.local_addr().expect("addr").port()
+    }
+
+    /// Every packet received until `until` holds of them or `within` passes.
+    fn collect(
+        &self,
+        within: Duration,
+        mut until: impl FnMut(&[fulcrum::capture::hep::Decoded]) -> bool,
+    ) -> Vec<fulcrum::capture::hep::Decoded> {
+        let deadline = Instant::now() + within;
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 65_536];
+        while Instant::now() < deadline && !until(&got) {
+            if let Ok(n) = self.socket.recv(&mut buf) {
+                got.push(fulcrum::capture::hep::decode(&buf[..n]).expect("HEP3"));
+            }
+        }
+        got
+    }
+}
+
+/// A sip-udp vserver over one monitored sip-udp service (`sip-options` every 200 ms),
+/// capturing to `port` with `probes` as given.
+fn probes_yaml(service: SocketAddr, port: u16, probes: bool) -> String {
+    format!(
+        "admin: {{ listen: null }}\n\
+         capture: {{ hep: {{ address: \"127.0.0.1:{port}\", id: 7, probes: {probes} }} }}\n\
+         monitors:\n  - {{ name: ping, type: sip-options, interval: 200ms, timeout: 150ms, failures_to_down: 2, successes_to_up: 1 }}\n\
+         services:\n  - {{ name: s0, address: \"{service}\", protocol: sip-udp, monitor: ping }}\n\
+         vservers:\n  - {{ name: v, protocol: sip-udp, bind: [\"127.0.0.1:0\"], services: [s0] }}\n"
+    )
+}
+
+/// `probes: true` captures the monitor's OPTIONS and the service's 200, each on its leg
+/// (fulcrum's probe socket and the service); `probes: false`, and a reload to it, none.
+#[test]
+fn the_monitors_options_are_captured_only_with_probes_on() {
+    let uas = StrictUas::udp("s0");
+    let collector = OwnCollector::new();
+    let is_options = |d: &fulcrum::capture::hep::Decoded| {
+        d.payload
+            .as_deref()
+            .is_some_and(|p| p.starts_with(b"OPTIONS "))
+    };
+    let is_answer = |d: &fulcrum::capture::hep::Decoded| {
+        d.payload.as_deref().is_some_and(|p| {
+            p.starts_with(b"SIP/2.0 200 ") && p.windows(8).any(|w| w == b" OPTIONS")
+        })
+    };
+    let ops = ops_of(&probes_yaml(uas.addr, collector.port(), true));
+    let got = collector.collect(Duration::from_secs(5), |g| {
+        g.iter().filter(|d| is_options(d)).count() >= 2
+            && g.iter().filter(|d| is_answer(d)).count() >= 2
+    });
+    let options: Vec<_> = got.iter().filter(|d| is_options(d)).collect();
+    let answers: Vec<_> = got.iter().filter(|d| is_answer(d)).collect();
+    assert!(options.len() >= 2 && answers.len() >= 2, "{got:?}");
+    for o in &options {
+        assert_eq!((o.ip_proto, o.agent_id), (Some(17), Some(7)));
+        assert_eq!(
+            (o.dst, o.dst_port),
+            (Some(uas.addr.ip()), Some(uas.addr.port()))
+        );
+        assert_eq!(
+            o.src,
+            Some(uas.addr.ip()),
+            "the probe's source is the address it left from"
+        );
+        // The probe's Call-ID, the correlation id.
+        let cid = o.correlation_id.as_deref().expect("a Call-ID");
+        assert!(
+            cid.starts_with(b"fmon-"),
+            "{}",
+            String::from_utf8_lossy(cid)
+        );
+        // Its answer, from the service to the probe's own port.
+        let a = answers
+            .iter()
+            .find(|a| a.correlation_id.as_deref() == Some(cid))
+            .unwrap_or_else(|| panic!("no answer to {}", String::from_utf8_lossy(cid)));
+        assert_eq!(
+            (a.src, a.src_port),
+            (Some(uas.addr.ip()), Some(uas.addr.port()))
+        );
+        assert_eq!((a.dst, a.dst_port), (o.src, o.src_port));
+        let t = |d: &fulcrum::capture::hep::Decoded| {
+            u64::from(d.time_s.unwrap_or(0)) * 1_000_000 + u64::from(d.time_us.unwrap_or(0))
+        };
+        assert!(t(a) >= t(o), "the answer after its request");
+    }
+    // probes: false (by reload): the monitor goes on, nothing of it is captured.
+    ops.apply(
+        config::from_str("off.yaml", &probes_yaml(uas.addr, collector.port(), false))
+            .expect("config"),
+    )
+    .expect("reload");
+    // What the old sender still had queued, then silence.
+    collector.collect(Duration::from_millis(300), |_| false);
+    let probed_before = uas.counts().requests;
+    let got = collector.collect(Duration::from_secs(1), |_| false);
+    assert!(
+        uas.counts().requests >= probed_before + 3,
+        "the monitor still probes"
+    );
+    assert!(got.is_empty(), "{got:?}");
+}
+
+/// The columns of the `sip_capture` table Kamailio's `sipcapture` module writes (its
+/// `sip_capture()` insert), in the order of the test's db_text schema.
+const SIP_CAPTURE_COLUMNS: [&str; 45] = [
+    "date",
+    "micro_ts",
+    "method",
+    "reply_reason",
+    "correlation_id",
+    "ruri",
+    "ruri_user",
+    "ruri_domain",
+    "from_user",
+    "from_domain",
+    "from_tag",
+    "to_user",
+    "to_domain",
+    "to_tag",
+    "pid_user",
+    "contact_user",
+    "auth_user",
+    "callid",
+    "callid_aleg",
+    "via_1",
+    "via_1_branch",
+    "cseq",
+    "diversion",
+    "reason",
+    "content_type",
+    "auth",
+    "user_agent",
+    "source_ip",
+    "source_port",
+    "destination_ip",
+    "destination_port",
+    "contact_ip",
+    "contact_port",
+    "originator_ip",
+    "originator_port",
+    "expires",
+    "proto",
+    "family",
+    "rtp_stat",
+    "type",
+    "node",
+    "msg",
+    "custom_field1",
+    "custom_field2",
+    "custom_field3",
+];
+
+/// Kamailio with `sipcapture` receiving HEP on UDP 127.0.0.1:PORT and [::1]:PORT, each SIP
+/// message stored by `sip_capture()` into a db_text `sip_capture` table (written to its file
+/// when Kamailio ends).
+struct KamailioCapture {
+    proc: Proc,
+    port: u16,
+    db: PathBuf,
+}
+
+impl KamailioCapture {
+    fn start(dir: &Scratch) -> KamailioCapture {
+        let db = dir.path("db");
+        std::fs::create_dir_all(&db).expect("db dir");
+        let ints = [
+            "date",
+            "micro_ts",
+            "source_port",
+            "destination_port",
+            "contact_port",
+            "originator_port",
+            "expires",
+            "proto",
+            "family",
+            "type",
+        ];
+        let mut schema = String::from("id(int,auto)");
+        for c in SIP_CAPTURE_COLUMNS {
+            let t = if ints.contains(&c) { "int" } else { "string" };
+            schema.push_str(&format!(" {c}({t},null)"));
+        }
+        schema.push('\n');
+        std::fs::write(db.join("sip_capture"), schema).expect("table");
+        std::fs::write(
+            db.join("version"),
+            "id(int,auto) table_name(string) table_version(int)\nsip_capture:4\n",
+        )
+        .expect("version");
+        let url = db.display().to_string();
+        let (proc, port) = spawn_listening("kamailio sipcapture", Transport::Udp, |port| {
+            let cfg = dir.path(&format!("sipcapture-{port}.cfg"));
+            std::fs::write(
+                &cfg,
+                format!(
+                    "#!KAMAILIO\ndebug=1\nlog_stderror=yes\nfork=yes\nchildren=1\n\
+                     listen=udp:127.0.0.1:{port}\nlisten=udp:[::1]:{port}\n\
+                     disable_tcp=yes\nauto_aliases=no\ndns=no\nrev_dns=no\n\
+                     mpath=\"/usr/lib/x86_64-linux-gnu/kamailio/modules/\"\n\
+                     loadmodule \"db_text.so\"\nloadmodule \"sipcapture.so\"\n\
+                     modparam(\"sipcapture\", \"db_url\", \"text://{url}\")\n\
+                     modparam(\"sipcapture\", \"hep_capture_on\", 1)\n\
+                     modparam(\"sipcapture\", \"capture_on\", 1)\n\
+                     request_route {{ sip_capture(); drop; }}\n\
+                     onreply_route {{ sip_capture(); drop; }}\n"
+                ),
+            )
+            .expect("write kamailio config");
+            let mut c = Command::new("kamailio");
+            c.arg("-f").arg(cfg).args(["-DD", "-E"]);
+            c
+        });
+        KamailioCapture { proc, port, db }
+    }
+
+    /// End Kamailio (SIGTERM: db_text writes its table on the way out) and read every row
+    /// as a frame with the HEP time Kamailio stored, in the order it stored them.
+    fn frames(mut self) -> Vec<(Frame, Row)> {
+        let killed = Command::new("kill")
+            .args(["-TERM", &self.proc.id().to_string()])
+            .status()
+            .expect("kill");
+        assert!(killed.success(), "SIGTERM to Kamailio");
+        assert!(
+            self.proc.wait_for(Duration::from_secs(10)).is_some(),
+            "Kamailio ends on SIGTERM"
+        );
+        let text = std::fs::read_to_string(self.db.join("sip_capture")).expect("table");
+        let mut rows: Vec<Row> = text.lines().skip(1).filter_map(Row::parse).collect();
+        rows.sort_by_key(|r| r.id);
+        rows.into_iter()
+            .map(|r| {
+                let addr = |ip: &str, port: &str| {
+                    SocketAddr::new(
+                        ip.parse().unwrap_or_else(|_| panic!("address {ip}")),
+                        port.parse().unwrap_or_else(|_| panic!("port {port}")),
+                    )
+                };
+                let f = Frame {
+                    time_us: r.hep_time_us(),
+                    // Kamailio's own protocol numbers: 1 UDP, 2 TCP.
+                    ip_proto: match r.get("proto") {
+                        "1" => 17,
+                        "2" => 6,
+                        p => panic!("proto {p}"),
+                    },
+                    src: addr(r.get("source_ip"), r.get("source_port")),
+                    dst: addr(r.get("destination_ip"), r.get("destination_port")),
+                    payload: r.get("msg").as_bytes().to_vec(),
+                };
+                (f, r)
+            })
+            .collect()
+    }
+}
+
+/// One row of a db_text table: fields split at `:`, `\:` and `\\` unescaped, `\r` `\n`
+/// turned back into the characters.
+#[derive(Debug, Clone)]
+struct Row {
+    id: u64,
+    fields: Vec<String>,
+}
+
+impl Row {
+    fn parse(line: &str) -> Option<Row> {
+        let mut fields = vec![String::new()];
+        let mut chars = line.chars();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some('r') => fields.last_mut()?.push('\r'),
+                    Some('n') => fields.last_mut()?.push('\n'),
+                    Some('t') => fields.last_mut()?.push('\t'),
+                    Some('0') => fields.last_mut()?.push('\0'),
+                    Some(other) => fields.last_mut()?.push(other),
+                    None => {}
+                },
+                ':' => fields.push(String::new()),
+                c => fields.last_mut()?.push(c),
+            }
+        }
+        Some(Row {
+            id: fields.first()?.parse().ok()?,
+            fields,
+        })
+    }
+
+    /// The HEP time in microseconds: db_text has no 64-bit integers and keeps the low 32
+    /// bits of `micro_ts`; `date` (seconds) gives the rest.
+    fn hep_time_us(&self) -> u64 {
+        let base = self.get("date").parse::<u64>().expect("date") * 1_000_000;
+        let low = self.get("micro_ts").parse::<i64>().expect("micro_ts") as u32;
+        base + u64::from(low.wrapping_sub(base as u32))
+    }
+
+    fn get(&self, column: &str) -> &str {
+        let i = SIP_CAPTURE_COLUMNS
+            .iter()
+            .position(|c| *c == column)
+            .expect("a column");
+        self.fields.get(i + 1).map_or("", String::as_str)
+    }
+}
+
+/// Wait (bounded) until fulcrum's sender has sent everything the calls captured: the same
+/// count over two reads 50 ms apart.
+fn all_sent(ops: &Ops) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut before = u64::MAX;
+    loop {
+        let n = sent(ops);
+        if n > 0 && n == before {
+            return n;
+        }
+        assert!(Instant::now() < deadline, "capture still sending: {n}");
+        before = n;
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A real HEP receiver from Debian: Kamailio's `sipcapture` stores (db_text) every message of
+/// SIPp calls through a sip-udp vserver on both legs with their addresses, Call-ID as
+/// correlation id, fulcrum's capture id as the node, IPv4 family; and, from a second fulcrum
+/// on [::1] sending to Kamailio's IPv6 address, an OPTIONS and its 200 on both IPv6 legs
+/// (family 10), which sngrep cannot show.
+#[test]
+fn kamailio_sipcapture_stores_every_message_of_each_call_on_both_legs() {
+    if !common::kamailio_available() || !common::sipp::sipp_available() {
+        return;
+    }
+    let dir = Scratch::new("capture-kamailio");
+    let kamailio = KamailioCapture::start(&dir);
+    // IPv4: SIPp calls.
+    let uas = StrictUas::udp("s0");
+    let ops = ops_of(&yaml(&[("s0", uas.addr)], Some(kamailio.port)));
+    let vserver = vserver_addr(&ops);
+    let n = 3;
+    calls(&ops, &dir, n, "kamailio");
+    let sent_v4 = all_sent(&ops);
+    // IPv6: an OPTIONS from the test's own socket.
+    let uas6 = StrictUas::udp_at("s6", "[::1]:0".parse().expect("addr"));
+    let v6 = format!(
+        "admin: {{ listen: null }}\n\
+         capture: {{ hep: {{ address: \"[::1]:{}\", id: 2006 }} }}\n\
+         services:\n  - {{ name: s6, address: \"{}\", protocol: sip-udp }}\n\
+         vservers:\n  - {{ name: v6, protocol: sip-udp, bind: [\"[::1]:0\"], services: [s6] }}\n",
+        kamailio.port, uas6.addr
+    );
+    let ops6 = ops_of(&v6);
+    let vserver6 = vserver_addr(&ops6);
+    let phone = std::net::UdpSocket::bind("[::1]:0").expect("bind");
+    phone
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .expect("timeout");
+    let me = phone.local_addr().expect("addr");
+    let options = format!(
+        "OPTIONS sip:s6@example.com SIP/2.0\r\nVia: SIP/2.0/UDP {me};branch=z9hG4bK-v6-1\r\nMax-Forwards: 70\r\nFrom: <sip:t@example.com>;tag=v6\r\nTo: <sip:s6@example.com>\r\nCall-ID: v6-options@test\r\nCSeq: 1 OPTIONS\r\nContent-Length: 0\r\n\r\n"
+    );
+    phone
+        .send_to(options.as_bytes(), vserver6)
+        .expect("send OPTIONS");
+    let mut buf = vec![0u8; 65_536];
+    let (k, _) = phone.recv_from(&mut buf).expect("an answer");
+    assert!(
+        buf[..k].starts_with(b"SIP/2.0 200 "),
+        "{}",
+        String::from_utf8_lossy(&buf[..k])
+    );
+    let sent_v6 = all_sent(&ops6);
+    drop((ops, ops6));
+
+    let rows = kamailio.frames();
+    eprintln!("sipcapture stored {} rows", rows.len());
+    assert_eq!(rows.len() as u64, sent_v4 + sent_v6, "every packet stored");
+    let (v4, v6): (Vec<_>, Vec<_>) = rows.into_iter().partition(|(_, r)| r.get("family") == "2");
+    let frames: Vec<Frame> = v4.iter().map(|(f, _)| f.clone()).collect();
+    let calls = by_call(&frames);
+    assert_eq!(calls.len(), n as usize, "{:?}", calls.keys());
+    for (call_id, frames) in &calls {
+        let client = leg(frames, |f| f.src != uas.addr && f.dst != uas.addr);
+        let service = leg(frames, |f| f.src == uas.addr || f.dst == uas.addr);
+        assert_eq!(labels(&client), CALL, "client leg of {call_id}");
+        assert_eq!(labels(&service), CALL, "service leg of {call_id}");
+        check_client_leg(&client, vserver);
+        check_service_leg(&service, vserver, uas.addr);
+        check_forwarding_times(&client, &service);
+    }
+    for (f, r) in &v4 {
+        assert_eq!(r.get("correlation_id"), f.call_id(), "{}", f.label());
+        assert_eq!(r.get("callid"), f.call_id());
+        assert!(r.get("node").ends_with(":2001"), "{}", r.get("node"));
+    }
+    // IPv6: the OPTIONS and its 200, client leg and service leg, in order of HEP time.
+    let mut v6 = v6;
+    v6.sort_by_key(|(f, _)| f.time_us);
+    let legs: Vec<(SocketAddr, SocketAddr, String)> = v6
+        .iter()
+        .map(|(f, r)| {
+            assert_eq!(r.get("family"), "10");
+            assert_eq!(r.get("correlation_id"), "v6-options@test");
+            assert!(r.get("node").ends_with(":2006"), "{}", r.get("node"));
+            (f.src, f.dst, f.label())
+        })
+        .collect();
+    assert_eq!(
+        legs,
+        vec![
+            (me, vserver6, "OPTIONS".to_owned()),
+            (vserver6, uas6.addr, "OPTIONS".to_owned()),
+            (uas6.addr, vserver6, "200 OPTIONS".to_owned()),
+            (vserver6, me, "200 OPTIONS".to_owned()),
+        ]
+    );
 }

@@ -736,3 +736,89 @@ fn websocket_calls_during_reloads_keep_their_services_and_leave_no_load() {
     );
     ops.shutdown();
 }
+
+/// Capture (docs/capture.md) on a sip-ws vserver: the WebSocket payloads on the client's
+/// connection (IP protocol 6, the payload as sent, without the Content-Length fulcrum adds
+/// for the service) and the UDP leg to the registrar (17), each message on both legs with its
+/// addresses, in order of time, read from the HEP packets by the crate's own decoder.
+#[test]
+fn a_websocket_vservers_messages_are_captured_on_both_legs() {
+    use fulcrum::capture::hep::{Decoded, decode};
+    let collector = UdpSocket::bind("127.0.0.1:0").expect("bind");
+    collector
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("timeout");
+    let port = collector.local_addr().expect("addr").port();
+    let (registrar, reg, fulcrum) = lab(&format!(
+        "capture: {{ hep: {{ address: \"127.0.0.1:{port}\", id: 9 }} }}\n"
+    ));
+    let vs = bound(&fulcrum, "v");
+    let client = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (browser, leg, ok) = client.block_on(async {
+        let (mut ws, _) = connect(vs, "sip", None).await.expect("upgraded");
+        let browser = ws.get_ref().local_addr().expect("addr");
+        ws.send(Message::text(REGISTER)).await.expect("send");
+        let (got, leg) = recv_text(&registrar).expect("the REGISTER reaches the registrar");
+        let ok = ok_to(&got);
+        registrar.send_to(ok.as_bytes(), leg).expect("send 200");
+        let back = next_sip(&mut ws)
+            .await
+            .expect("the 200 reaches the browser");
+        (browser, leg, back)
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut got: Vec<Decoded> = Vec::new();
+    let mut buf = vec![0u8; 65_536];
+    while got.len() < 4 && std::time::Instant::now() < deadline {
+        if let Ok(n) = collector.recv(&mut buf) {
+            got.push(decode(&buf[..n]).expect("HEP3"));
+        }
+    }
+    let time = |d: &Decoded| {
+        u64::from(d.time_s.unwrap_or(0)) * 1_000_000 + u64::from(d.time_us.unwrap_or(0))
+    };
+    got.sort_by_key(time);
+    let legs: Vec<(Option<u8>, SocketAddr, SocketAddr, String)> = got
+        .iter()
+        .map(|d| {
+            let a = |ip: Option<std::net::IpAddr>, port: Option<u16>| {
+                SocketAddr::new(ip.expect("address"), port.expect("port"))
+            };
+            let text = String::from_utf8_lossy(d.payload.as_deref().unwrap_or_default());
+            let first = text.lines().next().unwrap_or_default().to_owned();
+            (
+                d.ip_proto,
+                a(d.src, d.src_port),
+                a(d.dst, d.dst_port),
+                first,
+            )
+        })
+        .collect();
+    let register = "REGISTER sip:example.com SIP/2.0".to_owned();
+    let ok200 = "SIP/2.0 200 OK".to_owned();
+    assert_eq!(
+        legs,
+        vec![
+            (Some(6), browser, vs, register.clone()),
+            (Some(17), leg, reg, register),
+            (Some(17), reg, leg, ok200.clone()),
+            (Some(6), vs, browser, ok200),
+        ]
+    );
+    // The client leg's payloads as they crossed the WebSocket: the REGISTER without the
+    // Content-Length the UDP leg was given, the 200 as the browser read it.
+    assert_eq!(got[0].payload.as_deref(), Some(REGISTER.as_bytes()));
+    assert!(
+        String::from_utf8_lossy(got[1].payload.as_deref().unwrap_or_default())
+            .contains("Content-Length: 0")
+    );
+    assert_eq!(got[3].payload.as_deref(), Some(ok.as_bytes()));
+    for d in &got {
+        assert_eq!(d.correlation_id.as_deref(), Some(&b"ws-reg"[..]));
+        assert_eq!(d.agent_id, Some(9));
+    }
+    drop(fulcrum);
+}

@@ -114,9 +114,23 @@ pub fn packet_len(
         + call_id.map_or(0, |c| 6 + c.len())
 }
 
-/// Append the HEP3 packet of `payload` on `leg` to `out` (cleared first). Both addresses are
+/// The HEP3 packet of `payload` on `leg`, in `out` (cleared first). Both addresses are
 /// written in one family: a v4 address beside a v6 one is written v4-mapped.
 pub fn encode(
+    leg: &Leg,
+    agent_id: u32,
+    auth_key: Option<&[u8]>,
+    call_id: Option<&[u8]>,
+    payload: &[u8],
+    out: &mut Vec<u8>,
+) -> Result<(), EncodeError> {
+    out.clear();
+    append(leg, agent_id, auth_key, call_id, payload, out)
+}
+
+/// [`encode`], appended to what `out` holds: packets back to back, as a stream carries them
+/// and as the capture queue holds them (each one's length is in its bytes 4..6).
+pub fn append(
     leg: &Leg,
     agent_id: u32,
     auth_key: Option<&[u8]>,
@@ -128,7 +142,7 @@ pub fn encode(
     if len > MAX_PACKET {
         return Err(EncodeError::TooBig(len));
     }
-    out.clear();
+    let start = out.len();
     out.reserve(len);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&(len as u16).to_be_bytes());
@@ -164,8 +178,26 @@ pub fn encode(
     if let Some(c) = call_id {
         put(out, chunk::CORRELATION_ID, c);
     }
-    debug_assert_eq!(out.len(), len);
+    debug_assert_eq!(out.len() - start, len);
     Ok(())
+}
+
+/// The packets [`append`] wrote back to back into `buf`, in order: each one's length is in
+/// its bytes 4..6. Stops at bytes that do not hold a whole packet.
+pub fn packets(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = buf;
+    std::iter::from_fn(move || {
+        let len = match rest {
+            [_, _, _, _, hi, lo, ..] => u16::from_be_bytes([*hi, *lo]) as usize,
+            _ => return None,
+        };
+        if len < 6 || len > rest.len() {
+            return None;
+        }
+        let (packet, tail) = rest.split_at(len);
+        rest = tail;
+        Some(packet)
+    })
 }
 
 /// One chunk: vendor, type, length counting the 6-byte header, value. The caller checked
@@ -399,6 +431,28 @@ mod tests {
             encode(&l, 1, None, None, &big, &mut out),
             Err(EncodeError::TooBig(MAX_PACKET + 1))
         );
+    }
+
+    /// Packets appended back to back come apart again whole and in order; bytes that do not
+    /// hold a whole packet (a cut tail, a length under the header's) end the walk.
+    #[test]
+    fn appended_packets_split_back_in_order() {
+        let l = leg("10.0.0.1:5060", "[2001:db8::2]:5070", Transport::Tcp);
+        let mut buf = Vec::new();
+        append(&l, 1, None, Some(b"a@b"), INVITE, &mut buf).expect("fits");
+        append(&l, 2, Some(b"k"), None, b"SIP/2.0 200 OK\r\n\r\n", &mut buf).expect("fits");
+        let whole = buf.len();
+        let mut one = Vec::new();
+        encode(&l, 1, None, Some(b"a@b"), INVITE, &mut one).expect("fits");
+        let split: Vec<&[u8]> = packets(&buf).collect();
+        assert_eq!(split.len(), 2);
+        assert_eq!(split[0], &one[..]);
+        assert_eq!(decode(split[1]).expect("decodes").agent_id, Some(2));
+        buf.extend_from_slice(&one[..one.len() - 1]);
+        assert_eq!(packets(&buf).count(), 2, "a cut packet is not one");
+        buf.truncate(whole);
+        buf.extend_from_slice(b"HEP3\x00\x03");
+        assert_eq!(packets(&buf).count(), 2, "a length under 6 ends the walk");
     }
 
     #[test]

@@ -143,6 +143,8 @@ pub struct HealthBoard {
     local_log: LogLimiter,
     /// Where each monitor task shows its rounds to the watchdog, once set.
     liveness: std::sync::OnceLock<Arc<crate::liveness::Liveness>>,
+    /// Where the SIP probes are shown (captured when its `probes` is on), once set.
+    capture: std::sync::OnceLock<Arc<crate::capture::Capture>>,
 }
 
 impl HealthBoard {
@@ -155,6 +157,7 @@ impl HealthBoard {
             tasks: Mutex::new(HashMap::new()),
             local_log: LogLimiter::default(),
             liveness: std::sync::OnceLock::new(),
+            capture: std::sync::OnceLock::new(),
         });
         board.sync_services(config);
         board
@@ -163,6 +166,11 @@ impl HealthBoard {
     /// Show every monitor task's rounds on `liveness` (set once; tasks started from now on).
     pub fn watch_with(&self, liveness: Arc<crate::liveness::Liveness>) {
         let _ = self.liveness.set(liveness);
+    }
+
+    /// Show every SIP probe and its answers to `capture` (set once; docs/capture.md).
+    pub fn capture_with(&self, capture: Arc<crate::capture::Capture>) {
+        let _ = self.capture.set(capture);
     }
 
     /// Nanoseconds since the board's epoch: the clock of monitor holds.
@@ -329,12 +337,13 @@ impl HealthBoard {
             }
             // Read for each probe: a reload stores the certificates it read here.
             let tls = tls.load_full();
-            let result = probe::probe_tls(
+            let result = probe::probe_captured(
                 &m.kind,
                 target.address,
                 target.protocol,
                 tls.as_deref(),
                 m.timeout,
+                probe::Tap(self.capture.get().map(Arc::as_ref)),
             )
             .await;
             self.record(&target.name, m, result);

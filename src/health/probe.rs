@@ -266,9 +266,36 @@ pub async fn probe_tls(
     tls: Option<&ClientTls>,
     timeout: Duration,
 ) -> Result<ProbeReply, ProbeError> {
-    match tokio::time::timeout(timeout, probe_inner(kind, target, protocol, tls, timeout)).await {
+    probe_captured(kind, target, protocol, tls, timeout, Tap(None)).await
+}
+
+/// [`probe_tls`], its SIP messages (the OPTIONS and what the service answers) shown to
+/// `capture`, which keeps them when its `probes` is on (docs/capture.md).
+pub async fn probe_captured(
+    kind: &MonitorKind,
+    target: SocketAddr,
+    protocol: Protocol,
+    tls: Option<&ClientTls>,
+    timeout: Duration,
+    capture: Tap<'_>,
+) -> Result<ProbeReply, ProbeError> {
+    let inner = probe_inner(kind, target, protocol, tls, timeout, capture);
+    match tokio::time::timeout(timeout, inner).await {
         Ok(r) => r,
         Err(_) => Err(ProbeError::Timeout),
+    }
+}
+
+/// Where a probe shows its SIP messages: capture, or nowhere.
+#[derive(Debug, Clone, Copy)]
+pub struct Tap<'a>(pub Option<&'a crate::capture::Capture>);
+
+impl Tap<'_> {
+    /// A SIP message the probe sent or received on `transport` from `src` to `dst`.
+    fn tap(self, transport: crate::capture::Transport, src: SocketAddr, dst: SocketAddr, m: &[u8]) {
+        if let Some(c) = self.0 {
+            c.tap_probe(crate::capture::Stamp::now(), transport, src, dst, m);
+        }
     }
 }
 
@@ -278,14 +305,15 @@ async fn probe_inner(
     protocol: Protocol,
     tls: Option<&ClientTls>,
     timeout: Duration,
+    capture: Tap<'_>,
 ) -> Result<ProbeReply, ProbeError> {
     match kind {
         MonitorKind::SipOptions { expect_codes } => {
             let (a, rtt_us) = match (protocol, tls) {
-                (Protocol::SipTls, Some(tls)) => sip_tls(target, tls).await?,
+                (Protocol::SipTls, Some(tls)) => sip_tls(target, tls, capture).await?,
                 (Protocol::SipTls, None) => return Err(ProbeError::NoTls),
-                (Protocol::SipTcp | Protocol::Tcp, _) => sip_tcp(target).await?,
-                _ => sip_udp(target, timeout).await?,
+                (Protocol::SipTcp | Protocol::Tcp, _) => sip_tcp(target, capture).await?,
+                _ => sip_udp(target, timeout, capture).await?,
             };
             match answer::judge(a.code, a.retry_after_s, expect_codes) {
                 Outcome::Alive => Ok(ProbeReply {
@@ -423,13 +451,20 @@ fn options_retransmit_next(interval: Duration) -> Duration {
     (interval * 2).min(Duration::from_secs(4))
 }
 
-async fn sip_udp(target: SocketAddr, timeout: Duration) -> Result<(SipAnswer, u64), ProbeError> {
+async fn sip_udp(
+    target: SocketAddr,
+    timeout: Duration,
+    capture: Tap<'_>,
+) -> Result<(SipAnswer, u64), ProbeError> {
+    use crate::capture::Transport::Udp;
     let sock = UdpSocket::bind(unspecified_for(target)).await?;
     sock.connect(target).await?;
+    // Connected: the kernel has chosen the source address.
     let local = sock.local_addr()?;
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
     let start = Instant::now();
     let options = build_options(target, local, "UDP", seq);
+    capture.tap(Udp, local, target, &options);
     sock.send(&options).await?;
     let call_id = call_id_of(seq);
     let mut buf = vec![0u8; MAX_REPLY];
@@ -441,11 +476,15 @@ async fn sip_udp(target: SocketAddr, timeout: Duration) -> Result<(SipAnswer, u6
         tokio::select! {
             r = sock.recv(&mut buf) => {
                 let n = r?;
+                if crate::sip::scan(&buf[..n]).is_ok() {
+                    capture.tap(Udp, target, local, &buf[..n]);
+                }
                 if let Ok(Some(a)) = sip_final_status(&buf[..n], &call_id) {
                     return Ok((a, micros(start)));
                 }
             }
             () = tokio::time::sleep_until(again) => {
+                capture.tap(Udp, local, target, &options);
                 sock.send(&options).await?;
                 interval = options_retransmit_next(interval);
                 again += interval;
@@ -454,21 +493,25 @@ async fn sip_udp(target: SocketAddr, timeout: Duration) -> Result<(SipAnswer, u6
     }
 }
 
-async fn sip_tcp(target: SocketAddr) -> Result<(SipAnswer, u64), ProbeError> {
+async fn sip_tcp(target: SocketAddr, capture: Tap<'_>) -> Result<(SipAnswer, u64), ProbeError> {
     let start = Instant::now();
     let s = TcpStream::connect(target).await?;
     let local = s.local_addr()?;
-    sip_stream(s, target, local, "TCP", start).await
+    sip_stream(s, target, local, "TCP", start, capture).await
 }
 
 /// OPTIONS over TLS: the TCP connect and the handshake are part of the round trip, as the
 /// TCP connect is for [`sip_tcp`].
-async fn sip_tls(target: SocketAddr, tls: &ClientTls) -> Result<(SipAnswer, u64), ProbeError> {
+async fn sip_tls(
+    target: SocketAddr,
+    tls: &ClientTls,
+    capture: Tap<'_>,
+) -> Result<(SipAnswer, u64), ProbeError> {
     let start = Instant::now();
     let s = TcpStream::connect(target).await?;
     let local = s.local_addr()?;
     let s = tls_over(s, tls).await?;
-    sip_stream(s, target, local, "TLS", start).await
+    sip_stream(s, target, local, "TLS", start, capture).await
 }
 
 async fn sip_stream<S: AsyncRead + AsyncWrite + Unpin>(
@@ -477,10 +520,13 @@ async fn sip_stream<S: AsyncRead + AsyncWrite + Unpin>(
     local: SocketAddr,
     transport: &str,
     start: Instant,
+    capture: Tap<'_>,
 ) -> Result<(SipAnswer, u64), ProbeError> {
+    use crate::capture::Transport::Tcp;
     let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-    s.write_all(&build_options(target, local, transport, seq))
-        .await?;
+    let options = build_options(target, local, transport, seq);
+    capture.tap(Tcp, local, target, &options);
+    s.write_all(&options).await?;
     // A TLS stream may hold what the socket did not take until flushed.
     s.flush().await?;
     let call_id = call_id_of(seq);
@@ -497,6 +543,7 @@ async fn sip_stream<S: AsyncRead + AsyncWrite + Unpin>(
                 Ok(frame) => {
                     let len = frame.len();
                     if let Frame::Message { .. } = frame {
+                        capture.tap(Tcp, target, local, &buf[..len]);
                         match sip_final_status(&buf[..len], &call_id) {
                             Ok(Some(a)) => return Ok((a, micros(start))),
                             Ok(None) => {}

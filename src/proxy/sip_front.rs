@@ -213,6 +213,11 @@ impl Senders {
         self
     }
 
+    /// The local address of `services` (the source a capture names).
+    pub(crate) fn services_addr(&self) -> SocketAddr {
+        self.services_addr
+    }
+
     /// The capture tap, for the receive side of the same worker.
     pub(crate) fn tap(&self) -> Option<&crate::capture::Tap> {
         self.tap.as_ref()

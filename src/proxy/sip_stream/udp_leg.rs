@@ -2,6 +2,7 @@
 //! transports bridge, docs/sip.md), and a sip-udp bridge's way back to its clients. IO.
 
 use super::*;
+use crate::capture::Transport::Udp;
 
 impl SipStreamShared {
     /// Send `bytes` to `addr`, a client (or anyone but a sip-udp member), over the UDP leg
@@ -21,7 +22,12 @@ impl SipStreamShared {
     /// vserver's `service_source` socket when it has one (its Via names that address).
     pub(super) fn to_udp_member(&self, bytes: &[u8], addr: SocketAddr) -> bool {
         if let Some(front) = &self.front {
-            return self.to_front(&front.services, bytes, addr);
+            let at = self.tap.stamp();
+            let sent = self.to_front(&front.services, bytes, addr);
+            if sent && let Some(at) = at {
+                self.tap.tap(at, Udp, front.services_addr(), addr, bytes);
+            }
+            return sent;
         }
         self.to_leg(bytes, addr)
     }
@@ -32,7 +38,15 @@ impl SipStreamShared {
             return false;
         };
         let addr = udp_target(sock, addr);
-        self.datagram_sent(sock.try_send_to(bytes, addr), addr)
+        let at = self.tap.stamp();
+        let sent = self.datagram_sent(sock.try_send_to(bytes, addr), addr);
+        if sent
+            && let Some(at) = at
+            && let Ok(local) = sock.local_addr()
+        {
+            self.tap.tap(at, Udp, local, addr, bytes);
+        }
+        sent
     }
 
     /// Whether a datagram to `addr` went out; one that did not is counted (and logged, at a
@@ -102,6 +116,7 @@ pub(super) async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::
                 continue;
             }
         };
+        let at = shared.tap.stamp();
         let src = SocketAddr::new(src.ip().to_canonical(), src.port());
         OUT.with_borrow_mut(|out| {
             let _in = reader.enter();
@@ -115,6 +130,11 @@ pub(super) async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::
             let action = g
                 .core
                 .handle_stateful(&buf[..n], origin, src, dst, now, out, &mut sends);
+            if let Some(at) = at
+                && crate::proxy::sip_front::is_captured(&action)
+            {
+                shared.tap.tap(at, Udp, src, dst, &buf[..n]);
+            }
             // A held request's own messages first (the next attempt after a 503, the ACK).
             shared.carry_sends(&g, std::mem::take(&mut sends));
             match action {

@@ -219,6 +219,11 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                     b = rx.recv() => match b {
                         Some(b) => {
                             cost = outbox::cost(&b);
+                            // Captured as the WebSocket message's payload, on the client's
+                            // connection (docs/capture.md), the time taken before the send.
+                            if let Some(at) = shared.tap.stamp() {
+                                shared.tap.tap(at, crate::capture::Transport::Tcp, dst, src, &b);
+                            }
                             // SIP is text; a message that is not UTF-8 (a binary body) goes
                             // as a binary message (RFC 7118 §5.1 allows both).
                             // (The clone shares the bytes: validated once, copied never.)
@@ -360,6 +365,8 @@ fn handle_message(
     if g.core.registers_flow(bytes) {
         activity.mark_registered();
     }
+    let at = shared.tap.stamp();
+    let payload = bytes;
     let framed = with_content_length(bytes);
     let bytes = framed.as_deref().unwrap_or(bytes);
     reader::OUT.with_borrow_mut(|out| {
@@ -367,6 +374,15 @@ fn handle_message(
         let action = g
             .core
             .handle_stateful(bytes, origin, src, dst, now, out, &mut sends);
+        // Captured as the WebSocket message's payload, as it crossed the wire (without the
+        // Content-Length a stream service is given), unless dropped.
+        if let Some(at) = at
+            && crate::proxy::sip_front::is_captured(&action)
+        {
+            shared
+                .tap
+                .tap(at, crate::capture::Transport::Tcp, src, dst, payload);
+        }
         shared.carry_sends(&g, sends);
         shared.dispatch(&g, action, out, origin, ReplyTo::Client(id));
     });
