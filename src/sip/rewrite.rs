@@ -938,7 +938,15 @@ fn own_tag(msg: &SipMsg<'_>) -> [u8; 16] {
 /// Whether `msg` is the ACK of a final answer fulcrum gave itself (a refusal, a 503): its To
 /// tag is the one fulcrum wrote. Such an ACK ends there (RFC 3261 §17.2.1).
 pub fn acks_own_reply(msg: &SipMsg<'_>) -> bool {
+    // Most ACKs acknowledge a service's 2xx: a look for `tag=fc` in To spares them the parse.
     msg.method_kind() == SipMethod::Ack
+        && msg.to_header().is_some_and(|to| {
+            memchr::memchr_iter(b'=', to).any(|i| {
+                i >= 3
+                    && to[i - 3..i].eq_ignore_ascii_case(b"tag")
+                    && to.get(i + 1..i + 3) == Some(b"fc")
+            })
+        })
         && msg
             .to_tag()
             .and_then(|t| t.strip_prefix(b"fc"))

@@ -153,6 +153,9 @@ pub struct SipCore {
     dialogs: DialogTable,
     /// The core this one replaces, while a reload hands over to it ([`SipCore::begin_handover`]).
     handover: arc_swap::ArcSwapOption<HandOver>,
+    /// `handover` is set: read first, so a message outside a reload pays one relaxed load, not
+    /// the `ArcSwapOption`'s.
+    handing_over: std::sync::atomic::AtomicBool,
     /// Address of each member (index = member index).
     member_addrs: Vec<SocketAddr>,
     /// `fc-svc` digest of each member (index = member index).
@@ -346,6 +349,7 @@ impl SipCore {
                 u64::try_from(p.dialog_idle.as_millis()).unwrap_or(u64::MAX),
             ),
             handover: arc_swap::ArcSwapOption::empty(),
+            handing_over: std::sync::atomic::AtomicBool::new(false),
             member_addrs: p.member_addrs,
             failover: None,
             transactions: Arc::default(),
@@ -586,11 +590,15 @@ impl SipCore {
             migrated,
             counts,
         })));
+        self.handing_over
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// The hand-over is over (the catch-up pass has run): nothing more is taken from the old
     /// core, which is let go.
     pub(crate) fn end_handover(&self) {
+        self.handing_over
+            .store(false, std::sync::atomic::Ordering::Release);
         self.handover.store(None);
     }
 
@@ -598,6 +606,9 @@ impl SipCore {
     /// none, else what the old core did to it since carried here ([`SipCore::begin_handover`],
     /// [`DialogTable::pull_from`]). One load when there is no hand-over.
     fn pull(&self, h: u64, now_ms: u64) {
+        if !self.handing_over.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         let g = self.handover.load();
         let Some(ho) = g.as_ref() else {
             return;
