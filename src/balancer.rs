@@ -736,13 +736,6 @@ impl Balancer {
         }
     }
 
-    /// Whether pool `pool` has a member that takes new flows at `now`.
-    pub fn pool_usable(&self, pool: usize, now: Nanos) -> bool {
-        self.pool_members(pool)
-            .into_iter()
-            .any(|m| self.is_usable(m, now))
-    }
-
     /// Choose within pool `pool` (0: the vserver's own members, as [`Balancer::choose_avoiding`];
     /// a rule's pool: its own ranking and method, never a member outside it).
     pub fn choose_in(

@@ -3,7 +3,7 @@
 //! PURE.
 
 use super::vserver::Member;
-use super::{Cx, Fields, did_you_mean, join};
+use super::{Cx, Fields, join};
 use crate::config::model::*;
 use crate::config::yaml::{Node, Value};
 use crate::route::{self, HeaderTest, HeaderValue, Hosts, Match, Pattern, Prefixes, Rule, Text};
@@ -299,32 +299,7 @@ impl Cx {
             self.problem(list.pos, &sp, "a route's pool needs at least one service");
             return None;
         }
-        let mut out: Vec<Member> = Vec::new();
-        let mut ok = true;
-        for (i, item) in items.iter().enumerate() {
-            let ip = format!("{sp}[{i}]");
-            let Some(sname) = self.string(item, &ip) else {
-                ok = false;
-                continue;
-            };
-            match services.iter().position(|(n, _)| *n == sname) {
-                None if services_declared.contains(&sname) => ok = false,
-                None => {
-                    let hint = did_you_mean(&sname, services_declared.iter().map(String::as_str));
-                    self.problem(item.pos, &ip, format!("unknown service `{sname}`{hint}"));
-                    ok = false;
-                }
-                Some(idx) if out.iter().any(|m| m.index == idx) => {
-                    self.problem(item.pos, &ip, format!("service `{sname}` is listed twice"));
-                    ok = false;
-                }
-                Some(index) => out.push(Member {
-                    index,
-                    pos: item.pos,
-                    path: ip,
-                }),
-            }
-        }
+        let (out, ok) = self.resolve_services(items, &sp, services, services_declared);
         ok.then_some(out)
     }
 

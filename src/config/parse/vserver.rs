@@ -566,13 +566,12 @@ impl Cx {
         services_declared: &[String],
         may_be_empty: bool,
     ) -> (Vec<Member>, bool) {
-        let mut members: Vec<Member> = Vec::new();
         let mut ok = true;
         if may_be_empty && f.get("services").is_none() {
-            return (members, ok);
+            return (Vec::new(), ok);
         }
         let Some(list) = self.required(f, path, "services") else {
-            return (members, ok);
+            return (Vec::new(), ok);
         };
         let sp = join(path, "services");
         let items = self.seq(list, &sp);
@@ -580,6 +579,22 @@ impl Cx {
             self.problem(list.pos, &sp, "at least one service is required");
             ok = false;
         }
+        let (found, listed_ok) = self.resolve_services(items, &sp, services, services_declared);
+        (found, ok && listed_ok)
+    }
+
+    /// The services a list names (`items`, at `sp`), resolved by name: each declared and
+    /// listed once. The flag is false when one was not (its problem reported). A vserver's
+    /// `services` and a routing rule's pool read their lists through here.
+    pub(super) fn resolve_services(
+        &mut self,
+        items: &[Node],
+        sp: &str,
+        services: &[(&str, &Service)],
+        services_declared: &[String],
+    ) -> (Vec<Member>, bool) {
+        let mut members: Vec<Member> = Vec::new();
+        let mut ok = true;
         for (i, item) in items.iter().enumerate() {
             let ip = format!("{sp}[{i}]");
             let Some(sname) = self.string(item, &ip) else {

@@ -394,26 +394,22 @@ impl SipCore {
         self.choose_routed(msg, src, dst, now).ok().flatten()
     }
 
-    /// The pool the routing rules give `msg` (0 without rules, or where they do not apply),
-    /// or their refusal, with the rule that decided (`None`: the default) for its counters.
+    /// What the routing rules decide for `msg`: the rule that held (`None`: the default) and
+    /// its target. `None` without rules, or where they do not apply (the vserver's own pool,
+    /// uncounted).
     pub(super) fn pool_of(
         &self,
         msg: &SipMsg<'_>,
         src: SocketAddr,
         dst: SocketAddr,
-    ) -> (Option<usize>, Result<usize, &Target>) {
-        let Some(routes) = self.balancer.routes() else {
-            return (None, Ok(0));
-        };
+    ) -> Option<(Option<usize>, &Target)> {
+        let routes = self.balancer.routes()?;
         if !self.routes_apply(msg) {
-            return (None, Ok(0));
+            return None;
         }
         let mut req = crate::route::Request::new(msg, src, dst);
         let d = routes.decide(&mut req);
-        match d.target {
-            Target::Pool(p) => (d.rule, Ok(*p)),
-            other => (d.rule, Err(other)),
-        }
+        Some((d.rule, d.target))
     }
 
     /// Whether rules route `msg`: a request other than ACK and CANCEL, and not one of a dialog
@@ -425,15 +421,15 @@ impl SipCore {
             && !(msg.to_tag().is_some() && sip::routed_service(msg, &self.local).is_some())
     }
 
+    /// The counters of a rule (`None`: the default's).
+    fn route_counters(&self, rule: Option<usize>) -> Option<&crate::balancer::RouteCounters> {
+        let default = self.balancer.routes()?.rules.len();
+        self.balancer.route_counters(rule.unwrap_or(default))
+    }
+
     /// Count what a rule (`None`: the default) decided.
     fn count_route(&self, rule: Option<usize>, target: &Target) {
-        let Some(routes) = self.balancer.routes() else {
-            return;
-        };
-        let Some(c) = self
-            .balancer
-            .route_counters(rule.unwrap_or(routes.rules.len()))
-        else {
+        let Some(c) = self.route_counters(rule) else {
             return;
         };
         if rule.is_some() {
@@ -485,8 +481,8 @@ impl SipCore {
         // decide it before the table is asked.
         let early = (self.balancer.routes().is_some() && msg.method_kind() == SipMethod::Register)
             .then(|| self.pool_of(msg, src, dst));
-        let method = match &early {
-            Some((_, Ok(p))) => self.balancer.pool_method(*p),
+        let method = match early {
+            Some(Some((_, Target::Pool(p)))) => self.balancer.pool_method(*p),
             _ => self.method,
         };
         // A request that pins finds its Call-ID's entry through `get_pinning`: a new request
@@ -511,29 +507,22 @@ impl SipCore {
             }
             return Ok(Some(m as usize));
         }
-        let (rule, decided) = match early {
-            Some(d) => d,
-            None => self.pool_of(msg, src, dst),
-        };
+        let decided = early.unwrap_or_else(|| self.pool_of(msg, src, dst));
         let pool = match decided {
-            Ok(p) => {
-                if self.balancer.routes().is_some() && self.routes_apply(msg) {
-                    self.count_route(rule, &Target::Pool(p));
-                }
-                p
-            }
-            Err(t) => {
+            None => 0,
+            Some((rule, t)) => {
                 self.count_route(rule, t);
-                return Err(t);
+                match t {
+                    Target::Pool(p) => *p,
+                    refusal => return Err(refusal),
+                }
             }
         };
         let method = self.balancer.pool_method(pool);
         let key = self.key_with(method, msg, src, dst, call_hash);
         let Some(choice) = self.balancer.choose_in(pool, key, now, &|_| false) else {
-            if let Some(routes) = self.balancer.routes()
-                && let Some(c) = self
-                    .balancer
-                    .route_counters(rule.unwrap_or(routes.rules.len()))
+            if let Some((rule, _)) = decided
+                && let Some(c) = self.route_counters(rule)
             {
                 c.unavailable.fetch_add(1, Ordering::Relaxed);
             }

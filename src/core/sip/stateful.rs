@@ -285,7 +285,11 @@ impl SipCore {
         let call_hash = msg.call_id().map(hash::key_hash);
         // The pool its rule gave it (rules read only the request and the listener, so this is
         // the first attempt's): failover never leaves it.
-        let pool = self.pool_of(msg, src, dst).1.ok()?;
+        let pool = match self.pool_of(msg, src, dst) {
+            None => 0,
+            Some((_, crate::route::Target::Pool(p))) => *p,
+            Some(_) => return None,
+        };
         let method = self.balancer.pool_method(pool);
         let key = self.key_with(method, msg, src, dst, call_hash);
         let member = self.balancer.choose_in(pool, key, now, avoid)?.member;
