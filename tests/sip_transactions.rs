@@ -201,10 +201,9 @@ fn run_uac_with(
             let text = std::fs::read_to_string(f.path()).unwrap_or_default();
             rtts.extend(text.lines().skip(1).filter_map(|l| {
                 let cols: Vec<&str> = l.split(';').collect();
-                Some((
-                    cols.get(2)?.trim().to_owned(),
-                    cols.get(1)?.trim().parse().ok()?,
-                ))
+                // SIPp writes milliseconds with a fraction at times ("504.001").
+                let ms: f64 = cols.get(1)?.trim().parse().ok()?;
+                Some((cols.get(2)?.trim().to_owned(), ms.round() as u64))
             }));
         }
     }
