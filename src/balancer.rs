@@ -717,6 +717,34 @@ impl Balancer {
         self.route_counters.get(i).map(|c| &**c)
     }
 
+    /// Count what a rule (`None`: the default) decided.
+    pub fn count_route(&self, rule: Option<usize>, target: &crate::route::Target) {
+        let Some(c) = self.counters_of_rule(rule) else {
+            return;
+        };
+        if rule.is_some() {
+            c.matched.fetch_add(1, Ordering::Relaxed);
+        }
+        match target {
+            crate::route::Target::Reject { .. } => c.rejected.fetch_add(1, Ordering::Relaxed),
+            crate::route::Target::Drop => c.dropped.fetch_add(1, Ordering::Relaxed),
+            crate::route::Target::Pool(_) => 0,
+        };
+    }
+
+    /// Count a request a rule's (`None`: the default's) pool had no usable member for.
+    pub fn count_route_unavailable(&self, rule: Option<usize>) {
+        if let Some(c) = self.counters_of_rule(rule) {
+            c.unavailable.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The counters of a rule (`None`: the default's).
+    fn counters_of_rule(&self, rule: Option<usize>) -> Option<&RouteCounters> {
+        let default = self.routes.as_ref()?.rules.len();
+        self.route_counters(rule.unwrap_or(default))
+    }
+
     /// The members of pool `pool` (0: the vserver's own, ranked ones), by member index.
     pub fn pool_members(&self, pool: usize) -> Vec<usize> {
         match pool {

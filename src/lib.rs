@@ -8,6 +8,7 @@
 //! - `bpf`        IO    packet vservers' kernel side: tc ingress program (assembled in Rust), maps, tcx links; unsafe in `bpf::sys` only
 //! - `balancer`   PURE  one vserver's decision: hash ranking, fallbacks, methods, slow start
 //! - `capture`    IO    SIP messages to a HEP collector: bounded queue, one sender thread (`capture::hep`: the packets, PURE)
+//! - `client_hello` PURE TLS ClientHello's server name and ALPN protocols, to route TLS without terminating it
 //! - `config`     PURE  YAML model, validation with field paths and line numbers
 //! - `core`       PURE  the data paths' decisions: the SIP proxy core, SIP stream link and receive buffer, udp sessions, tcp keys
 //! - `demo`       IO    `fulcrum demo`: built-in SIP backends, proxy and load on loopback
@@ -32,7 +33,7 @@
 //! - `proxy`      IO    data paths (sip-udp, sip-tcp, udp, tcp, http) around `core`, the runtime that starts vservers (a packet vserver through `proxy::packet`), in-place rebuild on reload
 //! - `readiness`  PURE  whether the instance should get new traffic (`/readyz`): vserver facts + drain -> verdict
 //! - `reload`     PURE  what a reload changes in place, and what needs a restart
-//! - `route`      PURE  routing rules of a SIP vserver: the pool or refusal a request gets
+//! - `route`      PURE  routing rules of a vserver (SIP requests, tcp connections by TLS name and protocol, HTTP requests): the pool or refusal each gets
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
 //! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
@@ -55,6 +56,7 @@ pub mod balancer;
 pub mod bpf;
 pub mod budget;
 pub mod capture;
+pub mod client_hello;
 pub mod config;
 pub mod core;
 pub mod demo;

@@ -1,5 +1,6 @@
-//! Routing rules of a SIP vserver (docs/routing.md): which pool a request outside a dialog
-//! goes to, or which refusal it gets, from the request alone and the listener it arrived on.
+//! Routing rules of a vserver (docs/routing.md): which pool a SIP request outside a dialog, a
+//! tcp connection (by its TLS server name and application protocols) or an HTTP request goes
+//! to, or which refusal it gets, from the request alone and the listener it arrived on.
 //! PURE: no socket, no clock; a rule depends only on its request, so every instance of a
 //! pool routes alike.
 //!
@@ -11,6 +12,7 @@
 //! limit; a pattern over it is refused at load).
 
 use crate::acl::Cidr;
+use crate::http::HttpHead;
 use crate::sip::{SipMethod, SipMsg, parse_name_addr, parse_uri};
 /// A set of byte strings: compared one by one while small (faster than hashing a short key),
 /// hashed with a fixed function (xxh3, never a randomly seeded one) past [`SMALL_SET`].
@@ -94,7 +96,14 @@ pub struct Rule {
 pub struct Routes {
     pub rules: Vec<Rule>,
     pub default: Target,
+    /// Longest wait for a ClientHello a rule reads on a tcp vserver without TLS termination
+    /// (`client_hello_timeout`); a connection whose hello is not complete by then is routed
+    /// as one without a name.
+    pub client_hello_timeout: std::time::Duration,
 }
+
+/// `client_hello_timeout` when not given.
+pub const CLIENT_HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The decision for one request: the rule that matched (`None`: the default) and its target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,6 +113,37 @@ pub struct Decision<'r> {
 }
 
 impl Routes {
+    /// Whether a rule reads the TLS handshake (`sni`, `alpn`).
+    pub fn reads_tls(&self) -> bool {
+        self.rules
+            .iter()
+            .any(|r| r.test.sni.is_some() || r.test.alpn.is_some())
+    }
+
+    /// Whether a rule reads an HTTP request head (`method`, `header`, `host`, `path_prefix`).
+    pub fn reads_http(&self) -> bool {
+        self.rules.iter().any(|r| {
+            r.test.methods.is_some()
+                || !r.test.headers.is_empty()
+                || r.test.host.is_some()
+                || r.test.path_prefix.is_some()
+        })
+    }
+
+    /// The application protocols the rules' `alpn` tests name, each once, in file order: what
+    /// a vserver that terminates TLS offers to negotiate (RFC 7301 §3.2: the server picks).
+    pub fn alpn_protocols(&self) -> Vec<Vec<u8>> {
+        let mut out: Vec<Vec<u8>> = Vec::new();
+        for list in self.rules.iter().filter_map(|r| r.test.alpn.as_ref()) {
+            for p in list {
+                if !out.contains(p) {
+                    out.push(p.clone());
+                }
+            }
+        }
+        out
+    }
+
     /// The first rule whose tests all hold, else the default.
     pub fn decide<'r>(&'r self, req: &mut Request<'_, '_>) -> Decision<'r> {
         for (i, r) in self.rules.iter().enumerate() {
@@ -345,6 +385,16 @@ pub struct Match {
     pub source: Option<Vec<Cidr>>,
     pub headers: Vec<HeaderTest>,
     pub local: Option<Vec<Local>>,
+    /// The TLS server name (tcp vservers): the ClientHello's, or the handshake's with TLS
+    /// terminated.
+    pub sni: Option<Hosts>,
+    /// The TLS application protocol (tcp vservers): any the ClientHello offers, or the one
+    /// negotiated with TLS terminated. In file order (a few names: compared one by one).
+    pub alpn: Option<Vec<Vec<u8>>>,
+    /// The HTTP request's host: the absolute target's, else the Host header's, without port.
+    pub host: Option<Hosts>,
+    /// The start of the HTTP request target's path (`/api/` holds for `/api/v1?x=1`).
+    pub path_prefix: Option<Prefixes>,
 }
 
 /// A number as `normalize: true` compares it.
@@ -382,7 +432,7 @@ impl Match {
 
     pub fn holds(&self, r: &mut Request<'_, '_>) -> bool {
         if let Some(ms) = &self.methods {
-            let m = r.msg.method().unwrap_or(b"");
+            let m = r.method().unwrap_or(b"");
             if !ms.iter().any(|x| x.as_slice() == m) {
                 return false;
             }
@@ -443,6 +493,9 @@ impl Match {
         {
             return false;
         }
+        if !self.holds_stream(r) {
+            return false;
+        }
         if self.headers.is_empty() {
             return true;
         }
@@ -463,14 +516,57 @@ impl Match {
             }
         })
     }
+
+    /// The TLS and HTTP tests (none of them holds on a request that lacks the field).
+    fn holds_stream(&self, r: &Request<'_, '_>) -> bool {
+        if let Some(h) = &self.sni
+            && !r.sni().is_some_and(|x| h.holds(x))
+        {
+            return false;
+        }
+        if let Some(set) = &self.alpn
+            && !r.alpn().iter().any(|p| set.contains(p))
+        {
+            return false;
+        }
+        if let Some(h) = &self.host
+            && !r.http_host().is_some_and(|x| h.holds(x))
+        {
+            return false;
+        }
+        if let Some(p) = &self.path_prefix
+            && !r.path().is_some_and(|x| p.starts(x))
+        {
+            return false;
+        }
+        true
+    }
 }
 
 type HostUser<'a> = (Option<&'a [u8]>, Option<&'a [u8]>);
 
-/// A request as the rules read it: the scanned message, its source and the address it arrived
+/// What a rule reads besides the addresses.
+#[derive(Debug, Clone, Copy)]
+pub enum Subject<'m, 'a> {
+    /// A SIP request, as scanned.
+    Sip(&'m SipMsg<'a>),
+    /// A tcp connection over TLS: the server name and the application protocols (offered by
+    /// the ClientHello, or the one negotiated with TLS terminated); `None` and none when the
+    /// connection is not TLS or its hello was unreadable.
+    Tls {
+        sni: Option<&'a [u8]>,
+        alpn: &'m [Vec<u8>],
+    },
+    /// An HTTP/1.x request head; `None` when the head did not parse.
+    Http(Option<&'m HttpHead<'a>>),
+    /// A connection of which nothing is read (rules on the addresses only).
+    Connection,
+}
+
+/// A request as the rules read it: what was read of it, its source and the address it arrived
 /// on, with each parsed field kept once parsed.
 pub struct Request<'m, 'a> {
-    pub msg: &'m SipMsg<'a>,
+    subject: Subject<'m, 'a>,
     pub src: SocketAddr,
     pub local: SocketAddr,
     ruri: Option<HostUser<'a>>,
@@ -481,9 +577,14 @@ pub struct Request<'m, 'a> {
 }
 
 impl<'m, 'a> Request<'m, 'a> {
+    /// A SIP request's.
     pub fn new(msg: &'m SipMsg<'a>, src: SocketAddr, local: SocketAddr) -> Self {
+        Request::of(Subject::Sip(msg), src, local)
+    }
+
+    pub fn of(subject: Subject<'m, 'a>, src: SocketAddr, local: SocketAddr) -> Self {
         Request {
-            msg,
+            subject,
             src,
             local,
             ruri: None,
@@ -497,7 +598,15 @@ impl<'m, 'a> Request<'m, 'a> {
     /// the scanner's full parse of each (a folded value's continuation lines are left out:
     /// folding is obsolete, RFC 3261 §7.3.1, and the tests read the first line).
     fn headers(&mut self) -> &[(&'a [u8], &'a [u8])] {
-        let msg = self.msg;
+        let msg = match self.subject {
+            Subject::Sip(msg) => msg,
+            Subject::Http(head) => {
+                return self
+                    .headers
+                    .get_or_insert_with(|| head.map_or_else(Vec::new, |h| h.headers().collect()));
+            }
+            _ => return &[],
+        };
         self.headers.get_or_insert_with(|| {
             let buf = msg.buf();
             let head = buf
@@ -521,10 +630,70 @@ impl<'m, 'a> Request<'m, 'a> {
         })
     }
 
+    /// The method: a SIP request's, an HTTP request's.
+    fn method(&self) -> Option<&'a [u8]> {
+        match self.subject {
+            Subject::Sip(msg) => msg.method(),
+            Subject::Http(head) => head.map(|h| h.method().as_bytes()),
+            _ => None,
+        }
+    }
+
+    fn sni(&self) -> Option<&'a [u8]> {
+        match self.subject {
+            Subject::Tls { sni, .. } => sni,
+            _ => None,
+        }
+    }
+
+    fn alpn(&self) -> &'m [Vec<u8>] {
+        match self.subject {
+            Subject::Tls { alpn, .. } => alpn,
+            _ => &[],
+        }
+    }
+
+    fn http_host(&self) -> Option<&'a [u8]> {
+        match self.subject {
+            Subject::Http(Some(h)) => h.host(),
+            _ => None,
+        }
+    }
+
+    /// The HTTP target's path: origin-form as it is, absolute-form from the `/` after its
+    /// authority (`*` and authority-form have none), without query or fragment.
+    fn path(&self) -> Option<&'a [u8]> {
+        let Subject::Http(Some(h)) = self.subject else {
+            return None;
+        };
+        let t = h.target();
+        let t = if t.starts_with(b"/") {
+            t
+        } else {
+            let rest = &t[memchr::memmem::find(t, b"://")? + 3..];
+            &rest[memchr::memchr(b'/', rest)?..]
+        };
+        let end = t
+            .iter()
+            .position(|&c| c == b'?' || c == b'#')
+            .unwrap_or(t.len());
+        Some(&t[..end])
+    }
+
+    fn sip(&self) -> Option<&'m SipMsg<'a>> {
+        match self.subject {
+            Subject::Sip(msg) => Some(msg),
+            _ => None,
+        }
+    }
+
     /// The Request-URI's host and user; a `tel:` URI has a user (the number) and no host.
     fn ruri(&mut self) -> HostUser<'a> {
+        let Some(msg) = self.sip() else {
+            return (None, None);
+        };
         *self.ruri.get_or_insert_with(|| {
-            let Some(u) = self.msg.request_uri() else {
+            let Some(u) = msg.request_uri() else {
                 return (None, None);
             };
             if let Some(p) = parse_uri(u) {
@@ -540,9 +709,11 @@ impl<'m, 'a> Request<'m, 'a> {
     }
 
     fn from(&mut self) -> HostUser<'a> {
+        let Some(msg) = self.sip() else {
+            return (None, None);
+        };
         *self.from.get_or_insert_with(|| {
-            let uri = self
-                .msg
+            let uri = msg
                 .from_header()
                 .and_then(parse_name_addr)
                 .and_then(|na| parse_uri(na.uri));
@@ -554,7 +725,8 @@ impl<'m, 'a> Request<'m, 'a> {
     }
 
     fn callee_host(&mut self) -> Option<&'a [u8]> {
-        *self.to_host.get_or_insert_with(|| self.msg.to_host())
+        let msg = self.sip()?;
+        *self.to_host.get_or_insert_with(|| msg.to_host())
     }
 }
 
@@ -756,6 +928,7 @@ mod tests {
     #[test]
     fn the_first_rule_that_holds_wins_and_nothing_falls_to_the_default() {
         let routes = Routes {
+            client_hello_timeout: CLIENT_HELLO_TIMEOUT,
             rules: vec![
                 Rule {
                     name: "reg".into(),

@@ -291,6 +291,29 @@ pub fn server_config(
     Ok((Arc::new(config), fingerprint))
 }
 
+/// `config` offering the application protocols `alpn` in the handshake (RFC 7301 §3.2: the
+/// server picks the first of its list the client offers, and refuses a client that offers
+/// only others with `no_application_protocol`), with a fingerprint that tells the lists
+/// apart, so a reload that changes them builds a new configuration.
+pub fn offering_alpn(
+    config: Arc<ServerConfig>,
+    fingerprint: Fingerprint,
+    alpn: Vec<Vec<u8>>,
+) -> (Arc<ServerConfig>, Fingerprint) {
+    if alpn.is_empty() {
+        return (config, fingerprint);
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&fingerprint.0.to_be_bytes());
+    for p in &alpn {
+        h.update(&[u8::try_from(p.len()).unwrap_or(u8::MAX)]);
+        h.update(p);
+    }
+    let mut c = Arc::unwrap_or_clone(config);
+    c.alpn_protocols = alpn;
+    (Arc::new(c), Fingerprint(h.digest128()))
+}
+
 /// A client configuration from `files`: the service's certificate verified against `ca`,
 /// with a client certificate when `cert` and `key` are given.
 pub fn client_config(files: &ClientFiles<'_>) -> Result<Arc<ClientConfig>, FileProblem> {
@@ -723,6 +746,23 @@ impl<IO> MaybeTls<IO> {
         match self {
             MaybeTls::Plain(io) => io,
             MaybeTls::Tls { stream, .. } => stream.get_ref().0,
+        }
+    }
+}
+
+impl<IO> MaybeTls<IO> {
+    /// Of a TLS connection this side accepted: the server name the client asked for (SNI)
+    /// and the application protocol negotiated (ALPN).
+    pub fn accepted_names(&self) -> Option<(Option<&str>, Option<&[u8]>)> {
+        match self {
+            MaybeTls::Tls { stream, .. } => match &**stream {
+                tokio_rustls::TlsStream::Server(s) => {
+                    let c = s.get_ref().1;
+                    Some((c.server_name(), c.alpn_protocol()))
+                }
+                tokio_rustls::TlsStream::Client(_) => None,
+            },
+            MaybeTls::Plain(_) => None,
         }
     }
 }

@@ -152,7 +152,7 @@ pub(crate) fn render(ops: &Ops) -> String {
     let mut routes = Family::new(
         "fulcrum_route_requests_total",
         "counter",
-        "Requests each routing rule of a SIP vserver decided (route=\"default\": what no rule matched), by result: matched (the rule held), rejected (its reject answered), dropped, unavailable (its pool had no usable service: 503) (docs/routing.md).",
+        "Requests (tcp: connections) each routing rule of a vserver decided (route=\"default\": what no rule matched), by result: matched (the rule held), rejected (its reject answered), dropped, unavailable (its pool had no usable service: SIP answers 503, tcp and http close) (docs/routing.md).",
     );
     let mut edge = EdgeFamilies::new();
     let mut tls = TlsFamilies::new();

@@ -253,6 +253,12 @@ fn read_tls_files(cfg: &mut Config, dir: &Path) -> Vec<Problem> {
     };
     let mut problems = Vec::new();
     for v in &mut cfg.vservers {
+        // The protocols the routing rules' `alpn` tests name are offered in the handshake.
+        let alpn = v
+            .routes
+            .as_ref()
+            .map(crate::route::Routes::alpn_protocols)
+            .unwrap_or_default();
         let Some(tls) = v.tls.as_mut() else { continue };
         resolve(&mut tls.cert);
         resolve(&mut tls.key);
@@ -271,7 +277,10 @@ fn read_tls_files(cfg: &mut Config, dir: &Path) -> Vec<Problem> {
             client_ca: tls.client_ca.as_ref().map(|c| c.path.as_path()),
         };
         match crate::tls::server_config(&files) {
-            Ok((c, fingerprint)) => tls.loaded = Loaded::fingerprinted(c, fingerprint),
+            Ok((c, fingerprint)) => {
+                let (c, fingerprint) = crate::tls::offering_alpn(c, fingerprint, alpn);
+                tls.loaded = Loaded::fingerprinted(c, fingerprint);
+            }
             Err(p) => {
                 let at = match p.field {
                     Field::Key => &tls.key,

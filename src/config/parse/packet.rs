@@ -79,6 +79,7 @@ const NOT_FOR_PACKET: &[(&str, &str)] = &[
     ("workers", IN_KERNEL),
     ("tls", IN_KERNEL),
     ("tls_handshake_timeout", IN_KERNEL),
+    ("client_hello_timeout", IN_KERNEL),
 ];
 
 impl Cx {

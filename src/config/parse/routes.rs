@@ -28,7 +28,35 @@ const MATCH_FIELDS: &[&str] = &[
     "source",
     "header",
     "local",
+    "sni",
+    "alpn",
+    "host",
+    "path_prefix",
 ];
+
+/// The match keys each kind of vserver reads (the others mean nothing on it).
+const SIP_KEYS: &[&str] = &[
+    "method",
+    "ruri_user",
+    "ruri_host",
+    "to_host",
+    "from_host",
+    "from_user",
+    "source",
+    "header",
+    "local",
+];
+const TCP_KEYS: &[&str] = &["sni", "alpn", "source", "local"];
+const HTTP_KEYS: &[&str] = &["method", "host", "path_prefix", "header", "source", "local"];
+
+/// The match keys of `p`'s vservers.
+fn keys_of(p: Protocol) -> &'static [&'static str] {
+    match p {
+        Protocol::Tcp => TCP_KEYS,
+        Protocol::Http => HTTP_KEYS,
+        _ => SIP_KEYS,
+    }
+}
 
 const TEXT_FIELDS: &[&str] = &["exact", "prefix", "regex"];
 const HEADER_FIELDS: &[&str] = &["name", "present", "exact", "prefix", "regex"];
@@ -121,7 +149,7 @@ impl Cx {
             return Some((Some(None), Vec::new()));
         }
         if let Some(p) = protocol
-            && !p.is_sip()
+            && !(p.is_sip() || matches!(p, Protocol::Tcp | Protocol::Http))
         {
             let (n, name) = match list {
                 Some(n) => (n, "routes"),
@@ -131,7 +159,7 @@ impl Cx {
                 n.pos,
                 &join(path, name),
                 format!(
-                    "routing rules apply to SIP vservers only, not {} (docs/routing.md)",
+                    "routing rules apply to SIP, tcp and http vservers, not {} (docs/routing.md)",
                     p.name()
                 ),
             );
@@ -159,7 +187,13 @@ impl Cx {
                     None => names.push((name, pos.line)),
                 }
             }
-            let Some(r) = self.rule(item, &at, services, services_declared, pools.len() + 1) else {
+            let Some(r) = self.rule(
+                item,
+                &at,
+                protocol,
+                (services, services_declared),
+                pools.len() + 1,
+            ) else {
                 ok = false;
                 continue;
             };
@@ -186,10 +220,50 @@ impl Cx {
             Some(n) if matches!(&n.value, Value::Str(s) if s == "pool") => {
                 Some(route::Target::Pool(0))
             }
-            Some(n) => self.refusal(n, &dp, DEFAULT_FIELDS),
+            Some(n) => self.refusal(n, &dp, DEFAULT_FIELDS, protocol),
         };
-        let routes = default.map(|default| route::Routes { rules, default });
+        let timeout = self.client_hello_timeout(f, path, protocol, (&rules, ok));
+        ok &= timeout.is_some();
+        let routes = default.map(|default| route::Routes {
+            rules,
+            default,
+            client_hello_timeout: timeout.unwrap_or(route::CLIENT_HELLO_TIMEOUT),
+        });
         Some(((ok && routes.is_some()).then_some(routes), pools))
+    }
+
+    /// `client_hello_timeout`: on a tcp vserver whose rules read `sni` or `alpn` (without
+    /// `tls`: with it, the handshake's own timeout bounds the wait); `None` when bad.
+    fn client_hello_timeout(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        protocol: Option<Protocol>,
+        (rules, all_read): (&[Rule], bool),
+    ) -> Option<std::time::Duration> {
+        let Some(n) = f.get("client_hello_timeout") else {
+            return Some(route::CLIENT_HELLO_TIMEOUT);
+        };
+        let p = join(path, "client_hello_timeout");
+        // A rule that did not read (reported) may be one that reads the hello.
+        let reads = !all_read
+            || rules
+                .iter()
+                .any(|r| r.test.sni.is_some() || r.test.alpn.is_some());
+        if protocol != Some(Protocol::Tcp) || !reads || f.get("tls").is_some() {
+            self.problem(
+                n.pos,
+                &p,
+                "`client_hello_timeout` applies to a tcp vserver without `tls` whose routes read `sni` or `alpn`",
+            );
+            return None;
+        }
+        let d = self.duration(n, &p, false)?;
+        if d.is_zero() || d > std::time::Duration::from_secs(60) {
+            self.problem(n.pos, &p, "must be between 1ms and 60s");
+            return None;
+        }
+        Some(d)
     }
 
     /// One rule and, when it has one, its pool (number `pool`).
@@ -197,8 +271,8 @@ impl Cx {
         &mut self,
         node: &Node,
         path: &str,
-        services: &[(&str, &Service)],
-        services_declared: &[String],
+        protocol: Option<Protocol>,
+        (services, services_declared): (&[(&str, &Service)], &[String]),
         pool: usize,
     ) -> Option<(Rule, Option<ReadPool>)> {
         let f = self.fields(node, path, ROUTE_FIELDS)?;
@@ -206,8 +280,26 @@ impl Cx {
             .required(&f, path, "name")
             .and_then(|n| self.string(n, &join(path, "name")));
         let normalize = self.bool_field(&f, path, "normalize", false);
+        if let (Some(n), Some(p)) = (f.get("normalize"), protocol)
+            && !p.is_sip()
+        {
+            self.problem(
+                n.pos,
+                &join(path, "normalize"),
+                format!(
+                    "`normalize` reads a SIP Request-URI's number: it means nothing on {}",
+                    p.name()
+                ),
+            );
+            return None;
+        }
         let test = match self.required(&f, path, "match") {
-            Some(n) => self.test(n, &join(path, "match"), normalize.unwrap_or(false)),
+            Some(n) => self.test(
+                n,
+                &join(path, "match"),
+                normalize.unwrap_or(false),
+                protocol,
+            ),
             None => None,
         };
         let given: Vec<&str> = ["services", "reject", "drop"]
@@ -243,7 +335,7 @@ impl Cx {
             }
             "reject" => {
                 let n = f.get("reject")?;
-                (self.reject(n, &join(path, "reject"))?, None)
+                (self.reject(n, &join(path, "reject"), protocol)?, None)
             }
             _ => {
                 let n = f.get("drop")?;
@@ -264,15 +356,26 @@ impl Cx {
             (p, m)
         });
         let method = method?;
-        if let (Some(m), Some(n)) = (method, f.get("method"))
-            && matches!(m, Method::UrlHash | Method::DomainHash)
-        {
-            self.problem(
-                n.pos,
-                &join(path, "method"),
-                format!("{} reads an HTTP request, not a SIP one", m.name()),
-            );
-            return None;
+        if let (Some(m), Some(n), Some(p)) = (method, f.get("method"), protocol) {
+            let known = self.problems.len();
+            self.method_fits_protocol(n, &join(path, "method"), m, p);
+            if p.is_sip() && matches!(m, Method::UrlHash | Method::DomainHash) {
+                self.problem(
+                    n.pos,
+                    &join(path, "method"),
+                    format!("{} reads an HTTP request, not a SIP one", m.name()),
+                );
+            }
+            if m == Method::Token {
+                self.problem(
+                    n.pos,
+                    &join(path, "method"),
+                    "a route's pool takes the vserver's `token` rule: give method token on the vserver",
+                );
+            }
+            if self.problems.len() > known {
+                return None;
+            }
         }
         Some((
             Rule {
@@ -303,12 +406,31 @@ impl Cx {
         ok.then_some(out)
     }
 
-    /// `reject: { code, reason }`.
-    fn reject(&mut self, node: &Node, path: &str) -> Option<route::Target> {
+    /// `reject: { code, reason }`: a SIP final answer (400-699), an HTTP response (400-599);
+    /// a tcp vserver has no answer to give (`drop` closes the connection).
+    fn reject(
+        &mut self,
+        node: &Node,
+        path: &str,
+        protocol: Option<Protocol>,
+    ) -> Option<route::Target> {
+        if protocol == Some(Protocol::Tcp) {
+            self.problem(
+                node.pos,
+                path,
+                "a tcp vserver has no answer to send: write `drop: true` to close the connection",
+            );
+            return None;
+        }
         let f = self.fields(node, path, REJECT_FIELDS)?;
+        let top = if protocol == Some(Protocol::Http) {
+            599
+        } else {
+            699
+        };
         let code = self
             .required(&f, path, "code")
-            .and_then(|n| self.int_in(n, &join(path, "code"), 400, 699))?;
+            .and_then(|n| self.int_in(n, &join(path, "code"), 400, top))?;
         let code = u16::try_from(code).ok()?;
         let reason = match f.get("reason") {
             None => reason_of(code).to_owned(),
@@ -325,7 +447,13 @@ impl Cx {
     }
 
     /// `default: { reject: {...} }` or `{ drop: true }`.
-    fn refusal(&mut self, node: &Node, path: &str, allowed: &[&str]) -> Option<route::Target> {
+    fn refusal(
+        &mut self,
+        node: &Node,
+        path: &str,
+        allowed: &[&str],
+        protocol: Option<Protocol>,
+    ) -> Option<route::Target> {
         if let Value::Str(s) = &node.value {
             self.problem(
                 node.pos,
@@ -336,7 +464,7 @@ impl Cx {
         }
         let f = self.fields(node, path, allowed)?;
         match (f.get("reject"), f.get("drop")) {
-            (Some(n), None) => self.reject(n, &join(path, "reject")),
+            (Some(n), None) => self.reject(n, &join(path, "reject"), protocol),
             (None, Some(n)) if n.value == Value::Bool(true) => Some(route::Target::Drop),
             _ => {
                 self.problem(
@@ -350,9 +478,34 @@ impl Cx {
     }
 
     /// A rule's `match`: every key compiled; a key given a list matches any of its items.
-    fn test(&mut self, node: &Node, path: &str, normalize: bool) -> Option<Match> {
+    fn test(
+        &mut self,
+        node: &Node,
+        path: &str,
+        normalize: bool,
+        protocol: Option<Protocol>,
+    ) -> Option<Match> {
         let f = self.fields(node, path, MATCH_FIELDS)?;
         let mut ok = true;
+        if let Some(p) = protocol {
+            let keys = keys_of(p);
+            for (key, n) in f.entries {
+                let key = key.name.as_str();
+                if !keys.contains(&key) {
+                    self.problem(
+                        n.pos,
+                        &join(path, key),
+                        format!(
+                            "`{key}` means nothing on {} vservers; their keys: {}",
+                            p.name(),
+                            keys.join(", ")
+                        ),
+                    );
+                    ok = false;
+                }
+            }
+        }
+        let http = protocol == Some(Protocol::Http);
         let mut m = Match {
             normalize,
             ..Match::default()
@@ -365,12 +518,66 @@ impl Cx {
                     m.methods = Some(v.into_iter().map(String::into_bytes).collect());
                 }
                 Some(_) => {
-                    self.problem(
-                        n.pos,
-                        &p,
-                        "a SIP method is a token such as INVITE (RFC 3261 §25.1)",
-                    );
+                    let example = if http {
+                        "GET (RFC 9110 §9.1)"
+                    } else {
+                        "INVITE (RFC 3261 §25.1)"
+                    };
+                    self.problem(n.pos, &p, format!("a method is a token such as {example}"));
                     ok = false;
+                }
+                None => ok = false,
+            }
+        }
+        for (key, slot) in [("sni", &mut m.sni), ("host", &mut m.host)] {
+            if let Some(n) = f.get(key) {
+                match self.hosts(n, &join(path, key)) {
+                    Some(h) => *slot = Some(h),
+                    None => ok = false,
+                }
+            }
+        }
+        if let Some(n) = f.get("alpn") {
+            let p = join(path, "alpn");
+            let mut list: Vec<Vec<u8>> = Vec::new();
+            for (i, s) in self.strings_at(n, &p).into_iter().enumerate() {
+                match s {
+                    // RFC 7301 §3.1: a ProtocolName is 1 to 255 bytes.
+                    Some((name, _)) if (1..=255).contains(&name.len()) => {
+                        if !list.contains(&name.clone().into_bytes()) {
+                            list.push(name.into_bytes());
+                        }
+                    }
+                    Some((_, pos)) => {
+                        self.problem(
+                            pos,
+                            &format!("{p}[{i}]"),
+                            "an ALPN protocol name is 1 to 255 bytes (RFC 7301 §3.1), e.g. h2",
+                        );
+                        ok = false;
+                    }
+                    None => ok = false,
+                }
+            }
+            m.alpn = Some(list);
+        }
+        if let Some(n) = f.get("path_prefix") {
+            let p = join(path, "path_prefix");
+            match self
+                .strings_at(n, &p)
+                .into_iter()
+                .collect::<Option<Vec<_>>>()
+            {
+                Some(v) => {
+                    if let Some((bad, pos)) = v.iter().find(|(s, _)| !s.starts_with('/')) {
+                        self.problem(
+                            *pos,
+                            &p,
+                            format!("`{bad}` is not a path: a path prefix starts with `/`"),
+                        );
+                        ok = false;
+                    }
+                    m.path_prefix = Some(Prefixes::new(v.iter().map(|(s, _)| s.as_bytes())));
                 }
                 None => ok = false,
             }
@@ -474,6 +681,8 @@ impl Cx {
             };
             for (x, at) in items {
                 match self.header_test(x, &at) {
+                    // HTTP has no compact header names (RFC 9110 §5.1).
+                    Some(h) if http => m.headers.push(HeaderTest { alias: None, ..h }),
                     Some(h) => m.headers.push(h),
                     None => ok = false,
                 }

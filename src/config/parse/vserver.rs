@@ -46,6 +46,7 @@ const VSERVER_FIELDS: &[&str] = &[
     "sticky",
     "routes",
     "default",
+    "client_hello_timeout",
 ];
 
 const FAILOVER_FIELDS: &[&str] = &[
@@ -701,7 +702,7 @@ impl Cx {
     }
 
     /// Methods that read a Call-ID or a request URL need a protocol that has one.
-    fn method_fits_protocol(&mut self, n: &Node, mp: &str, m: Method, p: Protocol) {
+    pub(super) fn method_fits_protocol(&mut self, n: &Node, mp: &str, m: Method, p: Protocol) {
         if matches!(m, Method::CallIdHash | Method::AorHash) && !p.is_sip() {
             self.problem(
                 n.pos,

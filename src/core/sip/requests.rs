@@ -4,7 +4,6 @@
 use super::checks::{ends_dialog, pins_dialog, request_syntax_error};
 use super::*;
 use crate::route::Target;
-use std::sync::atomic::Ordering;
 
 impl SipCore {
     /// A message that does not scan. A client's request whose start line and headers are
@@ -421,25 +420,9 @@ impl SipCore {
             && !(msg.to_tag().is_some() && sip::routed_service(msg, &self.local).is_some())
     }
 
-    /// The counters of a rule (`None`: the default's).
-    fn route_counters(&self, rule: Option<usize>) -> Option<&crate::balancer::RouteCounters> {
-        let default = self.balancer.routes()?.rules.len();
-        self.balancer.route_counters(rule.unwrap_or(default))
-    }
-
     /// Count what a rule (`None`: the default) decided.
     fn count_route(&self, rule: Option<usize>, target: &Target) {
-        let Some(c) = self.route_counters(rule) else {
-            return;
-        };
-        if rule.is_some() {
-            c.matched.fetch_add(1, Ordering::Relaxed);
-        }
-        match target {
-            Target::Reject { .. } => c.rejected.fetch_add(1, Ordering::Relaxed),
-            Target::Drop => c.dropped.fetch_add(1, Ordering::Relaxed),
-            Target::Pool(_) => 0,
-        };
+        self.balancer.count_route(rule, target);
     }
 
     /// [`SipCore::choose`] with the routing rules' refusal: `Err` when a rule (or the
@@ -521,10 +504,8 @@ impl SipCore {
         let method = self.balancer.pool_method(pool);
         let key = self.key_with(method, msg, src, dst, call_hash);
         let Some(choice) = self.balancer.choose_in(pool, key, now, &|_| false) else {
-            if let Some((rule, _)) = decided
-                && let Some(c) = self.route_counters(rule)
-            {
-                c.unavailable.fetch_add(1, Ordering::Relaxed);
+            if let Some((rule, _)) = decided {
+                self.balancer.count_route_unavailable(rule);
             }
             return Ok(None);
         };

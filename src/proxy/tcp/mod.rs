@@ -28,7 +28,7 @@ use crate::balancer::{Balancer, KeyInput};
 use crate::budget::Activity;
 use crate::config::{Config, Protocol, ProxyProtocol, Vserver};
 use crate::core::CONNECT_TIMEOUT;
-use crate::core::tcp::{ConnectionKeys, FirstBytes};
+use crate::core::tcp::{ConnectionKeys, FirstBytes, Handshake};
 use crate::eject::{Cause, Failure};
 use crate::http::{self};
 use crate::net;
@@ -40,6 +40,7 @@ use crate::proxy::evict::{Evictable, Registration, admit_evicting};
 use crate::proxy::proxy_protocol::{self, MAX_V2_LEN, Transport};
 use crate::proxy::reconfig;
 use crate::proxy::shutdown::Signal;
+use crate::route::Target;
 use crate::stats::{LogLimiter, bump};
 use crate::stats::{Nanos, ServiceCounters};
 use crate::tls::{ClientTls, HandshakeCounters, MaybeTls, TlsConnector, TlsListener};
@@ -176,9 +177,9 @@ impl TcpCore {
                 Some(Arc::new(TlsConnector::new(tls)))
             })
             .collect();
+        let keys = ConnectionKeys::new(v);
         TcpCore {
             name: v.name.clone(),
-            keys: ConnectionKeys::new(v),
             balancer: Arc::new(Balancer::new(config, v)),
             member_addrs: v
                 .members()
@@ -186,7 +187,7 @@ impl TcpCore {
                 .map(|s| s.address)
                 .collect(),
             idle_timeout: v.idle_timeout,
-            first_timeout: FIRST_BYTES_TIMEOUT.min(v.idle_timeout),
+            first_timeout: first_timeout(v, &keys),
             max_connections: v.max_sessions,
             live: Arc::new(AtomicUsize::new(0)),
             log: LogLimiter::default(),
@@ -208,6 +209,7 @@ impl TcpCore {
             connectors,
             epoch,
             counters: TcpCounters::default(),
+            keys,
         }
     }
 
@@ -344,16 +346,74 @@ impl TcpCore {
     /// The balancer's key for a connection from `client` to `local` whose first bytes are
     /// `first`; an HTTP head that does not parse is counted.
     pub fn key_input(&self, first: &[u8], client: SocketAddr, local: SocketAddr) -> KeyInput {
-        let (key, head_unparseable) = self.keys.key_input(first, client, local);
+        self.key_input_in(0, first, client, local)
+    }
+
+    /// [`TcpCore::key_input`] for pool `pool` (0: the vserver's own; `k`: the `k`-th rule's).
+    pub fn key_input_in(
+        &self,
+        pool: usize,
+        first: &[u8],
+        client: SocketAddr,
+        local: SocketAddr,
+    ) -> KeyInput {
+        let (key, head_unparseable) = self.keys.key_input_in(pool, first, client, local);
         if head_unparseable {
             bump(&self.counters.heads_unparseable);
         }
         key
     }
 
+    /// What the routing rules (docs/routing.md) make of a connection from `client` to `local`
+    /// whose first bytes are `first` (`handshake`: the server name and negotiated protocol of
+    /// TLS terminated here), counted per rule. Without rules: the vserver's own pool.
+    pub fn routed(
+        &self,
+        first: &[u8],
+        handshake: Option<Handshake<'_>>,
+        client: SocketAddr,
+        local: SocketAddr,
+    ) -> Routed<'_> {
+        let Some(routes) = self.balancer.routes() else {
+            return Routed::Pool(0, None);
+        };
+        let d = self.keys.route(routes, first, handshake, client, local);
+        self.balancer.count_route(d.rule, d.target);
+        match d.target {
+            Target::Pool(p) => Routed::Pool(*p, Some(d.rule)),
+            refusal => Routed::Refused(refusal),
+        }
+    }
+
     fn now(&self) -> Nanos {
         elapsed_nanos(self.epoch)
     }
+}
+
+/// What the routing rules make of a connection ([`TcpCore::routed`]).
+#[derive(Debug)]
+pub enum Routed<'r> {
+    /// Choose in this pool; the rule that chose it (`Some(None)`: the default), to count its
+    /// pool's unavailability against (`None` without rules).
+    Pool(usize, Option<Option<usize>>),
+    /// A rule (or the default) drops the connection, or answers it (http).
+    Refused(&'r Target),
+}
+
+/// The bound on reading the first bytes: a ClientHello read for the rules alone has its own
+/// (`client_hello_timeout`); never longer than the idle timeout.
+fn first_timeout(v: &Vserver, keys: &ConnectionKeys) -> Duration {
+    let bound = match &v.routes {
+        Some(r) if keys.reads_hello_only() => r.client_hello_timeout,
+        _ => FIRST_BYTES_TIMEOUT,
+    };
+    bound.min(v.idle_timeout)
+}
+
+/// The HTTP response of a rejecting rule, the connection closed after it.
+fn rejection(code: u16, reason: &str) -> Vec<u8> {
+    format!("HTTP/1.1 {code} {reason}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        .into_bytes()
 }
 
 /// The current core of a tcp / http vserver; the accept loops load it per connection.
@@ -690,9 +750,21 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr, activity
             return;
         }
     };
-    let key = core.key_input(&first, peer, local);
-    let Some(upstream) = connect_any(&core, key, peer, &mut live).await else {
+    let (pool, rule) = match core.routed(&first, None, peer, local) {
+        Routed::Pool(p, rule) => (p, rule),
+        Routed::Refused(t) => {
+            if let Target::Reject { code, reason } = t {
+                let _ = write_all(&client, &rejection(*code, reason)).await;
+            }
+            return;
+        }
+    };
+    let key = core.key_input_in(pool, &first, peer, local);
+    let Some(upstream) = connect_any(&core, pool, key, peer, &mut live).await else {
         bump(&core.counters.no_service);
+        if let Some(rule) = rule {
+            core.balancer.count_route_unavailable(rule);
+        }
         return;
     };
     // Counted open on its member by `connect_any` (`live` gives it back).
@@ -744,7 +816,7 @@ async fn serve(core: Arc<TcpCore>, client: TcpStream, peer: SocketAddr, activity
 /// Read what the method needs before choosing: `Some(bytes)` (possibly incomplete after
 /// the timeout or at the size bound), `None` when the client closed without sending.
 async fn read_first(core: &TcpCore, client: &TcpStream) -> io::Result<Option<Vec<u8>>> {
-    if core.first_bytes_needed() == FirstBytes::None {
+    if !core.keys.reads_first() {
         return Ok(Some(Vec::new()));
     }
     let deadline = tokio::time::Instant::now() + core.first_timeout;
@@ -782,17 +854,22 @@ async fn read_first(core: &TcpCore, client: &TcpStream) -> io::Result<Option<Vec
 /// it back when the connection ends, or if the task ends meanwhile.
 async fn connect_any<'a>(
     core: &'a TcpCore,
+    pool: usize,
     key: KeyInput,
     client: SocketAddr,
     live: &mut Live<'a>,
 ) -> Option<TcpStream> {
-    connect_any_then(core, key, client, live, |_, s| std::future::ready(Ok(s))).await
+    connect_any_then(core, pool, key, client, live, |_, s| {
+        std::future::ready(Ok(s))
+    })
+    .await
 }
 
 /// [`connect_any`] with `finish` run on each connected stream (the PROXY header and TLS of
 /// [`connect_any_stream`]); a member whose `finish` fails is passed over like a failed connect.
 async fn connect_any_then<'a, T, F, Fut>(
     core: &'a TcpCore,
+    pool: usize,
     key: KeyInput,
     client: SocketAddr,
     live: &mut Live<'a>,
@@ -804,9 +881,10 @@ where
 {
     let mut failed: Vec<usize> = Vec::new();
     loop {
+        // Within the pool the routing rules chose (0: the vserver's own, without rules).
         let choice = core
             .balancer
-            .choose_avoiding(key, core.now(), &|m| failed.contains(&m))?;
+            .choose_in(pool, key, core.now(), &|m| failed.contains(&m))?;
         let addr = core.member_addrs.get(choice.member).copied()?;
         // Counted on the member from the moment it is chosen, not once connected: the
         // connections of one burst, all chosen before any connect completes, must see each

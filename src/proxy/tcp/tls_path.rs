@@ -54,9 +54,32 @@ pub(super) async fn serve_stream(
             return;
         }
     };
-    let key = core.key_input(&first, peer, local);
-    let Some(mut upstream) = connect_any_stream(&core, key, peer, local, &mut live).await else {
+    // The rules read what TLS terminated here says (server name, negotiated protocol).
+    let names = client.accepted_names();
+    let alpn: Vec<Vec<u8>> = names
+        .and_then(|(_, p)| p)
+        .map(|p| vec![p.to_vec()])
+        .unwrap_or_default();
+    let handshake = names.map(|(sni, _)| Handshake {
+        sni: sni.map(str::as_bytes),
+        alpn: &alpn,
+    });
+    let (pool, rule) = match core.routed(&first, handshake, peer, local) {
+        Routed::Pool(p, rule) => (p, rule),
+        Routed::Refused(t) => {
+            if let Target::Reject { code, reason } = t {
+                let _ = write_flush(&mut client, &rejection(*code, reason)).await;
+            }
+            return;
+        }
+    };
+    let key = core.key_input_in(pool, &first, peer, local);
+    let Some(mut upstream) = connect_any_stream(&core, pool, key, peer, local, &mut live).await
+    else {
         bump(&core.counters.no_service);
+        if let Some(rule) = rule {
+            core.balancer.count_route_unavailable(rule);
+        }
         return;
     };
     let counters = live.member;
@@ -90,7 +113,7 @@ async fn read_first_stream<S: AsyncRead + Unpin>(
     core: &TcpCore,
     client: &mut S,
 ) -> io::Result<Option<Vec<u8>>> {
-    if core.first_bytes_needed() == FirstBytes::None {
+    if !core.keys.reads_first() {
         return Ok(Some(Vec::new()));
     }
     let deadline = tokio::time::Instant::now() + core.first_timeout;
@@ -118,12 +141,13 @@ async fn read_first_stream<S: AsyncRead + Unpin>(
 /// failed handshake passes over the member like a failed connect.
 async fn connect_any_stream<'a>(
     core: &'a TcpCore,
+    pool: usize,
     key: KeyInput,
     client: SocketAddr,
     local: SocketAddr,
     live: &mut Live<'a>,
 ) -> Option<MaybeTls<TcpStream>> {
-    connect_any_then(core, key, client, live, |member, s| async move {
+    connect_any_then(core, pool, key, client, live, |member, s| async move {
         let _ = s.set_nodelay(true);
         let connector = core.connectors.get(member).and_then(Option::as_ref);
         finish_connect(core, s, connector, client, local).await
