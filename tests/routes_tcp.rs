@@ -436,3 +436,37 @@ vservers:
     assert_eq!(route_count(&m, "v", "gold", "matched"), 1);
     ops.shutdown();
 }
+
+/// A rule's pool whose first choice refuses connections: each connection moves on to the
+/// pool's next service, never to a service outside the pool (the vserver's own).
+#[test]
+fn a_connection_fails_over_inside_its_rules_pool_only() {
+    let (live, live_hits) = tcp_service("live", "127.0.0.1");
+    let dead = closed_port("127.0.0.1");
+    let (web, web_hits) = tcp_service("web", "127.0.0.1");
+    let f = ConfigFile::new("routes-failover", "");
+    f.write(&format!(
+        r#"admin: {{ listen: null }}
+services:
+  - {{ name: dead, address: "{dead}", protocol: tcp }}
+  - {{ name: live, address: "{live}", protocol: tcp }}
+  - {{ name: web, address: "{web}", protocol: tcp }}
+vservers:
+  - name: v
+    protocol: tcp
+    bind: ["127.0.0.1:0"]
+    routes:
+      - {{ name: lan, match: {{ source: 127.0.0.0/8 }}, services: [dead, live], method: round_robin }}
+    services: [web]
+"#
+    ));
+    let ops = start(&f);
+    let vs = addr(&ops, "v");
+    for i in 0..6 {
+        let a = tcp_ask(vs, format!("n{i}").as_bytes()).expect("answer");
+        assert_eq!(a.service, "live", "connection {i}");
+    }
+    assert_eq!(live_hits.load(Ordering::Relaxed), 6);
+    assert_eq!(web_hits.load(Ordering::Relaxed), 0);
+    ops.shutdown();
+}

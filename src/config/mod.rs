@@ -427,16 +427,19 @@ pub fn summary(cfg: &Config) -> Vec<String> {
                 ),
                 _ => String::new(),
             };
+            let pool = if services.is_empty() {
+                "no services of its own".to_owned()
+            } else {
+                format!("{} service(s): {}", services.len(), services.join(", "))
+            };
             let mut line = format!(
-                "vserver {}: {} on {}, {}{}{}, {} service(s): {}",
+                "vserver {}: {} on {}, {}{}{}, {pool}",
                 v.name,
                 v.protocol.name(),
                 binds.join(" "),
                 v.method.name(),
                 algo,
                 slow,
-                services.len(),
-                services.join(", ")
             );
             if let Some(r) = &v.routes {
                 let names = |p: &RoutePool| -> Vec<&str> {
