@@ -355,6 +355,24 @@ vservers:
     assert_eq!(route_count(&m, "v", "a-h2", "matched"), 2, "{m}");
     assert_eq!(route_count(&m, "v", "a-h1", "matched"), 1);
     assert_eq!(route_count(&m, "v", "b", "matched"), 1);
+
+    // A reload that drops the h2 rule: fulcrum no longer offers h2, so a client offering
+    // h2 and http/1.1 negotiates http/1.1 and reaches that rule's pool; the counts of the
+    // rules kept carry over.
+    let text = std::fs::read_to_string(&f.path).expect("config");
+    let kept: String = text
+        .lines()
+        .filter(|l| !l.contains("a-h2"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    f.write(&kept);
+    ops.reload().expect("reload");
+    let out = s_client(vs, "a.test", Some("h2,http/1.1"), &ca_path);
+    assert!(out.contains("ALPN protocol: http/1.1"), "{out}");
+    assert!(out.contains("from h1a"), "{out}");
+    let m = metrics(&ops);
+    assert_eq!(route_count(&m, "v", "a-h1", "matched"), 2, "{m}");
+    assert_eq!(route_count(&m, "v", "b", "matched"), 1);
     ops.shutdown();
 }
 
