@@ -141,6 +141,22 @@ fn route_count(text: &str, v: &str, route: &str, result: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// A config of services `services` (each `(name, address)`, speaking `protocol`) and one
+/// vserver `v` of `protocol` on an ephemeral loopback port, with the fields `body` (YAML lines
+/// indented by four spaces).
+fn yaml(protocol: &str, services: &[(&str, SocketAddr)], body: &str) -> String {
+    let mut y = String::from("admin: { listen: null }\nservices:\n");
+    for (name, at) in services {
+        y.push_str(&format!(
+            "  - {{ name: {name}, address: \"{at}\", protocol: {protocol} }}\n"
+        ));
+    }
+    y.push_str(&format!(
+        "vservers:\n  - name: v\n    protocol: {protocol}\n    bind: [\"127.0.0.1:0\"]\n{body}"
+    ));
+    y
+}
+
 /// The ClientHello a rustls client sends for `name` (its first flight).
 fn client_hello_for(name: &str) -> Vec<u8> {
     let ca = Ca::new("unused");
@@ -169,21 +185,15 @@ fn tls_is_routed_by_its_server_name_without_being_terminated() {
     let ca_path = ca.write(&f, "ca.pem");
     let (a, hits_a) = tls_backend("A", &cert_a);
     let (b, hits_b) = tls_backend("B", &cert_b);
-    f.write(&format!(
-        r#"admin: {{ listen: null }}
-services:
-  - {{ name: ta, address: "{a}", protocol: tcp }}
-  - {{ name: tb, address: "{b}", protocol: tcp }}
-vservers:
-  - name: v
-    protocol: tcp
-    bind: ["127.0.0.1:0"]
-    routes:
-      - {{ name: a, match: {{ sni: a.test }}, services: [ta] }}
-      - {{ name: b, match: {{ sni: [b.test, "*.b.test"] }}, services: [tb] }}
-    default: {{ drop: true }}
+    f.write(&yaml(
+        "tcp",
+        &[("ta", a), ("tb", b)],
+        r#"    routes:
+      - { name: a, match: { sni: a.test }, services: [ta] }
+      - { name: b, match: { sni: [b.test, "*.b.test"] }, services: [tb] }
+    default: { drop: true }
     services: []
-"#
+"#,
     ));
     let ops = start(&f);
     let vs = addr(&ops, "v");
@@ -222,21 +232,14 @@ fn a_hello_in_pieces_or_never_finished_and_bytes_that_are_not_tls() {
     let f = ConfigFile::new("routes-hello", "");
     let named = recorder("named", 64 * 1024);
     let other = recorder("other", 64 * 1024);
-    f.write(&format!(
-        r#"admin: {{ listen: null }}
-services:
-  - {{ name: named, address: "{}", protocol: tcp }}
-  - {{ name: other, address: "{}", protocol: tcp }}
-vservers:
-  - name: v
-    protocol: tcp
-    bind: ["127.0.0.1:0"]
-    client_hello_timeout: 1500ms
+    f.write(&yaml(
+        "tcp",
+        &[("named", named.addr), ("other", other.addr)],
+        r#"    client_hello_timeout: 1500ms
     routes:
-      - {{ name: named, match: {{ sni: b.test }}, services: [named] }}
+      - { name: named, match: { sni: b.test }, services: [named] }
     services: [other]
 "#,
-        named.addr, other.addr
     ));
     let ops = start(&f);
     let vs = addr(&ops, "v");
@@ -311,25 +314,21 @@ fn terminated_tls_is_routed_by_server_name_and_negotiated_protocol() {
         recorder("pb", 0),
         recorder("dflt", 0),
     );
-    f.write(&format!(
-        r#"admin: {{ listen: null }}
-services:
-  - {{ name: h2a, address: "{}", protocol: tcp }}
-  - {{ name: h1a, address: "{}", protocol: tcp }}
-  - {{ name: pb, address: "{}", protocol: tcp }}
-  - {{ name: dflt, address: "{}", protocol: tcp }}
-vservers:
-  - name: v
-    protocol: tcp
-    bind: ["127.0.0.1:0"]
-    tls: {{ cert: www.crt, key: www.key }}
+    f.write(&yaml(
+        "tcp",
+        &[
+            ("h2a", h2a.addr),
+            ("h1a", h1a.addr),
+            ("pb", pb.addr),
+            ("dflt", dflt.addr),
+        ],
+        r#"    tls: { cert: www.crt, key: www.key }
     routes:
-      - {{ name: a-h2, match: {{ sni: a.test, alpn: h2 }}, services: [h2a] }}
-      - {{ name: a-h1, match: {{ sni: a.test, alpn: http/1.1 }}, services: [h1a] }}
-      - {{ name: b, match: {{ sni: b.test }}, services: [pb] }}
+      - { name: a-h2, match: { sni: a.test, alpn: h2 }, services: [h2a] }
+      - { name: a-h1, match: { sni: a.test, alpn: http/1.1 }, services: [h1a] }
+      - { name: b, match: { sni: b.test }, services: [pb] }
     services: [dflt]
 "#,
-        h2a.addr, h1a.addr, pb.addr, dflt.addr
     ));
     let ops = start(&f);
     let vs = addr(&ops, "v");
@@ -385,24 +384,16 @@ fn http_requests_are_routed_by_path_host_method_and_header() {
     let (gold, _) = tcp_service("gold", "127.0.0.1");
     let (web, _) = tcp_service("web", "127.0.0.1");
     let f = ConfigFile::new("routes-http", "");
-    f.write(&format!(
-        r#"admin: {{ listen: null }}
-services:
-  - {{ name: api, address: "{api}", protocol: http }}
-  - {{ name: b, address: "{b}", protocol: http }}
-  - {{ name: gold, address: "{gold}", protocol: http }}
-  - {{ name: web, address: "{web}", protocol: http }}
-vservers:
-  - name: v
-    protocol: http
-    bind: ["127.0.0.1:0"]
-    routes:
-      - {{ name: api, match: {{ path_prefix: /api/ }}, services: [api], method: url_hash }}
-      - {{ name: admin, match: {{ path_prefix: [/admin, /.git] }}, reject: {{ code: 403 }} }}
-      - {{ name: tenant-b, match: {{ host: [b.example, "*.b.example"] }}, services: [b] }}
-      - {{ name: gold, match: {{ method: POST, header: {{ name: X-Tenant, exact: gold }} }}, services: [gold] }}
+    f.write(&yaml(
+        "http",
+        &[("api", api), ("b", b), ("gold", gold), ("web", web)],
+        r#"    routes:
+      - { name: api, match: { path_prefix: /api/ }, services: [api], method: url_hash }
+      - { name: admin, match: { path_prefix: [/admin, /.git] }, reject: { code: 403 } }
+      - { name: tenant-b, match: { host: [b.example, "*.b.example"] }, services: [b] }
+      - { name: gold, match: { method: POST, header: { name: X-Tenant, exact: gold } }, services: [gold] }
     services: [web]
-"#
+"#,
     ));
     let ops = start(&f);
     let vs = addr(&ops, "v");
@@ -463,20 +454,13 @@ fn a_connection_fails_over_inside_its_rules_pool_only() {
     let dead = closed_port("127.0.0.1");
     let (web, web_hits) = tcp_service("web", "127.0.0.1");
     let f = ConfigFile::new("routes-failover", "");
-    f.write(&format!(
-        r#"admin: {{ listen: null }}
-services:
-  - {{ name: dead, address: "{dead}", protocol: tcp }}
-  - {{ name: live, address: "{live}", protocol: tcp }}
-  - {{ name: web, address: "{web}", protocol: tcp }}
-vservers:
-  - name: v
-    protocol: tcp
-    bind: ["127.0.0.1:0"]
-    routes:
-      - {{ name: lan, match: {{ source: 127.0.0.0/8 }}, services: [dead, live], method: round_robin }}
+    f.write(&yaml(
+        "tcp",
+        &[("dead", dead), ("live", live), ("web", web)],
+        r#"    routes:
+      - { name: lan, match: { source: 127.0.0.0/8 }, services: [dead, live], method: round_robin }
     services: [web]
-"#
+"#,
     ));
     let ops = start(&f);
     let vs = addr(&ops, "v");

@@ -34,18 +34,9 @@ const MATCH_FIELDS: &[&str] = &[
     "path_prefix",
 ];
 
-/// The match keys each kind of vserver reads (the others mean nothing on it).
-const SIP_KEYS: &[&str] = &[
-    "method",
-    "ruri_user",
-    "ruri_host",
-    "to_host",
-    "from_host",
-    "from_user",
-    "source",
-    "header",
-    "local",
-];
+/// The match keys each kind of vserver reads (the others mean nothing on it): SIP's are the
+/// first nine of [`MATCH_FIELDS`].
+const SIP_KEYS: &[&str] = MATCH_FIELDS.split_at(9).0;
 const TCP_KEYS: &[&str] = &["sni", "alpn", "source", "local"];
 const HTTP_KEYS: &[&str] = &["method", "host", "path_prefix", "header", "source", "local"];
 
