@@ -18,7 +18,7 @@
 //! flow at a time. The per-request path reads one atomic per member for it, and takes the
 //! ejection lock only when it chooses a member under ejection or an outcome changes something.
 
-use crate::config::{Config, Method, Vserver};
+use crate::config::{Config, HashParams, Method, Vserver};
 use crate::eject::{EjectParams, EjectStatus, EjectView, Failure, Outcome, Report};
 use crate::hash;
 use crate::methods::{self, MethodState};
@@ -141,10 +141,18 @@ pub struct MemberInfo {
     pub tier: u32,
 }
 
-/// The pool of a routing rule: its own ranking and method over the members it lists; health,
-/// ejection and counters are the members' own, shared with every pool that lists them.
+/// The pool of a routing rule: its own ranking, method, hash parameters and slow start over the
+/// members it lists; health, ejection and counters are the members' own, shared with every
+/// pool that lists them.
 struct RoutePool {
+    /// The rule's name (a reload carries the pool's slow start by it).
+    route: String,
     method: Method,
+    hash: HashParams,
+    /// Present for non-hash methods with slow start: over the pool's own indices.
+    slow_start: Option<Mutex<SlowStart>>,
+    /// Mirrors `SlowStart::is_active` of `slow_start`, as [`Balancer::slow_start_active`].
+    slow_start_active: AtomicBool,
     /// The balancer's member index of each of the pool's members (pool order).
     members: Vec<usize>,
     weights: Vec<u32>,
@@ -216,6 +224,8 @@ pub struct Balancer {
     /// The vserver's name (for the logs).
     name: String,
     method: Method,
+    /// The vserver's hash parameters (pool 0's).
+    hash: HashParams,
     balance_factor: Option<u32>,
     members: Vec<MemberInfo>,
     /// The members the hash selector ranks: the leading ones, those not draining (draining
@@ -361,6 +371,7 @@ impl Balancer {
                 .eject
                 .map(|p| Ejector::new(p, members.len(), serving)),
             method: vserver.method,
+            hash: vserver.hash.clone(),
             balance_factor: vserver.hash.hash_balance_factor,
             health: members
                 .iter()
@@ -412,8 +423,27 @@ impl Balancer {
                 .map(|&m| self.members[m].select_member())
                 .collect();
             let up = vec![true; members.len()];
+            let method = p.method.unwrap_or(vserver.method);
+            // As the vserver's: the members present at the start are the pool's base.
+            let slow_start = p
+                .slow_start
+                .filter(|s| !method.is_hash() && s.new_service_request_rate > 0)
+                .map(|s| {
+                    let mut ss = SlowStart::new(Some(s));
+                    for (l, w) in weights.iter().enumerate() {
+                        ss.register(l, *w, true);
+                    }
+                    Mutex::new(ss)
+                });
             pools.push(RoutePool {
-                method: p.method.unwrap_or(vserver.method),
+                route: p.route.clone(),
+                method,
+                hash: HashParams {
+                    hash_length: p.hash_length,
+                    ..vserver.hash.clone()
+                },
+                slow_start,
+                slow_start_active: AtomicBool::new(false),
                 counters: members
                     .iter()
                     .map(|&m| Arc::clone(&self.counters[m]))
@@ -503,6 +533,35 @@ impl Balancer {
                 .iter()
                 .map(|&m| Arc::clone(&b.counters[m]))
                 .collect();
+            // A pool's member still in slow start stays in it, found by rule and service name.
+            let Some(old_p) = old.pools.iter().find(|o| o.route == p.route) else {
+                continue;
+            };
+            let Some(o) = old_p
+                .slow_start
+                .as_ref()
+                .map(|ss| lock(ss).clone())
+                .filter(SlowStart::is_active)
+            else {
+                continue;
+            };
+            if let Some(ss) = p.slow_start.as_mut() {
+                let ss = ss
+                    .get_mut()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                ss.carry_totals(&o);
+                for (l, &m) in p.members.iter().enumerate() {
+                    let name = &b.members[m].name;
+                    if let Some(j) = old_p
+                        .members
+                        .iter()
+                        .position(|&om| old.members[om].name == *name)
+                    {
+                        ss.carry(l, &o, j);
+                    }
+                }
+                p.slow_start_active.store(ss.is_active(), Ordering::Release);
+            }
         }
         // A rule keeps its counts across a reload by name; the default keeps the default's.
         if let (Some(new), Some(old_routes)) = (&b.routes, &old.routes) {
@@ -689,6 +748,15 @@ impl Balancer {
                 self.slow_start_active
                     .store(ss.is_active(), Ordering::Release);
             }
+            for p in &self.pools {
+                if let (Some(ss), Some(l)) =
+                    (&p.slow_start, p.members.iter().position(|&m| m == member))
+                {
+                    let mut ss = lock(ss);
+                    ss.set_up(l, health == Health::Up, now);
+                    p.slow_start_active.store(ss.is_active(), Ordering::Release);
+                }
+            }
         }
     }
 
@@ -764,6 +832,27 @@ impl Balancer {
         }
     }
 
+    /// The hash parameters of pool `pool`'s keys: a rule's pool has its own `hash_length`.
+    pub fn pool_hash(&self, pool: usize) -> &HashParams {
+        match pool.checked_sub(1).and_then(|k| self.pools.get(k)) {
+            Some(p) => &p.hash,
+            None => &self.hash,
+        }
+    }
+
+    /// Slow-start view of pool `pool` (0: the vserver's own), for status pages.
+    pub fn pool_slow_start(&self, pool: usize) -> Option<SlowStart> {
+        match pool.checked_sub(1) {
+            None => self.slow_start(),
+            Some(k) => self
+                .pools
+                .get(k)?
+                .slow_start
+                .as_ref()
+                .map(|ss| lock(ss).clone()),
+        }
+    }
+
     /// Choose within pool `pool` (0: the vserver's own members, as [`Balancer::choose_avoiding`];
     /// a rule's pool: its own ranking and method, never a member outside it).
     pub fn choose_in(
@@ -802,7 +891,26 @@ impl Balancer {
             !avoid(m) && self.is_usable_unbounded(m, now)
         };
         let fallback = |method: Method, path: Path| {
-            methods::pick(method, &p.state, &p.counters, &p.weights, usable, now).map(|l| Choice {
+            let pick = |cap: &dyn Fn(usize) -> bool| {
+                methods::pick(
+                    method,
+                    &p.state,
+                    &p.counters,
+                    &p.weights,
+                    |l| usable(l) && cap(l),
+                    now,
+                )
+            };
+            let local = match &p.slow_start {
+                Some(ss) if p.slow_start_active.load(Ordering::Acquire) => {
+                    let mut ss = lock(ss);
+                    let chosen = ss.route(now, pick);
+                    p.slow_start_active.store(ss.is_active(), Ordering::Release);
+                    chosen
+                }
+                _ => pick(&|_| true),
+            };
+            local.map(|l| Choice {
                 member: p.members[l],
                 path,
             })
@@ -834,7 +942,15 @@ impl Balancer {
     }
 
     /// Operator change of the slow-start rate (manual mode, docs/slow_start.md).
+    /// The rate applies to the rules' pools with slow start too.
     pub fn set_slow_start_rate(&self, rate: u32, now: Nanos) -> bool {
+        for p in &self.pools {
+            if let Some(ss) = &p.slow_start {
+                let mut ss = lock(ss);
+                ss.set_rate(rate, now);
+                p.slow_start_active.store(ss.is_active(), Ordering::Release);
+            }
+        }
         match &self.slow_start {
             Some(ss) => {
                 let mut ss = lock(ss);
@@ -850,6 +966,19 @@ impl Balancer {
     /// Members added by a reload: new for slow start from `now` if UP, else from when they
     /// come UP (docs/slow_start.md). [`Balancer::new`] treats every member as part of the base set.
     pub fn mark_added(&self, added: &[usize], now: Nanos) {
+        for p in &self.pools {
+            let Some(ss) = &p.slow_start else {
+                continue;
+            };
+            let mut ss = lock(ss);
+            for &m in added {
+                if let Some(l) = p.members.iter().position(|&pm| pm == m) {
+                    let up = self.health(m) == Some(Health::Up);
+                    ss.add_service(l, p.weights[l], up, now);
+                }
+            }
+            p.slow_start_active.store(ss.is_active(), Ordering::Release);
+        }
         if let Some(ss) = &self.slow_start {
             let mut ss = lock(ss);
             for &m in added {

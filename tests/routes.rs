@@ -9,6 +9,8 @@
 //! - an INVITE sent again with credentials after a 407 reaches the service that challenged it
 //!   (round robin would send it to the other);
 //! - a gateway answering 503 fails over to the other gateway, never to the call proxies;
+//! - a rule with `failover: off` relays a sick gateway's 503 to the caller, while a rule that
+//!   keeps failover on moves those calls to its pool's other gateway;
 //! - `svmap` is dropped by a User-Agent rule: the services never see it and it finds nothing,
 //!   while it finds a vserver without the rule;
 //! - a barred prefix gets the rule's 403 with its reason, and no service sees the call.
@@ -681,6 +683,79 @@ fn a_route_pools_sick_service_fails_over_inside_the_pool_only() {
         assert_eq!(p.counts(), Counts::default(), "{}", p.name);
     }
     assert_eq!(rule_counter(&rt, None, |c| &c.unavailable), 0);
+}
+
+/// Two gateway pools, each with one gateway answering every INVITE 503: the rule with
+/// `failover: off` forwards statelessly, so the sick gateway's 503 reaches the caller and its
+/// calls fail; the rule that keeps the vserver's failover moves those calls to its other
+/// gateway, and every call completes. Neither pool's calls reach the other's gateways or the
+/// default pool.
+#[test]
+fn a_rule_with_failover_off_relays_the_503_and_one_with_it_on_fails_over() {
+    if !sipp_available() {
+        return;
+    }
+    let kept = [StrictUas::udp("gk0"), StrictUas::udp("gk1")];
+    let plain = [StrictUas::udp("gp0"), StrictUas::udp("gp1")];
+    kept[0].set_sick(Sick::Busy);
+    plain[0].set_sick(Sick::Busy);
+    let proxies = [StrictUas::udp("p0")];
+    let mut services: Vec<(&str, SocketAddr)> = Vec::new();
+    for u in kept.iter().chain(&plain).chain(&proxies) {
+        services.push((u.name.as_str(), u.addr));
+    }
+    let yaml = farm(
+        &services,
+        &["p0"],
+        "    routes:
+      - { name: kept, match: { ruri_user: { prefix: ['4'] } }, services: [gk0, gk1], method: round_robin }
+      - { name: plain, match: { ruri_user: { prefix: ['3'] } }, services: [gp0, gp1], method: round_robin, failover: off }
+",
+    );
+    let rt = start(&yaml);
+    let lb = bound(&rt, "v");
+    let scratch = Scratch::new("routes-pool-failover");
+    // Failover on: every call completes on the well gateway.
+    let out = run_uac(&scratch, lb, CALL, "4[call_number]@example.com", "kept");
+    all_completed(&out, "calls with failover");
+    let (sick, well) = (kept[0].counts(), kept[1].counts());
+    assert!(sick.invites > 0, "gk0 was never asked: {sick:?}");
+    assert_eq!(sick.dialogs, 0, "{sick:?}");
+    assert_eq!(
+        (well.dialogs, well.byes_ok),
+        (u64::from(CALLS), u64::from(CALLS)),
+        "{well:?}"
+    );
+    // Failover off: the calls round robin gave the sick gateway get its 503.
+    let out = run_uac(&scratch, lb, CALL, "3[call_number]@example.com", "plain");
+    let (sick, well) = (plain[0].counts(), plain[1].counts());
+    println!("failover off: {out:?}, sick {sick:?}, well {well:?}");
+    assert!(out.failed > 0, "no call failed: {out:?}");
+    assert_eq!(out.successful + out.failed, u64::from(CALLS), "{out:?}");
+    assert_eq!(
+        out.failed, sick.invites,
+        "each failed call asked gp0 once: {sick:?}"
+    );
+    assert_eq!(
+        (well.invites, well.dialogs, well.byes_ok),
+        (out.successful, out.successful, out.successful),
+        "gp1 got no call of gp0's: {well:?}"
+    );
+    assert!(
+        out.messages.contains("SIP/2.0 503 Service Unavailable"),
+        "the caller never saw the 503"
+    );
+    for p in &proxies {
+        assert_eq!(p.counts(), Counts::default(), "{}", p.name);
+    }
+    assert_eq!(
+        reached(&[&kept[0], &kept[1]], &call_ids("plain")),
+        Vec::<String>::new()
+    );
+    assert_eq!(
+        reached(&[&plain[0], &plain[1]], &call_ids("kept")),
+        Vec::<String>::new()
+    );
 }
 
 /// Whether SIPVicious's `svmap` is installed; a failure under FULCRUM_REQUIRE_SIPVICIOUS=1.

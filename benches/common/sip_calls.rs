@@ -39,6 +39,7 @@ pub fn core(record_route: bool) -> SipCore {
         member_transports: Vec::new(),
         legs: Vec::new(),
         service_source: None,
+        pool_failovers: Vec::new(),
     })
 }
 

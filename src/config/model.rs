@@ -669,8 +669,9 @@ impl Default for Failover {
     }
 }
 
-/// The pool of a routing rule (docs/routing.md): its services and the method that chooses
-/// among them (the vserver's when the rule gives none).
+/// The pool of a routing rule (docs/routing.md): its services, the method that chooses
+/// among them (the vserver's when the rule gives none), and its own `hash_length`,
+/// `slow_start` and `failover`, each the vserver's when the rule does not give it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoutePool {
     /// The rule's name.
@@ -678,6 +679,12 @@ pub struct RoutePool {
     /// Indices into [`Config::services`].
     pub services: Vec<usize>,
     pub method: Option<Method>,
+    /// The key length of `url_hash` and `domain_hash` in this pool.
+    pub hash_length: usize,
+    /// Slow start of the pool's members (non-hash methods only).
+    pub slow_start: Option<SlowStart>,
+    /// Failover of the requests routed to this pool (`None`: off), never leaving it.
+    pub failover: Option<Failover>,
 }
 
 /// One listener (docs/config.md, Model).

@@ -40,8 +40,8 @@ pub struct ConnectionKeys {
     method: Method,
     hash_params: HashParams,
     first: FirstBytes,
-    /// The method of each rule's pool (pool `k` at `k - 1`).
-    pool_methods: Vec<Method>,
+    /// The method and hash parameters of each rule's pool (pool `k` at `k - 1`).
+    pools: Vec<(Method, HashParams)>,
     /// The rules read the ClientHello (`sni` / `alpn` on a tcp vserver without TLS).
     hello: bool,
     /// The rules, or a pool's method, read the HTTP request head.
@@ -67,17 +67,23 @@ impl ConnectionKeys {
     /// The keying of vserver `v`.
     pub fn new(v: &Vserver) -> ConnectionKeys {
         let first = first_of(v.protocol, v.method, v.hash.token.as_ref());
-        let pool_methods: Vec<Method> = v
+        let pools: Vec<(Method, HashParams)> = v
             .route_pools
             .iter()
-            .map(|p| p.method.unwrap_or(v.method))
+            .map(|p| {
+                let hash = HashParams {
+                    hash_length: p.hash_length,
+                    ..v.hash.clone()
+                };
+                (p.method.unwrap_or(v.method), hash)
+            })
             .collect();
         let routes = v.routes.as_ref();
         let head = v.protocol == Protocol::Http
             && (routes.is_some_and(crate::route::Routes::reads_http)
-                || pool_methods
+                || pools
                     .iter()
-                    .any(|m| first_of(v.protocol, *m, None) == FirstBytes::HttpHead));
+                    .any(|(m, _)| first_of(v.protocol, *m, None) == FirstBytes::HttpHead));
         ConnectionKeys {
             protocol: v.protocol,
             method: v.method,
@@ -89,7 +95,7 @@ impl ConnectionKeys {
             head,
             routes_read_local: routes
                 .is_some_and(|r| r.rules.iter().any(|rule| rule.test.local.is_some())),
-            pool_methods,
+            pools,
         }
     }
 
@@ -98,7 +104,7 @@ impl ConnectionKeys {
     pub fn reads_local(&self) -> bool {
         self.routes_read_local
             || key::reads_local(self.method)
-            || self.pool_methods.iter().any(|m| key::reads_local(*m))
+            || self.pools.iter().any(|(m, _)| key::reads_local(*m))
     }
 
     /// What the vserver's own method must read before choosing.
@@ -149,9 +155,9 @@ impl ConnectionKeys {
         client: SocketAddr,
         local: SocketAddr,
     ) -> (KeyInput, bool) {
-        let (method, need) = match pool.checked_sub(1).and_then(|k| self.pool_methods.get(k)) {
-            Some(m) => (*m, first_of(self.protocol, *m, None)),
-            None => (self.method, self.first),
+        let (method, params, need) = match pool.checked_sub(1).and_then(|k| self.pools.get(k)) {
+            Some((m, params)) => (*m, params, first_of(self.protocol, *m, None)),
+            None => (self.method, &self.hash_params, self.first),
         };
         let head;
         let payload = match need {
@@ -170,7 +176,7 @@ impl ConnectionKeys {
             dst: local,
             payload,
         };
-        let key = match key::extract(method, &self.hash_params, &ctx) {
+        let key = match key::extract(method, params, &ctx) {
             KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
             KeyOutcome::NoKey => KeyInput::NoKey,
             KeyOutcome::Unparseable => KeyInput::Unparseable,

@@ -16,7 +16,13 @@ const ROUTE_FIELDS: &[&str] = &[
     "reject",
     "drop",
     "normalize",
+    "hash_length",
+    "slow_start",
+    "failover",
 ];
+
+/// A rule's fields that shape its pool, given with `services` only.
+const POOL_FIELDS: &[&str] = &["method", "hash_length", "slow_start", "failover"];
 
 const MATCH_FIELDS: &[&str] = &[
     "method",
@@ -56,6 +62,18 @@ const DEFAULT_FIELDS: &[&str] = &["reject", "drop"];
 
 /// A rule's pool with the services it lists, as read (for the protocol checks).
 type ReadPool = (RoutePool, Vec<Member>);
+
+/// The vserver's fields a rule's pool takes when the rule does not give its own, as read
+/// (`None`: bad, reported at the vserver).
+pub(super) struct PoolDefaults {
+    pub(super) method: Option<Method>,
+    pub(super) hash_length: Option<usize>,
+    pub(super) slow_start: Option<Option<SlowStart>>,
+    pub(super) failover: Option<Option<Failover>>,
+}
+
+/// The services declared (as read, and every declared name) that a rule's pool names.
+type Declared<'a> = (&'a [(&'a str, &'a Service)], &'a [String]);
 
 /// The reason phrase fulcrum gives a rejecting rule that names none (RFC 3261 §21).
 fn reason_of(code: u16) -> &'static str {
@@ -115,10 +133,11 @@ impl Cx {
         f: &Fields,
         path: &str,
         protocol: Option<Protocol>,
-        services: &[(&str, &Service)],
-        services_declared: &[String],
+        declared: Declared<'_>,
+        inherited: &PoolDefaults,
     ) -> Option<(Option<route::Routes>, Vec<RoutePool>)> {
-        let (read, pools) = self.routes_read(f, path, protocol, services, services_declared)?;
+        let services = declared.0;
+        let (read, pools) = self.routes_read(f, path, protocol, declared, inherited)?;
         let mut ok = read.is_some();
         for (_, members) in &pools {
             ok &= self.members_fit(protocol, services, members);
@@ -132,8 +151,8 @@ impl Cx {
         f: &Fields,
         path: &str,
         protocol: Option<Protocol>,
-        services: &[(&str, &Service)],
-        services_declared: &[String],
+        declared: Declared<'_>,
+        inherited: &PoolDefaults,
     ) -> Option<(Option<Option<route::Routes>>, Vec<ReadPool>)> {
         let (list, default) = (f.get("routes"), f.get("default"));
         if list.is_none() && default.is_none() {
@@ -178,13 +197,8 @@ impl Cx {
                     None => names.push((name, pos.line)),
                 }
             }
-            let Some(r) = self.rule(
-                item,
-                &at,
-                protocol,
-                (services, services_declared),
-                pools.len() + 1,
-            ) else {
+            let Some(r) = self.rule(item, &at, protocol, declared, inherited, pools.len() + 1)
+            else {
                 ok = false;
                 continue;
             };
@@ -263,7 +277,8 @@ impl Cx {
         node: &Node,
         path: &str,
         protocol: Option<Protocol>,
-        (services, services_declared): (&[(&str, &Service)], &[String]),
+        (services, services_declared): Declared<'_>,
+        inherited: &PoolDefaults,
         pool: usize,
     ) -> Option<(Rule, Option<ReadPool>)> {
         let f = self.fields(node, path, ROUTE_FIELDS)?;
@@ -305,19 +320,36 @@ impl Cx {
             );
             return None;
         }
-        let method = match f.get("method") {
-            Some(n) if given[0] != "services" => {
-                self.problem(
-                    n.pos,
-                    &join(path, "method"),
-                    "`method` chooses within a pool: give it with `services` only",
-                );
-                None
+        if given[0] != "services" {
+            let mut pool_field = false;
+            for k in POOL_FIELDS {
+                if let Some(n) = f.get(k) {
+                    let why = if *k == "method" {
+                        "chooses within a pool"
+                    } else {
+                        "shapes a pool"
+                    };
+                    self.problem(
+                        n.pos,
+                        &join(path, k),
+                        format!("`{k}` {why}: give it with `services` only"),
+                    );
+                    pool_field = true;
+                }
             }
+            if pool_field {
+                return None;
+            }
+        }
+        let method = match f.get("method") {
             Some(n) => self
                 .choice(n, &join(path, "method"), &Method::ALL)
                 .map(Some),
             None => Some(None),
+        };
+        let shape = match (given[0], method) {
+            ("services", Some(m)) => self.pool_shape(&f, path, (m, protocol), inherited),
+            _ => None,
         };
         let (target, members) = match given[0] {
             "services" => {
@@ -338,25 +370,24 @@ impl Cx {
             }
         };
         let name = name?;
-        let pool = members.map(|m| {
-            let p = RoutePool {
-                route: name.clone(),
-                services: m.iter().map(|m| m.index).collect(),
-                method: method.flatten(),
-            };
-            (p, m)
-        });
-        let method = method?;
-        if let (Some(m), Some(n), Some(p)) = (method, f.get("method"), protocol) {
+        let pool = match members {
+            Some(m) => {
+                let (hash_length, slow_start, failover) = shape?;
+                let p = RoutePool {
+                    route: name.clone(),
+                    services: m.iter().map(|m| m.index).collect(),
+                    method: method.flatten(),
+                    hash_length,
+                    slow_start,
+                    failover,
+                };
+                Some((p, m))
+            }
+            None => None,
+        };
+        if let (Some(Some(m)), Some(n), Some(p)) = (method, f.get("method"), protocol) {
             let known = self.problems.len();
             self.method_fits_protocol(n, &join(path, "method"), m, p);
-            if p.is_sip() && matches!(m, Method::UrlHash | Method::DomainHash) {
-                self.problem(
-                    n.pos,
-                    &join(path, "method"),
-                    format!("{} reads an HTTP request, not a SIP one", m.name()),
-                );
-            }
             if m == Method::Token {
                 self.problem(
                     n.pos,
@@ -376,6 +407,71 @@ impl Cx {
             },
             pool,
         ))
+    }
+
+    /// A rule pool's `hash_length`, `slow_start` and `failover`, read as a vserver reads its
+    /// own; each the vserver's where the rule gives none. Each given field must fit the pool's
+    /// method (`method`, else the vserver's), as on a vserver.
+    fn pool_shape(
+        &mut self,
+        f: &Fields,
+        path: &str,
+        (method, protocol): (Option<Method>, Option<Protocol>),
+        inherited: &PoolDefaults,
+    ) -> Option<(usize, Option<SlowStart>, Option<Failover>)> {
+        let m = method.or(inherited.method);
+        let hash_length = match f.get("hash_length") {
+            None => inherited.hash_length,
+            Some(n) => {
+                let at = join(path, "hash_length");
+                let l = self.int_in(n, &at, 1, 4096);
+                if let Some(m) = m.filter(|m| !m.is_hash()) {
+                    self.problem(
+                        n.pos,
+                        &at,
+                        format!(
+                            "`hash_length` applies to hash methods only, not {}",
+                            m.name()
+                        ),
+                    );
+                    return None;
+                }
+                l.and_then(|l| usize::try_from(l).ok())
+            }
+        };
+        let slow_start = match f.get("slow_start") {
+            None => inherited.slow_start,
+            Some(n) => {
+                let at = join(path, "slow_start");
+                let s = self.slow_start(n, &at);
+                if let Some(m) = m.filter(|m| m.is_hash()) {
+                    self.problem(
+                        n.pos,
+                        &at,
+                        format!(
+                            "slow start applies to non-hash methods only, not {} (docs/slow_start.md)",
+                            m.name()
+                        ),
+                    );
+                    return None;
+                }
+                s.map(Some)
+            }
+        };
+        let failover = match f.get("failover") {
+            None => inherited.failover.clone(),
+            Some(n) if protocol.is_some_and(|p| !p.is_sip()) => {
+                self.problem(
+                    n.pos,
+                    &join(path, "failover"),
+                    "`failover` holds SIP requests for another try; a tcp or http connection that cannot connect moves on within its pool without it",
+                );
+                None
+            }
+            // Read as the vserver's field.
+            Some(_) => self.failover_field(f, path, protocol),
+        };
+        Some((hash_length?, slow_start?, failover?))
     }
 
     /// A rule pool's `services`, each declared once; at least one.
@@ -858,4 +954,73 @@ fn is_token(s: &str) -> bool {
                     b'-' | b'.' | b'!' | b'%' | b'*' | b'_' | b'+' | b'`' | b'\'' | b'~'
                 )
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::{Failover, Method, from_str};
+    use std::time::Duration;
+
+    fn sip(vserver: &str, rule: &str) -> String {
+        format!(
+            "services:\n  - {{ name: p, address: 127.0.0.1:5071, protocol: sip-udp }}\n  - {{ name: g, address: 127.0.0.1:5081, protocol: sip-udp }}\nvservers:\n  - name: v\n    protocol: sip-udp\n    bind: 127.0.0.1:5060\n{vserver}    services: [p]\n    routes:\n      - {{ name: r, match: {{ method: INVITE }}, services: [g]{rule} }}\n"
+        )
+    }
+
+    /// A rule's pool takes the vserver's `hash_length`, `slow_start` and `failover` unless
+    /// it gives its own, read as the vserver reads them (a map's absent fields: defaults).
+    #[test]
+    fn a_pool_takes_the_vservers_fields_unless_it_gives_its_own() {
+        let vserver = "    method: round_robin\n    slow_start: { new_service_request_rate: 3 }\n    failover: { codes: [503], tries: 2 }\n";
+        let c = from_str("t", &sip(vserver, "")).expect("valid");
+        let (v, p) = (&c.vservers[0], &c.vservers[0].route_pools[0]);
+        assert_eq!(
+            (p.hash_length, p.slow_start, &p.failover),
+            (80, v.slow_start, &v.failover)
+        );
+        assert!(v.slow_start.is_some() && v.failover.is_some());
+        let hashed = "    method: domain_hash\n    hash_length: 40\n";
+        let c = from_str("t", &sip(hashed, "")).expect("valid");
+        assert_eq!(c.vservers[0].route_pools[0].hash_length, 40);
+        let c = from_str(
+            "t",
+            &sip(
+                vserver,
+                ", method: url_hash, hash_length: 12, failover: { tries: 4 }",
+            ),
+        )
+        .expect("valid");
+        let p = &c.vservers[0].route_pools[0];
+        assert_eq!(p.method, Some(Method::UrlHash));
+        assert_eq!(p.hash_length, 12);
+        assert_eq!(
+            p.failover,
+            Some(Failover {
+                tries: 4,
+                ..Failover::default()
+            })
+        );
+        let c = from_str(
+            "t",
+            &sip(
+                vserver,
+                ", failover: off, slow_start: { new_service_request_rate: 9, increment_interval: 5s }",
+            ),
+        )
+        .expect("valid");
+        let p = &c.vservers[0].route_pools[0];
+        assert_eq!(p.failover, None);
+        let s = p.slow_start.expect("its own");
+        assert_eq!(
+            (s.new_service_request_rate, s.increment_interval),
+            (9, Duration::from_secs(5))
+        );
+        // The vserver's failover off: a rule may still turn its own on.
+        let c = from_str("t", &sip("    failover: off\n", ", failover: on")).expect("valid");
+        assert_eq!(c.vservers[0].failover, None);
+        assert_eq!(
+            c.vservers[0].route_pools[0].failover,
+            Some(Failover::default())
+        );
+    }
 }

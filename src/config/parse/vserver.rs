@@ -100,7 +100,19 @@ impl Cx {
             self.members(&f, path, services, services_declared, may_be_empty);
         let members_fit = self.members_fit(v.protocol, services, &members);
         self.vserver_rules(&f, path, &v);
-        let routes = self.routes(&f, path, v.protocol, services, services_declared);
+        let inherited = super::routes::PoolDefaults {
+            method: v.method,
+            hash_length: v.hash.hash_length.and_then(|l| usize::try_from(l).ok()),
+            slow_start: v.slow_start,
+            failover: v.failover.clone(),
+        };
+        let routes = self.routes(
+            &f,
+            path,
+            v.protocol,
+            (services, services_declared),
+            &inherited,
+        );
         let mut discovered: Vec<Protocol> = Vec::new();
         for m in &members {
             let s = services[m.index].1;
@@ -253,7 +265,7 @@ impl Cx {
         }
     }
 
-    fn slow_start(&mut self, node: &Node, path: &str) -> Option<SlowStart> {
+    pub(super) fn slow_start(&mut self, node: &Node, path: &str) -> Option<SlowStart> {
         let f = self.fields(node, path, SLOW_START_FIELDS)?;
         let rate = self
             .required(&f, path, "new_service_request_rate")
@@ -386,7 +398,7 @@ impl Cx {
 
     /// `failover`: on by default on SIP vservers, `off`, or a map whose absent fields take
     /// their defaults; nothing on other protocols (where the field is reported).
-    fn failover_field(
+    pub(super) fn failover_field(
         &mut self,
         f: &Fields,
         path: &str,

@@ -164,6 +164,10 @@ pub struct SipCore {
     edge: crate::edge::Edge,
     /// Failover of requests outside a dialog ([`SipCore::with_failover`]; off by default).
     failover: Option<transaction::Failover>,
+    /// The failover of each routing rule's pool (pool `k` is `pool_failovers[k - 1]`), its
+    /// own or the vserver's as the config resolved it: a request routed there fails over
+    /// with it (docs/routing.md).
+    pool_failovers: Vec<Option<transaction::Failover>>,
     /// The requests held for failover.
     transactions: Arc<stateful::Transactions>,
     /// The keys of flow tokens ([`SipCore::with_flows`]; none: no Path, no token honoured).
@@ -207,6 +211,8 @@ pub struct SipParams {
     pub member_transports: Vec<Transport>,
     /// fulcrum's identities on other transports ([`SipParams::with_legs`]).
     pub legs: Vec<Local>,
+    /// The failover of each routing rule's pool ([`crate::config::RoutePool::failover`]).
+    pub pool_failovers: Vec<Option<crate::config::Failover>>,
     /// The address requests toward members on the vserver's own transport leave from and
     /// name in their Via (`service_source`, port resolved); `None`: `local`'s.
     pub service_source: Option<SocketAddr>,
@@ -225,6 +231,7 @@ impl SipParams {
             name: v.name.clone(),
             legs: Vec::new(),
             service_source: None,
+            pool_failovers: v.route_pools.iter().map(|p| p.failover.clone()).collect(),
             record_route: v.record_route,
             method: v.method,
             hash_params: v.hash.clone(),
@@ -352,6 +359,7 @@ impl SipCore {
             handing_over: std::sync::atomic::AtomicBool::new(false),
             member_addrs: p.member_addrs,
             failover: None,
+            pool_failovers: p.pool_failovers,
             transactions: Arc::default(),
             flows: None,
             path: crate::config::PathMode::Off,
@@ -744,6 +752,7 @@ impl SipCore {
 
 mod checks;
 mod requests;
+pub use requests::request_key;
 mod responses;
 pub mod stateful;
 pub mod transaction;

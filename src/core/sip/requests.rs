@@ -359,28 +359,21 @@ impl SipCore {
         }
     }
 
-    /// The key of `method` (a rule's pool may have its own) for a request.
-    pub(super) fn key_with(
+    /// The key of pool `pool`'s method and hash parameters (a rule's pool may have its own)
+    /// for a request.
+    pub(super) fn key_in(
         &self,
-        method: Method,
+        pool: usize,
         msg: &SipMsg<'_>,
         src: SocketAddr,
         dst: SocketAddr,
         call_hash: Option<u64>,
     ) -> KeyInput {
-        let ctx = RequestCtx {
-            src,
-            dst,
-            payload: Payload::Sip(msg),
+        let (method, params) = match pool {
+            0 => (self.method, &self.hash_params),
+            p => (self.balancer.pool_method(p), self.balancer.pool_hash(p)),
         };
-        match (method, call_hash) {
-            (Method::CallIdHash, Some(h)) => KeyInput::Hash(h),
-            _ => match key::extract(method, &self.hash_params, &ctx) {
-                KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
-                KeyOutcome::NoKey => KeyInput::NoKey,
-                KeyOutcome::Unparseable => KeyInput::Unparseable,
-            },
-        }
+        request_key(method, params, msg, (src, dst), call_hash)
     }
 
     pub(super) fn choose(
@@ -502,7 +495,7 @@ impl SipCore {
             }
         };
         let method = self.balancer.pool_method(pool);
-        let key = self.key_with(method, msg, src, dst, call_hash);
+        let key = self.key_in(pool, msg, src, dst, call_hash);
         let Some(choice) = self.balancer.choose_in(pool, key, now, &|_| false) else {
             if let Some((rule, _)) = decided {
                 self.balancer.count_route_unavailable(rule);
@@ -719,4 +712,29 @@ impl SipCore {
 /// the calls went to the first.
 pub(super) fn pins_with(method: Method, msg: &SipMsg<'_>) -> bool {
     pins_dialog(msg) && !(method == Method::AorHash && msg.method_kind() == SipMethod::Register)
+}
+
+/// The key `method` takes from a SIP request with hash parameters `params`, from `src` to
+/// `dst`; `call_hash` is the Call-ID's hash when the caller has it (the `call_id_hash` key,
+/// hashed once for the dialog table too).
+pub fn request_key(
+    method: Method,
+    params: &crate::config::HashParams,
+    msg: &SipMsg<'_>,
+    (src, dst): (SocketAddr, SocketAddr),
+    call_hash: Option<u64>,
+) -> KeyInput {
+    let ctx = RequestCtx {
+        src,
+        dst,
+        payload: Payload::Sip(msg),
+    };
+    match (method, call_hash) {
+        (Method::CallIdHash, Some(h)) => KeyInput::Hash(h),
+        _ => match key::extract(method, params, &ctx) {
+            KeyOutcome::Key(k) => KeyInput::Hash(hash::key_hash(k.as_bytes())),
+            KeyOutcome::NoKey => KeyInput::NoKey,
+            KeyOutcome::Unparseable => KeyInput::Unparseable,
+        },
+    }
 }

@@ -5,6 +5,7 @@ use super::*;
 use crate::balancer::Health;
 use crate::config;
 use crate::sip::Transport;
+use bytes::Bytes;
 use std::sync::atomic::Ordering;
 
 const CLIENT: &str = "192.0.2.10:5062";
@@ -271,4 +272,277 @@ fn a_refusing_default_needs_no_services_of_the_vservers_own() {
         Action::Reply(_)
     ));
     assert!(out.starts_with(b"SIP/2.0 405 Method Not Allowed\r\n"));
+}
+
+/// Two pools of gateways, one with `failover: off`, one with its own codes: a failover code
+/// from the first reaches the caller, from the second moves the call to the pool's other
+/// gateway (never to the vserver's own pool, whose failover is the default).
+const POOL_FAILOVER: &str = "services:
+  - { name: p1, address: 127.0.0.1:5071, protocol: sip-udp }
+  - { name: ga1, address: 127.0.0.1:5081, protocol: sip-udp }
+  - { name: ga2, address: 127.0.0.1:5082, protocol: sip-udp }
+  - { name: gb1, address: 127.0.0.1:5091, protocol: sip-udp }
+  - { name: gb2, address: 127.0.0.1:5092, protocol: sip-udp }
+vservers:
+  - name: v
+    protocol: sip-udp
+    bind: 127.0.0.1:5060
+    services: [p1]
+    routes:
+      - { name: plain, match: { ruri_user: { prefix: ['1'] } }, services: [ga1, ga2], failover: off }
+      - { name: busy, match: { ruri_user: { prefix: ['2'] } }, services: [gb1, gb2], failover: { codes: [486], tries: 2 } }
+";
+
+/// The core of `yaml`'s vserver with its failover (the vserver's and its pools').
+fn stateful_core(yaml: &str) -> SipCore {
+    let (c, cfg) = core_of(yaml);
+    c.with_failover(cfg.vservers[0].failover.clone(), Arc::default())
+}
+
+/// A client's request through the stateful path: the action, `out`, and what else was sent.
+fn send_held(
+    c: &SipCore,
+    text: &str,
+    src: &str,
+    now: Nanos,
+    out: &mut Vec<u8>,
+) -> (Action, Vec<Bytes>) {
+    let mut sends = Vec::new();
+    let a = c.handle_datagram_stateful(
+        text.as_bytes(),
+        src.parse().expect("src"),
+        US.parse().expect("dst"),
+        now,
+        out,
+        &mut sends,
+    );
+    (a, sends.into_iter().map(|(_, b)| b).collect())
+}
+
+#[test]
+fn each_pool_fails_over_with_its_own_setting() {
+    let c = stateful_core(POOL_FAILOVER);
+    let mut out = Vec::new();
+    let name = |m: usize| c.balancer().members()[m].name.clone();
+    let line = |b: &[u8]| {
+        String::from_utf8_lossy(b)
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    };
+    // `plain` has failover off: nothing is held, and a 503 goes to the caller as it came.
+    let (a, sends) = send_held(&c, &request("INVITE", "100", "a1", ""), CLIENT, 0, &mut out);
+    let Action::ToMember(m) = a else {
+        panic!("not forwarded: {a:?}");
+    };
+    assert!(name(m).starts_with("ga"), "{}", name(m));
+    assert!(
+        sends.is_empty(),
+        "no 100 Trying from a stateless forward: {sends:?}"
+    );
+    assert_eq!(c.transactions().len(), 0);
+    let from_ga = c.member_addr(m).expect("addr").to_string();
+    let busy = stateful::tests::answer(&out, 503, "Service Unavailable");
+    let (a, _) = send_held(&c, &busy, &from_ga, 1_000_000, &mut out);
+    assert!(matches!(a, Action::ToAddr(_)), "{a:?}");
+    assert_eq!(line(&out), "SIP/2.0 503 Service Unavailable");
+    // `busy` fails over on 486 (its own code) to its other gateway.
+    let (a, sends) = send_held(&c, &request("INVITE", "200", "b1", ""), CLIENT, 0, &mut out);
+    let Action::ToMember(m) = a else {
+        panic!("not forwarded: {a:?}");
+    };
+    assert!(name(m).starts_with("gb"), "{}", name(m));
+    assert_eq!(
+        sends.iter().map(|b| line(b)).collect::<Vec<_>>(),
+        ["SIP/2.0 100 Trying"]
+    );
+    assert_eq!(c.transactions().len(), 1);
+    let from_gb = c.member_addr(m).expect("addr").to_string();
+    let (a, sends) = send_held(
+        &c,
+        &stateful::tests::answer(&out, 486, "Busy Here"),
+        &from_gb,
+        1_000_000,
+        &mut out,
+    );
+    assert_eq!(a, Action::Drop(DropReason::Absorbed));
+    let next = sends
+        .iter()
+        .find(|b| b.starts_with(b"INVITE"))
+        .expect("the next attempt");
+    let other = if name(m) == "gb1" { "gb2" } else { "gb1" };
+    let other_addr = c
+        .balancer()
+        .members()
+        .iter()
+        .position(|x| x.name == other)
+        .and_then(|i| c.member_addr(i))
+        .expect("other gateway");
+    // The attempt goes to the other gateway: its answer finds the transaction.
+    let (a, sends) = send_held(
+        &c,
+        &stateful::tests::answer(next, 486, "Busy Here"),
+        &other_addr.to_string(),
+        2_000_000,
+        &mut out,
+    );
+    // Two tries, both busy: the caller gets the best answer, 486.
+    let finals: Vec<String> = sends.iter().map(|b| line(b)).chain([line(&out)]).collect();
+    assert!(
+        finals.iter().any(|l| l == "SIP/2.0 486 Busy Here"),
+        "{a:?} {finals:?}"
+    );
+    // A 503 is no failover code of `busy`'s: it goes to the caller.
+    let (a, _) = send_held(&c, &request("INVITE", "201", "b2", ""), CLIENT, 0, &mut out);
+    let Action::ToMember(m) = a else {
+        panic!("not forwarded: {a:?}");
+    };
+    let from_gb = c.member_addr(m).expect("addr").to_string();
+    let (_, sends) = send_held(
+        &c,
+        &stateful::tests::answer(&out, 503, "Service Unavailable"),
+        &from_gb,
+        1_000_000,
+        &mut out,
+    );
+    let relayed: Vec<String> = sends.iter().map(|b| line(b)).chain([line(&out)]).collect();
+    assert!(
+        relayed
+            .iter()
+            .any(|l| l == "SIP/2.0 503 Service Unavailable"),
+        "{relayed:?}"
+    );
+    assert!(
+        !sends.iter().any(|b| b.starts_with(b"INVITE")),
+        "no next attempt on 503"
+    );
+}
+
+#[test]
+fn a_vserver_without_failover_holds_for_a_pool_that_has_it() {
+    let yaml = POOL_FAILOVER
+        .replace(
+            "    services: [p1]\n",
+            "    services: [p1]\n    failover: off\n",
+        )
+        .replace(", failover: off }", " }");
+    let c = stateful_core(&yaml);
+    let mut out = Vec::new();
+    // `plain` now takes the vserver's (off); `busy` keeps its own.
+    let (a, _) = send_held(&c, &request("INVITE", "100", "a1", ""), CLIENT, 0, &mut out);
+    assert!(matches!(a, Action::ToMember(_)));
+    assert_eq!(c.transactions().len(), 0);
+    let (a, _) = send_held(&c, &request("INVITE", "300", "d1", ""), CLIENT, 0, &mut out);
+    assert!(matches!(a, Action::ToMember(_)));
+    assert_eq!(
+        c.transactions().len(),
+        0,
+        "the default pool: the vserver's off"
+    );
+    let (a, _) = send_held(&c, &request("INVITE", "200", "b1", ""), CLIENT, 0, &mut out);
+    assert!(matches!(a, Action::ToMember(_)));
+    assert_eq!(c.transactions().len(), 1);
+}
+
+#[test]
+fn a_pools_hash_length_cuts_its_key() {
+    // url_hash over the first 12 bytes of the Request-URI (`sip:7000000`): every number that
+    // starts alike reaches one gateway, whatever follows.
+    let yaml = "services:
+  - { name: p1, address: 127.0.0.1:5071, protocol: sip-udp }
+  - { name: g1, address: 127.0.0.1:5081, protocol: sip-udp }
+  - { name: g2, address: 127.0.0.1:5082, protocol: sip-udp }
+  - { name: g3, address: 127.0.0.1:5083, protocol: sip-udp }
+vservers:
+  - name: v
+    protocol: sip-udp
+    bind: 127.0.0.1:5060
+    services: [p1]
+    routes:
+      - { name: gw, match: { method: INVITE }, services: [g1, g2, g3], method: url_hash, hash_length: 11 }
+";
+    let (c, _) = core_of(yaml);
+    assert_eq!(c.balancer().pool_hash(1).hash_length, 11);
+    assert_eq!(c.balancer().pool_hash(0).hash_length, 80);
+    let mut out = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for prefix in 0..12 {
+        let first = member_name(
+            &c,
+            send(
+                &c,
+                &request("INVITE", &format!("{prefix:07}"), &format!("h{prefix}"), ""),
+                &mut out,
+            ),
+        );
+        for tail in 0..5 {
+            let again = member_name(
+                &c,
+                send(
+                    &c,
+                    &request(
+                        "INVITE",
+                        &format!("{prefix:07}{tail}{tail}"),
+                        &format!("h{prefix}-{tail}"),
+                        "",
+                    ),
+                    &mut out,
+                ),
+            );
+            assert_eq!(again, first, "{prefix:07} then {tail}");
+        }
+        seen.insert(first);
+    }
+    assert!(seen.len() > 1, "one gateway took every prefix: {seen:?}");
+}
+
+#[test]
+fn a_pools_slow_start_caps_its_member_back_from_down() {
+    let yaml = "services:
+  - { name: p1, address: 127.0.0.1:5071, protocol: sip-udp }
+  - { name: g1, address: 127.0.0.1:5081, protocol: sip-udp }
+  - { name: g2, address: 127.0.0.1:5082, protocol: sip-udp }
+vservers:
+  - name: v
+    protocol: sip-udp
+    bind: 127.0.0.1:5060
+    services: [p1]
+    routes:
+      - { name: gw, match: { method: INVITE }, services: [g1, g2], method: round_robin, slow_start: { new_service_request_rate: 1, unit: per_second, increment_interval: 0s } }
+      - { name: reg, match: { method: REGISTER }, services: [g1, g2], method: round_robin }
+";
+    let (c, cfg) = core_of(yaml);
+    assert!(
+        cfg.vservers[0].route_pools[1].slow_start.is_none(),
+        "the vserver has none"
+    );
+    let b = c.balancer();
+    let g1 = b.members().iter().position(|m| m.name == "g1").expect("g1");
+    b.set_health(g1, Health::Down, 0);
+    b.set_health(g1, Health::Up, 0);
+    assert!(
+        b.pool_slow_start(1).is_some_and(|s| s.is_new(0)),
+        "g1 is new in `gw`"
+    );
+    assert!(b.pool_slow_start(2).is_none());
+    let mut out = Vec::new();
+    let mut count = |method: &str, tag: &str| {
+        (0..20)
+            .filter(|i| {
+                member_name(
+                    &c,
+                    send(
+                        &c,
+                        &request(method, &format!("u{i}"), &format!("{tag}{i}"), ""),
+                        &mut out,
+                    ),
+                ) == "g1"
+            })
+            .count()
+    };
+    // Within one second the new g1 takes one request of `gw` (manual rate 1/s); `reg`, without
+    // slow start, shares round robin.
+    assert_eq!(count("INVITE", "i"), 1);
+    assert_eq!(count("REGISTER", "r"), 10);
 }

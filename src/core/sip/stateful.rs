@@ -266,6 +266,31 @@ impl SipCore {
         self
     }
 
+    /// Whether any request may be held: failover is on for the vserver's own pool or for
+    /// some rule's pool.
+    fn fails_over(&self) -> bool {
+        self.failover.is_some() || self.pool_failovers.iter().any(Option::is_some)
+    }
+
+    /// The failover of the pool a client's request was routed to (its rule's, by the same
+    /// decision as [`SipCore::choose_next`]'s); the vserver's where no rule's pool differs.
+    fn failover_of(&self, msg: &SipMsg<'_>, src: SocketAddr, dst: SocketAddr) -> Option<&Failover> {
+        // Only a request outside a dialog is held ([`SipCore::hold`]).
+        if msg.to_tag().is_some() || matches!(msg.method_kind(), SipMethod::Ack | SipMethod::Cancel)
+        {
+            return None;
+        }
+        if self.pool_failovers.iter().all(|f| *f == self.failover) {
+            return self.failover.as_ref();
+        }
+        match self.pool_of(msg, src, dst) {
+            Some((_, crate::route::Target::Pool(k))) if *k > 0 => {
+                self.pool_failovers.get(k - 1).and_then(Option::as_ref)
+            }
+            _ => self.failover.as_ref(),
+        }
+    }
+
     /// The table of held requests.
     pub fn transactions(&self) -> &Arc<Transactions> {
         &self.transactions
@@ -291,7 +316,7 @@ impl SipCore {
             Some(_) => return None,
         };
         let method = self.balancer.pool_method(pool);
-        let key = self.key_with(method, msg, src, dst, call_hash);
+        let key = self.key_in(pool, msg, src, dst, call_hash);
         let member = self.balancer.choose_in(pool, key, now, avoid)?.member;
         let now_ms = now / 1_000_000;
         if let (Some(h), Ok(m)) = (call_hash, u32::try_from(member)) {
@@ -318,7 +343,7 @@ impl SipCore {
         sends: &mut Vec<Send>,
     ) -> Action {
         // With failover off (a reload may turn it off) the requests still held finish.
-        if self.failover.is_none() && self.transactions.is_empty() {
+        if !self.fails_over() && self.transactions.is_empty() {
             return self.handle_datagram(buf, src, dst, now, out);
         }
         let origin = self.datagram_origin(src);
@@ -340,8 +365,7 @@ impl SipCore {
     ) -> Action {
         // With failover off (a reload may turn it off) the requests still held finish: their
         // retransmissions, CANCELs, ACKs and answers still find them; nothing new is held.
-        let failover = self.failover.as_ref();
-        if failover.is_none() && self.transactions.is_empty() {
+        if !self.fails_over() && self.transactions.is_empty() {
             return self.handle(buf, origin, src, dst, now, out);
         }
         if self.refused_by_acl(origin, src) {
@@ -376,7 +400,9 @@ impl SipCore {
                     return action;
                 }
                 let action = self.handle_scanned(&msg, origin, src, dst, now, out);
-                if let (Action::ToMember(m), Some(key), Some(failover)) = (action, key, failover) {
+                if let (Action::ToMember(m), Some(key)) = (action, key)
+                    && let Some(failover) = self.failover_of(&msg, src, dst)
+                {
                     self.hold(failover, &msg, key, m, client, src, dst, now, out, sends);
                 }
                 action

@@ -33,6 +33,7 @@ fn core_with(record_route: bool, method: &str) -> SipCore {
         member_transports: Vec::new(),
         legs: Vec::new(),
         service_source: None,
+        pool_failovers: Vec::new(),
     })
 }
 
