@@ -582,6 +582,75 @@ impl Balancer {
         b
     }
 
+    /// A copy to try a decision on: the same health, ejections, rankings, method positions
+    /// and slow start, the members' counters shared (choosing reads them, never changes
+    /// them). What the copy chooses changes nothing here: no round-robin position moves, no
+    /// half-open trial is taken, no path is counted (`POST /vservers/NAME/route`).
+    pub fn snapshot(&self) -> Balancer {
+        let copy_u8 = |v: &[AtomicU8]| -> Vec<AtomicU8> {
+            v.iter()
+                .map(|a| AtomicU8::new(a.load(Ordering::Acquire)))
+                .collect()
+        };
+        let slow = |ss: &Option<Mutex<SlowStart>>| ss.as_ref().map(|s| Mutex::new(lock(s).clone()));
+        let copy_bool = |a: &AtomicBool| AtomicBool::new(a.load(Ordering::Acquire));
+        Balancer {
+            name: self.name.clone(),
+            method: self.method,
+            hash: self.hash.clone(),
+            balance_factor: self.balance_factor,
+            members: self.members.clone(),
+            serving: self.serving,
+            weights: self.weights.clone(),
+            health: copy_u8(&self.health),
+            counters: self.counters.clone(),
+            selector: ArcSwap::new(self.selector.load_full()),
+            method_state: self.method_state.snapshot(),
+            slow_start: slow(&self.slow_start),
+            slow_start_active: copy_bool(&self.slow_start_active),
+            control: Mutex::new(()),
+            paths: Default::default(),
+            passive_failures: self.members.iter().map(|_| AtomicU64::new(0)).collect(),
+            eject: self.eject.as_ref().map(|e| {
+                let view = lock(&e.view).clone();
+                let copy = Ejector {
+                    gate: (0..self.members.len()).map(|_| AtomicU64::new(0)).collect(),
+                    restricted: (0..self.members.len())
+                        .map(|_| AtomicBool::new(false))
+                        .collect(),
+                    failures: (0..self.members.len()).map(|_| AtomicU32::new(0)).collect(),
+                    view: Mutex::new(view),
+                };
+                {
+                    let v = lock(&copy.view);
+                    for m in 0..self.members.len() {
+                        copy.mirror(&v, m);
+                    }
+                }
+                copy
+            }),
+            has_tiers: self.has_tiers,
+            routes: self.routes.clone(),
+            pools: self
+                .pools
+                .iter()
+                .map(|p| RoutePool {
+                    route: p.route.clone(),
+                    method: p.method,
+                    hash: p.hash.clone(),
+                    slow_start: slow(&p.slow_start),
+                    slow_start_active: copy_bool(&p.slow_start_active),
+                    members: p.members.clone(),
+                    weights: p.weights.clone(),
+                    counters: p.counters.clone(),
+                    selector: ArcSwap::new(p.selector.load_full()),
+                    state: p.state.snapshot(),
+                })
+                .collect(),
+            route_counters: self.route_counters.clone(),
+        }
+    }
+
     fn with_method_state(mut self) -> Balancer {
         self.method_state = MethodState::new(&self.weights);
         self

@@ -35,7 +35,7 @@
 //! - `route`      PURE  routing rules of a SIP vserver: the pool or refusal a request gets
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
-//! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
+//! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time; `fulcrum route` and `POST /vservers/NAME/route` (`simulate::route`)
 //! - `sip`        PURE  zero-copy SIP scanner, stateless-proxy rewrite, TCP stream framing
 //! - `slow_start` PURE  slow-start state machine driven by injected time
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)
