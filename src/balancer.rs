@@ -1700,6 +1700,48 @@ mod tests {
         assert!(!fresh.slow_start().is_some_and(|s| s.is_new(0)));
     }
 
+    /// A rule's pool ramps its members with its own slow start, and a reload keeps a member's
+    /// ramp in the pool of the same rule, found by name whatever its index.
+    #[test]
+    fn a_pools_slow_start_ramps_its_own_members_and_a_reload_keeps_it() {
+        let yaml = |pool: &str| {
+            format!(
+                "services:\n  - {{ name: p, address: 127.0.0.1:7000, protocol: sip-udp }}\n  - {{ name: g1, address: 127.0.0.1:7001, protocol: sip-udp }}\n  - {{ name: g2, address: 127.0.0.1:7002, protocol: sip-udp }}\nvservers:\n  - name: v\n    protocol: sip-udp\n    bind: 127.0.0.1:9000\n    services: [p]\n    routes:\n      - {{ name: gw, match: {{ method: INVITE }}, services: [{pool}], method: least_connection, slow_start: {{ new_service_request_rate: 2, increment_interval: 1s }} }}\n"
+            )
+        };
+        let c = config::from_str("t", &yaml("g1, g2")).expect("config");
+        let old = Balancer::new(&c, &c.vservers[0]);
+        let g2 = old
+            .members()
+            .iter()
+            .position(|m| m.name == "g2")
+            .expect("g2");
+        old.set_health(g2, Health::Down, 0);
+        old.set_health(g2, Health::Up, 0);
+        assert!(old.pool_slow_start(1).is_some_and(|s| s.is_new(1)));
+        assert!(
+            old.slow_start().is_none(),
+            "the vserver's own pool has none"
+        );
+        // Within the first second g2 takes at most its rate (2/s), g1 the rest.
+        let taken = (0..20u64)
+            .filter_map(|i| old.choose_in(1, KeyInput::NoKey, i * 1_000_000, &|_| false))
+            .filter(|c| c.member == g2)
+            .count();
+        assert!((1..=2).contains(&taken), "{taken}");
+        let before = old
+            .pool_slow_start(1)
+            .and_then(|s| s.status(1))
+            .expect("new");
+        // The reload lists g2 first in the pool.
+        let c2 = config::from_str("t", &yaml("g2, g1")).expect("config");
+        let b = Balancer::carrying(&c2, &c2.vservers[0], &old);
+        let ss = b.pool_slow_start(1).expect("slow start");
+        let after = ss.status(0).expect("g2 is still new after the reload");
+        assert_eq!((after.rate, after.since), (before.rate, before.since));
+        assert!(!ss.is_new(1), "g1 stays the base");
+    }
+
     #[test]
     fn slow_start_is_locked_only_while_a_member_is_new() {
         let b = balancer(
