@@ -582,6 +582,75 @@ impl Balancer {
         b
     }
 
+    /// A copy to try a decision on: the same health, ejections, rankings, method positions
+    /// and slow start, the members' counters shared (choosing reads them, never changes
+    /// them). What the copy chooses changes nothing here: no round-robin position moves, no
+    /// half-open trial is taken, no path is counted (`POST /vservers/NAME/route`).
+    pub fn snapshot(&self) -> Balancer {
+        let copy_u8 = |v: &[AtomicU8]| -> Vec<AtomicU8> {
+            v.iter()
+                .map(|a| AtomicU8::new(a.load(Ordering::Acquire)))
+                .collect()
+        };
+        let slow = |ss: &Option<Mutex<SlowStart>>| ss.as_ref().map(|s| Mutex::new(lock(s).clone()));
+        let copy_bool = |a: &AtomicBool| AtomicBool::new(a.load(Ordering::Acquire));
+        Balancer {
+            name: self.name.clone(),
+            method: self.method,
+            hash: self.hash.clone(),
+            balance_factor: self.balance_factor,
+            members: self.members.clone(),
+            serving: self.serving,
+            weights: self.weights.clone(),
+            health: copy_u8(&self.health),
+            counters: self.counters.clone(),
+            selector: ArcSwap::new(self.selector.load_full()),
+            method_state: self.method_state.snapshot(),
+            slow_start: slow(&self.slow_start),
+            slow_start_active: copy_bool(&self.slow_start_active),
+            control: Mutex::new(()),
+            paths: Default::default(),
+            passive_failures: self.members.iter().map(|_| AtomicU64::new(0)).collect(),
+            eject: self.eject.as_ref().map(|e| {
+                let view = lock(&e.view).clone();
+                let copy = Ejector {
+                    gate: (0..self.members.len()).map(|_| AtomicU64::new(0)).collect(),
+                    restricted: (0..self.members.len())
+                        .map(|_| AtomicBool::new(false))
+                        .collect(),
+                    failures: (0..self.members.len()).map(|_| AtomicU32::new(0)).collect(),
+                    view: Mutex::new(view),
+                };
+                {
+                    let v = lock(&copy.view);
+                    for m in 0..self.members.len() {
+                        copy.mirror(&v, m);
+                    }
+                }
+                copy
+            }),
+            has_tiers: self.has_tiers,
+            routes: self.routes.clone(),
+            pools: self
+                .pools
+                .iter()
+                .map(|p| RoutePool {
+                    route: p.route.clone(),
+                    method: p.method,
+                    hash: p.hash.clone(),
+                    slow_start: slow(&p.slow_start),
+                    slow_start_active: copy_bool(&p.slow_start_active),
+                    members: p.members.clone(),
+                    weights: p.weights.clone(),
+                    counters: p.counters.clone(),
+                    selector: ArcSwap::new(p.selector.load_full()),
+                    state: p.state.snapshot(),
+                })
+                .collect(),
+            route_counters: self.route_counters.clone(),
+        }
+    }
+
     fn with_method_state(mut self) -> Balancer {
         self.method_state = MethodState::new(&self.weights);
         self
@@ -1657,6 +1726,48 @@ mod tests {
         // Without carrying, s2 would be part of the base: full share at once.
         let fresh = Balancer::new(&c4, &c4.vservers[0]);
         assert!(!fresh.slow_start().is_some_and(|s| s.is_new(0)));
+    }
+
+    /// A rule's pool ramps its members with its own slow start, and a reload keeps a member's
+    /// ramp in the pool of the same rule, found by name whatever its index.
+    #[test]
+    fn a_pools_slow_start_ramps_its_own_members_and_a_reload_keeps_it() {
+        let yaml = |pool: &str| {
+            format!(
+                "services:\n  - {{ name: p, address: 127.0.0.1:7000, protocol: sip-udp }}\n  - {{ name: g1, address: 127.0.0.1:7001, protocol: sip-udp }}\n  - {{ name: g2, address: 127.0.0.1:7002, protocol: sip-udp }}\nvservers:\n  - name: v\n    protocol: sip-udp\n    bind: 127.0.0.1:9000\n    services: [p]\n    routes:\n      - {{ name: gw, match: {{ method: INVITE }}, services: [{pool}], method: least_connection, slow_start: {{ new_service_request_rate: 2, increment_interval: 1s }} }}\n"
+            )
+        };
+        let c = config::from_str("t", &yaml("g1, g2")).expect("config");
+        let old = Balancer::new(&c, &c.vservers[0]);
+        let g2 = old
+            .members()
+            .iter()
+            .position(|m| m.name == "g2")
+            .expect("g2");
+        old.set_health(g2, Health::Down, 0);
+        old.set_health(g2, Health::Up, 0);
+        assert!(old.pool_slow_start(1).is_some_and(|s| s.is_new(1)));
+        assert!(
+            old.slow_start().is_none(),
+            "the vserver's own pool has none"
+        );
+        // Within the first second g2 takes at most its rate (2/s), g1 the rest.
+        let taken = (0..20u64)
+            .filter_map(|i| old.choose_in(1, KeyInput::NoKey, i * 1_000_000, &|_| false))
+            .filter(|c| c.member == g2)
+            .count();
+        assert!((1..=2).contains(&taken), "{taken}");
+        let before = old
+            .pool_slow_start(1)
+            .and_then(|s| s.status(1))
+            .expect("new");
+        // The reload lists g2 first in the pool.
+        let c2 = config::from_str("t", &yaml("g2, g1")).expect("config");
+        let b = Balancer::carrying(&c2, &c2.vservers[0], &old);
+        let ss = b.pool_slow_start(1).expect("slow start");
+        let after = ss.status(0).expect("g2 is still new after the reload");
+        assert_eq!((after.rate, after.since), (before.rate, before.since));
+        assert!(!ss.is_new(1), "g1 stays the base");
     }
 
     #[test]

@@ -36,7 +36,7 @@
 //! - `route`      PURE  routing rules of a vserver (SIP requests, tcp connections by TLS name and protocol, HTTP requests): the pool or refusal each gets
 //! - `select`     PURE  consistent-hash selectors carp, prac, jarh: ranking and UP/eligible filtering
 //! - `session`    PURE  UDP session table: bounded, idle expiry with `now` passed in
-//! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time
+//! - `simulate`   PURE  `fulcrum simulate` engines driving the real core with simulated time; `fulcrum route` and `POST /vservers/NAME/route` (`simulate::route`)
 //! - `sip`        PURE  zero-copy SIP scanner, stateless-proxy rewrite, TCP stream framing
 //! - `slow_start` PURE  slow-start state machine driven by injected time
 //! - `stats`      PURE  per-service atomic counters (connections, rates, response times, load)

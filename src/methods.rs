@@ -68,6 +68,20 @@ impl MethodState {
         }
     }
 
+    /// A copy with the same positions: what it chooses from now on leaves this one alone.
+    pub fn snapshot(&self) -> MethodState {
+        MethodState {
+            cursor: AtomicU64::new(self.cursor.load(Ordering::Relaxed)),
+            last_chosen: self
+                .last_chosen
+                .iter()
+                .map(|c| AtomicU64::new(c.load(Ordering::Relaxed)))
+                .collect(),
+            order: self.order.clone(),
+            services: self.services,
+        }
+    }
+
     /// Number of services this state was built for.
     pub fn services(&self) -> usize {
         self.services

@@ -301,3 +301,113 @@ fn dashboard_loads_without_a_token_and_the_server_stops_on_shutdown() {
         "nothing listens any more"
     );
 }
+
+/// `POST /vservers/NAME/route` over a socket: the SIP request in the body (LF line ends as
+/// a file has them), the client's address in the query; the answer follows the running
+/// balancer's health (a service disabled through the API is passed over) and asking moves
+/// nothing. Unknown vserver 404, a vserver without routes 409, a body that is no request the
+/// rules route 400, no token 401.
+#[test]
+fn the_route_endpoint_answers_from_the_running_balancer() {
+    let yaml = "admin: { listen: null, token: s3cret }
+services:
+  - { name: p1, address: 127.0.0.1:5071, protocol: sip-udp }
+  - { name: r1, address: 127.0.0.1:5081, protocol: sip-udp }
+  - { name: r2, address: 127.0.0.1:5082, protocol: sip-udp }
+vservers:
+  - name: v
+    protocol: sip-udp
+    bind: [127.0.0.1:0]
+    workers: 1
+    services: [p1]
+    routes:
+      - { name: registrar, match: { method: REGISTER }, services: [r1, r2], method: round_robin }
+      - { name: lan, match: { source: 10.0.0.0/8 }, reject: { code: 403, reason: Not From Here } }
+  - { name: plain, protocol: sip-udp, bind: [127.0.0.1:0], workers: 1, services: [p1] }
+";
+    let ops = Ops::start(config::from_str("t.yaml", yaml).expect("valid"), None).expect("start");
+    let (addr, _task) = ops
+        .tokio()
+        .block_on(admin::serve_with(
+            Arc::clone(&ops),
+            any(),
+            Limits::default(),
+        ))
+        .expect("admin listener");
+    let register = "REGISTER sip:example.com SIP/2.0\nVia: SIP/2.0/UDP 192.0.2.7:5070;branch=z9hG4bK1\nFrom: <sip:alice@example.com>;tag=1\nTo: <sip:alice@example.com>\nCall-ID: reg-1\nCSeq: 1 REGISTER\nMax-Forwards: 70\n";
+    let mut s = connect(addr);
+    let mut ask = |target: &str, body: &str, token: bool| {
+        let auth = if token {
+            "Authorization: Bearer s3cret\r\n"
+        } else {
+            ""
+        };
+        s.write_all(
+            format!(
+                "POST {target} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .expect("write");
+        let (code, _, body) = response(&mut s).expect("response");
+        let json: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        (code, json)
+    };
+    for _ in 0..3 {
+        let (code, a) = ask("/vservers/v/route", register, true);
+        assert_eq!(code, 200, "{a}");
+        assert_eq!(a["rule"], "registrar", "{a}");
+        assert_eq!(a["target"]["action"], "pool", "{a}");
+        assert_eq!(
+            a["target"]["services"],
+            serde_json::json!(["r1", "r2"]),
+            "{a}"
+        );
+        assert_eq!(
+            a["service"], "r1",
+            "asking moves no round-robin position: {a}"
+        );
+        assert_eq!(a["source"], "192.0.2.7:5070", "{a}");
+    }
+    let (code, a) = ask("/services/r1/disable", "", true);
+    assert_eq!(code, 200, "{a}");
+    let (_, a) = ask("/vservers/v/route", register, true);
+    assert_eq!(a["service"], "r2", "r1 is out of service: {a}");
+    let (code, a) = ask("/vservers/v/route?source=10.1.2.3:5060", register, true);
+    assert_eq!(code, 200, "{a}");
+    assert_eq!(a["rule"], "registrar", "{a}");
+    let invite = register.replace("REGISTER", "INVITE");
+    let (_, a) = ask("/vservers/v/route?source=10.1.2.3%3A5060", &invite, true);
+    assert_eq!(a["rule"], "lan", "{a}");
+    assert_eq!(
+        a["target"],
+        serde_json::json!({ "action": "reject", "code": 403, "reason": "Not From Here" }),
+        "{a}"
+    );
+    assert_eq!(a["service"], serde_json::Value::Null, "{a}");
+    let (_, a) = ask("/vservers/v/route?source=192.0.2.9:5060", &invite, true);
+    assert_eq!(
+        (&a["rule"], &a["service"]),
+        (&serde_json::Value::Null, &serde_json::json!("p1")),
+        "the default: {a}"
+    );
+    assert_eq!(ask("/vservers/nope/route", register, true).0, 404);
+    assert_eq!(ask("/vservers/plain/route", register, true).0, 409);
+    assert_eq!(ask("/vservers/v/route", "hello\n", true).0, 400);
+    assert_eq!(
+        ask(
+            "/vservers/v/route",
+            &register.replace("REGISTER sip", "ACK sip"),
+            true
+        )
+        .0,
+        400
+    );
+    assert_eq!(
+        ask("/vservers/v/route?source=nowhere", register, true).0,
+        400
+    );
+    assert_eq!(ask("/vservers/v/route", register, false).0, 401);
+    ops.shutdown();
+}

@@ -888,3 +888,128 @@ fn a_barred_prefix_gets_the_rules_403_and_reaches_no_service() {
     }
     assert!(rule_counter(&rt, Some("barred"), |c| &c.rejected) >= u64::from(CALLS));
 }
+
+/// `fulcrum route` with `args`, `stdin` given to it; exit code, stdout, stderr.
+fn route_cli(args: &[&str], stdin: &str) -> (Option<i32>, String, String) {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .arg("route")
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run fulcrum route");
+    if let Some(mut i) = child.stdin.take() {
+        i.write_all(stdin.as_bytes()).expect("stdin");
+    }
+    let out = child.wait_with_output().expect("fulcrum route");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `fulcrum route` over the shipped example (config/routes.yaml): a message file with LF line
+/// ends, and stdin; each rule kind named with its target and the service a fresh balancer
+/// picks; exit 2 for a bad config (printed as `fulcrum check` prints it), an unknown vserver, a
+/// vserver without routes, an unreadable file and a message that is no request.
+#[test]
+fn the_route_command_names_the_rule_its_target_and_the_service() {
+    let scratch = Scratch::new("route-cli");
+    let invite = |ruri: &str, extra: &str| {
+        format!(
+            "INVITE sip:{ruri} SIP/2.0\nVia: SIP/2.0/UDP 192.0.2.7:5070;branch=z9hG4bK1\nFrom: <sip:carol@example.com>;tag=1\nTo: <sip:{ruri}>\nCall-ID: cli-1\nCSeq: 1 INVITE\nMax-Forwards: 70\n{extra}"
+        )
+    };
+    let file = scratch.path("invite.sip");
+    std::fs::write(&file, invite("+1-911@example.com", "")).expect("write");
+    let file = file.to_string_lossy().into_owned();
+    let cfg = ["--config", "config/routes.yaml", "--vserver", "edge"];
+    let (code, out, err) = route_cli(&[&cfg[..], &[file.as_str()]].concat(), "");
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("rule: emergency\n"), "{out}");
+    assert!(
+        out.contains("target: pool emergency (call_id_hash): e911-1, e911-2\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("service: e911-") && out.contains("every service considered UP"),
+        "{out}"
+    );
+    assert!(out.contains("source: 192.0.2.7:5070\n"), "{out}");
+    // From stdin, with the source given: the default pool, a refusal, a drop.
+    let stdin = |extra: &[&str], text: &str| route_cli(&[&cfg[..], extra, &["-"]].concat(), text);
+    let (code, out, _) = stdin(
+        &["--source", "203.0.113.9:5060"],
+        &invite("bob@example.com", ""),
+    );
+    assert_eq!(code, Some(0));
+    assert!(out.contains("rule: (none matched: the default)\n"), "{out}");
+    assert!(
+        out.contains("target: pool default (call_id_hash): proxy-1, proxy-2\n"),
+        "{out}"
+    );
+    assert!(out.contains("source: 203.0.113.9:5060\n"), "{out}");
+    let (_, out, _) = stdin(&[], &invite("0044123@example.com", ""));
+    assert!(
+        out.contains("rule: international\ntarget: reject 403 International calls barred\n"),
+        "{out}"
+    );
+    let (_, out, _) = stdin(
+        &["--json"],
+        &invite("bob@example.com", "User-Agent: sipvicious\n"),
+    );
+    let a: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(a["rule"], "scanners");
+    assert_eq!(a["target"]["action"], "drop");
+    // Failures: exit 2 with the reason on stderr.
+    let bad = scratch.path("bad.yaml");
+    std::fs::write(&bad, "vservers:\n  - { name: v, protocol: sip-udp }\n").expect("write");
+    let bad = bad.to_string_lossy().into_owned();
+    let (code, out, err) = route_cli(&["--config", &bad, "--vserver", "v", "-"], "");
+    assert_eq!(code, Some(2), "{out}");
+    assert!(
+        err.contains(&format!("{bad}:2:")),
+        "as `fulcrum check` prints it: {err}"
+    );
+    for (args, text, why) in [
+        (
+            &["--config", "config/routes.yaml", "--vserver", "nope", "-"][..],
+            "",
+            "no vserver `nope`",
+        ),
+        (
+            &[
+                "--config",
+                "config/sip-udp.yaml",
+                "--vserver",
+                "sip-lb",
+                "-",
+            ][..],
+            "INVITE sip:a@b SIP/2.0\nVia: SIP/2.0/UDP 1.2.3.4\nCall-ID: x\nCSeq: 1 INVITE\n",
+            "has no routes",
+        ),
+        (
+            &[&cfg[..], &["/nonexistent/message.sip"]].concat()[..],
+            "",
+            "reading /nonexistent/message.sip",
+        ),
+        (
+            &[&cfg[..], &["-"]].concat()[..],
+            "hello\n",
+            "not a SIP message",
+        ),
+        (
+            &[&cfg[..], &["-"]].concat()[..],
+            "SIP/2.0 200 OK\nVia: SIP/2.0/UDP 1.2.3.4\nCall-ID: x\nCSeq: 1 INVITE\n",
+            "a response",
+        ),
+    ] {
+        let (code, out, err) = route_cli(args, text);
+        assert_eq!(code, Some(2), "{args:?}: {out}{err}");
+        assert!(err.contains(why), "{args:?}: {err}");
+    }
+}

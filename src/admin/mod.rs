@@ -175,6 +175,7 @@ async fn respond(
     let request = Request {
         method: parts.method.as_str().to_owned(),
         path: parts.uri.path().to_owned(),
+        query: parts.uri.query().map(str::to_owned),
         authorization: text(header::AUTHORIZATION),
         origin: text(header::ORIGIN),
         host: text(header::HOST),

@@ -9,6 +9,7 @@
 //! | `POST /services/{name}/disable` | OUT_OF_SERVICE: no new flows, established ones continue |
 //! | `POST /services/{name}/enable` | back to the monitor's state (UP when unmonitored), ending a passive ejection |
 //! | `PUT /vservers/{name}/slow-start` | body `{"new_service_request_rate": N}` (optionally with the configured `unit` / `increment_interval`) |
+//! | `POST /vservers/{name}/route` | body a SIP request, query `source=IP:PORT` / `local=IP:PORT` optional: JSON `{rule, target, service}` from the running balancer ([`crate::simulate::route`]); 404 unknown vserver, 409 no routes, 400 not a request the rules route |
 //! | `POST /reload` | re-read the config file; 200 with the changes, 400 invalid, 409 needs restart |
 //! | `GET /healthz` | 200 `ok` while the proxy serves (liveness) |
 //! | `GET /readyz` | 200 when it should get new traffic, else 503 with the reasons ([`crate::readiness`]) |
@@ -34,6 +35,8 @@ pub struct Request {
     pub method: String,
     /// Path without query string.
     pub path: String,
+    /// The query string (after `?`), if any.
+    pub query: Option<String>,
     /// Value of the `Authorization` header.
     pub authorization: Option<String>,
     /// Values of the `Origin` and `Host` headers: a browser names the page that sent a
@@ -66,6 +69,11 @@ impl Request {
 
     pub fn body(mut self, body: &str) -> Request {
         self.body = body.as_bytes().to_vec();
+        self
+    }
+
+    pub fn query(mut self, query: &str) -> Request {
+        self.query = Some(query.to_owned());
         self
     }
 }
@@ -171,6 +179,9 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
             }
         }
         ("PUT", ["vservers", name, "slow-start"]) => slow_start(ops, name, &req.body),
+        ("POST", ["vservers", name, "route"]) => {
+            route_request(ops, name, req.query.as_deref(), &req.body)
+        }
         ("GET", ["vservers", name, "flow", proto, src, dst, ports @ ..]) => {
             packet_flow(ops, name, proto, src, dst, ports)
         }
@@ -204,7 +215,7 @@ pub fn handle(ops: &Ops, req: &Request) -> Response {
         },
         (_, ["status" | "metrics" | "reload"])
         | (_, ["services", _, "disable" | "enable"])
-        | (_, ["vservers", _, "slow-start"])
+        | (_, ["vservers", _, "slow-start" | "route"])
         | (_, ["bans"])
         | (_, ["bans", _]) => Response::error(405, "method not allowed"),
         _ => Response::error(404, "no such endpoint"),
@@ -697,6 +708,68 @@ fn packet_flow(
         Some(a) => Response::json(200, &a),
         None => Response::error(404, &format!("no packet vserver `{name}` running")),
     }
+}
+
+/// `POST /vservers/{name}/route`: what the vserver's rules decide for the SIP request in
+/// `body`, and the service its pool would choose now, from a snapshot of the running balancer
+/// (actual health, load and positions; the question moves nothing). `source` and `local`
+/// default to the request's top Via and the vserver's first bound address.
+fn route_request(ops: &Ops, name: &str, query: Option<&str>, body: &[u8]) -> Response {
+    use crate::simulate::route as r;
+    let (mut source, mut local) = (None, None);
+    for pair in query
+        .unwrap_or_default()
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        let slot = match k {
+            "source" => &mut source,
+            "local" => &mut local,
+            _ => return Response::error(400, &format!("unknown query parameter `{k}`")),
+        };
+        match percent_decode(v).and_then(|v| v.parse::<std::net::SocketAddr>().ok()) {
+            Some(a) => *slot = Some(a),
+            None => {
+                return Response::error(
+                    400,
+                    &format!("{k}: IP:PORT is required (IPv6 as [ADDR]:PORT)"),
+                );
+            }
+        }
+    }
+    let answer = ops.with_vservers(|vs, now| {
+        let Some(v) = vs.iter().find(|v| v.name == name) else {
+            return Response::error(404, &format!("no vserver `{name}`"));
+        };
+        if v.balancer().routes().is_none() {
+            return Response::error(409, &format!("vserver `{name}` has no routes"));
+        }
+        let bytes = r::normalize_message(body);
+        let msg = match r::scan_request(&bytes) {
+            Ok(m) => m,
+            Err(e) => return Response::error(400, &e.to_string()),
+        };
+        let src = source.unwrap_or_else(|| r::default_source(&msg));
+        let Some(local) = local.or_else(|| v.bound.first().copied()) else {
+            return Response::error(400, "local: IP:PORT is required (the vserver binds none)");
+        };
+        let live = v.balancer().snapshot();
+        match r::decide(&live, name, &msg, src, local, now) {
+            Ok(a) => {
+                let mut out = serde_json::to_value(&a).unwrap_or(Value::Null);
+                if let Some(o) = out.as_object_mut() {
+                    o.insert("vserver".into(), json!(name));
+                    o.insert("source".into(), json!(src.to_string()));
+                    o.insert("local".into(), json!(local.to_string()));
+                }
+                Response::json(200, &out)
+            }
+            Err(e @ r::RouteError::NoRoutes(_)) => Response::error(409, &e.to_string()),
+            Err(e) => Response::error(400, &e.to_string()),
+        }
+    });
+    answer.unwrap_or_else(|| Response::error(503, "the proxy is not running"))
 }
 
 /// `/status` `capture`: the HEP collector, `null` when capture is off (docs/capture.md).

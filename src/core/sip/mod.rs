@@ -168,6 +168,9 @@ pub struct SipCore {
     /// own or the vserver's as the config resolved it: a request routed there fails over
     /// with it (docs/routing.md).
     pool_failovers: Vec<Option<transaction::Failover>>,
+    /// Some rule's pool fails over otherwise than the vserver's own: a held request's pool
+    /// is looked up ([`SipCore::with_failover`] sets it).
+    pools_differ: bool,
     /// The requests held for failover.
     transactions: Arc<stateful::Transactions>,
     /// The keys of flow tokens ([`SipCore::with_flows`]; none: no Path, no token honoured).
@@ -359,6 +362,7 @@ impl SipCore {
             handing_over: std::sync::atomic::AtomicBool::new(false),
             member_addrs: p.member_addrs,
             failover: None,
+            pools_differ: p.pool_failovers.iter().any(Option::is_some),
             pool_failovers: p.pool_failovers,
             transactions: Arc::default(),
             flows: None,

@@ -261,6 +261,7 @@ impl SipCore {
         failover: Option<Failover>,
         table: Arc<Transactions>,
     ) -> SipCore {
+        self.pools_differ = self.pool_failovers.iter().any(|f| *f != failover);
         self.failover = failover;
         self.transactions = table;
         self
@@ -280,7 +281,7 @@ impl SipCore {
         {
             return None;
         }
-        if self.pool_failovers.iter().all(|f| *f == self.failover) {
+        if !self.pools_differ {
             return self.failover.as_ref();
         }
         match self.pool_of(msg, src, dst) {
