@@ -75,8 +75,17 @@ enum Command {
         config: PathBuf,
         #[arg(long)]
         vserver: String,
-        /// The message; LF line ends are taken as CRLF.
-        message: PathBuf,
+        /// The message (`-`: standard input): a SIP request; an http vserver's request head;
+        /// a tcp vserver's first bytes (a captured ClientHello), or none with --sni / --alpn.
+        /// LF line ends are taken as CRLF (SIP, HTTP).
+        message: Option<PathBuf>,
+        /// tcp vservers: the TLS server name the client asks for (instead of a ClientHello).
+        #[arg(long)]
+        sni: Option<String>,
+        /// tcp vservers: ALPN protocols, comma-separated (those the client offers; for a
+        /// vserver with `tls`, give the one negotiated).
+        #[arg(long)]
+        alpn: Option<String>,
         /// The client's address (default: the top Via's received / sent-by).
         #[arg(long)]
         source: Option<std::net::SocketAddr>,
@@ -200,10 +209,18 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             config: path,
             vserver,
             message,
+            sni,
+            alpn,
             source,
             local,
             json,
-        } => route(&path, &vserver, &message, (source, local), json),
+        } => route(
+            &path,
+            &vserver,
+            (message.as_deref(), sni.as_deref(), alpn.as_deref()),
+            (source, local),
+            json,
+        ),
         Command::Run {
             config: path,
             drain_timeout,
@@ -548,15 +565,17 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `fulcrum route`: the shared decision ([`fulcrum::simulate::route::decide`]) on a balancer
+/// `fulcrum route`: the shared decision ([`fulcrum::simulate::route::decide`], and
+/// [`fulcrum::simulate::route::decide_connection`] for tcp and http vservers) on a balancer
 /// built from the config.
 fn route(
     path: &std::path::Path,
     name: &str,
-    message: &std::path::Path,
+    (message, sni, alpn): (Option<&std::path::Path>, Option<&str>, Option<&str>),
     (source, local): (Option<std::net::SocketAddr>, Option<std::net::SocketAddr>),
     json: bool,
 ) -> anyhow::Result<ExitCode> {
+    use fulcrum::config::Protocol;
     use fulcrum::simulate::route as r;
     use std::io::Read;
     let invalid = |e: &dyn std::fmt::Display| {
@@ -572,26 +591,60 @@ fn route(
     let Some(vs) = cfg.vservers.iter().find(|v| v.name == name) else {
         return invalid(&format!("no vserver `{name}` in {}", path.display()));
     };
-    let mut text = Vec::new();
-    let read = if message.as_os_str() == "-" {
-        std::io::stdin().read_to_end(&mut text).map(|_| ())
-    } else {
-        std::fs::read(message).map(|t| text = t)
-    };
-    if let Err(e) = read {
-        return invalid(&format!("reading {}: {e}", message.display()));
+    let connection = matches!(vs.protocol, Protocol::Tcp | Protocol::Http);
+    if (sni.is_some() || alpn.is_some()) && vs.protocol != Protocol::Tcp {
+        return invalid(&"--sni and --alpn describe TLS on tcp vservers");
     }
-    let bytes = r::normalize_message(&text);
-    let msg = match r::scan_request(&bytes) {
-        Ok(m) => m,
-        Err(e) => return invalid(&format!("{}: {e}", message.display())),
-    };
-    let src = source.unwrap_or_else(|| r::default_source(&msg));
+    let mut text = Vec::new();
+    match message {
+        None if vs.protocol == Protocol::Tcp => {}
+        None => return invalid(&"give the message file (or - for standard input)"),
+        Some(m) => {
+            let read = if m.as_os_str() == "-" {
+                std::io::stdin().read_to_end(&mut text).map(|_| ())
+            } else {
+                std::fs::read(m).map(|t| text = t)
+            };
+            if let Err(e) = read {
+                return invalid(&format!("reading {}: {e}", m.display()));
+            }
+        }
+    }
     let Some(local) = local.or_else(|| vs.bind.first().copied()) else {
         return invalid(&format!("vserver `{name}` binds no address: give --local"));
     };
     let balancer = fulcrum::balancer::Balancer::new(&cfg, vs);
-    match r::decide(&balancer, name, &msg, src, local, 0) {
+    let (answer, src) = if connection {
+        let first = if vs.protocol == Protocol::Http {
+            r::normalize_message(&text)
+        } else {
+            text
+        };
+        let alpn: Vec<Vec<u8>> = alpn
+            .map(|a| a.split(',').map(|p| p.trim().as_bytes().to_vec()).collect())
+            .unwrap_or_default();
+        let handshake =
+            (sni.is_some() || !alpn.is_empty()).then(|| fulcrum::core::tcp::Handshake {
+                sni: sni.map(str::as_bytes),
+                alpn: &alpn,
+            });
+        let src = source.unwrap_or_else(|| std::net::SocketAddr::from(([0, 0, 0, 0], 0)));
+        let keys = fulcrum::core::tcp::ConnectionKeys::new(vs);
+        let a = r::decide_connection(&balancer, &keys, name, &first, handshake, (src, local), 0);
+        (a, src)
+    } else {
+        let bytes = r::normalize_message(&text);
+        let msg = match r::scan_request(&bytes) {
+            Ok(m) => m,
+            Err(e) => {
+                let file = message.map(|m| m.display().to_string()).unwrap_or_default();
+                return invalid(&format!("{file}: {e}"));
+            }
+        };
+        let src = source.unwrap_or_else(|| r::default_source(&msg));
+        (r::decide(&balancer, name, &msg, src, local, 0), src)
+    };
+    match answer {
         Ok(a) if json => println!("{}", serde_json::to_string(&a)?),
         Ok(a) => print!("{}", r::render_text(&a, src, local, true)),
         Err(e) => return invalid(&e),

@@ -50,6 +50,17 @@ fn answered(s: &UdpSocket, to: SocketAddr, tag: &str) -> bool {
         == Some(200)
 }
 
+/// UDP datagrams over IPv6 this network namespace dropped for a full receive buffer
+/// (`Udp6RcvbufErrors` of /proc/net/snmp6).
+fn udp6_rcvbuf_errors() -> u64 {
+    std::fs::read_to_string("/proc/net/snmp6")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Udp6RcvbufErrors"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// Inside the namespace: the flood, then the checks; panics on a failed check.
 #[test]
 fn helper_flood64() {
@@ -67,6 +78,7 @@ fn helper_flood64() {
     // The flood: one new request from each of 100,000 addresses of 2001:db8:64::/64, bounded
     // in time.
     let deadline = Instant::now() + Duration::from_secs(60);
+    let overflowed_before = udp6_rcvbuf_errors();
     let mut sent = 0u64;
     for i in 1..=FLOODERS {
         if Instant::now() > deadline {
@@ -88,9 +100,13 @@ fn helper_flood64() {
     assert_eq!(sent, u64::from(FLOODERS), "the flood was cut short");
     assert_eq!(edge["banned_now"], 1, "one ban for the whole /64: {edge}");
     let dropped = edge["dropped"]["flood"].as_u64().unwrap_or(0);
+    // Datagrams the kernel dropped because the vserver's socket buffer was full never
+    // reached fulcrum (a loaded machine falls behind a sender this fast); this namespace's
+    // own counter says how many.
+    let overflowed = udp6_rcvbuf_errors().saturating_sub(overflowed_before);
     assert!(
-        dropped >= sent - LIMIT - 1,
-        "{dropped} of {sent} dropped: {edge}"
+        dropped + overflowed >= sent - LIMIT - 1,
+        "{dropped} of {sent} dropped, {overflowed} lost in socket buffers: {edge}"
     );
     // Another address of the banned /64 is refused too.
     let late = bound_to(Ipv6Addr::new(0x2001, 0xdb8, 0x64, 0, 0xffff, 0, 0, 1)).expect("bind");

@@ -472,3 +472,144 @@ fn a_connection_fails_over_inside_its_rules_pool_only() {
     assert_eq!(web_hits.load(Ordering::Relaxed), 0);
     ops.shutdown();
 }
+
+/// `fulcrum route` with `args`; exit code, stdout, stderr.
+fn route_cli(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .arg("route")
+        .args(args)
+        .output()
+        .expect("run fulcrum route");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `fulcrum route` over the shipped TLS example (config/tls-edge.yaml): by `--sni`, by a
+/// captured ClientHello in a file, and a name no rule knows (the default drops it); an http
+/// vserver's request head from a file; --sni refused where there is no TLS to describe.
+#[test]
+fn fulcrum_route_answers_for_tls_names_hellos_and_http_heads() {
+    let cfg = concat!(env!("CARGO_MANIFEST_DIR"), "/config/tls-edge.yaml");
+    let (code, out, err) = route_cli(&[
+        "--config",
+        cfg,
+        "--vserver",
+        "tls-edge",
+        "--sni",
+        "x.tenants.example.com",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("rule: tenants"), "{out}");
+    assert!(
+        out.contains("tenants-1") && out.contains("tenants-2"),
+        "{out}"
+    );
+    let f = ConfigFile::new("route-cli", "");
+    let hello = f.beside("hello.bin", "");
+    std::fs::write(&hello, client_hello_for("api.example.com")).expect("write hello");
+    let hello = hello.to_str().expect("utf-8 path");
+    let (code, out, err) = route_cli(&["--config", cfg, "--vserver", "tls-edge", "--json", hello]);
+    assert_eq!(code, Some(0), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(v["rule"], "api", "{out}");
+    assert_eq!(v["target"]["method"], "source_ip_hash", "{out}");
+    let (code, out, _) = route_cli(&[
+        "--config",
+        cfg,
+        "--vserver",
+        "tls-edge",
+        "--sni",
+        "other.example",
+    ]);
+    assert_eq!(code, Some(0));
+    assert!(out.contains("drop"), "{out}");
+
+    f.write(&yaml(
+        "http",
+        &[
+            ("api", "127.0.0.1:9001".parse().expect("addr")),
+            ("web", "127.0.0.1:9002".parse().expect("addr")),
+        ],
+        r#"    routes:
+      - { name: api, match: { path_prefix: /api/ }, services: [api] }
+    services: [web]
+"#,
+    ));
+    let head = f.beside("head.txt", "GET /api/v1 HTTP/1.1\nHost: a\n");
+    let (code, out, err) = route_cli(&[
+        "--config",
+        f.arg(),
+        "--vserver",
+        "v",
+        head.to_str().expect("path"),
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(
+        out.contains("rule: api") && out.contains("service: api"),
+        "{out}"
+    );
+    let (code, _, err) = route_cli(&[
+        "--config",
+        f.arg(),
+        "--vserver",
+        "v",
+        "--sni",
+        "a",
+        head.to_str().expect("path"),
+    ]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--sni"), "{err}");
+}
+
+/// `POST /vservers/v/route` on a running tcp vserver: by `sni` in the query, by a ClientHello
+/// in the body, from the live balancer (a pool whose only service is disabled has none).
+#[test]
+fn the_route_endpoint_answers_for_a_running_tcp_vserver() {
+    let a = recorder("a", 0);
+    let b = recorder("b", 0);
+    let f = ConfigFile::new("route-endpoint", "");
+    f.write(&yaml(
+        "tcp",
+        &[("a", a.addr), ("b", b.addr)],
+        r#"    routes:
+      - { name: a, match: { sni: a.test }, services: [a] }
+    default: { drop: true }
+    services: [b]
+"#,
+    ));
+    let ops = start(&f);
+    let ask = |query: &str, body: Vec<u8>| {
+        let mut req = fulcrum::admin::router::Request::new("POST", "/vservers/v/route");
+        req.query = Some(query.to_owned());
+        req.body = body;
+        let r = fulcrum::admin::router::handle(&ops, &req);
+        (r.status, r.body)
+    };
+    let (status, body) = ask("sni=a.test", Vec::new());
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert_eq!(
+        (v["rule"].as_str(), v["service"].as_str()),
+        (Some("a"), Some("a")),
+        "{body}"
+    );
+    let (status, body) = ask("", client_hello_for("A.test"));
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"rule\":\"a\""), "{body}");
+    let (status, body) = ask("sni=z.test", Vec::new());
+    assert_eq!(status, 200);
+    assert!(body.contains("\"action\":\"drop\""), "{body}");
+    let disable = fulcrum::admin::router::Request::new("POST", "/services/a/disable");
+    assert_eq!(fulcrum::admin::router::handle(&ops, &disable).status, 200);
+    let (_, body) = ask("sni=a.test", Vec::new());
+    let v: serde_json::Value = serde_json::from_str(&body).expect("json");
+    assert!(
+        v["service"].is_null(),
+        "a disabled service is not chosen: {body}"
+    );
+    assert_eq!(ask("bogus=1", Vec::new()).0, 400);
+    ops.shutdown();
+}

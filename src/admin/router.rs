@@ -9,7 +9,7 @@
 //! | `POST /services/{name}/disable` | OUT_OF_SERVICE: no new flows, established ones continue |
 //! | `POST /services/{name}/enable` | back to the monitor's state (UP when unmonitored), ending a passive ejection |
 //! | `PUT /vservers/{name}/slow-start` | body `{"new_service_request_rate": N}` (optionally with the configured `unit` / `increment_interval`) |
-//! | `POST /vservers/{name}/route` | body a SIP request, query `source=IP:PORT` / `local=IP:PORT` optional: JSON `{rule, target, service}` from the running balancer ([`crate::simulate::route`]); 404 unknown vserver, 409 no routes, 400 not a request the rules route |
+//! | `POST /vservers/{name}/route` | body a SIP request (http: a request head; tcp: first bytes, or query `sni=NAME` / `alpn=P1,P2`), query `source=IP:PORT` / `local=IP:PORT` optional: JSON `{rule, target, service}` from the running balancer ([`crate::simulate::route`]); 404 unknown vserver, 409 no routes, 400 not a request the rules route |
 //! | `POST /reload` | re-read the config file; 200 with the changes, 400 invalid, 409 needs restart |
 //! | `GET /healthz` | 200 `ok` while the proxy serves (liveness) |
 //! | `GET /readyz` | 200 when it should get new traffic, else 503 with the reasons ([`crate::readiness`]) |
@@ -24,7 +24,7 @@
 //! before the token is looked at. The page holds no data: the browser loads it, asks the operator for
 //! the token and sends it with every request of its own.
 
-use crate::config::RateUnit;
+use crate::config::{Protocol, RateUnit};
 use crate::ops::{Ops, ReloadError};
 use crate::readiness::Readiness;
 use serde_json::{Value, json};
@@ -717,6 +717,7 @@ fn packet_flow(
 fn route_request(ops: &Ops, name: &str, query: Option<&str>, body: &[u8]) -> Response {
     use crate::simulate::route as r;
     let (mut source, mut local) = (None, None);
+    let (mut sni, mut alpn): (Option<String>, Vec<Vec<u8>>) = (None, Vec::new());
     for pair in query
         .unwrap_or_default()
         .split('&')
@@ -726,6 +727,17 @@ fn route_request(ops: &Ops, name: &str, query: Option<&str>, body: &[u8]) -> Res
         let slot = match k {
             "source" => &mut source,
             "local" => &mut local,
+            "sni" | "alpn" => {
+                let Some(v) = percent_decode(v).filter(|v| !v.is_empty()) else {
+                    return Response::error(400, &format!("{k}: a value is required"));
+                };
+                if k == "sni" {
+                    sni = Some(v);
+                } else {
+                    alpn = v.split(',').map(|p| p.trim().as_bytes().to_vec()).collect();
+                }
+                continue;
+            }
             _ => return Response::error(400, &format!("unknown query parameter `{k}`")),
         };
         match percent_decode(v).and_then(|v| v.parse::<std::net::SocketAddr>().ok()) {
@@ -744,6 +756,12 @@ fn route_request(ops: &Ops, name: &str, query: Option<&str>, body: &[u8]) -> Res
         };
         if v.balancer().routes().is_none() {
             return Response::error(409, &format!("vserver `{name}` has no routes"));
+        }
+        if matches!(v.protocol, Protocol::Tcp | Protocol::Http) {
+            return route_connection(ops, v, (body, sni.as_deref(), &alpn), (source, local), now);
+        }
+        if sni.is_some() || !alpn.is_empty() {
+            return Response::error(400, "sni and alpn describe TLS on tcp vservers");
         }
         let bytes = r::normalize_message(body);
         let msg = match r::scan_request(&bytes) {
@@ -770,6 +788,54 @@ fn route_request(ops: &Ops, name: &str, query: Option<&str>, body: &[u8]) -> Res
         }
     });
     answer.unwrap_or_else(|| Response::error(503, "the proxy is not running"))
+}
+
+/// [`route_request`] for a `tcp` or `http` vserver: `body` is the connection's first bytes (an
+/// HTTP request head; a ClientHello), or `sni` / `alpn` stand for TLS's names. `source`
+/// defaults to the unspecified address.
+fn route_connection(
+    ops: &Ops,
+    v: &crate::proxy::VserverHandle,
+    (body, sni, alpn): (&[u8], Option<&str>, &[Vec<u8>]),
+    (source, local): (Option<std::net::SocketAddr>, Option<std::net::SocketAddr>),
+    now: crate::stats::Nanos,
+) -> Response {
+    use crate::simulate::route as r;
+    if (sni.is_some() || !alpn.is_empty()) && v.protocol != Protocol::Tcp {
+        return Response::error(400, "sni and alpn describe TLS on tcp vservers");
+    }
+    let config = ops.config();
+    let Some(vs) = config.vservers.iter().find(|c| c.name == v.name) else {
+        return Response::error(404, &format!("no vserver `{}`", v.name));
+    };
+    let first = if v.protocol == Protocol::Http {
+        r::normalize_message(body)
+    } else {
+        body.to_vec()
+    };
+    let handshake = (sni.is_some() || !alpn.is_empty()).then_some(crate::core::tcp::Handshake {
+        sni: sni.map(str::as_bytes),
+        alpn,
+    });
+    let src = source.unwrap_or_else(|| std::net::SocketAddr::from(([0, 0, 0, 0], 0)));
+    let Some(local) = local.or_else(|| v.bound.first().copied()) else {
+        return Response::error(400, "local: IP:PORT is required (the vserver binds none)");
+    };
+    let keys = crate::core::tcp::ConnectionKeys::new(vs);
+    let live = v.balancer().snapshot();
+    match r::decide_connection(&live, &keys, &v.name, &first, handshake, (src, local), now) {
+        Ok(a) => {
+            let mut out = serde_json::to_value(&a).unwrap_or(Value::Null);
+            if let Some(o) = out.as_object_mut() {
+                o.insert("vserver".into(), json!(v.name));
+                o.insert("source".into(), json!(src.to_string()));
+                o.insert("local".into(), json!(local.to_string()));
+            }
+            Response::json(200, &out)
+        }
+        Err(e @ r::RouteError::NoRoutes(_)) => Response::error(409, &e.to_string()),
+        Err(e) => Response::error(400, &e.to_string()),
+    }
 }
 
 /// `/status` `capture`: the HEP collector, `null` when capture is off (docs/capture.md).

@@ -1,4 +1,5 @@
-//! Which routing rule of a SIP vserver a request matches, its target, and the service the
+//! Which routing rule of a vserver a request (a SIP request; a tcp connection's ClientHello
+//! or TLS names; an HTTP request head) matches, its target, and the service the
 //! target pool's method would choose now (docs/routing.md, "Seeing it"): `fulcrum route` asks
 //! a fresh balancer built from the config, `POST /vservers/NAME/route` a copy of the running
 //! one ([`crate::balancer::Balancer::snapshot`]). PURE: the balancer, the message, the
@@ -6,6 +7,7 @@
 
 use crate::balancer::Balancer;
 use crate::core::sip::request_key;
+use crate::core::tcp::{ConnectionKeys, Handshake};
 use crate::route::{self, Target};
 use crate::sip::{self, ScanError, SipMsg};
 use crate::stats::Nanos;
@@ -137,18 +139,75 @@ pub fn decide(
         "a request with a To tag goes to its dialog's service when fulcrum knows the dialog; shown: the rules' decision"
             .to_owned()
     });
-    let (target, service) = match d.target {
+    let call_hash = msg.call_id().map(crate::hash::key_hash);
+    let key_of = |p: usize| {
+        request_key(
+            balancer.pool_method(p),
+            balancer.pool_hash(p),
+            msg,
+            (src, local),
+            call_hash,
+        )
+    };
+    let (target, service) = target_view(balancer, routes, d.target, key_of, now);
+    Ok(Answer {
+        rule,
+        target,
+        service,
+        note,
+    })
+}
+
+/// What the rules of a `tcp` or `http` vserver (its keying `keys`) decide for a connection
+/// from `src` to `local` whose first bytes are `first` (a TLS ClientHello, an HTTP request
+/// head; may be empty), or whose TLS `handshake` says the server name and protocols (for a
+/// vserver that terminates TLS, or in place of a captured hello), and the service its pool
+/// would choose at `now`.
+pub fn decide_connection(
+    balancer: &Balancer,
+    keys: &ConnectionKeys,
+    vserver: &str,
+    first: &[u8],
+    handshake: Option<Handshake<'_>>,
+    (src, local): (SocketAddr, SocketAddr),
+    now: Nanos,
+) -> Result<Answer, RouteError> {
+    let routes = balancer
+        .routes()
+        .ok_or_else(|| RouteError::NoRoutes(vserver.to_owned()))?;
+    let d = keys.route(routes, first, handshake, src, local);
+    let rule = d
+        .rule
+        .and_then(|i| routes.rules.get(i))
+        .map(|r| r.name.clone());
+    let key_of = |p: usize| keys.key_input_in(p, first, src, local).0;
+    let (target, service) = target_view(balancer, routes, d.target, key_of, now);
+    Ok(Answer {
+        rule,
+        target,
+        service,
+        note: None,
+    })
+}
+
+/// A decision's target as shown, and the service its pool would choose at `now` with the
+/// pool's key `key_of(pool)`.
+fn target_view(
+    balancer: &Balancer,
+    routes: &route::Routes,
+    target: &Target,
+    key_of: impl Fn(usize) -> crate::balancer::KeyInput,
+    now: Nanos,
+) -> (TargetView, Option<String>) {
+    match target {
         Target::Pool(p) => {
             let names = |ms: Vec<usize>| -> Vec<String> {
                 ms.into_iter()
                     .filter_map(|m| balancer.members().get(m).map(|i| i.name.clone()))
                     .collect()
             };
-            let method = balancer.pool_method(*p);
-            let call_hash = msg.call_id().map(crate::hash::key_hash);
-            let key = request_key(method, balancer.pool_hash(*p), msg, (src, local), call_hash);
             let service = balancer
-                .choose_in(*p, key, now, &|_| false)
+                .choose_in(*p, key_of(*p), now, &|_| false)
                 .and_then(|c| balancer.members().get(c.member))
                 .map(|m| m.name.clone());
             let pool = match p {
@@ -162,7 +221,7 @@ pub fn decide(
             let view = TargetView::Pool {
                 pool,
                 services: names(balancer.pool_members(*p)),
-                method: method.name().to_owned(),
+                method: balancer.pool_method(*p).name().to_owned(),
             };
             (view, service)
         }
@@ -174,13 +233,7 @@ pub fn decide(
             None,
         ),
         Target::Drop => (TargetView::Drop, None),
-    };
-    Ok(Answer {
-        rule,
-        target,
-        service,
-        note,
-    })
+    }
 }
 
 /// The answer as `fulcrum route` prints it: one `key: value` per line.
