@@ -144,33 +144,37 @@ pub fn append(
     }
     let start = out.len();
     out.reserve(len);
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&(len as u16).to_be_bytes());
+    // The fixed chunks written on the stack and copied at once (this runs on the data path
+    // for every captured message): at most 6 + 2 * 7 + 2 * 22 + 2 * 8 + 2 * 10 + 7 + 10 bytes.
+    let mut head = Head::default();
+    head.raw(MAGIC);
+    head.raw(&(len as u16).to_be_bytes());
     let (src, dst) = (leg.src.ip(), leg.dst.ip());
     match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
-            put(out, chunk::IP_FAMILY, &[2]);
-            put(out, chunk::IP_PROTO, &[leg.transport.ip_proto()]);
-            put(out, chunk::IPV4_SRC, &s.octets());
-            put(out, chunk::IPV4_DST, &d.octets());
+            head.put(chunk::IP_FAMILY, &[2]);
+            head.put(chunk::IP_PROTO, &[leg.transport.ip_proto()]);
+            head.put(chunk::IPV4_SRC, &s.octets());
+            head.put(chunk::IPV4_DST, &d.octets());
         }
         _ => {
             let v6 = |ip: IpAddr| match ip {
                 IpAddr::V4(a) => a.to_ipv6_mapped(),
                 IpAddr::V6(a) => a,
             };
-            put(out, chunk::IP_FAMILY, &[10]);
-            put(out, chunk::IP_PROTO, &[leg.transport.ip_proto()]);
-            put(out, chunk::IPV6_SRC, &v6(src).octets());
-            put(out, chunk::IPV6_DST, &v6(dst).octets());
+            head.put(chunk::IP_FAMILY, &[10]);
+            head.put(chunk::IP_PROTO, &[leg.transport.ip_proto()]);
+            head.put(chunk::IPV6_SRC, &v6(src).octets());
+            head.put(chunk::IPV6_DST, &v6(dst).octets());
         }
     }
-    put(out, chunk::SRC_PORT, &leg.src.port().to_be_bytes());
-    put(out, chunk::DST_PORT, &leg.dst.port().to_be_bytes());
-    put(out, chunk::TIME_SEC, &leg.time_s.to_be_bytes());
-    put(out, chunk::TIME_USEC, &leg.time_us.to_be_bytes());
-    put(out, chunk::PROTO_TYPE, &[PROTO_TYPE_SIP]);
-    put(out, chunk::AGENT_ID, &agent_id.to_be_bytes());
+    head.put(chunk::SRC_PORT, &leg.src.port().to_be_bytes());
+    head.put(chunk::DST_PORT, &leg.dst.port().to_be_bytes());
+    head.put(chunk::TIME_SEC, &leg.time_s.to_be_bytes());
+    head.put(chunk::TIME_USEC, &leg.time_us.to_be_bytes());
+    head.put(chunk::PROTO_TYPE, &[PROTO_TYPE_SIP]);
+    head.put(chunk::AGENT_ID, &agent_id.to_be_bytes());
+    out.extend_from_slice(head.written());
     if let Some(k) = auth_key {
         put(out, chunk::AUTH_KEY, k);
     }
@@ -180,6 +184,41 @@ pub fn append(
     }
     debug_assert_eq!(out.len() - start, len);
     Ok(())
+}
+
+/// The fixed-size start of a packet, written on the stack.
+struct Head {
+    buf: [u8; 128],
+    at: usize,
+}
+
+impl Default for Head {
+    fn default() -> Head {
+        Head {
+            buf: [0; 128],
+            at: 0,
+        }
+    }
+}
+
+impl Head {
+    fn raw(&mut self, b: &[u8]) {
+        self.buf[self.at..self.at + b.len()].copy_from_slice(b);
+        self.at += b.len();
+    }
+
+    /// One chunk, as [`put`] writes it.
+    fn put(&mut self, type_id: u16, value: &[u8]) {
+        let [v0, v1] = VENDOR_GENERIC.to_be_bytes();
+        let [t0, t1] = type_id.to_be_bytes();
+        let [l0, l1] = ((6 + value.len()) as u16).to_be_bytes();
+        self.raw(&[v0, v1, t0, t1, l0, l1]);
+        self.raw(value);
+    }
+
+    fn written(&self) -> &[u8] {
+        &self.buf[..self.at]
+    }
 }
 
 /// The packets [`append`] wrote back to back into `buf`, in order: each one's length is in
@@ -203,9 +242,10 @@ pub fn packets(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// One chunk: vendor, type, length counting the 6-byte header, value. The caller checked
 /// that the whole packet fits in 16 bits, so every chunk does.
 fn put(out: &mut Vec<u8>, type_id: u16, value: &[u8]) {
-    out.extend_from_slice(&VENDOR_GENERIC.to_be_bytes());
-    out.extend_from_slice(&type_id.to_be_bytes());
-    out.extend_from_slice(&((6 + value.len()) as u16).to_be_bytes());
+    let [v0, v1] = VENDOR_GENERIC.to_be_bytes();
+    let [t0, t1] = type_id.to_be_bytes();
+    let [l0, l1] = ((6 + value.len()) as u16).to_be_bytes();
+    out.extend_from_slice(&[v0, v1, t0, t1, l0, l1]);
     out.extend_from_slice(value);
 }
 

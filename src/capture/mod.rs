@@ -7,8 +7,8 @@
 //! whole queue every few milliseconds and sends it at once: one `sendmmsg` per 64 packets
 //! toward a UDP collector, one write of every packet toward a TCP one. While the collector is
 //! known to be down (a UDP send refused, no TCP connection) the taps drop at once, counted,
-//! before any copy. A slow or dead collector costs capture packets, never a SIP message or a
-//! stall. With capture off, a tap is one atomic load and a branch.
+//! before any clock read or copy. A slow or dead collector costs capture packets, never a SIP
+//! message or a stall. With capture off, a tap is one atomic load and a branch.
 
 pub mod hep;
 
@@ -48,6 +48,9 @@ const UDP_DOWN_FOR: Duration = Duration::from_secs(5);
 /// How often the sender takes the queue: the delay of a captured message at most, and what
 /// makes its sends batches (at 50,000 packets a second, 250 a batch).
 const NAP: Duration = Duration::from_millis(5);
+/// How often while the collector is known to be down (the taps queue nothing): the delay of
+/// a retry at most.
+const NAP_DOWN: Duration = Duration::from_millis(50);
 /// Packets per `sendmmsg` toward a UDP collector.
 const UDP_BATCH: usize = 64;
 /// A sender's buffer larger than this after a burst is given back.
@@ -85,17 +88,73 @@ impl CaptureStats {
 
 /// When a message crossed the wire, in the collector's terms (Unix time): taken by a data
 /// path right after its receive or right before its send, so that the times of a forwarded
-/// message's two legs, and of a request and its answer, keep their causal order.
+/// message's two legs, and of a request and its answer, keep their causal order. `None`:
+/// not taken, the collector was known to be down ([`Tap::stamp`]), so the message is dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stamp(Duration);
+pub struct Stamp(Option<Duration>);
 
 impl Stamp {
     pub fn now() -> Stamp {
-        Stamp(
+        Stamp(Some(
             SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .unwrap_or_default(),
-        )
+        ))
+    }
+
+    /// The stamp of a message the collector cannot take: no clock read.
+    const DOWN: Stamp = Stamp(None);
+
+    /// Whether the time was taken: the collector was not known to be down, so the message
+    /// is likely to be queued (work only capture needs is worth doing for it).
+    pub fn is_taken(self) -> bool {
+        self.0.is_some()
+    }
+}
+
+/// A captured message's Call-ID (the packet's correlation id), as its caller knows it: a
+/// data path that captures a message and what it forwards of it finds the Call-ID once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallId<'a> {
+    /// Found in the message when its packet is written ([`call_id_of`]).
+    Find,
+    /// The message's Call-ID (`None`: it has none), which the caller vouches for.
+    Is(Option<&'a [u8]>),
+}
+
+/// Whether the taps queue packets, as one word the taps read and each configuration's sender
+/// writes: the configuration's generation shifted left by one, and the low bit set while its
+/// collector is not known to be down. A sender of an older generation (one still ending after
+/// a reload) cannot change the word of a newer one.
+#[derive(Debug, Default)]
+struct Gate(AtomicU64);
+
+impl Gate {
+    fn is_open(&self) -> bool {
+        self.0.load(Ordering::Relaxed) & 1 == 1
+    }
+
+    /// A new generation (closed when `open` is false); returns it.
+    fn renew(&self, open: bool) -> u64 {
+        let generation = (self.0.load(Ordering::Relaxed) >> 1) + 1;
+        self.0
+            .store(generation << 1 | u64::from(open), Ordering::Relaxed);
+        generation
+    }
+
+    /// Open or close the gate if `generation` is still the current one.
+    fn set(&self, generation: u64, open: bool) {
+        let want = generation << 1 | u64::from(open);
+        let mut cur = self.0.load(Ordering::Relaxed);
+        while cur >> 1 == generation && cur != want {
+            match self
+                .0
+                .compare_exchange_weak(cur, want, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return,
+                Err(now) => cur = now,
+            }
+        }
     }
 }
 
@@ -104,9 +163,10 @@ impl Stamp {
 struct Shared {
     /// HEP packets back to back, oldest first ([`hep::packets`] splits them).
     queue: Mutex<Vec<u8>>,
-    /// Whether the taps queue packets: false while the collector is known to be down (the
-    /// sender says so), when they drop at once.
-    open: AtomicBool,
+    /// The process's gate, which this configuration's sender closes while the collector is
+    /// known to be down (the taps drop at once), and the generation it may set.
+    gate: Arc<Gate>,
+    generation: u64,
     /// Set by this configuration's own sender (an old sender still ending cannot touch it):
     /// the collector is reachable, the last UDP sends went out or a TCP connection is open.
     connected: AtomicBool,
@@ -137,6 +197,12 @@ pub struct Capture {
     /// Whether `exporter` holds one: what [`Tap::stamp`] reads per message, cheaper than a
     /// load of the exporter.
     on: AtomicBool,
+    /// Whether the exporter's collector takes packets: read by [`Tap::stamp`] before the
+    /// clock, and by a tap before anything else.
+    gate: Arc<Gate>,
+    /// Whether the exporter captures only some vservers (`vservers`): a tap dropping for a
+    /// down collector needs no load of the exporter otherwise.
+    filtered: AtomicBool,
     stats: Arc<CaptureStats>,
 }
 
@@ -164,10 +230,13 @@ impl Capture {
         if current.as_ref().map(|e| &e.config) == config {
             return;
         }
+        let generation = self.gate.renew(config.is_some());
         let next = config.map(|c| {
             let shared = Arc::new(Shared {
-                open: AtomicBool::new(true),
-                ..Shared::default()
+                queue: Mutex::default(),
+                gate: Arc::clone(&self.gate),
+                generation,
+                connected: AtomicBool::new(false),
             });
             let stats = Arc::clone(&self.stats);
             let sender_shared = Arc::clone(&shared);
@@ -177,7 +246,7 @@ impl Capture {
                 .spawn(move || send_loop(&sender_config, &sender_shared, &stats));
             if let Err(e) = spawned {
                 tracing::warn!(error = %e, "capture: cannot start the sender thread; capture is off");
-                shared.open.store(false, Ordering::Relaxed);
+                shared.gate.set(generation, false);
             }
             Arc::new(Exporter {
                 shared,
@@ -187,7 +256,9 @@ impl Capture {
             })
         });
         let on = next.is_some();
+        let filtered = config.is_some_and(|c| c.vservers.is_some());
         self.exporter.store(next);
+        self.filtered.store(filtered, Ordering::Relaxed);
         self.on.store(on, Ordering::Relaxed);
         tracing::info!(collector = ?config.map(|c| c.address), "capture configured");
     }
@@ -225,8 +296,28 @@ impl Capture {
         dst: SocketAddr,
         payload: &[u8],
     ) {
+        self.tap_as(vserver, at, (transport, src, dst), payload, CallId::Find);
+    }
+
+    /// [`Capture::tap`] of a message whose Call-ID the caller knows.
+    pub fn tap_as(
+        &self,
+        vserver: &str,
+        at: Stamp,
+        (transport, src, dst): (Transport, SocketAddr, SocketAddr),
+        payload: &[u8],
+        call_id: CallId<'_>,
+    ) {
         // A keep-alive (CRLF, RFC 5626 §3.5.1) is no SIP message.
         if !payload.first().is_some_and(u8::is_ascii_alphabetic) {
+            return;
+        }
+        // The collector is down: counted without a look at the configuration when it
+        // captures every vserver.
+        if at == Stamp::DOWN && !self.filtered.load(Ordering::Relaxed) {
+            if self.is_on() {
+                self.dropped_down();
+            }
             return;
         }
         let guard = self.exporter.load();
@@ -238,7 +329,7 @@ impl Capture {
         {
             return;
         }
-        self.offer(e, at, transport, src, dst, payload);
+        self.offer(e, at, (transport, src, dst), payload, call_id);
     }
 
     /// Capture a health monitor's SIP probe or its answer, when `probes` is on.
@@ -252,8 +343,15 @@ impl Capture {
     ) {
         let guard = self.exporter.load();
         if let Some(e) = guard.as_ref().filter(|e| e.probes) {
-            self.offer(e, at, transport, src, dst, payload);
+            self.offer(e, at, (transport, src, dst), payload, CallId::Find);
         }
+    }
+
+    /// One message dropped because the collector is known to be down.
+    fn dropped_down(&self) {
+        self.stats
+            .dropped_send_error
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// The packet of one message into the queue, or one counted drop.
@@ -261,18 +359,14 @@ impl Capture {
         &self,
         e: &Exporter,
         at: Stamp,
-        transport: Transport,
-        src: SocketAddr,
-        dst: SocketAddr,
+        (transport, src, dst): (Transport, SocketAddr, SocketAddr),
         payload: &[u8],
+        call_id: CallId<'_>,
     ) {
-        if !e.shared.open.load(Ordering::Relaxed) {
-            self.stats
-                .dropped_send_error
-                .fetch_add(1, Ordering::Relaxed);
+        let Some(t) = at.0.filter(|_| self.gate.is_open()) else {
+            self.dropped_down();
             return;
-        }
-        let t = at.0;
+        };
         let leg = hep::Leg {
             transport,
             src,
@@ -281,7 +375,10 @@ impl Capture {
             time_us: t.subsec_micros(),
         };
         let auth = e.config.password.as_deref().map(str::as_bytes);
-        let call_id = call_id_of(payload);
+        let call_id = match call_id {
+            CallId::Find => call_id_of(payload),
+            CallId::Is(c) => c,
+        };
         let len = hep::packet_len(&leg, auth, call_id, payload);
         if len > hep::MAX_PACKET {
             self.stats.dropped_too_big.fetch_add(1, Ordering::Relaxed);
@@ -490,7 +587,7 @@ fn send_loop(c: &HepCapture, shared: &Arc<Shared>, stats: &CaptureStats) {
     let mut last_log = Instant::now();
     loop {
         let (open, connected) = link.tend(c, Instant::now());
-        shared.open.store(open, Ordering::Relaxed);
+        shared.gate.set(shared.generation, open);
         shared.connected.store(connected, Ordering::Relaxed);
         // The configuration is gone once this thread holds the last reference: one more
         // take of the queue catches the taps that were still writing.
@@ -514,7 +611,7 @@ fn send_loop(c: &HepCapture, shared: &Arc<Shared>, stats: &CaptureStats) {
         // A data path never wakes this thread (a wake-up per message, a futex call and a
         // context switch, would cost more than the capture itself): the queue holds what
         // arrives meanwhile, and goes out as one batch.
-        std::thread::sleep(NAP);
+        std::thread::sleep(if open { NAP } else { NAP_DOWN });
     }
 }
 
@@ -575,10 +672,18 @@ impl Tap {
     }
 
     /// The time of a receive or send about to be captured; `None` (no clock read) while
-    /// capture is off.
+    /// capture is off, and no clock read either while the collector is known to be down
+    /// (the tap then counts the message dropped).
     #[inline]
     pub fn stamp(&self) -> Option<Stamp> {
-        self.capture.is_on().then(Stamp::now)
+        if !self.capture.is_on() {
+            return None;
+        }
+        Some(if self.capture.gate.is_open() {
+            Stamp::now()
+        } else {
+            Stamp::DOWN
+        })
     }
 
     /// [`Capture::tap`] for this vserver.
@@ -593,6 +698,19 @@ impl Tap {
     ) {
         self.capture
             .tap(&self.vserver, at, transport, src, dst, payload);
+    }
+
+    /// [`Capture::tap_as`] for this vserver.
+    #[inline]
+    pub fn tap_as(
+        &self,
+        at: Stamp,
+        leg: (Transport, SocketAddr, SocketAddr),
+        payload: &[u8],
+        call_id: CallId<'_>,
+    ) {
+        self.capture
+            .tap_as(&self.vserver, at, leg, payload, call_id);
     }
 }
 
@@ -703,7 +821,7 @@ mod tests {
         )));
         c.tap(
             "edge",
-            Stamp(Duration::new(1_764_900_000, 123_456_789)),
+            Stamp(Some(Duration::new(1_764_900_000, 123_456_789))),
             Transport::Udp,
             addr("127.0.0.1:40000"),
             addr("127.0.0.1:5060"),
