@@ -22,6 +22,8 @@
 #   tcp-stall  TCP to 29063, accepts and never reads
 #   udp-live   UDP to 29060, a sink that reads
 #   tcp-live   TCP to 29064, a sink that reads
+#   udp-gso    UDP to 29060 with `udp_gso: true` (the padding is user-space work; the kernel
+#              work it saves is not counted here)
 #
 # Usage: bench/sip_capture_instr.sh
 #        ROUNDS=2 CASES="off udp-dead tcp-none" CALLS=2000 RATE=100 bench/sip_capture_instr.sh
@@ -48,7 +50,7 @@ if [ ! -x "$FULCRUM" ]; then
 fi
 mkdir -p "$OUT"; cd "$OUT" || exit 2
 
-case " $CASES " in *" udp-live "*) timeout $MAXT python3 "$HERE/hep_sink.py" udp 29060 & PIDS+=($!) ;; esac
+case " $CASES " in *" udp-live "*|*" udp-gso "*) timeout $MAXT python3 "$HERE/hep_sink.py" udp 29060 & PIDS+=($!) ;; esac
 case " $CASES " in *" tcp-stall "*) timeout $MAXT python3 "$HERE/hep_sink.py" tcp-stall 29063 & PIDS+=($!) ;; esac
 case " $CASES " in *" tcp-live "*) timeout $MAXT python3 "$HERE/hep_sink.py" tcp-read 29064 & PIDS+=($!) ;; esac
 
@@ -60,6 +62,7 @@ collector() {
     tcp-stall) echo tcp:127.0.0.1:29063 ;;
     udp-live) echo udp:127.0.0.1:29060 ;;
     tcp-live) echo tcp:127.0.0.1:29064 ;;
+    udp-gso) echo udp-gso:127.0.0.1:29060 ;;
     *) echo "unknown case $1" >&2; exit 2 ;;
   esac
 }
@@ -80,7 +83,10 @@ one() {
   cat > "fulcrum_$tag.yaml" <<EOF
 admin: { listen: null }
 logging: { level: warn }
-$( [ -n "$cap" ] && echo "capture: { hep: { address: \"${cap#*:}\", transport: ${cap%%:*}, id: 1 } }" )
+$( [ -n "$cap" ] && case ${cap%%:*} in
+    udp-gso) echo "capture: { hep: { address: \"${cap#*:}\", transport: udp, udp_gso: true, id: 1 } }" ;;
+    *) echo "capture: { hep: { address: \"${cap#*:}\", transport: ${cap%%:*}, id: 1 } }" ;;
+  esac )
 services:
   - { name: uas1, address: 127.0.0.1:$((BASE + 11)), protocol: sip-udp }
   - { name: uas2, address: 127.0.0.1:$((BASE + 12)), protocol: sip-udp }

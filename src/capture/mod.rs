@@ -53,6 +53,12 @@ const NAP: Duration = Duration::from_millis(5);
 const NAP_DOWN: Duration = Duration::from_millis(50);
 /// Packets per `sendmmsg` toward a UDP collector.
 const UDP_BATCH: usize = 64;
+/// Datagrams per UDP GSO send (the kernel's `UDP_MAX_SEGMENTS` was 64 before Linux 6.9).
+const GSO_SEGMENTS: usize = 64;
+/// Bytes per UDP GSO send at most: one IP packet's payload, with room for the headers.
+const GSO_BYTES: usize = 65_000;
+/// The MTU assumed when the socket does not say its path's: Ethernet's.
+const GSO_MTU: usize = 1_500;
 /// A sender's buffer larger than this after a burst is given back.
 const KEEP_BYTES: usize = 1 << 20;
 /// Drops are logged at most this often.
@@ -411,6 +417,8 @@ enum Link {
         headers: MultiHeaders<SockaddrStorage>,
         /// When a send was last refused.
         refused_at: Option<Instant>,
+        /// UDP GSO sends (`udp_gso`), until the kernel refuses one.
+        gso: Option<Gso>,
     },
     Tcp {
         stream: Option<(TcpStream, Instant)>,
@@ -432,10 +440,23 @@ impl Link {
                 let socket = s
                     .inspect_err(|e| tracing::warn!(collector = %c.address, error = %e, "capture: cannot set up the UDP socket"))
                     .ok();
+                // The path's MTU (loopback's is 64 KiB): how large a GSO segment may be.
+                let max_size = socket
+                    .as_ref()
+                    .and_then(|s| {
+                        nix::sys::socket::getsockopt(s, nix::sys::socket::sockopt::IpMtu).ok()
+                    })
+                    .and_then(|mtu| usize::try_from(mtu).ok())
+                    .unwrap_or(GSO_MTU)
+                    .saturating_sub(if c.address.is_ipv4() { 20 + 8 } else { 40 + 8 });
                 Link::Udp {
                     socket,
                     headers: MultiHeaders::preallocate(UDP_BATCH, None),
                     refused_at: None,
+                    gso: c.udp_gso.then(|| Gso {
+                        max_size,
+                        padded: Vec::new(),
+                    }),
                 }
             }
             CaptureTransport::Tcp => Link::Tcp {
@@ -491,6 +512,7 @@ impl Link {
                 socket,
                 headers,
                 refused_at,
+                gso,
             } => {
                 let Some(s) = socket else {
                     return Sent {
@@ -499,10 +521,35 @@ impl Link {
                     };
                 };
                 let fd = s.as_raw_fd();
+                let mut sent = 0u64;
+                let mut skip = 0;
+                if let Some(g) = gso {
+                    let all: Vec<&[u8]> = hep::packets(batch).collect();
+                    match g.send(s, &all) {
+                        (n, GsoEnd::Done) => {
+                            return Sent {
+                                sent: n,
+                                failed: total - n,
+                            };
+                        }
+                        (n, GsoEnd::Refused) => {
+                            *refused_at = Some(Instant::now());
+                            return Sent {
+                                sent: n,
+                                failed: total - n,
+                            };
+                        }
+                        (n, GsoEnd::Unsupported(e)) => {
+                            tracing::warn!(collector = %c.address, error = %e, "capture: UDP GSO refused by the kernel; sending datagram by datagram");
+                            *gso = None;
+                            sent = n;
+                            skip = n as usize;
+                        }
+                    }
+                }
                 // Connected: no address per packet.
                 let to: [Option<SockaddrStorage>; UDP_BATCH] = [None; UDP_BATCH];
-                let mut sent = 0u64;
-                let mut packets = hep::packets(batch).peekable();
+                let mut packets = hep::packets(batch).skip(skip).peekable();
                 while packets.peek().is_some() {
                     let iovs: Vec<[IoSlice<'_>; 1]> = packets
                         .by_ref()
@@ -575,6 +622,65 @@ impl Link {
                 }
             }
         }
+    }
+}
+
+/// UDP GSO toward a UDP collector (`udp_gso`): consecutive packets padded to one size and
+/// sent as one `UDP_SEGMENT` send, which the kernel cuts into datagrams of that size.
+struct Gso {
+    /// The largest datagram the path takes unfragmented.
+    max_size: usize,
+    /// The padded packets of one send.
+    padded: Vec<u8>,
+}
+
+/// How a batch's GSO sends ended.
+enum GsoEnd {
+    Done,
+    /// The collector refused (ICMP port unreachable).
+    Refused,
+    /// The kernel refused UDP GSO itself.
+    Unsupported(std::io::Error),
+}
+
+impl Gso {
+    /// Send `packets` in GSO groups; how many went out and how it ended.
+    fn send(&mut self, s: &UdpSocket, packets: &[&[u8]]) -> (u64, GsoEnd) {
+        let lens: Vec<usize> = packets.iter().map(|p| p.len()).collect();
+        let mut at = 0;
+        for g in hep::gso_groups(&lens, GSO_SEGMENTS, GSO_BYTES, self.max_size) {
+            let run = &packets[at..at + g.count];
+            let r = if let [one] = run {
+                s.send(one).map(drop)
+            } else {
+                self.padded.clear();
+                for p in run {
+                    hep::append_padded(p, g.size, &mut self.padded);
+                }
+                let seg = u16::try_from(g.size).unwrap_or(u16::MAX);
+                nix::sys::socket::sendmsg::<()>(
+                    s.as_raw_fd(),
+                    &[IoSlice::new(&self.padded)],
+                    &[nix::sys::socket::ControlMessage::UdpGsoSegments(&seg)],
+                    MsgFlags::empty(),
+                    None,
+                )
+                .map(drop)
+                .map_err(std::io::Error::from)
+            };
+            match r {
+                Ok(()) => at += g.count,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    return (at as u64, GsoEnd::Refused);
+                }
+                Err(e) if g.count > 1 => return (at as u64, GsoEnd::Unsupported(e)),
+                Err(_) => return (at as u64, GsoEnd::Refused),
+            }
+        }
+        if self.padded.capacity() > KEEP_BYTES {
+            self.padded = Vec::new();
+        }
+        (at as u64, GsoEnd::Done)
     }
 }
 
@@ -731,6 +837,7 @@ mod tests {
             password: Some("s3".into()),
             vservers: None,
             probes: false,
+            udp_gso: false,
         }
     }
 
@@ -838,6 +945,36 @@ mod tests {
         assert_eq!((d.time_s, d.time_us), (Some(1_764_900_000), Some(123_456)));
         assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 1));
         assert!(c.is_connected());
+    }
+
+    /// With `udp_gso`, packets of different sizes go out padded in GSO sends: each datagram
+    /// is one packet, in order, that reads as it was written.
+    #[test]
+    fn udp_gso_sends_each_packet_as_its_own_padded_datagram() {
+        let collector = collector_udp();
+        let mut cfg = config(collector.local_addr().expect("addr"), CaptureTransport::Udp);
+        cfg.udp_gso = true;
+        let c = Capture::new(Some(&cfg));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        let msgs: Vec<Vec<u8>> = (0..40)
+            .map(|i| {
+                let body = "x".repeat(i * 37 % 700);
+                format!(
+                    "MESSAGE sip:a SIP/2.0\r\nCall-ID: m{i}\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .into_bytes()
+            })
+            .collect();
+        for m in &msgs {
+            c.tap("edge", Stamp::now(), Transport::Udp, a, b, m);
+        }
+        for (i, m) in msgs.iter().enumerate() {
+            let d = recv_hep(&collector);
+            assert_eq!(d.payload.as_deref(), Some(&m[..]), "packet {i}");
+            assert_eq!(d.correlation_id, Some(format!("m{i}").into_bytes()));
+        }
+        assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 40));
     }
 
     #[test]
