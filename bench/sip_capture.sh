@@ -3,7 +3,9 @@
 # capture"): ROUNDS alternating rounds of bench/sip_udp.sh (fulcrum alone, FIXED calls/s for
 # FIXED_DUR s) with capture off and toward five collectors on 127.0.0.1 (bench/hep_sink.py):
 #   udp live (29060), udp dead (29061, nothing listening), tcp none (29062, nothing
-#   listening), tcp stalled (29063, accepts and never reads), tcp live (29064, reads).
+#   listening), tcp stalled (29063, accepts and never reads), tcp live (29064, reads), and
+#   udp-gso live (29060 with `udp_gso: true`). CASES picks some, e.g.
+#   CASES="off udp:127.0.0.1:29060 udp-gso:127.0.0.1:29060 tcp:127.0.0.1:29064".
 # One line per run: the CPU per SIP message, unexpected messages, whether it was clean and how
 # many calls failed. Every sink runs under `timeout` and is ended by PID on exit.
 #
@@ -20,7 +22,7 @@ timeout 7200 python3 "$HERE/hep_sink.py" tcp-stall 29063 & PIDS+=($!)
 timeout 7200 python3 "$HERE/hep_sink.py" tcp-read 29064 & PIDS+=($!)
 sleep 1
 for r in $(seq 1 "$ROUNDS"); do
-  for c in off udp:127.0.0.1:29060 udp:127.0.0.1:29061 tcp:127.0.0.1:29062 tcp:127.0.0.1:29063 tcp:127.0.0.1:29064; do
+  for c in ${CASES:-off udp:127.0.0.1:29060 udp:127.0.0.1:29061 tcp:127.0.0.1:29062 tcp:127.0.0.1:29063 tcp:127.0.0.1:29064 udp-gso:127.0.0.1:29060}; do
     cap=$c; [ "$c" = off ] && cap=
     load=$(cut -d' ' -f1 /proc/loadavg)
     out=${TMPDIR:-/tmp}/fulcrum-bench-capture-$(date +%Y%m%d-%H%M%S)

@@ -25,6 +25,7 @@ fn hep(address: SocketAddr, transport: CaptureTransport) -> HepCapture {
         password: None,
         vservers: None,
         probes: false,
+        udp_gso: false,
     }
 }
 

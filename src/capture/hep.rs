@@ -144,33 +144,37 @@ pub fn append(
     }
     let start = out.len();
     out.reserve(len);
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&(len as u16).to_be_bytes());
+    // The fixed chunks written on the stack and copied at once (this runs on the data path
+    // for every captured message): at most 6 + 2 * 7 + 2 * 22 + 2 * 8 + 2 * 10 + 7 + 10 bytes.
+    let mut head = Head::default();
+    head.raw(MAGIC);
+    head.raw(&(len as u16).to_be_bytes());
     let (src, dst) = (leg.src.ip(), leg.dst.ip());
     match (src, dst) {
         (IpAddr::V4(s), IpAddr::V4(d)) => {
-            put(out, chunk::IP_FAMILY, &[2]);
-            put(out, chunk::IP_PROTO, &[leg.transport.ip_proto()]);
-            put(out, chunk::IPV4_SRC, &s.octets());
-            put(out, chunk::IPV4_DST, &d.octets());
+            head.put(chunk::IP_FAMILY, &[2]);
+            head.put(chunk::IP_PROTO, &[leg.transport.ip_proto()]);
+            head.put(chunk::IPV4_SRC, &s.octets());
+            head.put(chunk::IPV4_DST, &d.octets());
         }
         _ => {
             let v6 = |ip: IpAddr| match ip {
                 IpAddr::V4(a) => a.to_ipv6_mapped(),
                 IpAddr::V6(a) => a,
             };
-            put(out, chunk::IP_FAMILY, &[10]);
-            put(out, chunk::IP_PROTO, &[leg.transport.ip_proto()]);
-            put(out, chunk::IPV6_SRC, &v6(src).octets());
-            put(out, chunk::IPV6_DST, &v6(dst).octets());
+            head.put(chunk::IP_FAMILY, &[10]);
+            head.put(chunk::IP_PROTO, &[leg.transport.ip_proto()]);
+            head.put(chunk::IPV6_SRC, &v6(src).octets());
+            head.put(chunk::IPV6_DST, &v6(dst).octets());
         }
     }
-    put(out, chunk::SRC_PORT, &leg.src.port().to_be_bytes());
-    put(out, chunk::DST_PORT, &leg.dst.port().to_be_bytes());
-    put(out, chunk::TIME_SEC, &leg.time_s.to_be_bytes());
-    put(out, chunk::TIME_USEC, &leg.time_us.to_be_bytes());
-    put(out, chunk::PROTO_TYPE, &[PROTO_TYPE_SIP]);
-    put(out, chunk::AGENT_ID, &agent_id.to_be_bytes());
+    head.put(chunk::SRC_PORT, &leg.src.port().to_be_bytes());
+    head.put(chunk::DST_PORT, &leg.dst.port().to_be_bytes());
+    head.put(chunk::TIME_SEC, &leg.time_s.to_be_bytes());
+    head.put(chunk::TIME_USEC, &leg.time_us.to_be_bytes());
+    head.put(chunk::PROTO_TYPE, &[PROTO_TYPE_SIP]);
+    head.put(chunk::AGENT_ID, &agent_id.to_be_bytes());
+    out.extend_from_slice(head.written());
     if let Some(k) = auth_key {
         put(out, chunk::AUTH_KEY, k);
     }
@@ -180,6 +184,140 @@ pub fn append(
     }
     debug_assert_eq!(out.len() - start, len);
     Ok(())
+}
+
+/// The fixed-size start of a packet, written on the stack.
+struct Head {
+    buf: [u8; 128],
+    at: usize,
+}
+
+impl Default for Head {
+    fn default() -> Head {
+        Head {
+            buf: [0; 128],
+            at: 0,
+        }
+    }
+}
+
+impl Head {
+    fn raw(&mut self, b: &[u8]) {
+        self.buf[self.at..self.at + b.len()].copy_from_slice(b);
+        self.at += b.len();
+    }
+
+    /// One chunk, as [`put`] writes it.
+    fn put(&mut self, type_id: u16, value: &[u8]) {
+        let [v0, v1] = VENDOR_GENERIC.to_be_bytes();
+        let [t0, t1] = type_id.to_be_bytes();
+        let [l0, l1] = ((6 + value.len()) as u16).to_be_bytes();
+        self.raw(&[v0, v1, t0, t1, l0, l1]);
+        self.raw(value);
+    }
+
+    fn written(&self) -> &[u8] {
+        &self.buf[..self.at]
+    }
+}
+
+/// The vendor id of the padding chunk ([`append_padded`]): not the generic vendor (0), so
+/// Kamailio's `sipcapture` skips it whatever its type; heplify-server skips every type it
+/// does not know, and sngrep reads nothing after the payload chunk.
+pub const VENDOR_PAD: u16 = 0xffff;
+/// The type id of the padding chunk: none of the specification's.
+pub const PAD_TYPE: u16 = 0xffff;
+/// The smallest padding chunk: its header alone.
+pub const PAD_MIN: usize = 6;
+
+/// `packet` (one [`append`] wrote) grown to `size` bytes, into `out`: its total length
+/// says `size` and a padding chunk (vendor [`VENDOR_PAD`], type [`PAD_TYPE`], zeros) follows
+/// its payload chunk. Not at the end: Kamailio's `sipcapture` reads the correlation id, the
+/// chunk after the payload, up to the end of the packet. `size` is the packet's length or at
+/// least [`PAD_MIN`] more, and at most [`MAX_PACKET`]; anything else appends `packet`
+/// unchanged.
+pub fn append_padded(packet: &[u8], size: usize, out: &mut Vec<u8>) {
+    let pad = size.wrapping_sub(packet.len());
+    if packet.len() < 6 || size > MAX_PACKET || !(PAD_MIN..=MAX_PACKET).contains(&pad) {
+        out.extend_from_slice(packet);
+        return;
+    }
+    let split = after_payload(packet);
+    out.extend_from_slice(&packet[..4]);
+    out.extend_from_slice(&(size as u16).to_be_bytes());
+    out.extend_from_slice(&packet[6..split]);
+    let [v0, v1] = VENDOR_PAD.to_be_bytes();
+    let [t0, t1] = PAD_TYPE.to_be_bytes();
+    let [l0, l1] = (pad as u16).to_be_bytes();
+    out.extend_from_slice(&[v0, v1, t0, t1, l0, l1]);
+    out.resize(out.len() + pad - PAD_MIN, 0);
+    out.extend_from_slice(&packet[split..]);
+}
+
+/// Where the payload chunk of `packet` ends (its end when there is none).
+fn after_payload(packet: &[u8]) -> usize {
+    let mut at = 6;
+    while let Some(h) = packet.get(at..at + 6) {
+        let len = u16::from_be_bytes([h[4], h[5]]) as usize;
+        if len < 6 {
+            break;
+        }
+        at += len;
+        if h[..4] == [0, 0, 0, chunk::PAYLOAD as u8] {
+            return at.min(packet.len());
+        }
+    }
+    packet.len()
+}
+
+/// Consecutive packets sent as one UDP GSO send (`UDP_SEGMENT`): the kernel cuts it into
+/// datagrams of `size` bytes, so each packet is padded to `size` ([`append_padded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group {
+    pub count: usize,
+    pub size: usize,
+}
+
+/// The runs of consecutive packets of lengths `lens` to send as GSO groups, in order: each at
+/// most `max_segments` packets and `max_bytes` once padded, its packets padded to at most
+/// `max_size` (the largest datagram the path takes unfragmented), with at most half again the
+/// bytes of its packets in padding. A run of one is sent as it is (`size` its length).
+pub fn gso_groups(
+    lens: &[usize],
+    max_segments: usize,
+    max_bytes: usize,
+    max_size: usize,
+) -> Vec<Group> {
+    // The padded size of a run whose packets are `min..=max` bytes long: every packet but
+    // the longest needs room for a padding chunk's header.
+    let size = |min: usize, max: usize| if min == max { max } else { max + PAD_MIN };
+    let mut groups = Vec::new();
+    let mut i = 0;
+    while i < lens.len() {
+        let (mut min, mut max, mut sum) = (lens[i], lens[i], lens[i]);
+        let mut count = 1;
+        while let Some(&l) = lens.get(i + count) {
+            let (mn, mx, sm) = (min.min(l), max.max(l), sum + l);
+            let s = size(mn, mx);
+            if count + 1 > max_segments
+                || s * (count + 1) > max_bytes
+                || s > max_size.min(MAX_PACKET)
+            {
+                break;
+            }
+            if 2 * s * (count + 1) > 3 * sm {
+                break;
+            }
+            (min, max, sum) = (mn, mx, sm);
+            count += 1;
+        }
+        groups.push(Group {
+            count,
+            size: size(min, max),
+        });
+        i += count;
+    }
+    groups
 }
 
 /// The packets [`append`] wrote back to back into `buf`, in order: each one's length is in
@@ -203,9 +341,10 @@ pub fn packets(buf: &[u8]) -> impl Iterator<Item = &[u8]> {
 /// One chunk: vendor, type, length counting the 6-byte header, value. The caller checked
 /// that the whole packet fits in 16 bits, so every chunk does.
 fn put(out: &mut Vec<u8>, type_id: u16, value: &[u8]) {
-    out.extend_from_slice(&VENDOR_GENERIC.to_be_bytes());
-    out.extend_from_slice(&type_id.to_be_bytes());
-    out.extend_from_slice(&((6 + value.len()) as u16).to_be_bytes());
+    let [v0, v1] = VENDOR_GENERIC.to_be_bytes();
+    let [t0, t1] = type_id.to_be_bytes();
+    let [l0, l1] = ((6 + value.len()) as u16).to_be_bytes();
+    out.extend_from_slice(&[v0, v1, t0, t1, l0, l1]);
     out.extend_from_slice(value);
 }
 
@@ -510,6 +649,53 @@ mod tests {
             prop_assert_eq!(d.payload, Some(payload));
             prop_assert_eq!(d.correlation_id, cid);
             prop_assert!(d.chunks.iter().all(|c| c.0 == VENDOR_GENERIC));
+        }
+    }
+    proptest! {
+        /// Padded for a GSO send, a packet reads as it did, its padding chunk at the end;
+        /// the groups take every packet once, in order, within their bounds.
+        #[test]
+        fn padded_groups_keep_every_packet_readable(
+            payloads in proptest::collection::vec(proptest::collection::vec(any::<u8>(), 0..1500), 1..150),
+        ) {
+            let l = leg("192.0.2.1:5060", "198.51.100.2:5070", Transport::Udp);
+            let packets: Vec<Vec<u8>> = payloads.iter().map(|p| {
+                let mut out = Vec::new();
+                encode(&l, 7, None, Some(b"c1@h"), p, &mut out).expect("fits");
+                out
+            }).collect();
+            let lens: Vec<usize> = packets.iter().map(Vec::len).collect();
+            let groups = gso_groups(&lens, 64, 65_000, 1_472);
+            prop_assert_eq!(groups.iter().map(|g| g.count).sum::<usize>(), packets.len());
+            let mut at = 0;
+            for g in &groups {
+                prop_assert!(g.count >= 1 && g.count <= 64 && g.size * g.count <= 65_000.max(g.size));
+                prop_assert!(g.count == 1 || g.size <= 1_472);
+                let run = &packets[at..at + g.count];
+                let bytes: usize = run.iter().map(Vec::len).sum();
+                prop_assert!(2 * g.size * g.count <= 3 * bytes);
+                let mut out = Vec::new();
+                for p in run {
+                    append_padded(p, g.size, &mut out);
+                }
+                prop_assert_eq!(out.len(), g.size * g.count);
+                for (seg, p) in out.chunks(g.size).zip(run) {
+                    let want = decode(p).expect("decodes");
+                    let got = decode(seg).expect("padded decodes");
+                    prop_assert_eq!(&got.payload, &want.payload);
+                    prop_assert_eq!(&got.correlation_id, &want.correlation_id);
+                    let mut chunks = got.chunks.clone();
+                    if seg.len() > p.len() {
+                        // Right after the payload: the correlation id stays last.
+                        let at = want.chunks.iter().position(|c| c.1 == chunk::PAYLOAD).expect("payload") + 1;
+                        let (v, t, n) = chunks.remove(at);
+                        prop_assert_eq!((v, t, n as usize), (VENDOR_PAD, PAD_TYPE, seg.len() - p.len()));
+                        prop_assert_eq!(got.chunks.last().map(|c| c.1), Some(chunk::CORRELATION_ID));
+                    }
+                    prop_assert_eq!(chunks, want.chunks.clone());
+                }
+                at += g.count;
+            }
         }
     }
 }

@@ -7,8 +7,8 @@
 //! whole queue every few milliseconds and sends it at once: one `sendmmsg` per 64 packets
 //! toward a UDP collector, one write of every packet toward a TCP one. While the collector is
 //! known to be down (a UDP send refused, no TCP connection) the taps drop at once, counted,
-//! before any copy. A slow or dead collector costs capture packets, never a SIP message or a
-//! stall. With capture off, a tap is one atomic load and a branch.
+//! before any clock read or copy. A slow or dead collector costs capture packets, never a SIP
+//! message or a stall. With capture off, a tap is one atomic load and a branch.
 
 pub mod hep;
 
@@ -48,8 +48,17 @@ const UDP_DOWN_FOR: Duration = Duration::from_secs(5);
 /// How often the sender takes the queue: the delay of a captured message at most, and what
 /// makes its sends batches (at 50,000 packets a second, 250 a batch).
 const NAP: Duration = Duration::from_millis(5);
+/// How often while the collector is known to be down (the taps queue nothing): the delay of
+/// a retry at most.
+const NAP_DOWN: Duration = Duration::from_millis(50);
 /// Packets per `sendmmsg` toward a UDP collector.
 const UDP_BATCH: usize = 64;
+/// Datagrams per UDP GSO send (the kernel's `UDP_MAX_SEGMENTS` was 64 before Linux 6.9).
+const GSO_SEGMENTS: usize = 64;
+/// Bytes per UDP GSO send at most: one IP packet's payload, with room for the headers.
+const GSO_BYTES: usize = 65_000;
+/// The MTU assumed when the socket does not say its path's: Ethernet's.
+const GSO_MTU: usize = 1_500;
 /// A sender's buffer larger than this after a burst is given back.
 const KEEP_BYTES: usize = 1 << 20;
 /// Drops are logged at most this often.
@@ -85,17 +94,73 @@ impl CaptureStats {
 
 /// When a message crossed the wire, in the collector's terms (Unix time): taken by a data
 /// path right after its receive or right before its send, so that the times of a forwarded
-/// message's two legs, and of a request and its answer, keep their causal order.
+/// message's two legs, and of a request and its answer, keep their causal order. `None`:
+/// not taken, the collector was known to be down ([`Tap::stamp`]), so the message is dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Stamp(Duration);
+pub struct Stamp(Option<Duration>);
 
 impl Stamp {
     pub fn now() -> Stamp {
-        Stamp(
+        Stamp(Some(
             SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .unwrap_or_default(),
-        )
+        ))
+    }
+
+    /// The stamp of a message the collector cannot take: no clock read.
+    const DOWN: Stamp = Stamp(None);
+
+    /// Whether the time was taken: the collector was not known to be down, so the message
+    /// is likely to be queued (work only capture needs is worth doing for it).
+    pub fn is_taken(self) -> bool {
+        self.0.is_some()
+    }
+}
+
+/// A captured message's Call-ID (the packet's correlation id), as its caller knows it: a
+/// data path that captures a message and what it forwards of it finds the Call-ID once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallId<'a> {
+    /// Found in the message when its packet is written ([`call_id_of`]).
+    Find,
+    /// The message's Call-ID (`None`: it has none), which the caller vouches for.
+    Is(Option<&'a [u8]>),
+}
+
+/// Whether the taps queue packets, as one word the taps read and each configuration's sender
+/// writes: the configuration's generation shifted left by one, and the low bit set while its
+/// collector is not known to be down. A sender of an older generation (one still ending after
+/// a reload) cannot change the word of a newer one.
+#[derive(Debug, Default)]
+struct Gate(AtomicU64);
+
+impl Gate {
+    fn is_open(&self) -> bool {
+        self.0.load(Ordering::Relaxed) & 1 == 1
+    }
+
+    /// A new generation (closed when `open` is false); returns it.
+    fn renew(&self, open: bool) -> u64 {
+        let generation = (self.0.load(Ordering::Relaxed) >> 1) + 1;
+        self.0
+            .store(generation << 1 | u64::from(open), Ordering::Relaxed);
+        generation
+    }
+
+    /// Open or close the gate if `generation` is still the current one.
+    fn set(&self, generation: u64, open: bool) {
+        let want = generation << 1 | u64::from(open);
+        let mut cur = self.0.load(Ordering::Relaxed);
+        while cur >> 1 == generation && cur != want {
+            match self
+                .0
+                .compare_exchange_weak(cur, want, Ordering::Relaxed, Ordering::Relaxed)
+            {
+                Ok(_) => return,
+                Err(now) => cur = now,
+            }
+        }
     }
 }
 
@@ -104,9 +169,10 @@ impl Stamp {
 struct Shared {
     /// HEP packets back to back, oldest first ([`hep::packets`] splits them).
     queue: Mutex<Vec<u8>>,
-    /// Whether the taps queue packets: false while the collector is known to be down (the
-    /// sender says so), when they drop at once.
-    open: AtomicBool,
+    /// The process's gate, which this configuration's sender closes while the collector is
+    /// known to be down (the taps drop at once), and the generation it may set.
+    gate: Arc<Gate>,
+    generation: u64,
     /// Set by this configuration's own sender (an old sender still ending cannot touch it):
     /// the collector is reachable, the last UDP sends went out or a TCP connection is open.
     connected: AtomicBool,
@@ -137,6 +203,12 @@ pub struct Capture {
     /// Whether `exporter` holds one: what [`Tap::stamp`] reads per message, cheaper than a
     /// load of the exporter.
     on: AtomicBool,
+    /// Whether the exporter's collector takes packets: read by [`Tap::stamp`] before the
+    /// clock, and by a tap before anything else.
+    gate: Arc<Gate>,
+    /// Whether the exporter captures only some vservers (`vservers`): a tap dropping for a
+    /// down collector needs no load of the exporter otherwise.
+    filtered: AtomicBool,
     stats: Arc<CaptureStats>,
 }
 
@@ -164,10 +236,13 @@ impl Capture {
         if current.as_ref().map(|e| &e.config) == config {
             return;
         }
+        let generation = self.gate.renew(config.is_some());
         let next = config.map(|c| {
             let shared = Arc::new(Shared {
-                open: AtomicBool::new(true),
-                ..Shared::default()
+                queue: Mutex::default(),
+                gate: Arc::clone(&self.gate),
+                generation,
+                connected: AtomicBool::new(false),
             });
             let stats = Arc::clone(&self.stats);
             let sender_shared = Arc::clone(&shared);
@@ -177,7 +252,7 @@ impl Capture {
                 .spawn(move || send_loop(&sender_config, &sender_shared, &stats));
             if let Err(e) = spawned {
                 tracing::warn!(error = %e, "capture: cannot start the sender thread; capture is off");
-                shared.open.store(false, Ordering::Relaxed);
+                shared.gate.set(generation, false);
             }
             Arc::new(Exporter {
                 shared,
@@ -187,7 +262,9 @@ impl Capture {
             })
         });
         let on = next.is_some();
+        let filtered = config.is_some_and(|c| c.vservers.is_some());
         self.exporter.store(next);
+        self.filtered.store(filtered, Ordering::Relaxed);
         self.on.store(on, Ordering::Relaxed);
         tracing::info!(collector = ?config.map(|c| c.address), "capture configured");
     }
@@ -225,8 +302,28 @@ impl Capture {
         dst: SocketAddr,
         payload: &[u8],
     ) {
+        self.tap_as(vserver, at, (transport, src, dst), payload, CallId::Find);
+    }
+
+    /// [`Capture::tap`] of a message whose Call-ID the caller knows.
+    pub fn tap_as(
+        &self,
+        vserver: &str,
+        at: Stamp,
+        (transport, src, dst): (Transport, SocketAddr, SocketAddr),
+        payload: &[u8],
+        call_id: CallId<'_>,
+    ) {
         // A keep-alive (CRLF, RFC 5626 §3.5.1) is no SIP message.
         if !payload.first().is_some_and(u8::is_ascii_alphabetic) {
+            return;
+        }
+        // The collector is down: counted without a look at the configuration when it
+        // captures every vserver.
+        if at == Stamp::DOWN && !self.filtered.load(Ordering::Relaxed) {
+            if self.is_on() {
+                self.dropped_down();
+            }
             return;
         }
         let guard = self.exporter.load();
@@ -238,7 +335,7 @@ impl Capture {
         {
             return;
         }
-        self.offer(e, at, transport, src, dst, payload);
+        self.offer(e, at, (transport, src, dst), payload, call_id);
     }
 
     /// Capture a health monitor's SIP probe or its answer, when `probes` is on.
@@ -252,8 +349,15 @@ impl Capture {
     ) {
         let guard = self.exporter.load();
         if let Some(e) = guard.as_ref().filter(|e| e.probes) {
-            self.offer(e, at, transport, src, dst, payload);
+            self.offer(e, at, (transport, src, dst), payload, CallId::Find);
         }
+    }
+
+    /// One message dropped because the collector is known to be down.
+    fn dropped_down(&self) {
+        self.stats
+            .dropped_send_error
+            .fetch_add(1, Ordering::Relaxed);
     }
 
     /// The packet of one message into the queue, or one counted drop.
@@ -261,18 +365,14 @@ impl Capture {
         &self,
         e: &Exporter,
         at: Stamp,
-        transport: Transport,
-        src: SocketAddr,
-        dst: SocketAddr,
+        (transport, src, dst): (Transport, SocketAddr, SocketAddr),
         payload: &[u8],
+        call_id: CallId<'_>,
     ) {
-        if !e.shared.open.load(Ordering::Relaxed) {
-            self.stats
-                .dropped_send_error
-                .fetch_add(1, Ordering::Relaxed);
+        let Some(t) = at.0.filter(|_| self.gate.is_open()) else {
+            self.dropped_down();
             return;
-        }
-        let t = at.0;
+        };
         let leg = hep::Leg {
             transport,
             src,
@@ -281,7 +381,10 @@ impl Capture {
             time_us: t.subsec_micros(),
         };
         let auth = e.config.password.as_deref().map(str::as_bytes);
-        let call_id = call_id_of(payload);
+        let call_id = match call_id {
+            CallId::Find => call_id_of(payload),
+            CallId::Is(c) => c,
+        };
         let len = hep::packet_len(&leg, auth, call_id, payload);
         if len > hep::MAX_PACKET {
             self.stats.dropped_too_big.fetch_add(1, Ordering::Relaxed);
@@ -314,6 +417,8 @@ enum Link {
         headers: MultiHeaders<SockaddrStorage>,
         /// When a send was last refused.
         refused_at: Option<Instant>,
+        /// UDP GSO sends (`udp_gso`), until the kernel refuses one.
+        gso: Option<Gso>,
     },
     Tcp {
         stream: Option<(TcpStream, Instant)>,
@@ -335,10 +440,23 @@ impl Link {
                 let socket = s
                     .inspect_err(|e| tracing::warn!(collector = %c.address, error = %e, "capture: cannot set up the UDP socket"))
                     .ok();
+                // The path's MTU (loopback's is 64 KiB): how large a GSO segment may be.
+                let max_size = socket
+                    .as_ref()
+                    .and_then(|s| {
+                        nix::sys::socket::getsockopt(s, nix::sys::socket::sockopt::IpMtu).ok()
+                    })
+                    .and_then(|mtu| usize::try_from(mtu).ok())
+                    .unwrap_or(GSO_MTU)
+                    .saturating_sub(if c.address.is_ipv4() { 20 + 8 } else { 40 + 8 });
                 Link::Udp {
                     socket,
                     headers: MultiHeaders::preallocate(UDP_BATCH, None),
                     refused_at: None,
+                    gso: c.udp_gso.then(|| Gso {
+                        max_size,
+                        padded: Vec::new(),
+                    }),
                 }
             }
             CaptureTransport::Tcp => Link::Tcp {
@@ -394,6 +512,7 @@ impl Link {
                 socket,
                 headers,
                 refused_at,
+                gso,
             } => {
                 let Some(s) = socket else {
                     return Sent {
@@ -402,10 +521,35 @@ impl Link {
                     };
                 };
                 let fd = s.as_raw_fd();
+                let mut sent = 0u64;
+                let mut skip = 0;
+                if let Some(g) = gso {
+                    let all: Vec<&[u8]> = hep::packets(batch).collect();
+                    match g.send(s, &all) {
+                        (n, GsoEnd::Done) => {
+                            return Sent {
+                                sent: n,
+                                failed: total - n,
+                            };
+                        }
+                        (n, GsoEnd::Refused) => {
+                            *refused_at = Some(Instant::now());
+                            return Sent {
+                                sent: n,
+                                failed: total - n,
+                            };
+                        }
+                        (n, GsoEnd::Unsupported(e)) => {
+                            tracing::warn!(collector = %c.address, error = %e, "capture: UDP GSO refused by the kernel; sending datagram by datagram");
+                            *gso = None;
+                            sent = n;
+                            skip = n as usize;
+                        }
+                    }
+                }
                 // Connected: no address per packet.
                 let to: [Option<SockaddrStorage>; UDP_BATCH] = [None; UDP_BATCH];
-                let mut sent = 0u64;
-                let mut packets = hep::packets(batch).peekable();
+                let mut packets = hep::packets(batch).skip(skip).peekable();
                 while packets.peek().is_some() {
                     let iovs: Vec<[IoSlice<'_>; 1]> = packets
                         .by_ref()
@@ -481,6 +625,65 @@ impl Link {
     }
 }
 
+/// UDP GSO toward a UDP collector (`udp_gso`): consecutive packets padded to one size and
+/// sent as one `UDP_SEGMENT` send, which the kernel cuts into datagrams of that size.
+struct Gso {
+    /// The largest datagram the path takes unfragmented.
+    max_size: usize,
+    /// The padded packets of one send.
+    padded: Vec<u8>,
+}
+
+/// How a batch's GSO sends ended.
+enum GsoEnd {
+    Done,
+    /// The collector refused (ICMP port unreachable).
+    Refused,
+    /// The kernel refused UDP GSO itself.
+    Unsupported(std::io::Error),
+}
+
+impl Gso {
+    /// Send `packets` in GSO groups; how many went out and how it ended.
+    fn send(&mut self, s: &UdpSocket, packets: &[&[u8]]) -> (u64, GsoEnd) {
+        let lens: Vec<usize> = packets.iter().map(|p| p.len()).collect();
+        let mut at = 0;
+        for g in hep::gso_groups(&lens, GSO_SEGMENTS, GSO_BYTES, self.max_size) {
+            let run = &packets[at..at + g.count];
+            let r = if let [one] = run {
+                s.send(one).map(drop)
+            } else {
+                self.padded.clear();
+                for p in run {
+                    hep::append_padded(p, g.size, &mut self.padded);
+                }
+                let seg = u16::try_from(g.size).unwrap_or(u16::MAX);
+                nix::sys::socket::sendmsg::<()>(
+                    s.as_raw_fd(),
+                    &[IoSlice::new(&self.padded)],
+                    &[nix::sys::socket::ControlMessage::UdpGsoSegments(&seg)],
+                    MsgFlags::empty(),
+                    None,
+                )
+                .map(drop)
+                .map_err(std::io::Error::from)
+            };
+            match r {
+                Ok(()) => at += g.count,
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                    return (at as u64, GsoEnd::Refused);
+                }
+                Err(e) if g.count > 1 => return (at as u64, GsoEnd::Unsupported(e)),
+                Err(_) => return (at as u64, GsoEnd::Refused),
+            }
+        }
+        if self.padded.capacity() > KEEP_BYTES {
+            self.padded = Vec::new();
+        }
+        (at as u64, GsoEnd::Done)
+    }
+}
+
 /// The sender thread: every [`NAP`], the whole queue out; until the configuration is gone
 /// (capture turned off or reconfigured, or the process ends) and its queue sent.
 fn send_loop(c: &HepCapture, shared: &Arc<Shared>, stats: &CaptureStats) {
@@ -490,7 +693,7 @@ fn send_loop(c: &HepCapture, shared: &Arc<Shared>, stats: &CaptureStats) {
     let mut last_log = Instant::now();
     loop {
         let (open, connected) = link.tend(c, Instant::now());
-        shared.open.store(open, Ordering::Relaxed);
+        shared.gate.set(shared.generation, open);
         shared.connected.store(connected, Ordering::Relaxed);
         // The configuration is gone once this thread holds the last reference: one more
         // take of the queue catches the taps that were still writing.
@@ -514,7 +717,7 @@ fn send_loop(c: &HepCapture, shared: &Arc<Shared>, stats: &CaptureStats) {
         // A data path never wakes this thread (a wake-up per message, a futex call and a
         // context switch, would cost more than the capture itself): the queue holds what
         // arrives meanwhile, and goes out as one batch.
-        std::thread::sleep(NAP);
+        std::thread::sleep(if open { NAP } else { NAP_DOWN });
     }
 }
 
@@ -575,10 +778,18 @@ impl Tap {
     }
 
     /// The time of a receive or send about to be captured; `None` (no clock read) while
-    /// capture is off.
+    /// capture is off, and no clock read either while the collector is known to be down
+    /// (the tap then counts the message dropped).
     #[inline]
     pub fn stamp(&self) -> Option<Stamp> {
-        self.capture.is_on().then(Stamp::now)
+        if !self.capture.is_on() {
+            return None;
+        }
+        Some(if self.capture.gate.is_open() {
+            Stamp::now()
+        } else {
+            Stamp::DOWN
+        })
     }
 
     /// [`Capture::tap`] for this vserver.
@@ -593,6 +804,19 @@ impl Tap {
     ) {
         self.capture
             .tap(&self.vserver, at, transport, src, dst, payload);
+    }
+
+    /// [`Capture::tap_as`] for this vserver.
+    #[inline]
+    pub fn tap_as(
+        &self,
+        at: Stamp,
+        leg: (Transport, SocketAddr, SocketAddr),
+        payload: &[u8],
+        call_id: CallId<'_>,
+    ) {
+        self.capture
+            .tap_as(&self.vserver, at, leg, payload, call_id);
     }
 }
 
@@ -613,6 +837,7 @@ mod tests {
             password: Some("s3".into()),
             vservers: None,
             probes: false,
+            udp_gso: false,
         }
     }
 
@@ -703,7 +928,7 @@ mod tests {
         )));
         c.tap(
             "edge",
-            Stamp(Duration::new(1_764_900_000, 123_456_789)),
+            Stamp(Some(Duration::new(1_764_900_000, 123_456_789))),
             Transport::Udp,
             addr("127.0.0.1:40000"),
             addr("127.0.0.1:5060"),
@@ -720,6 +945,36 @@ mod tests {
         assert_eq!((d.time_s, d.time_us), (Some(1_764_900_000), Some(123_456)));
         assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 1));
         assert!(c.is_connected());
+    }
+
+    /// With `udp_gso`, packets of different sizes go out padded in GSO sends: each datagram
+    /// is one packet, in order, that reads as it was written.
+    #[test]
+    fn udp_gso_sends_each_packet_as_its_own_padded_datagram() {
+        let collector = collector_udp();
+        let mut cfg = config(collector.local_addr().expect("addr"), CaptureTransport::Udp);
+        cfg.udp_gso = true;
+        let c = Capture::new(Some(&cfg));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        let msgs: Vec<Vec<u8>> = (0..40)
+            .map(|i| {
+                let body = "x".repeat(i * 37 % 700);
+                format!(
+                    "MESSAGE sip:a SIP/2.0\r\nCall-ID: m{i}\r\nContent-Length: {}\r\n\r\n{body}",
+                    body.len()
+                )
+                .into_bytes()
+            })
+            .collect();
+        for m in &msgs {
+            c.tap("edge", Stamp::now(), Transport::Udp, a, b, m);
+        }
+        for (i, m) in msgs.iter().enumerate() {
+            let d = recv_hep(&collector);
+            assert_eq!(d.payload.as_deref(), Some(&m[..]), "packet {i}");
+            assert_eq!(d.correlation_id, Some(format!("m{i}").into_bytes()));
+        }
+        assert!(eventually(|| c.stats().sent.load(Ordering::Relaxed) == 40));
     }
 
     #[test]

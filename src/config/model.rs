@@ -57,6 +57,9 @@ pub struct HepCapture {
     pub vservers: Option<Vec<String>>,
     /// The health monitors' SIP OPTIONS too.
     pub probes: bool,
+    /// Over UDP: packets sent in UDP GSO groups (`UDP_SEGMENT`), each padded to its group's
+    /// size by a chunk collectors skip.
+    pub udp_gso: bool,
 }
 
 /// The global `dns` block: the servers asked and the bounds on how often a name is asked

@@ -16,6 +16,7 @@
 //! from the socket bound there, or from the wildcard socket with the address named as the
 //! source (IP_PKTINFO's `ipi_spec_dst`, IPV6_PKTINFO's `ipi6_addr`).
 
+use crate::capture::{CallId, Transport};
 use crate::net;
 use crate::stats::Nanos;
 use dashmap::DashMap;
@@ -223,18 +224,19 @@ impl Senders {
         self.tap.as_ref()
     }
 
-    /// Send `bytes` to `to`, a service, from the service-facing socket.
-    pub(crate) fn to_service(&self, bytes: &[u8], to: SocketAddr) -> std::io::Result<usize> {
+    /// Send `bytes` to `to`, a service, from the service-facing socket; `call_id`: its
+    /// Call-ID for the capture, when known.
+    pub(crate) fn to_service(
+        &self,
+        bytes: &[u8],
+        to: SocketAddr,
+        call_id: CallId<'_>,
+    ) -> std::io::Result<usize> {
         let at = self.tap.as_ref().and_then(crate::capture::Tap::stamp);
         let n = self.services.send_to(bytes, to)?;
         if let (Some(t), Some(at)) = (&self.tap, at) {
-            t.tap(
-                at,
-                crate::capture::Transport::Udp,
-                self.services_addr,
-                to,
-                bytes,
-            );
+            let leg = (Transport::Udp, self.services_addr, to);
+            t.tap_as(at, leg, bytes, call_id);
         }
         Ok(n)
     }
@@ -249,24 +251,21 @@ impl Senders {
 
     /// Send `bytes` to `to`, a client (anyone but a service): from the address `to` last
     /// sent to when the vserver has several or a wildcard (RFC 3581 §4). `dontwait`: do not
-    /// block on a full send buffer (the datagram is lost; SIP retransmits it).
+    /// block on a full send buffer (the datagram is lost; SIP retransmits it). `call_id`:
+    /// its Call-ID for the capture, when known.
     pub(crate) fn to_client(
         &self,
         bytes: &[u8],
         to: SocketAddr,
         dontwait: bool,
+        call_id: CallId<'_>,
     ) -> std::io::Result<usize> {
         let at = self.tap.as_ref().and_then(crate::capture::Tap::stamp);
         let Some(f) = &self.fronts else {
             let n = net::send_from(&self.clients, bytes, to, None, dontwait)?;
             if let (Some(t), Some(at)) = (&self.tap, at) {
-                t.tap(
-                    at,
-                    crate::capture::Transport::Udp,
-                    self.clients_addr,
-                    to,
-                    bytes,
-                );
+                let leg = (Transport::Udp, self.clients_addr, to);
+                t.tap_as(at, leg, bytes, call_id);
             }
             return Ok(n);
         };
@@ -276,7 +275,7 @@ impl Senders {
         if let (Some(t), Some(at)) = (&self.tap, at) {
             let bound = f.bound.get(i).copied().unwrap_or(self.clients_addr);
             let src = from.map_or(bound, |ip| SocketAddr::new(ip, bound.port()));
-            t.tap(at, crate::capture::Transport::Udp, src, to, bytes);
+            t.tap_as(at, (Transport::Udp, src, to), bytes, call_id);
         }
         Ok(n)
     }

@@ -15,6 +15,7 @@
 //! sockets.
 
 use crate::balancer::Balancer;
+use crate::capture::CallId;
 use crate::config::{Config, Protocol, Vserver};
 use crate::core::sip::SipParams;
 use crate::core::sip::{Action, SipCore};
@@ -132,34 +133,42 @@ pub(crate) fn run_worker<B: Bridge>(
         let _in = reader.enter();
         let core = cell.load();
         let action = core.handle_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
+        // Found once for the message and what is forwarded of it (the same Call-ID, RFC 3261
+        // §16.6), when it will be captured.
+        let call_id = match at {
+            Some(at) if at.is_taken() => CallId::Is(crate::capture::call_id_of(&buf[..n])),
+            _ => CallId::Find,
+        };
         // Captured as received unless dropped; before its sends, so the collector sees them
         // in order.
         if let (Some(t), Some(at)) = (out_socks.tap(), at)
             && crate::proxy::sip_front::is_captured(&action)
         {
-            t.tap(at, crate::capture::Transport::Udp, src, dst, &buf[..n]);
+            let leg = (crate::capture::Transport::Udp, src, dst);
+            t.tap_as(at, leg, &buf[..n], call_id);
         }
         // A held request's own sends first: an INVITE's 100 (Trying) must reach the client
         // before the service's answers, which another worker may relay at once.
         send_all(&out_socks, &core, &bridge, &mut sends, &send_log, now);
-        let to = match action {
-            Action::ToMember(m) => bridge.to_member(&core, m, &out).map(|a| (true, a)),
-            Action::ToAddr(a) => bridge.to_addr(&core, a, &out).map(|a| (false, a)),
-            Action::Reply(a) => Some((false, a)),
+        let (to, call_id) = match action {
+            Action::ToMember(m) => (bridge.to_member(&core, m, &out).map(|a| (true, a)), call_id),
+            Action::ToAddr(a) => (bridge.to_addr(&core, a, &out).map(|a| (false, a)), call_id),
+            // fulcrum's own answer: found in it.
+            Action::Reply(a) => (Some((false, a)), CallId::Find),
             // Connection ids exist only on streams.
-            Action::ToConn(_) | Action::ToFlow(_) => None,
+            Action::ToConn(_) | Action::ToFlow(_) => (None, call_id),
             Action::Drop(reason) => {
                 if drop_log.allow(now) {
                     tracing::debug!(vserver = %core.name, %src, ?reason, "datagram dropped");
                 }
-                None
+                (None, call_id)
             }
         };
         if let Some((to_service, to)) = to
             && let Err(e) = if to_service {
-                out_socks.to_service(&out, to)
+                out_socks.to_service(&out, to, call_id)
             } else {
-                out_socks.to_client(&out, to, false)
+                out_socks.to_client(&out, to, false, call_id)
             }
         {
             bump(&core.counters.send_errors);
@@ -193,10 +202,11 @@ fn send_all<B: Bridge>(
             // Connection ids exist only on streams.
             Dest::Conn(_) => continue,
         };
+        // A held transaction's own message: its Call-ID found in it.
         let sent = if to_service {
-            socks.to_service(&bytes, to)
+            socks.to_service(&bytes, to, CallId::Find)
         } else {
-            socks.to_client(&bytes, to, false)
+            socks.to_client(&bytes, to, false, CallId::Find)
         };
         if let Err(e) = sent {
             bump(&core.counters.send_errors);

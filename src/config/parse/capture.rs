@@ -13,6 +13,7 @@ const HEP_FIELDS: &[&str] = &[
     "password",
     "vservers",
     "probes",
+    "udp_gso",
 ];
 
 impl Cx {
@@ -55,6 +56,7 @@ impl Cx {
         let id = self.int_field(&f, path, "id", (0, u32::MAX as i128), 0);
         let password = self.opt_string(&f, path, "password");
         let probes = self.bool_field(&f, path, "probes", false);
+        let udp_gso = self.bool_field(&f, path, "udp_gso", false);
         let vs = match f.get("vservers") {
             None => Some(None),
             Some(n) if n.value == Value::Null => Some(None),
@@ -87,6 +89,7 @@ impl Cx {
             password,
             vservers: vs?,
             probes: probes?,
+            udp_gso: udp_gso?,
         }))
     }
 }
@@ -107,7 +110,7 @@ mod tests {
     #[test]
     fn a_full_block_is_read() {
         let c = parse(
-            "capture:\n  hep: { address: 127.0.0.1:9060, transport: tcp, id: 2001, password: s3, vservers: [edge], probes: true }\n",
+            "capture:\n  hep: { address: 127.0.0.1:9060, transport: tcp, id: 2001, password: s3, vservers: [edge], probes: true, udp_gso: true }\n",
         )
         .expect("valid");
         assert_eq!(
@@ -119,6 +122,7 @@ mod tests {
                 password: Some("s3".into()),
                 vservers: Some(vec!["edge".into()]),
                 probes: true,
+                udp_gso: true,
             })
         );
     }

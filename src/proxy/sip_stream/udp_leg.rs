@@ -13,7 +13,10 @@ impl SipStreamShared {
             // Without waiting (the socket blocks for its worker's receive; MSG_DONTWAIT keeps
             // this send from blocking a link's task on a full send buffer: the datagram is
             // lost and counted, as on the leg), from the address the client sent to.
-            return self.datagram_sent(front.to_client(bytes, addr, true), addr);
+            return self.datagram_sent(
+                front.to_client(bytes, addr, true, crate::capture::CallId::Find),
+                addr,
+            );
         }
         self.to_leg(bytes, addr)
     }
