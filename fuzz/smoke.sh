@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 SECONDS_EACH=${1:-10}; shift || true
-TARGETS=${*:-"sip_message sip_stream http_head proxy_v2 config slow_start_scenario admin_request"}
+TARGETS=${*:-"sip_message sip_stream http_head client_hello proxy_v2 config slow_start_scenario admin_request"}
 OUT=${OUT:-${TMPDIR:-/tmp}/fulcrum-fuzz-smoke}
 TRIPLE=$(rustc -vV | awk '/^host:/{print $2}')
 export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
