@@ -92,13 +92,17 @@ fn udp_reload_adds_and_removes_services_keeping_sessions() {
         .with_vservers(|v, _| v[0].balancer().slow_start().map(|s| s.is_active()))
         .flatten();
     assert_eq!(in_slow_start, Some(true), "the added service is new");
-    // New flows reach the added service; the established one stays where it was.
+    // New flows reach the added service; the established one stays where it was. Every
+    // client is kept open to the end: a later client on a port an earlier one had would be
+    // that earlier flow's session (pinned to its service), not a new flow.
+    let mut clients = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for i in 0..6 {
         let c = udp_client("127.0.0.1");
         let a = udp_ask(&c, vs, format!("n{i}").as_bytes()).expect("answer");
         seen.insert(a.0.service);
         assert_eq!(udp_ask(&old, vs, b"again").expect("answer").0.service, "s0");
+        clients.push(c);
     }
     assert!(seen.contains("s1"), "{seen:?}");
 
@@ -113,6 +117,7 @@ fn udp_reload_adds_and_removes_services_keeping_sessions() {
         let c = udp_client("127.0.0.1");
         let a = udp_ask(&c, vs, format!("m{i}").as_bytes()).expect("answer");
         assert_eq!(a.0.service, "s1");
+        clients.push(c);
     }
     assert_eq!(hits(&h0), before, "a draining service gets no new flows");
     assert_eq!(udp_ask(&old, vs, b"kept").expect("answer").0.service, "s0");
