@@ -453,7 +453,7 @@ pub fn summary(cfg: &Config) -> Vec<String> {
                     crate::route::Target::Pool(k) => v
                         .route_pools
                         .get(k - 1)
-                        .map_or_else(String::new, |p| names(p).join(", ")),
+                        .map_or_else(String::new, |p| pool_line(v, p, &names(p))),
                     crate::route::Target::Reject { code, reason } => {
                         format!("reject {code} {reason}")
                     }
@@ -473,9 +473,51 @@ pub fn summary(cfg: &Config) -> Vec<String> {
         .collect()
 }
 
+/// A rule's pool as `fulcrum check` prints it: its services, then its method, `hash_length`,
+/// slow start and failover where they differ from the vserver's.
+fn pool_line(v: &Vserver, p: &RoutePool, services: &[&str]) -> String {
+    let mut out = services.join(", ");
+    let mut own = Vec::new();
+    if let Some(m) = p.method.filter(|m| *m != v.method) {
+        own.push(m.name().to_owned());
+    }
+    if p.hash_length != v.hash.hash_length {
+        own.push(format!("hash_length {}", p.hash_length));
+    }
+    if p.slow_start != v.slow_start {
+        own.push(match &p.slow_start {
+            Some(s) => format!("slow start {}", s.new_service_request_rate),
+            None => "no slow start".to_owned(),
+        });
+    }
+    if p.failover != v.failover {
+        own.push(match &p.failover {
+            Some(f) => format!("failover: {} tries", f.tries),
+            None => "failover off".to_owned(),
+        });
+    }
+    if !own.is_empty() {
+        out.push_str(&format!(" ({})", own.join(", ")));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `fulcrum check` names what a rule's pool sets apart from the vserver.
+    #[test]
+    fn the_summary_shows_a_pools_own_fields() {
+        let yaml = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - name: v\n    protocol: sip-udp\n    bind: 127.0.0.1:5060\n    services: [a]\n    routes:\n      - { name: same, match: { method: REGISTER }, services: [b] }\n      - { name: own, match: { method: MESSAGE }, services: [b], method: url_hash, hash_length: 12, failover: off }\n";
+        let cfg = from_str("t.yaml", yaml).expect("config");
+        let text = summary(&cfg).join("\n");
+        assert!(text.contains("route same: b\n"), "{text}");
+        assert!(
+            text.contains("route own: b (url_hash, hash_length 12, failover off)"),
+            "{text}"
+        );
+    }
 
     /// A file that is not UTF-8 is reported at the first bad byte, like any other problem.
     #[test]
