@@ -125,29 +125,20 @@ impl ConnectionKeys {
     /// True when `buf` holds enough to choose (or can never be enough: too large, not HTTP,
     /// not TLS).
     pub fn is_first_complete(&self, buf: &[u8]) -> bool {
+        // The head is parsed once whether the key or the rules want it.
+        let head = self.head || self.first == FirstBytes::HttpHead;
         let key = match self.first {
-            FirstBytes::None => true,
             FirstBytes::Bytes(n) => buf.len() >= n,
-            FirstBytes::HttpHead => !matches!(http::parse_head(buf), Err(HttpError::Incomplete)),
+            FirstBytes::None | FirstBytes::HttpHead => true,
         };
-        key && (!self.head || !matches!(http::parse_head(buf), Err(HttpError::Incomplete)))
+        key && (!head || !matches!(http::parse_head(buf), Err(HttpError::Incomplete)))
             && (!self.hello || client_hello::parse(buf) != Hello::Incomplete)
     }
 
-    /// The balancer's key for a connection from `client` to `local` whose first bytes are
-    /// `first` (empty when none were needed or none came), and whether an HTTP head that was
-    /// needed did not parse.
-    pub fn key_input(
-        &self,
-        first: &[u8],
-        client: SocketAddr,
-        local: SocketAddr,
-    ) -> (KeyInput, bool) {
-        self.key_input_in(0, first, client, local)
-    }
-
-    /// [`ConnectionKeys::key_input`] for pool `pool` (0: the vserver's own; `k`: the `k`-th
-    /// rule's, with its method).
+    /// The balancer's key in pool `pool` (0: the vserver's own; `k`: the `k`-th rule's, with its
+    /// method and hash parameters) for a connection from `client` to `local` whose first bytes
+    /// are `first` (empty when none were needed or none came), and whether an HTTP head that
+    /// was needed did not parse.
     pub fn key_input_in(
         &self,
         pool: usize,
