@@ -36,9 +36,8 @@ const TCP_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// Reconnection backoff of the TCP transport: doubled after each failure, up to the cap.
 const BACKOFF_MIN: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(30);
-/// A TCP connection this old that still takes writes resets the backoff: a collector that
-/// accepts and never reads fails sooner (its socket buffers fill, then the write timeout),
-/// and is retried less and less often.
+/// A TCP connection this old that still takes writes resets the backoff: a connection that
+/// fails sooner (a write timeout) is retried less and less often.
 const TCP_PROVEN_AFTER: Duration = Duration::from_secs(10);
 /// How long the taps drop toward a UDP collector after a refused send (ICMP port
 /// unreachable) before packets are offered again.
@@ -424,6 +423,8 @@ enum Link {
         stream: Option<(TcpStream, Instant)>,
         next_try: Instant,
         backoff: Duration,
+        /// The collector's receive window was closed at the last look: it stopped reading.
+        stalled: bool,
     },
 }
 
@@ -463,6 +464,7 @@ impl Link {
                 stream: None,
                 next_try: Instant::now(),
                 backoff: BACKOFF_MIN,
+                stalled: false,
             },
         }
     }
@@ -483,6 +485,7 @@ impl Link {
                 stream,
                 next_try,
                 backoff,
+                stalled,
             } => {
                 if stream.is_none() && now >= *next_try {
                     match TcpStream::connect_timeout(&c.address, TCP_CONNECT_TIMEOUT) {
@@ -499,7 +502,23 @@ impl Link {
                         }
                     }
                 }
-                (stream.is_some(), stream.is_some())
+                // A collector that stops reading closes its receive window once its buffer
+                // is full: the taps then drop at once, as for a collector that is down,
+                // instead of filling the queue and this socket's buffer behind it (and
+                // paying a live collector's cost for packets that cannot go). The connection
+                // stays: packets flow again as soon as it reads.
+                let closed = stream.as_ref().is_some_and(|(s, _)| {
+                    send_queue(s).is_some_and(|(all, unsent)| peer_window_closed(all, unsent))
+                });
+                if closed != *stalled {
+                    *stalled = closed;
+                    if closed {
+                        tracing::debug!(collector = %c.address, "capture: the collector's receive window is closed; dropping until it reads");
+                    } else {
+                        tracing::debug!(collector = %c.address, "capture: the collector reads again");
+                    }
+                }
+                (stream.is_some() && !closed, stream.is_some())
             }
         }
     }
@@ -576,6 +595,7 @@ impl Link {
                 stream,
                 next_try,
                 backoff,
+                ..
             } => {
                 let Some((s, since)) = stream.as_mut() else {
                     return Sent {
@@ -623,6 +643,29 @@ impl Link {
             }
         }
     }
+}
+
+/// The bytes a TCP socket holds for its peer: all of them (sent and not yet acknowledged, or
+/// not yet sent), and those not yet sent (Linux's `SIOCOUTQ` and `SIOCOUTQNSD`, tcp(7)).
+#[allow(unsafe_code)]
+fn send_queue(s: &TcpStream) -> Option<(i32, i32)> {
+    use nix::libc;
+    let (mut all, mut unsent): (libc::c_int, libc::c_int) = (0, 0);
+    let fd = s.as_raw_fd();
+    // SAFETY: both requests write one `int` through the pointer, which points to a live one;
+    // `fd` is the open socket `s` borrows.
+    let a = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &raw mut all) };
+    // SAFETY: as above.
+    let b = unsafe { libc::ioctl(fd, libc::SIOCOUTQNSD, &raw mut unsent) };
+    (a == 0 && b == 0).then_some((all, unsent))
+}
+
+/// Whether a TCP peer's receive window is closed, from the send queue: bytes wait to be sent
+/// and none is in flight. With Nagle off (the sender's `TCP_NODELAY`), only a window too
+/// small for them holds sendable bytes back while nothing awaits an acknowledgement
+/// (RFC 9293 §3.8.6.1: the peer's buffer is full, its application is not reading). PURE.
+fn peer_window_closed(all: i32, unsent: i32) -> bool {
+    unsent > 0 && all == unsent
 }
 
 /// UDP GSO toward a UDP collector (`udp_gso`): consecutive packets padded to one size and
@@ -1096,6 +1139,72 @@ mod tests {
         let d = read_hep(&mut second).expect("a packet on the new connection");
         assert_eq!(d.correlation_id.as_deref(), Some(&b"c7@host"[..]));
         assert!(c.stats().dropped_send_error.load(Ordering::Relaxed) > 0);
+    }
+
+    #[test]
+    fn a_closed_window_is_bytes_waiting_with_none_in_flight() {
+        assert!(!peer_window_closed(0, 0), "an empty queue");
+        assert!(!peer_window_closed(4_000, 0), "in flight, none waiting");
+        assert!(
+            !peer_window_closed(9_000, 5_000),
+            "in flight and waiting: the window is open"
+        );
+        assert!(peer_window_closed(5_000, 5_000), "waiting, none in flight");
+    }
+
+    /// A collector that stops reading (its window closes) costs the taps a drop at once while
+    /// the connection stays, and the packets flow again on it once the collector reads: the
+    /// stream stays in step, packet after whole packet.
+    #[test]
+    fn a_tcp_collector_that_stops_reading_is_dropped_for_until_it_reads_again() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = Capture::new(Some(&config(
+            listener.local_addr().expect("addr"),
+            CaptureTransport::Tcp,
+        )));
+        let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+        c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
+        let (mut held, _) = listener.accept().expect("connection");
+        let s = c.stats();
+        // 1 KB messages at about 10 MB/s (bounded: 20,000 taps, 2 s) until the taps drop.
+        let msg = [INVITE, &[b'x'; 1_000][..]].concat();
+        let mut offered = 1u64;
+        for _ in 0..20_000 {
+            c.tap("edge", Stamp::now(), Transport::Tcp, a, b, &msg);
+            offered += 1;
+            if s.dropped_send_error.load(Ordering::Relaxed) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        assert!(
+            s.dropped_send_error.load(Ordering::Relaxed) > 0,
+            "never closed"
+        );
+        // Closed by the window, not by a full queue or a blocked write: still connected.
+        assert_eq!(s.dropped_queue_full.load(Ordering::Relaxed), 0);
+        assert!(c.is_connected());
+        // Stopped early: what was offered is about the two buffers between, not 8 MB more.
+        assert!(offered < 8_000, "{offered} taps before the window closed");
+        // The collector reads: every packet sent arrives whole, and new ones follow.
+        held.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut got = 0u64;
+        while got < s.sent.load(Ordering::Relaxed) {
+            read_hep(&mut held).expect("a packet sent before the stall");
+            got += 1;
+        }
+        assert!(eventually(|| {
+            c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
+            s.sent.load(Ordering::Relaxed) > got
+        }));
+        let late = loop {
+            let d = read_hep(&mut held).expect("a packet after the stall");
+            if d.payload.as_deref() == Some(INVITE) {
+                break d;
+            }
+        };
+        assert_eq!(late.correlation_id.as_deref(), Some(&b"c7@host"[..]));
     }
 
     /// A collector that accepts and never reads: the queue fills and drops, the taps return at
