@@ -21,6 +21,7 @@ timeout 7200 python3 "$HERE/hep_sink.py" udp 29060 & PIDS+=($!)
 timeout 7200 python3 "$HERE/hep_sink.py" tcp-stall 29063 & PIDS+=($!)
 timeout 7200 python3 "$HERE/hep_sink.py" tcp-read 29064 & PIDS+=($!)
 sleep 1
+[ -n "${COUNT_DEV:-}" ] && before=$(cat "/sys/class/net/$COUNT_DEV/statistics/tx_dropped")
 for r in $(seq 1 "$ROUNDS"); do
   for c in ${CASES:-off udp:127.0.0.1:29060 udp:127.0.0.1:29061 tcp:127.0.0.1:29062 tcp:127.0.0.1:29063 tcp:127.0.0.1:29064 udp-gso:127.0.0.1:29060}; do
     cap=$c; [ "$c" = off ] && cap=
@@ -29,6 +30,11 @@ for r in $(seq 1 "$ROUNDS"); do
     res=$(OUT=$out CAPTURE=$cap PROXIES=fulcrum RATES=$FIXED DUR=3 FIXED=$FIXED FIXED_DUR=$FIXED_DUR \
       timeout 300 "$HERE/sip_udp.sh" 2>&1 | grep "^fulcrum:.*us/msg")
     failed=$(awk -F'\t' '$2=="fixed"{print $6}' "$out/summary.tsv" 2>/dev/null)
-    echo "round $r $(date -u +%H:%M:%S) load $load $c: $res failed=$failed"
+    frames=
+    if [ -n "${COUNT_DEV:-}" ]; then   # frames the device took and dropped (bench/sip_capture_nic.sh)
+      now=$(cat "/sys/class/net/$COUNT_DEV/statistics/tx_dropped")
+      frames=" $COUNT_DEV-frames=$((now - ${before:-0}))"; before=$now
+    fi
+    echo "round $r $(date -u +%H:%M:%S) load $load $c: $res failed=$failed$frames"
   done
 done
