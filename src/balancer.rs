@@ -1011,25 +1011,26 @@ impl Balancer {
     }
 
     /// Operator change of the slow-start rate (manual mode, docs/slow_start.md).
-    /// The rate applies to the rules' pools with slow start too.
+    /// The rate applies to the rules' pools with slow start too; false when neither the
+    /// vserver nor any rule's pool has slow start.
     pub fn set_slow_start_rate(&self, rate: u32, now: Nanos) -> bool {
+        let mut any = false;
         for p in &self.pools {
             if let Some(ss) = &p.slow_start {
                 let mut ss = lock(ss);
                 ss.set_rate(rate, now);
                 p.slow_start_active.store(ss.is_active(), Ordering::Release);
+                any = true;
             }
         }
-        match &self.slow_start {
-            Some(ss) => {
-                let mut ss = lock(ss);
-                ss.set_rate(rate, now);
-                self.slow_start_active
-                    .store(ss.is_active(), Ordering::Release);
-                true
-            }
-            None => false,
+        if let Some(ss) = &self.slow_start {
+            let mut ss = lock(ss);
+            ss.set_rate(rate, now);
+            self.slow_start_active
+                .store(ss.is_active(), Ordering::Release);
+            any = true;
         }
+        any
     }
 
     /// Members added by a reload: new for slow start from `now` if UP, else from when they

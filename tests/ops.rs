@@ -902,3 +902,51 @@ fn a_five_second_reload_leaves_the_admin_api_the_watchdog_and_sip_streams_answer
     holder.join().expect("holder");
     ops.shutdown();
 }
+
+/// A rule's pool shows its own fields in `/status` (method, `hash_length`, slow start,
+/// failover; each the vserver's where the rule gives none), and the slow-start rate can be set
+/// through the admin API when only a rule has slow start.
+#[test]
+fn a_rules_pool_shows_its_fields_and_takes_the_slow_start_rate() {
+    let ops = start(
+        "admin: { listen: null }\nservices:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - name: v\n    protocol: sip-udp\n    bind: [127.0.0.1:0]\n    method: call_id_hash\n    workers: 1\n    failover: { codes: [503], tries: 2 }\n    services: [a]\n    routes:\n      - { name: same, match: { method: REGISTER }, services: [b] }\n      - { name: own, match: { method: MESSAGE }, services: [a, b], method: least_connection, slow_start: { new_service_request_rate: 5 }, failover: off }\n      - { name: urls, match: { method: OPTIONS }, services: [b], method: url_hash, hash_length: 12 }\n",
+    );
+    let status = get(&ops, "/status");
+    let routes = &status["vservers"][0]["routes"];
+    let rule = |name: &str| -> Value {
+        routes["rules"]
+            .as_array()
+            .and_then(|r| r.iter().find(|x| x["name"] == name))
+            .cloned()
+            .unwrap_or_else(|| panic!("rule {name} in {routes}"))
+    };
+    let same = rule("same");
+    assert_eq!(same["method"], "call_id_hash", "{same}");
+    assert_eq!(same["failover"]["tries"], 2, "inherited: {same}");
+    assert!(same["slow_start"].is_null(), "{same}");
+    let own = rule("own");
+    assert_eq!(own["method"], "least_connection", "{own}");
+    assert!(own["failover"].is_null(), "failover off: {own}");
+    assert_eq!(own["slow_start"]["new_service_request_rate"], 5, "{own}");
+    let urls = rule("urls");
+    assert_eq!(urls["hash_length"], 12, "{urls}");
+    assert_eq!(routes["default"]["failover"]["codes"][0], 503, "{routes}");
+    assert!(status["vservers"][0]["slow_start"].is_null());
+
+    // The vserver has no slow start, its rule has: the rate is the rule's to change.
+    let r = router::handle(
+        &ops,
+        &Request::new("PUT", "/vservers/v/slow-start").body(r#"{"new_service_request_rate": 9}"#),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let own = get(&ops, "/status")["vservers"][0]["routes"]["rules"][1].clone();
+    assert_eq!(own["slow_start"]["new_service_request_rate"], 9, "{own}");
+    assert_eq!(own["slow_start"]["manual"], true, "{own}");
+    let r = router::handle(
+        &ops,
+        &Request::new("PUT", "/vservers/v/slow-start")
+            .body(r#"{"new_service_request_rate": 3, "unit": "percent"}"#),
+    );
+    assert_eq!(r.status, 409, "the rule's unit is per_second: {}", r.body);
+    ops.shutdown();
+}

@@ -411,19 +411,28 @@ fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
     let Some(vs) = cfg.vservers.iter().find(|v| v.name == name) else {
         return Response::error(404, &format!("no vserver `{name}`"));
     };
-    let Some(params) = vs.slow_start.filter(|s| s.new_service_request_rate > 0) else {
+    // The vserver's slow start and its rules' pools' (a rule may have one of its own where
+    // the vserver has none): the rate applies to each.
+    let configured: Vec<_> = vs
+        .slow_start
+        .iter()
+        .chain(vs.route_pools.iter().filter_map(|p| p.slow_start.as_ref()))
+        .filter(|s| s.new_service_request_rate > 0)
+        .copied()
+        .collect();
+    if configured.is_empty() {
         return Response::error(
             409,
             &format!("vserver `{name}` has no slow start configured"),
         );
-    };
+    }
     // `unit` and `increment_interval` may be given only as the configured values, written as
     // the config file writes them.
     if let Some(u) = v.get("unit") {
         let Some(u) = u.as_str().filter(|u| ["per_second", "percent"].contains(u)) else {
             return Response::error(400, "unit: `per_second` or `percent` is required");
         };
-        if u != unit_name(params.unit) {
+        if configured.iter().any(|p| u != unit_name(p.unit)) {
             return Response::error(409, "changing the unit needs a config change and a restart");
         }
     }
@@ -439,7 +448,7 @@ fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
                 "increment_interval: a duration such as `10s` (or whole seconds) is required",
             );
         };
-        if given != params.increment_interval {
+        if configured.iter().any(|p| given != p.increment_interval) {
             return Response::error(
                 409,
                 "changing increment_interval needs a config change and a restart",
@@ -459,6 +468,7 @@ fn slow_start(ops: &Ops, name: &str, body: &[u8]) -> Response {
 /// The `/status` document.
 pub fn status(ops: &Ops) -> Value {
     let health = ops.health();
+    let cfg = ops.config();
     // Monitor holds run on the health board's clock.
     let health_now = health.now();
     let vservers = ops
@@ -542,7 +552,7 @@ pub fn status(ops: &Ops) -> Value {
                             "refused": g.refusals().iter().map(|(r, n)| (r.name().to_owned(), json!(n))).collect::<serde_json::Map<_, _>>(),
                         })),
                         "packet": packet_status(v),
-                        "routes": routes_status(b),
+                        "routes": routes_status(b, cfg.vservers.iter().find(|c| c.name == v.name)),
                         "eject": b.eject_params().map(|p| json!({
                             "after": p.after,
                             "base_s": p.base_ns as f64 / 1e9,
@@ -574,7 +584,10 @@ pub fn status(ops: &Ops) -> Value {
 /// `/status` `routes` of a SIP vserver with routing rules (docs/routing.md): each rule in
 /// order, then the default, with what it does (its pool's services and method, or its
 /// refusal) and what it decided; `null` without rules.
-fn routes_status(b: &crate::balancer::Balancer) -> Option<Value> {
+fn routes_status(
+    b: &crate::balancer::Balancer,
+    config: Option<&crate::config::Vserver>,
+) -> Option<Value> {
     use crate::route::Target;
     use std::sync::atomic::Ordering::Relaxed;
     let routes = b.routes()?;
@@ -591,11 +604,27 @@ fn routes_status(b: &crate::balancer::Balancer) -> Option<Value> {
             "unavailable": n(|c| &c.unavailable),
         });
         let what = match target {
-            Target::Pool(p) => json!({
-                "action": "pool",
-                "method": b.pool_method(*p).name(),
-                "services": b.pool_members(*p).iter().filter_map(|&m| b.members().get(m)).map(|m| m.name.clone()).collect::<Vec<_>>(),
-            }),
+            Target::Pool(p) => {
+                // A rule's pool (pool 0 is the vserver's own) has its own fields, each the
+                // vserver's where the rule gives none (docs/routing.md).
+                let own = p.checked_sub(1).and_then(|k| config?.route_pools.get(k));
+                let failover = match own {
+                    Some(pool) => pool.failover.as_ref(),
+                    None => config.and_then(|v| v.failover.as_ref()),
+                };
+                json!({
+                    "action": "pool",
+                    "method": b.pool_method(*p).name(),
+                    "services": b.pool_members(*p).iter().filter_map(|&m| b.members().get(m)).map(|m| m.name.clone()).collect::<Vec<_>>(),
+                    "hash_length": b.pool_hash(*p).hash_length,
+                    "slow_start": b.pool_slow_start(*p).map(|s| json!({
+                        "new_service_request_rate": s.rate(),
+                        "manual": s.is_manual(),
+                        "active": s.is_active(),
+                    })),
+                    "failover": failover.map(|f| json!({ "codes": f.codes, "tries": f.tries })),
+                })
+            }
             Target::Reject { code, reason } => {
                 json!({ "action": "reject", "code": code, "reason": reason })
             }
