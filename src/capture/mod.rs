@@ -11,6 +11,7 @@
 //! message or a stall. With capture off, a tap is one atomic load and a branch.
 
 pub mod hep;
+mod send_queue;
 
 use crate::config::{CaptureTransport, HepCapture};
 use arc_swap::ArcSwapOption;
@@ -508,7 +509,7 @@ impl Link {
                 // paying a live collector's cost for packets that cannot go). The connection
                 // stays: packets flow again as soon as it reads.
                 let closed = stream.as_ref().is_some_and(|(s, _)| {
-                    send_queue(s).is_some_and(|(all, unsent)| peer_window_closed(all, unsent))
+                    send_queue::of(s).is_some_and(|(all, unsent)| peer_window_closed(all, unsent))
                 });
                 if closed != *stalled {
                     *stalled = closed;
@@ -643,21 +644,6 @@ impl Link {
             }
         }
     }
-}
-
-/// The bytes a TCP socket holds for its peer: all of them (sent and not yet acknowledged, or
-/// not yet sent), and those not yet sent (Linux's `SIOCOUTQ` and `SIOCOUTQNSD`, tcp(7)).
-#[allow(unsafe_code)]
-fn send_queue(s: &TcpStream) -> Option<(i32, i32)> {
-    use nix::libc;
-    let (mut all, mut unsent): (libc::c_int, libc::c_int) = (0, 0);
-    let fd = s.as_raw_fd();
-    // SAFETY: both requests write one `int` through the pointer, which points to a live one;
-    // `fd` is the open socket `s` borrows.
-    let a = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &raw mut all) };
-    // SAFETY: as above.
-    let b = unsafe { libc::ioctl(fd, libc::SIOCOUTQNSD, &raw mut unsent) };
-    (a == 0 && b == 0).then_some((all, unsent))
 }
 
 /// Whether a TCP peer's receive window is closed, from the send queue: bytes wait to be sent
