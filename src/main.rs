@@ -4,6 +4,7 @@
 use anyhow::Context;
 use clap::{Parser, Subcommand, ValueEnum};
 use fulcrum::config::{self, Config, LogFormat};
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -190,6 +191,35 @@ fn parse_max_share(s: &str) -> Result<config::PracMaxShare, String> {
 
 /// Exit status for an invalid config (README.md, "Command line"; docs/config.md, Checking a file).
 const EXIT_INVALID: u8 = 2;
+
+/// `print!` for the commands' output, ending the process quietly when the reader has gone
+/// (`fulcrum check FILE | head`): exit status 141, as a shell shows a process ended by
+/// SIGPIPE, where `print!` would panic (Rust ignores SIGPIPE, which the proxy wants).
+macro_rules! out {
+    ($($arg:tt)*) => {
+        stdout_or_exit(|w| write!(w, $($arg)*))
+    };
+}
+
+/// [`out!`] with a line end.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        stdout_or_exit(|w| writeln!(w, $($arg)*))
+    };
+}
+
+/// Write to stdout with `f`; exit 141 if stdout is a closed pipe, 74 (EX_IOERR) on another
+/// write error.
+fn stdout_or_exit(f: impl FnOnce(&mut std::io::StdoutLock<'_>) -> std::io::Result<()>) {
+    let mut w = std::io::stdout().lock();
+    if let Err(e) = f(&mut w).and_then(|()| std::io::Write::flush(&mut w)) {
+        if e.kind() == std::io::ErrorKind::BrokenPipe {
+            std::process::exit(141);
+        }
+        eprintln!("fulcrum: stdout: {e}");
+        std::process::exit(74);
+    }
+}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -475,9 +505,9 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                 })
             };
             if json {
-                println!("{}", serde_json::to_string(&report)?);
+                outln!("{}", serde_json::to_string(&report)?);
             } else {
-                print!("{}", hash::render_text(&report));
+                out!("{}", hash::render_text(&report));
             }
         }
         Simulate::Flow {
@@ -519,14 +549,14 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
             let r = fulcrum::simulate::flow::which_firewall(&cfg, vs, &q, &down)
                 .map_err(|e| anyhow::anyhow!(e))?;
             if json {
-                println!("{}", serde_json::to_string(&r)?);
+                outln!("{}", serde_json::to_string(&r)?);
             } else {
                 let fw = |c: &fulcrum::simulate::flow::Choice| {
                     c.firewall
                         .clone()
                         .unwrap_or_else(|| "none (dropped: every firewall DOWN)".into())
                 };
-                println!(
+                outln!(
                     "vserver {} ({}): {src} -> {dst}: bucket {} -> {}; reply: bucket {} -> {}",
                     r.vserver,
                     r.method,
@@ -552,9 +582,9 @@ fn simulate(what: Simulate) -> anyhow::Result<ExitCode> {
                 }
             };
             if json {
-                println!("{}", slow_start::render_json(&result));
+                outln!("{}", slow_start::render_json(&result));
             } else {
-                print!("{}", slow_start::render_table(&result));
+                out!("{}", slow_start::render_table(&result));
             }
             if let Some(path) = plot {
                 std::fs::write(&path, slow_start::render_svg(&result))
@@ -645,8 +675,8 @@ fn route(
         (r::decide(&balancer, name, &msg, src, local, 0), src)
     };
     match answer {
-        Ok(a) if json => println!("{}", serde_json::to_string(&a)?),
-        Ok(a) => print!("{}", r::render_text(&a, src, local, true)),
+        Ok(a) if json => outln!("{}", serde_json::to_string(&a)?),
+        Ok(a) => out!("{}", r::render_text(&a, src, local, true)),
         Err(e) => return invalid(&e),
     }
     Ok(ExitCode::SUCCESS)
@@ -662,9 +692,9 @@ fn check(files: &[PathBuf]) -> ExitCode {
                 for w in cfg.warning_lines(&name) {
                     eprintln!("{w}");
                 }
-                println!("{}: ok", file.display());
+                outln!("{}: ok", file.display());
                 for line in fulcrum::config::summary(&cfg) {
-                    println!("  {line}");
+                    outln!("  {line}");
                 }
             }
             Err(e) => {

@@ -128,3 +128,22 @@ fn check_of_a_missing_file_fails_cleanly() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("does-not-exist.yaml"));
 }
+
+/// `fulcrum check FILE | head`: a reader that has gone ends the command quietly with the
+/// status a shell shows for SIGPIPE, not a panic.
+#[test]
+fn check_into_a_closed_pipe_ends_quietly() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_fulcrum"))
+        .arg("check")
+        .arg("config/fulcrum.yaml")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run fulcrum check");
+    drop(child.stdout.take()); // the reader is gone before the first line
+    let out = child.wait_with_output().expect("wait");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+}
