@@ -125,6 +125,10 @@ tree_ticks() {
   done
   echo "$t"
 }
+# thread_ticks PID COMM: "utime stime" (clock ticks) of PID's threads named COMM
+thread_ticks() {
+  cat /proc/"$1"/task/*/stat 2>/dev/null | awk -v want="($2)" '$2==want{u+=$14; s+=$15} END{print u+0, s+0}'
+}
 # system-wide UDP receive-buffer overflows (datagrams dropped by the kernel, any socket)
 rcvbuf_errors() { awk '/^Udp:/{if(!h){for(i=1;i<=NF;i++) c[$i]=i; h=1} else print $c["RcvbufErrors"]}' /proc/net/snmp; }
 # col FILE NAME: column NAME (by header name) of the last line of SIPp statistics file FILE

@@ -162,11 +162,14 @@ run_one() {
   start_uas "$tag" || return 1
   local k0 k1 t0 t1
   local d0 d1
+  local c0 c1
+  c0=$(thread_ticks "$PROXY_PID" fulcrum-capture)
   d0=$(rcvbuf_errors); k0=$(tree_ticks "$PROXY_PID"); t0=$(date +%s.%N)
   timeout $((dur * 3 + 30)) sipp -sn uac -t $SIPP_T 127.0.0.1:$PROXY_PORT -i 127.0.0.1 -p $UAC_PORT \
     -r "$rate" -m "$n" -nostdin -buff_size $BUF -l $((rate * 2 + 100)) \
     -trace_stat -stf "uac_${tag}.csv" -fd 5 > "uac_${tag}.log" 2>&1
   t1=$(date +%s.%N); k1=$(tree_ticks "$PROXY_PID"); d1=$(rcvbuf_errors)
+  c1=$(thread_ticks "$PROXY_PID" fulcrum-capture)
   sleep 1.2   # UAS write their final stat line
   stop_uas
   local f="uac_${tag}.csv" succ fail unexp retr dead rtr_uas=0 uas_calls="" ach wall cpu pct us clean=yes
@@ -184,6 +187,10 @@ run_one() {
   cpu=$(awk -v d=$((k1 - k0)) -v hz="$HZ" 'BEGIN{printf "%.2f", d/hz}')
   pct=$(awk -v c="$cpu" -v w="$wall" 'BEGIN{printf "%.0f", 100*c/w}')
   us=$(awk -v c="$cpu" -v s="$succ" 'BEGIN{printf "%.2f", (s>0)? c*1e6/(s*6) : 0}')
+  # fulcrum's HEP capture sender thread alone (CAPTURE): user and kernel CPU per SIP message
+  [ -n "$CAPTURE" ] && printf "%s\t%s\t%s\n" "$proxy" "$phase" "$(awk -v a="$c0" -v b="$c1" -v s="$succ" -v hz="$HZ" \
+    'BEGIN{split(a, x, " "); split(b, y, " "); m = (s > 0) ? s * 6 : 1;
+      printf "%.2f\t%.2f", (y[1]-x[1])*1e6/hz/m, (y[2]-x[2])*1e6/hz/m}')" >> capture_thread.tsv
   if [ "$succ" != "$n" ] || [ "$fail" != 0 ] || [ "$unexp" != 0 ] || [ "$retr" != 0 ] || \
      [ "$rtr_uas" != 0 ] || [ "$dead" != 0 ] || \
      awk -v a="$ach" -v r="$rate" 'BEGIN{exit !(a < 0.97*r)}'; then clean=no; fi

@@ -6,8 +6,9 @@
 #   listening), tcp stalled (29063, accepts and never reads), tcp live (29064, reads), and
 #   udp-gso live (29060 with `udp_gso: true`). CASES picks some, e.g.
 #   CASES="off udp:127.0.0.1:29060 udp-gso:127.0.0.1:29060 tcp:127.0.0.1:29064".
-# One line per run: the CPU per SIP message, unexpected messages, whether it was clean and how
-# many calls failed. Every sink runs under `timeout` and is ended by PID on exit.
+# One line per run: the CPU per SIP message, unexpected messages, whether it was clean, how
+# many calls failed, and the capture sender thread's own user and kernel CPU per SIP message.
+# Every sink runs under `timeout` and is ended by PID on exit.
 #
 # Usage: ROUNDS=10 bench/sip_capture.sh
 set -u
@@ -31,10 +32,11 @@ for r in $(seq 1 "$ROUNDS"); do
       timeout 300 "$HERE/sip_udp.sh" 2>&1 | grep "^fulcrum:.*us/msg")
     failed=$(awk -F'\t' '$2=="fixed"{print $6}' "$out/summary.tsv" 2>/dev/null)
     frames=
+    sender=$(awk -F'\t' '$2=="fixed"{print " sender-user=" $3 " sender-kernel=" $4 " us/msg"}' "$out/capture_thread.tsv" 2>/dev/null)
     if [ -n "${COUNT_DEV:-}" ]; then   # frames the device took and dropped (bench/sip_capture_nic.sh)
       now=$(cat "/sys/class/net/$COUNT_DEV/statistics/tx_dropped")
       frames=" $COUNT_DEV-frames=$((now - ${before:-0}))"; before=$now
     fi
-    echo "round $r $(date -u +%H:%M:%S) load $load $c: $res failed=$failed$frames"
+    echo "round $r $(date -u +%H:%M:%S) load $load $c: $res failed=$failed$frames$sender"
   done
 done
