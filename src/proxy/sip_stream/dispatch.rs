@@ -26,7 +26,7 @@ impl SipStreamShared {
         // (bounded by the transaction's tries).
         while !sends.is_empty() {
             let mut more = Vec::new();
-            for (dest, bytes) in sends {
+            for Send { dest, bytes, .. } in sends {
                 self.carry_send(g, dest, bytes, &mut more);
             }
             sends = more;
@@ -189,6 +189,7 @@ impl SipStreamShared {
         core: &Arc<SipCore>,
         action: Action,
         out: &[u8],
+        _call_id: crate::capture::CallId<'_>,
     ) -> Option<SocketAddr> {
         let g = self.current.load();
         match action {
