@@ -412,7 +412,10 @@ impl Capture {
         let auth = e.config.password.as_deref().map(str::as_bytes);
         let call_id = match call_id {
             CallId::Find => call_id_of(payload),
-            CallId::Is(c) => c,
+            CallId::Is(c) => {
+                debug_assert_eq!(c, call_id_of(payload), "a handed Call-ID is the message's");
+                c
+            }
         };
         let len = hep::packet_len(&leg, auth, call_id, payload);
         if len > hep::MAX_PACKET {
