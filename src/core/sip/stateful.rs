@@ -93,8 +93,9 @@ impl Held {
         self.request.len() + self.tx.weight() + std::mem::size_of::<Held>() + ENTRY_OVERHEAD
     }
 
-    /// Whether the held request's Call-ID is `call_id` (a handled message's).
-    fn has_call_id(&self, call_id: Option<&[u8]>) -> bool {
+    /// Whether the held request's Call-ID is `msg`'s (a handled message's).
+    fn has_call_id_of(&self, msg: &SipMsg<'_>) -> bool {
+        let call_id = msg.call_id();
         call_id.is_some() && self.call_id.map(|s| s.of(&self.request)) == call_id
     }
 }
@@ -460,35 +461,34 @@ impl SipCore {
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
     ) -> Action {
-        let msg = *msg;
         match origin {
             Origin::Client { conn } if msg.is_request() => {
                 let client = match conn {
                     Some(id) => Dest::Conn(id),
-                    None => Dest::Addr(reply_target(&msg, src)),
+                    None => Dest::Addr(reply_target(msg, src)),
                 };
                 // The branch fulcrum gives the request: the key of its transaction, which a
                 // retransmission, the CANCEL and the non-2xx ACK share.
-                let key = sip::transaction_key(&msg, &self.local);
+                let key = sip::transaction_key(msg, &self.local);
                 if let Some(key) = key
-                    && let Some(action) = self.held_request(&msg, key, client, src, now, out, sends)
+                    && let Some(action) = self.held_request(msg, key, client, src, now, out, sends)
                 {
                     return action;
                 }
                 // An RFC 2543 client's ACK of a non-2xx final: the INVITE's key has no To
                 // tag, and the ACK's To tag must be the final's (RFC 3261 §17.2.3).
                 if msg.method_kind() == SipMethod::Ack
-                    && let Some(k) = sip::rfc2543_invite_key(&msg, &self.local)
+                    && let Some(k) = sip::rfc2543_invite_key(msg, &self.local)
                     && self.final_to_tag_is(k, msg.to_tag())
-                    && let Some(action) = self.held_request(&msg, k, client, src, now, out, sends)
+                    && let Some(action) = self.held_request(msg, k, client, src, now, out, sends)
                 {
                     return action;
                 }
-                let action = self.handle_scanned(&msg, origin, src, dst, now, out);
+                let action = self.handle_scanned(msg, origin, src, dst, now, out);
                 if let (Action::ToMember(m), Some(key)) = (action, key)
-                    && let Some(failover) = self.failover_of(&msg, src, dst)
+                    && let Some(failover) = self.failover_of(msg, src, dst)
                 {
-                    self.hold(failover, &msg, key, m, client, src, dst, now, out, sends);
+                    self.hold(failover, msg, key, m, client, src, dst, now, out, sends);
                 }
                 action
             }
@@ -496,13 +496,12 @@ impl SipCore {
                 // As `handle` tells them apart: on datagrams a response from a member's host
                 // is a service's (RFC 3261 §18.2.2).
                 let from_member = matches!(origin, Origin::Member(_)) || self.is_member_ip(src);
-                if from_member && let Some(action) = self.held_response(&msg, buf, now, out, sends)
-                {
+                if from_member && let Some(action) = self.held_response(msg, buf, now, out, sends) {
                     return action;
                 }
-                self.handle_scanned(&msg, origin, src, dst, now, out)
+                self.handle_scanned(msg, origin, src, dst, now, out)
             }
-            _ => self.handle_scanned(&msg, origin, src, dst, now, out),
+            _ => self.handle_scanned(msg, origin, src, dst, now, out),
         }
     }
 
@@ -538,7 +537,7 @@ impl SipCore {
             SipMethod::Ack => Event::Ack,
             _ => Event::Retransmission,
         };
-        let (client, acts, same) = self.drive(key, now, msg.call_id(), |held| {
+        let (client, acts, same) = self.drive(key, now, Some(msg), |held| {
             // A CANCEL or ACK matches the INVITE it names; another method is another
             // request. And it comes from the same client (over a stream, the same
             // connection: a request on another one that reuses a branch is another
@@ -587,13 +586,13 @@ impl SipCore {
 
     /// Feed the held request `key` the event `admit` gives for it (none: the message is not
     /// its), then re-arm its timer: where its client is, what it asks for, and whether what
-    /// it sends its services carries `call_id`, the Call-ID of the message being handled
+    /// it sends its services carries the Call-ID of `handled`, the message being handled
     /// ([`Carries`]; looked at only when it sends them something).
     fn drive<'e>(
         &self,
         key: u64,
         now: Nanos,
-        call_id: Option<&[u8]>,
+        handled: Option<&SipMsg<'_>>,
         admit: impl FnOnce(&Held) -> Option<Event<'e>>,
     ) -> Option<(Dest, Vec<TxAction>, Carries)> {
         let mut entry = self.transactions.held.get_mut(&key)?;
@@ -618,8 +617,9 @@ impl SipCore {
         let mut acts = Vec::new();
         tx.handle(now, event, &hops, &mut acts);
         let (client, next) = (*client, tx.poll_timeout());
-        let same = if acts.iter().any(|a| matches!(a, TxAction::ToMember(..)))
-            && entry.has_call_id(call_id)
+        let same = if let Some(msg) = handled
+            && acts.iter().any(|a| matches!(a, TxAction::ToMember(..)))
+            && entry.has_call_id_of(msg)
         {
             Carries::Handled
         } else {
@@ -775,7 +775,7 @@ impl SipCore {
             retry_after_s,
             bytes: buf,
         };
-        let (client, acts, same) = self.drive(key, now, msg.call_id(), |_| Some(event))?;
+        let (client, acts, same) = self.drive(key, now, Some(msg), |_| Some(event))?;
         bump(&self.counters.responses_in);
         let relayed = self.carry(now, client, &acts, Some(msg), out, sends, same);
         if code >= 200
@@ -909,7 +909,7 @@ impl SipCore {
             return false;
         };
         let Some((client, acts, same)) =
-            self.drive(key, now, msg.call_id(), |_| Some(Event::Unsent { attempt }))
+            self.drive(key, now, Some(&msg), |_| Some(Event::Unsent { attempt }))
         else {
             return false;
         };
