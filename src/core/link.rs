@@ -186,7 +186,10 @@ enum State<M> {
     Backoff {
         until: Instant,
     },
-    Connected(Conn<M>),
+    /// Boxed: the state moves on every event, and a connection's fields are most of it (a
+    /// move of the whole would be a call to `memcpy` per event once the messages are larger
+    /// than bytes alone).
+    Connected(Box<Conn<M>>),
     Draining {
         until: Instant,
         writing: bool,
@@ -340,7 +343,7 @@ impl<M: Clone> Link<M> {
                     conn.writing = Some(Writing::Request(b.clone()));
                     out.push(LinkAction::Write(b));
                 }
-                State::Connected(conn)
+                State::Connected(Box::new(conn))
             }
             E::ConnectFailed => self.connect_failed(now, pending, Vec::new(), out),
             E::TimerFired if now >= deadline => self.connect_failed(now, pending, Vec::new(), out),
@@ -357,7 +360,7 @@ impl<M: Clone> Link<M> {
     fn on_connected(
         &mut self,
         now: Instant,
-        mut c: Conn<M>,
+        mut c: Box<Conn<M>>,
         event: LinkEvent<M>,
         out: &mut Vec<LinkAction<M>>,
     ) -> State<M> {
@@ -394,11 +397,11 @@ impl<M: Clone> Link<M> {
                     Some(Writing::Request(b)) => Some(b),
                     _ => None,
                 };
-                self.connection_failed(now, c, request, out)
+                self.connection_failed(now, *c, request, out)
             }
             E::ReaderClosed if c.writing.is_none() => {
                 out.push(LinkAction::CountLost);
-                self.connection_failed(now, c, None, out)
+                self.connection_failed(now, *c, None, out)
             }
             E::TimerFired if c.writing.is_some() && now >= c.write_started + self.write_timeout => {
                 // The service stopped reading: as good as refused.
@@ -585,10 +588,10 @@ impl Link {
     fn held(&self) -> Option<&Bytes> {
         match &self.state {
             State::Connecting { pending, .. } => pending.as_ref(),
-            State::Connected(Conn {
-                writing: Some(Writing::Request(b)),
-                ..
-            }) => Some(b),
+            State::Connected(c) => match &c.writing {
+                Some(Writing::Request(b)) => Some(b),
+                _ => None,
+            },
             _ => None,
         }
     }

@@ -17,19 +17,14 @@ pub(super) enum ReplyTo<'a> {
     Nowhere,
 }
 
-/// `sends` with the Call-ID each carries for the capture of its write: `handled`, the
-/// Call-ID of the message whose handling made them, for those the core says carry it.
-fn resolved(sends: Vec<Send>, handled: &CallIdBuf) -> Vec<(Dest, Outgoing)> {
-    sends
-        .into_iter()
-        .map(|s| {
-            let call_id = match s.call_id {
-                Carries::Handled => handled.clone(),
-                Carries::Unknown => CallIdBuf::Find,
-            };
-            (s.dest, Outgoing::new(s.bytes, call_id))
-        })
-        .collect()
+/// `send` with the Call-ID it carries for the capture of its write: `handled`, the Call-ID
+/// of the message whose handling made it, when the core says it carries that one.
+fn resolved(send: Send, handled: &CallIdBuf) -> (Dest, Outgoing) {
+    let call_id = match send.call_id {
+        Carries::Handled => handled.clone(),
+        Carries::Unknown => CallIdBuf::Find,
+    };
+    (send.dest, Outgoing::new(send.bytes, call_id))
 }
 
 impl SipStreamShared {
@@ -37,18 +32,17 @@ impl SipStreamShared {
     /// best answer): to a client's connection, a member's link or over the UDP leg.
     /// `handled`: the Call-ID of the message whose handling made them ([`resolved`]).
     pub(super) fn carry_sends(&self, g: &Generation, sends: Vec<Send>, handled: &CallIdBuf) {
-        if sends.is_empty() {
-            return;
+        let mut more = Vec::new();
+        for send in sends {
+            let (dest, msg) = resolved(send, handled);
+            self.carry_send(g, dest, msg, &mut more);
         }
-        let mut sends = resolved(sends, handled);
         // An attempt a link cannot take moves its transaction on, which may send more
         // (bounded by the transaction's tries).
-        while !sends.is_empty() {
-            let mut more = Vec::new();
-            for (dest, msg) in sends {
+        while !more.is_empty() {
+            for (dest, msg) in std::mem::take(&mut more) {
                 self.carry_send(g, dest, msg, &mut more);
             }
-            sends = more;
         }
     }
 
@@ -68,7 +62,7 @@ impl SipStreamShared {
                     // What the transaction sends next carries the attempt's Call-ID.
                     let mut sends = Vec::new();
                     g.core.attempt_unsent(&msg, self.now(), &mut sends);
-                    more.extend(resolved(sends, &msg.call_id));
+                    more.extend(sends.into_iter().map(|s| resolved(s, &msg.call_id)));
                 }
             }
             Dest::Addr(addr) => {
