@@ -7,6 +7,10 @@
 #
 #   SIPp UAC -> fulcrum sip-udp 127.0.0.1:$BASE (under callgrind) -> 3 SIPp UAS $BASE+11..13
 #
+# PROTO=sip-tcp runs the same over TCP: the vserver and its services sip-tcp, SIPp over one
+# TCP connection each (`-t t1`). Failover is on (the default), so fulcrum holds each INVITE
+# and sends its own 100 Trying: a 7th message sent per call, not counted in the 6.
+#
 # For each round and each case of CASES, a fresh fulcrum under `valgrind --tool=callgrind`:
 # WARM calls at RATE calls/s (caches, tables and the capture sender's state settle: a dead
 # collector found down), the counters zeroed (`callgrind_control -z`), CALLS calls at RATE,
@@ -15,18 +19,20 @@
 # of the same round; the SIPp counts say whether the run was clean (every call successful,
 # no retransmission: each message went through once).
 #
-# Cases (collectors on 127.0.0.1; the script starts the sinks, bench/hep_sink.py):
+# Cases (collectors on 127.0.0.1, ports from HEP=29060; the script starts the sinks,
+# bench/hep_sink.py):
 #   off        capture off
-#   udp-dead   UDP to 29061, nothing listening (ICMP port unreachable)
-#   tcp-none   TCP to 29062, nothing listening (connect refused, backoff)
-#   tcp-stall  TCP to 29063, accepts and never reads
-#   udp-live   UDP to 29060, a sink that reads
-#   tcp-live   TCP to 29064, a sink that reads
-#   udp-gso    UDP to 29060 with `udp_gso: true` (the padding is user-space work; the kernel
+#   udp-dead   UDP to HEP+1, nothing listening (ICMP port unreachable)
+#   tcp-none   TCP to HEP+2, nothing listening (connect refused, backoff)
+#   tcp-stall  TCP to HEP+3, accepts and never reads
+#   udp-live   UDP to HEP, a sink that reads
+#   tcp-live   TCP to HEP+4, a sink that reads
+#   udp-gso    UDP to HEP with `udp_gso: true` (the padding is user-space work; the kernel
 #              work it saves is not counted here)
 #
 # Usage: bench/sip_capture_instr.sh
 #        ROUNDS=2 CASES="off udp-dead tcp-none" CALLS=2000 RATE=100 bench/sip_capture_instr.sh
+#        PROTO=sip-tcp CASES="off udp-live tcp-live" bench/sip_capture_instr.sh
 # Keeps every callgrind dump in OUT (callgrind_annotate --inclusive=yes FILE for a breakdown).
 set -u
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -37,6 +43,13 @@ CALLS=${CALLS:-2000}
 WARM=${WARM:-300}
 RATE=${RATE:-100}
 BASE=${BASE:-26060}
+PROTO=${PROTO:-sip-udp}
+HEP=${HEP:-29060}
+case $PROTO in
+  sip-udp) SIPP_T=u1; PORT_T=u ;;
+  sip-tcp) SIPP_T=t1; PORT_T=t ;;
+  *) echo "PROTO: sip-udp or sip-tcp" >&2; exit 2 ;;
+esac
 FULCRUM=${FULCRUM:-$ROOT/target/release/fulcrum}
 OUT=${OUT:-${TMPDIR:-/tmp}/fulcrum-bench-capture-instr-$(date +%Y%m%d-%H%M%S)}
 MAXT=900
@@ -50,19 +63,19 @@ if [ ! -x "$FULCRUM" ]; then
 fi
 mkdir -p "$OUT"; cd "$OUT" || exit 2
 
-case " $CASES " in *" udp-live "*|*" udp-gso "*) timeout $MAXT python3 "$HERE/hep_sink.py" udp 29060 & PIDS+=($!) ;; esac
-case " $CASES " in *" tcp-stall "*) timeout $MAXT python3 "$HERE/hep_sink.py" tcp-stall 29063 & PIDS+=($!) ;; esac
-case " $CASES " in *" tcp-live "*) timeout $MAXT python3 "$HERE/hep_sink.py" tcp-read 29064 & PIDS+=($!) ;; esac
+case " $CASES " in *" udp-live "*|*" udp-gso "*) timeout $MAXT python3 "$HERE/hep_sink.py" udp $HEP & PIDS+=($!) ;; esac
+case " $CASES " in *" tcp-stall "*) timeout $MAXT python3 "$HERE/hep_sink.py" tcp-stall $((HEP + 3)) & PIDS+=($!) ;; esac
+case " $CASES " in *" tcp-live "*) timeout $MAXT python3 "$HERE/hep_sink.py" tcp-read $((HEP + 4)) & PIDS+=($!) ;; esac
 
 collector() {
   case $1 in
     off) ;;
-    udp-dead) echo udp:127.0.0.1:29061 ;;
-    tcp-none) echo tcp:127.0.0.1:29062 ;;
-    tcp-stall) echo tcp:127.0.0.1:29063 ;;
-    udp-live) echo udp:127.0.0.1:29060 ;;
-    tcp-live) echo tcp:127.0.0.1:29064 ;;
-    udp-gso) echo udp-gso:127.0.0.1:29060 ;;
+    udp-dead) echo udp:127.0.0.1:$((HEP + 1)) ;;
+    tcp-none) echo tcp:127.0.0.1:$((HEP + 2)) ;;
+    tcp-stall) echo tcp:127.0.0.1:$((HEP + 3)) ;;
+    udp-live) echo udp:127.0.0.1:$HEP ;;
+    tcp-live) echo tcp:127.0.0.1:$((HEP + 4)) ;;
+    udp-gso) echo udp-gso:127.0.0.1:$HEP ;;
     *) echo "unknown case $1" >&2; exit 2 ;;
   esac
 }
@@ -70,7 +83,7 @@ collector() {
 # sipp_calls TAG N: N calls of `sipp -sn uac` at RATE through fulcrum; prints
 # "successful failed retransmissions".
 sipp_calls() {
-  timeout $(($2 / RATE * 3 + 60)) sipp -sn uac -t u1 127.0.0.1:$BASE -i 127.0.0.1 -p $((BASE + 10)) \
+  timeout $(($2 / RATE * 3 + 60)) sipp -sn uac -t $SIPP_T 127.0.0.1:$BASE -i 127.0.0.1 -p $((BASE + 10)) \
     -r "$RATE" -m "$2" -nostdin -trace_stat -stf "uac_$1.csv" -fd 5 > "uac_$1.log" 2>&1
   echo "$(col "uac_$1.csv" "SuccessfulCall(C)") $(col "uac_$1.csv" "FailedCall(C)") $(col "uac_$1.csv" "Retransmissions(C)")"
 }
@@ -88,18 +101,18 @@ $( [ -n "$cap" ] && case ${cap%%:*} in
     *) echo "capture: { hep: { address: \"${cap#*:}\", transport: ${cap%%:*}, id: 1 } }" ;;
   esac )
 services:
-  - { name: uas1, address: 127.0.0.1:$((BASE + 11)), protocol: sip-udp }
-  - { name: uas2, address: 127.0.0.1:$((BASE + 12)), protocol: sip-udp }
-  - { name: uas3, address: 127.0.0.1:$((BASE + 13)), protocol: sip-udp }
+  - { name: uas1, address: 127.0.0.1:$((BASE + 11)), protocol: $PROTO }
+  - { name: uas2, address: 127.0.0.1:$((BASE + 12)), protocol: $PROTO }
+  - { name: uas3, address: 127.0.0.1:$((BASE + 13)), protocol: $PROTO }
 vservers:
   - name: sip-lb
-    protocol: sip-udp
+    protocol: $PROTO
     bind: [127.0.0.1:$BASE]
     method: call_id_hash
     services: [uas1, uas2, uas3]
 EOF
   for port in $UAS_PORTS; do
-    timeout $MAXT sipp -sn uas -t u1 -i 127.0.0.1 -p "$port" -nostdin > "uas_${tag}_$port.log" 2>&1 &
+    timeout $MAXT sipp -sn uas -t $SIPP_T -i 127.0.0.1 -p "$port" -nostdin > "uas_${tag}_$port.log" 2>&1 &
     uas+=($!); PIDS+=($!)
   done
   timeout $MAXT valgrind --tool=callgrind --callgrind-out-file="$OUT/cg_$tag.%p" \
@@ -107,7 +120,7 @@ EOF
   w=$!; PIDS+=($w)
   fpid=$(child_of "$w") || { echo "fulcrum did not start" >&2; return 1; }
   PIDS+=($fpid)
-  for port in $BASE $UAS_PORTS; do wait_port "$port" u || return 1; done
+  for port in $BASE $UAS_PORTS; do wait_port "$port" $PORT_T || return 1; done
   local warm calls load
   warm=$(sipp_calls "${tag}_warm" "$WARM")
   sleep 1
@@ -128,7 +141,7 @@ EOF
   LINE="round $r $(date -u +%H:%M:%S) load $load $c: $IPM instr/msg ($ir over $succ calls; warm-up $warm) failed=$fail retrans=$retr clean=$clean"
 }
 
-echo "# results in $OUT; CALLS=$CALLS WARM=$WARM RATE=$RATE, $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)"
+echo "# results in $OUT; PROTO=$PROTO CALLS=$CALLS WARM=$WARM RATE=$RATE, $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null), $FULCRUM"
 for r in $(seq 1 "$ROUNDS"); do
   base=""
   for c in $CASES; do

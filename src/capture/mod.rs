@@ -128,6 +128,35 @@ pub enum CallId<'a> {
     Is(Option<&'a [u8]>),
 }
 
+/// [`CallId`] owned: for a message that waits in a queue before the tap of its send (a
+/// stream's write queues), the Call-ID its queuer knew, copied once.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum CallIdBuf {
+    /// [`CallId::Find`].
+    #[default]
+    Find,
+    /// [`CallId::Is`].
+    Is(Option<Arc<[u8]>>),
+}
+
+impl CallIdBuf {
+    /// `call_id` copied (a few dozen bytes, one allocation; none for [`CallId::Find`] or a
+    /// message without a Call-ID).
+    pub fn of(call_id: CallId<'_>) -> CallIdBuf {
+        match call_id {
+            CallId::Find => CallIdBuf::Find,
+            CallId::Is(c) => CallIdBuf::Is(c.map(Arc::from)),
+        }
+    }
+
+    pub fn as_call_id(&self) -> CallId<'_> {
+        match self {
+            CallIdBuf::Find => CallId::Find,
+            CallIdBuf::Is(c) => CallId::Is(c.as_deref()),
+        }
+    }
+}
+
 /// Whether the taps queue packets, as one word the taps read and each configuration's sender
 /// writes: the configuration's generation shifted left by one, and the low bit set while its
 /// collector is not known to be down. A sender of an older generation (one still ending after
@@ -383,7 +412,10 @@ impl Capture {
         let auth = e.config.password.as_deref().map(str::as_bytes);
         let call_id = match call_id {
             CallId::Find => call_id_of(payload),
-            CallId::Is(c) => c,
+            CallId::Is(c) => {
+                debug_assert_eq!(c, call_id_of(payload), "a handed Call-ID is the message's");
+                c
+            }
         };
         let len = hep::packet_len(&leg, auth, call_id, payload);
         if len > hep::MAX_PACKET {
@@ -752,7 +784,8 @@ fn send_loop(c: &HepCapture, shared: &Arc<Shared>, stats: &CaptureStats) {
 
 /// The Call-ID of a SIP message (its value, trimmed), found without parsing the rest: the
 /// first header line named `Call-ID` or its compact form `i` (RFC 3261 §7.3.3, §20.8) before
-/// the blank line that ends the headers. PURE.
+/// the blank line that ends the headers, with the lines that continue it (§7.3.1), as the
+/// scanner reads it ([`crate::sip::SipMsg::call_id`]). PURE.
 pub fn call_id_of(msg: &[u8]) -> Option<&[u8]> {
     // Lines by memchr; only one that opens with `c` or `i` is looked at any closer.
     let mut start = memchr::memchr(b'\n', msg)? + 1; // past the start line
@@ -768,7 +801,12 @@ pub fn call_id_of(msg: &[u8]) -> Option<&[u8]> {
         {
             let name = line[..colon].trim_ascii();
             if name.eq_ignore_ascii_case(b"call-id") || name.eq_ignore_ascii_case(b"i") {
-                let value = line[colon + 1..].trim_ascii();
+                // A line that opens with a space or tab continues this one.
+                let mut end = end;
+                while let Some(b' ' | b'\t') = msg.get(end + 1) {
+                    end = memchr::memchr(b'\n', &msg[end + 1..]).map_or(msg.len(), |i| end + 1 + i);
+                }
+                let value = msg[start + colon + 1..end].trim_ascii();
                 return (!value.is_empty()).then_some(value);
             }
         }
@@ -917,6 +955,14 @@ mod tests {
         assert_eq!(call_id_of(compact), Some(&b"a@b"[..]));
         let lf_only = b"BYE sip:x SIP/2.0\nCALL-ID:q@r\n\n";
         assert_eq!(call_id_of(lf_only), Some(&b"q@r"[..]));
+        // Folded (RFC 3261 §7.3.1): the value on the next line, or over two.
+        let folded = b"BYE sip:x SIP/2.0\r\nCall-ID:\r\n  f@h\r\nCSeq: 1 BYE\r\n\r\n";
+        assert_eq!(call_id_of(folded), Some(&b"f@h"[..]));
+        let split = b"BYE sip:x SIP/2.0\r\ni: a\r\n\tb\r\n\r\n";
+        assert_eq!(call_id_of(split), Some(&b"a\r\n\tb"[..]));
+        // A continuation of another header is not a Call-ID.
+        let inner = b"BYE sip:x SIP/2.0\r\nSubject: x\r\n Call-ID: no\r\n\r\n";
+        assert_eq!(call_id_of(inner), None);
         let in_body = b"MESSAGE sip:x SIP/2.0\r\nContent-Length: 12\r\n\r\nCall-ID: no\r\n";
         assert_eq!(call_id_of(in_body), None);
         assert_eq!(
@@ -933,6 +979,7 @@ mod tests {
         fn the_call_id_agrees_with_the_scanner(
             cid in "[a-zA-Z0-9@.-]{1,30}",
             compact in proptest::bool::ANY,
+            folded in proptest::bool::ANY,
             before in proptest::collection::vec("[A-Z][a-z]{1,8}: [a-z0-9]{1,10}", 0..4),
         ) {
             let mut m = String::from("OPTIONS sip:a@b SIP/2.0\r\nVia: SIP/2.0/UDP h;branch=z9hG4bK1\r\n");
@@ -941,6 +988,9 @@ mod tests {
                 m.push_str("\r\n");
             }
             m.push_str(if compact { "i: " } else { "Call-ID: " });
+            if folded {
+                m.push_str("\r\n\t ");
+            }
             m.push_str(&cid);
             m.push_str("\r\nCSeq: 1 OPTIONS\r\nContent-Length: 0\r\n\r\n");
             let scanned = crate::sip::scan(m.as_bytes()).ok().and_then(|s| s.call_id());

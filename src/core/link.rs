@@ -23,6 +23,9 @@
 //!   [`RETIRED_DRAIN`]: what the service still sends is relayed and replies are written to
 //!   it, but no new request; retired in the middle of a write, it closes at once (the
 //!   service holds part of a message and has stopped reading).
+//!
+//! The messages it holds are opaque to it (`M`: bytes, or bytes with what the shell keeps
+//! beside them, such as their Call-ID for the capture of their write).
 
 use bytes::Bytes;
 use std::time::{Duration, Instant};
@@ -46,15 +49,15 @@ pub(crate) const UNANSWERED_KEPT: usize = 256;
 
 /// What happened to the link, as the shell saw it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum LinkEvent {
+pub(crate) enum LinkEvent<M = Bytes> {
     /// A request taken from the link's queue (in the phases [`Phase::Idle`] and
     /// [`Phase::Connected`]).
-    Queued(Bytes),
+    Queued(M),
     /// The queue has no sender left.
     QueueClosed,
     /// Something fulcrum writes on the connection for the service itself: a pong, a reply to
     /// the service's request, a client's response to it while draining.
-    Reply(Bytes),
+    Reply(M),
     ConnectOk,
     ConnectFailed,
     /// The service sent its first message on this connection.
@@ -70,7 +73,7 @@ pub(crate) enum LinkEvent {
     TimerFired,
 }
 
-impl LinkEvent {
+impl<M> LinkEvent<M> {
     /// The event's name, for [`LinkAction::Unexpected`].
     pub(crate) fn name(&self) -> &'static str {
         match self {
@@ -91,14 +94,14 @@ impl LinkEvent {
 
 /// What the shell must do, in order.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum LinkAction {
+pub(crate) enum LinkAction<M = Bytes> {
     /// Open a connection to the service (within the deadline [`Link::poll_timeout`] gives).
     Connect,
     /// Write these bytes whole on the connection, then report `WriteDone` or `WriteFailed`.
-    Write(Bytes),
+    Write(M),
     /// Choose a member again for this request (or, for a response, the service's
     /// draining connection).
-    Redispatch(Bytes),
+    Redispatch(M),
     /// Choose a member again for everything still in the link's queue.
     RedispatchQueue,
     /// Refuse further senders on the link's queue (before it is handed back).
@@ -152,13 +155,13 @@ pub(crate) enum Phase {
 
 /// The write under way on a live connection.
 #[derive(Debug)]
-enum Writing {
-    Request(Bytes),
+enum Writing<M> {
+    Request(M),
     Reply,
 }
 
 #[derive(Debug)]
-struct Conn {
+struct Conn<M> {
     connected_at: Instant,
     /// The backoff the link had before this connection: kept until it proves itself.
     failed_backoff: Duration,
@@ -167,23 +170,26 @@ struct Conn {
     /// It has lived [`SHORT_LIVED`] (its proof timer fired).
     proven: bool,
     /// Requests written before the service said anything.
-    unanswered: Vec<Bytes>,
-    writing: Option<Writing>,
+    unanswered: Vec<M>,
+    writing: Option<Writing<M>>,
     /// When the write under way started.
     write_started: Instant,
 }
 
 #[derive(Debug)]
-enum State {
+enum State<M> {
     Idle,
     Connecting {
-        pending: Option<Bytes>,
+        pending: Option<M>,
         deadline: Instant,
     },
     Backoff {
         until: Instant,
     },
-    Connected(Conn),
+    /// Boxed: the state moves on every event, and a connection's fields are most of it (a
+    /// move of the whole would be a call to `memcpy` per event once the messages are larger
+    /// than bytes alone).
+    Connected(Box<Conn<M>>),
     Draining {
         until: Instant,
         writing: bool,
@@ -193,8 +199,8 @@ enum State {
 
 /// One service link's state. See the module documentation.
 #[derive(Debug)]
-pub(crate) struct Link {
-    state: State,
+pub(crate) struct Link<M = Bytes> {
+    state: State<M>,
     /// The wait after the next failure.
     backoff: Duration,
     /// A failure marked the service DOWN: keep probing until a connection proves itself.
@@ -204,14 +210,14 @@ pub(crate) struct Link {
     write_timeout: Duration,
 }
 
-impl Default for Link {
+impl<M: Clone> Default for Link<M> {
     fn default() -> Self {
         Link::new()
     }
 }
 
-impl Link {
-    pub(crate) fn new() -> Link {
+impl<M: Clone> Link<M> {
+    pub(crate) fn new() -> Link<M> {
         Link {
             state: State::Idle,
             backoff: BACKOFF_MIN,
@@ -265,7 +271,12 @@ impl Link {
     }
 
     /// Take `event` in at `now`; what to do is appended to `out`, in order.
-    pub(crate) fn handle(&mut self, now: Instant, event: LinkEvent, out: &mut Vec<LinkAction>) {
+    pub(crate) fn handle(
+        &mut self,
+        now: Instant,
+        event: LinkEvent<M>,
+        out: &mut Vec<LinkAction<M>>,
+    ) {
         use LinkEvent as E;
         let state = std::mem::replace(&mut self.state, State::Closed);
         self.state = match (state, event) {
@@ -310,11 +321,11 @@ impl Link {
     fn on_connecting(
         &mut self,
         now: Instant,
-        pending: Option<Bytes>,
+        pending: Option<M>,
         deadline: Instant,
-        event: LinkEvent,
-        out: &mut Vec<LinkAction>,
-    ) -> State {
+        event: LinkEvent<M>,
+        out: &mut Vec<LinkAction<M>>,
+    ) -> State<M> {
         use LinkEvent as E;
         match event {
             E::ConnectOk => {
@@ -332,7 +343,7 @@ impl Link {
                     conn.writing = Some(Writing::Request(b.clone()));
                     out.push(LinkAction::Write(b));
                 }
-                State::Connected(conn)
+                State::Connected(Box::new(conn))
             }
             E::ConnectFailed => self.connect_failed(now, pending, Vec::new(), out),
             E::TimerFired if now >= deadline => self.connect_failed(now, pending, Vec::new(), out),
@@ -349,10 +360,10 @@ impl Link {
     fn on_connected(
         &mut self,
         now: Instant,
-        mut c: Conn,
-        event: LinkEvent,
-        out: &mut Vec<LinkAction>,
-    ) -> State {
+        mut c: Box<Conn<M>>,
+        event: LinkEvent<M>,
+        out: &mut Vec<LinkAction<M>>,
+    ) -> State<M> {
         use LinkEvent as E;
         match event {
             E::MessageRead => {
@@ -386,11 +397,11 @@ impl Link {
                     Some(Writing::Request(b)) => Some(b),
                     _ => None,
                 };
-                self.connection_failed(now, c, request, out)
+                self.connection_failed(now, *c, request, out)
             }
             E::ReaderClosed if c.writing.is_none() => {
                 out.push(LinkAction::CountLost);
-                self.connection_failed(now, c, None, out)
+                self.connection_failed(now, *c, None, out)
             }
             E::TimerFired if c.writing.is_some() && now >= c.write_started + self.write_timeout => {
                 // The service stopped reading: as good as refused.
@@ -427,9 +438,9 @@ impl Link {
         now: Instant,
         until: Instant,
         writing: bool,
-        event: LinkEvent,
-        out: &mut Vec<LinkAction>,
-    ) -> State {
+        event: LinkEvent<M>,
+        out: &mut Vec<LinkAction<M>>,
+    ) -> State<M> {
         use LinkEvent as E;
         match event {
             E::Reply(b) if !writing => {
@@ -458,9 +469,9 @@ impl Link {
     fn connect(
         &mut self,
         now: Instant,
-        pending: Option<Bytes>,
-        out: &mut Vec<LinkAction>,
-    ) -> State {
+        pending: Option<M>,
+        out: &mut Vec<LinkAction<M>>,
+    ) -> State<M> {
         if pending.is_none() && !self.down {
             return State::Idle;
         }
@@ -478,10 +489,10 @@ impl Link {
     fn connect_failed(
         &mut self,
         now: Instant,
-        pending: Option<Bytes>,
-        unanswered: Vec<Bytes>,
-        out: &mut Vec<LinkAction>,
-    ) -> State {
+        pending: Option<M>,
+        unanswered: Vec<M>,
+        out: &mut Vec<LinkAction<M>>,
+    ) -> State<M> {
         out.push(LinkAction::MarkDown);
         out.extend(unanswered.into_iter().map(LinkAction::Redispatch));
         out.extend(pending.map(LinkAction::Redispatch));
@@ -497,10 +508,10 @@ impl Link {
     fn connection_failed(
         &mut self,
         now: Instant,
-        c: Conn,
-        request: Option<Bytes>,
-        out: &mut Vec<LinkAction>,
-    ) -> State {
+        c: Conn<M>,
+        request: Option<M>,
+        out: &mut Vec<LinkAction<M>>,
+    ) -> State<M> {
         out.push(LinkAction::Disconnect);
         // Closed before answering anything: what it was given goes elsewhere.
         let unanswered = if c.heard { Vec::new() } else { c.unanswered };
@@ -517,8 +528,8 @@ impl Link {
     /// Take the retirement in, in `state`: the queue (and what was about to be sent) goes
     /// back to the current core; a connection between writes drains, one cut in the middle
     /// of a write closes at once.
-    fn retire(&mut self, now: Instant, state: State, out: &mut Vec<LinkAction>) -> State {
-        let hand_back = |pending: Option<Bytes>, out: &mut Vec<LinkAction>| {
+    fn retire(&mut self, now: Instant, state: State<M>, out: &mut Vec<LinkAction<M>>) -> State<M> {
+        let hand_back = |pending: Option<M>, out: &mut Vec<LinkAction<M>>| {
             out.push(LinkAction::CloseQueue);
             out.extend(pending.map(LinkAction::Redispatch));
             out.push(LinkAction::RedispatchQueue);
@@ -564,7 +575,7 @@ impl Link {
         }
     }
 
-    fn end_drain(&mut self, out: &mut Vec<LinkAction>) -> State {
+    fn end_drain(&mut self, out: &mut Vec<LinkAction<M>>) -> State<M> {
         out.push(LinkAction::EndDrain);
         out.push(LinkAction::Close);
         State::Closed
@@ -577,10 +588,10 @@ impl Link {
     fn held(&self) -> Option<&Bytes> {
         match &self.state {
             State::Connecting { pending, .. } => pending.as_ref(),
-            State::Connected(Conn {
-                writing: Some(Writing::Request(b)),
-                ..
-            }) => Some(b),
+            State::Connected(c) => match &c.writing {
+                Some(Writing::Request(b)) => Some(b),
+                _ => None,
+            },
             _ => None,
         }
     }

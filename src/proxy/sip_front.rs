@@ -298,6 +298,16 @@ pub(crate) fn is_captured(action: &crate::core::sip::Action) -> bool {
     !matches!(action, crate::core::sip::Action::Drop(r) if *r != crate::core::sip::DropReason::Absorbed)
 }
 
+/// The Call-ID a data path hands the capture of a message the core decided on, of what it
+/// forwards of it and of fulcrum's answer to it: the one the core's scan read (RFC 3261
+/// §16.6, §8.2.6.2: they all carry it), else a search.
+pub(crate) fn handed(scanned: crate::core::sip::Scanned<'_>) -> CallId<'_> {
+    match scanned {
+        crate::core::sip::Scanned::CallId(c) => CallId::Is(c),
+        crate::core::sip::Scanned::No => CallId::Find,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -365,6 +375,208 @@ mod tests {
         assert!(needs_arrivals(&[a("0.0.0.0:5060")]));
         assert!(needs_arrivals(&[a("10.0.0.1:5060"), a("10.0.0.2:5060")]));
         assert!(!needs_arrivals(&[a("10.0.0.1:5060")]));
+    }
+
+    /// A sip-udp core on 192.0.2.1:5060 (the fixtures' proxy Via: their responses are
+    /// fulcrum's) over services a and b, failover on (the default).
+    fn fixture_core() -> crate::core::sip::SipCore {
+        use crate::core::sip::{SipCore, SipParams};
+        let y = "services:\n  - { name: a, address: 127.0.0.1:5071, protocol: sip-udp }\n  - { name: b, address: 127.0.0.1:5072, protocol: sip-udp }\nvservers:\n  - { name: v, protocol: sip-udp, bind: 127.0.0.1:5060, services: [a, b] }\n";
+        let cfg = crate::config::from_str("t", y).expect("config");
+        let v = &cfg.vservers[0];
+        let local = crate::sip::Local::from_addr(a("192.0.2.1:5060"), crate::sip::Transport::Udp);
+        let balancer = Arc::new(crate::balancer::Balancer::new(&cfg, v));
+        SipCore::new(SipParams::of(&cfg, v, local, balancer))
+            .with_failover(v.failover.clone(), Arc::default())
+    }
+
+    /// What the capture is handed for a message and what its decision sends equals what
+    /// `call_id_of` finds in each: the message, the bytes its action sends (forwarded, or
+    /// fulcrum's answer), and the held request's sends the core says carry it. `what`
+    /// names the case in a failure.
+    fn check_handed(
+        what: &str,
+        buf: &[u8],
+        d: crate::core::sip::Decision<'_>,
+        out: &[u8],
+        sends: &[crate::core::sip::stateful::Send],
+    ) -> usize {
+        use crate::capture::call_id_of;
+        use crate::core::sip::{Action, stateful::Carries};
+        let CallId::Is(handed) = handed(d.call_id) else {
+            return 0;
+        };
+        assert_eq!(handed, call_id_of(buf), "{what}: received");
+        let mut checked = 1;
+        if matches!(
+            d.action,
+            Action::ToMember(_) | Action::ToAddr(_) | Action::Reply(_)
+        ) {
+            assert_eq!(handed, call_id_of(out), "{what}: {:?}", d.action);
+            checked += 1;
+        }
+        for s in sends.iter().filter(|s| s.call_id == Carries::Handled) {
+            assert_eq!(handed, call_id_of(&s.bytes), "{what}: {s:?}");
+            checked += 1;
+        }
+        checked
+    }
+
+    /// Every fixture, as a client's datagram: the Call-ID the core hands on is what a search
+    /// finds, in what it received and in everything it sends of it or for it.
+    #[test]
+    fn the_handed_call_id_is_the_one_found_in_every_fixture() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/sip");
+        let mut files: Vec<_> = ["", "rfc4475"]
+            .iter()
+            .flat_map(|sub| std::fs::read_dir(dir.join(sub)).expect("fixtures"))
+            .map(|e| e.expect("entry").path())
+            .filter(|p| p.extension().is_some_and(|x| x == "sip"))
+            .collect();
+        files.sort();
+        assert!(files.len() > 60, "{}", files.len());
+        let mut checked = 0;
+        for f in &files {
+            let buf = std::fs::read(f).expect("fixture");
+            let c = fixture_core();
+            let (mut out, mut sends) = (Vec::new(), Vec::new());
+            let d = c.decide_datagram_stateful(
+                &buf,
+                a("198.51.100.7:40000"),
+                a("192.0.2.1:5060"),
+                0,
+                &mut out,
+                &mut sends,
+            );
+            checked += check_handed(&f.display().to_string(), &buf, d, &out, &sends);
+        }
+        assert!(checked > 100, "{checked}");
+    }
+
+    /// The Via lines of a message, each with its CRLF.
+    fn vias_of(msg: &str) -> String {
+        msg.lines()
+            .filter(|l| l.starts_with("Via:"))
+            .map(|l| format!("{l}\r\n"))
+            .collect()
+    }
+
+    /// A held INVITE's own messages: its 100 Trying, the ACK of a failed attempt's 503 and
+    /// the next attempt, the 200 to the client's CANCEL and the CANCEL sent on; each carries
+    /// the Call-ID the core hands on.
+    #[test]
+    fn a_held_requests_own_messages_carry_the_handed_call_id() {
+        use crate::core::sip::{Action, Origin, stateful::Carries};
+        let c = fixture_core();
+        let client = a("198.51.100.7:40000");
+        let us = a("192.0.2.1:5060");
+        let invite = "INVITE sip:bob@biloxi.example.com SIP/2.0\r\nVia: SIP/2.0/UDP 198.51.100.7:40000;branch=z9hG4bKheld1;rport\r\nMax-Forwards: 70\r\nFrom: <sip:alice@atlanta.example.com>;tag=f1\r\nTo: <sip:bob@biloxi.example.com>\r\nCall-ID: held-1@atlanta\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n";
+        let (mut out, mut sends) = (Vec::new(), Vec::new());
+        let d = c.decide_datagram_stateful(invite.as_bytes(), client, us, 0, &mut out, &mut sends);
+        let Action::ToMember(m) = d.action else {
+            panic!("{d:?}")
+        };
+        assert_eq!(sends.len(), 1, "the 100 Trying: {sends:?}");
+        assert_eq!(sends[0].call_id, Carries::Handled);
+        check_handed("invite", invite.as_bytes(), d, &out, &sends);
+        // The attempt's service answers 503: ACKed, and the INVITE goes to the other one.
+        let vias = vias_of(std::str::from_utf8(&out).expect("text"));
+        let busy = format!(
+            "SIP/2.0 503 Service Unavailable\r\n{vias}From: <sip:alice@atlanta.example.com>;tag=f1\r\nTo: <sip:bob@biloxi.example.com>;tag=s1\r\nCall-ID: held-1@atlanta\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n"
+        );
+        let member = c.member_addr(m).expect("member");
+        sends.clear();
+        let d = c.decide_stateful(
+            busy.as_bytes(),
+            Origin::Member(m),
+            member,
+            us,
+            1,
+            &mut out,
+            &mut sends,
+        );
+        assert!(
+            sends.len() >= 2 && sends.iter().all(|s| s.call_id == Carries::Handled),
+            "{sends:?}"
+        );
+        check_handed("503", busy.as_bytes(), d, &out, &sends);
+        // The next attempt rings (a CANCEL waits for a provisional answer, RFC 3261 §9.1).
+        let next = sends
+            .iter()
+            .find(|s| s.bytes.starts_with(b"INVITE"))
+            .expect("the next attempt");
+        let crate::core::sip::stateful::Dest::Service(other) = next.dest else {
+            panic!("{next:?}")
+        };
+        let vias = vias_of(std::str::from_utf8(&next.bytes).expect("text"));
+        let ringing = busy
+            .replacen("503 Service Unavailable", "180 Ringing", 1)
+            .replace(&vias_of(&busy), &vias);
+        let m2 = c.member_of(other).expect("the other member");
+        sends.clear();
+        let d = c.decide_stateful(
+            ringing.as_bytes(),
+            Origin::Member(m2),
+            other,
+            us,
+            2,
+            &mut out,
+            &mut sends,
+        );
+        assert!(matches!(d.action, Action::ToAddr(_)), "{d:?}");
+        check_handed("180", ringing.as_bytes(), d, &out, &sends);
+        // The client's CANCEL: fulcrum's 200, and a CANCEL toward the new attempt.
+        let cancel = invite
+            .replacen("INVITE sip:", "CANCEL sip:", 1)
+            .replace("CSeq: 1 INVITE", "CSeq: 1 CANCEL");
+        sends.clear();
+        let d = c.decide_datagram_stateful(cancel.as_bytes(), client, us, 3, &mut out, &mut sends);
+        assert!(
+            sends.len() >= 2 && sends.iter().all(|s| s.call_id == Carries::Handled),
+            "{sends:?}"
+        );
+        check_handed("cancel", cancel.as_bytes(), d, &out, &sends);
+        // Another INVITE, ringing, CANCELed by a message that reuses its branch with another
+        // Call-ID: the CANCEL sent on for the held INVITE is not said to carry the CANCEL's.
+        let second = invite
+            .replace("z9hG4bKheld1", "z9hG4bKheld2")
+            .replace("held-1@atlanta", "held-2@atlanta");
+        sends.clear();
+        let d = c.decide_datagram_stateful(second.as_bytes(), client, us, 4, &mut out, &mut sends);
+        let Action::ToMember(m) = d.action else {
+            panic!("{d:?}")
+        };
+        let ringing = format!(
+            "SIP/2.0 180 Ringing\r\n{}From: <sip:alice@atlanta.example.com>;tag=f1\r\nTo: <sip:bob@biloxi.example.com>;tag=s2\r\nCall-ID: held-2@atlanta\r\nCSeq: 1 INVITE\r\nContent-Length: 0\r\n\r\n",
+            vias_of(std::str::from_utf8(&out).expect("text"))
+        );
+        let member = c.member_addr(m).expect("member");
+        let origin = Origin::Member(m);
+        c.decide_stateful(
+            ringing.as_bytes(),
+            origin,
+            member,
+            us,
+            5,
+            &mut out,
+            &mut sends,
+        );
+        let forged = second
+            .replacen("INVITE sip:", "CANCEL sip:", 1)
+            .replace("CSeq: 1 INVITE", "CSeq: 1 CANCEL")
+            .replace("held-2@atlanta", "other@elsewhere");
+        sends.clear();
+        let d = c.decide_datagram_stateful(forged.as_bytes(), client, us, 6, &mut out, &mut sends);
+        check_handed("forged cancel", forged.as_bytes(), d, &out, &sends);
+        let on = sends
+            .iter()
+            .find(|s| s.bytes.starts_with(b"CANCEL"))
+            .expect("the CANCEL sent on");
+        assert_eq!(on.call_id, Carries::Unknown);
+        assert_eq!(
+            crate::capture::call_id_of(&on.bytes),
+            Some(&b"held-2@atlanta"[..])
+        );
     }
 
     #[test]

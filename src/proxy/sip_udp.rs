@@ -33,7 +33,7 @@ use crate::proxy::reconfig::{
 };
 use crate::proxy::shutdown::Shutdown;
 use crate::proxy::sip_front::Senders;
-use crate::proxy::sip_front::{Fronts, needs_arrivals};
+use crate::proxy::sip_front::{Fronts, handed, needs_arrivals};
 use crate::proxy::sip_stream::{Install, SipStreamShared};
 use crate::sip::Transport;
 use crate::stats::{LogLimiter, bump};
@@ -132,11 +132,14 @@ pub(crate) fn run_worker<B: Bridge>(
         // Until the end of this iteration, after the sends (dropped after `core`).
         let _in = reader.enter();
         let core = cell.load();
-        let action = core.handle_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
-        // Found once for the message and what is forwarded of it (the same Call-ID, RFC 3261
-        // §16.6), when it will be captured.
+        let decision =
+            core.decide_datagram_stateful(&buf[..n], src, dst, now, &mut out, &mut sends);
+        let action = decision.action;
+        // The Call-ID the core's scan read, for the capture of the message, of what is
+        // forwarded of it and of fulcrum's answer to it (the same Call-ID, RFC 3261 §16.6,
+        // §8.2.6.2), when it will be captured: never searched on the way.
         let call_id = match at {
-            Some(at) if at.is_taken() => CallId::Is(crate::capture::call_id_of(&buf[..n])),
+            Some(at) if at.is_taken() => handed(decision.call_id),
             _ => CallId::Find,
         };
         // Captured as received unless dropped; before its sends, so the collector sees them
@@ -149,19 +152,20 @@ pub(crate) fn run_worker<B: Bridge>(
         }
         // A held request's own sends first: an INVITE's 100 (Trying) must reach the client
         // before the service's answers, which another worker may relay at once.
-        send_all(&out_socks, &core, &bridge, &mut sends, &send_log, now);
-        let (to, call_id) = match action {
-            Action::ToMember(m) => (bridge.to_member(&core, m, &out).map(|a| (true, a)), call_id),
-            Action::ToAddr(a) => (bridge.to_addr(&core, a, &out).map(|a| (false, a)), call_id),
-            // fulcrum's own answer: found in it.
-            Action::Reply(a) => (Some((false, a)), CallId::Find),
+        send_all(
+            &out_socks, &core, &bridge, &mut sends, call_id, &send_log, now,
+        );
+        let to = match action {
+            Action::ToMember(m) => bridge.to_member(&core, m, &out, call_id).map(|a| (true, a)),
+            Action::ToAddr(a) => bridge.to_addr(&core, a, &out, call_id).map(|a| (false, a)),
+            Action::Reply(a) => Some((false, a)),
             // Connection ids exist only on streams.
-            Action::ToConn(_) | Action::ToFlow(_) => (None, call_id),
+            Action::ToConn(_) | Action::ToFlow(_) => None,
             Action::Drop(reason) => {
                 if drop_log.allow(now) {
                     tracing::debug!(vserver = %core.name, %src, ?reason, "datagram dropped");
                 }
-                (None, call_id)
+                None
             }
         };
         if let Some((to_service, to)) = to
@@ -181,32 +185,42 @@ pub(crate) fn run_worker<B: Bridge>(
 
 /// Send what held requests asked for (100 Trying, retransmissions, the next attempt, ACK,
 /// CANCEL): datagrams to clients and sip-udp members, and to a stream member over its link;
-/// a failed send is counted like any other.
+/// a failed send is counted like any other. `handled`: the Call-ID of the message whose
+/// handling made them, for the capture of those the core says carry it.
 fn send_all<B: Bridge>(
     socks: &Senders,
     core: &Arc<SipCore>,
     bridge: &B,
     sends: &mut Vec<crate::core::sip::stateful::Send>,
+    handled: CallId<'_>,
     log: &LogLimiter,
     now: crate::stats::Nanos,
 ) {
-    use crate::core::sip::stateful::Dest;
-    for (dest, bytes) in sends.drain(..) {
+    use crate::core::sip::stateful::{Carries, Dest, Send};
+    for Send {
+        dest,
+        bytes,
+        call_id,
+    } in sends.drain(..)
+    {
+        let call_id = match call_id {
+            Carries::Handled => handled,
+            Carries::Unknown => CallId::Find,
+        };
         let (to_service, to) = match dest {
             Dest::Addr(a) => (false, a),
             Dest::Service(a) => (true, a),
-            Dest::Member(m) => match bridge.to_member(core, m, &bytes) {
+            Dest::Member(m) => match bridge.to_member(core, m, &bytes, call_id) {
                 Some(a) => (true, a),
                 None => continue,
             },
             // Connection ids exist only on streams.
             Dest::Conn(_) => continue,
         };
-        // A held transaction's own message: its Call-ID found in it.
         let sent = if to_service {
-            socks.to_service(&bytes, to, CallId::Find)
+            socks.to_service(&bytes, to, call_id)
         } else {
-            socks.to_client(&bytes, to, false, CallId::Find)
+            socks.to_client(&bytes, to, false, call_id)
         };
         if let Err(e) = sent {
             bump(&core.counters.send_errors);
@@ -246,7 +260,8 @@ fn start_transaction_timers(
                     let _in = reader.enter();
                     let core = cell.load();
                     let next = core.poll_transactions(now, &mut sends);
-                    send_all(&socks, &core, &(), &mut sends, &log, now);
+                    // No message was handled: each one's Call-ID is found in it.
+                    send_all(&socks, &core, &(), &mut sends, CallId::Find, &log, now);
                     next
                 };
                 let wait = next.map_or(POLL, |t| {
@@ -262,33 +277,70 @@ fn start_transaction_timers(
 }
 
 /// Where a worker's datagram for a member, or for an address, goes: over its own socket (the
-/// address returned) or, for a stream member, over that member's link (`None`).
+/// address returned) or, for a stream member, over that member's link (`None`), its Call-ID
+/// (`call_id`) going along for the capture of its write.
 pub(crate) trait Bridge: Send + 'static {
-    fn to_member(&self, core: &Arc<SipCore>, m: usize, out: &[u8]) -> Option<SocketAddr>;
-    fn to_addr(&self, core: &Arc<SipCore>, a: SocketAddr, out: &[u8]) -> Option<SocketAddr>;
+    fn to_member(
+        &self,
+        core: &Arc<SipCore>,
+        m: usize,
+        out: &[u8],
+        call_id: CallId<'_>,
+    ) -> Option<SocketAddr>;
+    fn to_addr(
+        &self,
+        core: &Arc<SipCore>,
+        a: SocketAddr,
+        out: &[u8],
+        call_id: CallId<'_>,
+    ) -> Option<SocketAddr>;
 }
 
 /// No stream member: every datagram goes over the socket.
 impl Bridge for () {
     #[inline(always)]
-    fn to_member(&self, core: &Arc<SipCore>, m: usize, _: &[u8]) -> Option<SocketAddr> {
+    fn to_member(
+        &self,
+        core: &Arc<SipCore>,
+        m: usize,
+        _: &[u8],
+        _: CallId<'_>,
+    ) -> Option<SocketAddr> {
         core.member_addr(m)
     }
 
     #[inline(always)]
-    fn to_addr(&self, _: &Arc<SipCore>, a: SocketAddr, _: &[u8]) -> Option<SocketAddr> {
+    fn to_addr(
+        &self,
+        _: &Arc<SipCore>,
+        a: SocketAddr,
+        _: &[u8],
+        _: CallId<'_>,
+    ) -> Option<SocketAddr> {
         Some(a)
     }
 }
 
 /// The links of the stream members ([`SipStreamShared::carry_datagram`]).
 impl Bridge for Arc<SipStreamShared> {
-    fn to_member(&self, core: &Arc<SipCore>, m: usize, out: &[u8]) -> Option<SocketAddr> {
-        self.carry_datagram(core, Action::ToMember(m), out)
+    fn to_member(
+        &self,
+        core: &Arc<SipCore>,
+        m: usize,
+        out: &[u8],
+        call_id: CallId<'_>,
+    ) -> Option<SocketAddr> {
+        self.carry_datagram(core, Action::ToMember(m), out, call_id)
     }
 
-    fn to_addr(&self, core: &Arc<SipCore>, a: SocketAddr, out: &[u8]) -> Option<SocketAddr> {
-        self.carry_datagram(core, Action::ToAddr(a), out)
+    fn to_addr(
+        &self,
+        core: &Arc<SipCore>,
+        a: SocketAddr,
+        out: &[u8],
+        call_id: CallId<'_>,
+    ) -> Option<SocketAddr> {
+        self.carry_datagram(core, Action::ToAddr(a), out, call_id)
     }
 }
 

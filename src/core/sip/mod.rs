@@ -85,6 +85,27 @@ pub enum Action {
     Drop(DropReason),
 }
 
+/// A decision ([`Action`]) and what the core's scan read of the message's Call-ID, for a
+/// shell that captures the message and what it sends of it (docs/capture.md) and would
+/// otherwise search the Call-ID again in each.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decision<'a> {
+    pub action: Action,
+    pub call_id: Scanned<'a>,
+}
+
+/// The Call-ID of a message the core decided on, as its scan read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scanned<'a> {
+    /// The message was not scanned (refused by the access lists), or only leniently to be
+    /// answered: nothing is vouched for.
+    No,
+    /// The message's Call-ID (`None`: it has none). The bytes its decision left in `out`
+    /// carry the same: forwarded, the Call-ID is copied (RFC 3261 §16.6 step 1, §16.7 step
+    /// 9); fulcrum's own answer copies the request's (§8.2.6.2).
+    CallId(Option<&'a [u8]>),
+}
+
 /// Counters of one sip-udp vserver (all workers).
 #[derive(Debug, Default)]
 pub struct SipCounters {
@@ -494,8 +515,20 @@ impl SipCore {
         now: Nanos,
         out: &mut Vec<u8>,
     ) -> Action {
+        self.decide_datagram(buf, src, dst, now, out).action
+    }
+
+    /// [`SipCore::handle_datagram`], with the Call-ID its scan read.
+    pub fn decide_datagram<'a>(
+        &self,
+        buf: &'a [u8],
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Decision<'a> {
         let origin = self.datagram_origin(src);
-        self.handle(buf, origin, src, dst, now, out)
+        self.decide(buf, origin, src, dst, now, out)
     }
 
     /// Who sent a datagram from `src`: a member reached over UDP, or a client (a datagram from
@@ -520,15 +553,35 @@ impl SipCore {
         now: Nanos,
         out: &mut Vec<u8>,
     ) -> Action {
+        self.decide(buf, origin, src, dst, now, out).action
+    }
+
+    /// [`SipCore::handle`], with the Call-ID its scan read.
+    pub fn decide<'a>(
+        &self,
+        buf: &'a [u8],
+        origin: Origin,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+    ) -> Decision<'a> {
         out.clear();
+        let not_scanned = |action| Decision {
+            action,
+            call_id: Scanned::No,
+        };
         if self.refused_by_acl(origin, src) {
-            return Action::Drop(DropReason::Acl);
+            return not_scanned(Action::Drop(DropReason::Acl));
         }
         let msg = match sip::scan(buf) {
             Ok(m) => m,
-            Err(e) => return self.unscannable(buf, e, origin, src, out),
+            Err(e) => return not_scanned(self.unscannable(buf, e, origin, src, out)),
         };
-        self.handle_scanned(&msg, origin, src, dst, now, out)
+        Decision {
+            action: self.handle_scanned(&msg, origin, src, dst, now, out),
+            call_id: Scanned::CallId(msg.call_id()),
+        }
     }
 
     /// The access lists, before anything is parsed; a service's traffic is never checked.

@@ -316,7 +316,7 @@ fn send_held(
         out,
         &mut sends,
     );
-    (a, sends.into_iter().map(|(_, b)| b).collect())
+    (a, sends.into_iter().map(|s| s.bytes).collect())
 }
 
 #[test]

@@ -28,7 +28,29 @@ pub enum Dest {
 }
 
 /// A message the shell sends on the core's behalf, besides the one its action names.
-pub type Send = (Dest, Bytes);
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Send {
+    pub dest: Dest,
+    pub bytes: Bytes,
+    /// Whose Call-ID it carries, as far as the core knows without a look.
+    pub call_id: Carries,
+}
+
+/// Whose Call-ID a [`Send`] carries: what a shell that captures it may hand the capture
+/// instead of a search (docs/capture.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Carries {
+    /// The Call-ID of the message whose handling made it ([`Decision::call_id`]; for
+    /// [`SipCore::attempt_unsent`], of the attempt it was given): fulcrum built it from that
+    /// message (its 100 Trying, its 200 to a CANCEL, RFC 3261 §8.2.6.2), or from the held
+    /// request that message belongs to, whose Call-ID the core found to be the same (an
+    /// attempt, the ACK of a non-2xx final, a CANCEL: §16.6, §17.1.1.3, §9.1).
+    Handled,
+    /// Not known without a look: sent by the transaction timer (no message was handled), an
+    /// answer to the client that may be a service's relayed, or a held request's message
+    /// while handling one with another Call-ID.
+    Unknown,
+}
 
 /// Counters of the failover table.
 #[derive(Debug, Default)]
@@ -57,6 +79,8 @@ struct Held {
     dst: SocketAddr,
     /// Where the client's responses go: its Via (RFC 3581 aware), or its connection.
     client: Dest,
+    /// Where its Call-ID is in `request` (`None`: it has none).
+    call_id: Option<sip::Span>,
     /// What the entry weighs against `max_pending_bytes` (as last counted).
     weight: usize,
     /// The deadline queued for it in the timer heap (`Nanos::MAX`: none): a later one is not
@@ -67,6 +91,12 @@ struct Held {
 impl Held {
     fn weigh(&self) -> usize {
         self.request.len() + self.tx.weight() + std::mem::size_of::<Held>() + ENTRY_OVERHEAD
+    }
+
+    /// Whether the held request's Call-ID is `msg`'s (a handled message's).
+    fn has_call_id_of(&self, msg: &SipMsg<'_>) -> bool {
+        let call_id = msg.call_id();
+        call_id.is_some() && self.call_id.map(|s| s.of(&self.request)) == call_id
     }
 }
 
@@ -343,12 +373,26 @@ impl SipCore {
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
     ) -> Action {
+        self.decide_datagram_stateful(buf, src, dst, now, out, sends)
+            .action
+    }
+
+    /// [`SipCore::handle_datagram_stateful`], with the Call-ID its scan read.
+    pub fn decide_datagram_stateful<'a>(
+        &self,
+        buf: &'a [u8],
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+        sends: &mut Vec<Send>,
+    ) -> Decision<'a> {
         // With failover off (a reload may turn it off) the requests still held finish.
         if !self.fails_over() && self.transactions.is_empty() {
-            return self.handle_datagram(buf, src, dst, now, out);
+            return self.decide_datagram(buf, src, dst, now, out);
         }
         let origin = self.datagram_origin(src);
-        self.handle_stateful(buf, origin, src, dst, now, out, sends)
+        self.decide_stateful(buf, origin, src, dst, now, out, sends)
     }
 
     /// A message handled as [`SipCore::handle`] does, with failover (streams: `origin` says
@@ -364,47 +408,87 @@ impl SipCore {
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
     ) -> Action {
+        self.decide_stateful(buf, origin, src, dst, now, out, sends)
+            .action
+    }
+
+    /// [`SipCore::handle_stateful`], with the Call-ID its scan read.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide_stateful<'a>(
+        &self,
+        buf: &'a [u8],
+        origin: Origin,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+        sends: &mut Vec<Send>,
+    ) -> Decision<'a> {
         // With failover off (a reload may turn it off) the requests still held finish: their
         // retransmissions, CANCELs, ACKs and answers still find them; nothing new is held.
         if !self.fails_over() && self.transactions.is_empty() {
-            return self.handle(buf, origin, src, dst, now, out);
+            return self.decide(buf, origin, src, dst, now, out);
         }
         if self.refused_by_acl(origin, src) {
             out.clear();
-            return Action::Drop(DropReason::Acl);
+            return Decision {
+                action: Action::Drop(DropReason::Acl),
+                call_id: Scanned::No,
+            };
         }
         // Scanned once: what is not held is decided from the same scan.
         let Ok(msg) = sip::scan(buf) else {
-            return self.handle(buf, origin, src, dst, now, out);
+            return self.decide(buf, origin, src, dst, now, out);
         };
+        Decision {
+            action: self.held_or_handled(&msg, buf, origin, src, dst, now, out, sends),
+            call_id: Scanned::CallId(msg.call_id()),
+        }
+    }
+
+    /// [`SipCore::decide_stateful`]'s decision on a message scanned as `msg`: by the held
+    /// request it belongs to, else as [`SipCore::handle`] decides (and held when it is one
+    /// that fails over).
+    #[allow(clippy::too_many_arguments)]
+    fn held_or_handled(
+        &self,
+        msg: &SipMsg<'_>,
+        buf: &[u8],
+        origin: Origin,
+        src: SocketAddr,
+        dst: SocketAddr,
+        now: Nanos,
+        out: &mut Vec<u8>,
+        sends: &mut Vec<Send>,
+    ) -> Action {
         match origin {
             Origin::Client { conn } if msg.is_request() => {
                 let client = match conn {
                     Some(id) => Dest::Conn(id),
-                    None => Dest::Addr(reply_target(&msg, src)),
+                    None => Dest::Addr(reply_target(msg, src)),
                 };
                 // The branch fulcrum gives the request: the key of its transaction, which a
                 // retransmission, the CANCEL and the non-2xx ACK share.
-                let key = sip::transaction_key(&msg, &self.local);
+                let key = sip::transaction_key(msg, &self.local);
                 if let Some(key) = key
-                    && let Some(action) = self.held_request(&msg, key, client, src, now, out, sends)
+                    && let Some(action) = self.held_request(msg, key, client, src, now, out, sends)
                 {
                     return action;
                 }
                 // An RFC 2543 client's ACK of a non-2xx final: the INVITE's key has no To
                 // tag, and the ACK's To tag must be the final's (RFC 3261 §17.2.3).
                 if msg.method_kind() == SipMethod::Ack
-                    && let Some(k) = sip::rfc2543_invite_key(&msg, &self.local)
+                    && let Some(k) = sip::rfc2543_invite_key(msg, &self.local)
                     && self.final_to_tag_is(k, msg.to_tag())
-                    && let Some(action) = self.held_request(&msg, k, client, src, now, out, sends)
+                    && let Some(action) = self.held_request(msg, k, client, src, now, out, sends)
                 {
                     return action;
                 }
-                let action = self.handle_scanned(&msg, origin, src, dst, now, out);
+                let action = self.handle_scanned(msg, origin, src, dst, now, out);
                 if let (Action::ToMember(m), Some(key)) = (action, key)
-                    && let Some(failover) = self.failover_of(&msg, src, dst)
+                    && let Some(failover) = self.failover_of(msg, src, dst)
                 {
-                    self.hold(failover, &msg, key, m, client, src, dst, now, out, sends);
+                    self.hold(failover, msg, key, m, client, src, dst, now, out, sends);
                 }
                 action
             }
@@ -412,13 +496,12 @@ impl SipCore {
                 // As `handle` tells them apart: on datagrams a response from a member's host
                 // is a service's (RFC 3261 §18.2.2).
                 let from_member = matches!(origin, Origin::Member(_)) || self.is_member_ip(src);
-                if from_member && let Some(action) = self.held_response(&msg, buf, now, out, sends)
-                {
+                if from_member && let Some(action) = self.held_response(msg, buf, now, out, sends) {
                     return action;
                 }
-                self.handle_scanned(&msg, origin, src, dst, now, out)
+                self.handle_scanned(msg, origin, src, dst, now, out)
             }
-            _ => self.handle_scanned(&msg, origin, src, dst, now, out),
+            _ => self.handle_scanned(msg, origin, src, dst, now, out),
         }
     }
 
@@ -454,7 +537,7 @@ impl SipCore {
             SipMethod::Ack => Event::Ack,
             _ => Event::Retransmission,
         };
-        let (client, acts) = self.drive(key, now, |held| {
+        let (client, acts, same) = self.drive(key, now, Some(msg), |held| {
             // A CANCEL or ACK matches the INVITE it names; another method is another
             // request. And it comes from the same client (over a stream, the same
             // connection: a request on another one that reuses a branch is another
@@ -486,25 +569,32 @@ impl SipCore {
                         Dest::Addr(_) => Dest::Addr(to),
                         other => other,
                     };
-                    sends.push((dest, Bytes::copy_from_slice(out)));
+                    sends.push(Send {
+                        dest,
+                        bytes: Bytes::copy_from_slice(out),
+                        call_id: Carries::Handled,
+                    });
                 }
                 // Not answerable (malformed): dropped and counted as `reply` says.
                 other => action = other,
             }
         }
-        self.carry(now, client, &acts, None, out, sends);
+        self.carry(now, client, &acts, None, out, sends, same);
         bump(&self.transactions.counters.absorbed);
         Some(action)
     }
 
     /// Feed the held request `key` the event `admit` gives for it (none: the message is not
-    /// its), then re-arm its timer: where its client is, and what it asks for.
+    /// its), then re-arm its timer: where its client is, what it asks for, and whether what
+    /// it sends its services carries the Call-ID of `handled`, the message being handled
+    /// ([`Carries`]; looked at only when it sends them something).
     fn drive<'e>(
         &self,
         key: u64,
         now: Nanos,
+        handled: Option<&SipMsg<'_>>,
         admit: impl FnOnce(&Held) -> Option<Event<'e>>,
-    ) -> Option<(Dest, Vec<TxAction>)> {
+    ) -> Option<(Dest, Vec<TxAction>, Carries)> {
         let mut entry = self.transactions.held.get_mut(&key)?;
         let event = admit(&entry)?;
         let Held {
@@ -527,11 +617,19 @@ impl SipCore {
         let mut acts = Vec::new();
         tx.handle(now, event, &hops, &mut acts);
         let (client, next) = (*client, tx.poll_timeout());
+        let same = if let Some(msg) = handled
+            && acts.iter().any(|a| matches!(a, TxAction::ToMember(..)))
+            && entry.has_call_id_of(msg)
+        {
+            Carries::Handled
+        } else {
+            Carries::Unknown
+        };
         self.transactions.reweigh(&mut entry);
         let queue = Transactions::due(&mut entry, next);
         drop(entry);
         self.transactions.arm(key, queue);
-        Some((client, acts))
+        Some((client, acts, same))
     }
 
     /// Hold a request just forwarded to member `m` (its bytes in `out`), when it is one that
@@ -601,6 +699,7 @@ impl SipCore {
                 let mut held = Held {
                     tx,
                     request,
+                    call_id: msg.call_id_index().map(|i| i.value),
                     method: msg.method_kind(),
                     src,
                     dst,
@@ -621,7 +720,21 @@ impl SipCore {
         bump(&self.transactions.counters.started);
         self.transactions.arm(key, next);
         let mut unused = Vec::new();
-        self.carry(now, client, &acts, None, &mut unused, sends);
+        let first = sends.len();
+        self.carry(
+            now,
+            client,
+            &acts,
+            None,
+            &mut unused,
+            sends,
+            Carries::Handled,
+        );
+        // The request's own transaction: what it sends at its start (its 100 Trying) was
+        // built from this very request.
+        for s in &mut sends[first..] {
+            s.call_id = Carries::Handled;
+        }
     }
 
     /// A service's response to an attempt of a held request.
@@ -643,7 +756,7 @@ impl SipCore {
             // (RFC 3261 §9.1) but ends a transaction of fulcrum's own, not the INVITE's, and
             // the client's CANCEL was answered already (§16.10). Absorbed (its retransmissions
             // stop); the INVITE's own final answer (487) follows.
-            self.drive(key, now, |_| Some(Event::CancelAnswered { attempt }))?;
+            self.drive(key, now, None, |_| Some(Event::CancelAnswered { attempt }))?;
             bump(&self.counters.responses_in);
             bump(&self.transactions.counters.absorbed);
             out.clear();
@@ -662,9 +775,9 @@ impl SipCore {
             retry_after_s,
             bytes: buf,
         };
-        let (client, acts) = self.drive(key, now, |_| Some(event))?;
+        let (client, acts, same) = self.drive(key, now, Some(msg), |_| Some(event))?;
         bump(&self.counters.responses_in);
-        let relayed = self.carry(now, client, &acts, Some(msg), out, sends);
+        let relayed = self.carry(now, client, &acts, Some(msg), out, sends, same);
         if code >= 200
             && let Some(Action::ToAddr(_) | Action::ToConn(_)) = relayed
             && let Some(mut e) = self.transactions.held.get_mut(&key)
@@ -678,7 +791,10 @@ impl SipCore {
     }
 
     /// Carry out a held request's actions: datagrams into `sends`; a relay of the response
-    /// being handled (`response`) into `out`, returned as the action.
+    /// being handled (`response`) into `out`, returned as the action. `members`: whose
+    /// Call-ID what goes to its services carries (built from the held request, they carry
+    /// its Call-ID); what goes to the client may be a service's answer, of its own Call-ID.
+    #[allow(clippy::too_many_arguments)]
     fn carry(
         &self,
         now: Nanos,
@@ -687,7 +803,13 @@ impl SipCore {
         response: Option<&SipMsg<'_>>,
         out: &mut Vec<u8>,
         sends: &mut Vec<Send>,
+        members: Carries,
     ) -> Option<Action> {
+        let unknown = |dest, b: &Bytes| Send {
+            dest,
+            bytes: b.clone(),
+            call_id: Carries::Unknown,
+        };
         let mut action = None;
         for a in acts {
             match a {
@@ -699,10 +821,14 @@ impl SipCore {
                     {
                         self.track_answer(&msg, Answerer::Unknown, now);
                     }
-                    sends.push((client, b.clone()));
+                    sends.push(unknown(client, b));
                 }
-                TxAction::Resend(b) => sends.push((client, b.clone())),
-                TxAction::ToMember(addr, b) => sends.push((self.member_dest(*addr), b.clone())),
+                TxAction::Resend(b) => sends.push(unknown(client, b)),
+                TxAction::ToMember(addr, b) => sends.push(Send {
+                    dest: self.member_dest(*addr),
+                    bytes: b.clone(),
+                    call_id: members,
+                }),
                 TxAction::Relay => {
                     if let Some(msg) = response {
                         out.clear();
@@ -782,11 +908,13 @@ impl SipCore {
         else {
             return false;
         };
-        let Some((client, acts)) = self.drive(key, now, |_| Some(Event::Unsent { attempt })) else {
+        let Some((client, acts, same)) =
+            self.drive(key, now, Some(&msg), |_| Some(Event::Unsent { attempt }))
+        else {
             return false;
         };
         let mut unused = Vec::new();
-        self.carry(now, client, &acts, None, &mut unused, sends);
+        self.carry(now, client, &acts, None, &mut unused, sends, same);
         true
     }
 
@@ -819,11 +947,19 @@ impl SipCore {
             }
             // The machine does what is due (maybe nothing: its deadline may have moved
             // later) and the entry is queued again at its next deadline.
-            let Some((client, acts)) = self.drive(key, now, |_| Some(Event::Timer)) else {
+            let Some((client, acts, _)) = self.drive(key, now, None, |_| Some(Event::Timer)) else {
                 continue;
             };
             let mut unused = Vec::new();
-            self.carry(now, client, &acts, None, &mut unused, sends);
+            self.carry(
+                now,
+                client,
+                &acts,
+                None,
+                &mut unused,
+                sends,
+                Carries::Unknown,
+            );
         }
     }
 }

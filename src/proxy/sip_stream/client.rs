@@ -57,7 +57,8 @@ pub(super) async fn write_to_client<W: AsyncWrite + Unpin>(
 }
 
 /// A client connection's two ends, where its writer captures what it writes (docs/capture.md):
-/// the time is taken before the write, each message of a batch captured on its own.
+/// the time is taken before the write, each message of a batch captured on its own, with the
+/// Call-ID queued beside it when its queuer knew it.
 pub(super) struct Wire {
     pub(super) tap: crate::capture::Tap,
     pub(super) local: SocketAddr,
@@ -81,7 +82,7 @@ pub(super) enum WriterEnd {
 /// lower its queue's [`Level`] by what was written.
 pub(super) async fn write_messages<W: AsyncWrite + Unpin>(
     mut write: W,
-    mut rx: mpsc::UnboundedReceiver<Bytes>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
     level: Arc<Level>,
     wire: Option<Wire>,
 ) -> WriterEnd {
@@ -89,10 +90,10 @@ pub(super) async fn write_messages<W: AsyncWrite + Unpin>(
     while let Some(b) = rx.recv().await {
         let mut cost = outbox::cost(&b);
         let at = wire.as_ref().and_then(|w| w.tap.stamp());
-        let tap = |m: &[u8]| {
+        let tap = |m: &Outgoing| {
             if let (Some(w), Some(at)) = (&wire, at) {
-                w.tap
-                    .tap(at, crate::capture::Transport::Tcp, w.local, w.remote, m);
+                let leg = (crate::capture::Transport::Tcp, w.local, w.remote);
+                w.tap.tap_as(at, leg, &m.bytes, m.call_id.as_call_id());
             }
         };
         tap(&b);
@@ -133,7 +134,7 @@ pub(super) async fn write_messages<W: AsyncWrite + Unpin>(
 /// What a client's task owns besides its stream: its write queue's receiver and level, and
 /// its activity.
 pub(super) struct ClientOwn {
-    pub(super) rx: mpsc::UnboundedReceiver<Bytes>,
+    pub(super) rx: mpsc::UnboundedReceiver<Outgoing>,
     pub(super) level: Arc<Level>,
     pub(super) activity: Arc<crate::budget::Activity>,
 }
@@ -373,7 +374,7 @@ mod tests {
         let level = outbox.level();
         let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level), None));
         let msg = vec![b'x'; 16 * 1024];
-        assert_eq!(outbox.push(Bytes::from(msg.clone())), Push::Queued);
+        assert_eq!(outbox.push(Bytes::from(msg.clone()).into()), Push::Queued);
         let mut got = vec![0u8; msg.len()];
         let read = tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut got)).await;
         assert!(
@@ -395,7 +396,10 @@ mod tests {
         let level = outbox.level();
         let started = tokio::time::Instant::now();
         let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level), None));
-        assert_eq!(outbox.push(Bytes::from(vec![b'x'; 4096])), Push::Queued);
+        assert_eq!(
+            outbox.push(Bytes::from(vec![b'x'; 4096]).into()),
+            Push::Queued
+        );
         assert_eq!(writer.await.expect("writer"), WriterEnd::Stalled);
         assert_eq!(started.elapsed(), CLIENT_SEND_TIMEOUT);
         assert_eq!(level.queued(), outbox::cost(&[0; 4096]));
@@ -412,7 +416,7 @@ mod tests {
         let started = tokio::time::Instant::now();
         let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level), None));
         assert_eq!(
-            outbox.push(Bytes::from(vec![b'x'; 128 * 1024])),
+            outbox.push(Bytes::from(vec![b'x'; 128 * 1024]).into()),
             Push::Queued
         );
         assert_eq!(writer.await.expect("writer"), WriterEnd::Stalled);
@@ -428,7 +432,10 @@ mod tests {
         let level = outbox.level();
         let writer = tokio::spawn(write_messages(server, rx, Arc::clone(&level), None));
         let len = 64 * 1024;
-        assert_eq!(outbox.push(Bytes::from(vec![b'x'; len])), Push::Queued);
+        assert_eq!(
+            outbox.push(Bytes::from(vec![b'x'; len]).into()),
+            Push::Queued
+        );
         let mut got = 0;
         let mut chunk = [0u8; 1024];
         while got < len {
@@ -452,7 +459,7 @@ mod tests {
         let level = outbox.level();
         let writer = tokio::spawn(write_messages(write, rx, Arc::clone(&level), None));
         let msg: Vec<u8> = (0..128 * 1024).map(|i| (i % 251) as u8).collect();
-        assert_eq!(outbox.push(Bytes::from(msg.clone())), Push::Queued);
+        assert_eq!(outbox.push(Bytes::from(msg.clone()).into()), Push::Queued);
         let mut got = Vec::with_capacity(msg.len());
         let mut chunk = vec![0u8; 16 * 1024];
         while got.len() < msg.len() {

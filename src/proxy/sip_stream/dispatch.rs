@@ -3,7 +3,7 @@
 //! again, and fulcrum's 503 when none can take them. IO.
 
 use super::*;
-use crate::core::sip::stateful::{Dest, Send};
+use crate::core::sip::stateful::{Carries, Dest, Send};
 
 /// Where fulcrum's own answers to a message go (a reply it makes, a pong): back on the
 /// connection the message came on.
@@ -12,64 +12,86 @@ pub(super) enum ReplyTo<'a> {
     /// A client connection, through its outbox.
     Client(u64),
     /// A service link's connection.
-    Link(&'a mpsc::Sender<Bytes>),
+    Link(&'a mpsc::Sender<Outgoing>),
     /// Nowhere: the UDP leg sends its replies itself.
     Nowhere,
+}
+
+/// `send` with the Call-ID it carries for the capture of its write: `handled`, the Call-ID
+/// of the message whose handling made it, when the core says it carries that one.
+fn resolved(send: Send, handled: &CallIdBuf) -> (Dest, Outgoing) {
+    let call_id = match send.call_id {
+        Carries::Handled => handled.clone(),
+        Carries::Unknown => CallIdBuf::Find,
+    };
+    (send.dest, Outgoing::new(send.bytes, call_id))
 }
 
 impl SipStreamShared {
     /// Send what held requests asked for (100 Trying, the next attempt, ACK, CANCEL, the
     /// best answer): to a client's connection, a member's link or over the UDP leg.
-    pub(super) fn carry_sends(&self, g: &Generation, sends: Vec<Send>) {
-        let mut sends = sends;
+    /// `handled`: the Call-ID of the message whose handling made them ([`resolved`]).
+    pub(super) fn carry_sends(&self, g: &Generation, sends: Vec<Send>, handled: &CallIdBuf) {
+        let mut more = Vec::new();
+        for send in sends {
+            let (dest, msg) = resolved(send, handled);
+            self.carry_send(g, dest, msg, &mut more);
+        }
         // An attempt a link cannot take moves its transaction on, which may send more
         // (bounded by the transaction's tries).
-        while !sends.is_empty() {
-            let mut more = Vec::new();
-            for (dest, bytes) in sends {
-                self.carry_send(g, dest, bytes, &mut more);
+        while !more.is_empty() {
+            for (dest, msg) in std::mem::take(&mut more) {
+                self.carry_send(g, dest, msg, &mut more);
             }
-            sends = more;
         }
     }
 
-    fn carry_send(&self, g: &Generation, dest: Dest, bytes: Bytes, more: &mut Vec<Send>) {
+    fn carry_send(
+        &self,
+        g: &Generation,
+        dest: Dest,
+        msg: Outgoing,
+        more: &mut Vec<(Dest, Outgoing)>,
+    ) {
         match dest {
             Dest::Conn(id) => {
-                self.to_client(id, bytes);
+                self.to_client(id, msg);
             }
             Dest::Member(m) => {
-                if !self.to_service(g, m, bytes.clone()) && !scan::is_response(&bytes) {
-                    g.core.attempt_unsent(&bytes, self.now(), more);
+                if !self.to_service(g, m, msg.clone()) && !scan::is_response(&msg) {
+                    // What the transaction sends next carries the attempt's Call-ID.
+                    let mut sends = Vec::new();
+                    g.core.attempt_unsent(&msg, self.now(), &mut sends);
+                    more.extend(sends.into_iter().map(|s| resolved(s, &msg.call_id)));
                 }
             }
             Dest::Addr(addr) => {
-                self.to_udp(&bytes, addr);
+                self.to_udp(&msg, addr, msg.call_id.as_call_id());
             }
             Dest::Service(addr) => {
-                self.to_udp_member(&bytes, addr);
+                self.to_udp_member(&msg, addr, msg.call_id.as_call_id());
             }
         }
     }
 
-    /// A request `out` that member `m`'s link could not take: its held transaction moves
-    /// on to the next member; one nobody holds is answered 503 + Retry-After now rather
-    /// than left to a transaction timeout.
-    fn not_queued(&self, g: &Generation, out: &[u8]) {
+    /// A request `out` (its Call-ID `call_id`) that member `m`'s link could not take: its
+    /// held transaction moves on to the next member; one nobody holds is answered 503 +
+    /// Retry-After now rather than left to a transaction timeout.
+    fn not_queued(&self, g: &Generation, out: &[u8], call_id: &CallIdBuf) {
         let mut sends = Vec::new();
         if g.core.attempt_unsent(out, self.now(), &mut sends) {
-            self.carry_sends(g, sends);
+            self.carry_sends(g, sends, call_id);
         } else {
-            self.answer_unavailable(g, out);
+            self.answer_unavailable(g, out, call_id);
         }
     }
 
-    /// Queue `bytes` toward client `id`; a full queue disconnects that client only.
-    pub(super) fn to_client(&self, id: u64, bytes: Bytes) -> bool {
+    /// Queue `msg` toward client `id`; a full queue disconnects that client only.
+    pub(super) fn to_client(&self, id: u64, msg: Outgoing) -> bool {
         let Some(c) = self.clients.get(&id) else {
             return false;
         };
-        match c.outbox.push(bytes) {
+        match c.outbox.push(msg) {
             Push::Queued => true,
             Push::Full => {
                 drop(c);
@@ -143,33 +165,33 @@ impl crate::proxy::evict::IdleClients for SipStreamShared {
 
 impl SipStreamShared {
     /// Send one of fulcrum's own replies (or a pong) back on the connection of `to`.
-    pub(super) fn reply(&self, to: ReplyTo<'_>, bytes: Bytes) {
+    pub(super) fn reply(&self, to: ReplyTo<'_>, msg: Outgoing) {
         match to {
             ReplyTo::Client(id) => {
-                self.to_client(id, bytes);
+                self.to_client(id, msg);
             }
             ReplyTo::Link(tx) => {
-                let _ = tx.try_send(bytes);
+                let _ = tx.try_send(msg);
             }
             ReplyTo::Nowhere => {}
         }
     }
 
-    /// Queue `bytes` toward member `member` of `g`. A link retired meanwhile (a reload
+    /// Queue `msg` toward member `member` of `g`. A link retired meanwhile (a reload
     /// removed its member after `g` was loaded) no longer takes requests: they are chosen
     /// again by the current core.
-    pub(super) fn to_service(&self, g: &Generation, member: usize, bytes: Bytes) -> bool {
+    pub(super) fn to_service(&self, g: &Generation, member: usize, msg: Outgoing) -> bool {
         let Some(link) = g.links.get(member) else {
             bump(&self.counters.service_queue_full);
             return false;
         };
         if link.udp {
-            return self.to_udp_member(&bytes, link.addr);
+            return self.to_udp_member(&msg, link.addr, msg.call_id.as_call_id());
         }
-        match link.tx.try_send(bytes) {
+        match link.tx.try_send(msg) {
             Ok(()) => true,
-            Err(mpsc::error::TrySendError::Closed(bytes)) => {
-                self.redispatch(link, bytes);
+            Err(mpsc::error::TrySendError::Closed(msg)) => {
+                self.redispatch(link, msg);
                 true
             }
             Err(mpsc::error::TrySendError::Full(_)) => {
@@ -182,15 +204,18 @@ impl SipStreamShared {
     /// Carry out, for a sip-udp vserver's worker, a decision its core `core` made for a
     /// datagram that involves a stream member: a request to member `m`, or a client's
     /// response to a stream service's in-dialog request (to that service's address). Queues
-    /// it on the member's link and returns `None`, or returns where the datagram goes over
-    /// UDP (a sip-udp member, or an address that is no stream member's).
+    /// it on the member's link, with its Call-ID `call_id` for the capture of its write, and
+    /// returns `None`, or returns where the datagram goes over UDP (a sip-udp member, or an
+    /// address that is no stream member's).
     pub(crate) fn carry_datagram(
         &self,
         core: &Arc<SipCore>,
         action: Action,
         out: &[u8],
+        call_id: CallId<'_>,
     ) -> Option<SocketAddr> {
         let g = self.current.load();
+        let queued = || Outgoing::new(Bytes::copy_from_slice(out), CallIdBuf::of(call_id));
         match action {
             Action::ToMember(m) => {
                 // A reload between the worker's decision and this load: the member's index in
@@ -210,13 +235,15 @@ impl SipStreamShared {
                         g.core.member_addr(m)
                     }
                     Some(m) => {
-                        if !self.to_service(&g, m, Bytes::copy_from_slice(out)) {
-                            self.not_queued(&g, out);
+                        let msg = queued();
+                        let call_id = msg.call_id.clone();
+                        if !self.to_service(&g, m, msg) {
+                            self.not_queued(&g, out, &call_id);
                         }
                         None
                     }
                     None => {
-                        self.redispatch_request(&g, None, Bytes::copy_from_slice(out));
+                        self.redispatch_request(&g, None, queued());
                         None
                     }
                 }
@@ -225,12 +252,12 @@ impl SipStreamShared {
                 let addr = SocketAddr::new(addr.ip().to_canonical(), addr.port());
                 match g.core.member_of(addr) {
                     Some(m) if g.core.member_transport(m) != Transport::Udp => {
-                        self.to_service(&g, m, Bytes::copy_from_slice(out));
+                        self.to_service(&g, m, queued());
                         None
                     }
                     _ => match self.draining_tx(addr) {
                         Some(tx) => {
-                            let _ = tx.try_send(Bytes::copy_from_slice(out));
+                            let _ = tx.try_send(queued());
                             None
                         }
                         None => Some(addr),
@@ -244,25 +271,25 @@ impl SipStreamShared {
     }
 
     /// The queue of the draining connection to a service a reload removed, if there is one.
-    pub(super) fn draining_tx(&self, addr: SocketAddr) -> Option<mpsc::Sender<Bytes>> {
+    pub(super) fn draining_tx(&self, addr: SocketAddr) -> Option<mpsc::Sender<Outgoing>> {
         self.draining.get(&addr).map(|t| t.clone())
     }
 
     /// Send a request that could not go over `link` to the member the current core chooses
     /// now (a failed member is DOWN and a removed one absent, so the ranking passes it
     /// over). With none, it is counted lost and its client gets fulcrum's 503.
-    pub(super) fn redispatch(&self, link: &ServiceLink, bytes: Bytes) {
+    pub(super) fn redispatch(&self, link: &ServiceLink, msg: Outgoing) {
         // A client's response to the service's in-dialog request cannot be chosen again:
         // it goes to the service's draining connection if there is one.
-        if scan::is_response(&bytes) {
+        if scan::is_response(&msg) {
             match self.draining_tx(link.addr) {
-                Some(tx) if tx.try_send(bytes).is_ok() => {}
+                Some(tx) if tx.try_send(msg).is_ok() => {}
                 _ => bump(&self.counters.responses_no_client),
             }
             return;
         }
         let g = self.current.load();
-        self.redispatch_request(&g, Some(link), bytes);
+        self.redispatch_request(&g, Some(link), msg);
     }
 
     /// Send a forwarded request to the member `g`'s core chooses now, other than `failed`'s;
@@ -275,26 +302,26 @@ impl SipStreamShared {
         &self,
         g: &Generation,
         failed_link: Option<&ServiceLink>,
-        bytes: Bytes,
+        msg: Outgoing,
     ) {
         let mut sends = Vec::new();
-        if g.core.attempt_unsent(&bytes, self.now(), &mut sends) {
+        if g.core.attempt_unsent(&msg, self.now(), &mut sends) {
             // Nothing to send: the attempt was no longer the transaction's current one, or
             // it is answered already; the request is not lost.
             if !sends.is_empty() {
                 bump(&self.counters.requests_rerouted);
             }
-            self.carry_sends(g, sends);
+            self.carry_sends(g, sends, &msg.call_id);
             return;
         }
         let failed = failed_link.and_then(|l| g.index_of(l));
         let dst = failed_link.map_or(SocketAddr::from(([0, 0, 0, 0], 0)), |l| l.addr);
-        let sent = match g.core.rechoose(&bytes, dst, self.now()) {
+        let sent = match g.core.rechoose(&msg, dst, self.now()) {
             Some(m) if Some(m) != failed => g.links.get(m).is_some_and(|l| {
                 if l.udp {
-                    self.to_udp_member(&bytes, l.addr)
+                    self.to_udp_member(&msg, l.addr, msg.call_id.as_call_id())
                 } else {
-                    l.tx.try_send(bytes.clone()).is_ok()
+                    l.tx.try_send(msg.clone()).is_ok()
                 }
             }),
             _ => false,
@@ -304,20 +331,21 @@ impl SipStreamShared {
             return;
         }
         bump(&self.counters.requests_lost);
-        self.answer_unavailable(g, &bytes);
+        self.answer_unavailable(g, &msg, &msg.call_id);
     }
 
     /// Answer a forwarded request no service took with fulcrum's 503 on its client's
-    /// connection (nothing for ACK, see `SipCore::unavailable`).
-    pub(super) fn answer_unavailable(&self, g: &Generation, forwarded: &[u8]) {
+    /// connection (nothing for ACK, see `SipCore::unavailable`); `call_id`: the request's,
+    /// which the 503 carries (RFC 3261 §8.2.6.2), for the capture.
+    pub(super) fn answer_unavailable(&self, g: &Generation, forwarded: &[u8], call_id: &CallIdBuf) {
         let mut out = Vec::new();
         match g.core.unavailable(forwarded, self.now(), &mut out) {
             Action::ToConn(id) => {
-                self.to_client(id, Bytes::from(out));
+                self.to_client(id, Outgoing::new(Bytes::from(out), call_id.clone()));
             }
             // A sip-udp vserver's client: the 503 goes where its Via says.
             Action::ToAddr(addr) if self.front.is_some() => {
-                self.to_udp(&out, addr);
+                self.to_udp(&out, addr, call_id.as_call_id());
             }
             _ => {}
         }
@@ -327,14 +355,14 @@ impl SipStreamShared {
     pub(super) fn redispatch_queued(
         &self,
         link: &ServiceLink,
-        pending: Option<Bytes>,
-        rx: &mut mpsc::Receiver<Bytes>,
+        pending: Option<Outgoing>,
+        rx: &mut mpsc::Receiver<Outgoing>,
     ) {
-        for bytes in pending
+        for msg in pending
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
-            self.redispatch(link, bytes);
+            self.redispatch(link, msg);
         }
     }
 
@@ -348,7 +376,9 @@ impl SipStreamShared {
         removed
     }
 
-    /// Carry out the decision `g`'s core made for a message that arrived from `origin`.
+    /// Carry out the decision `g`'s core made for a message that arrived from `origin`;
+    /// `call_id`: the Call-ID of that message, which what its decision sends carries
+    /// ([`crate::core::sip::Scanned`]), for the capture of its write.
     pub(super) fn dispatch(
         &self,
         g: &Generation,
@@ -356,13 +386,14 @@ impl SipStreamShared {
         out: &[u8],
         origin: Origin,
         reply: ReplyTo<'_>,
+        call_id: &CallIdBuf,
     ) {
-        let bytes = || Bytes::copy_from_slice(out);
+        let bytes = || Outgoing::new(Bytes::copy_from_slice(out), call_id.clone());
         match action {
             Action::ToMember(m) => {
                 if !self.to_service(g, m, bytes()) {
                     // The service's queue is full (it is not keeping up).
-                    self.not_queued(g, out);
+                    self.not_queued(g, out, call_id);
                 }
             }
             Action::ToConn(id) => {
@@ -376,7 +407,8 @@ impl SipStreamShared {
                     // (RFC 5626 §5.3), routed back as any response to it.
                     let mut answer = Vec::new();
                     let action = g.core.flow_failed(out, &mut answer);
-                    self.dispatch(g, action, &answer, Origin::Client { conn: None }, reply);
+                    let origin = Origin::Client { conn: None };
+                    self.dispatch(g, action, &answer, origin, reply, call_id);
                 }
             }
             Action::ToAddr(addr) => {
@@ -394,7 +426,7 @@ impl SipStreamShared {
                 if self.udp.is_some() && udp_member.is_some() {
                     // A client's response to a sip-udp service's in-dialog request: to the
                     // address its Via names, on the UDP leg.
-                    self.to_udp(out, addr);
+                    self.to_udp(out, addr, call_id.as_call_id());
                 } else if let Some(m) = g.core.member_of(addr) {
                     // A client's response to a service's in-dialog request.
                     self.to_service(g, m, bytes());
@@ -404,7 +436,7 @@ impl SipStreamShared {
                 } else if let (Origin::Member(_), true) = (origin, self.front.is_some()) {
                     // A stream service's response or in-dialog request toward a client of a
                     // sip-udp vserver: a datagram, as the vserver sends any.
-                    self.to_udp(out, addr);
+                    self.to_udp(out, addr, call_id.as_call_id());
                 } else if let Origin::Member(_) = origin {
                     // A service's in-dialog request toward a client: only over a live
                     // connection from that client's address. Never for a message from a

@@ -15,7 +15,7 @@ pub(super) struct ServiceLink {
     /// TLS toward the service (a sip-tls service's `tls`); a reload stores new certificates
     /// in it for the next connection.
     pub(super) tls: Option<Arc<crate::tls::TlsConnector>>,
-    pub(super) tx: mpsc::Sender<Bytes>,
+    pub(super) tx: mpsc::Sender<Outgoing>,
     /// Reached over the vserver's UDP leg (a sip-udp member): no connection, no task.
     pub(super) udp: bool,
     pub(super) retired: AtomicBool,
@@ -30,7 +30,7 @@ impl ServiceLink {
         addr: SocketAddr,
         tls: Option<crate::tls::TlsConnector>,
         udp: bool,
-    ) -> (Arc<ServiceLink>, mpsc::Receiver<Bytes>) {
+    ) -> (Arc<ServiceLink>, mpsc::Receiver<Outgoing>) {
         let (tx, rx) = mpsc::channel(SERVICE_QUEUE);
         let link = ServiceLink {
             name: name.to_owned(),
@@ -86,7 +86,7 @@ pub(super) const CLOSE_LIMIT: std::time::Duration = std::time::Duration::from_se
 pub(super) async fn service_loop(
     shared: Arc<SipStreamShared>,
     link: Arc<ServiceLink>,
-    rx: mpsc::Receiver<Bytes>,
+    rx: mpsc::Receiver<Outgoing>,
 ) {
     match link.tls.clone() {
         Some(tls) => drive_link(shared, link, rx, TlsLinkConnector(tls)).await,
@@ -103,9 +103,9 @@ pub(super) struct LinkConn<W> {
     pub(super) local: SocketAddr,
     /// Ends with the connection too: a shutdown aborts the link's task, not its reader.
     pub(super) reader: AbortOnDrop,
-    pub(super) replies: mpsc::Receiver<Bytes>,
+    pub(super) replies: mpsc::Receiver<Outgoing>,
     /// A sender on `replies`, registered in `draining` while the connection drains.
-    pub(super) drain_tx: mpsc::Sender<Bytes>,
+    pub(super) drain_tx: mpsc::Sender<Outgoing>,
     /// Set by the reader once the service has sent anything.
     pub(super) heard: Arc<AtomicBool>,
 }
@@ -118,14 +118,14 @@ pub(super) struct LinkConn<W> {
 pub(super) async fn drive_link<C: Connector>(
     shared: Arc<SipStreamShared>,
     link: Arc<ServiceLink>,
-    mut rx: mpsc::Receiver<Bytes>,
+    mut rx: mpsc::Receiver<Outgoing>,
     connector: C,
 ) {
     let addr = link.addr;
-    let mut machine = Link::new();
+    let mut machine: Link<Outgoing> = Link::new();
     let mut conn: Option<LinkConn<<C::Stream as SipStream>::Write>> = None;
-    // The bytes of the write `machine` asked for.
-    let mut writing: Option<Bytes> = None;
+    // The message of the write `machine` asked for.
+    let mut writing: Option<Outgoing> = None;
     let mut actions = Vec::new();
     // The error of the connect that just failed, for what it says of the service.
     let mut connect_error: Option<std::io::Error> = None;
@@ -229,10 +229,10 @@ impl LinkIo<'_> {
     /// counters to report. False once the link is closed.
     async fn carry_out<W: AsyncWrite + Unpin>(
         &self,
-        actions: &mut Vec<LinkAction>,
-        rx: &mut mpsc::Receiver<Bytes>,
+        actions: &mut Vec<LinkAction<Outgoing>>,
+        rx: &mut mpsc::Receiver<Outgoing>,
         conn: &mut Option<LinkConn<W>>,
-        writing: &mut Option<Bytes>,
+        writing: &mut Option<Outgoing>,
         blame: &Blame,
     ) -> bool {
         let (shared, link, reader, addr) = (self.shared, self.link, self.reader, self.link.addr);
@@ -281,7 +281,12 @@ impl LinkIo<'_> {
 
 /// Carry out a link action that only reports: the service's state (DOWN, UP again, or
 /// fulcrum's own trouble), and the link's counters and logs.
-fn report(shared: &SipStreamShared, link: &ServiceLink, action: LinkAction, blame: &Blame) {
+fn report(
+    shared: &SipStreamShared,
+    link: &ServiceLink,
+    action: LinkAction<Outgoing>,
+    blame: &Blame,
+) {
     let addr = link.addr;
     match action {
         LinkAction::MarkDown => match blame {
@@ -331,7 +336,7 @@ pub(super) enum Blame {
 /// for the monitor only), a connect that ran out of time, or else a connection the service
 /// closed at once.
 pub(super) fn failure_blame(
-    event: &LinkEvent,
+    event: &LinkEvent<Outgoing>,
     phase: Phase,
     connect_error: Option<std::io::Error>,
 ) -> Blame {
@@ -347,7 +352,7 @@ pub(super) fn failure_blame(
     }
 }
 
-pub(super) fn queued(msg: Option<Bytes>) -> LinkEvent {
+pub(super) fn queued(msg: Option<Outgoing>) -> LinkEvent<Outgoing> {
     match msg {
         Some(b) => LinkEvent::Queued(b),
         None => LinkEvent::QueueClosed,
@@ -355,7 +360,7 @@ pub(super) fn queued(msg: Option<Bytes>) -> LinkEvent {
 }
 
 /// Until when a connect of `machine` (connecting) may run: its timer's deadline.
-pub(super) fn connect_deadline(machine: &Link) -> std::time::Instant {
+pub(super) fn connect_deadline(machine: &Link<Outgoing>) -> std::time::Instant {
     let fallback = || std::time::Instant::now() + link::CONNECT_TIMEOUT;
     machine.poll_timeout().unwrap_or_else(fallback)
 }
@@ -384,7 +389,7 @@ pub(super) fn open_link_conn<S: SipStream>(
     let dst = stream.local_addr().unwrap_or(addr);
     let (read, write) = stream.split();
     // Replies fulcrum makes to a service's request go back on this connection.
-    let (reply_tx, replies) = mpsc::channel::<Bytes>(LINK_REPLY_QUEUE);
+    let (reply_tx, replies) = mpsc::channel::<Outgoing>(LINK_REPLY_QUEUE);
     let drain_tx = reply_tx.clone();
     // The core reads a member origin only to tell a service from a client, so the index at
     // connect time serves for the life of the connection.
@@ -419,18 +424,19 @@ pub(super) fn open_link_conn<S: SipStream>(
 }
 
 /// [`write_out`] of one message to the service at `to`, captured (docs/capture.md) with the
-/// time taken before the write once the write is done.
+/// time taken before the write once the write is done, and the Call-ID queued beside it.
 async fn write_captured<W: AsyncWrite + Unpin>(
     write: &mut W,
-    bytes: &[u8],
+    msg: &Outgoing,
     tap: &crate::capture::Tap,
     local: SocketAddr,
     to: SocketAddr,
 ) -> std::io::Result<()> {
     let at = tap.stamp();
-    write_out(write, bytes).await?;
+    write_out(write, &msg.bytes).await?;
     if let Some(at) = at {
-        tap.tap(at, crate::capture::Transport::Tcp, local, to, bytes);
+        let leg = (crate::capture::Transport::Tcp, local, to);
+        tap.tap_as(at, leg, &msg.bytes, msg.call_id.as_call_id());
     }
     Ok(())
 }

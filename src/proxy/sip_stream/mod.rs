@@ -32,6 +32,7 @@
 //! first.
 
 use crate::balancer::{Balancer, Health};
+use crate::capture::{CallId, CallIdBuf};
 use crate::config::{Config, Protocol, Vserver};
 use crate::core::sip::{Action, Origin, SipCore, SipParams};
 use crate::dialog::Change;
@@ -96,6 +97,36 @@ pub(crate) const CLIENT_FLUSH: Duration = Duration::from_secs(10);
 /// How long one write toward a client may make no progress before the client counts as not
 /// reading and is disconnected (Kamailio's `tcp_send_timeout` has the same default).
 pub(crate) const CLIENT_SEND_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A message on its way to a connection (a client's write queue, a service link's), with
+/// its Call-ID for the capture of its write (docs/capture.md) when the data path that queued
+/// it knew it, so that the tap at the write does not search it again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Outgoing {
+    pub(crate) bytes: Bytes,
+    pub(crate) call_id: CallIdBuf,
+}
+
+impl Outgoing {
+    pub(crate) fn new(bytes: Bytes, call_id: CallIdBuf) -> Outgoing {
+        Outgoing { bytes, call_id }
+    }
+}
+
+/// A message whose Call-ID is found at its write, if it has one (a pong has none).
+impl From<Bytes> for Outgoing {
+    fn from(bytes: Bytes) -> Outgoing {
+        Outgoing::new(bytes, CallIdBuf::Find)
+    }
+}
+
+impl std::ops::Deref for Outgoing {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
 /// Counters specific to the stream transport.
 #[derive(Debug, Default)]
 pub struct SipStreamCounters {
@@ -206,7 +237,7 @@ pub struct SipStreamShared {
     by_remote: DashMap<SocketAddr, u64>,
     /// Service address → write queue of a retired link's connection while it drains, so a
     /// client's response to that service's in-dialog request still reaches it.
-    draining: DashMap<SocketAddr, mpsc::Sender<Bytes>>,
+    draining: DashMap<SocketAddr, mpsc::Sender<Outgoing>>,
     next_conn: AtomicU64,
     epoch: Instant,
     /// Client connections and service links: the shutdown waits for them.
@@ -477,7 +508,8 @@ async fn run_vserver(
                 let _in = timers.enter();
                 let g = shared.current.load();
                 let next = g.core.poll_transactions(shared.now(), &mut sends);
-                shared.carry_sends(&g, std::mem::take(&mut sends));
+                // No message was handled: each one's Call-ID is found at its write.
+                shared.carry_sends(&g, std::mem::take(&mut sends), &CallIdBuf::Find);
                 next
             };
             let wait = next.map_or(POLL, |t| {

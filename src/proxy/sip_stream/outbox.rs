@@ -9,7 +9,7 @@
 //!
 //! No IO: a queue, a byte count and a wake-up.
 
-use bytes::Bytes;
+use super::Outgoing;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::{Notify, mpsc};
@@ -33,7 +33,7 @@ pub(crate) fn cost(bytes: &[u8]) -> usize {
 /// ends the writer once the queue is empty.
 #[derive(Debug)]
 pub(crate) struct Outbox {
-    tx: mpsc::UnboundedSender<Bytes>,
+    tx: mpsc::UnboundedSender<Outgoing>,
     level: Arc<Level>,
 }
 
@@ -56,7 +56,7 @@ pub(crate) enum Push {
 }
 
 impl Outbox {
-    pub(crate) fn new() -> (Outbox, mpsc::UnboundedReceiver<Bytes>) {
+    pub(crate) fn new() -> (Outbox, mpsc::UnboundedReceiver<Outgoing>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let level = Arc::new(Level::default());
         (Outbox { tx, level }, rx)
@@ -66,15 +66,15 @@ impl Outbox {
         Arc::clone(&self.level)
     }
 
-    /// Queue `bytes` unless that would take the queue past [`QUEUE_LIMIT`].
-    pub(crate) fn push(&self, bytes: Bytes) -> Push {
-        let cost = cost(&bytes);
+    /// Queue `msg` unless that would take the queue past [`QUEUE_LIMIT`].
+    pub(crate) fn push(&self, msg: Outgoing) -> Push {
+        let cost = cost(&msg);
         let before = self.level.queued.fetch_add(cost, Ordering::Relaxed);
         if before + cost > QUEUE_LIMIT {
             self.level.queued.fetch_sub(cost, Ordering::Relaxed);
             return Push::Full;
         }
-        match self.tx.send(bytes) {
+        match self.tx.send(msg) {
             Ok(()) => Push::Queued,
             Err(_) => {
                 self.level.queued.fetch_sub(cost, Ordering::Relaxed);
@@ -117,10 +117,11 @@ impl Level {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
     use std::time::Duration;
 
-    fn msg(len: usize) -> Bytes {
-        Bytes::from(vec![b'x'; len])
+    fn msg(len: usize) -> Outgoing {
+        Bytes::from(vec![b'x'; len]).into()
     }
 
     #[test]
@@ -150,9 +151,9 @@ mod tests {
         let (out, _rx) = Outbox::new();
         let n = QUEUE_LIMIT / (2 + MESSAGE_COST);
         for _ in 0..n {
-            assert_eq!(out.push(Bytes::from_static(b"\r\n")), Push::Queued);
+            assert_eq!(out.push(Bytes::from_static(b"\r\n").into()), Push::Queued);
         }
-        assert_eq!(out.push(Bytes::from_static(b"\r\n")), Push::Full);
+        assert_eq!(out.push(Bytes::from_static(b"\r\n").into()), Push::Full);
     }
 
     #[test]

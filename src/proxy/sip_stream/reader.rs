@@ -154,7 +154,7 @@ fn frame_buffered(
                             g.core.balancer().report_success(m, now);
                         }
                         let mut sends = Vec::new();
-                        let action = g.core.handle_stateful(
+                        let d = g.core.decide_stateful(
                             msg,
                             peer.origin,
                             peer.src,
@@ -163,28 +163,24 @@ fn frame_buffered(
                             out,
                             &mut sends,
                         );
+                        let (call_id, queued) = handed_on(at, &d, &sends);
                         if let Some(at) = at
-                            && crate::proxy::sip_front::is_captured(&action)
+                            && crate::proxy::sip_front::is_captured(&d.action)
                         {
-                            shared.tap.tap(
-                                at,
-                                crate::capture::Transport::Tcp,
-                                peer.src,
-                                peer.dst,
-                                msg,
-                            );
+                            let leg = (crate::capture::Transport::Tcp, peer.src, peer.dst);
+                            shared.tap.tap_as(at, leg, msg, call_id);
                         }
                         // A held request's own messages first: an INVITE's 100 (Trying)
                         // goes to the client before what the service answers.
-                        shared.carry_sends(&g, sends);
-                        shared.dispatch(&g, action, out, peer.origin, peer.reply);
+                        shared.carry_sends(&g, sends, &queued);
+                        shared.dispatch(&g, d.action, out, peer.origin, peer.reply, &queued);
                     }),
                     Frame::Ping => {
                         bump(&shared.counters.keepalive_pings);
                         if let Some(a) = peer.activity {
                             a.touch(shared.now(), false);
                         }
-                        shared.reply(peer.reply, Bytes::from_static(PONG));
+                        shared.reply(peer.reply, Bytes::from_static(PONG).into());
                     }
                     Frame::Pong => {}
                 }
@@ -204,7 +200,8 @@ fn frame_buffered(
                     let g = shared.current.load();
                     let action = g.core.too_large(inbound.head(), peer.origin, peer.src, out);
                     let answered = matches!(action, Action::Reply(_));
-                    shared.dispatch(&g, action, out, peer.origin, peer.reply);
+                    let found = CallIdBuf::Find;
+                    shared.dispatch(&g, action, out, peer.origin, peer.reply, &found);
                     answered
                 });
                 return if answered {
@@ -215,6 +212,27 @@ fn frame_buffered(
             }
         }
     }
+}
+
+/// The Call-ID the core's scan read in a message (`d`), for the capture of the message and,
+/// copied once, of what is queued of it and for it ([`Outgoing`]), when the message is
+/// captured (`at` taken): with capture off or the collector down, nothing is copied.
+pub(super) fn handed_on<'a>(
+    at: Option<crate::capture::Stamp>,
+    d: &crate::core::sip::Decision<'a>,
+    sends: &[crate::core::sip::stateful::Send],
+) -> (CallId<'a>, CallIdBuf) {
+    if !at.is_some_and(crate::capture::Stamp::is_taken) {
+        return (CallId::Find, CallIdBuf::Find);
+    }
+    let call_id = crate::proxy::sip_front::handed(d.call_id);
+    // A message dropped (or absorbed) with nothing sent for it queues nothing.
+    let queued = if matches!(d.action, Action::Drop(_)) && sends.is_empty() {
+        CallIdBuf::Find
+    } else {
+        CallIdBuf::of(call_id)
+    };
+    (call_id, queued)
 }
 
 /// Whether a service's message is an answer that shows it working, a success for passive

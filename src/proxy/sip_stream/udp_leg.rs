@@ -8,34 +8,39 @@ impl SipStreamShared {
     /// Send `bytes` to `addr`, a client (or anyone but a sip-udp member), over the UDP leg
     /// or from a sip-udp vserver's own socket. A datagram path does not wait: a full send
     /// buffer loses the datagram (counted), and SIP retransmits it (RFC 3261 §17.1.1.2).
-    pub(super) fn to_udp(&self, bytes: &[u8], addr: SocketAddr) -> bool {
+    /// `call_id`: its Call-ID for the capture, when known.
+    pub(super) fn to_udp(&self, bytes: &[u8], addr: SocketAddr, call_id: CallId<'_>) -> bool {
         if let Some(front) = &self.front {
             // Without waiting (the socket blocks for its worker's receive; MSG_DONTWAIT keeps
             // this send from blocking a link's task on a full send buffer: the datagram is
             // lost and counted, as on the leg), from the address the client sent to.
-            return self.datagram_sent(
-                front.to_client(bytes, addr, true, crate::capture::CallId::Find),
-                addr,
-            );
+            return self.datagram_sent(front.to_client(bytes, addr, true, call_id), addr);
         }
-        self.to_leg(bytes, addr)
+        self.to_leg(bytes, addr, call_id)
     }
 
     /// Send `bytes` to `addr`, a sip-udp member: over the UDP leg, or from a sip-udp
     /// vserver's `service_source` socket when it has one (its Via names that address).
-    pub(super) fn to_udp_member(&self, bytes: &[u8], addr: SocketAddr) -> bool {
+    /// `call_id`: its Call-ID for the capture, when known.
+    pub(super) fn to_udp_member(
+        &self,
+        bytes: &[u8],
+        addr: SocketAddr,
+        call_id: CallId<'_>,
+    ) -> bool {
         if let Some(front) = &self.front {
             let at = self.tap.stamp();
             let sent = self.to_front(&front.services, bytes, addr);
             if sent && let Some(at) = at {
-                self.tap.tap(at, Udp, front.services_addr(), addr, bytes);
+                let leg = (Udp, front.services_addr(), addr);
+                self.tap.tap_as(at, leg, bytes, call_id);
             }
             return sent;
         }
-        self.to_leg(bytes, addr)
+        self.to_leg(bytes, addr, call_id)
     }
 
-    fn to_leg(&self, bytes: &[u8], addr: SocketAddr) -> bool {
+    fn to_leg(&self, bytes: &[u8], addr: SocketAddr, call_id: CallId<'_>) -> bool {
         let Some(sock) = &self.udp else {
             bump(&self.counters.udp_leg_send_errors);
             return false;
@@ -47,7 +52,7 @@ impl SipStreamShared {
             && let Some(at) = at
             && let Ok(local) = sock.local_addr()
         {
-            self.tap.tap(at, Udp, local, addr, bytes);
+            self.tap.tap_as(at, (Udp, local, addr), bytes, call_id);
         }
         sent
     }
@@ -130,21 +135,22 @@ pub(super) async fn udp_leg_loop(shared: Arc<SipStreamShared>, sock: Arc<tokio::
             };
             let origin = Origin::Member(m);
             let now = shared.now();
-            let action = g
+            let d = g
                 .core
-                .handle_stateful(&buf[..n], origin, src, dst, now, out, &mut sends);
+                .decide_stateful(&buf[..n], origin, src, dst, now, out, &mut sends);
+            let (call_id, queued) = handed_on(at, &d, &sends);
             if let Some(at) = at
-                && crate::proxy::sip_front::is_captured(&action)
+                && crate::proxy::sip_front::is_captured(&d.action)
             {
-                shared.tap.tap(at, Udp, src, dst, &buf[..n]);
+                shared.tap.tap_as(at, (Udp, src, dst), &buf[..n], call_id);
             }
             // A held request's own messages first (the next attempt after a 503, the ACK).
-            shared.carry_sends(&g, std::mem::take(&mut sends));
-            match action {
+            shared.carry_sends(&g, std::mem::take(&mut sends), &queued);
+            match d.action {
                 Action::Reply(addr) => {
-                    shared.to_udp(out, addr);
+                    shared.to_udp(out, addr, call_id);
                 }
-                action => shared.dispatch(&g, action, out, origin, ReplyTo::Nowhere),
+                action => shared.dispatch(&g, action, out, origin, ReplyTo::Nowhere, &queued),
             }
         });
     }

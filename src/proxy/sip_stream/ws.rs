@@ -217,12 +217,13 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
                         break client::WriterEnd::Done;
                     }
                     b = rx.recv() => match b {
-                        Some(b) => {
+                        Some(Outgoing { bytes: b, call_id }) => {
                             cost = outbox::cost(&b);
                             // Captured as the WebSocket message's payload, on the client's
                             // connection (docs/capture.md), the time taken before the send.
                             if let Some(at) = shared.tap.stamp() {
-                                shared.tap.tap(at, crate::capture::Transport::Tcp, dst, src, &b);
+                                let leg = (crate::capture::Transport::Tcp, dst, src);
+                                shared.tap.tap_as(at, leg, &b, call_id.as_call_id());
                             }
                             // SIP is text; a message that is not UTF-8 (a binary body) goes
                             // as a binary message (RFC 7118 §5.1 allows both).
@@ -303,7 +304,7 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
             activity.touch(shared.now(), false);
             if bytes != PONG {
                 bump(&shared.counters.keepalive_pings);
-                shared.reply(ReplyTo::Client(id), bytes::Bytes::from_static(PONG));
+                shared.reply(ReplyTo::Client(id), bytes::Bytes::from_static(PONG).into());
             }
             continue;
         }
@@ -371,20 +372,20 @@ fn handle_message(
     let bytes = framed.as_deref().unwrap_or(bytes);
     reader::OUT.with_borrow_mut(|out| {
         let mut sends = Vec::new();
-        let action = g
+        let d = g
             .core
-            .handle_stateful(bytes, origin, src, dst, now, out, &mut sends);
+            .decide_stateful(bytes, origin, src, dst, now, out, &mut sends);
+        let (call_id, queued) = reader::handed_on(at, &d, &sends);
         // Captured as the WebSocket message's payload, as it crossed the wire (without the
         // Content-Length a stream service is given), unless dropped.
         if let Some(at) = at
-            && crate::proxy::sip_front::is_captured(&action)
+            && crate::proxy::sip_front::is_captured(&d.action)
         {
-            shared
-                .tap
-                .tap(at, crate::capture::Transport::Tcp, src, dst, payload);
+            let leg = (crate::capture::Transport::Tcp, src, dst);
+            shared.tap.tap_as(at, leg, payload, call_id);
         }
-        shared.carry_sends(&g, sends);
-        shared.dispatch(&g, action, out, origin, ReplyTo::Client(id));
+        shared.carry_sends(&g, sends, &queued);
+        shared.dispatch(&g, d.action, out, origin, ReplyTo::Client(id), &queued);
     });
 }
 

@@ -71,8 +71,8 @@ fn from(
 fn flat(sends: Vec<Send>) -> Vec<(SocketAddr, Bytes)> {
     sends
         .into_iter()
-        .map(|(d, b)| match d {
-            Dest::Addr(a) | Dest::Service(a) => (a, b),
+        .map(|s| match s.dest {
+            Dest::Addr(a) | Dest::Service(a) => (a, s.bytes),
             other => panic!("not a datagram: {other:?}"),
         })
         .collect()
@@ -368,7 +368,7 @@ fn with_a_service_source_services_answer_there_and_failover_works() {
         "{text}"
     );
     assert!(
-        matches!(raw.as_slice(), [(Dest::Addr(a), _)] if *a == client),
+        matches!(raw.as_slice(), [Send { dest: Dest::Addr(a), .. }] if *a == client),
         "{raw:?}"
     );
     let first = out.clone();
@@ -385,17 +385,19 @@ fn with_a_service_source_services_answer_there_and_failover_works() {
     // The ACK of the 503 and the next attempt: both toward services, from the service source.
     assert_eq!(raw.len(), 2, "{raw:?}");
     assert!(
-        raw.iter().all(|(d, _)| matches!(d, Dest::Service(_))),
+        raw.iter().all(|s| matches!(s.dest, Dest::Service(_))),
         "{raw:?}"
     );
     let next = raw[1].clone();
-    let Dest::Service(to) = next.0 else {
+    let Dest::Service(to) = next.dest else {
         unreachable!()
     };
-    assert!(String::from_utf8_lossy(&next.1).contains("Via: SIP/2.0/UDP 127.0.0.2:5060;branch="));
+    assert!(
+        String::from_utf8_lossy(&next.bytes).contains("Via: SIP/2.0/UDP 127.0.0.2:5060;branch=")
+    );
     raw.clear();
     let a = c.handle_datagram_stateful(
-        answer(&next.1, 200, "OK").as_bytes(),
+        answer(&next.bytes, 200, "OK").as_bytes(),
         to,
         src,
         S / 5,
