@@ -90,12 +90,16 @@ fn bindings(method: &str, tag: &str) -> Vec<Vec<usize>> {
     let yaml = config("sip-udp", "127.0.0.1:0", method, "", &refs);
     let rt = start(&yaml);
     let lb = bound(&rt, "v");
+    // Every phone keeps its socket to the end: a phone's Contact is its port, and a later
+    // phone on a port an earlier one let go would update that binding, not add its own.
+    let mut phones = Vec::new();
     for u in 0..USERS {
         let user = format!("user{u}");
         for phone in ["a", "b"] {
             let sock = udp_client("127.0.0.1");
             let answer = register(&sock, lb, &user, &format!("{tag}-{user}-{phone}"), true);
             assert!(answer.starts_with("SIP/2.0 200"), "{answer}");
+            phones.push(sock);
         }
     }
     // Each registrar asked directly: the Contacts it holds for each user.
