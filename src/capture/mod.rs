@@ -924,6 +924,16 @@ mod tests {
         cond()
     }
 
+    /// A TCP collector's listener (nothing accepted yet) and a capture sending to it.
+    fn tcp_collector() -> (TcpListener, Capture) {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let c = Capture::new(Some(&config(
+            listener.local_addr().expect("addr"),
+            CaptureTransport::Tcp,
+        )));
+        (listener, c)
+    }
+
     fn collector_udp() -> UdpSocket {
         let s = UdpSocket::bind("127.0.0.1:0").expect("bind");
         s.set_read_timeout(Some(Duration::from_secs(5)))
@@ -1141,11 +1151,7 @@ mod tests {
 
     #[test]
     fn a_tcp_collector_is_reconnected_after_it_closes() {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let c = Capture::new(Some(&config(
-            listener.local_addr().expect("addr"),
-            CaptureTransport::Tcp,
-        )));
+        let (listener, c) = tcp_collector();
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
         c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
         let (mut first, _) = listener.accept().expect("first connection");
@@ -1193,11 +1199,7 @@ mod tests {
     /// stream stays in step, packet after whole packet.
     #[test]
     fn a_tcp_collector_that_stops_reading_is_dropped_for_until_it_reads_again() {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let c = Capture::new(Some(&config(
-            listener.local_addr().expect("addr"),
-            CaptureTransport::Tcp,
-        )));
+        let (listener, c) = tcp_collector();
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
         c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
         let (mut held, _) = listener.accept().expect("connection");
@@ -1247,11 +1249,7 @@ mod tests {
     /// once, and the sender gives the connection up after its write timeout.
     #[test]
     fn a_tcp_collector_that_stops_reading_never_stalls_the_taps() {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let c = Capture::new(Some(&config(
-            listener.local_addr().expect("addr"),
-            CaptureTransport::Tcp,
-        )));
+        let (listener, c) = tcp_collector();
         let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
         c.tap("edge", Stamp::now(), Transport::Tcp, a, b, INVITE);
         let (_held, _) = listener.accept().expect("connection");
